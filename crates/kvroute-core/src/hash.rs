@@ -1,0 +1,125 @@
+//! Block hashing, compatible with Dynamo's KV router.
+//!
+//! A prompt is cut into blocks of `block_size` tokens; only full blocks are hashed, and a
+//! trailing partial block is ignored.
+//!
+//! * Local hash of block `i`: `XXH3_64(token ids of the block as u32 little-endian bytes, seed)`,
+//!   where `seed` is [`XXH3_SEED`] (1337) unless a salt is set (below).
+//! * Sequence hash: `seq[0] = local[0]`, and
+//!   `seq[i] = XXH3_64(le64(seq[i-1]) ‖ le64(local[i]), seed = 1337)` for `i > 0`. The chain
+//!   seed is always 1337, salted or not: a salt already changes `local[0]` and with it the whole
+//!   chain.
+//!
+//! **Salt.** A LoRA adapter name and a cache namespace (for example a tenant) must not share
+//! cache entries with other adapters or namespaces. Both change the *local* hash seed:
+//!
+//! ```text
+//! seed = 1337 wrapping_add XXH3_64(lora_name bytes, seed 0) wrapping_add XXH3_64(namespace bytes, seed 1)
+//! ```
+//!
+//! where an absent or empty string adds nothing, so an empty salt gives the unsalted hashes.
+//! This is the rule of Dynamo's `compute_salt_hash`, so salted hashes can be cross-checked too.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::ids::{LocalBlockHash, SequenceHash};
+
+/// The XXH3 seed of Dynamo's router, for local hashes without a salt and for the chain.
+pub const XXH3_SEED: u64 = 1337;
+
+/// What separates one cache namespace from another: an optional LoRA adapter name and an
+/// optional cache namespace. Empty strings count as absent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HashSalt<'a> {
+    /// The LoRA adapter the request runs under.
+    pub lora_name: Option<&'a str>,
+    /// A cache namespace, such as a tenant or an explicit `cache_salt`.
+    pub namespace: Option<&'a str>,
+}
+
+impl HashSalt<'_> {
+    /// No salt: the plain hashes.
+    pub const NONE: HashSalt<'static> = HashSalt { lora_name: None, namespace: None };
+
+    /// The XXH3 seed for local block hashes under this salt.
+    pub fn local_seed(&self) -> u64 {
+        let part = |s: Option<&str>, seed: u64| match s {
+            Some(s) if !s.is_empty() => xxh3_64_with_seed(s.as_bytes(), seed),
+            _ => 0,
+        };
+        XXH3_SEED.wrapping_add(part(self.lora_name, 0)).wrapping_add(part(self.namespace, 1))
+    }
+}
+
+/// Hashes token ids into block hashes at one block size and salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockHasher {
+    block_size: usize,
+    seed: u64,
+}
+
+impl BlockHasher {
+    /// A hasher for blocks of `block_size` tokens under `salt`.
+    ///
+    /// A `block_size` of zero is treated as one: a block holds at least one token.
+    pub fn new(block_size: usize, salt: &HashSalt<'_>) -> Self {
+        Self { block_size: block_size.max(1), seed: salt.local_seed() }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The local hash of one block's tokens (any length; callers pass full blocks).
+    #[inline]
+    pub fn local_hash(&self, tokens: &[u32]) -> LocalBlockHash {
+        LocalBlockHash(hash_u32_le(tokens, self.seed))
+    }
+
+    /// Local hashes of every full block of `tokens`.
+    pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
+        tokens.chunks_exact(self.block_size).map(|block| self.local_hash(block)).collect()
+    }
+
+    /// Sequence hashes of the chain of `locals`, starting from the root.
+    pub fn sequence_hashes(&self, locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
+        let mut out = Vec::with_capacity(locals.len());
+        let mut prev: Option<SequenceHash> = None;
+        for &local in locals {
+            let next = next_sequence_hash(prev, local);
+            out.push(next);
+            prev = Some(next);
+        }
+        out
+    }
+}
+
+/// The sequence hash of `local` placed after the block whose sequence hash is `parent`, or at
+/// the root when `parent` is `None`.
+#[inline]
+pub fn next_sequence_hash(parent: Option<SequenceHash>, local: LocalBlockHash) -> SequenceHash {
+    match parent {
+        None => SequenceHash(local.0),
+        Some(parent) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.0.to_le_bytes());
+            SequenceHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
+        }
+    }
+}
+
+/// XXH3 over `tokens` as little-endian u32 bytes, without copying on little-endian machines.
+#[inline]
+fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
+    #[cfg(target_endian = "little")]
+    {
+        xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, seed)
+    }
+}

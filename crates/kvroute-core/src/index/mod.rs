@@ -1,0 +1,690 @@
+//! The prefix index: which KV blocks each worker holds, and how deep a prompt's prefix matches.
+//!
+//! # Semantics
+//!
+//! These are the semantics of the kv-opstream format (`shared/bench/OPSTREAM.md`), which are
+//! also what an engine's hash-based prefix cache does:
+//!
+//! * **Holding.** A worker holds a block from the store that names it until a removal that names
+//!   it, or a clear of the worker. A removal drops exactly the blocks it names, never their
+//!   descendants.
+//! * **Depth.** For a query of local hashes `q[0..n)`, a worker's depth is the number of
+//!   consecutive blocks from block 0 whose prefix it holds.
+//! * **Holes and heals.** When a block in the middle of a chain is removed, lookups for that worker
+//!   stop at the hole, but the blocks after it stay held. Storing the missing block again (under
+//!   its parent) makes the whole chain reachable again.
+//!
+//! # Shape
+//!
+//! One tree of prefixes is shared by all workers. A node stands for one prefix of local hashes:
+//! it is identified by its parent node and its own local hash, and it carries the set of workers
+//! that hold it as a bit mask over dense worker slots. Nodes live in an arena and refer to each
+//! other by `u32` ids; there is no per-node allocation, reference count or lock.
+//!
+//! * A node's first child is linked from the node itself (its "hint"); further children go in
+//!   one hash table keyed by `(parent, local)` that stores only node ids. Chains, the common
+//!   case, so never touch the table: a lookup along a chain is one array read per block.
+//! * Each worker maps the engine's external hashes to nodes, so removals and the parents of
+//!   stores are resolved in one probe. External hashes are opaque: two workers may name the same
+//!   prefix differently.
+//! * A node that no worker holds and that has no children is freed at once, so memory follows
+//!   what is held, not what was ever stored.
+//!
+//! # Errors
+//!
+//! Bad input never panics; it returns an [`IndexError`] and is counted in [`IndexStats`]. A
+//! store applies its blocks in order and stops at the first bad one; the error says how many
+//! were applied.
+
+mod ext_map;
+mod scores;
+
+use hashbrown::HashMap;
+use hashbrown::HashTable;
+
+use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
+use crate::key_hasher::{BuildKeyHasher, mix};
+use ext_map::{ExtMap, Probe};
+
+pub use scores::OverlapScores;
+
+/// A node id in the arena.
+type NodeId = u32;
+
+const NONE: NodeId = u32::MAX;
+const ROOT: NodeId = 0;
+
+/// One block a worker now holds: its content hash and the engine's id for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredBlock {
+    /// The hash of the block's tokens.
+    pub local: LocalBlockHash,
+    /// The engine's id of the block at its place in the chain.
+    pub external: ExternalBlockHash,
+}
+
+/// How to build a [`PrefixIndex`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Blocks to reserve room for up front (a hint; the index grows as needed).
+    pub expected_blocks: usize,
+}
+
+/// Why an operation on the index was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IndexError {
+    /// The worker was never added, or was removed.
+    #[error("unknown worker {0}")]
+    UnknownWorker(WorkerKey),
+    /// A store named a parent block the worker does not hold.
+    #[error("worker {worker} stored blocks under parent {parent:?}, which it does not hold")]
+    UnknownParent {
+        /// The worker.
+        worker: WorkerKey,
+        /// The parent's external hash.
+        parent: ExternalBlockHash,
+    },
+    /// A store named a block the worker already holds at a different place in the tree.
+    #[error(
+        "worker {worker} stored block {external:?} at a place other than where it already holds it \
+         ({applied} earlier blocks of the store were applied)"
+    )]
+    ConflictingBlock {
+        /// The worker.
+        worker: WorkerKey,
+        /// The block's external hash.
+        external: ExternalBlockHash,
+        /// Blocks of the same store that were applied before it.
+        applied: usize,
+    },
+    /// A store named, under a new external hash, a prefix the worker already holds under
+    /// another one.
+    #[error(
+        "worker {worker} stored block {external:?} for a prefix it already holds under another \
+         external hash ({applied} earlier blocks of the store were applied)"
+    )]
+    DuplicatePrefix {
+        /// The worker.
+        worker: WorkerKey,
+        /// The block's new external hash.
+        external: ExternalBlockHash,
+        /// Blocks of the same store that were applied before it.
+        applied: usize,
+    },
+}
+
+/// Counters of what the index has been asked to do. They only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Blocks newly held by a store (blocks stored again at the same place are not counted).
+    pub blocks_stored: u64,
+    /// Blocks dropped by removals.
+    pub blocks_removed: u64,
+    /// Removals of blocks the worker did not hold (allowed, and ignored).
+    pub removed_not_held: u64,
+    /// Workers cleared.
+    pub clears: u64,
+    /// Operations refused with [`IndexError::UnknownWorker`].
+    pub unknown_worker: u64,
+    /// Stores refused with [`IndexError::UnknownParent`].
+    pub unknown_parent: u64,
+    /// Stores cut short with [`IndexError::ConflictingBlock`].
+    pub conflicting_block: u64,
+    /// Stores cut short with [`IndexError::DuplicatePrefix`].
+    pub duplicate_prefix: u64,
+}
+
+/// How much memory the index uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexFootprint {
+    /// (worker, block) pairs held.
+    pub entries: u64,
+    /// Tree nodes alive (distinct prefixes held by at least one worker, plus their ancestors).
+    pub nodes: u64,
+    /// Heap bytes owned by the index's tables, by their allocated capacity.
+    pub heap_bytes: u64,
+}
+
+impl IndexFootprint {
+    /// Heap bytes per (worker, block) entry; zero when empty.
+    pub fn bytes_per_entry(&self) -> f64 {
+        if self.entries == 0 { 0.0 } else { self.heap_bytes as f64 / self.entries as f64 }
+    }
+}
+
+/// One prefix in the tree.
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    /// The local hash of this node's last block.
+    local: u64,
+    /// Workers in slots 0..64 that hold this prefix; higher slots are in `PrefixIndex::hi`.
+    mask0: u64,
+    /// The parent node; `NONE` for the root and for free nodes.
+    parent: NodeId,
+    /// A child reached without the children table, or `NONE`. Every other child is in the table.
+    hint: NodeId,
+    /// Number of children.
+    children: u32,
+}
+
+impl Node {
+    const FREE: Node = Node { local: 0, mask0: 0, parent: NONE, hint: NONE, children: 0 };
+}
+
+/// One worker's view: the engine's external hashes of the blocks it holds.
+#[derive(Debug)]
+struct WorkerSlot {
+    key: WorkerKey,
+    blocks: ExtMap,
+}
+
+/// Which KV blocks each worker holds, for prefix-match lookups. See the module docs.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    nodes: Vec<Node>,
+    free_nodes: Vec<NodeId>,
+    /// Children of every node, keyed by `(parent, local)`; holds node ids only.
+    children: HashTable<NodeId>,
+    /// Worker mask words per node beyond the first.
+    hi_words: usize,
+    /// `hi_words` words per node, for worker slots 64 and up.
+    hi: Vec<u64>,
+    slots: Vec<Option<WorkerSlot>>,
+    slot_of: HashMap<WorkerKey, u32, BuildKeyHasher>,
+    stats: IndexStats,
+    /// Reused buffer of node ids for batched updates.
+    scratch: Vec<NodeId>,
+}
+
+#[inline]
+fn child_hash(parent: NodeId, local: u64) -> u64 {
+    mix(local, u64::from(parent))
+}
+
+impl PrefixIndex {
+    /// An empty index with no workers.
+    pub fn new(config: IndexConfig) -> Self {
+        let mut nodes = Vec::with_capacity(config.expected_blocks + 1);
+        nodes.push(Node::FREE);
+        Self {
+            nodes,
+            free_nodes: Vec::new(),
+            children: HashTable::with_capacity(config.expected_blocks),
+            hi_words: 0,
+            hi: Vec::new(),
+            slots: Vec::new(),
+            slot_of: HashMap::default(),
+            stats: IndexStats::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Starts tracking `worker`'s cache, empty. Adding a worker that is already tracked does nothing.
+    pub fn add_worker(&mut self, worker: WorkerKey) {
+        if self.slot_of.contains_key(&worker) {
+            return;
+        }
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[slot] = Some(WorkerSlot { key: worker, blocks: ExtMap::default() });
+        self.slot_of.insert(worker, slot as u32);
+        self.ensure_mask_words(slot);
+    }
+
+    /// Stops tracking `worker` and forgets every block it held.
+    pub fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
+        self.clear_worker(worker)?;
+        if let Some(slot) = self.slot_of.remove(&worker) {
+            self.slots[slot as usize] = None;
+        }
+        Ok(())
+    }
+
+    /// The workers tracked, in slot order.
+    pub fn workers(&self) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.slots.iter().flatten().map(|s| s.key)
+    }
+
+    /// Whether `worker` holds the block the engine calls `external`.
+    pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
+        self.slot(worker).is_some_and(|s| s.blocks.get(external.0).is_some())
+    }
+
+    /// The external hashes of every block `worker` holds, in no particular order.
+    pub fn held_blocks(&self, worker: WorkerKey) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.slot(worker).into_iter().flat_map(|s| s.blocks.iter().map(|(e, _)| ExternalBlockHash(e)))
+    }
+
+    /// How many blocks `worker` holds.
+    pub fn block_count(&self, worker: WorkerKey) -> usize {
+        self.slot(worker).map_or(0, |s| s.blocks.len())
+    }
+
+    /// The counters of what the index was asked to do.
+    pub fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    /// Entries, nodes and heap bytes.
+    pub fn footprint(&self) -> IndexFootprint {
+        let entries: usize = self.slots.iter().flatten().map(|s| s.blocks.len()).sum();
+        let worker_maps: usize = self.slots.iter().flatten().map(|s| s.blocks.allocation_size()).sum();
+        let heap = self.nodes.capacity() * size_of::<Node>()
+            + self.free_nodes.capacity() * size_of::<NodeId>()
+            + self.children.allocation_size()
+            + self.hi.capacity() * size_of::<u64>()
+            + self.slots.capacity() * size_of::<Option<WorkerSlot>>()
+            + self.slot_of.allocation_size()
+            + worker_maps;
+        IndexFootprint {
+            entries: entries as u64,
+            nodes: (self.nodes.len() - 1 - self.free_nodes.len()) as u64,
+            heap_bytes: heap as u64,
+        }
+    }
+
+    /// Applies a stored chain: `worker` now holds `blocks`, which continue the chain from the
+    /// block the engine calls `parent`, or from the root when `parent` is `None`.
+    ///
+    /// Blocks already held at the same place stay held. On error, the blocks before the bad one
+    /// have been applied (the error says how many).
+    pub fn apply_stored(
+        &mut self,
+        worker: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        // Read the home slots of the parent and of every block first: these loads are independent,
+        // so their cache misses overlap. The tree path (each step depends on the last) and the map
+        // updates that follow then find the lines in cache.
+        let map = &self.slot_ref(slot).blocks;
+        let keys = parent.iter().map(|p| p.0).chain(blocks.iter().map(|b| b.external.0));
+        std::hint::black_box(map.touch(keys));
+        let parent_node = match parent {
+            None => ROOT,
+            Some(parent) => match map.get(parent.0) {
+                Some(node) => node,
+                None => {
+                    self.stats.unknown_parent += 1;
+                    return Err(IndexError::UnknownParent { worker, parent });
+                }
+            },
+        };
+        let mut path = std::mem::take(&mut self.scratch);
+        path.clear();
+        let mut at = parent_node;
+        for block in blocks {
+            at = self.child_or_insert(at, block.local.0);
+            path.push(at);
+        }
+        let result = self.hold_path(worker, slot, blocks, &path);
+        if result.is_err()
+            && let Some(&deepest) = path.last()
+        {
+            // Nodes created for the blocks that were not applied are held by nobody: free them.
+            self.collect(deepest);
+        }
+        self.scratch = path;
+        result
+    }
+
+    /// Marks `worker` (in `slot`) as holding `blocks`, whose tree nodes are `path`.
+    fn hold_path(
+        &mut self,
+        worker: WorkerKey,
+        slot: usize,
+        blocks: &[StoredBlock],
+        path: &[NodeId],
+    ) -> Result<(), IndexError> {
+        let Self { nodes, hi, hi_words, slots, stats, .. } = self;
+        let map = match &mut slots[slot] {
+            Some(s) => &mut s.blocks,
+            None => unreachable!("slot {slot} is registered in slot_of"),
+        };
+        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+        for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
+            let mask = if word == 0 {
+                &mut nodes[node as usize].mask0
+            } else {
+                &mut hi[node as usize * *hi_words + word - 1]
+            };
+            match map.probe(block.external.0) {
+                Probe::Found(held) if held == node => {}
+                Probe::Found(_) => {
+                    stats.conflicting_block += 1;
+                    return Err(IndexError::ConflictingBlock { worker, external: block.external, applied });
+                }
+                Probe::Vacant(_) if *mask & bit != 0 => {
+                    stats.duplicate_prefix += 1;
+                    return Err(IndexError::DuplicatePrefix { worker, external: block.external, applied });
+                }
+                Probe::Vacant(at) => {
+                    map.insert_at(at, block.external.0, node);
+                    *mask |= bit;
+                    stats.blocks_stored += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies removed blocks: `worker` no longer holds the blocks the engine calls `externals`.
+    /// Blocks it does not hold are ignored (and counted). Returns how many blocks were dropped.
+    pub fn apply_removed(
+        &mut self,
+        worker: WorkerKey,
+        externals: &[ExternalBlockHash],
+    ) -> Result<usize, IndexError> {
+        let slot = self.slot_index(worker)?;
+        // Three passes, so the independent map probes of the first can overlap their cache
+        // misses instead of waiting behind each block's tree update.
+        let mut dropped = std::mem::take(&mut self.scratch);
+        dropped.clear();
+        let blocks = &mut self.slot_mut(slot).blocks;
+        std::hint::black_box(blocks.touch(externals.iter().map(|e| e.0)));
+        dropped.extend(externals.iter().filter_map(|e| blocks.remove(e.0)));
+        for &node in &dropped {
+            self.clear_bit(node, slot);
+        }
+        for &node in &dropped {
+            self.collect(node);
+        }
+        let count = dropped.len();
+        self.scratch = dropped;
+        self.stats.removed_not_held += (externals.len() - count) as u64;
+        self.stats.blocks_removed += count as u64;
+        Ok(count)
+    }
+
+    /// `worker` now holds nothing.
+    pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let held: Vec<NodeId> = self.slot_mut(slot).blocks.drain_nodes().collect();
+        for &node in &held {
+            self.clear_bit(node, slot);
+        }
+        // Collect after every bit is cleared, so a node freed while climbing from a descendant is
+        // never visited again as if alive (`collect` skips free nodes).
+        for &node in &held {
+            self.collect(node);
+        }
+        self.stats.clears += 1;
+        Ok(())
+    }
+
+    /// Each worker's matched depth for the query `locals`: how many blocks from block 0 of the
+    /// query's prefix it holds. Workers with depth 0 are left out.
+    ///
+    /// With `early_exit`, the walk stops once a single worker remains; that worker's depth is
+    /// then a lower bound (it matches at least that deep).
+    pub fn find_matches(&self, locals: &[LocalBlockHash], early_exit: bool) -> OverlapScores {
+        let mut out = OverlapScores::default();
+        self.find_matches_into(locals, early_exit, &mut out);
+        out
+    }
+
+    /// [`PrefixIndex::find_matches`], writing into `out` (cleared first) to reuse its allocation.
+    pub fn find_matches_into(&self, locals: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        out.clear();
+        let Some((first, rest)) = locals.split_first() else { return };
+        let Some(mut node) = self.child(ROOT, first.0) else { return };
+        if self.hi_words == 0 {
+            self.walk_one_word(node, rest, early_exit, out);
+            return;
+        }
+        let words = 1 + self.hi_words;
+        let mut active: Vec<u64> = (0..words).map(|w| self.mask_word(node, w)).collect();
+        let mut depth = 1u32;
+        for local in rest {
+            if active.iter().all(|&w| w == 0) {
+                break;
+            }
+            if early_exit && active.iter().map(|w| w.count_ones()).sum::<u32>() <= 1 {
+                break;
+            }
+            let Some(next) = self.child(node, local.0) else { break };
+            for (w, word) in active.iter_mut().enumerate() {
+                let kept = *word & self.mask_word(next, w);
+                self.emit(w, *word & !kept, depth, out);
+                *word = kept;
+            }
+            depth += 1;
+            node = next;
+        }
+        for (w, &word) in active.iter().enumerate() {
+            self.emit(w, word, depth, out);
+        }
+    }
+
+    /// The walk for indexes whose workers all fit in one mask word.
+    #[inline]
+    fn walk_one_word(&self, mut node: NodeId, rest: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        let mut active = self.nodes[node as usize].mask0;
+        let mut depth = 1u32;
+        for local in rest {
+            if active == 0 || (early_exit && active.count_ones() == 1) {
+                break;
+            }
+            let Some(next) = self.child(node, local.0) else { break };
+            let kept = active & self.nodes[next as usize].mask0;
+            self.emit(0, active & !kept, depth, out);
+            active = kept;
+            depth += 1;
+            node = next;
+        }
+        self.emit(0, active, depth, out);
+    }
+
+    /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.
+    #[inline]
+    fn emit(&self, word: usize, mut bits: u64, depth: u32, out: &mut OverlapScores) {
+        while bits != 0 {
+            let slot = word * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(Some(s)) = self.slots.get(slot) {
+                out.push(s.key, depth);
+            }
+        }
+    }
+
+    /// Checks the index's internal invariants, for tests: every node's child count and links,
+    /// every worker's map against the nodes' worker masks, and that no node is kept that nobody
+    /// holds and that has no children. Returns the first violation found.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let live = |id: NodeId| id == ROOT || self.nodes[id as usize].parent != NONE;
+        let mut children = vec![0u32; self.nodes.len()];
+        let mut held_bits = 0usize;
+        for id in 1..self.nodes.len() as NodeId {
+            let n = &self.nodes[id as usize];
+            if !live(id) {
+                if !self.is_unheld(id) {
+                    return Err(format!("free node {id} has workers"));
+                }
+                continue;
+            }
+            if !live(n.parent) {
+                return Err(format!("node {id} has a free parent {}", n.parent));
+            }
+            children[n.parent as usize] += 1;
+            if self.child(n.parent, n.local) != Some(id) {
+                return Err(format!("node {id} is not found as the child of {}", n.parent));
+            }
+            if n.children == 0 && self.is_unheld(id) {
+                return Err(format!("node {id} is held by nobody and has no children, but was kept"));
+            }
+            held_bits += (0..=self.hi_words).map(|w| self.mask_word(id, w).count_ones() as usize).sum::<usize>();
+        }
+        for (id, &count) in children.iter().enumerate() {
+            if live(id as NodeId) && self.nodes[id].children != count {
+                return Err(format!("node {id} counts {} children, has {count}", self.nodes[id].children));
+            }
+        }
+        let mut entries = 0usize;
+        for (slot, s) in self.slots.iter().enumerate() {
+            let Some(s) = s else { continue };
+            for (ext, node) in s.blocks.iter() {
+                if !live(node) || self.mask_word(node, slot / 64) & (1 << (slot % 64)) == 0 {
+                    return Err(format!("worker {} maps {ext:#x} to node {node}, which it does not hold", s.key));
+                }
+            }
+            entries += s.blocks.len();
+        }
+        if entries != held_bits {
+            return Err(format!("{entries} map entries but {held_bits} worker bits set"));
+        }
+        Ok(())
+    }
+
+    // ---- children ----
+
+    /// The child of `parent` whose block has local hash `local`.
+    #[inline]
+    fn child(&self, parent: NodeId, local: u64) -> Option<NodeId> {
+        let p = &self.nodes[parent as usize];
+        let mut in_table = p.children;
+        if p.hint != NONE {
+            if self.nodes[p.hint as usize].local == local {
+                return Some(p.hint);
+            }
+            in_table -= 1;
+        }
+        if in_table == 0 {
+            return None;
+        }
+        let nodes = &self.nodes;
+        self.children
+            .find(child_hash(parent, local), |&id| {
+                let n = &nodes[id as usize];
+                n.parent == parent && n.local == local
+            })
+            .copied()
+    }
+
+    /// The child of `parent` for `local`, created (held by nobody) if missing.
+    fn child_or_insert(&mut self, parent: NodeId, local: u64) -> NodeId {
+        if let Some(found) = self.child(parent, local) {
+            return found;
+        }
+        let id = match self.free_nodes.pop() {
+            Some(id) => id,
+            None => {
+                self.nodes.push(Node::FREE);
+                if self.hi_words > 0 {
+                    self.hi.resize(self.hi.len() + self.hi_words, 0);
+                }
+                (self.nodes.len() - 1) as NodeId
+            }
+        };
+        self.nodes[id as usize] = Node { local, mask0: 0, parent, hint: NONE, children: 0 };
+        let p = &mut self.nodes[parent as usize];
+        p.children += 1;
+        if p.hint == NONE && p.children == 1 {
+            // An only child is reached through the hint alone: chains never touch the table.
+            p.hint = id;
+        } else {
+            let nodes = &self.nodes;
+            self.children.insert_unique(child_hash(parent, local), id, |&n| {
+                let n = &nodes[n as usize];
+                child_hash(n.parent, n.local)
+            });
+        }
+        id
+    }
+
+    /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
+    fn collect(&mut self, mut node: NodeId) {
+        while node != ROOT {
+            let n = self.nodes[node as usize];
+            if n.parent == NONE || n.children != 0 || !self.is_unheld(node) {
+                return;
+            }
+            let p = &mut self.nodes[n.parent as usize];
+            p.children -= 1;
+            if p.hint == node {
+                p.hint = NONE;
+            } else if let Ok(entry) = self.children.find_entry(child_hash(n.parent, n.local), |&id| id == node) {
+                entry.remove();
+            }
+            self.nodes[node as usize] = Node::FREE;
+            self.free_nodes.push(node);
+            node = n.parent;
+        }
+    }
+
+    // ---- worker masks ----
+
+    fn ensure_mask_words(&mut self, slot: usize) {
+        let needed = slot / 64;
+        if needed <= self.hi_words {
+            return;
+        }
+        let new_words = needed.max(self.hi_words * 2);
+        let mut hi = vec![0u64; self.nodes.len() * new_words];
+        for node in 0..self.nodes.len() {
+            let old = &self.hi[node * self.hi_words..(node + 1) * self.hi_words];
+            hi[node * new_words..node * new_words + self.hi_words].copy_from_slice(old);
+        }
+        self.hi = hi;
+        self.hi_words = new_words;
+    }
+
+    #[inline]
+    fn mask_word(&self, node: NodeId, word: usize) -> u64 {
+        if word == 0 {
+            self.nodes[node as usize].mask0
+        } else {
+            self.hi[node as usize * self.hi_words + word - 1]
+        }
+    }
+
+    #[inline]
+    fn mask_word_mut(&mut self, node: NodeId, word: usize) -> &mut u64 {
+        if word == 0 {
+            &mut self.nodes[node as usize].mask0
+        } else {
+            &mut self.hi[node as usize * self.hi_words + word - 1]
+        }
+    }
+
+    #[inline]
+    fn clear_bit(&mut self, node: NodeId, slot: usize) {
+        *self.mask_word_mut(node, slot / 64) &= !(1 << (slot % 64));
+    }
+
+    fn is_unheld(&self, node: NodeId) -> bool {
+        (0..=self.hi_words).all(|w| self.mask_word(node, w) == 0)
+    }
+
+    // ---- worker slots ----
+
+    fn slot(&self, worker: WorkerKey) -> Option<&WorkerSlot> {
+        let slot = *self.slot_of.get(&worker)?;
+        self.slots[slot as usize].as_ref()
+    }
+
+    fn slot_index(&mut self, worker: WorkerKey) -> Result<usize, IndexError> {
+        match self.slot_of.get(&worker) {
+            Some(&slot) => Ok(slot as usize),
+            None => {
+                self.stats.unknown_worker += 1;
+                Err(IndexError::UnknownWorker(worker))
+            }
+        }
+    }
+
+    fn slot_ref(&self, slot: usize) -> &WorkerSlot {
+        self.slots[slot].as_ref().unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+    }
+
+    fn slot_mut(&mut self, slot: usize) -> &mut WorkerSlot {
+        self.slots[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+    }
+}
+

@@ -1,0 +1,8 @@
+//! The kvroute command line's library half: file formats and benchmarks that the binary
+//! (`main.rs`) wires to subcommands, kept here so integration tests can drive them.
+//!
+//! This crate is an edge: it reads files, the clock and `/proc`, and prints. The core it drives
+//! does none of that.
+
+pub mod bench;
+pub mod opstream;

@@ -1,0 +1,97 @@
+//! `kvroute`: the command line.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use kvroute::bench;
+use kvroute::opstream::OpStream;
+
+/// The op-stream the index benchmark runs on when none is named: a file of the shared bench
+/// folder that sits beside a kvroute checkout.
+const DEFAULT_OPSTREAM: &str = "../shared/bench/conv_full_w16_c4096.jsonl.gz";
+
+#[derive(Parser)]
+#[command(name = "kvroute", version, about = "KV-cache-aware routing for LLM inference fleets")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Benchmarks; each prints one JSON line per case on stdout.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Apply a kv-opstream file to the prefix index on one thread, checking every lookup.
+    Index(IndexArgs),
+    /// Block hashing throughput beside memory-copy bandwidth.
+    Hash(HashArgs),
+}
+
+#[derive(Args)]
+struct IndexArgs {
+    /// The kv-opstream file (gzip'd JSON lines).
+    #[arg(long, default_value = DEFAULT_OPSTREAM)]
+    opstream: PathBuf,
+    /// Repetitions; the median run is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Print up to this many mismatching lookups to stderr.
+    #[arg(long, default_value_t = 5)]
+    show_mismatches: usize,
+}
+
+#[derive(Args)]
+struct HashArgs {
+    /// Token ids to hash per repetition.
+    #[arg(long, default_value_t = 16 << 20)]
+    tokens: usize,
+    /// Block sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,512")]
+    block_size: Vec<usize>,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Bench(BenchCommand::Index(args)) => bench_index(args),
+        Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
+    }
+}
+
+fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
+    if !args.opstream.exists() {
+        bail!(
+            "op-stream {} not found; pass --opstream FILE (the shared bench files live in ../shared/bench)",
+            args.opstream.display()
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let stream = OpStream::read(&args.opstream)?;
+    eprintln!("loaded {} ops from {} in {:.2}s", stream.ops.len(), args.opstream.display(), t0.elapsed().as_secs_f64());
+    let name = args.opstream.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let report = bench::index::run(&stream, &name, args.reps);
+    for m in report.mismatch_list.iter().take(args.show_mismatches) {
+        eprintln!("mismatch at op {}: got {:?} expect {:?}", m.op, m.got, m.expect);
+    }
+    println!("{}", serde_json::to_string(&report).context("serializing the report")?);
+    if report.mismatches > 0 {
+        bail!("{} lookups disagreed with the stream's expect", report.mismatches);
+    }
+    Ok(())
+}
+
+fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
+    for report in bench::hash::run(args.tokens, &args.block_size, args.reps) {
+        println!("{}", serde_json::to_string(&report).context("serializing the report")?);
+    }
+    Ok(())
+}
