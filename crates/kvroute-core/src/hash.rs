@@ -39,7 +39,10 @@ pub struct HashSalt<'a> {
 
 impl HashSalt<'_> {
     /// No salt: the plain hashes.
-    pub const NONE: HashSalt<'static> = HashSalt { lora_name: None, namespace: None };
+    pub const NONE: HashSalt<'static> = HashSalt {
+        lora_name: None,
+        namespace: None,
+    };
 
     /// The XXH3 seed for local block hashes under this salt.
     pub fn local_seed(&self) -> u64 {
@@ -47,7 +50,9 @@ impl HashSalt<'_> {
             Some(s) if !s.is_empty() => xxh3_64_with_seed(s.as_bytes(), seed),
             _ => 0,
         };
-        XXH3_SEED.wrapping_add(part(self.lora_name, 0)).wrapping_add(part(self.namespace, 1))
+        XXH3_SEED
+            .wrapping_add(part(self.lora_name, 0))
+            .wrapping_add(part(self.namespace, 1))
     }
 }
 
@@ -63,7 +68,10 @@ impl BlockHasher {
     ///
     /// A `block_size` of zero is treated as one: a block holds at least one token.
     pub fn new(block_size: usize, salt: &HashSalt<'_>) -> Self {
-        Self { block_size: block_size.max(1), seed: salt.local_seed() }
+        Self {
+            block_size: block_size.max(1),
+            seed: salt.local_seed(),
+        }
     }
 
     /// Tokens per block.
@@ -79,7 +87,10 @@ impl BlockHasher {
 
     /// Local hashes of every full block of `tokens`.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
-        tokens.chunks_exact(self.block_size).map(|block| self.local_hash(block)).collect()
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|block| self.local_hash(block))
+            .collect()
     }
 
     /// Sequence hashes of the chain of `locals`, starting from the root.

@@ -41,7 +41,10 @@ impl Add<Duration> for Timestamp {
 
     /// Saturates at the largest timestamp instead of overflowing.
     fn add(self, d: Duration) -> Timestamp {
-        Timestamp(self.0.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)))
+        Timestamp(
+            self.0
+                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+        )
     }
 }
 
@@ -50,6 +53,9 @@ impl Sub<Duration> for Timestamp {
 
     /// Saturates at the epoch.
     fn sub(self, d: Duration) -> Timestamp {
-        Timestamp(self.0.saturating_sub(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)))
+        Timestamp(
+            self.0
+                .saturating_sub(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+        )
     }
 }

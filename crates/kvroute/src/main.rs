@@ -12,7 +12,11 @@ use kvroute::opstream::OpStream;
 const DEFAULT_OPSTREAM: &str = "../shared/bench/conv_full_w16_c4096.jsonl.gz";
 
 #[derive(Parser)]
-#[command(name = "kvroute", version, about = "KV-cache-aware routing for LLM inference fleets")]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware routing for LLM inference fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -76,13 +80,25 @@ fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
     }
     let t0 = std::time::Instant::now();
     let stream = OpStream::read(&args.opstream)?;
-    eprintln!("loaded {} ops from {} in {:.2}s", stream.ops.len(), args.opstream.display(), t0.elapsed().as_secs_f64());
-    let name = args.opstream.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    eprintln!(
+        "loaded {} ops from {} in {:.2}s",
+        stream.ops.len(),
+        args.opstream.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    let name = args
+        .opstream
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let report = bench::index::run(&stream, &name, args.reps);
     for m in report.mismatch_list.iter().take(args.show_mismatches) {
         eprintln!("mismatch at op {}: got {:?} expect {:?}", m.op, m.got, m.expect);
     }
-    println!("{}", serde_json::to_string(&report).context("serializing the report")?);
+    println!(
+        "{}",
+        serde_json::to_string(&report).context("serializing the report")?
+    );
     if report.mismatches > 0 {
         bail!("{} lookups disagreed with the stream's expect", report.mismatches);
     }
@@ -91,7 +107,10 @@ fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
 
 fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
     for report in bench::hash::run(args.tokens, &args.block_size, args.reps) {
-        println!("{}", serde_json::to_string(&report).context("serializing the report")?);
+        println!(
+            "{}",
+            serde_json::to_string(&report).context("serializing the report")?
+        );
     }
     Ok(())
 }

@@ -76,8 +76,11 @@ impl OpStream {
         let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
         let mut reader = BufReader::new(file);
         let gz = reader.fill_buf()?.starts_with(&[0x1f, 0x8b]);
-        let reader: Box<dyn Read> =
-            if gz { Box::new(MultiGzDecoder::new(reader)) } else { Box::new(reader) };
+        let reader: Box<dyn Read> = if gz {
+            Box::new(MultiGzDecoder::new(reader))
+        } else {
+            Box::new(reader)
+        };
         Self::parse(BufReader::new(reader)).with_context(|| format!("reading {}", path.display()))
     }
 
@@ -89,7 +92,11 @@ impl OpStream {
             None => bail!("empty op-stream: no header line"),
         };
         if header.format != "kv-opstream" || header.version != 1 {
-            bail!("line 1: expected format kv-opstream version 1, got {} {}", header.format, header.version);
+            bail!(
+                "line 1: expected format kv-opstream version 1, got {} {}",
+                header.format,
+                header.version
+            );
         }
         let mut ops = Vec::new();
         for (n, line) in lines {
@@ -126,19 +133,32 @@ impl RawOp {
                 if local.len() != ext.len() {
                     bail!("store has {} local and {} ext hashes", local.len(), ext.len());
                 }
-                Op::Store { w: w()?, parent: self.parent, local, ext }
+                Op::Store {
+                    w: w()?,
+                    parent: self.parent,
+                    local,
+                    ext,
+                }
             }
-            "remove" => Op::Remove { w: w()?, ext: self.ext.clone().context("remove needs `ext`")? },
+            "remove" => Op::Remove {
+                w: w()?,
+                ext: self.ext.clone().context("remove needs `ext`")?,
+            },
             "clear" => Op::Clear { w: w()? },
             "match" => {
                 let mut expect = BTreeMap::new();
                 for (worker, depth) in self.expect.unwrap_or_default() {
-                    let worker: u32 = worker.parse().with_context(|| format!("expect key {worker:?} is not a worker id"))?;
+                    let worker: u32 = worker
+                        .parse()
+                        .with_context(|| format!("expect key {worker:?} is not a worker id"))?;
                     if depth > 0 {
                         expect.insert(worker, depth);
                     }
                 }
-                Op::Match { local: self.local.context("match needs `local`")?, expect }
+                Op::Match {
+                    local: self.local.context("match needs `local`")?,
+                    expect,
+                }
             }
             other => bail!("unknown op {other:?}"),
         })

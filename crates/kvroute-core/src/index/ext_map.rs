@@ -195,14 +195,22 @@ impl ExtMap {
 
     /// Every key and its node, in slot order.
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
-        self.lines.iter().flat_map(|line| line.0.iter()).filter(|s| s.node != EMPTY).map(|s| (s.key, s.node))
+        self.lines
+            .iter()
+            .flat_map(|line| line.0.iter())
+            .filter(|s| s.node != EMPTY)
+            .map(|s| (s.key, s.node))
     }
 
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
         let mask = self.capacity() - 1;
-        for slot in old.iter().flat_map(|line| line.0.iter()).filter(|s| s.node != EMPTY) {
+        for slot in old
+            .iter()
+            .flat_map(|line| line.0.iter())
+            .filter(|s| s.node != EMPTY)
+        {
             let mut i = self.home(slot.key);
             while self.slot(i).node != EMPTY {
                 i = (i + 1) & mask;

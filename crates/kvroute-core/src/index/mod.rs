@@ -149,7 +149,11 @@ pub struct IndexFootprint {
 impl IndexFootprint {
     /// Heap bytes per (worker, block) entry; zero when empty.
     pub fn bytes_per_entry(&self) -> f64 {
-        if self.entries == 0 { 0.0 } else { self.heap_bytes as f64 / self.entries as f64 }
+        if self.entries == 0 {
+            0.0
+        } else {
+            self.heap_bytes as f64 / self.entries as f64
+        }
     }
 }
 
@@ -169,7 +173,13 @@ struct Node {
 }
 
 impl Node {
-    const FREE: Node = Node { local: 0, mask0: 0, parent: NONE, hint: NONE, children: 0 };
+    const FREE: Node = Node {
+        local: 0,
+        mask0: 0,
+        parent: NONE,
+        hint: NONE,
+        children: 0,
+    };
 }
 
 /// One worker's view: the engine's external hashes of the blocks it holds.
@@ -232,7 +242,10 @@ impl PrefixIndex {
                 self.slots.len() - 1
             }
         };
-        self.slots[slot] = Some(WorkerSlot { key: worker, blocks: ExtMap::default() });
+        self.slots[slot] = Some(WorkerSlot {
+            key: worker,
+            blocks: ExtMap::default(),
+        });
         self.slot_of.insert(worker, slot as u32);
         self.ensure_mask_words(slot);
     }
@@ -253,12 +266,15 @@ impl PrefixIndex {
 
     /// Whether `worker` holds the block the engine calls `external`.
     pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slot(worker).is_some_and(|s| s.blocks.get(external.0).is_some())
+        self.slot(worker)
+            .is_some_and(|s| s.blocks.get(external.0).is_some())
     }
 
     /// The external hashes of every block `worker` holds, in no particular order.
     pub fn held_blocks(&self, worker: WorkerKey) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        self.slot(worker).into_iter().flat_map(|s| s.blocks.iter().map(|(e, _)| ExternalBlockHash(e)))
+        self.slot(worker)
+            .into_iter()
+            .flat_map(|s| s.blocks.iter().map(|(e, _)| ExternalBlockHash(e)))
     }
 
     /// How many blocks `worker` holds.
@@ -274,7 +290,12 @@ impl PrefixIndex {
     /// Entries, nodes and heap bytes.
     pub fn footprint(&self) -> IndexFootprint {
         let entries: usize = self.slots.iter().flatten().map(|s| s.blocks.len()).sum();
-        let worker_maps: usize = self.slots.iter().flatten().map(|s| s.blocks.allocation_size()).sum();
+        let worker_maps: usize = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| s.blocks.allocation_size())
+            .sum();
         let heap = self.nodes.capacity() * size_of::<Node>()
             + self.free_nodes.capacity() * size_of::<NodeId>()
             + self.children.allocation_size()
@@ -305,7 +326,10 @@ impl PrefixIndex {
         // so their cache misses overlap. The tree path (each step depends on the last) and the map
         // updates that follow then find the lines in cache.
         let map = &self.slot_ref(slot).blocks;
-        let keys = parent.iter().map(|p| p.0).chain(blocks.iter().map(|b| b.external.0));
+        let keys = parent
+            .iter()
+            .map(|p| p.0)
+            .chain(blocks.iter().map(|b| b.external.0));
         std::hint::black_box(map.touch(keys));
         let parent_node = match parent {
             None => ROOT,
@@ -343,7 +367,14 @@ impl PrefixIndex {
         blocks: &[StoredBlock],
         path: &[NodeId],
     ) -> Result<(), IndexError> {
-        let Self { nodes, hi, hi_words, slots, stats, .. } = self;
+        let Self {
+            nodes,
+            hi,
+            hi_words,
+            slots,
+            stats,
+            ..
+        } = self;
         let map = match &mut slots[slot] {
             Some(s) => &mut s.blocks,
             None => unreachable!("slot {slot} is registered in slot_of"),
@@ -359,11 +390,19 @@ impl PrefixIndex {
                 Probe::Found(held) if held == node => {}
                 Probe::Found(_) => {
                     stats.conflicting_block += 1;
-                    return Err(IndexError::ConflictingBlock { worker, external: block.external, applied });
+                    return Err(IndexError::ConflictingBlock {
+                        worker,
+                        external: block.external,
+                        applied,
+                    });
                 }
                 Probe::Vacant(_) if *mask & bit != 0 => {
                     stats.duplicate_prefix += 1;
-                    return Err(IndexError::DuplicatePrefix { worker, external: block.external, applied });
+                    return Err(IndexError::DuplicatePrefix {
+                        worker,
+                        external: block.external,
+                        applied,
+                    });
                 }
                 Probe::Vacant(at) => {
                     map.insert_at(at, block.external.0, node);
@@ -433,8 +472,12 @@ impl PrefixIndex {
     /// [`PrefixIndex::find_matches`], writing into `out` (cleared first) to reuse its allocation.
     pub fn find_matches_into(&self, locals: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
         out.clear();
-        let Some((first, rest)) = locals.split_first() else { return };
-        let Some(mut node) = self.child(ROOT, first.0) else { return };
+        let Some((first, rest)) = locals.split_first() else {
+            return;
+        };
+        let Some(mut node) = self.child(ROOT, first.0) else {
+            return;
+        };
         if self.hi_words == 0 {
             self.walk_one_word(node, rest, early_exit, out);
             return;
@@ -449,7 +492,9 @@ impl PrefixIndex {
             if early_exit && active.iter().map(|w| w.count_ones()).sum::<u32>() <= 1 {
                 break;
             }
-            let Some(next) = self.child(node, local.0) else { break };
+            let Some(next) = self.child(node, local.0) else {
+                break;
+            };
             for (w, word) in active.iter_mut().enumerate() {
                 let kept = *word & self.mask_word(next, w);
                 self.emit(w, *word & !kept, depth, out);
@@ -465,14 +510,22 @@ impl PrefixIndex {
 
     /// The walk for indexes whose workers all fit in one mask word.
     #[inline]
-    fn walk_one_word(&self, mut node: NodeId, rest: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+    fn walk_one_word(
+        &self,
+        mut node: NodeId,
+        rest: &[LocalBlockHash],
+        early_exit: bool,
+        out: &mut OverlapScores,
+    ) {
         let mut active = self.nodes[node as usize].mask0;
         let mut depth = 1u32;
         for local in rest {
             if active == 0 || (early_exit && active.count_ones() == 1) {
                 break;
             }
-            let Some(next) = self.child(node, local.0) else { break };
+            let Some(next) = self.child(node, local.0) else {
+                break;
+            };
             let kept = active & self.nodes[next as usize].mask0;
             self.emit(0, active & !kept, depth, out);
             active = kept;
@@ -517,13 +570,20 @@ impl PrefixIndex {
                 return Err(format!("node {id} is not found as the child of {}", n.parent));
             }
             if n.children == 0 && self.is_unheld(id) {
-                return Err(format!("node {id} is held by nobody and has no children, but was kept"));
+                return Err(format!(
+                    "node {id} is held by nobody and has no children, but was kept"
+                ));
             }
-            held_bits += (0..=self.hi_words).map(|w| self.mask_word(id, w).count_ones() as usize).sum::<usize>();
+            held_bits += (0..=self.hi_words)
+                .map(|w| self.mask_word(id, w).count_ones() as usize)
+                .sum::<usize>();
         }
         for (id, &count) in children.iter().enumerate() {
             if live(id as NodeId) && self.nodes[id].children != count {
-                return Err(format!("node {id} counts {} children, has {count}", self.nodes[id].children));
+                return Err(format!(
+                    "node {id} counts {} children, has {count}",
+                    self.nodes[id].children
+                ));
             }
         }
         let mut entries = 0usize;
@@ -531,7 +591,10 @@ impl PrefixIndex {
             let Some(s) = s else { continue };
             for (ext, node) in s.blocks.iter() {
                 if !live(node) || self.mask_word(node, slot / 64) & (1 << (slot % 64)) == 0 {
-                    return Err(format!("worker {} maps {ext:#x} to node {node}, which it does not hold", s.key));
+                    return Err(format!(
+                        "worker {} maps {ext:#x} to node {node}, which it does not hold",
+                        s.key
+                    ));
                 }
             }
             entries += s.blocks.len();
@@ -582,7 +645,13 @@ impl PrefixIndex {
                 (self.nodes.len() - 1) as NodeId
             }
         };
-        self.nodes[id as usize] = Node { local, mask0: 0, parent, hint: NONE, children: 0 };
+        self.nodes[id as usize] = Node {
+            local,
+            mask0: 0,
+            parent,
+            hint: NONE,
+            children: 0,
+        };
         let p = &mut self.nodes[parent as usize];
         p.children += 1;
         if p.hint == NONE && p.children == 1 {
@@ -609,7 +678,10 @@ impl PrefixIndex {
             p.children -= 1;
             if p.hint == node {
                 p.hint = NONE;
-            } else if let Ok(entry) = self.children.find_entry(child_hash(n.parent, n.local), |&id| id == node) {
+            } else if let Ok(entry) = self
+                .children
+                .find_entry(child_hash(n.parent, n.local), |&id| id == node)
+            {
                 entry.remove();
             }
             self.nodes[node as usize] = Node::FREE;
@@ -680,11 +752,14 @@ impl PrefixIndex {
     }
 
     fn slot_ref(&self, slot: usize) -> &WorkerSlot {
-        self.slots[slot].as_ref().unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+        self.slots[slot]
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
     }
 
     fn slot_mut(&mut self, slot: usize) -> &mut WorkerSlot {
-        self.slots[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+        self.slots[slot]
+            .as_mut()
+            .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
     }
 }
-

@@ -14,7 +14,10 @@ pub struct OverlapScores {
 impl OverlapScores {
     /// The depth of `worker`, or 0.
     pub fn depth(&self, worker: WorkerKey) -> u32 {
-        self.scores.iter().find(|(w, _)| *w == worker).map_or(0, |&(_, d)| d)
+        self.scores
+            .iter()
+            .find(|(w, _)| *w == worker)
+            .map_or(0, |&(_, d)| d)
     }
 
     /// Every worker with a non-zero depth, and its depth.

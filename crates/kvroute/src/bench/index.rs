@@ -31,7 +31,10 @@ pub struct Mismatch {
 ///
 /// Field names are `peer-index-bench`'s: `secs` is the sum of the per-operation times, percentiles
 /// are in nanoseconds, `mismatches` counts lookups whose depths differ from `expect`.
-#[allow(missing_docs, reason = "the fields are the peer harness's JSON names, described above")]
+#[allow(
+    missing_docs,
+    reason = "the fields are the peer harness's JSON names, described above"
+)]
 #[derive(Clone, Debug, Serialize)]
 pub struct IndexBenchReport {
     #[serde(rename = "impl")]
@@ -83,16 +86,26 @@ fn prepare(stream: &OpStream) -> Vec<Prepared> {
         .ops
         .iter()
         .map(|op| match op {
-            Op::Store { w, parent, local, ext } => Prepared::Store(
+            Op::Store {
+                w,
+                parent,
+                local,
+                ext,
+            } => Prepared::Store(
                 worker(*w),
                 parent.map(ExternalBlockHash),
                 local
                     .iter()
                     .zip(ext)
-                    .map(|(&l, &e)| StoredBlock { local: LocalBlockHash(l), external: ExternalBlockHash(e) })
+                    .map(|(&l, &e)| StoredBlock {
+                        local: LocalBlockHash(l),
+                        external: ExternalBlockHash(e),
+                    })
                     .collect(),
             ),
-            Op::Remove { w, ext } => Prepared::Remove(worker(*w), ext.iter().map(|&e| ExternalBlockHash(e)).collect()),
+            Op::Remove { w, ext } => {
+                Prepared::Remove(worker(*w), ext.iter().map(|&e| ExternalBlockHash(e)).collect())
+            }
             Op::Clear { w } => Prepared::Clear(worker(*w)),
             Op::Match { local, .. } => Prepared::Match(local.iter().map(|&l| LocalBlockHash(l)).collect()),
         })
@@ -148,10 +161,17 @@ fn run_once(stream: &OpStream, prepared: &[Prepared]) -> Run {
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.matches.push(ns);
                 if let Op::Match { expect, .. } = &stream.ops[i] {
-                    let got: BTreeMap<u32, u32> =
-                        scores.iter().filter(|&(_, d)| d > 0).map(|(w, d)| (w.worker.0 as u32, d)).collect();
+                    let got: BTreeMap<u32, u32> = scores
+                        .iter()
+                        .filter(|&(_, d)| d > 0)
+                        .map(|(w, d)| (w.worker.0 as u32, d))
+                        .collect();
                     if &got != expect {
-                        run.mismatches.push(Mismatch { op: i, got, expect: expect.clone() });
+                        run.mismatches.push(Mismatch {
+                            op: i,
+                            got,
+                            expect: expect.clone(),
+                        });
                     }
                 }
                 (ns, true)
@@ -176,7 +196,13 @@ pub fn run(stream: &OpStream, stream_name: &str, reps: usize) -> IndexBenchRepor
     for lat in [&mut r.matches, &mut r.stores, &mut r.removes, &mut r.clears] {
         lat.sort_unstable();
     }
-    let events: Vec<u64> = r.stores.iter().chain(&r.removes).chain(&r.clears).copied().collect();
+    let events: Vec<u64> = r
+        .stores
+        .iter()
+        .chain(&r.removes)
+        .chain(&r.clears)
+        .copied()
+        .collect();
     let ops = prepared.len();
     let secs = r.total_ns as f64 / 1e9;
     IndexBenchReport {

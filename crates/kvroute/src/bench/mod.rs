@@ -18,7 +18,11 @@ pub fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 /// The mean of `values`; 0 when empty.
 pub fn mean(values: &[u64]) -> f64 {
-    if values.is_empty() { 0.0 } else { values.iter().sum::<u64>() as f64 / values.len() as f64 }
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<u64>() as f64 / values.len() as f64
+    }
 }
 
 /// The process's peak resident set size in bytes (`VmHWM`), where the OS tells it (Linux).

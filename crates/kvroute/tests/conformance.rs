@@ -1,0 +1,210 @@
+//! Conformance of the prefix index with kv-opstream files (`shared/bench/OPSTREAM.md`): every
+//! lookup of a stream must return exactly the depths in its `expect`, and every operation must
+//! apply without error.
+//!
+//! Two sources of streams:
+//!
+//! * `tests/data/mini.jsonl`, in this repository, always runs. It is a small hand-built stream
+//!   (plain JSON lines): holes, heals, a hole at position 0, duplicate stores, removals of blocks
+//!   not held, branches, a store under a mid-chain parent, a store behind a hole, clears, then
+//!   seeded random operations over a five-letter alphabet. Its `expect` values come from a
+//!   literal reference and agree with `shared/bench/check_opstream.py`
+//!   (`python3 ../shared/bench/check_opstream.py crates/kvroute/tests/data/mini.jsonl` reports
+//!   `"expect_mismatches": 0`). Its local hashes are `splitmix64(1 + letter index)` and its ext
+//!   hashes are the router chain of the locals (producer guarantee 1), which a test below checks.
+//! * Every `*.jsonl.gz` in `../shared/bench`, the folder beside the workspace, when it exists. A
+//!   fresh clone without it skips them and says so on stderr.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use kvroute::bench::index::run;
+use kvroute::opstream::{Op, OpStream};
+use kvroute_core::hash::next_sequence_hash;
+use kvroute_core::ids::{LocalBlockHash, SequenceHash};
+
+fn mini_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/mini.jsonl")
+}
+
+fn shared_bench_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/bench")
+}
+
+/// Runs `stream` through the index benchmark once and returns a description of what went wrong,
+/// if anything.
+fn check(stream: &OpStream, name: &str) -> Option<String> {
+    assert!(!stream.ops.is_empty(), "{name}: no operations");
+    let report = run(stream, name, 1);
+    if report.mismatches == 0 && report.apply_errors == 0 {
+        return None;
+    }
+    let mut text = format!(
+        "{name} ({} ops): {} mismatching lookups, {} apply errors",
+        report.ops, report.mismatches, report.apply_errors
+    );
+    for m in report.mismatch_list.iter().take(5) {
+        text.push_str(&format!(
+            "\n  op {}: got {:?}, expect {:?}",
+            m.op, m.got, m.expect
+        ));
+    }
+    Some(text)
+}
+
+#[test]
+fn mini_fixture_conforms() {
+    let stream = OpStream::read(&mini_path()).unwrap();
+    assert_eq!(stream.header.workers, 4);
+    let matches = stream
+        .ops
+        .iter()
+        .filter(|op| matches!(op, Op::Match { .. }))
+        .count();
+    assert!(matches >= 50, "the fixture has only {matches} lookups");
+    if let Some(failure) = check(&stream, "mini") {
+        panic!("{failure}");
+    }
+}
+
+#[test]
+fn mini_fixture_exercises_the_cases_it_claims() {
+    let stream = OpStream::read(&mini_path()).unwrap();
+    let count = |f: &dyn Fn(&Op) -> bool| stream.ops.iter().filter(|op| f(op)).count();
+    assert!(count(&|op| matches!(op, Op::Clear { .. })) >= 3, "clears");
+    assert!(count(&|op| matches!(op, Op::Remove { .. })) >= 10, "removes");
+    assert!(
+        count(&|op| matches!(op, Op::Store { parent: Some(_), .. })) >= 10,
+        "stores under a parent"
+    );
+    // Lookups where several workers match, at different depths, and deep ones.
+    let expects: Vec<&BTreeMap<u32, u32>> = stream
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Match { expect, .. } => Some(expect),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        expects.iter().any(|e| e.len() >= 4),
+        "a lookup matching every worker"
+    );
+    assert!(
+        expects.iter().any(|e| e.values().any(|&d| d >= 8)),
+        "a deep lookup"
+    );
+    assert!(
+        expects.iter().filter(|e| e.is_empty()).count() >= 3,
+        "lookups nobody matches"
+    );
+}
+
+#[test]
+fn mini_fixture_keeps_the_producer_guarantees() {
+    // Guarantee 1: ext hashes are the router chain of the locals. Guarantee 2 (a store's parent
+    // is held) is what `apply_errors == 0` checks in `mini_fixture_conforms`.
+    let stream = OpStream::read(&mini_path()).unwrap();
+    let mut path_of: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for (i, op) in stream.ops.iter().enumerate() {
+        let Op::Store {
+            parent, local, ext, ..
+        } = op
+        else {
+            continue;
+        };
+        assert!(!local.is_empty(), "op {i}: empty store");
+        let mut prev = parent.map(SequenceHash);
+        let mut path = match parent {
+            Some(p) => path_of
+                .get(p)
+                .cloned()
+                .unwrap_or_else(|| panic!("op {i}: parent was never stored")),
+            None => Vec::new(),
+        };
+        for (&l, &e) in local.iter().zip(ext) {
+            let seq = next_sequence_hash(prev, LocalBlockHash(l));
+            assert_eq!(seq.0, e, "op {i}: ext is not the chain hash of its place");
+            path.push(l);
+            if let Some(old) = path_of.insert(e, path.clone()) {
+                assert_eq!(old, path, "op {i}: one ext for two prefixes");
+            }
+            prev = Some(seq);
+        }
+    }
+}
+
+#[test]
+fn a_wrong_expect_is_reported() {
+    // Negative control: the check really compares. Raise one lookup's expected depth and drop
+    // a worker from another; both must show up as mismatches.
+    let mut stream = OpStream::read(&mini_path()).unwrap();
+    let mut edited = Vec::new();
+    for (i, op) in stream.ops.iter_mut().enumerate() {
+        if let Op::Match { expect, .. } = op
+            && let Some((&w, &d)) = expect.iter().next()
+        {
+            if edited.is_empty() {
+                expect.insert(w, d + 1);
+            } else {
+                expect.remove(&w);
+            }
+            edited.push(i);
+            if edited.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert_eq!(edited.len(), 2);
+    let report = run(&stream, "mini-edited", 1);
+    assert_eq!(report.mismatches, 2);
+    assert_eq!(
+        report.mismatch_list.iter().map(|m| m.op).collect::<Vec<_>>(),
+        edited
+    );
+    assert_eq!(report.apply_errors, 0);
+}
+
+#[test]
+fn shared_opstreams_conform() {
+    let dir = shared_bench_dir();
+    if !dir.is_dir() {
+        eprintln!("skipped: ../shared/bench not found (fresh clone); the in-repo fixtures still ran");
+        return;
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(".jsonl.gz"))
+        })
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "{} holds no *.jsonl.gz", dir.display());
+    let mut failures = Vec::new();
+    for path in &files {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let t0 = Instant::now();
+        let stream = match OpStream::read(path) {
+            Ok(stream) => stream,
+            Err(e) => {
+                failures.push(format!("{name}: cannot read: {e:#}"));
+                continue;
+            }
+        };
+        let read = t0.elapsed();
+        if let Some(failure) = check(&stream, &name) {
+            failures.push(failure);
+        }
+        eprintln!(
+            "{name}: {} ops, read {:.1} s, checked {:.1} s",
+            stream.ops.len(),
+            read.as_secs_f64(),
+            (t0.elapsed() - read).as_secs_f64()
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
