@@ -1,0 +1,256 @@
+//! The engine: requests in, forward passes out, with time passed in.
+
+use kvroute_core::ids::{ExternalBlockHash, RequestId};
+
+use crate::config::{ConfigError, EngineConfig};
+use crate::events::KvEvent;
+use crate::metrics::StepMetrics;
+use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
+use crate::scheduler::{Progress, Schedule, Scheduler};
+use crate::sequence::Sequence;
+use crate::time::Nanos;
+use crate::timing::{MIN_STEP, StepTimer};
+
+/// A simulated vLLM-like engine. See the crate docs.
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    scheduler: Scheduler,
+    timer: StepTimer,
+    /// When the last forward pass ends.
+    busy_until: Nanos,
+    /// The latest time passed in.
+    clock: Nanos,
+}
+
+/// What one forward pass did. Its effects happen at `end`: a driver delivers the tokens and
+/// publishes the events then.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepOutput {
+    /// When the pass started (the `now` it was run at).
+    pub start: Nanos,
+    /// When it ends.
+    pub end: Nanos,
+    /// Requests that produced tokens, in scheduling order.
+    pub emitted: Vec<TokenEmission>,
+    /// Requests whose first token this was.
+    pub first_token: Vec<RequestId>,
+    /// Requests that finished; their blocks are freed.
+    pub finished: Vec<Finished>,
+    /// Requests preempted: they lost their blocks and wait at the front of the queue to be
+    /// recomputed.
+    pub preempted: Vec<RequestId>,
+    /// KV events of the step, in the order they happened.
+    pub events: Vec<KvEvent>,
+    /// The step's metrics.
+    pub metrics: StepMetrics,
+}
+
+/// Why the prefix cache could not be reset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResetError {
+    /// Running requests hold blocks (vLLM refuses the reset then too).
+    #[error("{active} KV blocks are held by running requests")]
+    BlocksInUse {
+        /// Blocks in use.
+        active: u32,
+    },
+}
+
+impl Engine {
+    /// An idle engine with an empty cache, or why `config` is unusable.
+    pub fn new(config: EngineConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let timer = StepTimer::new(config.timing.build()?, config.speedup);
+        Ok(Self {
+            scheduler: Scheduler::new(&config),
+            timer,
+            config,
+            busy_until: Nanos::ZERO,
+            clock: Nanos::ZERO,
+        })
+    }
+
+    /// The configuration the engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Queues `request`, arrived at `now`, behind the waiting requests; or rejects it, leaving
+    /// the engine unchanged. It is scheduled at the next step.
+    pub fn add_request(&mut self, now: Nanos, request: EngineRequest) -> Result<(), RequestError> {
+        if self.scheduler.seqs.contains_key(&request.id) {
+            return Err(RequestError::DuplicateId(request.id));
+        }
+        let seq = Sequence::new(request, &self.config)?;
+        self.clock = self.clock.max(now);
+        self.scheduler.enqueue(seq);
+        Ok(())
+    }
+
+    /// When [`Engine::step`] should next be called: the end of the pass in flight, or, if it
+    /// has ended, the latest time passed in (the engine is ready now). `None` when no request is
+    /// waiting or running.
+    pub fn next_wakeup(&self) -> Option<Nanos> {
+        self.scheduler.has_work().then(|| self.busy_until.max(self.clock))
+    }
+
+    /// Runs one forward pass starting at `now` and returns what it did.
+    ///
+    /// Returns `None`, changing nothing, when no request is waiting or running, or when the
+    /// previous pass ends after `now` (the engine is busy; see [`Engine::next_wakeup`]).
+    pub fn step(&mut self, now: Nanos) -> Option<StepOutput> {
+        if !self.scheduler.has_work() || now < self.busy_until {
+            return None;
+        }
+        self.clock = self.clock.max(now);
+        let schedule = self.scheduler.schedule();
+        debug_assert!(
+            !schedule.chunks.is_empty(),
+            "a step with work schedules at least one request"
+        );
+        let mut metrics = StepMetrics {
+            pass: schedule.pass(),
+            ..StepMetrics::default()
+        };
+        metrics.pass.kv_active_blocks = self.scheduler.pool.active();
+        metrics.pass.kv_total_blocks = self.scheduler.pool.total();
+        metrics.duration = if schedule.chunks.is_empty() {
+            MIN_STEP
+        } else {
+            self.timer.duration(&metrics.pass)
+        };
+        let end = now + metrics.duration;
+        self.busy_until = end;
+        let progress = self.scheduler.commit(&schedule);
+        Some(self.output(now, end, schedule, progress, metrics))
+    }
+
+    /// Assembles a step's output, filling in the load after the step.
+    fn output(
+        &mut self,
+        start: Nanos,
+        end: Nanos,
+        schedule: Schedule,
+        progress: Progress,
+        mut metrics: StepMetrics,
+    ) -> StepOutput {
+        let s = &self.scheduler;
+        metrics.active_blocks = s.pool.active();
+        metrics.total_blocks = s.pool.total();
+        metrics.cached_blocks = s.pool.cached();
+        metrics.running = s.running.len() as u32;
+        metrics.waiting = s.waiting.len() as u32;
+        metrics.preemptions = schedule.preempted.len() as u32;
+        metrics.admitted = schedule.admitted;
+        metrics.prefix_cache_hit_tokens = schedule.hit_tokens;
+        metrics.prefix_cache_query_tokens = schedule.query_tokens;
+        StepOutput {
+            start,
+            end,
+            emitted: progress.emitted,
+            first_token: progress.first_token,
+            finished: progress.finished,
+            preempted: schedule.preempted,
+            events: self.scheduler.pool.take_events(),
+            metrics,
+        }
+    }
+
+    /// Forgets every cached block, as vLLM's `reset_prefix_cache`, and returns the
+    /// `AllCleared` event to publish (none when prefix caching is off). Refused while running
+    /// requests hold blocks.
+    pub fn reset_prefix_cache(&mut self) -> Result<Option<KvEvent>, ResetError> {
+        let pool = &mut self.scheduler.pool;
+        if !pool.reset() {
+            return Err(ResetError::BlocksInUse {
+                active: pool.active(),
+            });
+        }
+        let cleared = pool.take_events();
+        Ok(cleared
+            .into_iter()
+            .next()
+            .filter(|_| self.config.enable_prefix_caching))
+    }
+
+    /// The external hashes of every block in the prefix cache (in use or free), in hash order.
+    /// After applying all of the engine's events, a router's index holds exactly these.
+    pub fn cached_blocks(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.scheduler.pool.cached_hashes()
+    }
+
+    /// Requests running (holding blocks).
+    pub fn num_running(&self) -> usize {
+        self.scheduler.running.len()
+    }
+
+    /// Requests waiting, preempted ones included.
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.waiting.len()
+    }
+
+    /// Checks the engine's invariants, for tests and debug runs: every block's reference count
+    /// equals the number of requests holding it, in use + free = total, the free list and the
+    /// cache map are consistent, every live request is in exactly one queue, running requests
+    /// hold exactly the blocks their computed tokens need (and, with prefix caching, their full
+    /// blocks are the cached copies) and waiting ones hold none. Returns the first violation
+    /// found.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let s = &self.scheduler;
+        s.pool.check_invariants(&s.holders())?;
+        if s.running.len() > self.config.max_num_seqs as usize {
+            return Err(format!(
+                "{} running, max_num_seqs {}",
+                s.running.len(),
+                self.config.max_num_seqs
+            ));
+        }
+        if s.running.len() + s.waiting.len() != s.seqs.len() {
+            return Err(format!(
+                "{} running + {} waiting != {} live requests",
+                s.running.len(),
+                s.waiting.len(),
+                s.seqs.len()
+            ));
+        }
+        for id in &s.running {
+            let seq = s
+                .seqs
+                .get(id)
+                .ok_or_else(|| format!("running {id:?} is not live"))?;
+            let needed = seq.num_computed.div_ceil(self.config.block_size) as usize;
+            if seq.blocks.len() != needed {
+                return Err(format!(
+                    "{id:?} holds {} blocks for {} tokens",
+                    seq.blocks.len(),
+                    seq.num_computed
+                ));
+            }
+            if !self.config.enable_prefix_caching {
+                continue;
+            }
+            let cached = &seq.blocks[..seq.num_cached_blocks as usize];
+            if let Some(b) = cached
+                .iter()
+                .zip(&seq.externals)
+                .position(|(&b, &h)| s.pool.hash_of(b) != Some(h))
+            {
+                return Err(format!(
+                    "block {b} of {id:?} is full but not the cached copy of its hash"
+                ));
+            }
+        }
+        for id in &s.waiting {
+            let seq = s
+                .seqs
+                .get(id)
+                .ok_or_else(|| format!("waiting {id:?} is not live"))?;
+            if !seq.blocks.is_empty() || seq.num_computed != 0 {
+                return Err(format!("waiting {id:?} holds {} blocks", seq.blocks.len()));
+            }
+        }
+        Ok(())
+    }
+}

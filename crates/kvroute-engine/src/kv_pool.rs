@@ -1,0 +1,384 @@
+//! The paged KV cache: a fixed set of blocks, reference counts, a free list and the prefix cache.
+//!
+//! This is vLLM v1's `BlockPool`:
+//!
+//! * Every block is either **in use** (reference count above zero, held by running requests) or
+//!   **free** (count zero, on the free list). In use + free = total, always.
+//! * A full block may be **cached**: it carries its external hash and the cache maps that hash to
+//!   it, so a later request with the same prefix reuses it. A cached block stays cached when
+//!   freed; it can be hit until it is reused for something else.
+//! * The free list is in eviction order. Freed blocks join its tail; allocation takes from its
+//!   head and, if the block taken was cached, evicts it (a [`BlockRemoved`] event). Requests free
+//!   their blocks tail first, so within a request the tail is evicted before the prefix, and
+//!   across requests the least recently freed block goes first.
+//! * A hit on a free cached block takes it off the free list.
+//!
+//! One difference from vLLM: a hash names one block at most. When a request computes a block
+//! that is already cached (two requests prefilling the same prompt in chunks, or the recomputed
+//! last block of a fully cached prompt), it switches to the cached block and frees its own copy,
+//! and no event is emitted. vLLM v1 keeps both copies under the hash and reports each one's
+//! `stored` and `removed`, so a router that sees one copy removed believes the block gone while
+//! the other copy serves hits. Keeping one copy also means that every full block of a running
+//! request is cached and cannot be evicted, so every `stored` event names a parent the router
+//! holds.
+
+use std::collections::BTreeMap;
+
+use kvroute_core::ids::ExternalBlockHash;
+
+use crate::events::{BlockRemoved, KvEvent};
+
+/// A block's index in the pool.
+pub(crate) type BlockId = u32;
+
+/// "No block", for free-list links.
+const NIL: BlockId = BlockId::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    /// Running requests holding the block.
+    refs: u32,
+    /// The block's external hash while it is cached.
+    hash: Option<ExternalBlockHash>,
+    /// Free-list neighbours (towards the head, towards the tail), `NIL` at the ends or when in
+    /// use.
+    prev: BlockId,
+    next: BlockId,
+}
+
+/// The block pool. See the module docs.
+#[derive(Debug)]
+pub(crate) struct BlockPool {
+    blocks: Vec<Block>,
+    /// The free list: evicted from the head, freed blocks appended at the tail.
+    head: BlockId,
+    tail: BlockId,
+    free: u32,
+    /// Cached blocks by external hash.
+    cached: BTreeMap<ExternalBlockHash, BlockId>,
+    /// Events since the last [`BlockPool::take_events`], in order.
+    events: Vec<KvEvent>,
+}
+
+impl BlockPool {
+    /// `num_blocks` free, uncached blocks, in id order on the free list.
+    pub fn new(num_blocks: u32) -> Self {
+        let blocks = (0..num_blocks)
+            .map(|i| Block {
+                refs: 0,
+                hash: None,
+                prev: if i == 0 { NIL } else { i - 1 },
+                next: if i + 1 == num_blocks { NIL } else { i + 1 },
+            })
+            .collect();
+        let (head, tail) = if num_blocks == 0 {
+            (NIL, NIL)
+        } else {
+            (0, num_blocks - 1)
+        };
+        Self {
+            blocks,
+            head,
+            tail,
+            free: num_blocks,
+            cached: BTreeMap::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Blocks in the pool.
+    pub fn total(&self) -> u32 {
+        self.blocks.len() as u32
+    }
+
+    /// Blocks held by requests.
+    pub fn active(&self) -> u32 {
+        self.total() - self.free
+    }
+
+    /// Blocks that carry a cached hash.
+    pub fn cached(&self) -> u32 {
+        self.cached.len() as u32
+    }
+
+    /// The external hashes of every cached block, in hash order.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.cached.keys().copied()
+    }
+
+    /// The hash `block` is cached under, if any.
+    pub fn hash_of(&self, block: BlockId) -> Option<ExternalBlockHash> {
+        self.blocks[block as usize].hash
+    }
+
+    /// The cached blocks of the longest prefix of `hashes` in the cache, at most `max` blocks.
+    pub fn lookup(&self, hashes: &[ExternalBlockHash], max: usize, out: &mut Vec<BlockId>) {
+        out.extend(hashes.iter().take(max).map_while(|h| self.cached.get(h).copied()));
+    }
+
+    /// Whether `fresh` new blocks can be allocated after claiming `hits`.
+    pub fn can_allocate(&self, fresh: u32, hits: &[BlockId]) -> bool {
+        let hits_on_free_list = hits
+            .iter()
+            .filter(|&&b| self.blocks[b as usize].refs == 0)
+            .count() as u32;
+        self.free >= fresh + hits_on_free_list
+    }
+
+    /// Takes a reference to `block` (a cache hit), off the free list if it was free.
+    pub fn claim(&mut self, block: BlockId) {
+        if self.blocks[block as usize].refs == 0 {
+            self.unlink(block);
+        }
+        self.blocks[block as usize].refs += 1;
+    }
+
+    /// Allocates `n` blocks from the head of the free list onto `out`, evicting cached ones, or
+    /// does nothing and returns false when fewer than `n` are free.
+    pub fn allocate(&mut self, n: u32, out: &mut Vec<BlockId>) -> bool {
+        if self.free < n {
+            return false;
+        }
+        for _ in 0..n {
+            let block = self.head;
+            self.unlink(block);
+            self.evict(block);
+            self.blocks[block as usize].refs = 1;
+            out.push(block);
+        }
+        true
+    }
+
+    /// Caches `*block`, held by one request, under `hash` and returns true; or, when another
+    /// block is already cached under `hash`, makes the request hold that one instead (taking a
+    /// reference to it and releasing `*block`) and returns false.
+    pub fn cache(&mut self, block: &mut BlockId, hash: ExternalBlockHash) -> bool {
+        debug_assert!(
+            self.blocks[*block as usize].hash.is_none(),
+            "block {block} cached twice"
+        );
+        if let Some(&cached) = self.cached.get(&hash) {
+            self.claim(cached);
+            self.release(&[*block]);
+            *block = cached;
+            return false;
+        }
+        self.cached.insert(hash, *block);
+        self.blocks[*block as usize].hash = Some(hash);
+        true
+    }
+
+    /// Drops one reference to each of `blocks`, last block first, so a request's tail joins the
+    /// free list (and will be evicted) before its prefix.
+    pub fn release(&mut self, blocks: &[BlockId]) {
+        for &block in blocks.iter().rev() {
+            let b = &mut self.blocks[block as usize];
+            debug_assert!(b.refs > 0, "block {block} released more often than taken");
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs == 0 {
+                self.push_tail(block);
+            }
+        }
+    }
+
+    /// Forgets every cached hash, if no block is in use. Returns whether it did.
+    pub fn reset(&mut self) -> bool {
+        if self.active() > 0 {
+            return false;
+        }
+        for block in &mut self.blocks {
+            block.hash = None;
+        }
+        self.cached.clear();
+        self.events.push(KvEvent::AllCleared);
+        true
+    }
+
+    /// Records an event in order with the pool's own.
+    pub fn push_event(&mut self, event: KvEvent) {
+        self.events.push(event);
+    }
+
+    /// The events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Checks the pool against `holders[b]`, the number of requests holding block `b`: counts,
+    /// free-list links, and the cache map against the blocks' hashes.
+    pub fn check_invariants(&self, holders: &[u32]) -> Result<(), String> {
+        if holders.len() != self.blocks.len() {
+            return Err(format!(
+                "{} holder counts for {} blocks",
+                holders.len(),
+                self.blocks.len()
+            ));
+        }
+        for (i, (block, &held)) in self.blocks.iter().zip(holders).enumerate() {
+            if block.refs != held {
+                return Err(format!(
+                    "block {i} has {} references but {held} holders",
+                    block.refs
+                ));
+            }
+        }
+        let on_list = self.walk_free_list()?;
+        if on_list != self.free {
+            return Err(format!(
+                "free count {} but {on_list} blocks on the free list",
+                self.free
+            ));
+        }
+        let in_use = self.blocks.iter().filter(|b| b.refs > 0).count() as u32;
+        if in_use + self.free != self.total() {
+            return Err(format!(
+                "{in_use} in use + {} free != {} total",
+                self.free,
+                self.total()
+            ));
+        }
+        for (hash, &block) in &self.cached {
+            if self.blocks[block as usize].hash != Some(*hash) {
+                return Err(format!(
+                    "cache maps {hash:?} to block {block}, which does not carry it"
+                ));
+            }
+        }
+        let carrying = self.blocks.iter().filter(|b| b.hash.is_some()).count();
+        if carrying != self.cached.len() {
+            return Err(format!(
+                "{carrying} blocks carry a hash but {} are in the cache map",
+                self.cached.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Walks the free list from head to tail, checking links and that every block on it is
+    /// unreferenced; returns its length.
+    fn walk_free_list(&self) -> Result<u32, String> {
+        let mut count = 0u32;
+        let (mut at, mut prev) = (self.head, NIL);
+        while at != NIL {
+            let block = &self.blocks[at as usize];
+            if block.refs != 0 || block.prev != prev {
+                return Err(format!(
+                    "free block {at} has {} references, prev link {}",
+                    block.refs, block.prev
+                ));
+            }
+            count += 1;
+            if count > self.total() {
+                return Err("the free list has a cycle".to_owned());
+            }
+            (prev, at) = (at, block.next);
+        }
+        if prev != self.tail {
+            return Err(format!("free list ends at {prev}, tail is {}", self.tail));
+        }
+        Ok(count)
+    }
+
+    /// Drops `block`'s cached hash, if any, with a [`BlockRemoved`] event.
+    fn evict(&mut self, block: BlockId) {
+        if let Some(hash) = self.blocks[block as usize].hash.take() {
+            self.cached.remove(&hash);
+            self.events.push(KvEvent::Removed(BlockRemoved {
+                block_hashes: vec![hash],
+            }));
+        }
+    }
+
+    /// Takes `block` off the free list.
+    fn unlink(&mut self, block: BlockId) {
+        let Block { prev, next, .. } = self.blocks[block as usize];
+        match prev {
+            NIL => self.head = next,
+            p => self.blocks[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.blocks[n as usize].prev = prev,
+        }
+        let b = &mut self.blocks[block as usize];
+        (b.prev, b.next) = (NIL, NIL);
+        self.free -= 1;
+    }
+
+    /// Appends `block` to the tail of the free list.
+    fn push_tail(&mut self, block: BlockId) {
+        let tail = self.tail;
+        {
+            let b = &mut self.blocks[block as usize];
+            (b.prev, b.next) = (tail, NIL);
+        }
+        match tail {
+            NIL => self.head = block,
+            t => self.blocks[t as usize].next = block,
+        }
+        self.tail = block;
+        self.free += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash(i: u64) -> ExternalBlockHash {
+        ExternalBlockHash(i)
+    }
+
+    #[test]
+    fn freed_blocks_are_evicted_least_recently_freed_first_tail_before_prefix() {
+        let mut pool = BlockPool::new(4);
+        let mut a = Vec::new();
+        assert!(pool.allocate(2, &mut a));
+        let mut b = Vec::new();
+        assert!(pool.allocate(2, &mut b));
+        for (i, block) in a.iter_mut().chain(&mut b).enumerate() {
+            assert!(pool.cache(block, hash(i as u64)));
+        }
+        pool.release(&a); // free list: a[1], a[0]
+        pool.release(&b); // free list: a[1], a[0], b[1], b[0]
+        let mut out = Vec::new();
+        assert!(pool.allocate(3, &mut out));
+        assert_eq!(out, vec![a[1], a[0], b[1]]);
+        let removed: Vec<_> = pool
+            .take_events()
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Removed(r) => r.block_hashes,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(removed, vec![vec![hash(1)], vec![hash(0)], vec![hash(3)]]);
+        assert_eq!(pool.cached_hashes().collect::<Vec<_>>(), vec![hash(2)]);
+        pool.check_invariants(&[1, 1, 0, 1]).unwrap();
+    }
+
+    #[test]
+    fn a_hit_takes_a_free_block_off_the_free_list() {
+        let mut pool = BlockPool::new(2);
+        let mut a = Vec::new();
+        assert!(pool.allocate(1, &mut a));
+        assert!(pool.cache(&mut a[0], hash(7)));
+        pool.release(&a);
+        let mut hits = Vec::new();
+        pool.lookup(&[hash(7), hash(8)], 2, &mut hits);
+        assert_eq!(hits, a);
+        assert!(pool.can_allocate(1, &hits));
+        assert!(!pool.can_allocate(2, &hits));
+        pool.claim(hits[0]);
+        assert_eq!((pool.free, pool.active()), (1, 1));
+        // A second copy of the same block is swapped for the cached one and freed.
+        let mut b = Vec::new();
+        assert!(pool.allocate(1, &mut b));
+        let copy = b[0];
+        assert!(!pool.cache(&mut b[0], hash(7)));
+        assert_eq!(b, a);
+        assert_eq!(pool.blocks[copy as usize].refs, 0);
+        pool.check_invariants(&[2, 0]).unwrap();
+        assert!(!pool.reset());
+    }
+}

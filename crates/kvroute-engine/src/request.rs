@@ -1,0 +1,146 @@
+//! What goes into the engine (requests) and what comes out per request (tokens, completions).
+
+use kvroute_core::ids::{LocalBlockHash, RequestId};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// A request as the engine receives it.
+///
+/// `output_len` is the true number of tokens the request will generate, which in reality only
+/// the model knows (it stops at an end-of-sequence token). The engine uses it to decide when the
+/// request finishes; nothing that routes or admits requests should read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineRequest {
+    /// The caller's name for the request; unique among the engine's live requests.
+    pub id: RequestId,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Tokens the request will generate (cut at `max_model_len`). Zero is allowed: the prompt is
+    /// computed and cached, and the request finishes without emitting a token.
+    pub output_len: u32,
+    /// The LoRA adapter; it salts the block hashes and is reported in KV events.
+    pub lora_name: Option<String>,
+    /// A cache namespace (vLLM's `cache_salt`, a tenant): it salts the block hashes.
+    pub cache_namespace: Option<String>,
+}
+
+/// A prompt: token ids, or the local hashes of its full blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// The prompt's token ids.
+    Tokens(Vec<u32>),
+    /// A prompt known only by the local hashes of its full blocks, as trace files give it
+    /// (already salted, if a salt applies), and its length in tokens: `hashes.len()` full blocks
+    /// and fewer than `block_size` tokens after them. The engine uses the hashes as given;
+    /// the prompt's token ids are unknown, so its KV events carry none.
+    Blocks {
+        /// Local hashes of the full blocks, in order.
+        hashes: Vec<LocalBlockHash>,
+        /// Prompt length in tokens.
+        len: u32,
+    },
+}
+
+impl Prompt {
+    /// Prompt length in tokens.
+    pub fn len(&self) -> u32 {
+        match self {
+            Prompt::Tokens(tokens) => u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            Prompt::Blocks { len, .. } => *len,
+        }
+    }
+
+    /// Whether the prompt has no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Why a request was not accepted. Rejection is decided when the request is added, before it
+/// takes part in any step.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// A live request already has this id.
+    #[error("request {0:?} is already in the engine")]
+    DuplicateId(RequestId),
+    /// The prompt has no token.
+    #[error("request {0:?} has an empty prompt")]
+    EmptyPrompt(RequestId),
+    /// A block-hash prompt's length does not match its number of blocks.
+    #[error(
+        "request {id:?}: {blocks} full blocks of {block_size} tokens cannot make a prompt of {len} tokens"
+    )]
+    BlockCountMismatch {
+        /// The request.
+        id: RequestId,
+        /// Blocks given.
+        blocks: usize,
+        /// Length given.
+        len: u32,
+        /// The engine's block size.
+        block_size: u32,
+    },
+    /// The prompt leaves no room to generate within `max_model_len`.
+    #[error(
+        "request {id:?}: prompt of {prompt_len} tokens leaves no room under max_model_len {max_model_len}"
+    )]
+    PromptTooLong {
+        /// The request.
+        id: RequestId,
+        /// Prompt tokens.
+        prompt_len: u32,
+        /// The engine's limit.
+        max_model_len: u32,
+    },
+    /// The request's KV would not fit even in the whole, empty cache, so it could never finish.
+    #[error("request {id:?} needs {blocks_needed} KV blocks; the cache has {total_blocks}")]
+    ExceedsCache {
+        /// The request.
+        id: RequestId,
+        /// Blocks it would hold at its longest.
+        blocks_needed: u64,
+        /// Blocks in the cache.
+        total_blocks: u32,
+    },
+}
+
+/// Tokens a request produced in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenEmission {
+    /// The request.
+    pub request: RequestId,
+    /// Tokens produced (one per step without speculative decoding).
+    pub tokens: u32,
+}
+
+/// Why a request finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced its whole output.
+    Stop,
+    /// It reached `max_model_len` first.
+    Length,
+}
+
+/// A request that finished in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub request: RequestId,
+    /// Tokens it produced in all.
+    pub output_tokens: u32,
+    /// Why it finished.
+    pub reason: FinishReason,
+}
+
+/// The token id the engine generates as output token `index` (from 0) of `request`.
+///
+/// The engine does not run a model, so its outputs are made up, deterministically: the low 32
+/// bits of `XXH3_64(le64(request) ‖ le32(index), seed 0)`. A simulator that builds a conversation's
+/// next turn from this turn's output computes the same tokens with this function.
+pub fn synthetic_output_token(request: RequestId, index: u32) -> u32 {
+    let mut bytes = [0u8; 12];
+    bytes[..8].copy_from_slice(&request.0.to_le_bytes());
+    bytes[8..].copy_from_slice(&index.to_le_bytes());
+    xxh3_64_with_seed(&bytes, 0) as u32
+}

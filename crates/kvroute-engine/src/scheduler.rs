@@ -1,0 +1,351 @@
+//! The scheduler: which requests compute how many tokens in the next pass, modeled on vLLM v1.
+//!
+//! A step has a token budget (`max_num_batched_tokens`). [`Scheduler::schedule`] spends it in
+//! vLLM's order:
+//!
+//! 1. **Running requests**, oldest first. Each gets `min(its uncomputed tokens, budget)`: one for
+//!    a decoding request, a chunk for a prompt being prefilled. When its new blocks cannot be
+//!    allocated, the newest running request is **preempted** (recompute mode: its blocks are
+//!    freed, its progress reset, and it goes to the front of the waiting queue) until they can;
+//!    if the request itself was the newest, scheduling of running requests stops.
+//! 2. **Waiting requests**, in queue order, unless a request was preempted in this step, while
+//!    fewer than `max_num_seqs` run. The longest cached prefix of full blocks is looked up (block
+//!    by block, stopping at the first miss) and at most `len − 1` tokens are taken from the cache,
+//!    so the last token is always computed. Without chunked prefill the rest must fit in the
+//!    budget; if it does not, or its blocks cannot be allocated, admission stops (no request
+//!    overtakes the head of the queue).
+//!
+//! Blocks are offered to the prefix cache as soon as the pass that computes them is scheduled,
+//! as in vLLM, and [`Scheduler::commit`] then advances every scheduled request by its tokens:
+//! a request whose known tokens are all computed samples its next token, and finishes once its
+//! output is complete.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kvroute_core::ids::RequestId;
+
+use crate::config::EngineConfig;
+use crate::events::{BlockStored, KvEvent};
+use crate::kv_pool::{BlockId, BlockPool};
+use crate::metrics::ForwardPass;
+use crate::request::{Finished, TokenEmission};
+use crate::sequence::Sequence;
+
+/// The part of the configuration the scheduler reads.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    block_size: u32,
+    max_num_seqs: usize,
+    max_num_batched_tokens: u32,
+    chunked_prefill: bool,
+    prefix_caching: bool,
+}
+
+/// One request's share of a pass.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Chunk {
+    pub id: RequestId,
+    /// Tokens computed in the pass.
+    pub new_tokens: u32,
+    /// Tokens already in the cache before the pass.
+    pub context: u32,
+    /// Whether this is a decode (see [`ForwardPass`]).
+    pub decode: bool,
+}
+
+/// What [`Scheduler::schedule`] decided for one pass.
+#[derive(Debug, Default)]
+pub(crate) struct Schedule {
+    pub chunks: Vec<Chunk>,
+    pub preempted: Vec<RequestId>,
+    pub admitted: u32,
+    pub hit_tokens: u64,
+    pub query_tokens: u64,
+}
+
+impl Schedule {
+    /// The pass's composition, before the pool's occupancy is filled in.
+    pub fn pass(&self) -> ForwardPass {
+        let mut pass = ForwardPass::default();
+        for chunk in &self.chunks {
+            if chunk.decode {
+                pass.add_decode(chunk.context);
+            } else {
+                pass.add_prefill(chunk.new_tokens, chunk.context);
+            }
+        }
+        pass
+    }
+}
+
+/// What [`Scheduler::commit`] produced for one pass.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    pub emitted: Vec<TokenEmission>,
+    pub first_token: Vec<RequestId>,
+    pub finished: Vec<Finished>,
+}
+
+/// Queues, live requests and the block pool.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    limits: Limits,
+    pub pool: BlockPool,
+    pub seqs: BTreeMap<RequestId, Sequence>,
+    pub waiting: VecDeque<RequestId>,
+    /// Oldest first; preemption takes from the back.
+    pub running: Vec<RequestId>,
+    /// Reused buffer for cache hits.
+    hits: Vec<BlockId>,
+}
+
+impl Scheduler {
+    /// An empty scheduler over a fresh pool.
+    pub fn new(config: &EngineConfig) -> Self {
+        Self {
+            limits: Limits {
+                block_size: config.block_size,
+                max_num_seqs: config.max_num_seqs as usize,
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                chunked_prefill: config.enable_chunked_prefill,
+                prefix_caching: config.enable_prefix_caching,
+            },
+            pool: BlockPool::new(config.num_blocks),
+            seqs: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            hits: Vec::new(),
+        }
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Queues a new request at the back of the waiting queue.
+    pub fn enqueue(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq.id);
+        self.seqs.insert(seq.id, seq);
+    }
+
+    /// Chooses the next pass (see the module docs).
+    pub fn schedule(&mut self) -> Schedule {
+        let mut budget = self.limits.max_num_batched_tokens;
+        let mut schedule = Schedule::default();
+        self.schedule_running(&mut budget, &mut schedule);
+        if schedule.preempted.is_empty() {
+            self.schedule_waiting(&mut budget, &mut schedule);
+        }
+        schedule
+    }
+
+    fn schedule_running(&mut self, budget: &mut u32, schedule: &mut Schedule) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let new_tokens = seq.remaining().min(*budget);
+            let context = seq.num_computed;
+            let decode = seq.outputs > 0 && seq.remaining() == 1;
+            if !self.grow(id, new_tokens, schedule) {
+                break;
+            }
+            schedule.chunks.push(Chunk {
+                id,
+                new_tokens,
+                context,
+                decode,
+            });
+            *budget -= new_tokens;
+            i += 1;
+        }
+    }
+
+    /// Allocates the blocks running request `id` needs for `new_tokens` more tokens, preempting
+    /// from the back of the running list until they fit. Returns false if `id` itself was
+    /// preempted.
+    fn grow(&mut self, id: RequestId, new_tokens: u32, schedule: &mut Schedule) -> bool {
+        loop {
+            let seq = self.seqs.get_mut(&id).expect("running requests are live");
+            let needed = (seq.num_computed + new_tokens).div_ceil(self.limits.block_size);
+            let fresh = needed.saturating_sub(seq.blocks.len() as u32);
+            if self.pool.allocate(fresh, &mut seq.blocks) {
+                let tokens = seq.num_computed + new_tokens;
+                self.offer_full_blocks(id, tokens);
+                return true;
+            }
+            let victim = self.running.pop().expect("`id` is running");
+            self.preempt(victim, schedule);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    /// Frees `id`'s blocks, resets its progress and puts it at the front of the waiting queue.
+    fn preempt(&mut self, id: RequestId, schedule: &mut Schedule) {
+        let seq = self.seqs.get_mut(&id).expect("preempted requests are live");
+        self.pool.release(&seq.blocks);
+        seq.blocks.clear();
+        seq.num_computed = 0;
+        seq.num_cached_blocks = 0;
+        self.waiting.push_front(id);
+        schedule.preempted.push(id);
+    }
+
+    fn schedule_waiting(&mut self, budget: &mut u32, schedule: &mut Schedule) {
+        while let Some(&id) = self.waiting.front() {
+            if *budget == 0 || self.running.len() >= self.limits.max_num_seqs {
+                break;
+            }
+            let Some(chunk) = self.admit(id, *budget) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(id);
+            schedule.admitted += 1;
+            schedule.hit_tokens += u64::from(chunk.context);
+            schedule.query_tokens += u64::from(self.seqs[&id].len());
+            schedule.chunks.push(chunk);
+            *budget -= chunk.new_tokens;
+        }
+    }
+
+    /// Takes waiting request `id`'s cached prefix and allocates its first chunk within `budget`,
+    /// or changes nothing and returns `None` if it does not fit.
+    fn admit(&mut self, id: RequestId, budget: u32) -> Option<Chunk> {
+        let bs = self.limits.block_size;
+        let seq = self.seqs.get_mut(&id).expect("waiting requests are live");
+        let mut hits = std::mem::take(&mut self.hits);
+        hits.clear();
+        if self.limits.prefix_caching {
+            // At most len − 1 tokens come from the cache: the last one is always computed.
+            let max_hit_blocks = ((seq.len() - 1) / bs) as usize;
+            self.pool.lookup(&seq.externals, max_hit_blocks, &mut hits);
+        }
+        let context = hits.len() as u32 * bs;
+        let uncached = seq.len() - context;
+        if !self.limits.chunked_prefill && uncached > budget {
+            self.hits = hits;
+            return None;
+        }
+        let new_tokens = uncached.min(budget);
+        let fresh = (context + new_tokens).div_ceil(bs) - hits.len() as u32;
+        if !self.pool.can_allocate(fresh, &hits) {
+            self.hits = hits;
+            return None;
+        }
+        for &block in &hits {
+            self.pool.claim(block);
+        }
+        seq.blocks.extend_from_slice(&hits);
+        let allocated = self.pool.allocate(fresh, &mut seq.blocks);
+        debug_assert!(allocated, "can_allocate said the blocks fit");
+        seq.num_computed = context;
+        seq.num_cached_blocks = hits.len() as u32;
+        let decode = seq.outputs > 0 && uncached == 1;
+        self.hits = hits;
+        self.offer_full_blocks(id, context + new_tokens);
+        Some(Chunk {
+            id,
+            new_tokens,
+            context,
+            decode,
+        })
+    }
+
+    /// Offers `id`'s blocks that are full once `tokens` tokens have KV to the prefix cache, and
+    /// records a [`BlockStored`] event for every run of blocks newly cached. A block that is
+    /// already cached is swapped for the cached copy (see [`BlockPool::cache`]).
+    fn offer_full_blocks(&mut self, id: RequestId, tokens: u32) {
+        if !self.limits.prefix_caching {
+            return;
+        }
+        let Self {
+            pool, seqs, limits, ..
+        } = self;
+        let seq = seqs.get_mut(&id).expect("scheduled requests are live");
+        let full = (tokens / limits.block_size) as usize;
+        let mut run: Option<BlockStored> = None;
+        for b in seq.num_cached_blocks as usize..full {
+            if pool.cache(&mut seq.blocks[b], seq.externals[b]) {
+                let stored = run.get_or_insert_with(|| BlockStored {
+                    parent_block_hash: b.checked_sub(1).map(|p| seq.externals[p]),
+                    block_hashes: Vec::new(),
+                    local_hashes: Vec::new(),
+                    token_ids: Vec::new(),
+                    block_size: limits.block_size,
+                    lora_name: seq.lora_name.clone(),
+                });
+                stored.block_hashes.push(seq.externals[b]);
+                stored.local_hashes.push(seq.locals[b]);
+                if seq.token_ids_known {
+                    stored.token_ids.extend_from_slice(seq.block_tokens(b));
+                }
+            } else if let Some(stored) = run.take() {
+                pool.push_event(KvEvent::Stored(stored));
+            }
+        }
+        if let Some(stored) = run {
+            pool.push_event(KvEvent::Stored(stored));
+        }
+        seq.num_cached_blocks = seq.num_cached_blocks.max(full as u32);
+    }
+
+    /// Advances every request of `schedule` by its tokens: samples the next token where all
+    /// known tokens are computed, and retires finished requests, freeing their blocks.
+    pub fn commit(&mut self, schedule: &Schedule) -> Progress {
+        let mut progress = Progress::default();
+        for chunk in &schedule.chunks {
+            let seq = self.seqs.get_mut(&chunk.id).expect("scheduled requests are live");
+            seq.num_computed += chunk.new_tokens;
+            if seq.remaining() > 0 {
+                continue; // a prefill chunk short of the end
+            }
+            if !seq.is_done() {
+                seq.push_output();
+                progress.emitted.push(TokenEmission {
+                    request: chunk.id,
+                    tokens: 1,
+                });
+                if seq.outputs == 1 {
+                    progress.first_token.push(chunk.id);
+                }
+            }
+            if seq.is_done() {
+                progress.finished.push(Finished {
+                    request: chunk.id,
+                    output_tokens: seq.outputs,
+                    reason: seq.finish_reason(),
+                });
+            }
+        }
+        if !progress.finished.is_empty() {
+            self.retire(&progress.finished);
+        }
+        progress
+    }
+
+    /// Removes `finished` requests from the running list and frees their blocks.
+    fn retire(&mut self, finished: &[Finished]) {
+        for f in finished {
+            if let Some(seq) = self.seqs.remove(&f.request) {
+                self.pool.release(&seq.blocks);
+            }
+        }
+        let seqs = &self.seqs;
+        self.running.retain(|id| seqs.contains_key(id));
+    }
+
+    /// How many live requests hold each block.
+    pub fn holders(&self) -> Vec<u32> {
+        let mut holders = vec![0u32; self.pool.total() as usize];
+        for seq in self.seqs.values() {
+            for &block in &seq.blocks {
+                holders[block as usize] += 1;
+            }
+        }
+        holders
+    }
+}

@@ -1,0 +1,194 @@
+//! One request's state inside the engine, and the engine's external block hashes.
+//!
+//! # External hashes
+//!
+//! A real engine names its cached blocks with its own digest (vLLM: SHA-256 over the parent's
+//! digest, the block's tokens and extra keys), which a router cannot reproduce and must treat as
+//! opaque. The engine does the same, so that nothing downstream can come to rely on the engine's
+//! names being the router's sequence hashes:
+//!
+//! ```text
+//! external[i] = XXH3_64(le64(external[i-1]) ‖ le64(local[i]), seed = external_hash_seed)
+//! external[-1] = EXTERNAL_ROOT
+//! ```
+//!
+//! where `local[i]` is the block's local hash (the router's, salt included, from
+//! `kvroute_core::hash`). The router's chain starts with `seq[0] = local[0]` and uses seed 1337;
+//! this one hashes block 0 with a root value, so the two differ from the first block on, whatever
+//! the seed. Engines configured with different seeds name the same block differently.
+
+use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, RequestId};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::config::EngineConfig;
+use crate::kv_pool::BlockId;
+use crate::request::{EngineRequest, FinishReason, Prompt, RequestError, synthetic_output_token};
+
+/// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
+pub const EXTERNAL_ROOT: u64 = 0x6b76_726f_7574_6521;
+
+/// The engine's external hash of the block with local hash `local` after the block named
+/// `parent` (`None` at the start of a sequence). See the module docs.
+pub fn external_hash(
+    seed: u64,
+    parent: Option<ExternalBlockHash>,
+    local: LocalBlockHash,
+) -> ExternalBlockHash {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&parent.map_or(EXTERNAL_ROOT, |p| p.0).to_le_bytes());
+    bytes[8..].copy_from_slice(&local.0.to_le_bytes());
+    ExternalBlockHash(xxh3_64_with_seed(&bytes, seed))
+}
+
+/// A live request: its tokens, their block hashes, the blocks it holds and its progress.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub id: RequestId,
+    /// Tokens it will produce: the requested output, cut at `max_model_len`.
+    pub max_output: u32,
+    /// Whether `max_output` was cut.
+    pub truncated: bool,
+    /// Prompt then output tokens. For a block-hash prompt, the prompt's part is zeros.
+    pub tokens: Vec<u32>,
+    /// Whether `tokens` holds the real prompt (false for block-hash prompts).
+    pub token_ids_known: bool,
+    pub lora_name: Option<String>,
+    hasher: BlockHasher,
+    /// Prompt blocks whose local hash was given instead of tokens.
+    given: Vec<LocalBlockHash>,
+    /// Local and external hashes of every full block of `tokens`.
+    pub locals: Vec<LocalBlockHash>,
+    pub externals: Vec<ExternalBlockHash>,
+    external_seed: u64,
+    /// KV blocks held, in token order.
+    pub blocks: Vec<BlockId>,
+    /// Tokens whose KV has been (or, in the pass being scheduled, is being) computed.
+    pub num_computed: u32,
+    /// Leading blocks this request has offered to the cache (hits included).
+    pub num_cached_blocks: u32,
+    /// Output tokens produced.
+    pub outputs: u32,
+}
+
+impl Sequence {
+    /// The request's state, or why it cannot be accepted under `config`.
+    pub fn new(request: EngineRequest, config: &EngineConfig) -> Result<Self, RequestError> {
+        let id = request.id;
+        let bs = config.block_size;
+        let prompt_len = request.prompt.len();
+        if prompt_len == 0 {
+            return Err(RequestError::EmptyPrompt(id));
+        }
+        if prompt_len >= config.max_model_len {
+            return Err(RequestError::PromptTooLong {
+                id,
+                prompt_len,
+                max_model_len: config.max_model_len,
+            });
+        }
+        let max_output = request.output_len.min(config.max_model_len - prompt_len);
+        // The last output token is sampled but never fed back, so its KV is never computed.
+        let peak_tokens = u64::from(prompt_len) + u64::from(max_output.saturating_sub(1));
+        let blocks_needed = peak_tokens.div_ceil(u64::from(bs));
+        if blocks_needed > u64::from(config.num_blocks) {
+            return Err(RequestError::ExceedsCache {
+                id,
+                blocks_needed,
+                total_blocks: config.num_blocks,
+            });
+        }
+        let salt = HashSalt {
+            lora_name: request.lora_name.as_deref(),
+            namespace: request.cache_namespace.as_deref(),
+        };
+        let hasher = BlockHasher::new(bs as usize, &salt);
+        let (tokens, given, token_ids_known) = match request.prompt {
+            Prompt::Tokens(tokens) => (tokens, Vec::new(), true),
+            Prompt::Blocks { hashes, len } => {
+                let blocks = hashes.len();
+                if blocks as u64 != u64::from(len / bs) {
+                    return Err(RequestError::BlockCountMismatch {
+                        id,
+                        blocks,
+                        len,
+                        block_size: bs,
+                    });
+                }
+                (vec![0; len as usize], hashes, false)
+            }
+        };
+        let mut seq = Self {
+            id,
+            max_output,
+            truncated: max_output < request.output_len,
+            tokens,
+            token_ids_known,
+            lora_name: request.lora_name,
+            hasher,
+            given,
+            locals: Vec::new(),
+            externals: Vec::new(),
+            external_seed: config.external_hash_seed,
+            blocks: Vec::new(),
+            num_computed: 0,
+            num_cached_blocks: 0,
+            outputs: 0,
+        };
+        seq.tokens.reserve(max_output as usize);
+        seq.hash_full_blocks();
+        Ok(seq)
+    }
+
+    /// Tokens known: the prompt and the outputs so far.
+    pub fn len(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+
+    /// Tokens known whose KV is not computed yet.
+    pub fn remaining(&self) -> u32 {
+        self.len() - self.num_computed
+    }
+
+    /// Whether it has produced all its output.
+    pub fn is_done(&self) -> bool {
+        self.outputs == self.max_output
+    }
+
+    /// Why it finished (meaningful once [`Sequence::is_done`]).
+    pub fn finish_reason(&self) -> FinishReason {
+        if self.truncated {
+            FinishReason::Length
+        } else {
+            FinishReason::Stop
+        }
+    }
+
+    /// Appends the next output token and hashes the block it fills, if any.
+    pub fn push_output(&mut self) {
+        self.tokens.push(synthetic_output_token(self.id, self.outputs));
+        self.outputs += 1;
+        self.hash_full_blocks();
+    }
+
+    /// The tokens of block `index`.
+    pub fn block_tokens(&self, index: usize) -> &[u32] {
+        let bs = self.hasher.block_size();
+        &self.tokens[index * bs..(index + 1) * bs]
+    }
+
+    /// Extends `locals` and `externals` over every full block of `tokens`.
+    fn hash_full_blocks(&mut self) {
+        let full = self.tokens.len() / self.hasher.block_size();
+        while self.locals.len() < full {
+            let i = self.locals.len();
+            let local = match self.given.get(i) {
+                Some(&given) => given,
+                None => self.hasher.local_hash(self.block_tokens(i)),
+            };
+            let external = external_hash(self.external_seed, self.externals.last().copied(), local);
+            self.locals.push(local);
+            self.externals.push(external);
+        }
+    }
+}

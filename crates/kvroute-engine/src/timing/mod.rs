@@ -1,0 +1,96 @@
+//! How long a forward pass takes: one trait, three models, chosen by configuration.
+//!
+//! A model sees the pass's composition ([`ForwardPass`]) and returns seconds. The engine divides
+//! that by the configured speedup factor, rounds it to nanoseconds once and floors it at
+//! [`MIN_STEP`], so simulated time always moves forward.
+//!
+//! * [`Polynomial`]: Dynamo's mocker default, a fit of unknown provenance (uncalibrated), kept so
+//!   results can be compared with Dynamo's replay.
+//! * [`Roofline`]: FLOPs and bytes from a model and a GPU description.
+//! * [`Table`]: interpolation over a measured profile.
+
+mod polynomial;
+mod roofline;
+mod table;
+
+use std::fmt;
+
+use serde::Deserialize;
+
+pub use polynomial::Polynomial;
+pub use roofline::{Roofline, RooflineConfig, RooflineEfficiency};
+pub use table::{DecodeTable, PrefillTable, Table, TableProfile};
+
+use crate::metrics::ForwardPass;
+use crate::spec::SpecError;
+use crate::time::Nanos;
+
+/// The shortest step: a pass takes at least this long, whatever the model says, so that time
+/// always advances between passes.
+pub const MIN_STEP: Nanos = Nanos::from_micros(1);
+
+/// A model of forward-pass duration.
+///
+/// Implementations must be pure (the same pass gives the same time) and should be monotone: a
+/// pass with more work (tokens, sequences, context) never takes less time.
+pub trait TimingModel: fmt::Debug + Send + Sync {
+    /// Seconds one forward pass of `pass` takes on the modeled hardware, before the speedup
+    /// factor. Called only for passes that compute at least one token.
+    fn pass_secs(&self, pass: &ForwardPass) -> f64;
+}
+
+/// Which timing model an engine uses, with its parameters.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TimingConfig {
+    /// Dynamo's default polynomial (see [`Polynomial`]).
+    Polynomial,
+    /// The roofline model (see [`Roofline`]).
+    Roofline(RooflineConfig),
+    /// Interpolation over a measured profile (see [`Table`]).
+    Table(TableProfile),
+}
+
+impl TimingConfig {
+    /// Checks the model's parameters.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        match self {
+            TimingConfig::Polynomial => Ok(()),
+            TimingConfig::Roofline(config) => config.validate(),
+            TimingConfig::Table(profile) => profile.validate(),
+        }
+    }
+
+    /// The model this configuration describes.
+    pub fn build(&self) -> Result<Box<dyn TimingModel>, SpecError> {
+        Ok(match self {
+            TimingConfig::Polynomial => Box::new(Polynomial),
+            TimingConfig::Roofline(config) => Box::new(Roofline::new(config.clone())?),
+            TimingConfig::Table(profile) => Box::new(Table::new(profile.clone())?),
+        })
+    }
+}
+
+/// A timing model with the engine's speedup factor applied.
+#[derive(Debug)]
+pub(crate) struct StepTimer {
+    model: Box<dyn TimingModel>,
+    speedup: f64,
+}
+
+impl StepTimer {
+    /// Wraps `model`; `speedup` was validated by the engine's configuration.
+    pub(crate) fn new(model: Box<dyn TimingModel>, speedup: f64) -> Self {
+        Self { model, speedup }
+    }
+
+    /// The duration of the pass, sped up, rounded and floored at [`MIN_STEP`].
+    pub(crate) fn duration(&self, pass: &ForwardPass) -> Nanos {
+        Nanos::from_secs_f64(self.model.pass_secs(pass) / self.speedup).max(MIN_STEP)
+    }
+}
+
+/// Milliseconds to seconds.
+fn ms(x: f64) -> f64 {
+    x / 1e3
+}

@@ -1,0 +1,131 @@
+//! The harness the engine's integration tests share: an engine, a router index fed with the
+//! engine's events, and checks after every step.
+
+#![allow(dead_code)] // Each test file uses a different part of the harness.
+
+use std::collections::BTreeSet;
+
+use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
+use kvroute_core::index::{IndexConfig, PrefixIndex};
+use kvroute_engine::{
+    Engine, EngineConfig, EngineRequest, Nanos, Prompt, RequestError, StepOutput, TimingConfig,
+};
+
+/// A small engine: blocks of 4 tokens, 64 blocks, 8 sequences, 32 tokens per pass.
+pub fn config() -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 32,
+        max_model_len: 256,
+        enable_chunked_prefill: true,
+        enable_prefix_caching: true,
+        external_hash_seed: 42,
+        speedup: 1.0,
+        timing: TimingConfig::Polynomial,
+    }
+}
+
+/// [`config`] changed by `change`.
+pub fn with(change: impl FnOnce(&mut EngineConfig)) -> EngineConfig {
+    let mut config = config();
+    change(&mut config);
+    config
+}
+
+/// A request for `tokens` that generates `output_len` tokens.
+pub fn request(id: u64, tokens: impl IntoIterator<Item = u32>, output_len: u32) -> EngineRequest {
+    EngineRequest {
+        id: RequestId(id),
+        prompt: Prompt::Tokens(tokens.into_iter().collect()),
+        output_len,
+        lora_name: None,
+        cache_namespace: None,
+    }
+}
+
+/// The router's view of the engine's cache, as a set.
+pub fn held(index: &PrefixIndex, worker: WorkerKey) -> BTreeSet<ExternalBlockHash> {
+    index.held_blocks(worker).collect()
+}
+
+/// An engine driven at its own wakeups, whose events feed a router index, with the engine's
+/// invariants and the router's agreement checked after every step.
+pub struct Harness {
+    pub engine: Engine,
+    pub index: PrefixIndex,
+    pub worker: WorkerKey,
+    /// The time of the last step or arrival.
+    pub now: Nanos,
+    /// Every step's output, in order.
+    pub log: Vec<StepOutput>,
+}
+
+impl Harness {
+    pub fn new(config: EngineConfig) -> Self {
+        let worker = WorkerKey::new(WorkerId(1), DpRank(0));
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        index.add_worker(worker);
+        Self {
+            engine: Engine::new(config).expect("valid config"),
+            index,
+            worker,
+            now: Nanos::ZERO,
+            log: Vec::new(),
+        }
+    }
+
+    /// Adds `request` at the current time.
+    pub fn add(&mut self, request: EngineRequest) -> Result<(), RequestError> {
+        self.engine.add_request(self.now, request)
+    }
+
+    /// Runs one step at the engine's wakeup, checks everything and returns its output; `None`
+    /// when the engine is idle.
+    pub fn step(&mut self) -> Option<StepOutput> {
+        let at = self.engine.next_wakeup()?;
+        assert!(at >= self.now, "time went back from {} to {at}", self.now);
+        let out = self
+            .engine
+            .step(at)
+            .expect("an engine with work runs at its wakeup");
+        assert!(out.end > out.start, "a step takes time");
+        self.now = out.end;
+        self.check(&out);
+        self.log.push(out.clone());
+        Some(out)
+    }
+
+    /// Steps until the engine is idle; returns the outputs of those steps.
+    pub fn run(&mut self) -> Vec<StepOutput> {
+        let mut outs = Vec::new();
+        while let Some(out) = self.step() {
+            outs.push(out);
+            assert!(outs.len() < 100_000, "the engine does not finish");
+        }
+        outs
+    }
+
+    /// The engine's invariants, and the router's index against the engine's cache after
+    /// applying the step's events.
+    pub fn check(&mut self, out: &StepOutput) {
+        if let Err(e) = self.engine.check_invariants() {
+            panic!("engine invariant broken: {e}");
+        }
+        for event in &out.events {
+            event
+                .apply_to(&mut self.index, self.worker)
+                .unwrap_or_else(|e| panic!("{event:?}: {e}"));
+        }
+        if let Err(e) = self.index.check_invariants() {
+            panic!("index invariant broken: {e}");
+        }
+        let engine: BTreeSet<_> = self.engine.cached_blocks().collect();
+        assert_eq!(
+            held(&self.index, self.worker),
+            engine,
+            "router and engine disagree"
+        );
+    }
+}
