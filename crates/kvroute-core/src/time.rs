@@ -17,12 +17,17 @@ impl Timestamp {
 
     /// `ms` milliseconds after the epoch.
     pub const fn from_millis(ms: u64) -> Self {
-        Self(ms * 1_000_000)
+        Self(ms.saturating_mul(1_000_000))
     }
 
     /// Nanoseconds since the epoch.
     pub const fn as_nanos(self) -> u64 {
         self.0
+    }
+
+    /// `us` microseconds after the epoch.
+    pub const fn from_micros(us: u64) -> Self {
+        Self(us.saturating_mul(1_000))
     }
 
     /// Seconds since the epoch, as a float (for reports).
@@ -34,6 +39,14 @@ impl Timestamp {
     pub fn saturating_since(self, earlier: Timestamp) -> Duration {
         Duration::from_nanos(self.0.saturating_sub(earlier.0))
     }
+}
+
+/// `secs` seconds as a [`Duration`], rounded to the nearest nanosecond. Negative and NaN values
+/// give zero and values too large saturate, where [`Duration::from_secs_f64`] would panic: timing
+/// models compute in `f64`, and their output is rounded here, once.
+pub fn duration_from_secs_f64(secs: f64) -> Duration {
+    // `as` saturates and maps NaN to 0.
+    Duration::from_nanos((secs * 1e9).round() as u64)
 }
 
 impl Add<Duration> for Timestamp {
@@ -57,5 +70,23 @@ impl Sub<Duration> for Timestamp {
             self.0
                 .saturating_sub(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_round_and_saturate() {
+        assert_eq!(duration_from_secs_f64(0.0015), Duration::from_nanos(1_500_000));
+        assert_eq!(duration_from_secs_f64(1.4e-9), Duration::from_nanos(1));
+        assert_eq!(duration_from_secs_f64(-1.0), Duration::ZERO);
+        assert_eq!(duration_from_secs_f64(f64::NAN), Duration::ZERO);
+        assert_eq!(duration_from_secs_f64(f64::INFINITY), Duration::from_nanos(u64::MAX));
+        assert_eq!(Timestamp::from_millis(3) + Duration::from_micros(2), Timestamp(3_002_000));
+        assert_eq!(Timestamp(5) - Duration::from_nanos(7), Timestamp::ZERO);
+        assert_eq!(Timestamp(u64::MAX) + Duration::from_nanos(1), Timestamp(u64::MAX));
+        assert_eq!(Timestamp(7).saturating_since(Timestamp(9)), Duration::ZERO);
     }
 }

@@ -13,7 +13,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// The core crates of the workspace: sans-IO libraries that the live server and the simulator
-/// both drive. `kvroute-engine` and `kvroute-planner` join this list when they land.
+/// both drive. `kvroute-planner` joins this list when it lands.
 const CORE_CRATES: &[&str] = &["kvroute-core", "kvroute-engine"];
 
 /// Crates no core crate may depend on, directly or through others.
