@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use kvroute_core::ids::RequestId;
+use kvroute_core::time::Timestamp;
 use kvroute_engine::timing::{RooflineConfig, RooflineEfficiency};
 use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, GpuSpec, ModelSpec, Nanos, Prompt, StepOutput, TimingConfig,
+    Engine, EngineConfig, EngineRequest, GpuSpec, ModelSpec, Prompt, StepOutput, TimingConfig,
 };
 
 const RUNNING: u32 = 256;
@@ -55,7 +56,7 @@ fn roofline() -> TimingConfig {
 struct Saturated {
     engine: Engine,
     next_id: u64,
-    now: Nanos,
+    now: Timestamp,
 }
 
 impl Saturated {
@@ -64,7 +65,7 @@ impl Saturated {
         let mut s = Self {
             engine: Engine::new(config(timing)).expect("valid config"),
             next_id: 0,
-            now: Nanos::ZERO,
+            now: Timestamp::ZERO,
         };
         for _ in 0..RUNNING {
             s.arrive();
@@ -147,7 +148,7 @@ fn summary(name: &str, timing: TimingConfig) {
         per(f64::from(STEPS)),
         per(computed as f64),
         per(emitted as f64),
-        (s.now - sim0).as_secs_f64(),
+        s.now.saturating_since(sim0).as_secs_f64(),
     );
 }
 

@@ -1,6 +1,7 @@
 //! The engine: requests in, forward passes out, with time passed in.
 
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
+use kvroute_core::time::Timestamp;
 
 use crate::config::{ConfigError, EngineConfig};
 use crate::events::KvEvent;
@@ -8,7 +9,6 @@ use crate::metrics::StepMetrics;
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
 use crate::scheduler::{Progress, Schedule, Scheduler};
 use crate::sequence::Sequence;
-use crate::time::Nanos;
 use crate::timing::{MIN_STEP, StepTimer};
 
 /// A simulated vLLM-like engine. See the crate docs.
@@ -18,9 +18,9 @@ pub struct Engine {
     scheduler: Scheduler,
     timer: StepTimer,
     /// When the last forward pass ends.
-    busy_until: Nanos,
+    busy_until: Timestamp,
     /// The latest time passed in.
-    clock: Nanos,
+    clock: Timestamp,
 }
 
 /// What one forward pass did. Its effects happen at `end`: a driver delivers the tokens and
@@ -28,9 +28,9 @@ pub struct Engine {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepOutput {
     /// When the pass started (the `now` it was run at).
-    pub start: Nanos,
+    pub start: Timestamp,
     /// When it ends.
-    pub end: Nanos,
+    pub end: Timestamp,
     /// Requests that produced tokens, in scheduling order.
     pub emitted: Vec<TokenEmission>,
     /// Requests whose first token this was.
@@ -67,8 +67,8 @@ impl Engine {
             scheduler: Scheduler::new(&config),
             timer,
             config,
-            busy_until: Nanos::ZERO,
-            clock: Nanos::ZERO,
+            busy_until: Timestamp::ZERO,
+            clock: Timestamp::ZERO,
         })
     }
 
@@ -79,7 +79,7 @@ impl Engine {
 
     /// Queues `request`, arrived at `now`, behind the waiting requests; or rejects it, leaving
     /// the engine unchanged. It is scheduled at the next step.
-    pub fn add_request(&mut self, now: Nanos, request: EngineRequest) -> Result<(), RequestError> {
+    pub fn add_request(&mut self, now: Timestamp, request: EngineRequest) -> Result<(), RequestError> {
         if self.scheduler.seqs.contains_key(&request.id) {
             return Err(RequestError::DuplicateId(request.id));
         }
@@ -92,7 +92,7 @@ impl Engine {
     /// When [`Engine::step`] should next be called: the end of the pass in flight, or, if it
     /// has ended, the latest time passed in (the engine is ready now). `None` when no request is
     /// waiting or running.
-    pub fn next_wakeup(&self) -> Option<Nanos> {
+    pub fn next_wakeup(&self) -> Option<Timestamp> {
         self.scheduler.has_work().then(|| self.busy_until.max(self.clock))
     }
 
@@ -100,7 +100,7 @@ impl Engine {
     ///
     /// Returns `None`, changing nothing, when no request is waiting or running, or when the
     /// previous pass ends after `now` (the engine is busy; see [`Engine::next_wakeup`]).
-    pub fn step(&mut self, now: Nanos) -> Option<StepOutput> {
+    pub fn step(&mut self, now: Timestamp) -> Option<StepOutput> {
         if !self.scheduler.has_work() || now < self.busy_until {
             return None;
         }
@@ -130,8 +130,8 @@ impl Engine {
     /// Assembles a step's output, filling in the load after the step.
     fn output(
         &mut self,
-        start: Nanos,
-        end: Nanos,
+        start: Timestamp,
+        end: Timestamp,
         schedule: Schedule,
         progress: Progress,
         mut metrics: StepMetrics,

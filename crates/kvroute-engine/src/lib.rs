@@ -2,9 +2,10 @@
 //! events.
 //!
 //! The cluster simulator and the live mock workers both drive this one engine. Like the rest of
-//! kvroute's core it is sans-IO: time is passed in ([`Nanos`]), nothing is spawned, and no clock,
-//! file, environment or entropy source is read. The same inputs give the same outputs and events,
-//! bit for bit.
+//! kvroute's core it is sans-IO: time is passed in (instants as
+//! [`Timestamp`](kvroute_core::time::Timestamp), spans as [`Duration`](std::time::Duration)),
+//! nothing is spawned, and no clock, file, environment or entropy source is read. The same inputs
+//! give the same outputs and events, bit for bit.
 //!
 //! # Driving it
 //!
@@ -15,7 +16,8 @@
 //!
 //! ```
 //! use kvroute_core::ids::RequestId;
-//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, Nanos, Prompt, TimingConfig};
+//! use kvroute_core::time::Timestamp;
+//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, TimingConfig};
 //!
 //! let config = EngineConfig {
 //!     block_size: 4,
@@ -37,7 +39,7 @@
 //!     lora_name: None,
 //!     cache_namespace: None,
 //! };
-//! engine.add_request(Nanos::ZERO, request).unwrap();
+//! engine.add_request(Timestamp::ZERO, request).unwrap();
 //! let mut tokens = 0;
 //! while let Some(at) = engine.next_wakeup() {
 //!     let out = engine.step(at).unwrap();
@@ -75,7 +77,6 @@ pub mod request;
 mod scheduler;
 mod sequence;
 pub mod spec;
-pub mod time;
 pub mod timing;
 
 pub use config::{ConfigError, EngineConfig};
@@ -87,5 +88,4 @@ pub use request::{
 };
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};
-pub use time::Nanos;
 pub use timing::{TimingConfig, TimingModel};

@@ -4,7 +4,7 @@
 //! models on (Dynamo calls these forward-pass metrics). [`StepMetrics`] adds the load a router
 //! or a planner reads from an engine: blocks in use, queue lengths, preemptions, cache hits.
 
-use crate::time::Nanos;
+use std::time::Duration;
 
 /// The composition of one forward pass.
 ///
@@ -74,7 +74,7 @@ pub struct StepMetrics {
     /// The forward pass.
     pub pass: ForwardPass,
     /// How long the pass took (its end minus its start).
-    pub duration: Nanos,
+    pub duration: Duration,
     /// KV blocks held by requests after the step.
     pub active_blocks: u32,
     /// KV blocks in the cache.

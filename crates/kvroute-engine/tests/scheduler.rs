@@ -3,11 +3,14 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{Harness, config, request, with};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
+use kvroute_core::time::{Timestamp, duration_from_secs_f64};
 use kvroute_engine::{
-    EngineRequest, FinishReason, KvEvent, Nanos, Prompt, RequestError, StepOutput, external_hash,
+    EngineRequest, FinishReason, KvEvent, Prompt, RequestError, StepOutput, external_hash,
     synthetic_output_token,
 };
 
@@ -476,19 +479,19 @@ fn without_prefix_caching_nothing_is_hit_or_announced() {
 fn next_wakeup_follows_the_pass_in_flight() {
     let mut h = Harness::new(config());
     assert_eq!(h.engine.next_wakeup(), None);
-    assert!(h.engine.step(Nanos::ZERO).is_none());
-    let t0 = Nanos::from_millis(5);
+    assert!(h.engine.step(Timestamp::ZERO).is_none());
+    let t0 = Timestamp::from_millis(5);
     h.engine.add_request(t0, request(1, 0..8, 2)).unwrap();
     assert_eq!(h.engine.next_wakeup(), Some(t0));
     let out = h.engine.step(t0).unwrap();
     assert_eq!(out.start, t0);
     // Polynomial prefill of 8 tokens: 4.209989e-7·64 + 1.518344e-2·8 + 16.50142 ms.
     let expected = 4.209989e-7 * 64.0 + 1.518344e-2 * 8.0 + 16.50142;
-    assert_eq!(out.metrics.duration, Nanos::from_secs_f64(expected / 1e3));
+    assert_eq!(out.metrics.duration, duration_from_secs_f64(expected / 1e3));
     assert_eq!(out.end, t0 + out.metrics.duration);
     assert_eq!(h.engine.next_wakeup(), Some(out.end));
     // Called early, the engine is busy and does nothing.
-    assert!(h.engine.step(out.end - Nanos(1)).is_none());
+    assert!(h.engine.step(out.end - Duration::from_nanos(1)).is_none());
     let next = h.engine.step(out.end).unwrap();
     assert_eq!(next.finished.len(), 1);
     assert_eq!(h.engine.next_wakeup(), None);
@@ -499,7 +502,10 @@ fn the_speedup_factor_divides_step_times() {
     let run = |speedup: f64| {
         let mut h = Harness::new(kvroute_engine::EngineConfig { speedup, ..config() });
         h.add(request(1, 0..8, 2)).unwrap();
-        h.run().iter().map(|o| o.metrics.duration.0).collect::<Vec<_>>()
+        h.run()
+            .iter()
+            .map(|o| o.metrics.duration.as_nanos())
+            .collect::<Vec<_>>()
     };
     let (slow, fast) = (run(1.0), run(4.0));
     assert!(

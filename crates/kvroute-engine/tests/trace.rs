@@ -33,6 +33,11 @@ fn ids(ids: impl IntoIterator<Item = RequestId>) -> String {
     if v.is_empty() { "-".to_owned() } else { v.join(",") }
 }
 
+/// `ns` nanoseconds in milliseconds, as the snapshots print times.
+fn millis(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
 /// One line per step.
 fn render(log: &[StepOutput]) -> String {
     let mut names = Names::default();
@@ -55,8 +60,8 @@ fn render(log: &[StepOutput]) -> String {
         writeln!(
             text,
             "#{i:<2} {:>8.3}ms +{:>6.3} | prefill {}/{} decode {} | blocks {}/{} run {} wait {} | emit {} first {} done {} preempt {} | {}",
-            out.start.as_millis_f64(),
-            m.duration.as_millis_f64(),
+            millis(out.start.as_nanos()),
+            millis(u64::try_from(m.duration.as_nanos()).expect("a step shorter than 584 years")),
             p.prefill_seqs,
             p.prefill_tokens,
             p.decode_seqs,

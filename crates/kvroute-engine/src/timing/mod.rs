@@ -1,8 +1,9 @@
 //! How long a forward pass takes: one trait, three models, chosen by configuration.
 //!
 //! A model sees the pass's composition ([`ForwardPass`]) and returns seconds. The engine divides
-//! that by the configured speedup factor, rounds it to nanoseconds once and floors it at
-//! [`MIN_STEP`], so simulated time always moves forward.
+//! that by the configured speedup factor, rounds it to a [`Duration`] of whole nanoseconds once
+//! ([`duration_from_secs_f64`]) and floors it at [`MIN_STEP`], so simulated time always moves
+//! forward.
 //!
 //! * [`Polynomial`]: Dynamo's mocker default, a fit of unknown provenance (uncalibrated), kept so
 //!   results can be compared with Dynamo's replay.
@@ -14,7 +15,9 @@ mod roofline;
 mod table;
 
 use std::fmt;
+use std::time::Duration;
 
+use kvroute_core::time::duration_from_secs_f64;
 use serde::Deserialize;
 
 pub use polynomial::Polynomial;
@@ -23,11 +26,10 @@ pub use table::{DecodeTable, PrefillTable, Table, TableProfile};
 
 use crate::metrics::ForwardPass;
 use crate::spec::SpecError;
-use crate::time::Nanos;
 
 /// The shortest step: a pass takes at least this long, whatever the model says, so that time
 /// always advances between passes.
-pub const MIN_STEP: Nanos = Nanos::from_micros(1);
+pub const MIN_STEP: Duration = Duration::from_micros(1);
 
 /// A model of forward-pass duration.
 ///
@@ -85,8 +87,8 @@ impl StepTimer {
     }
 
     /// The duration of the pass, sped up, rounded and floored at [`MIN_STEP`].
-    pub(crate) fn duration(&self, pass: &ForwardPass) -> Nanos {
-        Nanos::from_secs_f64(self.model.pass_secs(pass) / self.speedup).max(MIN_STEP)
+    pub(crate) fn duration(&self, pass: &ForwardPass) -> Duration {
+        duration_from_secs_f64(self.model.pass_secs(pass) / self.speedup).max(MIN_STEP)
     }
 }
 

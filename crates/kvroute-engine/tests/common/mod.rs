@@ -7,9 +7,8 @@ use std::collections::BTreeSet;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
-use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, Nanos, Prompt, RequestError, StepOutput, TimingConfig,
-};
+use kvroute_core::time::Timestamp;
+use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, RequestError, StepOutput, TimingConfig};
 
 /// A small engine: blocks of 4 tokens, 64 blocks, 8 sequences, 32 tokens per pass.
 pub fn config() -> EngineConfig {
@@ -57,7 +56,7 @@ pub struct Harness {
     pub index: PrefixIndex,
     pub worker: WorkerKey,
     /// The time of the last step or arrival.
-    pub now: Nanos,
+    pub now: Timestamp,
     /// Every step's output, in order.
     pub log: Vec<StepOutput>,
 }
@@ -71,7 +70,7 @@ impl Harness {
             engine: Engine::new(config).expect("valid config"),
             index,
             worker,
-            now: Nanos::ZERO,
+            now: Timestamp::ZERO,
             log: Vec::new(),
         }
     }
@@ -85,7 +84,7 @@ impl Harness {
     /// when the engine is idle.
     pub fn step(&mut self) -> Option<StepOutput> {
         let at = self.engine.next_wakeup()?;
-        assert!(at >= self.now, "time went back from {} to {at}", self.now);
+        assert!(at >= self.now, "time went back from {:?} to {at:?}", self.now);
         let out = self
             .engine
             .step(at)
