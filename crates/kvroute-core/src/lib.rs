@@ -38,4 +38,5 @@ pub mod hash;
 pub mod ids;
 pub mod index;
 mod key_hasher;
+pub mod router;
 pub mod time;

@@ -35,6 +35,8 @@ enum BenchCommand {
     Index(IndexArgs),
     /// Block hashing throughput beside memory-copy bandwidth.
     Hash(HashArgs),
+    /// Routing decision latency (hashing included) for several fleet sizes and prompt lengths.
+    Route(RouteArgs),
 }
 
 #[derive(Args)]
@@ -63,11 +65,28 @@ struct HashArgs {
     reps: usize,
 }
 
+#[derive(Args)]
+struct RouteArgs {
+    /// Fleet sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    workers: Vec<usize>,
+    /// Prompt lengths in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1024,32768,131072")]
+    prompt_tokens: Vec<usize>,
+    /// Decisions timed per case.
+    #[arg(long, default_value_t = 2000)]
+    samples: usize,
+    /// Seed of the generated fleet state, prompts and router.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
+        Command::Bench(BenchCommand::Route(args)) => bench_route(args),
     }
 }
 
@@ -111,6 +130,19 @@ fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
             "{}",
             serde_json::to_string(&report).context("serializing the report")?
         );
+    }
+    Ok(())
+}
+
+fn bench_route(args: RouteArgs) -> anyhow::Result<()> {
+    for &workers in &args.workers {
+        for &prompt_tokens in &args.prompt_tokens {
+            let report = bench::route::run_case(workers, prompt_tokens, args.samples, args.seed)?;
+            println!(
+                "{}",
+                serde_json::to_string(&report).context("serializing the report")?
+            );
+        }
     }
     Ok(())
 }

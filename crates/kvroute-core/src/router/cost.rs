@@ -1,0 +1,88 @@
+//! The cost of sending a request to a worker: the one function that computes it.
+//!
+//! ```text
+//! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0)
+//!      + decode_blocks
+//!      + decode_active_request_weight * active_requests
+//! ```
+//!
+//! * `prefill_blocks = (worker's active prefill tokens + the prompt's tokens) / block_size`, a
+//!   fraction; 0 on workers without a prefill term (decode workers).
+//! * `overlap_blocks`: the prompt's leading blocks cached on the worker.
+//! * `decode_blocks`: the worker's decode blocks with the request added, under the chosen
+//!   [`DecodeProjection`]; 0 on workers without a decode term (prefill workers).
+//! * `active_requests`: requests booked on the worker before this one.
+//!
+//! This is Dynamo's v1 cost (without the host/disk tiers, credit decay and taint factor, which
+//! kvroute does not model) with kvroute's staged projection as an option.
+//!
+//! Under the staged projection at `prefill_load_scale = overlap_credit = 1`, every prompt block
+//! is counted exactly once, in one term or the other. On an idle fleet a worker that caches the
+//! whole prompt and one that caches none therefore cost the same (the cached blocks are decode
+//! blocks, the uncached ones prefill blocks), and the tie is broken at random; cache affinity
+//! then comes from load (a prefix already active on a worker is not counted again) or from a
+//! `prefill_load_scale` above 1.
+
+use super::load::DecodeProjection;
+use super::policy::Candidate;
+use super::request::RequestView;
+
+/// The weights of the cost; see the module docs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostParams {
+    /// Multiplies the prefill term (Dynamo `prefill_load_scale`, formerly `overlap_score_weight`).
+    pub prefill_load_scale: f64,
+    /// How much of a cached block is taken off the prefill term, in `[0, 1]` (Dynamo
+    /// `overlap_score_credit`).
+    pub overlap_credit: f64,
+    /// Block-equivalents added per active request (Dynamo `decode_active_request_weight`).
+    pub decode_active_request_weight: f64,
+    /// How the decode term counts requests still in prefill.
+    pub projection: DecodeProjection,
+}
+
+impl CostParams {
+    /// Dynamo's defaults: scale 1, credit 1, no per-request weight, the full projection.
+    pub const DYNAMO: CostParams = CostParams {
+        prefill_load_scale: 1.0,
+        overlap_credit: 1.0,
+        decode_active_request_weight: 0.0,
+        projection: DecodeProjection::Full,
+    };
+
+    /// kvroute's defaults: Dynamo's weights with the staged projection.
+    pub const KV: CostParams = CostParams {
+        projection: DecodeProjection::Staged,
+        ..Self::DYNAMO
+    };
+
+    /// Whether every weight is in range: finite, non-negative, credit at most 1.
+    pub(crate) fn invalid_field(&self) -> Option<(&'static str, f64)> {
+        [
+            ("prefill_load_scale", self.prefill_load_scale, f64::INFINITY),
+            ("overlap_credit", self.overlap_credit, 1.0),
+            (
+                "decode_active_request_weight",
+                self.decode_active_request_weight,
+                f64::INFINITY,
+            ),
+        ]
+        .into_iter()
+        .find(|&(_, v, max)| !(v.is_finite() && (0.0..=max).contains(&v)))
+        .map(|(name, v, _)| (name, v))
+    }
+}
+
+/// The cost of sending `request` to `candidate` under `params`; lower is better.
+pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidate) -> f64 {
+    let prefill = if candidate.spec.role.tracks_prefill() {
+        let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
+        let blocks = tokens as f64 / f64::from(request.block_size);
+        let adjusted = (blocks - params.overlap_credit * f64::from(candidate.overlap_blocks)).max(0.0);
+        params.prefill_load_scale * adjusted
+    } else {
+        0.0
+    };
+    let decode = candidate.projection.decode_blocks(params.projection) as f64;
+    prefill + decode + params.decode_active_request_weight * f64::from(candidate.load.requests)
+}

@@ -1,0 +1,331 @@
+//! The fleet: every worker with its booked load, and every active request with its booking.
+//!
+//! This is the write model of the router's load prediction. Each request is booked on the worker
+//! that decodes it and, while its prefill is pending, on its prefill worker if it has one. All
+//! changes go through [`Fleet::book`], [`Fleet::prefill_done`], [`Fleet::add_output_block`] and
+//! [`Fleet::free`]; in debug builds each of them ends by recomputing every worker's totals from
+//! the requests and comparing ([`Fleet::check_invariants`]).
+
+use hashbrown::HashMap;
+use std::collections::BTreeSet;
+
+use super::chain_trie::Touched;
+use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
+use super::sync::{Booking, RouterId};
+use super::worker::WorkerSpec;
+use crate::ids::{RequestId, SequenceHash, WorkerKey};
+use crate::key_hasher::BuildKeyHasher;
+use crate::time::Timestamp;
+
+/// A request as the fleet names it: the router that booked it and that router's id for it.
+pub(crate) type RequestKey = (RouterId, RequestId);
+
+/// One worker.
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerState {
+    pub(crate) spec: WorkerSpec,
+    pub(crate) draining: bool,
+    load: LoadState,
+}
+
+impl WorkerState {
+    pub(crate) fn load(&self) -> WorkerLoad {
+        self.load.snapshot()
+    }
+
+    pub(crate) fn depth(&self, chain: &[SequenceHash], hint: u32) -> ActiveDepth {
+        self.load.depth(chain, hint)
+    }
+}
+
+/// One active request.
+#[derive(Clone, Debug)]
+struct Active {
+    booking: Booking,
+    admitted: Timestamp,
+    prefill_pending: bool,
+    output_blocks: u32,
+}
+
+/// Why the fleet refused a change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FleetError {
+    UnknownWorker(WorkerKey),
+    DuplicateRequest,
+}
+
+/// See the module docs.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Fleet {
+    /// Ordered by key.
+    workers: Vec<WorkerState>,
+    slot_of: HashMap<WorkerKey, usize, BuildKeyHasher>,
+    requests: HashMap<RequestKey, Active, BuildKeyHasher>,
+    by_age: BTreeSet<(Timestamp, RequestKey)>,
+    scratch: Touched,
+}
+
+impl Fleet {
+    // ---- workers ----
+
+    /// Every worker, ordered by key.
+    pub(crate) fn workers(&self) -> &[WorkerState] {
+        &self.workers
+    }
+
+    pub(crate) fn get(&self, key: WorkerKey) -> Option<&WorkerState> {
+        self.slot_of.get(&key).map(|&slot| &self.workers[slot])
+    }
+
+    /// The position of `key` in [`Fleet::workers`].
+    pub(crate) fn slot(&self, key: WorkerKey) -> Option<usize> {
+        self.slot_of.get(&key).copied()
+    }
+
+    /// Adds a worker; false if it is already there.
+    pub(crate) fn add_worker(&mut self, spec: WorkerSpec) -> bool {
+        let Err(at) = self.workers.binary_search_by_key(&spec.key, |w| w.spec.key) else {
+            return false;
+        };
+        self.workers.insert(
+            at,
+            WorkerState {
+                spec,
+                draining: false,
+                load: LoadState::default(),
+            },
+        );
+        self.reindex();
+        true
+    }
+
+    /// Marks a worker as taking no new requests; false if unknown.
+    pub(crate) fn drain(&mut self, key: WorkerKey) -> bool {
+        let Some(slot) = self.slot(key) else { return false };
+        self.workers[slot].draining = true;
+        true
+    }
+
+    /// Removes a worker, first freeing every request booked on it; returns those requests in key
+    /// order, or `None` if the worker is unknown.
+    pub(crate) fn remove_worker(&mut self, key: WorkerKey) -> Option<Vec<RequestKey>> {
+        let slot = self.slot(key)?;
+        let mut dropped: Vec<RequestKey> = self
+            .requests
+            .iter()
+            .filter(|(_, a)| {
+                a.booking.worker == key || (a.prefill_pending && a.booking.prefill_worker == Some(key))
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        dropped.sort_unstable();
+        for &k in &dropped {
+            self.free(k);
+        }
+        self.workers.remove(slot);
+        self.reindex();
+        self.debug_check();
+        Some(dropped)
+    }
+
+    fn reindex(&mut self) {
+        self.slot_of = self
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.spec.key, i))
+            .collect();
+    }
+
+    // ---- requests ----
+
+    pub(crate) fn contains(&self, key: RequestKey) -> bool {
+        self.requests.contains_key(&key)
+    }
+
+    pub(crate) fn active_count(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Books a request admitted at `now`.
+    pub(crate) fn book(
+        &mut self,
+        now: Timestamp,
+        key: RequestKey,
+        booking: Booking,
+    ) -> Result<(), FleetError> {
+        if self.requests.contains_key(&key) {
+            return Err(FleetError::DuplicateRequest);
+        }
+        for worker in std::iter::once(booking.worker).chain(booking.prefill_worker) {
+            if !self.slot_of.contains_key(&worker) {
+                return Err(FleetError::UnknownWorker(worker));
+            }
+        }
+        let active = Active {
+            booking,
+            admitted: now,
+            prefill_pending: true,
+            output_blocks: 0,
+        };
+        self.apply(&active, LoadState::book);
+        self.by_age.insert((now, key));
+        self.requests.insert(key, active);
+        self.debug_check();
+        Ok(())
+    }
+
+    /// The request's first token came; false if it is unknown. A second first token is a no-op.
+    pub(crate) fn prefill_done(&mut self, key: RequestKey) -> bool {
+        let Some(mut active) = self.requests.remove(&key) else {
+            return false;
+        };
+        if active.prefill_pending {
+            let (decode, slot) = self.decode_share(&active);
+            self.workers[slot].load.finish_prefill(decode, &mut self.scratch);
+            if let Some((share, slot)) = self.prefill_share(&active) {
+                self.workers[slot].load.free(share, &mut self.scratch);
+            }
+            active.prefill_pending = false;
+        }
+        self.requests.insert(key, active);
+        self.debug_check();
+        true
+    }
+
+    /// One more output block for the request; false if it is unknown.
+    pub(crate) fn add_output_block(&mut self, key: RequestKey) -> bool {
+        let Some(active) = self.requests.get_mut(&key) else {
+            return false;
+        };
+        let slot = self.slot_of[&active.booking.worker];
+        let worker = &mut self.workers[slot];
+        if worker.spec.role.tracks_decode() {
+            worker.load.add_output_block();
+            active.output_blocks += 1;
+        }
+        self.debug_check();
+        true
+    }
+
+    /// Frees a request; false if it is unknown.
+    pub(crate) fn free(&mut self, key: RequestKey) -> bool {
+        let Some(active) = self.requests.remove(&key) else {
+            return false;
+        };
+        self.by_age.remove(&(active.admitted, key));
+        self.apply(&active, LoadState::free);
+        self.debug_check();
+        true
+    }
+
+    /// Frees every request admitted at or before `cutoff`, oldest first, and returns them.
+    pub(crate) fn expire(&mut self, cutoff: Timestamp) -> Vec<RequestKey> {
+        let mut expired = Vec::new();
+        while let Some(&(admitted, key)) = self.by_age.first()
+            && admitted <= cutoff
+        {
+            self.free(key);
+            expired.push(key);
+        }
+        expired
+    }
+
+    /// The oldest admission time among active requests.
+    pub(crate) fn oldest(&self) -> Option<Timestamp> {
+        self.by_age.first().map(|&(t, _)| t)
+    }
+
+    /// Applies `op` (book or free) to every share of `active`.
+    fn apply(&mut self, active: &Active, op: fn(&mut LoadState, Share<'_>, &mut Touched)) {
+        let (decode, slot) = self.decode_share(active);
+        op(&mut self.workers[slot].load, decode, &mut self.scratch);
+        if let Some((share, slot)) = self.prefill_share(active) {
+            op(&mut self.workers[slot].load, share, &mut self.scratch);
+        }
+    }
+
+    /// The request's booking on the worker that decodes it, and that worker's slot.
+    fn decode_share<'a>(&self, active: &'a Active) -> (Share<'a>, usize) {
+        let b = &active.booking;
+        let slot = self.slot_of[&b.worker];
+        let role = self.workers[slot].spec.role;
+        let chain = role.tracks_decode().then_some(&b.chain);
+        let local_prefill = role.tracks_prefill() && b.prefill_worker.is_none() && active.prefill_pending;
+        let share = Share {
+            chain,
+            staged_len: staged_len(
+                role,
+                active.prefill_pending,
+                b.overlap_blocks,
+                b.chain.len() as u32,
+            ),
+            prefill_tokens: local_prefill.then_some(b.hint.tokens),
+            output_blocks: active.output_blocks,
+        };
+        (share, slot)
+    }
+
+    /// The request's booking on its prefill worker, while its prefill is pending there.
+    fn prefill_share<'a>(&self, active: &'a Active) -> Option<(Share<'a>, usize)> {
+        let worker = active.booking.prefill_worker.filter(|_| active.prefill_pending)?;
+        let slot = self.slot_of[&worker];
+        let tokens = self.workers[slot]
+            .spec
+            .role
+            .tracks_prefill()
+            .then_some(active.booking.hint.tokens);
+        Some((
+            Share {
+                chain: None,
+                staged_len: 0,
+                prefill_tokens: tokens,
+                output_blocks: 0,
+            },
+            slot,
+        ))
+    }
+
+    // ---- invariants ----
+
+    /// Recomputes every worker's totals from the active requests and compares them with the
+    /// running totals; also checks the age index. Returns the first difference.
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        let mut shares: Vec<Vec<Share<'_>>> = vec![Vec::new(); self.workers.len()];
+        let mut keys: Vec<&RequestKey> = self.requests.keys().collect();
+        keys.sort_unstable();
+        for key in keys {
+            let active = &self.requests[key];
+            if !self.by_age.contains(&(active.admitted, *key)) {
+                return Err(format!("request {key:?} is missing from the age index"));
+            }
+            let (share, slot) = self.decode_share(active);
+            shares[slot].push(share);
+            if let Some((share, slot)) = self.prefill_share(active) {
+                shares[slot].push(share);
+            }
+        }
+        if self.by_age.len() != self.requests.len() {
+            return Err(format!(
+                "{} requests but {} in the age index",
+                self.requests.len(),
+                self.by_age.len()
+            ));
+        }
+        for (worker, shares) in self.workers.iter().zip(&shares) {
+            worker
+                .load
+                .check(shares)
+                .map_err(|e| format!("worker {}: {e}", worker.spec.key))?;
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn debug_check(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(e) = self.check_invariants() {
+            panic!("router load invariant broken: {e}");
+        }
+    }
+}

@@ -1,0 +1,791 @@
+//! The router core: choosing a worker from cache overlap and predicted load, sans-IO.
+//!
+//! The live proxy and the simulator both drive this code. It reads no clock: every input carries
+//! the time, and outputs are returned values.
+//!
+//! # Grammar
+//!
+//! * **Construction.** [`Router::new`] takes a [`RouterConfig`], validated once.
+//! * **Inputs** are `handle_*(now, ..)` calls. Time is a [`Timestamp`] chosen by the driver and
+//!   must not go backwards (an earlier time is treated as the latest one seen, and counted).
+//!   - a request: [`Router::handle_request`] answers with a [`RouteOutcome`] (routed, queued or
+//!     rejected);
+//!   - lifecycle: [`Router::handle_first_token`] (prefill done), [`Router::handle_output_block`]
+//!     (generation crossed a block boundary), [`Router::handle_finished`],
+//!     [`Router::handle_cancelled`];
+//!   - cache: [`Router::handle_kv_event`];
+//!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
+//!     [`Router::handle_worker_removed`];
+//!   - replicas: [`Router::handle_sync_event`];
+//!   - time: [`Router::handle_tick`] (request expiry, cache-record expiry, queue re-check).
+//! * **Outputs.** An input that can free capacity returns the [`Output`]s it caused: queued
+//!   requests it released ([`Output::Routed`]) and requests it dropped ([`Output::Dropped`]).
+//!   Replica events wait in an outbox for [`Router::poll_sync_event`].
+//! * **Queries** take `&self`: [`Router::next_deadline`] (when to call `handle_tick` next),
+//!   [`Router::metrics`], [`Router::worker_load`], [`Router::check_invariants`]. The dry run
+//!   [`Router::candidates`] (the snapshot a policy would see) takes `&mut self` only for its
+//!   scratch buffers: it books nothing and moves no clock.
+//!
+//! # Routing a request
+//!
+//! 1. Hash the prompt (once) into local and sequence hashes at the router's block size.
+//! 2. Overlap per worker: the KV-event [`PrefixIndex`], and/or the router's record of its own
+//!    recent decisions ([`CacheMode`]); the larger of the two.
+//! 3. Candidates: workers that decode (aggregated and decode workers), not draining, not busy
+//!    ([`BusyThresholds`]). None eligible: rejected. All busy: queued ([`QueueConfig`]).
+//! 4. The policy picks one ([`policy`]). If it is a decode worker and the [`Decider`] says so, a
+//!    prefill worker is picked from the prefill pool by the prefill policy.
+//! 5. The prefill load hint is computed once ([`PrefillLoadHint::new`]) and the decision is
+//!    booked in one place: the load tracker, the recent-decision record, the policies' own views
+//!    and the replica outbox.
+//!
+//! # Invariants
+//!
+//! * Every per-worker total equals a recomputation from the active requests; debug builds check
+//!   it after every change, and [`Router::check_invariants`] checks it on demand.
+//! * No load outlives its request: a lost "finished" is dropped after
+//!   [`RouterConfig::request_ttl`].
+//! * The same configuration (seed included) and the same inputs give the same outputs: the only
+//!   randomness is the router's seeded [`Rng`], and everything that reaches an output is iterated
+//!   in worker-key order.
+//! * The queue is non-empty only while every eligible worker is busy: every input that frees
+//!   capacity re-checks it.
+
+mod busy;
+mod chain_trie;
+mod config;
+mod cost;
+mod disagg;
+mod fleet;
+mod kv_event;
+mod load;
+mod metrics;
+mod output;
+pub mod policy;
+mod queue;
+mod recent;
+mod request;
+mod rng;
+pub mod select;
+mod sync;
+mod worker;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+pub use busy::BusyThresholds;
+pub use config::{CacheMode, ConfigError, RouterConfig};
+pub use cost::{CostParams, cost};
+pub use disagg::Decider;
+pub use kv_event::{KvEvent, stored_blocks};
+pub use load::{
+    ActiveDepth, DecodeProjection, PrefillLoadHint, PrefillModel, Projection, WorkerLoad,
+    effective_prefill_tokens, project,
+};
+pub use metrics::{RouterCounters, RouterMetrics, WorkerMetrics};
+pub use output::{Decision, DropReason, Output, PrefillAssignment, RejectReason, RouteOutcome};
+pub use policy::{Candidate, Policy, PolicyConfig, UnknownPolicy};
+pub use queue::{QueueConfig, QueueOrder};
+pub use recent::RecentConfig;
+pub use request::{Prompt, RequestView, RouteRequest, chain_hashes, hash_prompt};
+pub use rng::Rng;
+pub use sync::{Booking, LoadChange, RouterId, SyncEvent};
+pub use worker::{WorkerRole, WorkerSpec};
+
+use fleet::{Fleet, FleetError, RequestKey};
+use queue::{WaitQueue, Waiting};
+use recent::RecentChains;
+use request::Prepared;
+
+use crate::hash::{BlockHasher, HashSalt};
+use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
+use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
+use crate::time::Timestamp;
+
+/// An input the router refuses. Nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouterError {
+    /// The request is neither active nor queued (finished already, expired, or never routed).
+    #[error("unknown request {0:?}")]
+    UnknownRequest(RequestId),
+    /// A request with this id is already active or queued.
+    #[error("request {0:?} is already active or queued")]
+    DuplicateRequest(RequestId),
+    /// The worker is not in the fleet.
+    #[error("unknown worker {0}")]
+    UnknownWorker(WorkerKey),
+    /// The worker is already in the fleet.
+    #[error("worker {0} is already in the fleet")]
+    DuplicateWorker(WorkerKey),
+    /// A worker must have room for at least one block.
+    #[error("worker {0} has a KV capacity of zero blocks")]
+    ZeroCapacity(WorkerKey),
+    /// A prompt given as block hashes claims fewer tokens than its full blocks hold.
+    #[error("request {request:?}: {blocks} full blocks do not fit in {prompt_tokens} prompt tokens")]
+    InconsistentPrompt {
+        /// The request.
+        request: RequestId,
+        /// Full blocks given.
+        blocks: usize,
+        /// Prompt tokens claimed.
+        prompt_tokens: u64,
+    },
+    /// The router runs in approximate mode and takes no KV events.
+    #[error("KV events are disabled (approximate mode)")]
+    KvEventsDisabled,
+    /// The index refused a KV event.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
+
+/// Why a request could not be placed now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocked {
+    NoWorker,
+    Busy,
+}
+
+/// Buffers reused across decisions, so the hot path allocates only the booked chain.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    locals: Vec<LocalBlockHash>,
+    chain: Vec<SequenceHash>,
+    scores: OverlapScores,
+    /// Overlap per worker slot.
+    overlaps: Vec<u32>,
+    candidates: Vec<Candidate>,
+}
+
+/// The router; see the module docs.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    rng: Rng,
+    policy: Box<dyn Policy>,
+    prefill_policy: Box<dyn Policy>,
+    index: PrefixIndex,
+    recent: Option<RecentChains>,
+    fleet: Fleet,
+    queue: WaitQueue,
+    counters: RouterCounters,
+    outbox: VecDeque<SyncEvent>,
+    last_now: Timestamp,
+    scratch: Scratch,
+}
+
+impl Router {
+    /// A router with no workers.
+    pub fn new(config: RouterConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let recent = match config.cache {
+            CacheMode::Events => None,
+            CacheMode::EventsWithPrediction(r) | CacheMode::Approximate(r) => Some(RecentChains::new(r)),
+        };
+        Ok(Self {
+            rng: Rng::new(config.seed),
+            policy: config.policy.build(),
+            prefill_policy: config.prefill_policy.as_ref().unwrap_or(&config.policy).build(),
+            index: PrefixIndex::new(IndexConfig::default()),
+            recent,
+            fleet: Fleet::default(),
+            queue: WaitQueue::new(config.queue),
+            counters: RouterCounters::default(),
+            outbox: VecDeque::new(),
+            last_now: Timestamp::ZERO,
+            scratch: Scratch::default(),
+            config,
+        })
+    }
+
+    /// The configuration the router was built with.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    // ---- inputs: requests ----
+
+    /// Routes `request`: a decision now, a place in the queue, or a rejection.
+    pub fn handle_request(
+        &mut self,
+        now: Timestamp,
+        request: &RouteRequest<'_>,
+    ) -> Result<RouteOutcome, RouterError> {
+        let now = self.advance(now);
+        if self.fleet.contains(self.key(request.id)) || self.queue.contains(request.id) {
+            return Err(RouterError::DuplicateRequest(request.id));
+        }
+        let prepared = self.prepare(now, request)?;
+        let locals = std::mem::take(&mut self.scratch.locals);
+        let placed = self.place(now, &prepared, &locals);
+        let outcome = match placed {
+            Ok(decision) => RouteOutcome::Routed(decision),
+            Err(Blocked::NoWorker) => {
+                self.counters.rejected_no_worker += 1;
+                RouteOutcome::Rejected(RejectReason::NoEligibleWorker)
+            }
+            Err(Blocked::Busy) => self.enqueue(Waiting {
+                request: prepared,
+                locals: locals.as_slice().into(),
+            }),
+        };
+        self.scratch.locals = locals;
+        Ok(outcome)
+    }
+
+    /// Request `id` produced its first token: its prefill is done.
+    pub fn handle_first_token(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<Output>, RouterError> {
+        let now = self.advance(now);
+        self.known(id, |fleet, key| fleet.prefill_done(key))?;
+        self.export(id, LoadChange::PrefillDone);
+        Ok(self.release(now))
+    }
+
+    /// Request `id`'s generation crossed a block boundary. Ignored unless
+    /// [`RouterConfig::track_output_blocks`] is set.
+    pub fn handle_output_block(&mut self, now: Timestamp, id: RequestId) -> Result<(), RouterError> {
+        self.advance(now);
+        if self.config.track_output_blocks {
+            self.known(id, |fleet, key| fleet.add_output_block(key))?;
+        }
+        Ok(())
+    }
+
+    /// Request `id` finished.
+    pub fn handle_finished(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<Output>, RouterError> {
+        let now = self.advance(now);
+        self.known(id, |fleet, key| fleet.free(key))?;
+        self.export(id, LoadChange::Freed);
+        Ok(self.release(now))
+    }
+
+    /// Request `id` was cancelled: taken out of the queue if it waits there, freed otherwise.
+    pub fn handle_cancelled(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<Output>, RouterError> {
+        if self.queue.remove(id) {
+            self.advance(now);
+            self.counters.cancelled_in_queue += 1;
+            return Ok(Vec::new());
+        }
+        self.handle_finished(now, id)
+    }
+
+    // ---- inputs: cache, fleet, replicas, time ----
+
+    /// Applies a KV event of `worker` to the index.
+    pub fn handle_kv_event(
+        &mut self,
+        now: Timestamp,
+        worker: WorkerKey,
+        event: KvEvent<'_>,
+    ) -> Result<(), RouterError> {
+        self.advance(now);
+        if matches!(self.config.cache, CacheMode::Approximate(_)) {
+            return Err(RouterError::KvEventsDisabled);
+        }
+        let result = match event {
+            KvEvent::Stored { parent, blocks } => self.index.apply_stored(worker, parent, blocks),
+            KvEvent::Removed { blocks } => self.index.apply_removed(worker, blocks).map(drop),
+            KvEvent::Cleared => self.index.clear_worker(worker),
+        };
+        if result.is_err() {
+            self.counters.kv_events_refused += 1;
+        }
+        Ok(result?)
+    }
+
+    /// Adds a worker, empty and idle; queued requests may now be released to it.
+    pub fn handle_worker_added(
+        &mut self,
+        now: Timestamp,
+        spec: WorkerSpec,
+    ) -> Result<Vec<Output>, RouterError> {
+        let now = self.advance(now);
+        if spec.capacity_blocks == 0 {
+            return Err(RouterError::ZeroCapacity(spec.key));
+        }
+        if !self.fleet.add_worker(spec) {
+            return Err(RouterError::DuplicateWorker(spec.key));
+        }
+        self.index.add_worker(spec.key);
+        Ok(self.release(now))
+    }
+
+    /// Marks a worker as draining: it keeps its requests and takes no new ones.
+    pub fn handle_worker_draining(&mut self, now: Timestamp, worker: WorkerKey) -> Result<(), RouterError> {
+        self.advance(now);
+        if self.fleet.drain(worker) {
+            Ok(())
+        } else {
+            Err(RouterError::UnknownWorker(worker))
+        }
+    }
+
+    /// Removes a worker and forgets its cache; its active requests are dropped.
+    pub fn handle_worker_removed(
+        &mut self,
+        now: Timestamp,
+        worker: WorkerKey,
+    ) -> Result<Vec<Output>, RouterError> {
+        let now = self.advance(now);
+        let dropped = self
+            .fleet
+            .remove_worker(worker)
+            .ok_or(RouterError::UnknownWorker(worker))?;
+        // The index knows every fleet worker, so this cannot fail.
+        let _ = self.index.remove_worker(worker);
+        if let Some(recent) = &mut self.recent {
+            recent.remove_worker(worker);
+        }
+        self.policy.worker_removed(worker);
+        self.prefill_policy.worker_removed(worker);
+        let mut out = self.dropped(dropped, DropReason::WorkerRemoved);
+        out.extend(self.release(now));
+        Ok(out)
+    }
+
+    /// Applies another replica's load change. This router's own events are dropped.
+    pub fn handle_sync_event(
+        &mut self,
+        now: Timestamp,
+        event: &SyncEvent,
+    ) -> Result<Vec<Output>, RouterError> {
+        let now = self.advance(now);
+        if event.router == self.config.router_id {
+            self.counters.sync_echoes += 1;
+            return Ok(Vec::new());
+        }
+        let key = (event.router, event.request);
+        let applied = match &event.change {
+            LoadChange::Added(booking) => self.commit(now, key, booking.clone()).map(|()| true)?,
+            LoadChange::PrefillDone => self.fleet.prefill_done(key),
+            LoadChange::Freed => self.fleet.free(key),
+        };
+        if !applied {
+            self.counters.unknown_request_events += 1;
+            return Err(RouterError::UnknownRequest(event.request));
+        }
+        self.counters.sync_applied += 1;
+        Ok(self.release(now))
+    }
+
+    /// Drops requests older than the request TTL, expires the record of recent decisions, and
+    /// re-checks the queue.
+    pub fn handle_tick(&mut self, now: Timestamp) -> Vec<Output> {
+        let now = self.advance(now);
+        let mut out = Vec::new();
+        if let Some(cutoff) = now.as_nanos().checked_sub(self.ttl_nanos()) {
+            let expired = self.fleet.expire(Timestamp(cutoff));
+            out = self.dropped(expired, DropReason::Expired);
+        }
+        if let Some(recent) = &mut self.recent {
+            recent.expire(now);
+        }
+        out.extend(self.release(now));
+        out
+    }
+
+    // ---- outputs and queries ----
+
+    /// The next replica event to send, oldest first (only with
+    /// [`RouterConfig::export_sync_events`]).
+    pub fn poll_sync_event(&mut self) -> Option<SyncEvent> {
+        self.outbox.pop_front()
+    }
+
+    /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
+    /// decision expiring, or a queue re-check. A tick before then is harmless.
+    pub fn next_deadline(&self) -> Option<Timestamp> {
+        let expiry = self
+            .fleet
+            .oldest()
+            .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
+        let recent = self.recent.as_ref().and_then(RecentChains::next_expiry);
+        let recheck = (!self.queue.is_empty()).then(|| self.last_now + self.queue.recheck_interval());
+        [expiry, recent, recheck].into_iter().flatten().min()
+    }
+
+    /// A snapshot of the counters and of every worker's state.
+    pub fn metrics(&self) -> RouterMetrics {
+        let workers = self
+            .fleet
+            .workers()
+            .iter()
+            .map(|w| WorkerMetrics {
+                spec: w.spec,
+                draining: w.draining,
+                load: w.load(),
+                cached_blocks: self.index.block_count(w.spec.key) as u64,
+            })
+            .collect();
+        RouterMetrics {
+            counters: self.counters,
+            queued_now: self.queue.len(),
+            active_now: self.fleet.active_count(),
+            index: self.index.stats(),
+            workers,
+        }
+    }
+
+    /// A worker's booked load.
+    pub fn worker_load(&self, worker: WorkerKey) -> Option<WorkerLoad> {
+        self.fleet.get(worker).map(|w| w.load())
+    }
+
+    /// The KV index (read-only).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// The candidates the policy would see for `request` at `now` (busy workers left out), in
+    /// worker order, without routing or booking anything.
+    pub fn candidates(
+        &mut self,
+        now: Timestamp,
+        request: &RouteRequest<'_>,
+    ) -> Result<Vec<Candidate>, RouterError> {
+        let prepared = self.prepare(now, request)?;
+        let locals = std::mem::take(&mut self.scratch.locals);
+        self.compute_overlaps(now, &locals, &prepared.chain);
+        self.scratch.locals = locals;
+        let _ = self.fill_candidates(WorkerRole::tracks_decode, &prepared.chain);
+        Ok(self.scratch.candidates.clone())
+    }
+
+    /// Checks that every worker's running totals equal a recomputation from the active requests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.fleet.check_invariants()?;
+        if !self.queue.is_empty() && self.has_free_worker() {
+            return Err(format!(
+                "{} requests wait while a worker is free",
+                self.queue.len()
+            ));
+        }
+        Ok(())
+    }
+
+    // ---- the decision ----
+
+    /// Hashes `request`'s prompt: local hashes into `scratch.locals`, the chain into the result.
+    fn prepare(&mut self, now: Timestamp, request: &RouteRequest<'_>) -> Result<Prepared, RouterError> {
+        let block_size = self.config.block_size;
+        let Scratch { locals, chain, .. } = &mut self.scratch;
+        let prompt_tokens = match request.prompt {
+            Prompt::Tokens(tokens) => {
+                let salt = HashSalt {
+                    lora_name: request.lora_name,
+                    namespace: request.cache_salt,
+                };
+                hash_prompt(
+                    &BlockHasher::new(block_size as usize, &salt),
+                    tokens,
+                    locals,
+                    chain,
+                );
+                tokens.len() as u64
+            }
+            Prompt::Blocks {
+                locals: given,
+                prompt_tokens,
+            } => {
+                if prompt_tokens < given.len() as u64 * u64::from(block_size) {
+                    return Err(RouterError::InconsistentPrompt {
+                        request: request.id,
+                        blocks: given.len(),
+                        prompt_tokens,
+                    });
+                }
+                locals.clear();
+                locals.extend_from_slice(given);
+                chain_hashes(given, chain);
+                prompt_tokens
+            }
+        };
+        Ok(Prepared {
+            id: request.id,
+            arrived: now,
+            prompt_tokens,
+            chain: Arc::from(chain.as_slice()),
+            priority: request.priority,
+            expected_output_tokens: request.expected_output_tokens,
+        })
+    }
+
+    /// Chooses the workers for `request` and books it.
+    fn place(
+        &mut self,
+        now: Timestamp,
+        request: &Prepared,
+        locals: &[LocalBlockHash],
+    ) -> Result<Decision, Blocked> {
+        self.compute_overlaps(now, locals, &request.chain);
+        self.fill_candidates(WorkerRole::tracks_decode, &request.chain)?;
+        let view = request.view(now, self.config.block_size);
+        let candidates = &self.scratch.candidates;
+        let chosen = candidates[self
+            .policy
+            .select(&view, candidates, &mut self.rng)
+            .min(candidates.len() - 1)];
+        let prefill = self.choose_prefill(&view, &chosen);
+        let prefill_overlap = prefill.map_or(chosen.overlap_blocks, |p| p.overlap_blocks);
+        let hint = PrefillLoadHint::new(
+            request.prompt_tokens,
+            prefill_overlap,
+            self.config.block_size,
+            self.config.prefill_model.as_ref(),
+        );
+        let booking = Booking {
+            worker: chosen.worker(),
+            overlap_blocks: chosen.overlap_blocks,
+            prefill_worker: prefill.map(|p| p.worker()),
+            prompt_tokens: request.prompt_tokens,
+            chain: Arc::clone(&request.chain),
+            hint,
+            expected_output_tokens: request.expected_output_tokens,
+        };
+        // Both workers were just taken from the fleet and the id was checked on admission, so
+        // this cannot fail; if it ever does, the request is turned away rather than half booked.
+        if let Err(e) = self.commit(now, self.key(request.id), booking) {
+            if cfg!(debug_assertions) {
+                panic!("booking a fresh decision failed: {e}");
+            }
+            return Err(Blocked::NoWorker);
+        }
+        self.policy.routed(&view, chosen.worker());
+        if let Some(p) = &prefill {
+            self.prefill_policy.routed(&view, p.worker());
+        }
+        self.counters.routed += 1;
+        self.counters.prompt_blocks += u64::from(view.prompt_blocks());
+        self.counters.overlap_blocks += u64::from(chosen.overlap_blocks);
+        Ok(Decision {
+            request: request.id,
+            worker: chosen.worker(),
+            overlap_blocks: chosen.overlap_blocks,
+            prefill: prefill.map(|p| PrefillAssignment {
+                worker: p.worker(),
+                overlap_blocks: p.overlap_blocks,
+            }),
+            hint,
+            waited: now.saturating_since(request.arrived),
+        })
+    }
+
+    /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
+    fn choose_prefill(&mut self, view: &RequestView<'_>, decode: &Candidate) -> Option<Candidate> {
+        let applies = decode.spec.role == WorkerRole::Decode
+            && self
+                .fleet
+                .workers()
+                .iter()
+                .any(|w| w.spec.role == WorkerRole::Prefill)
+            && self
+                .config
+                .decider
+                .disaggregate(view.prompt_tokens, decode.overlap_blocks, view.block_size);
+        if !applies {
+            return None;
+        }
+        if self
+            .fill_candidates(|role| role == WorkerRole::Prefill, view.chain)
+            .is_err()
+        {
+            self.counters.disagg_without_prefill_worker += 1;
+            return None;
+        }
+        let candidates = &self.scratch.candidates;
+        let pick = self
+            .prefill_policy
+            .select(view, candidates, &mut self.rng)
+            .min(candidates.len() - 1);
+        self.counters.disaggregated += 1;
+        Some(candidates[pick])
+    }
+
+    /// Fills `scratch.overlaps` with each worker's cached prefix of the prompt.
+    fn compute_overlaps(&mut self, now: Timestamp, locals: &[LocalBlockHash], chain: &[SequenceHash]) {
+        let Scratch { scores, overlaps, .. } = &mut self.scratch;
+        overlaps.clear();
+        overlaps.resize(self.fleet.workers().len(), 0);
+        if !matches!(self.config.cache, CacheMode::Approximate(_)) {
+            self.index.find_matches_into(locals, false, scores);
+            for (worker, depth) in scores.iter() {
+                if let Some(slot) = self.fleet.slot(worker) {
+                    overlaps[slot] = depth;
+                }
+            }
+        }
+        if let Some(recent) = &self.recent {
+            for (overlap, w) in overlaps.iter_mut().zip(self.fleet.workers()) {
+                *overlap = (*overlap).max(recent.depth(w.spec.key, chain, now));
+            }
+        }
+    }
+
+    /// Fills `scratch.candidates` with the workers whose role passes `role`, not draining and not
+    /// busy. Errs if no worker is eligible, or if every eligible one is busy.
+    fn fill_candidates(
+        &mut self,
+        role: impl Fn(WorkerRole) -> bool,
+        chain: &[SequenceHash],
+    ) -> Result<(), Blocked> {
+        let Scratch {
+            overlaps, candidates, ..
+        } = &mut self.scratch;
+        candidates.clear();
+        let blocks = chain.len() as u32;
+        let mut eligible = 0;
+        for (w, &overlap) in self.fleet.workers().iter().zip(overlaps.iter()) {
+            if w.draining || !role(w.spec.role) {
+                continue;
+            }
+            eligible += 1;
+            let load = w.load();
+            if self.config.busy.is_busy(&w.spec, &load) {
+                continue;
+            }
+            let overlap_blocks = overlap.min(blocks);
+            // Active requests tend to leave the prompt where its cached prefix ends (a shared
+            // system prompt): a good first probe.
+            let depth = if w.spec.role.tracks_decode() {
+                w.depth(chain, overlap_blocks)
+            } else {
+                ActiveDepth::default()
+            };
+            let projection = project(w.spec.role, &load, blocks, overlap_blocks, depth);
+            candidates.push(Candidate {
+                spec: w.spec,
+                overlap_blocks,
+                load,
+                projection,
+            });
+        }
+        match (eligible, candidates.is_empty()) {
+            (0, _) => Err(Blocked::NoWorker),
+            (_, true) => Err(Blocked::Busy),
+            _ => Ok(()),
+        }
+    }
+
+    /// Books a decision (this router's or a replica's) in the one place where bookings happen.
+    fn commit(&mut self, now: Timestamp, key: RequestKey, booking: Booking) -> Result<(), RouterError> {
+        self.fleet.book(now, key, booking.clone()).map_err(|e| match e {
+            FleetError::UnknownWorker(w) => RouterError::UnknownWorker(w),
+            FleetError::DuplicateRequest => RouterError::DuplicateRequest(key.1),
+        })?;
+        if let Some(recent) = &mut self.recent {
+            for worker in std::iter::once(booking.worker).chain(booking.prefill_worker) {
+                recent.record(worker, &booking.chain, now);
+            }
+        }
+        if key.0 == self.config.router_id {
+            self.export(key.1, LoadChange::Added(booking));
+        }
+        Ok(())
+    }
+
+    // ---- the queue ----
+
+    fn enqueue(&mut self, waiting: Waiting) -> RouteOutcome {
+        if self.queue.push(waiting) {
+            self.counters.queued += 1;
+            RouteOutcome::Queued
+        } else {
+            self.counters.rejected_queue_full += 1;
+            RouteOutcome::Rejected(RejectReason::QueueFull)
+        }
+    }
+
+    /// Routes queued requests while an eligible worker is not busy.
+    fn release(&mut self, now: Timestamp) -> Vec<Output> {
+        let mut out = Vec::new();
+        while !self.queue.is_empty() && self.has_free_worker() {
+            let Some(waiting) = self.queue.pop() else { break };
+            match self.place(now, &waiting.request, &waiting.locals) {
+                Ok(decision) => {
+                    self.counters.released += 1;
+                    out.push(Output::Routed(decision));
+                }
+                Err(_) => {
+                    // Unreachable while busy depends only on load: put it back and stop.
+                    self.queue.push(waiting);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether some worker that decodes is neither draining nor busy.
+    fn has_free_worker(&self) -> bool {
+        self.fleet.workers().iter().any(|w| {
+            w.spec.role.tracks_decode() && !w.draining && !self.config.busy.is_busy(&w.spec, &w.load())
+        })
+    }
+
+    // ---- helpers ----
+
+    fn key(&self, id: RequestId) -> RequestKey {
+        (self.config.router_id, id)
+    }
+
+    fn ttl_nanos(&self) -> u64 {
+        u64::try_from(self.config.request_ttl.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Applies a lifecycle change to this router's request `id`, or counts and reports it as
+    /// unknown.
+    fn known(
+        &mut self,
+        id: RequestId,
+        change: impl FnOnce(&mut Fleet, RequestKey) -> bool,
+    ) -> Result<(), RouterError> {
+        let key = self.key(id);
+        if change(&mut self.fleet, key) {
+            Ok(())
+        } else {
+            self.counters.unknown_request_events += 1;
+            Err(RouterError::UnknownRequest(id))
+        }
+    }
+
+    /// Reports `dropped` requests: this router's as outputs (and freed replica events); other
+    /// replicas' silently, as those replicas drop them too.
+    fn dropped(&mut self, dropped: Vec<RequestKey>, reason: DropReason) -> Vec<Output> {
+        let counter = match reason {
+            DropReason::Expired => &mut self.counters.expired,
+            DropReason::WorkerRemoved => &mut self.counters.dropped_with_worker,
+        };
+        *counter += dropped.len() as u64;
+        let own: Vec<RequestId> = dropped
+            .into_iter()
+            .filter(|&(router, _)| router == self.config.router_id)
+            .map(|(_, id)| id)
+            .collect();
+        for &id in &own {
+            self.export(id, LoadChange::Freed);
+        }
+        own.into_iter()
+            .map(|request| Output::Dropped { request, reason })
+            .collect()
+    }
+
+    fn export(&mut self, request: RequestId, change: LoadChange) {
+        if self.config.export_sync_events {
+            self.outbox.push_back(SyncEvent {
+                router: self.config.router_id,
+                request,
+                change,
+            });
+        }
+    }
+
+    /// `now`, or the latest time seen if `now` is earlier.
+    fn advance(&mut self, now: Timestamp) -> Timestamp {
+        if now < self.last_now {
+            self.counters.clock_went_back += 1;
+            return self.last_now;
+        }
+        self.last_now = now;
+        now
+    }
+}

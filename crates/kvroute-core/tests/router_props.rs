@@ -1,0 +1,383 @@
+//! Property tests of the router's load bookkeeping: random interleavings of request lifecycles
+//! (routes, first tokens, output blocks, completions, cancellations, expiries, replica events, KV
+//! events, draining and removed workers) under random configurations.
+//!
+//! * After every input, [`Router::check_invariants`] holds: every worker's running totals equal a
+//!   recomputation from the active requests (debug builds also check inside every mutation, and
+//!   a negative total would overflow and panic).
+//! * After every request is finished, every worker's load is exactly zero: no phantom load.
+//! * A replica that applies every event another router exports ends with the same per-worker
+//!   load as that router (output blocks aside: they are not synced).
+
+use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::router::{
+    Booking, BusyThresholds, CacheMode, Decider, KvEvent, LoadChange, PolicyConfig, PrefillLoadHint, Prompt,
+    RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncEvent, WorkerLoad, WorkerRole,
+    WorkerSpec, hash_prompt, stored_blocks,
+};
+use kvroute_core::time::Timestamp;
+use proptest::prelude::*;
+use proptest::test_runner::Config;
+
+const BLOCK: u32 = 4;
+
+/// A prompt built from a shared prefix family and a private tail, so that prompts share
+/// prefixes of many lengths.
+#[derive(Clone, Debug)]
+struct PromptSpec {
+    prefix: u32,
+    prefix_blocks: u32,
+    tail: u32,
+    tail_blocks: u32,
+    partial: u32,
+}
+
+impl PromptSpec {
+    fn tokens(&self) -> Vec<u32> {
+        let block = |family: u32, k: u32| (0..BLOCK).map(move |j| family * 10_000 + k * BLOCK + j);
+        let mut tokens: Vec<u32> = (0..self.prefix_blocks)
+            .flat_map(|k| block(self.prefix + 1, k))
+            .collect();
+        tokens.extend((0..self.tail_blocks).flat_map(|k| block(100 + self.tail, k)));
+        tokens.extend((0..self.partial).map(|j| 9_999_000 + j));
+        tokens
+    }
+}
+
+fn prompt() -> impl Strategy<Value = PromptSpec> {
+    (0..3u32, 0..6u32, 0..50u32, 0..4u32, 0..3u32).prop_map(
+        |(prefix, prefix_blocks, tail, tail_blocks, partial)| PromptSpec {
+            prefix,
+            prefix_blocks,
+            tail,
+            tail_blocks,
+            partial,
+        },
+    )
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Route(PromptSpec, i32),
+    FirstToken(usize),
+    OutputBlock(usize),
+    Finish(usize),
+    Cancel(usize),
+    Advance(u64),
+    Tick,
+    Stored(usize, PromptSpec),
+    Cleared(usize),
+    Drain(usize),
+    Remove(usize),
+    Replica(usize, PromptSpec, u32),
+    ReplicaFirst(usize),
+    ReplicaFree(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (prompt(), -1..2i32).prop_map(|(p, prio)| Op::Route(p, prio)),
+        4 => any::<usize>().prop_map(Op::FirstToken),
+        2 => any::<usize>().prop_map(Op::OutputBlock),
+        4 => any::<usize>().prop_map(Op::Finish),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        2 => (0..4_000u64).prop_map(Op::Advance),
+        1 => Just(Op::Tick),
+        2 => (any::<usize>(), prompt()).prop_map(|(w, p)| Op::Stored(w, p)),
+        1 => any::<usize>().prop_map(Op::Cleared),
+        1 => any::<usize>().prop_map(Op::Drain),
+        1 => any::<usize>().prop_map(Op::Remove),
+        2 => (any::<usize>(), prompt(), 0..4u32).prop_map(|(w, p, c)| Op::Replica(w, p, c)),
+        1 => any::<usize>().prop_map(Op::ReplicaFirst),
+        1 => any::<usize>().prop_map(Op::ReplicaFree),
+    ]
+}
+
+fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
+    let policy = prop::sample::select(PolicyConfig::NAMES.to_vec());
+    let cache = prop_oneof![
+        Just(CacheMode::Events),
+        Just(CacheMode::EventsWithPrediction(RecentConfig {
+            ttl: Some(std::time::Duration::from_secs(2)),
+            max_blocks: 16,
+            prune_ratio: 0.5
+        })),
+        Just(CacheMode::Approximate(RecentConfig {
+            ttl: Some(std::time::Duration::from_secs(5)),
+            max_blocks: 64,
+            prune_ratio: 0.8
+        })),
+    ];
+    let busy = prop_oneof![
+        Just(BusyThresholds::default()),
+        Just(BusyThresholds {
+            prefill_tokens: Some(24),
+            ..BusyThresholds::default()
+        }),
+        Just(BusyThresholds {
+            decode_blocks_fraction: Some(0.5),
+            ..BusyThresholds::default()
+        }),
+    ];
+    let decider = prop_oneof![
+        Just(Decider::Always),
+        Just(Decider::Never),
+        (0..20u64).prop_map(|t| Decider::PrefixThreshold { uncached_tokens: t }),
+    ];
+    (
+        policy,
+        cache,
+        busy,
+        decider,
+        0..4usize,
+        any::<u64>(),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(policy, cache, busy, decider, queue, seed, track_output, pd)| {
+            let config = RouterConfig {
+                block_size: BLOCK,
+                seed,
+                policy: PolicyConfig::from_name(policy).expect("a listed name"),
+                decider,
+                cache,
+                busy,
+                queue: kvroute_core::router::QueueConfig {
+                    capacity: queue,
+                    ..Default::default()
+                },
+                request_ttl: std::time::Duration::from_secs(20),
+                track_output_blocks: track_output,
+                export_sync_events: true,
+                ..RouterConfig::default()
+            };
+            (config, pd)
+        })
+}
+
+fn workers(pd: bool) -> Vec<WorkerSpec> {
+    let key = |id: u64, rank: u32| WorkerKey::new(WorkerId(id), DpRank(rank));
+    let mut specs = vec![
+        WorkerSpec::new(key(1, 0), WorkerRole::Aggregated, 40),
+        WorkerSpec::new(key(1, 1), WorkerRole::Aggregated, 40),
+        WorkerSpec::new(key(2, 0), WorkerRole::Aggregated, 20),
+    ];
+    if pd {
+        specs.push(WorkerSpec::new(key(3, 0), WorkerRole::Prefill, 40));
+        specs.push(WorkerSpec::new(key(4, 0), WorkerRole::Decode, 40));
+    }
+    specs
+}
+
+/// Drives a router (and a replica that applies its exported events) through `ops`.
+struct Run {
+    router: Router,
+    replica: Router,
+    specs: Vec<WorkerSpec>,
+    now: Timestamp,
+    issued: u64,
+    replica_issued: u64,
+}
+
+impl Run {
+    fn new(config: RouterConfig, pd: bool) -> Self {
+        let replica_config = RouterConfig {
+            router_id: RouterId(2),
+            export_sync_events: false,
+            ..config.clone()
+        };
+        let mut run = Self {
+            router: Router::new(config).expect("a valid config"),
+            replica: Router::new(replica_config).expect("a valid config"),
+            specs: workers(pd),
+            now: Timestamp::ZERO,
+            issued: 0,
+            replica_issued: 0,
+        };
+        for spec in run.specs.clone() {
+            run.router
+                .handle_worker_added(run.now, spec)
+                .expect("a new worker");
+            run.replica
+                .handle_worker_added(run.now, spec)
+                .expect("a new worker");
+        }
+        run
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let now = self.now;
+        let (issued, replica_issued) = (self.issued, self.replica_issued);
+        let keys: Vec<WorkerKey> = self.specs.iter().map(|s| s.key).collect();
+        let id = |pick: usize| RequestId(pick as u64 % issued.max(1));
+        let worker = |pick: usize| keys[pick % keys.len()];
+        let r = &mut self.router;
+        match op {
+            Op::Route(p, prio) => {
+                let tokens = p.tokens();
+                let mut request = RouteRequest::new(RequestId(self.issued), Prompt::Tokens(&tokens));
+                request.priority = *prio;
+                self.issued += 1;
+                r.handle_request(now, &request).expect("a fresh id");
+            }
+            Op::FirstToken(i) => drop(r.handle_first_token(now, id(*i))),
+            Op::OutputBlock(i) => drop(r.handle_output_block(now, id(*i))),
+            Op::Finish(i) => drop(r.handle_finished(now, id(*i))),
+            Op::Cancel(i) => drop(r.handle_cancelled(now, id(*i))),
+            Op::Advance(ms) => self.now = Timestamp(now.0 + ms * 1_000_000),
+            Op::Tick => drop(r.handle_tick(now)),
+            Op::Stored(w, p) => {
+                let (mut locals, mut chain) = (Vec::new(), Vec::new());
+                let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
+                hash_prompt(&hasher, &p.tokens(), &mut locals, &mut chain);
+                let blocks = stored_blocks(&locals, &chain);
+                let worker = worker(*w);
+                drop(r.handle_kv_event(
+                    now,
+                    worker,
+                    KvEvent::Stored {
+                        parent: None,
+                        blocks: &blocks,
+                    },
+                ));
+            }
+            Op::Cleared(w) => drop(r.handle_kv_event(now, worker(*w), KvEvent::Cleared)),
+            Op::Drain(w) => drop(r.handle_worker_draining(now, worker(*w))),
+            Op::Remove(w) => drop(r.handle_worker_removed(now, worker(*w))),
+            Op::Replica(w, p, cached) => {
+                let tokens = p.tokens();
+                let (mut locals, mut chain) = (Vec::new(), Vec::new());
+                hash_prompt(
+                    &BlockHasher::new(BLOCK as usize, &HashSalt::NONE),
+                    &tokens,
+                    &mut locals,
+                    &mut chain,
+                );
+                let cached = (*cached).min(chain.len() as u32);
+                let booking = Booking {
+                    worker: worker(*w),
+                    overlap_blocks: cached,
+                    prefill_worker: None,
+                    prompt_tokens: tokens.len() as u64,
+                    chain: chain.into(),
+                    hint: PrefillLoadHint::new(tokens.len() as u64, cached, BLOCK, None),
+                    expected_output_tokens: None,
+                };
+                let request = RequestId(self.replica_issued);
+                self.replica_issued += 1;
+                let event = SyncEvent {
+                    router: RouterId(7),
+                    request,
+                    change: LoadChange::Added(booking),
+                };
+                drop(r.handle_sync_event(now, &event));
+            }
+            Op::ReplicaFirst(i) | Op::ReplicaFree(i) => {
+                let change = if matches!(op, Op::ReplicaFirst(_)) {
+                    LoadChange::PrefillDone
+                } else {
+                    LoadChange::Freed
+                };
+                let request = RequestId(*i as u64 % replica_issued.max(1));
+                drop(r.handle_sync_event(
+                    now,
+                    &SyncEvent {
+                        router: RouterId(7),
+                        request,
+                        change,
+                    },
+                ));
+            }
+        }
+        self.forward();
+        // Fleet changes reach every replica (after the events they caused).
+        match op {
+            Op::Drain(w) => drop(self.replica.handle_worker_draining(now, worker(*w))),
+            Op::Remove(w) => drop(self.replica.handle_worker_removed(now, worker(*w))),
+            _ => {}
+        }
+    }
+
+    /// Applies the router's exported events to the replica.
+    fn forward(&mut self) {
+        while let Some(event) = self.router.poll_sync_event() {
+            // The replica may have removed no worker the router still books on, so this applies.
+            self.replica
+                .handle_sync_event(self.now, &event)
+                .expect("the replica applies every exported event");
+        }
+    }
+
+    /// Loads per worker, output blocks taken out (they are not synced).
+    fn loads(router: &Router) -> Vec<(WorkerKey, WorkerLoad)> {
+        router
+            .metrics()
+            .workers
+            .iter()
+            .map(|w| {
+                let mut l = w.load;
+                l.decode_blocks -= l.output_blocks;
+                l.staged_decode_blocks -= l.output_blocks;
+                l.output_blocks = 0;
+                (w.spec.key, l)
+            })
+            .collect()
+    }
+
+    /// Finishes everything, releasing queued requests until none is left.
+    fn finish_all(&mut self) {
+        for _ in 0..self.issued + 2 {
+            for id in 0..self.issued {
+                let _ = self.router.handle_cancelled(self.now, RequestId(id));
+            }
+            for id in 0..self.replica_issued {
+                let event = SyncEvent {
+                    router: RouterId(7),
+                    request: RequestId(id),
+                    change: LoadChange::Freed,
+                };
+                let _ = self.router.handle_sync_event(self.now, &event);
+            }
+            self.forward();
+            let m = self.router.metrics();
+            if m.active_now == 0 && m.queued_now == 0 {
+                return;
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(Config { cases: 256, ..Config::default() })]
+
+    #[test]
+    fn random_lifecycles_keep_totals_exact_and_drain_to_zero(
+        (config, pd) in config(),
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let mut run = Run::new(config, pd);
+        for op in &ops {
+            run.apply(op);
+            if let Err(e) = run.router.check_invariants() {
+                return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
+            }
+            prop_assert!(run.replica.check_invariants().is_ok());
+        }
+        // The replica holds exactly the router's own requests: its loads are the router's minus
+        // the requests the router got from replica 7. Compare once those are gone.
+        for id in 0..run.replica_issued {
+            let event = SyncEvent { router: RouterId(7), request: RequestId(id), change: LoadChange::Freed };
+            let _ = run.router.handle_sync_event(run.now, &event);
+        }
+        run.forward();
+        prop_assert_eq!(Run::loads(&run.replica), Run::loads(&run.router));
+        run.finish_all();
+        let m = run.router.metrics();
+        prop_assert_eq!((m.active_now, m.queued_now), (0, 0));
+        for w in &m.workers {
+            prop_assert!(w.load.is_idle(), "worker {} kept load {:?}", w.spec.key, w.load);
+        }
+        prop_assert!(Run::loads(&run.replica).iter().all(|(_, l)| l.is_idle()));
+    }
+}

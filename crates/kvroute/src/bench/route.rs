@@ -1,0 +1,245 @@
+//! `kvroute bench route`: the latency of one routing decision, hashing included.
+//!
+//! For each fleet size and prompt length, a router (the default `kv` policy, KV events, block
+//! size 16 as vLLM's default) is given realistic state before the clock starts:
+//!
+//! * **Cache.** Every worker holds conversations the KV events told it about: each one of four
+//!   shared system prompts (`min(2,048, prompt/4)` tokens) followed by a private history of
+//!   half to all of the prompt length, until the worker holds about 16K blocks (at least two
+//!   conversations, at most 64).
+//! * **Load.** Four requests per worker are routed through the router itself, half of them past
+//!   their first token.
+//!
+//! Then each sample builds a prompt (untimed): half continue one of the cached conversations
+//! (a deep hit on one worker), half start a new one on a shared system prompt (a shallow hit on a
+//! quarter of the fleet). The timed region is `Router::handle_request` on the token ids: hashing,
+//! the index lookup, the load projection of every worker, the policy, the booking. The request is
+//! then finished (untimed), so the load stays as set up. `hash_p50_ns` times the router's hashing
+//! alone on the same prompts.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::router::{
+    KvEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec, hash_prompt,
+    stored_blocks,
+};
+use kvroute_core::time::Timestamp;
+use serde::Serialize;
+
+use super::{mean, percentile};
+
+/// Tokens per block: vLLM's default.
+pub const BLOCK_SIZE: u32 = 16;
+/// Shared system prompts in the fleet.
+const SYSTEM_PROMPTS: u64 = 4;
+/// Blocks each worker's cache is filled to, roughly.
+const CACHED_BLOCKS_PER_WORKER: usize = 16 << 10;
+/// Requests booked per worker before timing.
+const ACTIVE_PER_WORKER: usize = 4;
+
+/// One case's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct RouteBenchReport {
+    /// Always `route`.
+    pub bench: &'static str,
+    /// Workers in the fleet.
+    pub workers: usize,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Decisions timed.
+    pub samples: usize,
+    /// Median decision latency, hashing included, in nanoseconds.
+    pub p50_ns: u64,
+    /// 99th percentile decision latency, in nanoseconds.
+    pub p99_ns: u64,
+    /// Slowest decision, in nanoseconds.
+    pub max_ns: u64,
+    /// Mean decision latency, in nanoseconds.
+    pub mean_ns: f64,
+    /// Median time to hash the prompt alone (local and sequence hashes), in nanoseconds.
+    pub hash_p50_ns: u64,
+    /// (worker, block) entries in the KV index.
+    pub cached_entries: u64,
+    /// Requests booked while timing.
+    pub active_requests: usize,
+}
+
+/// A xorshift64 generator for token ids: fast, seeded, good enough for content.
+#[derive(Clone, Debug)]
+struct Tokens(u64);
+
+impl Tokens {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Appends `n` token ids (a 152K vocabulary, like Qwen's).
+    fn extend(&mut self, out: &mut Vec<u32>, n: usize) {
+        out.extend((0..n).map(|_| (self.next() % 152_064) as u32));
+    }
+}
+
+/// The fleet's content, regenerated from seeds on demand instead of stored.
+struct Corpus {
+    seed: u64,
+    prompt_tokens: usize,
+    system_tokens: usize,
+    conversations: usize,
+}
+
+impl Corpus {
+    fn new(seed: u64, prompt_tokens: usize) -> Self {
+        let system_tokens = (prompt_tokens / 4).min(2048) / BLOCK_SIZE as usize * BLOCK_SIZE as usize;
+        let conversation_blocks = (prompt_tokens * 3 / 4 / BLOCK_SIZE as usize).max(1);
+        let conversations = (CACHED_BLOCKS_PER_WORKER / conversation_blocks).clamp(2, 64);
+        Self {
+            seed,
+            prompt_tokens,
+            system_tokens,
+            conversations,
+        }
+    }
+
+    fn system(&self, which: u64, out: &mut Vec<u32>) {
+        Tokens::new(self.seed ^ (which + 1) << 48).extend(out, self.system_tokens);
+    }
+
+    /// Conversation `k` of worker `w`: its system prompt and history.
+    fn conversation(&self, w: usize, k: usize, out: &mut Vec<u32>) {
+        out.clear();
+        self.system(w as u64 % SYSTEM_PROMPTS, out);
+        let mut rng = Tokens::new(self.seed ^ ((w as u64) << 20 | k as u64) << 8);
+        let len = self.prompt_tokens / 2 + (rng.next() as usize % (self.prompt_tokens / 2 + 1));
+        rng.extend(out, len.saturating_sub(self.system_tokens));
+    }
+}
+
+fn worker(w: usize) -> WorkerKey {
+    WorkerKey::new(WorkerId(w as u64), DpRank(0))
+}
+
+/// A router with `workers` workers, their caches and their load; see the module docs.
+fn setup(workers: usize, corpus: &Corpus, rng: &mut Tokens) -> anyhow::Result<(Router, u64)> {
+    let config = RouterConfig {
+        seed: corpus.seed,
+        block_size: BLOCK_SIZE,
+        ..RouterConfig::default()
+    };
+    let mut router = Router::new(config)?;
+    let hasher = BlockHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
+    let (mut tokens, mut locals, mut chain) = (Vec::new(), Vec::new(), Vec::new());
+    for w in 0..workers {
+        router.handle_worker_added(
+            Timestamp::ZERO,
+            WorkerSpec::new(worker(w), WorkerRole::Aggregated, 1 << 16),
+        )?;
+        for k in 0..corpus.conversations {
+            corpus.conversation(w, k, &mut tokens);
+            hash_prompt(&hasher, &tokens, &mut locals, &mut chain);
+            let blocks = stored_blocks(&locals, &chain);
+            router.handle_kv_event(
+                Timestamp::ZERO,
+                worker(w),
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: &blocks,
+                },
+            )?;
+        }
+    }
+    let mut next_id = 0;
+    for i in 0..workers * ACTIVE_PER_WORKER {
+        sample_prompt(corpus, workers, rng, &mut tokens);
+        let id = RequestId(next_id);
+        next_id += 1;
+        router.handle_request(Timestamp::ZERO, &RouteRequest::new(id, Prompt::Tokens(&tokens)))?;
+        if i % 2 == 0 {
+            router.handle_first_token(Timestamp::ZERO, id)?;
+        }
+    }
+    Ok((router, next_id))
+}
+
+/// A prompt of `corpus.prompt_tokens`: half continue a cached conversation, half start anew.
+fn sample_prompt(corpus: &Corpus, workers: usize, rng: &mut Tokens, out: &mut Vec<u32>) {
+    if rng.next() % 2 == 0 {
+        let w = rng.next() as usize % workers;
+        let k = rng.next() as usize % corpus.conversations;
+        corpus.conversation(w, k, out);
+    } else {
+        out.clear();
+        corpus.system(rng.next() % SYSTEM_PROMPTS, out);
+    }
+    let missing = corpus.prompt_tokens.saturating_sub(out.len());
+    rng.extend(out, missing);
+    out.truncate(corpus.prompt_tokens);
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Times `samples` decisions for one fleet size and prompt length.
+pub fn run_case(
+    workers: usize,
+    prompt_tokens: usize,
+    samples: usize,
+    seed: u64,
+) -> anyhow::Result<RouteBenchReport> {
+    let corpus = Corpus::new(seed, prompt_tokens);
+    let mut rng = Tokens::new(seed ^ 0xB0B);
+    let (mut router, mut next_id) = setup(workers, &corpus, &mut rng)?;
+    let hasher = BlockHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
+    let (mut tokens, mut locals, mut chain) = (Vec::new(), Vec::new(), Vec::new());
+    let mut route_ns = Vec::with_capacity(samples);
+    let mut hash_ns = Vec::with_capacity(samples);
+    let now = Timestamp::from_millis(1);
+    for _ in 0..samples {
+        sample_prompt(&corpus, workers, &mut rng, &mut tokens);
+        let t0 = Instant::now();
+        hash_prompt(&hasher, black_box(&tokens), &mut locals, &mut chain);
+        hash_ns.push(nanos(t0.elapsed()));
+        black_box(&chain);
+
+        let id = RequestId(next_id);
+        next_id += 1;
+        let request = RouteRequest::new(id, Prompt::Tokens(&tokens));
+        let t0 = Instant::now();
+        let outcome = router.handle_request(now, black_box(&request))?;
+        route_ns.push(nanos(t0.elapsed()));
+        if !matches!(outcome, RouteOutcome::Routed(_)) {
+            anyhow::bail!("request {id:?} was not routed: {outcome:?}");
+        }
+        router.handle_finished(now, id)?;
+    }
+    router.check_invariants().map_err(anyhow::Error::msg)?;
+    let metrics = router.metrics();
+    route_ns.sort_unstable();
+    hash_ns.sort_unstable();
+    Ok(RouteBenchReport {
+        bench: "route",
+        workers,
+        prompt_tokens,
+        block_size: BLOCK_SIZE,
+        samples,
+        p50_ns: percentile(&route_ns, 50.0),
+        p99_ns: percentile(&route_ns, 99.0),
+        max_ns: route_ns.last().copied().unwrap_or(0),
+        mean_ns: mean(&route_ns),
+        hash_p50_ns: percentile(&hash_ns, 50.0),
+        cached_entries: metrics.workers.iter().map(|w| w.cached_blocks).sum(),
+        active_requests: metrics.active_now,
+    })
+}
