@@ -83,8 +83,14 @@ mod tests {
         assert_eq!(duration_from_secs_f64(1.4e-9), Duration::from_nanos(1));
         assert_eq!(duration_from_secs_f64(-1.0), Duration::ZERO);
         assert_eq!(duration_from_secs_f64(f64::NAN), Duration::ZERO);
-        assert_eq!(duration_from_secs_f64(f64::INFINITY), Duration::from_nanos(u64::MAX));
-        assert_eq!(Timestamp::from_millis(3) + Duration::from_micros(2), Timestamp(3_002_000));
+        assert_eq!(
+            duration_from_secs_f64(f64::INFINITY),
+            Duration::from_nanos(u64::MAX)
+        );
+        assert_eq!(
+            Timestamp::from_millis(3) + Duration::from_micros(2),
+            Timestamp(3_002_000)
+        );
         assert_eq!(Timestamp(5) - Duration::from_nanos(7), Timestamp::ZERO);
         assert_eq!(Timestamp(u64::MAX) + Duration::from_nanos(1), Timestamp(u64::MAX));
         assert_eq!(Timestamp(7).saturating_since(Timestamp(9)), Duration::ZERO);

@@ -13,11 +13,11 @@
 //! * `AllCleared` when the prefix cache is reset.
 //!
 //! Events are values; encoding them for the wire (msgpack over ZMQ) is an edge crate's job.
-//! [`KvEvent::apply_to`] feeds one to the router's [`PrefixIndex`], the one conversion between
-//! the two.
+//! [`KvEvent::as_index_event`] lends one out as the index's own event type, the one conversion
+//! between the two.
 
-use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
-use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock};
+use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash};
+use kvroute_core::index::{KvEvent as IndexEvent, StoredBlock};
 
 /// One change to an engine's KV cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,14 +33,12 @@ pub enum KvEvent {
 /// Full blocks newly cached, continuing a chain.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockStored {
-    /// The external hash of the block before `block_hashes[0]`; `None` at the start of a
+    /// The external hash of the block before the first stored block; `None` at the start of a
     /// sequence.
     pub parent_block_hash: Option<ExternalBlockHash>,
-    /// The engine's hashes of the stored blocks, in chain order.
-    pub block_hashes: Vec<ExternalBlockHash>,
-    /// The local (router) hash of each stored block, in the same order. Not part of vLLM's
-    /// event.
-    pub local_hashes: Vec<LocalBlockHash>,
+    /// The stored blocks in chain order: the engine's hash of each (vLLM's `block_hashes`) with
+    /// its local (router) hash, which is not part of vLLM's event.
+    pub blocks: Vec<StoredBlock>,
     /// The tokens of the stored blocks, concatenated: `block_size` per block. Empty when the
     /// request was given as block hashes, whose tokens the engine never saw.
     pub token_ids: Vec<u32>,
@@ -58,25 +56,31 @@ pub struct BlockRemoved {
 }
 
 impl BlockStored {
-    /// The stored blocks as the prefix index takes them.
-    pub fn stored_blocks(&self) -> impl Iterator<Item = StoredBlock> + '_ {
-        self.local_hashes
-            .iter()
-            .zip(&self.block_hashes)
-            .map(|(&local, &external)| StoredBlock { local, external })
+    /// The engine's hashes of the stored blocks, in chain order (vLLM's `block_hashes`).
+    pub fn block_hashes(&self) -> Vec<ExternalBlockHash> {
+        self.blocks.iter().map(|b| b.external).collect()
+    }
+
+    /// The local (router) hashes of the stored blocks, in chain order.
+    pub fn local_hashes(&self) -> Vec<LocalBlockHash> {
+        self.blocks.iter().map(|b| b.local).collect()
     }
 }
 
 impl KvEvent {
-    /// Applies this event to `index` as `worker`'s, the way a router's event subscriber does.
-    pub fn apply_to(&self, index: &mut PrefixIndex, worker: WorkerKey) -> Result<(), IndexError> {
+    /// This event as the prefix index takes it: apply it with
+    /// [`PrefixIndex::apply_event`](kvroute_core::index::PrefixIndex::apply_event), the one
+    /// place an event changes an index.
+    pub fn as_index_event(&self) -> IndexEvent<'_> {
         match self {
-            KvEvent::Stored(stored) => {
-                let blocks: Vec<StoredBlock> = stored.stored_blocks().collect();
-                index.apply_stored(worker, stored.parent_block_hash, &blocks)
-            }
-            KvEvent::Removed(removed) => index.apply_removed(worker, &removed.block_hashes).map(|_| ()),
-            KvEvent::AllCleared => index.clear_worker(worker),
+            KvEvent::Stored(stored) => IndexEvent::Stored {
+                parent: stored.parent_block_hash,
+                blocks: &stored.blocks,
+            },
+            KvEvent::Removed(removed) => IndexEvent::Removed {
+                blocks: &removed.block_hashes,
+            },
+            KvEvent::AllCleared => IndexEvent::Cleared,
         }
     }
 }

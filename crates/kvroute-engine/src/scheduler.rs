@@ -23,6 +23,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kvroute_core::ids::RequestId;
+use kvroute_core::index::StoredBlock;
 
 use crate::config::EngineConfig;
 use crate::events::{BlockStored, KvEvent};
@@ -272,14 +273,15 @@ impl Scheduler {
             if pool.cache(&mut seq.blocks[b], seq.externals[b]) {
                 let stored = run.get_or_insert_with(|| BlockStored {
                     parent_block_hash: b.checked_sub(1).map(|p| seq.externals[p]),
-                    block_hashes: Vec::new(),
-                    local_hashes: Vec::new(),
+                    blocks: Vec::new(),
                     token_ids: Vec::new(),
                     block_size: limits.block_size,
                     lora_name: seq.lora_name.clone(),
                 });
-                stored.block_hashes.push(seq.externals[b]);
-                stored.local_hashes.push(seq.locals[b]);
+                stored.blocks.push(StoredBlock {
+                    local: seq.locals[b],
+                    external: seq.externals[b],
+                });
                 if seq.token_ids_known {
                     stored.token_ids.extend_from_slice(seq.block_tokens(b));
                 }

@@ -115,7 +115,9 @@ fn run(config: &EngineConfig, ops: &[Op]) -> Run {
                 Ok(event) => {
                     assert_eq!(event.is_some(), config.enable_prefix_caching);
                     if let Some(event) = event {
-                        event.apply_to(&mut h.index, h.worker).expect("a clear applies");
+                        h.index
+                            .apply_event(h.worker, event.as_index_event())
+                            .expect("a clear applies");
                     }
                     assert_eq!(
                         (h.engine.cached_blocks().count(), h.index.block_count(h.worker)),

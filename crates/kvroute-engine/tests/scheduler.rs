@@ -160,7 +160,7 @@ fn chunked_prefill_splits_prompts_at_the_budget_and_stores_blocks_as_they_fill()
         .map(|o| {
             stored(std::slice::from_ref(o))
                 .into_iter()
-                .map(|s| (s.parent_block_hash, s.block_hashes))
+                .map(|s| (s.parent_block_hash, s.block_hashes()))
                 .collect()
         })
         .collect();
@@ -364,18 +364,18 @@ fn stored_events_carry_vllm_fields_and_hashes_the_router_cannot_mistake_for_its_
     let hasher = BlockHasher::new(4, &salt);
     let locals = hasher.local_hashes(&prompt);
     assert_eq!(s.parent_block_hash, None);
-    assert_eq!(s.local_hashes, locals);
+    assert_eq!(s.local_hashes(), locals);
     assert_eq!(s.token_ids, prompt[..8]);
     assert_eq!(s.block_size, 4);
     assert_eq!(s.lora_name.as_deref(), Some("adapter"));
     let chain = [external_hash(42, None, locals[0])];
     assert_eq!(
-        s.block_hashes,
+        s.block_hashes(),
         vec![chain[0], external_hash(42, Some(chain[0]), locals[1])]
     );
     // Not the router's sequence hashes, not under another seed either.
     let seqs = hasher.sequence_hashes(&locals);
-    assert!(s.block_hashes.iter().zip(&seqs).all(|(e, q)| e.0 != q.0));
+    assert!(s.block_hashes().iter().zip(&seqs).all(|(e, q)| e.0 != q.0));
     assert_ne!(external_hash(43, None, locals[0]), chain[0]);
 }
 
@@ -392,7 +392,7 @@ fn generated_tokens_fill_blocks_that_are_cached_like_prompt_blocks() {
     let tokens: Vec<u32> = prompt.iter().copied().chain(outputs.iter().copied()).collect();
     let ext = externals(&tokens);
     assert_eq!(events[1].parent_block_hash, Some(ext[0]));
-    assert_eq!(events[1].block_hashes, vec![ext[1]]);
+    assert_eq!(events[1].block_hashes(), vec![ext[1]]);
     assert_eq!(events[1].token_ids, outputs);
     // A follow-up turn built from the output hits both blocks.
     h.add(request(8, tokens.iter().copied().chain([99]), 1)).unwrap();
@@ -415,12 +415,12 @@ fn prompts_given_as_block_hashes_share_the_cache_with_token_prompts() {
     let outs = h.run();
     let events = stored(&outs);
     assert_eq!(events.len(), 1);
-    assert_eq!(events[0].local_hashes, hashes);
+    assert_eq!(events[0].local_hashes(), hashes);
     assert!(
         events[0].token_ids.is_empty(),
         "no token ids for a block-hash prompt"
     );
-    assert_eq!(events[0].block_hashes, externals(&tokens));
+    assert_eq!(events[0].block_hashes(), externals(&tokens));
     h.add(request(2, tokens, 1)).unwrap();
     assert_eq!(h.step().unwrap().metrics.prefix_cache_hit_tokens, 8);
 }
@@ -444,7 +444,10 @@ fn a_recomputed_block_that_is_already_cached_is_shared_not_copied() {
     );
     assert_eq!(out.metrics.active_blocks, 4);
     h.run();
-    let hashes: Vec<ExternalBlockHash> = stored(&h.log).into_iter().flat_map(|s| s.block_hashes).collect();
+    let hashes: Vec<ExternalBlockHash> = stored(&h.log)
+        .into_iter()
+        .flat_map(|s| s.block_hashes())
+        .collect();
     assert_eq!(hashes, externals(&prompt));
 }
 
@@ -457,7 +460,7 @@ fn reset_clears_the_cache_when_no_request_runs() {
     h.run();
     let event = h.engine.reset_prefix_cache().unwrap().expect("caching is on");
     assert_eq!(event, KvEvent::AllCleared);
-    event.apply_to(&mut h.index, h.worker).unwrap();
+    h.index.apply_event(h.worker, event.as_index_event()).unwrap();
     assert_eq!(h.engine.cached_blocks().count(), 0);
     assert_eq!(h.index.block_count(h.worker), 0);
     h.engine.check_invariants().unwrap();

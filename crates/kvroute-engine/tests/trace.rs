@@ -51,7 +51,7 @@ fn render(log: &[StepOutput]) -> String {
             .map(|e| match e {
                 KvEvent::Stored(s) => {
                     let parent = s.parent_block_hash.map_or("-".to_owned(), |h| names.of(h));
-                    format!("stored {parent}>{}", names.list(&s.block_hashes))
+                    format!("stored {parent}>{}", names.list(&s.block_hashes()))
                 }
                 KvEvent::Removed(r) => format!("removed {}", names.list(&r.block_hashes)),
                 KvEvent::AllCleared => "cleared".to_owned(),

@@ -36,6 +36,7 @@
 //! store applies its blocks in order and stops at the first bad one; the error says how many
 //! were applied.
 
+mod event;
 mod ext_map;
 mod scores;
 
@@ -46,6 +47,7 @@ use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use ext_map::{ExtMap, Probe};
 
+pub use event::{KvEvent, stored_blocks};
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -412,6 +414,15 @@ impl PrefixIndex {
             }
         }
         Ok(())
+    }
+
+    /// Applies one event of `worker`: the one place an engine's event changes the index.
+    pub fn apply_event(&mut self, worker: WorkerKey, event: KvEvent<'_>) -> Result<(), IndexError> {
+        match event {
+            KvEvent::Stored { parent, blocks } => self.apply_stored(worker, parent, blocks),
+            KvEvent::Removed { blocks } => self.apply_removed(worker, blocks).map(drop),
+            KvEvent::Cleared => self.clear_worker(worker),
+        }
     }
 
     /// Applies removed blocks: `worker` no longer holds the blocks the engine calls `externals`.

@@ -57,7 +57,6 @@ mod config;
 mod cost;
 mod disagg;
 mod fleet;
-mod kv_event;
 mod load;
 mod metrics;
 mod output;
@@ -73,11 +72,11 @@ mod worker;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+pub use crate::index::{KvEvent, stored_blocks};
 pub use busy::BusyThresholds;
 pub use config::{CacheMode, ConfigError, RouterConfig};
 pub use cost::{CostParams, cost};
 pub use disagg::Decider;
-pub use kv_event::{KvEvent, stored_blocks};
 pub use load::{
     ActiveDepth, DecodeProjection, PrefillLoadHint, PrefillModel, Projection, WorkerLoad,
     effective_prefill_tokens, project,
@@ -282,11 +281,7 @@ impl Router {
         if matches!(self.config.cache, CacheMode::Approximate(_)) {
             return Err(RouterError::KvEventsDisabled);
         }
-        let result = match event {
-            KvEvent::Stored { parent, blocks } => self.index.apply_stored(worker, parent, blocks),
-            KvEvent::Removed { blocks } => self.index.apply_removed(worker, blocks).map(drop),
-            KvEvent::Cleared => self.index.clear_worker(worker),
-        };
+        let result = self.index.apply_event(worker, event);
         if result.is_err() {
             self.counters.kv_events_refused += 1;
         }

@@ -113,8 +113,8 @@ impl Harness {
             panic!("engine invariant broken: {e}");
         }
         for event in &out.events {
-            event
-                .apply_to(&mut self.index, self.worker)
+            self.index
+                .apply_event(self.worker, event.as_index_event())
                 .unwrap_or_else(|e| panic!("{event:?}: {e}"));
         }
         if let Err(e) = self.index.check_invariants() {

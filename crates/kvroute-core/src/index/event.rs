@@ -1,5 +1,6 @@
-//! A worker's KV-cache event, as the router takes it (the edge decodes the engines' wire
-//! formats into this).
+//! A worker's KV-cache event, as the index takes it. Engines' own event types (the simulated
+//! engine's, the wire decoder's) lend themselves out as this view; [`super::PrefixIndex::apply_event`]
+//! is the one place an event changes the index.
 
 use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash};
 use crate::index::StoredBlock;
