@@ -494,7 +494,18 @@ impl PrefixIndex {
             return;
         }
         let words = 1 + self.hi_words;
-        let mut active: Vec<u64> = (0..words).map(|w| self.mask_word(node, w)).collect();
+        // Fleets of up to 1,024 worker slots keep the walk's worker set on the stack.
+        let mut stack = [0u64; 16];
+        let mut heap = Vec::new();
+        let active: &mut [u64] = if words <= stack.len() {
+            &mut stack[..words]
+        } else {
+            heap.resize(words, 0);
+            &mut heap
+        };
+        for (w, word) in active.iter_mut().enumerate() {
+            *word = self.mask_word(node, w);
+        }
         let mut depth = 1u32;
         for local in rest {
             if active.iter().all(|&w| w == 0) {
