@@ -6,3 +6,4 @@
 
 pub mod bench;
 pub mod opstream;
+pub mod replay;

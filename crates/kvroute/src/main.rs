@@ -27,6 +27,8 @@ enum Command {
     /// Benchmarks; each prints one JSON line per case on stdout.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Replay a trace through the cluster simulator (the router core and simulated engines).
+    Replay(Box<kvroute::replay::ReplayArgs>),
 }
 
 #[derive(Subcommand)]
@@ -87,6 +89,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
+        Command::Replay(args) => kvroute::replay::run(*args),
     }
 }
 

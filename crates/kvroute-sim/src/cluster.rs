@@ -1,0 +1,617 @@
+//! The discrete-event loop: one virtual clock, one [`Router`], N [`Engine`]s.
+//!
+//! Sources of events, merged by time (ties: KV deliveries, then arrivals in workload order, then
+//! the heap in push order, then the router's deadline):
+//!
+//! * open-loop arrivals, a cursor over the workload sorted by arrival time;
+//! * a heap keyed by `(time, sequence number)`: engine step ends, session follow-ups, closed-loop
+//!   arrivals and samples;
+//! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
+//! * the router's own deadline ([`Router::next_deadline`]), while it has requests.
+//!
+//! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
+//! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::router::{
+    Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterError,
+    WorkerRole, WorkerSpec,
+};
+use kvroute_core::time::Timestamp;
+use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, StepOutput};
+
+use crate::config::{ArrivalMode, SimConfig};
+use crate::error::SimError;
+use crate::report::{Outcome, TimeSeries};
+use crate::workload::{Arrival, Workload};
+
+/// Progress of a run, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Simulated time reached.
+    pub now: Timestamp,
+    /// Requests completed or turned away.
+    pub done: usize,
+    /// Requests in the workload.
+    pub total: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive(u32),
+    Step(u32),
+    Sample,
+}
+
+/// One request's state during a run.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReqState {
+    pub(crate) arrived: Option<Timestamp>,
+    pub(crate) routed: Option<Timestamp>,
+    pub(crate) worker: Option<u32>,
+    pub(crate) overlap_blocks: u32,
+    pub(crate) first_token: Option<Timestamp>,
+    pub(crate) last_token: Timestamp,
+    pub(crate) finished: Option<Timestamp>,
+    pub(crate) output_tokens: u32,
+    pub(crate) rejected: bool,
+}
+
+impl ReqState {
+    pub(crate) fn outcome(&self) -> Outcome {
+        if self.finished.is_some() {
+            Outcome::Completed
+        } else if self.rejected {
+            Outcome::Rejected
+        } else {
+            Outcome::Unfinished
+        }
+    }
+}
+
+/// One simulated worker.
+#[derive(Debug)]
+struct Worker {
+    key: WorkerKey,
+    engine: Engine,
+    /// The pass in flight, delivered at its end.
+    in_flight: Option<StepOutput>,
+    /// Whether a `Step` event is pending.
+    scheduled: bool,
+    /// KV use after the last pass.
+    kv_use: f32,
+}
+
+/// Totals a run accumulates; the report is computed from them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Totals {
+    pub(crate) arrived: u64,
+    pub(crate) completed: u64,
+    pub(crate) rejected_by_router: u64,
+    pub(crate) rejected_by_engine: u64,
+    pub(crate) dropped_by_router: u64,
+    pub(crate) steps: u64,
+    pub(crate) busy_nanos: u64,
+    pub(crate) preemptions: u64,
+    pub(crate) hit_tokens: u64,
+    pub(crate) query_tokens: u64,
+    pub(crate) kv_events_published: u64,
+    pub(crate) kv_events_lost: u64,
+    pub(crate) kv_events_refused: u64,
+    pub(crate) stale_lifecycle_events: u64,
+    pub(crate) end: Timestamp,
+    pub(crate) itl: crate::stats::Sketch,
+}
+
+/// A run's state. Built by [`crate::Simulation::run`], consumed into a [`crate::RunResult`].
+pub(crate) struct Run<'w> {
+    config: &'w SimConfig,
+    workload: &'w Workload,
+    pub(crate) router: Router,
+    workers: Vec<Worker>,
+    heap: BinaryHeap<Reverse<(Timestamp, u64, Event)>>,
+    seq: u64,
+    open: Vec<u32>,
+    open_next: usize,
+    channel: VecDeque<(Timestamp, u32, KvEvent)>,
+    followers: Vec<Vec<u32>>,
+    closed_next: usize,
+    rng: Rng,
+    now: Timestamp,
+    in_flight_requests: u64,
+    pub(crate) reqs: Vec<ReqState>,
+    pub(crate) totals: Totals,
+    pub(crate) series: Option<TimeSeries>,
+    window_hits: (u64, u64),
+    ticked_at: Option<Timestamp>,
+}
+
+impl<'w> Run<'w> {
+    pub(crate) fn new(config: &'w SimConfig, workload: &'w Workload) -> Result<Self, SimError> {
+        let mut router = Router::new(config.router.clone())?;
+        let mut workers = Vec::with_capacity(config.workers);
+        for i in 0..config.workers {
+            let key = WorkerKey::new(WorkerId(i as u64), DpRank(0));
+            let mut spec = WorkerSpec::new(key, WorkerRole::Aggregated, u64::from(config.engine.num_blocks));
+            spec.max_batched_tokens = u64::from(config.engine.max_num_batched_tokens);
+            spec.max_requests = u64::from(config.engine.max_num_seqs);
+            router.handle_worker_added(Timestamp::ZERO, spec)?;
+            let engine = Engine::new(kvroute_engine::EngineConfig {
+                external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
+                ..config.engine.clone()
+            })?;
+            workers.push(Worker {
+                key,
+                engine,
+                in_flight: None,
+                scheduled: false,
+                kv_use: 0.0,
+            });
+        }
+        let n = workload.requests.len();
+        let mut followers = Vec::new();
+        let mut open = Vec::new();
+        for (i, r) in workload.requests.iter().enumerate() {
+            match r.arrival {
+                Arrival::At(_) => open.push(i as u32),
+                Arrival::After { request, .. } if request < i => {
+                    if followers.is_empty() {
+                        followers = vec![Vec::new(); n];
+                    }
+                    followers[request].push(i as u32);
+                }
+                Arrival::After { request, .. } => {
+                    return Err(SimError::Workload(format!(
+                        "request {i} follows request {request}, which is not earlier"
+                    )));
+                }
+            }
+        }
+        open.sort_by_key(|&i| match workload.requests[i as usize].arrival {
+            Arrival::At(t) => (t, i),
+            Arrival::After { .. } => (Timestamp::ZERO, i),
+        });
+        let series = config.sample_interval.map(|_| TimeSeries {
+            worker_requests: vec![Vec::new(); config.workers],
+            worker_kv_use: vec![Vec::new(); config.workers],
+            ..TimeSeries::default()
+        });
+        Ok(Self {
+            config,
+            workload,
+            router,
+            workers,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            open,
+            open_next: 0,
+            channel: VecDeque::new(),
+            followers,
+            closed_next: 0,
+            rng: Rng::new(config.seed),
+            now: Timestamp::ZERO,
+            in_flight_requests: 0,
+            reqs: vec![ReqState::default(); n],
+            totals: Totals::default(),
+            series,
+            window_hits: (0, 0),
+            ticked_at: None,
+        })
+    }
+
+    fn push(&mut self, at: Timestamp, event: Event) {
+        self.heap.push(Reverse((at, self.seq, event)));
+        self.seq += 1;
+    }
+
+    /// Runs to the end: until no event is left.
+    pub(crate) fn run(&mut self, progress: &mut dyn FnMut(Progress)) -> Result<(), SimError> {
+        if let ArrivalMode::Closed { concurrency } = self.config.arrivals {
+            self.open.clear();
+            for _ in 0..concurrency {
+                self.launch_next_closed(Timestamp::ZERO);
+            }
+        }
+        if self.config.sample_interval.is_some() {
+            self.push(Timestamp::ZERO, Event::Sample);
+        }
+        let mut handled: u64 = 0;
+        while let Some(source) = self.next_source() {
+            let at = source.0;
+            if at < self.now {
+                return Err(SimError::ClockWentBack {
+                    from: self.now,
+                    to: at,
+                });
+            }
+            self.now = at;
+            match source.1 {
+                Source::Channel => self.deliver_kv()?,
+                Source::Open => {
+                    let i = self.open[self.open_next];
+                    self.open_next += 1;
+                    self.arrive(i as usize)?;
+                }
+                Source::Heap => {
+                    if let Some(Reverse((_, _, event))) = self.heap.pop() {
+                        match event {
+                            Event::Arrive(i) => self.arrive(i as usize)?,
+                            Event::Step(w) => self.step(w as usize)?,
+                            Event::Sample => self.sample(),
+                        }
+                    }
+                }
+                Source::Router => {
+                    self.ticked_at = Some(at);
+                    let outputs = self.router.handle_tick(at);
+                    self.route_outputs(outputs)?;
+                }
+            }
+            handled += 1;
+            if handled % (1 << 15) == 0 {
+                progress(Progress {
+                    now: self.now,
+                    done: (self.totals.completed + self.rejected()) as usize,
+                    total: self.workload.requests.len(),
+                });
+            }
+        }
+        self.totals.end = self.now;
+        Ok(())
+    }
+
+    pub(crate) fn rejected(&self) -> u64 {
+        self.totals.rejected_by_router + self.totals.rejected_by_engine
+    }
+
+    /// The earliest pending source, or `None` when the run is over.
+    fn next_source(&self) -> Option<(Timestamp, Source)> {
+        let mut best: Option<(Timestamp, Source)> = None;
+        let mut consider = |t: Option<Timestamp>, s: Source| {
+            if let Some(t) = t
+                && best.is_none_or(|(b, _)| t < b)
+            {
+                best = Some((t, s));
+            }
+        };
+        consider(self.channel.front().map(|e| e.0), Source::Channel);
+        consider(
+            self.open
+                .get(self.open_next)
+                .map(|&i| match self.workload.requests[i as usize].arrival {
+                    Arrival::At(t) => t,
+                    Arrival::After { .. } => Timestamp::ZERO,
+                }),
+            Source::Open,
+        );
+        consider(self.heap.peek().map(|Reverse((t, _, _))| *t), Source::Heap);
+        if self.in_flight_requests > 0 {
+            let deadline = self.router.next_deadline().map(|t| t.max(self.now));
+            // A tick that left its own deadline where it was waits for time to move on.
+            consider(deadline.filter(|&d| self.ticked_at != Some(d)), Source::Router);
+        }
+        best
+    }
+
+    /// Request `i` arrives now.
+    fn arrive(&mut self, i: usize) -> Result<(), SimError> {
+        let r = &self.workload.requests[i];
+        self.reqs[i].arrived = Some(self.now);
+        self.totals.arrived += 1;
+        self.in_flight_requests += 1;
+        let request = RouteRequest::new(
+            RequestId(i as u64),
+            RoutePrompt::Blocks {
+                locals: &r.locals,
+                prompt_tokens: u64::from(r.prompt_tokens),
+            },
+        );
+        match self.router.handle_request(self.now, &request)? {
+            RouteOutcome::Routed(decision) => self.start(decision)?,
+            RouteOutcome::Queued => {}
+            RouteOutcome::Rejected(_) => {
+                self.totals.rejected_by_router += 1;
+                self.reqs[i].rejected = true;
+                self.done(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a routed request to its engine.
+    fn start(&mut self, decision: Decision) -> Result<(), SimError> {
+        let i = decision.request.0 as usize;
+        let w = decision.worker.worker.0 as usize;
+        let r = &self.workload.requests[i];
+        let state = &mut self.reqs[i];
+        state.routed = Some(self.now);
+        state.worker = Some(w as u32);
+        state.overlap_blocks = decision.overlap_blocks;
+        let request = EngineRequest {
+            id: decision.request,
+            prompt: Prompt::Blocks {
+                hashes: r.locals.to_vec(),
+                len: r.prompt_tokens,
+            },
+            output_len: r.output_tokens,
+            lora_name: None,
+            cache_namespace: None,
+        };
+        let worker = &mut self.workers[w];
+        if worker.engine.add_request(self.now, request).is_err() {
+            self.totals.rejected_by_engine += 1;
+            self.reqs[i].rejected = true;
+            let outputs = self.router.handle_cancelled(self.now, decision.request)?;
+            self.done(i);
+            return self.route_outputs(outputs);
+        }
+        if !worker.scheduled {
+            worker.scheduled = true;
+            self.push(self.now, Event::Step(w as u32));
+        }
+        Ok(())
+    }
+
+    /// Routes or records what the router reported.
+    fn route_outputs(&mut self, outputs: Vec<Output>) -> Result<(), SimError> {
+        for output in outputs {
+            match output {
+                Output::Routed(decision) => self.start(decision)?,
+                Output::Dropped { .. } => self.totals.dropped_by_router += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Request `i` completed or was turned away: its followers and the closed loop move on.
+    fn done(&mut self, i: usize) {
+        self.in_flight_requests -= 1;
+        if matches!(self.config.arrivals, ArrivalMode::Closed { .. }) {
+            self.launch_next_closed(self.now);
+            return;
+        }
+        if let Some(next) = self.followers.get(i) {
+            for j in next.clone() {
+                if let Arrival::After { delay, .. } = self.workload.requests[j as usize].arrival {
+                    self.push(self.now + delay, Event::Arrive(j));
+                }
+            }
+        }
+    }
+
+    fn launch_next_closed(&mut self, at: Timestamp) {
+        if self.closed_next < self.workload.requests.len() {
+            let i = self.closed_next as u32;
+            self.closed_next += 1;
+            self.push(at, Event::Arrive(i));
+        }
+    }
+
+    /// Engine `w`'s pass ended (or it was idle and got work): deliver, then start the next pass.
+    fn step(&mut self, w: usize) -> Result<(), SimError> {
+        if let Some(out) = self.workers[w].in_flight.take() {
+            self.deliver_step(w, out)?;
+        }
+        let worker = &mut self.workers[w];
+        match worker.engine.step(self.now) {
+            Some(out) => {
+                let end = out.end;
+                worker.in_flight = Some(out);
+                self.push(end, Event::Step(w as u32));
+            }
+            None => worker.scheduled = false,
+        }
+        Ok(())
+    }
+
+    /// A pass's effects, at its end.
+    fn deliver_step(&mut self, w: usize, out: StepOutput) -> Result<(), SimError> {
+        let now = self.now;
+        let m = out.metrics;
+        let t = &mut self.totals;
+        t.steps += 1;
+        t.busy_nanos += out.end.as_nanos() - out.start.as_nanos();
+        t.preemptions += u64::from(m.preemptions);
+        t.hit_tokens += m.prefix_cache_hit_tokens;
+        t.query_tokens += m.prefix_cache_query_tokens;
+        self.window_hits.0 += m.prefix_cache_hit_tokens;
+        self.window_hits.1 += m.prefix_cache_query_tokens;
+        self.workers[w].kv_use = if m.total_blocks == 0 {
+            0.0
+        } else {
+            m.active_blocks as f32 / m.total_blocks as f32
+        };
+        self.publish(w, out.events)?;
+        for e in &out.emitted {
+            let s = &mut self.reqs[e.request.0 as usize];
+            if s.first_token.is_some() {
+                self.totals
+                    .itl
+                    .add(now.saturating_since(s.last_token).as_secs_f64() * 1e3);
+            }
+            s.last_token = now;
+            s.output_tokens += e.tokens;
+        }
+        for &id in &out.first_token {
+            self.reqs[id.0 as usize].first_token = Some(now);
+            let result = self.router.handle_first_token(now, id);
+            let outputs = self.lifecycle(result)?;
+            self.route_outputs(outputs)?;
+        }
+        for f in &out.finished {
+            let i = f.request.0 as usize;
+            self.reqs[i].finished = Some(now);
+            self.totals.completed += 1;
+            let result = self.router.handle_finished(now, f.request);
+            let outputs = self.lifecycle(result)?;
+            self.done(i);
+            self.route_outputs(outputs)?;
+        }
+        Ok(())
+    }
+
+    /// A lifecycle call's outputs; a request the router already dropped (TTL) is counted, not
+    /// an error.
+    fn lifecycle(&mut self, result: Result<Vec<Output>, RouterError>) -> Result<Vec<Output>, SimError> {
+        match result {
+            Ok(outputs) => Ok(outputs),
+            Err(RouterError::UnknownRequest(_)) => {
+                self.totals.stale_lifecycle_events += 1;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Puts a pass's KV events on the channel (or applies them at once without lag), dropping
+    /// each with the configured probability.
+    fn publish(&mut self, w: usize, events: Vec<KvEvent>) -> Result<(), SimError> {
+        let channel = self.config.events;
+        for event in events {
+            self.totals.kv_events_published += 1;
+            if channel.loss > 0.0 && self.rng.next_f64() < channel.loss {
+                self.totals.kv_events_lost += 1;
+                continue;
+            }
+            if channel.lag.is_zero() {
+                self.apply_kv(w, &event)?;
+            } else {
+                self.channel.push_back((self.now + channel.lag, w as u32, event));
+            }
+        }
+        Ok(())
+    }
+
+    fn deliver_kv(&mut self) -> Result<(), SimError> {
+        if let Some((_, w, event)) = self.channel.pop_front() {
+            self.apply_kv(w as usize, &event)?;
+        }
+        Ok(())
+    }
+
+    /// Applies one KV event to the router's index. Refusals (an event whose parent was lost)
+    /// are counted: they are what a lossy channel does.
+    fn apply_kv(&mut self, w: usize, event: &KvEvent) -> Result<(), SimError> {
+        match self
+            .router
+            .handle_kv_event(self.now, self.workers[w].key, event.as_index_event())
+        {
+            Ok(()) => Ok(()),
+            Err(RouterError::Index(_)) => {
+                self.totals.kv_events_refused += 1;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Records one sample of the time series and schedules the next while work remains.
+    fn sample(&mut self) {
+        let Some(series) = &mut self.series else {
+            return;
+        };
+        series.time_s.push(self.now.as_secs_f64());
+        let mut waiting = 0;
+        for (i, w) in self.workers.iter().enumerate() {
+            let (running, queued) = (w.engine.num_running(), w.engine.num_waiting());
+            waiting += queued as u32;
+            series.worker_requests[i].push((running + queued) as u32);
+            series.worker_kv_use[i].push(w.kv_use);
+        }
+        let router_queued = self.router.metrics().queued_now as u32;
+        series.queued.push(waiting + router_queued);
+        let (hits, queries) = std::mem::take(&mut self.window_hits);
+        series.hit_rate.push(if queries == 0 {
+            0.0
+        } else {
+            hits as f64 / queries as f64
+        });
+        let more = self.in_flight_requests > 0
+            || self.open_next < self.open.len()
+            || self.heap.iter().any(|Reverse((_, _, e))| *e != Event::Sample);
+        if more && let Some(interval) = self.config.sample_interval {
+            self.push(self.now + interval, Event::Sample);
+        }
+    }
+
+    /// Checks the end-of-run invariants.
+    pub(crate) fn check(&self) -> Result<(), SimError> {
+        let fail = |what: String| Err(SimError::Invariant(what));
+        let unfinished = self
+            .reqs
+            .iter()
+            .filter(|r| r.arrived.is_some() && r.outcome() == Outcome::Unfinished)
+            .count() as u64;
+        if self.totals.arrived != self.totals.completed + self.rejected() + unfinished {
+            return fail(format!(
+                "arrived {} != completed {} + rejected {} + unfinished {unfinished}",
+                self.totals.arrived,
+                self.totals.completed,
+                self.rejected()
+            ));
+        }
+        for (i, r) in self.reqs.iter().enumerate() {
+            let (Some(arrived), Some(finished)) = (r.arrived, r.finished) else {
+                continue;
+            };
+            let first = r.first_token.unwrap_or(arrived);
+            if !(arrived <= first
+                && first <= finished
+                && r.routed.is_some_and(|t| arrived <= t && t <= first))
+            {
+                return fail(format!(
+                    "request {i}: arrival, routing, first token and finish out of order"
+                ));
+            }
+        }
+        let metrics = self.router.metrics();
+        if metrics.counters.clock_went_back > 0 {
+            return fail(format!(
+                "the router saw time go back {} times",
+                metrics.counters.clock_went_back
+            ));
+        }
+        if unfinished == 0 {
+            if metrics.active_now != 0 || metrics.queued_now != 0 {
+                return fail(format!(
+                    "router load not drained: {} active, {} queued",
+                    metrics.active_now, metrics.queued_now
+                ));
+            }
+            if let Some(w) = metrics.workers.iter().find(|w| !w.load.is_idle()) {
+                return fail(format!(
+                    "worker {} still has load booked: {:?}",
+                    w.spec.key, w.load
+                ));
+            }
+        }
+        self.router.check_invariants().map_err(SimError::Invariant)?;
+        for w in &self.workers {
+            w.engine
+                .check_invariants()
+                .map_err(|e| SimError::Invariant(format!("{}: {e}", w.key)))?;
+            if self.config.events.loss == 0.0 && self.channel.is_empty() {
+                let engine_blocks = w.engine.cached_blocks().count();
+                let index_blocks = self.router.index().block_count(w.key);
+                if engine_blocks != index_blocks {
+                    return fail(format!(
+                        "{}: engine caches {engine_blocks} blocks, the router's index {index_blocks}",
+                        w.key
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    Channel,
+    Open,
+    Heap,
+    Router,
+}

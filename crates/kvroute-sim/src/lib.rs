@@ -1,0 +1,137 @@
+//! The cluster simulator: real traces through the real router core and simulated engines, on
+//! one virtual clock.
+//!
+//! A [`Simulation`] owns one [`kvroute_core::router::Router`] (the very type the live server
+//! drives, never a copy of its logic) and N [`kvroute_engine::Engine`]s. Arrivals go to the
+//! router; its decisions go to the engines; first tokens and completions go back to the router;
+//! the engines' KV events reach the router's index through a channel with a configurable lag and
+//! loss, so stale cache views can be studied.
+//!
+//! ```
+//! use kvroute_sim::{SimConfig, Simulation, synthetic};
+//!
+//! let config = SimConfig::new(4);
+//! let workload = synthetic::generate(
+//!     &synthetic::SyntheticConfig { requests: 50, ..Default::default() },
+//!     config.engine.block_size,
+//! );
+//! let result = Simulation::new(config).unwrap().run(&workload, &mut |_| {}).unwrap();
+//! assert_eq!(result.report.number("completed_requests"), Some(50.0));
+//! ```
+//!
+//! Like the core, the simulator is sans-IO: trace readers take a reader, runs take a workload and
+//! return values, and nothing reads a clock. The same workload, configuration and seed give a
+//! byte-identical report.
+//!
+//! # Layout
+//!
+//! * [`workload`]: requests with arrival rules, prompts as block hashes, true output lengths.
+//! * [`trace`]: Mooncake JSONL and Azure CSV readers.
+//! * [`synthetic`]: a seeded generator.
+//! * [`config`]: the configuration, `SimConfig`.
+//! * `cluster`: the event loop.
+//! * [`report`]: the report, per-request records, time series and the text table.
+//! * [`stats`]: percentiles and the inter-token-latency sketch.
+//! * [`html`]: a self-contained HTML page of plots.
+//!
+//! **Invariants checked at the end of every run:** arrived = completed + rejected + unfinished;
+//! arrival ≤ routing ≤ first token ≤ finish; the clock never goes back (the router saw no
+//! earlier time either); with nothing unfinished, the router's booked load is zero; every
+//! engine's block accounting holds and, without event loss, the router's index holds exactly the
+//! blocks each engine caches.
+#![forbid(unsafe_code)]
+
+mod cluster;
+pub mod config;
+mod error;
+pub mod html;
+pub mod report;
+pub mod stats;
+mod summary;
+pub mod synthetic;
+pub mod trace;
+pub mod workload;
+
+pub use cluster::Progress;
+pub use config::{ArrivalMode, EventChannel, SimConfig};
+pub use error::SimError;
+pub use report::{Outcome, Report, RequestRecord, TimeSeries};
+pub use workload::{Arrival, SimRequest, Workload};
+
+/// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),
+/// gzip'd: the trace `kvroute replay` runs when none is named.
+pub const EXAMPLE_MOONCAKE_GZ: &[u8] = include_bytes!("../data/mooncake_conversation_2000.jsonl.gz");
+
+/// A configured simulation; [`Simulation::run`] may be called any number of times.
+#[derive(Clone, Debug)]
+pub struct Simulation {
+    config: SimConfig,
+}
+
+/// What a run produced.
+#[derive(Clone, Debug)]
+pub struct RunResult {
+    /// The summary.
+    pub report: Report,
+    /// One record per request, when [`SimConfig::keep_requests`] is set.
+    pub requests: Vec<RequestRecord>,
+    /// Time series, when [`SimConfig::sample_interval`] is set.
+    pub series: Option<TimeSeries>,
+    /// TTFT of every completed request, ms, in request order (for plots).
+    pub ttft_ms: Vec<f64>,
+    /// E2E latency of every completed request, ms, in request order (for plots).
+    pub e2e_ms: Vec<f64>,
+}
+
+impl Simulation {
+    /// A simulation, or why `config` is unusable.
+    pub fn new(config: SimConfig) -> Result<Self, SimError> {
+        config.router.validate()?;
+        config.engine.validate()?;
+        if config.workers == 0 || config.workers > u32::MAX as usize {
+            return Err(SimError::Config(format!("{} workers", config.workers)));
+        }
+        if config.router.block_size != config.engine.block_size {
+            return Err(SimError::Config(format!(
+                "router block size {} != engine block size {}",
+                config.router.block_size, config.engine.block_size
+            )));
+        }
+        if !(0.0..=1.0).contains(&config.events.loss) {
+            return Err(SimError::Config(format!(
+                "event loss {} is not a probability",
+                config.events.loss
+            )));
+        }
+        if config.sample_interval.is_some_and(|d| d.is_zero()) {
+            return Err(SimError::Config("sample interval of zero".to_owned()));
+        }
+        if let ArrivalMode::Closed { concurrency: 0 } = config.arrivals {
+            return Err(SimError::Config("closed-loop concurrency of zero".to_owned()));
+        }
+        Ok(Self { config })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Runs `workload` to the end, calling `progress` now and then, and checks the invariants.
+    pub fn run(
+        &self,
+        workload: &Workload,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RunResult, SimError> {
+        if workload.block_size != self.config.engine.block_size {
+            return Err(SimError::Config(format!(
+                "workload block size {} != engine block size {}",
+                workload.block_size, self.config.engine.block_size
+            )));
+        }
+        let mut run = cluster::Run::new(&self.config, workload)?;
+        run.run(progress)?;
+        run.check()?;
+        Ok(summary::summarize(&self.config, workload, run))
+    }
+}

@@ -1,0 +1,183 @@
+//! Summary statistics: exact percentiles over per-request samples, and a log-bucket sketch for
+//! the millions of inter-token gaps.
+
+/// Exact summary of `values` (sorted in place): nearest-rank percentiles at index
+/// `round((n - 1) · p / 100)`, as Dynamo's replay collector computes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Summary {
+    /// Samples.
+    pub count: u64,
+    /// Mean.
+    pub mean: f64,
+    /// Smallest.
+    pub min: f64,
+    /// Largest.
+    pub max: f64,
+    /// 50th percentile.
+    pub p50: f64,
+    /// 75th percentile.
+    pub p75: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 95th percentile.
+    pub p95: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Population standard deviation.
+    pub std: f64,
+}
+
+impl Summary {
+    /// The summary of `values`; all zero when empty.
+    pub fn exact(values: &mut [f64]) -> Self {
+        if values.is_empty() {
+            return Self::default();
+        }
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        let mean = values.iter().sum::<f64>() / n as f64;
+        let var = values.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n as f64;
+        let at = |p: f64| values[((n - 1) as f64 * p / 100.0).round() as usize];
+        Self {
+            count: n as u64,
+            mean,
+            min: values[0],
+            max: values[n - 1],
+            p50: at(50.0),
+            p75: at(75.0),
+            p90: at(90.0),
+            p95: at(95.0),
+            p99: at(99.0),
+            std: var.sqrt(),
+        }
+    }
+}
+
+/// Log-bucket sketch of positive values with 0.1% relative error (bucket `i` holds values in
+/// `[γ^i, γ^(i+1))`, `γ = 1.002`, reported at the bucket's geometric middle), plus an exact
+/// count, sum, sum of squares, min and max. Bounded memory; same inputs, same answers.
+#[derive(Clone, Debug)]
+pub struct Sketch {
+    buckets: Vec<u64>,
+    count: u64,
+    sum: f64,
+    sum_sq: f64,
+    min: f64,
+    max: f64,
+    zeros: u64,
+}
+
+const GAMMA_LN: f64 = 0.001_998_002_662_673_056; // ln(1.002)
+/// Values are in milliseconds: buckets cover 1e-6 ms to 1e9 ms.
+const LOW_LN: f64 = -13.815_510_557_964_274; // ln(1e-6)
+const BUCKETS: usize = 17_300;
+
+impl Default for Sketch {
+    fn default() -> Self {
+        Self {
+            buckets: Vec::new(),
+            count: 0,
+            sum: 0.0,
+            sum_sq: 0.0,
+            min: f64::INFINITY,
+            max: 0.0,
+            zeros: 0,
+        }
+    }
+}
+
+impl Sketch {
+    /// Records `v` (negative values count as 0).
+    pub fn add(&mut self, v: f64) {
+        let v = v.max(0.0);
+        self.count += 1;
+        self.sum += v;
+        self.sum_sq += v * v;
+        self.min = self.min.min(v);
+        self.max = self.max.max(v);
+        if v <= 0.0 {
+            self.zeros += 1;
+            return;
+        }
+        if self.buckets.is_empty() {
+            self.buckets = vec![0; BUCKETS];
+        }
+        let i = ((v.ln() - LOW_LN) / GAMMA_LN)
+            .floor()
+            .clamp(0.0, (BUCKETS - 1) as f64) as usize;
+        self.buckets[i] += 1;
+    }
+
+    /// Samples recorded.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The summary (percentiles approximate, mean, min, max and std exact).
+    pub fn summary(&self) -> Summary {
+        if self.count == 0 {
+            return Summary::default();
+        }
+        let n = self.count as f64;
+        let mean = self.sum / n;
+        let at = |p: f64| self.quantile(((self.count - 1) as f64 * p / 100.0).round() as u64);
+        Summary {
+            count: self.count,
+            mean,
+            min: self.min,
+            max: self.max,
+            p50: at(50.0),
+            p75: at(75.0),
+            p90: at(90.0),
+            p95: at(95.0),
+            p99: at(99.0),
+            std: (self.sum_sq / n - mean * mean).max(0.0).sqrt(),
+        }
+    }
+
+    /// The value of rank `rank` (0-based), at its bucket's middle, clamped to `[min, max]`.
+    fn quantile(&self, rank: u64) -> f64 {
+        if rank < self.zeros {
+            return 0.0;
+        }
+        let mut seen = self.zeros;
+        for (i, &c) in self.buckets.iter().enumerate() {
+            seen += c;
+            if seen > rank {
+                let mid = (LOW_LN + (i as f64 + 0.5) * GAMMA_LN).exp();
+                return mid.clamp(self.min, self.max);
+            }
+        }
+        self.max
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_uses_nearest_rank() {
+        let mut v: Vec<f64> = (1..=10).map(f64::from).collect();
+        let s = Summary::exact(&mut v);
+        // round(9 · 0.5) = 5 (round half away from zero) -> 6.
+        assert_eq!((s.p50, s.p90, s.p99, s.min, s.max), (6.0, 9.0, 10.0, 1.0, 10.0));
+        assert_eq!(s.mean, 5.5);
+    }
+
+    #[test]
+    fn sketch_is_within_its_relative_error() {
+        let mut sketch = Sketch::default();
+        let mut exact = Vec::new();
+        for i in 1..=10_000 {
+            let v = f64::from(i) * 0.37;
+            sketch.add(v);
+            exact.push(v);
+        }
+        let (a, b) = (sketch.summary(), Summary::exact(&mut exact));
+        for (x, y) in [(a.p50, b.p50), (a.p90, b.p90), (a.p99, b.p99)] {
+            assert!((x - y).abs() / y < 0.002, "{x} vs {y}");
+        }
+        assert!((a.mean - b.mean).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,156 @@
+//! From a finished run to its report: counts, throughputs, latency summaries, cache figures.
+
+use crate::RunResult;
+use crate::cluster::Run;
+use crate::config::SimConfig;
+use crate::report::{Outcome, Report, RequestRecord, Value};
+use crate::stats::Summary;
+use crate::workload::Workload;
+
+macro_rules! latency_keys {
+    ($m:literal) => {
+        [
+            concat!("mean_", $m, "_ms"),
+            concat!("min_", $m, "_ms"),
+            concat!("max_", $m, "_ms"),
+            concat!("median_", $m, "_ms"),
+            concat!("p75_", $m, "_ms"),
+            concat!("p90_", $m, "_ms"),
+            concat!("p95_", $m, "_ms"),
+            concat!("p99_", $m, "_ms"),
+            concat!("std_", $m, "_ms"),
+        ]
+    };
+}
+
+fn push_summary(report: &mut Report, keys: [&'static str; 9], s: &Summary) {
+    let values = [s.mean, s.min, s.max, s.p50, s.p75, s.p90, s.p95, s.p99, s.std];
+    for (k, v) in keys.into_iter().zip(values) {
+        report.float(k, v);
+    }
+}
+
+fn ms(nanos: u64) -> f64 {
+    nanos as f64 / 1e6
+}
+
+/// The run's result.
+pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -> RunResult {
+    let (mut ttft, mut e2e, mut tpot) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut input_tokens, mut output_tokens, mut end) = (0u64, 0u64, 0u64);
+    let (mut hit_rate_sum, mut hit_rate_n) = (0.0, 0u64);
+    let mut records = Vec::new();
+    let bs = workload.block_size;
+    for (i, (s, r)) in run.reqs.iter().zip(&workload.requests).enumerate() {
+        let Some(arrived) = s.arrived else { continue };
+        let prompt_blocks = r.prompt_tokens / bs;
+        if s.routed.is_some() && prompt_blocks > 0 {
+            hit_rate_sum += f64::from(s.overlap_blocks) / f64::from(prompt_blocks);
+            hit_rate_n += 1;
+        }
+        let ttft_ms = s.first_token.map(|t| ms(t.as_nanos() - arrived.as_nanos()));
+        let e2e_ms = s.finished.map(|t| ms(t.as_nanos() - arrived.as_nanos()));
+        if let Some(finished) = s.finished {
+            input_tokens += u64::from(r.prompt_tokens);
+            output_tokens += u64::from(s.output_tokens);
+            end = end.max(finished.as_nanos());
+            ttft.extend(ttft_ms);
+            e2e.extend(e2e_ms);
+            if let Some(first) = s.first_token
+                && s.output_tokens > 1
+            {
+                tpot.push(ms(s.last_token.as_nanos() - first.as_nanos()) / f64::from(s.output_tokens - 1));
+            }
+        }
+        if config.keep_requests {
+            records.push(RequestRecord {
+                id: i as u64,
+                outcome: s.outcome(),
+                arrival_ms: ms(arrived.as_nanos()),
+                routed_ms: s.routed.map(|t| ms(t.as_nanos())),
+                worker: s.worker.map(u64::from),
+                input_tokens: r.prompt_tokens,
+                output_tokens: s.output_tokens,
+                prompt_blocks,
+                predicted_overlap_blocks: s.overlap_blocks,
+                ttft_ms,
+                e2e_latency_ms: e2e_ms,
+            });
+        }
+    }
+    let t = &run.totals;
+    let counters = run.router.metrics().counters;
+    let unfinished = run
+        .reqs
+        .iter()
+        .filter(|s| s.arrived.is_some() && s.outcome() == Outcome::Unfinished)
+        .count();
+    let duration_s = end as f64 / 1e9;
+    let per_s = |x: f64| if duration_s > 0.0 { x / duration_s } else { 0.0 };
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+
+    let mut report = Report::default();
+    report.push("policy", Value::Text(config.router.policy.name().to_owned()));
+    report.count("num_workers", config.workers as u64);
+    report.count("num_requests", workload.requests.len() as u64);
+    report.count("arrived_requests", t.arrived);
+    report.count("completed_requests", t.completed);
+    report.count("rejected_requests", run.rejected());
+    report.count("unfinished_requests", unfinished as u64);
+    report.count("total_input_tokens", input_tokens);
+    report.count("total_output_tokens", output_tokens);
+    report.float("duration_ms", end as f64 / 1e6);
+    report.float("request_throughput_rps", per_s(t.completed as f64));
+    report.float("input_throughput_tok_s", per_s(input_tokens as f64));
+    report.float("output_throughput_tok_s", per_s(output_tokens as f64));
+    report.float(
+        "total_throughput_tok_s",
+        per_s((input_tokens + output_tokens) as f64),
+    );
+    push_summary(
+        &mut report,
+        latency_keys!("ttft"),
+        &Summary::exact(&mut ttft.clone()),
+    );
+    push_summary(&mut report, latency_keys!("itl"), &t.itl.summary());
+    push_summary(&mut report, latency_keys!("tpot"), &Summary::exact(&mut tpot));
+    push_summary(
+        &mut report,
+        latency_keys!("e2e_latency"),
+        &Summary::exact(&mut e2e.clone()),
+    );
+    report.float("prefix_cache_reused_ratio", ratio(t.hit_tokens, t.query_tokens));
+    report.float(
+        "router_predicted_overlap_ratio",
+        ratio(counters.overlap_blocks, counters.prompt_blocks),
+    );
+    report.float(
+        "router_mean_kv_hit_rate",
+        if hit_rate_n == 0 {
+            0.0
+        } else {
+            hit_rate_sum / hit_rate_n as f64
+        },
+    );
+    report.count("preemptions", t.preemptions);
+    report.count("router_queued_requests", counters.queued);
+    report.count("router_expired_requests", counters.expired);
+    report.count("kv_events_published", t.kv_events_published);
+    report.count("kv_events_lost", t.kv_events_lost);
+    report.count("kv_events_refused", t.kv_events_refused);
+    report.count("engine_steps", t.steps);
+    let worker_seconds = config.workers as f64 * duration_s;
+    report.float("worker_seconds", worker_seconds);
+    report.float("busy_worker_seconds", t.busy_nanos as f64 / 1e9);
+    report.float(
+        "gpu_hours",
+        worker_seconds * f64::from(config.gpus_per_worker) / 3600.0,
+    );
+    RunResult {
+        report,
+        requests: records,
+        series: run.series,
+        ttft_ms: ttft,
+        e2e_ms: e2e,
+    }
+}

@@ -1,0 +1,223 @@
+//! A seeded workload generator: Poisson or gamma arrivals, length distributions, shared-prefix
+//! groups and multi-turn sessions with think time.
+//!
+//! A session's turn `k + 1` arrives `think_time` after turn `k` finishes, and its prompt is turn
+//! `k`'s prompt followed by `isl` new tokens (the previous answer and the user's next message), so
+//! a router that keeps a session on one worker finds the whole earlier prompt cached.
+
+use std::time::Duration;
+
+use kvroute_core::router::Rng;
+use kvroute_core::time::Timestamp;
+
+use crate::trace::unique_token;
+use crate::workload::{Arrival, PromptHasher, SimRequest, Workload};
+
+/// How session starts are spaced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ArrivalProcess {
+    /// Exponential gaps (coefficient of variation 1).
+    Poisson,
+    /// Gamma-distributed gaps with this coefficient of variation (above 1: bursty).
+    Gamma {
+        /// Coefficient of variation of the gaps.
+        cv: f64,
+    },
+}
+
+/// A length distribution in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lengths {
+    /// Always this many.
+    Fixed(u32),
+    /// Uniform over `min..=max`.
+    Uniform {
+        /// Smallest.
+        min: u32,
+        /// Largest.
+        max: u32,
+    },
+}
+
+impl Lengths {
+    fn sample(&self, rng: &mut Rng) -> u32 {
+        match *self {
+            Self::Fixed(n) => n,
+            Self::Uniform { min, max } => {
+                let (lo, hi) = (min.min(max), min.max(max));
+                lo + rng.below((hi - lo) as usize + 1) as u32
+            }
+        }
+    }
+}
+
+/// What to generate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SyntheticConfig {
+    /// Requests in all (turns included).
+    pub requests: usize,
+    /// Session starts per second.
+    pub rate_rps: f64,
+    /// Gap distribution between session starts.
+    pub arrival: ArrivalProcess,
+    /// New prompt tokens per turn (after the shared prefix on a first turn).
+    pub isl: Lengths,
+    /// Output tokens per request.
+    pub osl: Lengths,
+    /// Shared-prefix groups; 0 for none. Each session starts with its group's prefix.
+    pub prefix_groups: u32,
+    /// Tokens of each group's prefix.
+    pub shared_prefix_tokens: u32,
+    /// Turns per session (1: independent requests).
+    pub turns_per_session: u32,
+    /// Think time between a turn's end and the next turn.
+    pub think_time: Duration,
+    /// Seed of every random draw.
+    pub seed: u64,
+}
+
+impl Default for SyntheticConfig {
+    /// 2,000 single-turn requests at 10 per second (Poisson), ISL 1,024–4,096, OSL 64–512,
+    /// 16 prefix groups of 2,048 tokens, seed 1.
+    fn default() -> Self {
+        Self {
+            requests: 2000,
+            rate_rps: 10.0,
+            arrival: ArrivalProcess::Poisson,
+            isl: Lengths::Uniform { min: 1024, max: 4096 },
+            osl: Lengths::Uniform { min: 64, max: 512 },
+            prefix_groups: 16,
+            shared_prefix_tokens: 2048,
+            turns_per_session: 1,
+            think_time: Duration::from_secs(5),
+            seed: 1,
+        }
+    }
+}
+
+/// Generates the workload `config` describes at `block_size` tokens per block.
+pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
+    let mut rng = Rng::new(config.seed);
+    let mut workload = Workload::new(block_size);
+    let mut hasher = PromptHasher::new(block_size.max(1));
+    let turns = config.turns_per_session.max(1) as usize;
+    let mut start = 0.0_f64;
+    let mut session: Vec<u32> = Vec::new();
+    while workload.requests.len() < config.requests {
+        start += gap_secs(config, &mut rng);
+        session.clear();
+        if config.prefix_groups > 0 {
+            let group = rng.below(config.prefix_groups as usize) as u64;
+            session.extend((0..config.shared_prefix_tokens).map(|j| unique_token(u64::MAX - group, j)));
+        }
+        for turn in 0..turns {
+            if workload.requests.len() >= config.requests {
+                break;
+            }
+            let id = workload.requests.len();
+            let new = config.isl.sample(&mut rng).max(1);
+            session.extend((0..new).map(|j| unique_token(id as u64, j)));
+            hasher.buffer().extend_from_slice(&session);
+            let arrival = if turn == 0 {
+                Arrival::At(Timestamp((start * 1e9).round() as u64))
+            } else {
+                Arrival::After {
+                    request: id - 1,
+                    delay: config.think_time,
+                }
+            };
+            workload.requests.push(SimRequest {
+                arrival,
+                locals: hasher.locals(),
+                prompt_tokens: hasher.len(),
+                output_tokens: config.osl.sample(&mut rng),
+            });
+        }
+    }
+    workload
+}
+
+/// One gap between session starts, in seconds.
+fn gap_secs(config: &SyntheticConfig, rng: &mut Rng) -> f64 {
+    let mean = 1.0 / config.rate_rps.max(1e-9);
+    match config.arrival {
+        ArrivalProcess::Poisson => -mean * (1.0 - rng.next_f64()).ln(),
+        ArrivalProcess::Gamma { cv } => {
+            let shape = 1.0 / (cv * cv).max(1e-6);
+            gamma(shape, rng) * mean / shape
+        }
+    }
+}
+
+/// A Gamma(`shape`, 1) draw (Marsaglia and Tsang; shapes below 1 by the `U^(1/k)` boost).
+fn gamma(shape: f64, rng: &mut Rng) -> f64 {
+    if shape < 1.0 {
+        let u = 1.0 - rng.next_f64();
+        return gamma(shape + 1.0, rng) * u.powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        let x = normal(rng);
+        let v = (1.0 + c * x).powi(3);
+        if v <= 0.0 {
+            continue;
+        }
+        let u = 1.0 - rng.next_f64();
+        if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
+    }
+}
+
+/// A standard normal draw (Box–Muller).
+fn normal(rng: &mut Rng) -> f64 {
+    let u1 = 1.0 - rng.next_f64();
+    let u2 = rng.next_f64();
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_extend_their_previous_prompt_and_follow_it() {
+        let config = SyntheticConfig {
+            requests: 6,
+            turns_per_session: 3,
+            isl: Lengths::Fixed(32),
+            prefix_groups: 1,
+            shared_prefix_tokens: 16,
+            ..SyntheticConfig::default()
+        };
+        let w = generate(&config, 16);
+        assert_eq!(w.requests.len(), 6);
+        assert!(matches!(w.requests[0].arrival, Arrival::At(_)));
+        assert_eq!(
+            w.requests[1].arrival,
+            Arrival::After {
+                request: 0,
+                delay: config.think_time
+            }
+        );
+        assert_eq!(w.requests[2].prompt_tokens, 16 + 3 * 32);
+        assert!(w.requests[2].locals.starts_with(&w.requests[1].locals));
+        // Both sessions share the group prefix block.
+        assert_eq!(w.requests[0].locals[0], w.requests[3].locals[0]);
+        assert_eq!(generate(&config, 16), w);
+    }
+
+    #[test]
+    fn gamma_gaps_have_the_requested_mean() {
+        let mut rng = Rng::new(3);
+        let config = SyntheticConfig {
+            rate_rps: 4.0,
+            arrival: ArrivalProcess::Gamma { cv: 2.0 },
+            ..SyntheticConfig::default()
+        };
+        let n = 20_000;
+        let mean = (0..n).map(|_| gap_secs(&config, &mut rng)).sum::<f64>() / n as f64;
+        assert!((mean - 0.25).abs() < 0.02, "{mean}");
+    }
+}

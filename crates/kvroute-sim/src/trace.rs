@@ -1,0 +1,269 @@
+//! Trace readers: Mooncake JSON Lines and Azure LLM inference CSV, into a [`Workload`].
+//!
+//! Readers take text already decompressed (the CLI opens and un-gzips files); they do no I/O of
+//! their own beyond the reader they are given.
+//!
+//! **Mooncake token synthesis** (Dynamo's rule, `lib/mocker/src/loadgen/trace.rs`): each
+//! `hash_id` becomes `trace_block_size` copies of the token `hash_id as u32`; the prompt is the
+//! first `min(input_length, len(hash_ids) · trace_block_size)` of those tokens; the engines
+//! re-chunk them at their own block size. Only the local hashes of the full blocks are kept, so
+//! a 12,000-request trace costs megabytes, not the gigabyte its token ids would.
+//!
+//! **Azure** rows give lengths only: each request gets its own synthesized tokens, so no two
+//! prompts share a block.
+
+use std::io::BufRead;
+use std::sync::Arc;
+
+use kvroute_core::ids::LocalBlockHash;
+use kvroute_core::time::Timestamp;
+use serde::Deserialize;
+
+use crate::workload::{Arrival, PromptHasher, SimRequest, Workload};
+
+/// A trace the readers refuse.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// Reading failed.
+    #[error("reading the trace: {0}")]
+    Io(#[from] std::io::Error),
+    /// A line did not parse.
+    #[error("line {line}: {message}")]
+    Parse {
+        /// 1-based line number.
+        line: usize,
+        /// What was wrong.
+        message: String,
+    },
+    /// A block size of zero.
+    #[error("block sizes must be at least 1")]
+    ZeroBlockSize,
+}
+
+/// One Mooncake row (`created_time`, `input_tokens`, `output_tokens` are accepted aliases).
+#[derive(Debug, Deserialize)]
+struct MooncakeRow {
+    #[serde(alias = "created_time")]
+    timestamp: f64,
+    #[serde(alias = "input_tokens")]
+    input_length: u64,
+    #[serde(alias = "output_tokens")]
+    output_length: u64,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+}
+
+/// Reads a Mooncake JSONL trace (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of
+/// `trace_block_size` tokens) into a workload at `block_size` tokens per block, keeping at most
+/// `limit` rows. Arrivals are the timestamps, shifted so the first row arrives at 0.
+pub fn read_mooncake(
+    reader: impl BufRead,
+    trace_block_size: u32,
+    block_size: u32,
+    limit: Option<usize>,
+) -> Result<Workload, TraceError> {
+    if trace_block_size == 0 || block_size == 0 {
+        return Err(TraceError::ZeroBlockSize);
+    }
+    let mut workload = Workload::new(block_size);
+    let mut hasher = PromptHasher::new(block_size);
+    let mut first_ms = None;
+    for (i, line) in reader.lines().enumerate() {
+        if limit.is_some_and(|n| workload.requests.len() >= n) {
+            break;
+        }
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row: MooncakeRow = serde_json::from_str(&line).map_err(|e| TraceError::Parse {
+            line: i + 1,
+            message: e.to_string(),
+        })?;
+        let first = *first_ms.get_or_insert(row.timestamp);
+        let ms = (row.timestamp - first).max(0.0);
+        let (locals, prompt_tokens) =
+            mooncake_prompt(&mut hasher, &row.hash_ids, row.input_length, trace_block_size);
+        workload.requests.push(SimRequest {
+            arrival: Arrival::At(Timestamp((ms * 1e6).round() as u64)),
+            locals,
+            prompt_tokens,
+            output_tokens: u32::try_from(row.output_length).unwrap_or(u32::MAX),
+        });
+    }
+    Ok(workload)
+}
+
+/// The synthesized prompt of a Mooncake row: its full blocks' local hashes and its length.
+pub(crate) fn mooncake_prompt(
+    hasher: &mut PromptHasher,
+    hash_ids: &[u64],
+    input_length: u64,
+    trace_block_size: u32,
+) -> (Arc<[LocalBlockHash]>, u32) {
+    let tbs = trace_block_size as usize;
+    let len = (input_length as usize).min(hash_ids.len() * tbs);
+    let tokens = hasher.buffer();
+    tokens.reserve(len);
+    for &h in hash_ids {
+        let take = (len - tokens.len()).min(tbs);
+        if take == 0 {
+            break;
+        }
+        tokens.extend(std::iter::repeat_n(h as u32, take));
+    }
+    (hasher.locals(), hasher.len())
+}
+
+/// Reads an Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) into a workload
+/// at `block_size` tokens per block, keeping at most `limit` rows. Every prompt gets unique
+/// synthesized tokens.
+pub fn read_azure(
+    reader: impl BufRead,
+    block_size: u32,
+    limit: Option<usize>,
+) -> Result<Workload, TraceError> {
+    if block_size == 0 {
+        return Err(TraceError::ZeroBlockSize);
+    }
+    let mut workload = Workload::new(block_size);
+    let mut hasher = PromptHasher::new(block_size);
+    let mut first_ns = None;
+    for (i, line) in reader.lines().enumerate() {
+        if limit.is_some_and(|n| workload.requests.len() >= n) {
+            break;
+        }
+        let line = line?;
+        let line = line.trim();
+        if line.is_empty() || (i == 0 && line.starts_with("TIMESTAMP")) {
+            continue;
+        }
+        let parse = |message: &str| TraceError::Parse {
+            line: i + 1,
+            message: message.to_owned(),
+        };
+        let mut fields = line.split(',');
+        let (Some(ts), Some(context), Some(generated)) = (fields.next(), fields.next(), fields.next()) else {
+            return Err(parse("expected TIMESTAMP,ContextTokens,GeneratedTokens"));
+        };
+        let ns = parse_datetime_ns(ts).ok_or_else(|| parse("bad timestamp"))?;
+        let context: u32 = context.trim().parse().map_err(|_| parse("bad ContextTokens"))?;
+        let generated: u32 = generated
+            .trim()
+            .parse()
+            .map_err(|_| parse("bad GeneratedTokens"))?;
+        let first = *first_ns.get_or_insert(ns);
+        let id = workload.requests.len() as u64;
+        let tokens = hasher.buffer();
+        tokens.extend((0..context).map(|j| unique_token(id, j)));
+        workload.requests.push(SimRequest {
+            arrival: Arrival::At(Timestamp(ns.saturating_sub(first))),
+            locals: hasher.locals(),
+            prompt_tokens: context,
+            output_tokens: generated,
+        });
+    }
+    Ok(workload)
+}
+
+/// A token id for position `j` of request `id` that no other request shares (up to hash
+/// collisions of 32 bits, which a whole block of them never repeats).
+pub(crate) fn unique_token(id: u64, j: u32) -> u32 {
+    let mut z = (id << 32 | u64::from(j)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
+}
+
+/// `YYYY-MM-DD HH:MM:SS[.fraction]` as nanoseconds since 1970 (UTC, no leap seconds).
+fn parse_datetime_ns(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (date, time) = s.split_once([' ', 'T'])?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut t = hms.split(':').map(|p| p.parse::<u64>().ok());
+    let (h, min, sec) = (t.next()??, t.next()??, t.next()??);
+    let frac_ns = if frac.is_empty() {
+        0
+    } else {
+        let digits: String = frac.chars().take(9).collect();
+        let value: u64 = digits.parse().ok()?;
+        value * 10u64.pow(9 - digits.len() as u32)
+    };
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = u64::try_from(era * 146_097 + doe - 719_468).ok()?;
+    Some(((days * 86_400 + h * 3600 + min * 60 + sec) * 1_000_000_000) + frac_ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::hash::{BlockHasher, HashSalt};
+
+    #[test]
+    fn mooncake_tokens_are_hash_ids_repeated_and_clamped() {
+        let text = r#"{"timestamp": 5, "input_length": 10, "output_length": 3, "hash_ids": [7, 9]}
+{"timestamp": 8, "input_length": 99, "output_length": 1, "hash_ids": [7]}
+"#;
+        let w = read_mooncake(text.as_bytes(), 4, 2, None).unwrap();
+        let hasher = BlockHasher::new(2, &HashSalt::NONE);
+        // 2 hash ids of 4 tokens: 8 tokens available, input_length 10 clamps to 8.
+        let tokens = [7, 7, 7, 7, 9, 9, 9, 9];
+        assert_eq!(&*w.requests[0].locals, hasher.local_hashes(&tokens).as_slice());
+        assert_eq!(w.requests[0].prompt_tokens, 8);
+        assert_eq!(w.requests[0].arrival, Arrival::At(Timestamp::ZERO));
+        assert_eq!(w.requests[0].output_tokens, 3);
+        // The second row clamps 99 to 4 tokens and arrives 3 ms after the first.
+        assert_eq!(w.requests[1].prompt_tokens, 4);
+        assert_eq!(w.requests[1].arrival, Arrival::At(Timestamp::from_millis(3)));
+        assert_eq!(
+            &*w.requests[1].locals,
+            hasher.local_hashes(&[7, 7, 7, 7]).as_slice()
+        );
+    }
+
+    #[test]
+    fn mooncake_truncates_inside_a_trace_block() {
+        // 7 of 8 tokens; engine blocks of 3: two full blocks [7,7,7] [7,9,9], one token left.
+        let text = r#"{"timestamp": 0, "input_length": 7, "output_length": 1, "hash_ids": [7, 9]}"#;
+        let w = read_mooncake(text.as_bytes(), 4, 3, None).unwrap();
+        let hasher = BlockHasher::new(3, &HashSalt::NONE);
+        assert_eq!(w.requests[0].prompt_tokens, 7);
+        assert_eq!(
+            &*w.requests[0].locals,
+            hasher.local_hashes(&[7, 7, 7, 7, 9, 9]).as_slice()
+        );
+    }
+
+    #[test]
+    fn azure_rows_parse_with_relative_times_and_unique_prompts() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 18:15:46.6805900,374,44\n\
+                    2023-11-16 18:15:50.9951690,374,44\n";
+        let w = read_azure(text.as_bytes(), 16, None).unwrap();
+        assert_eq!(w.requests.len(), 2);
+        assert_eq!(w.requests[0].arrival, Arrival::At(Timestamp::ZERO));
+        assert_eq!(w.requests[1].arrival, Arrival::At(Timestamp(4_314_579_000)));
+        assert_eq!(w.requests[0].locals.len(), 23);
+        assert_ne!(w.requests[0].locals[0], w.requests[1].locals[0]);
+        assert!(read_azure("TIMESTAMP,a\nnonsense\n".as_bytes(), 16, None).is_err());
+    }
+
+    #[test]
+    fn datetimes_match_unix_time() {
+        assert_eq!(parse_datetime_ns("1970-01-01 00:00:01"), Some(1_000_000_000));
+        // 2023-11-16 18:15:46 UTC = 1700158546.
+        assert_eq!(
+            parse_datetime_ns("2023-11-16 18:15:46.5"),
+            Some(1_700_158_546_500_000_000)
+        );
+    }
+}

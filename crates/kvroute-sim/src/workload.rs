@@ -1,0 +1,122 @@
+//! The workload: every request a run will offer, with its arrival rule, its prompt as local
+//! block hashes at the engines' block size, and its true output length.
+//!
+//! A workload is built once (from a trace or a generator) and run under any number of router
+//! configurations: each policy of a comparison sees the identical requests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::ids::LocalBlockHash;
+use kvroute_core::time::Timestamp;
+
+/// When a request arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// At a fixed time (open loop: trace timestamps, generated arrival processes).
+    At(Timestamp),
+    /// `delay` after an earlier request of the same session finishes (or is turned away): the
+    /// next turn of a conversation, with the user's think time.
+    After {
+        /// Index of the earlier request in [`Workload::requests`].
+        request: usize,
+        /// Think time.
+        delay: Duration,
+    },
+}
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimRequest {
+    /// When it arrives (ignored in closed-loop mode, where a request arrives when a slot frees).
+    pub arrival: Arrival,
+    /// Local hashes of the prompt's full blocks, at [`Workload::block_size`].
+    pub locals: Arc<[LocalBlockHash]>,
+    /// Prompt length in tokens: `locals.len()` full blocks plus fewer than a block.
+    pub prompt_tokens: u32,
+    /// Tokens the request generates. Only the engine reads it; the router never sees it.
+    pub output_tokens: u32,
+}
+
+/// Requests, in the order of their ids (request `i` is `RequestId(i)`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    /// Tokens per block of every request's `locals`; runs need engines and a router of this
+    /// block size.
+    pub block_size: u32,
+    /// The requests.
+    pub requests: Vec<SimRequest>,
+}
+
+impl Workload {
+    /// An empty workload at `block_size` tokens per block.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            requests: Vec::new(),
+        }
+    }
+
+    /// Prompt tokens over all requests.
+    pub fn total_input_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| u64::from(r.prompt_tokens)).sum()
+    }
+
+    /// Divides every fixed arrival time and think time by `speedup` (2.0 arrives twice as fast).
+    /// Values that are not finite and positive leave the workload unchanged.
+    pub fn speed_up(&mut self, speedup: f64) {
+        if !(speedup.is_finite() && speedup > 0.0) || speedup == 1.0 {
+            return;
+        }
+        for r in &mut self.requests {
+            r.arrival = match r.arrival {
+                Arrival::At(t) => Arrival::At(Timestamp((t.as_nanos() as f64 / speedup).round() as u64)),
+                Arrival::After { request, delay } => Arrival::After {
+                    request,
+                    delay: delay.div_f64(speedup),
+                },
+            };
+        }
+    }
+
+    /// Keeps the first `n` requests, dropping any session link to a dropped request.
+    pub fn truncate(&mut self, n: usize) {
+        self.requests.truncate(n);
+    }
+}
+
+/// Hashes synthesized prompts into a workload's blocks, reusing one token buffer.
+#[derive(Debug)]
+pub(crate) struct PromptHasher {
+    hasher: BlockHasher,
+    tokens: Vec<u32>,
+}
+
+impl PromptHasher {
+    pub(crate) fn new(block_size: u32) -> Self {
+        Self {
+            hasher: BlockHasher::new(block_size as usize, &HashSalt::NONE),
+            tokens: Vec::new(),
+        }
+    }
+
+    /// The buffer to fill with a prompt's tokens (cleared).
+    pub(crate) fn buffer(&mut self) -> &mut Vec<u32> {
+        self.tokens.clear();
+        &mut self.tokens
+    }
+
+    /// The local hashes of the full blocks of the buffer's tokens.
+    pub(crate) fn locals(&self) -> Arc<[LocalBlockHash]> {
+        self.tokens
+            .chunks_exact(self.hasher.block_size())
+            .map(|block| self.hasher.local_hash(block))
+            .collect()
+    }
+
+    /// Tokens in the buffer.
+    pub(crate) fn len(&self) -> u32 {
+        u32::try_from(self.tokens.len()).unwrap_or(u32::MAX)
+    }
+}
