@@ -642,6 +642,7 @@ scripts!(
     decider_always,
     decider_never,
     staged_scale,
+    kv_default,
     workers,
     output_blocks,
     approximate,

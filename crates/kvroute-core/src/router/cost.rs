@@ -22,6 +22,12 @@
 //! blocks, the uncached ones prefill blocks), and the tie is broken at random; cache affinity
 //! then comes from load (a prefix already active on a worker is not counted again) or from a
 //! `prefill_load_scale` above 1.
+//!
+//! `kv` therefore defaults to `prefill_load_scale = 8`: a block to prefill weighs as much as eight
+//! blocks of decode residency. At 1, `kv` kept no more of the Mooncake traces' prefixes than
+//! round-robin (reuse 0.07); at 2 it equals the full projection (Dynamo's default); from 4 to 8
+//! TTFT kept improving on both Mooncake traces and on an overloaded multi-turn workload without
+//! hurting tail latency (EXPERIMENTS.md, "Choosing `kv`'s prefill_load_scale").
 
 use super::load::DecodeProjection;
 use super::policy::Candidate;
@@ -50,8 +56,10 @@ impl CostParams {
         projection: DecodeProjection::Full,
     };
 
-    /// kvroute's defaults: Dynamo's weights with the staged projection.
+    /// kvroute's defaults: the staged projection, with a prefill block weighing eight decode
+    /// blocks (see the module docs for why).
     pub const KV: CostParams = CostParams {
+        prefill_load_scale: 8.0,
         projection: DecodeProjection::Staged,
         ..Self::DYNAMO
     };
