@@ -46,6 +46,19 @@ pub struct StepOutput {
     pub metrics: StepMetrics,
 }
 
+/// What [`Engine::import_request`] reserved for a request whose KV is transferred in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Import {
+    /// Prompt blocks found in this engine's prefix cache: they need no transfer.
+    pub hit_blocks: u32,
+    /// Prompt blocks reserved for the transfer (the last, partial block included): the blocks
+    /// this engine lacks, whose bytes cross the link.
+    pub transfer_blocks: u32,
+    /// KV events of the reservation (blocks evicted to make room), in order with the engine's
+    /// other events: publish them after those of any pass already returned.
+    pub events: Vec<KvEvent>,
+}
+
 /// Why the prefix cache could not be reset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -87,6 +100,62 @@ impl Engine {
         self.clock = self.clock.max(now);
         self.scheduler.enqueue(seq);
         Ok(())
+    }
+
+    /// Takes in `request`, whose prompt another engine prefilled (its first output token
+    /// included) and whose KV is about to be transferred here: reserves blocks for the whole
+    /// prompt now, as vLLM's decode instance does for a request `WAITING_FOR_REMOTE_KVS`. Full
+    /// prompt blocks already in this engine's prefix cache are hit and need no transfer. The
+    /// request computes nothing until [`Engine::complete_import`].
+    ///
+    /// `request.output_len` is the whole output, the token already sampled by the prefilling
+    /// engine included, so it must be at least 2. Rejected, leaving the engine unchanged, for
+    /// the reasons of [`Engine::add_request`], [`RequestError::NothingToDecode`], or
+    /// [`RequestError::NoBlocksForImport`] when the blocks are not free now (a driver may
+    /// retry after a pass frees some).
+    pub fn import_request(&mut self, now: Timestamp, request: EngineRequest) -> Result<Import, RequestError> {
+        let id = request.id;
+        if self.scheduler.seqs.contains_key(&id) {
+            return Err(RequestError::DuplicateId(id));
+        }
+        let seq = Sequence::new(request, &self.config)?;
+        if seq.max_output < 2 {
+            return Err(RequestError::NothingToDecode(id));
+        }
+        match self.scheduler.reserve_import(seq) {
+            Ok((hit_blocks, transfer_blocks)) => {
+                self.clock = self.clock.max(now);
+                Ok(Import {
+                    hit_blocks,
+                    transfer_blocks,
+                    events: self.scheduler.pool.take_events(),
+                })
+            }
+            Err(blocks_needed) => Err(RequestError::NoBlocksForImport {
+                id,
+                blocks_needed,
+                blocks_free: self.scheduler.pool.total() - self.scheduler.pool.active(),
+            }),
+        }
+    }
+
+    /// The KV of imported request `id` landed at `now`: its prompt counts as computed (no
+    /// recompute), its full prompt blocks join the prefix cache, and it decodes from the next
+    /// pass on (once a running slot is free), starting from the first token the prefilling
+    /// engine sampled. Returns the `stored` events of the blocks newly cached, to publish after
+    /// those of any pass already returned.
+    pub fn complete_import(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<KvEvent>, RequestError> {
+        if !self.scheduler.complete_import(id) {
+            return Err(RequestError::NotImporting(id));
+        }
+        self.clock = self.clock.max(now);
+        Ok(self.scheduler.pool.take_events())
+    }
+
+    /// Requests whose KV is being transferred in ([`Engine::import_request`] without
+    /// [`Engine::complete_import`] yet).
+    pub fn num_importing(&self) -> usize {
+        self.scheduler.importing.len()
     }
 
     /// When [`Engine::step`] should next be called: the end of the pass in flight, or, if it
@@ -186,16 +255,17 @@ impl Engine {
         self.scheduler.running.len()
     }
 
-    /// Requests waiting, preempted ones included.
+    /// Requests waiting, preempted ones included, and imported ones waiting for a running slot.
     pub fn num_waiting(&self) -> usize {
-        self.scheduler.waiting.len()
+        self.scheduler.waiting.len() + self.scheduler.imported.len()
     }
 
     /// Checks the engine's invariants, for tests and debug runs: every block's reference count
     /// equals the number of requests holding it, in use + free = total, the free list and the
     /// cache map are consistent, every live request is in exactly one queue, running requests
-    /// hold exactly the blocks their computed tokens need (and, with prefix caching, their full
-    /// blocks are the cached copies) and waiting ones hold none. Returns the first violation
+    /// (and imported ones waiting for a slot) hold exactly the blocks their computed tokens need
+    /// (and, with prefix caching, their full blocks are the cached copies), importing ones hold
+    /// blocks for their whole prompt and waiting ones hold none. Returns the first violation
     /// found.
     pub fn check_invariants(&self) -> Result<(), String> {
         let s = &self.scheduler;
@@ -207,15 +277,32 @@ impl Engine {
                 self.config.max_num_seqs
             ));
         }
-        if s.running.len() + s.waiting.len() != s.seqs.len() {
+        let queued = s.running.len() + s.waiting.len() + s.importing.len() + s.imported.len();
+        if queued != s.seqs.len() {
             return Err(format!(
-                "{} running + {} waiting != {} live requests",
+                "{} running + {} waiting + {} importing + {} imported != {} live requests",
                 s.running.len(),
                 s.waiting.len(),
+                s.importing.len(),
+                s.imported.len(),
                 s.seqs.len()
             ));
         }
-        for id in &s.running {
+        for id in &s.importing {
+            let seq = s
+                .seqs
+                .get(id)
+                .ok_or_else(|| format!("importing {id:?} is not live"))?;
+            let needed = seq.len().div_ceil(self.config.block_size) as usize;
+            if seq.blocks.len() != needed || seq.num_computed != 0 || seq.outputs != 0 {
+                return Err(format!(
+                    "importing {id:?} holds {} blocks for a prompt of {} tokens",
+                    seq.blocks.len(),
+                    seq.len()
+                ));
+            }
+        }
+        for id in s.running.iter().chain(&s.imported) {
             let seq = s
                 .seqs
                 .get(id)

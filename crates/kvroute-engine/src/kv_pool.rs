@@ -22,7 +22,8 @@
 //! request is cached and cannot be evicted, so every `stored` event names a parent the router
 //! holds.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use kvroute_core::ids::ExternalBlockHash;
 
@@ -30,6 +31,32 @@ use crate::events::{BlockRemoved, KvEvent};
 
 /// A block's index in the pool.
 pub(crate) type BlockId = u32;
+
+/// A hasher for keys that are already well-mixed 64-bit hashes (external block hashes are XXH3
+/// outputs), or small integers: one multiply, no seed, so iteration never depends on a random
+/// state. Nothing iterates these maps in an order that reaches an output.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        // Fibonacci hashing: spreads sequential ids over the high bits the table probes with.
+        self.0 = (self.0 ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// A hash map with [`MixHasher`].
+pub(crate) type MixMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 
 /// "No block", for free-list links.
 const NIL: BlockId = BlockId::MAX;
@@ -54,8 +81,8 @@ pub(crate) struct BlockPool {
     head: BlockId,
     tail: BlockId,
     free: u32,
-    /// Cached blocks by external hash.
-    cached: BTreeMap<ExternalBlockHash, BlockId>,
+    /// Cached blocks by external hash (a hash map: one probe per hit, store and eviction).
+    cached: MixMap<ExternalBlockHash, BlockId>,
     /// Events since the last [`BlockPool::take_events`], in order.
     events: Vec<KvEvent>,
 }
@@ -81,7 +108,7 @@ impl BlockPool {
             head,
             tail,
             free: num_blocks,
-            cached: BTreeMap::new(),
+            cached: MixMap::default(),
             events: Vec::new(),
         }
     }
@@ -103,7 +130,9 @@ impl BlockPool {
 
     /// The external hashes of every cached block, in hash order.
     pub fn cached_hashes(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        self.cached.keys().copied()
+        let mut hashes: Vec<ExternalBlockHash> = self.cached.keys().copied().collect();
+        hashes.sort_unstable();
+        hashes.into_iter()
     }
 
     /// The hash `block` is cached under, if any.

@@ -80,7 +80,7 @@ pub mod spec;
 pub mod timing;
 
 pub use config::{ConfigError, EngineConfig};
-pub use engine::{Engine, ResetError, StepOutput};
+pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use events::{BlockRemoved, BlockStored, KvEvent};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{

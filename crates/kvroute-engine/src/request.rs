@@ -92,6 +92,23 @@ pub enum RequestError {
         /// The engine's limit.
         max_model_len: u32,
     },
+    /// An imported request (see `Engine::import_request`) must generate at least one token
+    /// after the one its prefilling engine sampled.
+    #[error("request {0:?} has no token left to decode after its prefill")]
+    NothingToDecode(RequestId),
+    /// An imported request's prompt blocks are not free now.
+    #[error("request {id:?} needs {blocks_needed} KV blocks for its transfer; {blocks_free} are free")]
+    NoBlocksForImport {
+        /// The request.
+        id: RequestId,
+        /// Blocks its prompt takes (cache hits included).
+        blocks_needed: u32,
+        /// Blocks free (cached ones included).
+        blocks_free: u32,
+    },
+    /// `Engine::complete_import` for a request that is not being imported.
+    #[error("request {0:?} is not being imported")]
+    NotImporting(RequestId),
     /// The request's KV would not fit even in the whole, empty cache, so it could never finish.
     #[error("request {id:?} needs {blocks_needed} KV blocks; the cache has {total_blocks}")]
     ExceedsCache {

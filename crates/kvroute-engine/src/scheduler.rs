@@ -20,14 +20,14 @@
 //! a request whose known tokens are all computed samples its next token, and finishes once its
 //! output is complete.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 
 use kvroute_core::ids::RequestId;
 use kvroute_core::index::StoredBlock;
 
 use crate::config::EngineConfig;
 use crate::events::{BlockStored, KvEvent};
-use crate::kv_pool::{BlockId, BlockPool};
+use crate::kv_pool::{BlockId, BlockPool, MixMap};
 use crate::metrics::ForwardPass;
 use crate::request::{Finished, TokenEmission};
 use crate::sequence::Sequence;
@@ -92,10 +92,17 @@ pub(crate) struct Progress {
 pub(crate) struct Scheduler {
     limits: Limits,
     pub pool: BlockPool,
-    pub seqs: BTreeMap<RequestId, Sequence>,
+    /// Live requests (a hash map: looked up several times per request and step; nothing
+    /// iterates it in an order that reaches an output).
+    pub seqs: MixMap<RequestId, Sequence>,
     pub waiting: VecDeque<RequestId>,
     /// Oldest first; preemption takes from the back.
     pub running: Vec<RequestId>,
+    /// Imported requests whose KV is in transfer (vLLM's `WAITING_FOR_REMOTE_KVS`): they hold
+    /// blocks for their whole prompt and compute nothing.
+    pub importing: BTreeSet<RequestId>,
+    /// Imported requests whose KV has landed, waiting for a running slot, oldest first.
+    pub imported: VecDeque<RequestId>,
     /// Reused buffer for cache hits.
     hits: Vec<BlockId>,
 }
@@ -112,16 +119,30 @@ impl Scheduler {
                 prefix_caching: config.enable_prefix_caching,
             },
             pool: BlockPool::new(config.num_blocks),
-            seqs: BTreeMap::new(),
+            seqs: MixMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            importing: BTreeSet::new(),
+            imported: VecDeque::new(),
             hits: Vec::new(),
         }
     }
 
-    /// Whether any request is waiting or running.
+    /// Whether a pass would schedule something: a request runs or is imported, or the head of
+    /// the waiting queue can be admitted (it always can when no transfer holds blocks).
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty()
+            || !self.imported.is_empty()
+            || self.waiting.front().is_some_and(|&id| {
+                self.importing.is_empty()
+                    || self
+                        .plan(
+                            &self.seqs[&id],
+                            self.limits.max_num_batched_tokens,
+                            &mut Vec::new(),
+                        )
+                        .is_some()
+            })
     }
 
     /// Queues a new request at the back of the waiting queue.
@@ -134,6 +155,11 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Schedule {
         let mut budget = self.limits.max_num_batched_tokens;
         let mut schedule = Schedule::default();
+        while self.running.len() < self.limits.max_num_seqs
+            && let Some(id) = self.imported.pop_front()
+        {
+            self.running.push(id);
+        }
         self.schedule_running(&mut budget, &mut schedule);
         if schedule.preempted.is_empty() {
             self.schedule_waiting(&mut budget, &mut schedule);
@@ -217,26 +243,15 @@ impl Scheduler {
     /// or changes nothing and returns `None` if it does not fit.
     fn admit(&mut self, id: RequestId, budget: u32) -> Option<Chunk> {
         let bs = self.limits.block_size;
-        let seq = self.seqs.get_mut(&id).expect("waiting requests are live");
         let mut hits = std::mem::take(&mut self.hits);
         hits.clear();
-        if self.limits.prefix_caching {
-            // At most len − 1 tokens come from the cache: the last one is always computed.
-            let max_hit_blocks = ((seq.len() - 1) / bs) as usize;
-            self.pool.lookup(&seq.externals, max_hit_blocks, &mut hits);
-        }
+        let Some((new_tokens, fresh)) = self.plan(&self.seqs[&id], budget, &mut hits) else {
+            self.hits = hits;
+            return None;
+        };
+        let seq = self.seqs.get_mut(&id).expect("waiting requests are live");
         let context = hits.len() as u32 * bs;
         let uncached = seq.len() - context;
-        if !self.limits.chunked_prefill && uncached > budget {
-            self.hits = hits;
-            return None;
-        }
-        let new_tokens = uncached.min(budget);
-        let fresh = (context + new_tokens).div_ceil(bs) - hits.len() as u32;
-        if !self.pool.can_allocate(fresh, &hits) {
-            self.hits = hits;
-            return None;
-        }
         for &block in &hits {
             self.pool.claim(block);
         }
@@ -254,6 +269,75 @@ impl Scheduler {
             context,
             decode,
         })
+    }
+
+    /// Waiting request `seq`'s admission within `budget`: its cache hits (onto `hits`), the
+    /// tokens of its first chunk and the fresh blocks they need; `None` if it does not fit.
+    fn plan(&self, seq: &Sequence, budget: u32, hits: &mut Vec<BlockId>) -> Option<(u32, u32)> {
+        let bs = self.limits.block_size;
+        if self.limits.prefix_caching {
+            // At most len − 1 tokens come from the cache: the last one is always computed.
+            let max_hit_blocks = ((seq.len() - 1) / bs) as usize;
+            self.pool.lookup(&seq.externals, max_hit_blocks, hits);
+        }
+        let context = hits.len() as u32 * bs;
+        let uncached = seq.len() - context;
+        if !self.limits.chunked_prefill && uncached > budget {
+            return None;
+        }
+        let new_tokens = uncached.min(budget);
+        let fresh = (context + new_tokens).div_ceil(bs) - hits.len() as u32;
+        self.pool.can_allocate(fresh, hits).then_some((new_tokens, fresh))
+    }
+
+    /// Reserves blocks for the whole prompt of `seq`, whose KV another engine computed and is
+    /// about to transfer: its cached prefix of full blocks (no `len − 1` cap: nothing is
+    /// computed) and fresh blocks for the rest. Returns the blocks hit and the fresh ones, or
+    /// the blocks the prompt needs when they do not fit (changing nothing).
+    pub fn reserve_import(&mut self, mut seq: Sequence) -> Result<(u32, u32), u32> {
+        let bs = self.limits.block_size;
+        let needed = seq.len().div_ceil(bs);
+        let mut hits = std::mem::take(&mut self.hits);
+        hits.clear();
+        if self.limits.prefix_caching {
+            self.pool
+                .lookup(&seq.externals, (seq.len() / bs) as usize, &mut hits);
+        }
+        let fresh = needed - hits.len() as u32;
+        if !self.pool.can_allocate(fresh, &hits) {
+            self.hits = hits;
+            return Err(needed);
+        }
+        for &block in &hits {
+            self.pool.claim(block);
+        }
+        seq.blocks.extend_from_slice(&hits);
+        let allocated = self.pool.allocate(fresh, &mut seq.blocks);
+        debug_assert!(allocated, "can_allocate said the blocks fit");
+        seq.num_cached_blocks = hits.len() as u32;
+        let hit = hits.len() as u32;
+        self.hits = hits;
+        self.importing.insert(seq.id);
+        self.seqs.insert(seq.id, seq);
+        Ok((hit, fresh))
+    }
+
+    /// The KV of importing request `id` landed: its prompt counts as computed, its full prompt
+    /// blocks are offered to the cache (`stored` events), the first output token (sampled by the
+    /// engine that prefilled it) is appended, and it waits for a running slot. False if `id`
+    /// is not importing.
+    pub fn complete_import(&mut self, id: RequestId) -> bool {
+        if !self.importing.remove(&id) {
+            return false;
+        }
+        let seq = self.seqs.get_mut(&id).expect("importing requests are live");
+        let prompt = seq.len();
+        seq.num_computed = prompt;
+        self.offer_full_blocks(id, prompt);
+        let seq = self.seqs.get_mut(&id).expect("importing requests are live");
+        seq.push_output();
+        self.imported.push_back(id);
+        true
     }
 
     /// Offers `id`'s blocks that are full once `tokens` tokens have KV to the prefix cache, and

@@ -263,6 +263,15 @@ impl ModelSpec {
     pub fn kv_bytes_per_token_per_layer(&self) -> f64 {
         2.0 * f64::from(self.num_kv_heads) * f64::from(self.head_dim) * f64::from(self.dtype_bytes)
     }
+
+    /// Bytes of KV cache one token takes over all layers (keys and values): what a
+    /// prefill/decode transfer moves per token.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        2 * u64::from(self.num_layers)
+            * u64::from(self.num_kv_heads)
+            * u64::from(self.head_dim)
+            * u64::from(self.dtype_bytes)
+    }
 }
 
 impl GpuSpec {
@@ -312,6 +321,8 @@ mod tests {
         let total = f64::from(m.num_layers) * (m.attention_params_per_layer() + m.expert_params())
             + 2.0 * m.lm_head_params();
         assert!((total / 1e9 - 8.03).abs() < 0.01, "{total}");
+        // 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
+        assert_eq!(m.kv_bytes_per_token(), 131_072);
         let mixtral = ModelSpec::builtin("mixtral-8x7b").unwrap();
         assert_eq!(mixtral.experts(), (8, 2));
         // Mixtral 8x7B: about 46.7 B weights.

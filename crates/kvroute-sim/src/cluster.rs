@@ -11,6 +11,16 @@
 //!
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
+//!
+//! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
+//! the prefill engine with an output of one token (a prefill-only vLLM instance: the first
+//! token comes from there). When that finishes, the decode engine reserves blocks for the
+//! prompt ([`Engine::import_request`]; if they are not free, the import waits, in order, until a
+//! pass of the decode engine frees some), a `TransferDone` event fires after the link's
+//! transfer time for the blocks it lacks, and the decode engine takes the prompt's KV as
+//! computed ([`Engine::complete_import`]) and generates the rest. KV events a call outside a
+//! pass returns are published after those of the decode engine's pass in flight, keeping the
+//! engine's order.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -21,9 +31,9 @@ use kvroute_core::router::{
     WorkerRole, WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, StepOutput};
+use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, RequestError, StepOutput};
 
-use crate::config::{ArrivalMode, SimConfig};
+use crate::config::{ArrivalMode, SimConfig, Topology};
 use crate::error::SimError;
 use crate::report::{Outcome, TimeSeries};
 use crate::workload::{Arrival, Workload};
@@ -43,6 +53,8 @@ pub struct Progress {
 enum Event {
     Arrive(u32),
     Step(u32),
+    /// A request's KV reached its decode worker.
+    TransferDone(u32),
     Sample,
 }
 
@@ -58,6 +70,10 @@ pub(crate) struct ReqState {
     pub(crate) finished: Option<Timestamp>,
     pub(crate) output_tokens: u32,
     pub(crate) rejected: bool,
+    /// The prefill worker of a disaggregated request.
+    pub(crate) prefill_worker: Option<u32>,
+    /// Whether it runs on its prefill worker and will move to its decode worker after.
+    pub(crate) in_prefill: bool,
 }
 
 impl ReqState {
@@ -76,7 +92,11 @@ impl ReqState {
 #[derive(Debug)]
 struct Worker {
     key: WorkerKey,
+    role: WorkerRole,
     engine: Engine,
+    /// Disaggregated requests whose prompt blocks this (decode) engine could not reserve yet,
+    /// in arrival order.
+    pending_imports: VecDeque<u32>,
     /// The pass in flight, delivered at its end.
     in_flight: Option<StepOutput>,
     /// Whether a `Step` event is pending.
@@ -95,6 +115,15 @@ pub(crate) struct Totals {
     pub(crate) dropped_by_router: u64,
     pub(crate) steps: u64,
     pub(crate) busy_nanos: u64,
+    pub(crate) prefill_busy_nanos: u64,
+    pub(crate) kv_transfers: u64,
+    pub(crate) kv_transfers_done: u64,
+    pub(crate) kv_transfer_bytes: u64,
+    pub(crate) kv_transfer_blocks: u64,
+    pub(crate) kv_transfer_hit_blocks: u64,
+    pub(crate) kv_transfer_nanos: u64,
+    pub(crate) kv_import_waits: u64,
+    pub(crate) kv_import_wait_nanos: u64,
     pub(crate) preemptions: u64,
     pub(crate) hit_tokens: u64,
     pub(crate) query_tokens: u64,
@@ -132,10 +161,15 @@ pub(crate) struct Run<'w> {
 impl<'w> Run<'w> {
     pub(crate) fn new(config: &'w SimConfig, workload: &'w Workload) -> Result<Self, SimError> {
         let mut router = Router::new(config.router.clone())?;
-        let mut workers = Vec::with_capacity(config.workers);
-        for i in 0..config.workers {
+        let mut workers = Vec::with_capacity(config.workers());
+        for i in 0..config.workers() {
             let key = WorkerKey::new(WorkerId(i as u64), DpRank(0));
-            let mut spec = WorkerSpec::new(key, WorkerRole::Aggregated, u64::from(config.engine.num_blocks));
+            let role = match config.topology {
+                Topology::Aggregated { .. } => WorkerRole::Aggregated,
+                Topology::Disaggregated { prefill, .. } if i < prefill => WorkerRole::Prefill,
+                Topology::Disaggregated { .. } => WorkerRole::Decode,
+            };
+            let mut spec = WorkerSpec::new(key, role, u64::from(config.engine.num_blocks));
             spec.max_batched_tokens = u64::from(config.engine.max_num_batched_tokens);
             spec.max_requests = u64::from(config.engine.max_num_seqs);
             router.handle_worker_added(Timestamp::ZERO, spec)?;
@@ -145,7 +179,9 @@ impl<'w> Run<'w> {
             })?;
             workers.push(Worker {
                 key,
+                role,
                 engine,
+                pending_imports: VecDeque::new(),
                 in_flight: None,
                 scheduled: false,
                 kv_use: 0.0,
@@ -175,8 +211,8 @@ impl<'w> Run<'w> {
             Arrival::After { .. } => (Timestamp::ZERO, i),
         });
         let series = config.sample_interval.map(|_| TimeSeries {
-            worker_requests: vec![Vec::new(); config.workers],
-            worker_kv_use: vec![Vec::new(); config.workers],
+            worker_requests: vec![Vec::new(); config.workers()],
+            worker_kv_use: vec![Vec::new(); config.workers()],
             ..TimeSeries::default()
         });
         Ok(Self {
@@ -240,6 +276,7 @@ impl<'w> Run<'w> {
                         match event {
                             Event::Arrive(i) => self.arrive(i as usize)?,
                             Event::Step(w) => self.step(w as usize)?,
+                            Event::TransferDone(i) => self.transfer_done(i as usize)?,
                             Event::Sample => self.sample(),
                         }
                     }
@@ -330,29 +367,124 @@ impl<'w> Run<'w> {
         state.routed = Some(self.now);
         state.worker = Some(w as u32);
         state.overlap_blocks = decision.overlap_blocks;
-        let request = EngineRequest {
-            id: decision.request,
-            prompt: Prompt::Blocks {
-                hashes: r.locals.to_vec(),
-                len: r.prompt_tokens,
-            },
-            output_len: r.output_tokens,
-            lora_name: None,
-            cache_namespace: None,
+        let mut request = engine_request(decision.request, r);
+        // A prefill-only instance samples the first token; a request of at most one token is
+        // then complete there.
+        let w = match decision.prefill {
+            Some(p) => {
+                let p = p.worker.worker.0 as usize;
+                state.prefill_worker = Some(p as u32);
+                state.in_prefill = r.output_tokens >= 2;
+                request.output_len = request.output_len.min(1);
+                p
+            }
+            None => w,
         };
         let worker = &mut self.workers[w];
         if worker.engine.add_request(self.now, request).is_err() {
-            self.totals.rejected_by_engine += 1;
-            self.reqs[i].rejected = true;
-            let outputs = self.router.handle_cancelled(self.now, decision.request)?;
-            self.done(i);
-            return self.route_outputs(outputs);
+            return self.reject_in_engine(i);
         }
-        if !worker.scheduled {
-            worker.scheduled = true;
+        self.wake(w);
+        Ok(())
+    }
+
+    /// Request `i` was refused by an engine: turned away, and cancelled at the router.
+    fn reject_in_engine(&mut self, i: usize) -> Result<(), SimError> {
+        self.totals.rejected_by_engine += 1;
+        self.reqs[i].rejected = true;
+        self.reqs[i].in_prefill = false;
+        let outputs = self.router.handle_cancelled(self.now, RequestId(i as u64))?;
+        self.done(i);
+        self.route_outputs(outputs)
+    }
+
+    /// Schedules a pass of engine `w` now unless one is pending.
+    fn wake(&mut self, w: usize) {
+        if !self.workers[w].scheduled {
+            self.workers[w].scheduled = true;
             self.push(self.now, Event::Step(w as u32));
         }
+    }
+
+    /// Disaggregated request `i` finished its prefill: its decode engine reserves the prompt's
+    /// blocks and the transfer starts, or it waits for blocks behind earlier imports.
+    fn begin_import(&mut self, i: usize) -> Result<(), SimError> {
+        self.reqs[i].in_prefill = false;
+        let w = self.reqs[i].worker.expect("a routed request has a worker") as usize;
+        if self.workers[w].pending_imports.is_empty() && self.start_import(w, i)? {
+            return Ok(());
+        }
+        if !self.reqs[i].rejected {
+            self.workers[w].pending_imports.push_back(i as u32);
+            self.totals.kv_import_waits += 1;
+        }
         Ok(())
+    }
+
+    /// Starts the transfer of request `i` to decode engine `w`. False if its blocks are not
+    /// free now; a request the engine refuses is turned away (and true is returned).
+    fn start_import(&mut self, w: usize, i: usize) -> Result<bool, SimError> {
+        let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        match self.workers[w].engine.import_request(self.now, request) {
+            Ok(import) => {
+                let bs = self.config.engine.block_size;
+                let link = &self.config.transfer;
+                let took = link.duration(import.transfer_blocks, bs);
+                let t = &mut self.totals;
+                t.kv_transfers += 1;
+                t.kv_transfer_blocks += u64::from(import.transfer_blocks);
+                t.kv_transfer_hit_blocks += u64::from(import.hit_blocks);
+                t.kv_transfer_bytes += link.bytes(import.transfer_blocks, bs);
+                t.kv_transfer_nanos += took.as_nanos() as u64;
+                self.publish_after_pass(w, import.events)?;
+                self.push(self.now + took, Event::TransferDone(i as u32));
+                Ok(true)
+            }
+            Err(RequestError::NoBlocksForImport { .. }) => Ok(false),
+            Err(_) => {
+                self.reject_in_engine(i)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Starts the pending imports of engine `w` that fit now, in order.
+    fn retry_imports(&mut self, w: usize) -> Result<(), SimError> {
+        while let Some(&i) = self.workers[w].pending_imports.front() {
+            if !self.start_import(w, i as usize)? {
+                break;
+            }
+            self.workers[w].pending_imports.pop_front();
+            // The prefill's first token was the request's last event before the wait.
+            let since = self.reqs[i as usize].last_token;
+            self.totals.kv_import_wait_nanos += self.now.saturating_since(since).as_nanos() as u64;
+        }
+        Ok(())
+    }
+
+    /// Request `i`'s KV reached its decode engine.
+    fn transfer_done(&mut self, i: usize) -> Result<(), SimError> {
+        let w = self.reqs[i].worker.expect("a transferred request has a worker") as usize;
+        let events = self.workers[w]
+            .engine
+            .complete_import(self.now, RequestId(i as u64))
+            .map_err(|e| SimError::Invariant(format!("completing the transfer of {i}: {e}")))?;
+        self.totals.kv_transfers_done += 1;
+        self.publish_after_pass(w, events)?;
+        self.wake(w);
+        Ok(())
+    }
+
+    /// Publishes KV events engine `w` returned outside a pass: after the pass in flight (whose
+    /// events the engine produced earlier), or now.
+    fn publish_after_pass(&mut self, w: usize, events: Vec<KvEvent>) -> Result<(), SimError> {
+        match &mut self.workers[w].in_flight {
+            Some(out) => {
+                out.events.extend(events);
+                Ok(())
+            }
+            None => self.publish(w, events),
+        }
     }
 
     /// Routes or records what the router reported.
@@ -395,6 +527,7 @@ impl<'w> Run<'w> {
         if let Some(out) = self.workers[w].in_flight.take() {
             self.deliver_step(w, out)?;
         }
+        self.retry_imports(w)?;
         let worker = &mut self.workers[w];
         match worker.engine.step(self.now) {
             Some(out) => {
@@ -414,6 +547,9 @@ impl<'w> Run<'w> {
         let t = &mut self.totals;
         t.steps += 1;
         t.busy_nanos += out.end.as_nanos() - out.start.as_nanos();
+        if self.workers[w].role == WorkerRole::Prefill {
+            t.prefill_busy_nanos += out.end.as_nanos() - out.start.as_nanos();
+        }
         t.preemptions += u64::from(m.preemptions);
         t.hit_tokens += m.prefix_cache_hit_tokens;
         t.query_tokens += m.prefix_cache_query_tokens;
@@ -443,6 +579,10 @@ impl<'w> Run<'w> {
         }
         for f in &out.finished {
             let i = f.request.0 as usize;
+            if self.reqs[i].in_prefill {
+                self.begin_import(i)?;
+                continue;
+            }
             self.reqs[i].finished = Some(now);
             self.totals.completed += 1;
             let result = self.router.handle_finished(now, f.request);
@@ -567,6 +707,12 @@ impl<'w> Run<'w> {
                 ));
             }
         }
+        if unfinished == 0 && self.totals.kv_transfers != self.totals.kv_transfers_done {
+            return fail(format!(
+                "{} transfers started, {} completed",
+                self.totals.kv_transfers, self.totals.kv_transfers_done
+            ));
+        }
         let metrics = self.router.metrics();
         if metrics.counters.clock_went_back > 0 {
             return fail(format!(
@@ -605,6 +751,20 @@ impl<'w> Run<'w> {
             }
         }
         Ok(())
+    }
+}
+
+/// Workload request `r` as engine request `id`, with its whole output.
+fn engine_request(id: RequestId, r: &crate::workload::SimRequest) -> EngineRequest {
+    EngineRequest {
+        id,
+        prompt: Prompt::Blocks {
+            hashes: r.locals.to_vec(),
+            len: r.prompt_tokens,
+        },
+        output_len: r.output_tokens,
+        lora_name: None,
+        cache_namespace: None,
     }
 }
 

@@ -29,11 +29,88 @@ pub struct EventChannel {
     pub loss: f64,
 }
 
+/// The fleet's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Workers that prefill and decode (router role `Aggregated`), each one engine.
+    Aggregated {
+        /// Workers.
+        workers: usize,
+    },
+    /// A prefill pool and a decode pool (router roles `Prefill` and `Decode`). The router
+    /// picks the decode worker first; when its decider says so, a prefill worker computes the
+    /// prompt (and samples the first token), then the KV moves to the decode worker over a link
+    /// ([`KvTransfer`]). Otherwise the decode worker prefills locally. Workers `0..prefill` are
+    /// the prefill pool, the rest the decode pool.
+    Disaggregated {
+        /// Prefill workers.
+        prefill: usize,
+        /// Decode workers.
+        decode: usize,
+    },
+}
+
+impl Topology {
+    /// Workers in all.
+    pub fn workers(&self) -> usize {
+        match *self {
+            Self::Aggregated { workers } => workers,
+            Self::Disaggregated { prefill, decode } => prefill + decode,
+        }
+    }
+}
+
+/// The prefill-to-decode KV link: a transfer of the prompt blocks the decode worker lacks takes
+/// `base_latency + blocks × block_size × bytes_per_token / bandwidth` (BLIS's model; Dynamo
+/// mocker's bandwidth default). Transfers do not share the link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvTransfer {
+    /// Link bandwidth, bytes per second. Default 64 GB/s (Dynamo mocker's
+    /// `--kv-transfer-bandwidth`).
+    pub bandwidth_bytes_per_s: f64,
+    /// KV bytes per token over all layers. Default 131,072: Llama-3.1-8B in fp16
+    /// (2 × 32 layers × 8 KV heads × 128 dims × 2 bytes).
+    pub bytes_per_token: u64,
+    /// Fixed cost of a transfer. Default 0.05 ms (BLIS's `--pd-transfer-base-latency`).
+    pub base_latency: Duration,
+}
+
+impl Default for KvTransfer {
+    fn default() -> Self {
+        Self {
+            bandwidth_bytes_per_s: 64e9,
+            bytes_per_token: 131_072,
+            base_latency: Duration::from_micros(50),
+        }
+    }
+}
+
+impl KvTransfer {
+    /// KV bytes per token of the built-in model description `name` (see
+    /// [`kvroute_engine::ModelSpec::builtin`]).
+    pub fn model_bytes_per_token(name: &str) -> Result<u64, kvroute_engine::SpecError> {
+        Ok(kvroute_engine::ModelSpec::builtin(name)?.kv_bytes_per_token())
+    }
+
+    /// Bytes of `blocks` blocks of `block_size` tokens.
+    pub fn bytes(&self, blocks: u32, block_size: u32) -> u64 {
+        u64::from(blocks) * u64::from(block_size) * self.bytes_per_token
+    }
+
+    /// How long moving `blocks` blocks of `block_size` tokens takes.
+    pub fn duration(&self, blocks: u32, block_size: u32) -> Duration {
+        let secs = self.bytes(blocks, block_size) as f64 / self.bandwidth_bytes_per_s;
+        self.base_latency + Duration::from_nanos((secs * 1e9).round() as u64)
+    }
+}
+
 /// Everything a run needs besides the workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
-    /// Aggregated workers, each one engine.
-    pub workers: usize,
+    /// The fleet: aggregated workers, or prefill and decode pools.
+    pub topology: Topology,
+    /// The prefill-to-decode KV link (used only by a disaggregated topology).
+    pub transfer: KvTransfer,
     /// The engine every worker runs. Its block size must equal the router's and the
     /// workload's.
     pub engine: EngineConfig,
@@ -72,8 +149,23 @@ impl SimConfig {
         }
     }
 
-    /// `workers` mocker-default engines, the default router at their block size, events without
-    /// lag or loss, open-loop arrivals, seed 0, one sample per second.
+    /// `prefill` prefill and `decode` decode workers (see [`Topology::Disaggregated`]),
+    /// otherwise as [`SimConfig::new`]; the default KV link and decider ([`KvTransfer`],
+    /// `Decider::Always`).
+    pub fn disaggregated(prefill: usize, decode: usize) -> Self {
+        Self {
+            topology: Topology::Disaggregated { prefill, decode },
+            ..Self::new(prefill + decode)
+        }
+    }
+
+    /// Workers in all.
+    pub fn workers(&self) -> usize {
+        self.topology.workers()
+    }
+
+    /// `workers` aggregated mocker-default engines, the default router at their block size,
+    /// events without lag or loss, open-loop arrivals, seed 0, one sample per second.
     pub fn new(workers: usize) -> Self {
         let engine = Self::mocker_engine();
         let router = RouterConfig {
@@ -81,7 +173,8 @@ impl SimConfig {
             ..RouterConfig::default()
         };
         Self {
-            workers,
+            topology: Topology::Aggregated { workers },
+            transfer: KvTransfer::default(),
             engine,
             router,
             events: EventChannel::default(),

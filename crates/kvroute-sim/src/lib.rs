@@ -53,7 +53,7 @@ pub mod trace;
 pub mod workload;
 
 pub use cluster::Progress;
-pub use config::{ArrivalMode, EventChannel, SimConfig};
+pub use config::{ArrivalMode, EventChannel, KvTransfer, SimConfig, Topology};
 pub use error::SimError;
 pub use report::{Outcome, Report, RequestRecord, TimeSeries};
 pub use workload::{Arrival, SimRequest, Workload};
@@ -88,8 +88,23 @@ impl Simulation {
     pub fn new(config: SimConfig) -> Result<Self, SimError> {
         config.router.validate()?;
         config.engine.validate()?;
-        if config.workers == 0 || config.workers > u32::MAX as usize {
-            return Err(SimError::Config(format!("{} workers", config.workers)));
+        let workers = config.workers();
+        if workers == 0 || workers > u32::MAX as usize {
+            return Err(SimError::Config(format!("{workers} workers")));
+        }
+        if let config::Topology::Disaggregated { prefill, decode } = config.topology
+            && (prefill == 0 || decode == 0)
+        {
+            return Err(SimError::Config(format!(
+                "{prefill} prefill and {decode} decode workers: both pools need one"
+            )));
+        }
+        let t = &config.transfer;
+        if !(t.bandwidth_bytes_per_s.is_finite() && t.bandwidth_bytes_per_s > 0.0) {
+            return Err(SimError::Config(format!(
+                "KV transfer bandwidth {} bytes/s",
+                t.bandwidth_bytes_per_s
+            )));
         }
         if config.router.block_size != config.engine.block_size {
             return Err(SimError::Config(format!(

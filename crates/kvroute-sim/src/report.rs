@@ -97,6 +97,8 @@ const TABLE_ROWS: &[(&str, &str)] = &[
     ("router_predicted_overlap_ratio", "predicted overlap (router)"),
     ("preemptions", "preemptions"),
     ("kv_events_lost", "KV events lost"),
+    ("kv_transfers", "KV transfers"),
+    ("mean_kv_transfer_ms", "KV transfer mean ms"),
     ("gpu_hours", "GPU-hours"),
 ];
 

@@ -2,7 +2,7 @@
 
 use crate::RunResult;
 use crate::cluster::Run;
-use crate::config::SimConfig;
+use crate::config::{SimConfig, Topology};
 use crate::report::{Outcome, Report, RequestRecord, Value};
 use crate::stats::Summary;
 use crate::workload::Workload;
@@ -91,7 +91,7 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
 
     let mut report = Report::default();
     report.push("policy", Value::Text(config.router.policy.name().to_owned()));
-    report.count("num_workers", config.workers as u64);
+    report.count("num_workers", config.workers() as u64);
     report.count("num_requests", workload.requests.len() as u64);
     report.count("arrived_requests", t.arrived);
     report.count("completed_requests", t.completed);
@@ -139,9 +139,33 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
     report.count("kv_events_lost", t.kv_events_lost);
     report.count("kv_events_refused", t.kv_events_refused);
     report.count("engine_steps", t.steps);
-    let worker_seconds = config.workers as f64 * duration_s;
+    let worker_seconds = config.workers() as f64 * duration_s;
     report.float("worker_seconds", worker_seconds);
     report.float("busy_worker_seconds", t.busy_nanos as f64 / 1e9);
+    if let Topology::Disaggregated { prefill, decode } = config.topology {
+        let prefill_busy = t.prefill_busy_nanos as f64 / 1e9;
+        report.count("num_prefill_workers", prefill as u64);
+        report.count("num_decode_workers", decode as u64);
+        report.float("prefill_worker_seconds", prefill as f64 * duration_s);
+        report.float("decode_worker_seconds", decode as f64 * duration_s);
+        report.float("prefill_busy_worker_seconds", prefill_busy);
+        report.float(
+            "decode_busy_worker_seconds",
+            t.busy_nanos as f64 / 1e9 - prefill_busy,
+        );
+        report.count("disaggregated_requests", counters.disaggregated);
+        report.count("kv_transfers", t.kv_transfers);
+        report.count("kv_transfer_blocks", t.kv_transfer_blocks);
+        report.count("kv_transfer_hit_blocks", t.kv_transfer_hit_blocks);
+        report.count("kv_transfer_bytes", t.kv_transfer_bytes);
+        report.float("kv_transfer_seconds", t.kv_transfer_nanos as f64 / 1e9);
+        report.float(
+            "mean_kv_transfer_ms",
+            ratio(t.kv_transfer_nanos, t.kv_transfers) / 1e6,
+        );
+        report.count("kv_import_waits", t.kv_import_waits);
+        report.float("kv_import_wait_seconds", t.kv_import_wait_nanos as f64 / 1e9);
+    }
     report.float(
         "gpu_hours",
         worker_seconds * f64::from(config.gpus_per_worker) / 3600.0,

@@ -6,21 +6,16 @@ use std::io::{BufReader, Read};
 use std::path::Path;
 use std::time::Duration;
 
+mod common;
+
+use common::{count, run, shrink};
 use kvroute_core::router::{CacheMode, PolicyConfig, RecentConfig};
 use kvroute_sim::synthetic::{Lengths, SyntheticConfig, generate};
 use kvroute_sim::{ArrivalMode, EventChannel, RunResult, SimConfig, Simulation, Workload, trace};
 
 /// A small fleet whose caches fill and evict: 4 workers of 256 blocks of 16 tokens.
 fn small_config() -> SimConfig {
-    let mut config = SimConfig::new(4);
-    config.engine.block_size = 16;
-    config.engine.num_blocks = 256;
-    config.engine.max_num_seqs = 16;
-    config.engine.max_num_batched_tokens = 512;
-    config.engine.max_model_len = 4096;
-    config.router.block_size = 16;
-    config.keep_requests = true;
-    config
+    shrink(SimConfig::new(4))
 }
 
 fn small_workload() -> Workload {
@@ -40,19 +35,8 @@ fn small_workload() -> Workload {
     )
 }
 
-fn run(config: SimConfig, workload: &Workload) -> RunResult {
-    Simulation::new(config)
-        .expect("valid config")
-        .run(workload, &mut |_| {})
-        .expect("the run keeps its invariants")
-}
-
 fn json(result: &RunResult) -> String {
     serde_json::to_string(&result.report).expect("serializable")
-}
-
-fn count(result: &RunResult, key: &str) -> u64 {
-    result.report.number(key).expect("key in the report") as u64
 }
 
 #[test]

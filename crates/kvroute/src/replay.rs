@@ -13,9 +13,11 @@ use anyhow::{Context, bail};
 use clap::Args;
 use flate2::read::GzDecoder;
 use kvroute_core::router::policy::CostPolicyConfig;
-use kvroute_core::router::{CacheMode, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
+use kvroute_core::router::{CacheMode, Decider, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
-use kvroute_sim::{ArrivalMode, EventChannel, Progress, Report, RunResult, SimConfig, Simulation, Workload};
+use kvroute_sim::{
+    ArrivalMode, EventChannel, KvTransfer, Progress, Report, RunResult, SimConfig, Simulation, Workload,
+};
 use serde::Deserialize;
 
 /// The options of `kvroute replay`. Every option is also a key of the `--config` TOML file.
@@ -32,9 +34,32 @@ pub struct ReplayArgs {
     /// Trace format: mooncake, azure or synthetic. Default: from the file name.
     #[arg(long)]
     pub format: Option<String>,
-    /// Aggregated workers. Default 16.
+    /// Aggregated workers. Default 16 (ignored with `--prefill-workers`).
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Disaggregated fleet: this many prefill workers (needs `--decode-workers`).
+    #[arg(long)]
+    pub prefill_workers: Option<usize>,
+    /// Disaggregated fleet: this many decode workers (needs `--prefill-workers`).
+    #[arg(long)]
+    pub decode_workers: Option<usize>,
+    /// Disaggregation decider: `never`, `always`, or N (prefill on a prefill worker when more
+    /// than N prompt tokens are uncached on the chosen decode worker). Default `always`.
+    #[arg(long)]
+    pub decider: Option<String>,
+    /// Prefill-to-decode KV link bandwidth, GB/s (10^9 bytes). Default 64.
+    #[arg(long)]
+    pub kv_transfer_gbps: Option<f64>,
+    /// Fixed latency of a KV transfer, ms. Default 0.05.
+    #[arg(long)]
+    pub kv_transfer_latency_ms: Option<f64>,
+    /// KV bytes per token. Default: from `--kv-model`.
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Built-in model whose shape gives the KV bytes per token (llama-3.1-8b, llama-3.1-70b,
+    /// mixtral-8x7b, qwen2.5-7b). Default llama-3.1-8b (131,072 bytes per token).
+    #[arg(long)]
+    pub kv_model: Option<String>,
     /// Policies, comma-separated; each runs the identical workload. `kv:full` / `kv:staged`
     /// (and `dynamo:...`) choose the decode projection. Default `kv`.
     #[arg(long, value_delimiter = ',')]
@@ -136,7 +161,8 @@ impl ReplayArgs {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let mut file: ReplayArgs =
             toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        merge!(self, file; trace, format, workers, policy, seed, limit, trace_block_size,
+        merge!(self, file; trace, format, workers, prefill_workers, decode_workers, decider,
+            kv_transfer_gbps, kv_transfer_latency_ms, kv_bytes_per_token, kv_model, policy, seed, limit, trace_block_size,
             arrival_speedup, concurrency, block_size, num_blocks, max_num_seqs,
             max_num_batched_tokens, engine_speedup, kv_lag_ms, kv_loss, predict_on_route_s,
             busy_requests_fraction, requests, rate, arrival_cv, isl, osl, prefix_groups,
@@ -182,7 +208,12 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
 
 /// The simulation configuration the options describe (the policy is set per run).
 fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
-    let mut config = SimConfig::new(args.workers.unwrap_or(16));
+    let mut config = match (args.prefill_workers, args.decode_workers) {
+        (None, None) => SimConfig::new(args.workers.unwrap_or(16)),
+        (Some(p), Some(d)) => SimConfig::disaggregated(p, d),
+        _ => bail!("--prefill-workers and --decode-workers go together"),
+    };
+    config.transfer = kv_transfer(args)?;
     let e = &mut config.engine;
     e.block_size = args.block_size.unwrap_or(e.block_size);
     e.num_blocks = args.num_blocks.unwrap_or(e.num_blocks);
@@ -203,6 +234,9 @@ fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
         });
     }
     config.router.busy.requests_fraction = args.busy_requests_fraction;
+    if let Some(decider) = &args.decider {
+        config.router.decider = parse_decider(decider)?;
+    }
     config.events = EventChannel {
         lag: Duration::try_from_secs_f64(args.kv_lag_ms.unwrap_or(0.0) / 1e3).context("--kv-lag-ms")?,
         loss: args.kv_loss.unwrap_or(0.0),
@@ -215,6 +249,37 @@ fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
         config.sample_interval = None;
     }
     Ok(config)
+}
+
+/// The KV link the options describe.
+fn kv_transfer(args: &ReplayArgs) -> anyhow::Result<KvTransfer> {
+    let d = KvTransfer::default();
+    let bytes_per_token = match (args.kv_bytes_per_token, &args.kv_model) {
+        (Some(b), _) => b,
+        (None, Some(name)) => KvTransfer::model_bytes_per_token(name)?,
+        (None, None) => d.bytes_per_token,
+    };
+    Ok(KvTransfer {
+        bandwidth_bytes_per_s: args.kv_transfer_gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
+        bytes_per_token,
+        base_latency: match args.kv_transfer_latency_ms {
+            Some(ms) => Duration::try_from_secs_f64(ms / 1e3).context("--kv-transfer-latency-ms")?,
+            None => d.base_latency,
+        },
+    })
+}
+
+/// `never`, `always` or a threshold in tokens.
+fn parse_decider(s: &str) -> anyhow::Result<Decider> {
+    Ok(match s {
+        "never" => Decider::Never,
+        "always" => Decider::Always,
+        n => Decider::PrefixThreshold {
+            uncached_tokens: n
+                .parse()
+                .with_context(|| format!("--decider {s:?}: never, always or a token count"))?,
+        },
+    })
 }
 
 /// A policy spec: a name, then for the cost policies (`kv`, `dynamo`) optional `:`-separated
