@@ -5,7 +5,7 @@ use kvroute_core::time::Timestamp;
 
 use crate::config::{ConfigError, EngineConfig};
 use crate::events::KvEvent;
-use crate::metrics::StepMetrics;
+use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
 use crate::scheduler::{Progress, Schedule, Scheduler};
 use crate::sequence::Sequence;
@@ -194,6 +194,103 @@ impl Engine {
         self.busy_until = end;
         let progress = self.scheduler.commit(&schedule);
         Some(self.output(now, end, schedule, progress, metrics))
+    }
+
+    /// How many of the next passes are certain to be **pure decode** passes that change nothing
+    /// but the running requests' progress: every running request decodes one token, none
+    /// needs a new block, caches a block or finishes, and nothing waits to be admitted. A
+    /// driver may then skip them ([`Engine::decode_pass_ends`], [`Engine::skip_decode_passes`])
+    /// as long as nothing else touches the engine meanwhile. 0 when the next pass is not one.
+    pub fn decode_horizon(&self) -> u32 {
+        let s = &self.scheduler;
+        if s.running.is_empty()
+            || !s.waiting.is_empty()
+            || !s.imported.is_empty()
+            || s.running.len() > self.config.max_num_batched_tokens as usize
+        {
+            return 0;
+        }
+        let bs = self.config.block_size;
+        let mut horizon = u32::MAX;
+        for id in &s.running {
+            let seq = &s.seqs[id];
+            if seq.outputs == 0 || seq.remaining() != 1 {
+                return 0;
+            }
+            // Pass p (from 1) leaves c + p tokens with KV: they must fit in the blocks held, no
+            // block may fill (it would be cached), and the request must not finish.
+            let c = seq.num_computed;
+            let mut limit = (seq.blocks.len() as u32 * bs).saturating_sub(c);
+            if self.config.enable_prefix_caching {
+                limit = limit.min(((seq.num_cached_blocks + 1) * bs - 1).saturating_sub(c));
+            }
+            limit = limit.min((seq.max_output - seq.outputs).saturating_sub(1));
+            horizon = horizon.min(limit);
+        }
+        horizon
+    }
+
+    /// The end times of the next `k` passes (`k` at most [`Engine::decode_horizon`]), run back
+    /// to back from `now`, onto `ends`. Changes nothing.
+    pub fn decode_pass_ends(&self, now: Timestamp, k: u32, ends: &mut Vec<Timestamp>) {
+        let s = &self.scheduler;
+        let base: u64 = s
+            .running
+            .iter()
+            .map(|id| u64::from(s.seqs[id].num_computed))
+            .sum();
+        let n = s.running.len() as u64;
+        let mut pass = ForwardPass {
+            decode_seqs: n as u32,
+            kv_active_blocks: s.pool.active(),
+            kv_total_blocks: s.pool.total(),
+            ..ForwardPass::default()
+        };
+        let mut t = now;
+        if !self.timer.reads_decode_context() {
+            // Every pass takes as long as the first.
+            pass.decode_context_tokens = base + n;
+            let d = self.timer.duration(&pass);
+            for _ in 0..k {
+                t = t + d;
+                ends.push(t);
+            }
+            return;
+        }
+        for p in 1..=u64::from(k) {
+            pass.decode_context_tokens = base + n * p;
+            t = t + self.timer.duration(&pass);
+            ends.push(t);
+        }
+    }
+
+    /// Advances the engine by `k` pure-decode passes (`k` at most [`Engine::decode_horizon`])
+    /// exactly as `k` calls of [`Engine::step`] would, the last of them started at `last_start`
+    /// and ending at `end`. Their outputs (one token per running request and pass) are the
+    /// driver's to account.
+    pub fn skip_decode_passes(&mut self, k: u32, last_start: Timestamp, end: Timestamp) {
+        debug_assert!(k <= self.decode_horizon(), "only pure-decode passes are skipped");
+        if k == 0 {
+            return;
+        }
+        let s = &mut self.scheduler;
+        for id in &s.running {
+            let seq = s.seqs.get_mut(id).expect("running requests are live");
+            seq.num_computed += k;
+            seq.push_outputs(k);
+        }
+        self.clock = self.clock.max(last_start);
+        self.busy_until = end;
+    }
+
+    /// KV blocks in use and in all.
+    pub fn kv_blocks(&self) -> (u32, u32) {
+        (self.scheduler.pool.active(), self.scheduler.pool.total())
+    }
+
+    /// The running requests, in scheduling order.
+    pub fn running_requests(&self) -> &[RequestId] {
+        &self.scheduler.running
     }
 
     /// Assembles a step's output, filling in the load after the step.

@@ -23,6 +23,7 @@
 //! holds.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use kvroute_core::ids::ExternalBlockHash;
@@ -81,8 +82,13 @@ pub(crate) struct BlockPool {
     head: BlockId,
     tail: BlockId,
     free: u32,
-    /// Cached blocks by external hash (a hash map: one probe per hit, store and eviction).
+    /// Cached blocks by external hash (a hash map: one probe per hit and store). An eviction
+    /// does not touch it: an entry is valid only while its block carries its hash, and stale
+    /// entries are overwritten by the next store of the hash or swept when they outnumber the
+    /// blocks.
     cached: MixMap<ExternalBlockHash, BlockId>,
+    /// Blocks that carry a hash (the valid entries of `cached`).
+    num_cached: u32,
     /// Events since the last [`BlockPool::take_events`], in order.
     events: Vec<KvEvent>,
 }
@@ -109,6 +115,7 @@ impl BlockPool {
             tail,
             free: num_blocks,
             cached: MixMap::default(),
+            num_cached: 0,
             events: Vec::new(),
         }
     }
@@ -125,12 +132,20 @@ impl BlockPool {
 
     /// Blocks that carry a cached hash.
     pub fn cached(&self) -> u32 {
-        self.cached.len() as u32
+        self.num_cached
+    }
+
+    /// The block cached under `hash`, if any.
+    fn cached_block(&self, hash: ExternalBlockHash) -> Option<BlockId> {
+        self.cached
+            .get(&hash)
+            .copied()
+            .filter(|&b| self.blocks[b as usize].hash == Some(hash))
     }
 
     /// The external hashes of every cached block, in hash order.
     pub fn cached_hashes(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        let mut hashes: Vec<ExternalBlockHash> = self.cached.keys().copied().collect();
+        let mut hashes: Vec<ExternalBlockHash> = self.blocks.iter().filter_map(|b| b.hash).collect();
         hashes.sort_unstable();
         hashes.into_iter()
     }
@@ -142,7 +157,16 @@ impl BlockPool {
 
     /// The cached blocks of the longest prefix of `hashes` in the cache, at most `max` blocks.
     pub fn lookup(&self, hashes: &[ExternalBlockHash], max: usize, out: &mut Vec<BlockId>) {
-        out.extend(hashes.iter().take(max).map_while(|h| self.cached.get(h).copied()));
+        out.extend(hashes.iter().take(max).map_while(|&h| self.cached_block(h)));
+    }
+
+    /// Looks `hashes` up in the cache map without using the answers, so that the cache misses
+    /// of a run of independent lookups overlap before the blocks are cached one by one.
+    pub fn warm(&self, hashes: &[ExternalBlockHash]) {
+        if hashes.len() > 1 {
+            let found = hashes.iter().filter(|h| self.cached.contains_key(h)).count();
+            std::hint::black_box(found);
+        }
     }
 
     /// Whether `fresh` new blocks can be allocated after claiming `hits`.
@@ -186,14 +210,29 @@ impl BlockPool {
             self.blocks[*block as usize].hash.is_none(),
             "block {block} cached twice"
         );
-        if let Some(&cached) = self.cached.get(&hash) {
-            self.claim(cached);
-            self.release(&[*block]);
-            *block = cached;
-            return false;
+        let blocks = &self.blocks;
+        match self.cached.entry(hash) {
+            Entry::Occupied(e) if blocks[*e.get() as usize].hash == Some(hash) => {
+                let cached = *e.get();
+                self.claim(cached);
+                self.release(&[*block]);
+                *block = cached;
+                return false;
+            }
+            Entry::Occupied(mut e) => {
+                e.insert(*block);
+            }
+            Entry::Vacant(e) => {
+                e.insert(*block);
+            }
         }
-        self.cached.insert(hash, *block);
         self.blocks[*block as usize].hash = Some(hash);
+        self.num_cached += 1;
+        if self.cached.len() > 2 * self.blocks.len() + 1024 {
+            let blocks = &self.blocks;
+            self.cached
+                .retain(|&h, &mut b| blocks[b as usize].hash == Some(h));
+        }
         true
     }
 
@@ -219,6 +258,7 @@ impl BlockPool {
             block.hash = None;
         }
         self.cached.clear();
+        self.num_cached = 0;
         self.events.push(KvEvent::AllCleared);
         true
     }
@@ -266,18 +306,20 @@ impl BlockPool {
                 self.total()
             ));
         }
-        for (hash, &block) in &self.cached {
-            if self.blocks[block as usize].hash != Some(*hash) {
+        for (i, block) in self.blocks.iter().enumerate() {
+            if let Some(hash) = block.hash
+                && self.cached.get(&hash) != Some(&(i as BlockId))
+            {
                 return Err(format!(
-                    "cache maps {hash:?} to block {block}, which does not carry it"
+                    "block {i} carries {hash:?} but the cache map does not name it"
                 ));
             }
         }
         let carrying = self.blocks.iter().filter(|b| b.hash.is_some()).count();
-        if carrying != self.cached.len() {
+        if carrying != self.num_cached as usize {
             return Err(format!(
-                "{carrying} blocks carry a hash but {} are in the cache map",
-                self.cached.len()
+                "{carrying} blocks carry a hash but {} are counted cached",
+                self.num_cached
             ));
         }
         Ok(())
@@ -311,7 +353,7 @@ impl BlockPool {
     /// Drops `block`'s cached hash, if any, with a [`BlockRemoved`] event.
     fn evict(&mut self, block: BlockId) {
         if let Some(hash) = self.blocks[block as usize].hash.take() {
-            self.cached.remove(&hash);
+            self.num_cached -= 1;
             self.events.push(KvEvent::Removed(BlockRemoved {
                 block_hashes: vec![hash],
             }));

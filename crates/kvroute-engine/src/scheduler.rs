@@ -352,6 +352,8 @@ impl Scheduler {
         } = self;
         let seq = seqs.get_mut(&id).expect("scheduled requests are live");
         let full = (tokens / limits.block_size) as usize;
+        let start = (seq.num_cached_blocks as usize).min(full);
+        pool.warm(&seq.externals[start..full]);
         let mut run: Option<BlockStored> = None;
         for b in seq.num_cached_blocks as usize..full {
             if pool.cache(&mut seq.blocks[b], seq.externals[b]) {

@@ -115,7 +115,9 @@ impl Sequence {
                         block_size: bs,
                     });
                 }
-                (vec![0; len as usize], hashes, false)
+                let mut tokens = Vec::with_capacity(len as usize + max_output as usize);
+                tokens.resize(len as usize, 0);
+                (tokens, hashes, false)
             }
         };
         let mut seq = Self {
@@ -162,6 +164,16 @@ impl Sequence {
         } else {
             FinishReason::Stop
         }
+    }
+
+    /// Appends the next `k` output tokens and hashes the blocks they fill, as `k` calls of
+    /// [`Sequence::push_output`].
+    pub fn push_outputs(&mut self, k: u32) {
+        for _ in 0..k {
+            self.tokens.push(synthetic_output_token(self.id, self.outputs));
+            self.outputs += 1;
+        }
+        self.hash_full_blocks();
     }
 
     /// Appends the next output token and hashes the block it fills, if any.

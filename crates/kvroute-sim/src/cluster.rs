@@ -4,13 +4,24 @@
 //! the heap in push order, then the router's deadline):
 //!
 //! * open-loop arrivals, a cursor over the workload sorted by arrival time;
-//! * a heap keyed by `(time, sequence number)`: engine step ends, session follow-ups, closed-loop
-//!   arrivals and samples;
+//! * a heap keyed by `(time, time pushed, class, tie-break)`: engine step ends (class 1, ties
+//!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
+//!   ties broken in push order);
 //! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
 //! * the router's own deadline ([`Router::next_deadline`]), while it has requests.
 //!
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
+//!
+//! Fast-forward ([`SimConfig::fast_forward`]): when an engine's next passes are pure decode
+//! ([`Engine::decode_horizon`]: nothing allocated, cached, admitted or finished, so nothing the
+//! router or another engine sees), the run computes their end times and pushes one `Step` event,
+//! keyed as the last of them would have been, instead of one per pass. The skipped passes are
+//! applied when that event comes, or earlier when something touches the engine (a request or
+//! import sent to it, a transfer landing): then exactly the passes whose keys come before the
+//! current event's are applied, the pass in flight is started as it was, and the stretch's event
+//! is dropped. A step's key does not depend on the sequence number, so the order of events, and
+//! every result, is the same with fast-forward on or off.
 //!
 //! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
 //! the prefill engine with an output of one token (a prefill-only vLLM instance: the first
@@ -24,6 +35,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
@@ -52,7 +64,8 @@ pub struct Progress {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrive(u32),
-    Step(u32),
+    /// Engine `.0`'s pass ends; valid while `.1` is the worker's generation.
+    Step(u32, u32),
     /// A request's KV reached its decode worker.
     TransferDone(u32),
     Sample,
@@ -88,6 +101,10 @@ impl ReqState {
     }
 }
 
+/// A heap key: time, the time the event was pushed, class (0, or 1 for steps) and tie-break
+/// (the push sequence number, or the worker for steps).
+type Key = (Timestamp, Timestamp, u8, u64);
+
 /// One simulated worker.
 #[derive(Debug)]
 struct Worker {
@@ -103,6 +120,12 @@ struct Worker {
     scheduled: bool,
     /// KV use after the last pass.
     kv_use: f32,
+    /// Generation of the worker's valid `Step` event; a cut stretch leaves a stale one behind.
+    generation: u32,
+    /// The start of the pure-decode passes being skipped, if any ...
+    stretch_start: Option<Timestamp>,
+    /// ... and their end times.
+    stretch_ends: Vec<Timestamp>,
 }
 
 /// Totals a run accumulates; the report is computed from them.
@@ -141,8 +164,11 @@ pub(crate) struct Run<'w> {
     workload: &'w Workload,
     pub(crate) router: Router,
     workers: Vec<Worker>,
-    heap: BinaryHeap<Reverse<(Timestamp, u64, Event)>>,
+    heap: BinaryHeap<Reverse<(Key, Event)>>,
     seq: u64,
+    /// The key of the event being handled (open arrivals come before heap events at the same
+    /// time, router ticks after).
+    current: Key,
     open: Vec<u32>,
     open_next: usize,
     channel: VecDeque<(Timestamp, u32, KvEvent)>,
@@ -185,6 +211,9 @@ impl<'w> Run<'w> {
                 in_flight: None,
                 scheduled: false,
                 kv_use: 0.0,
+                generation: 0,
+                stretch_start: None,
+                stretch_ends: Vec::new(),
             });
         }
         let n = workload.requests.len();
@@ -222,6 +251,7 @@ impl<'w> Run<'w> {
             workers,
             heap: BinaryHeap::new(),
             seq: 0,
+            current: (Timestamp::ZERO, Timestamp::ZERO, 0, 0),
             open,
             open_next: 0,
             channel: VecDeque::new(),
@@ -239,8 +269,22 @@ impl<'w> Run<'w> {
     }
 
     fn push(&mut self, at: Timestamp, event: Event) {
-        self.heap.push(Reverse((at, self.seq, event)));
+        self.push_from(at, self.now, event);
+    }
+
+    /// Pushes `event` at `at` as if pushed at `pushed`.
+    fn push_from(&mut self, at: Timestamp, pushed: Timestamp, event: Event) {
+        let key = match event {
+            Event::Step(w, _) => (at, pushed, 1, u64::from(w)),
+            _ => (at, pushed, 0, self.seq),
+        };
+        self.heap.push(Reverse((key, event)));
         self.seq += 1;
+    }
+
+    /// Whether `event` is a step a cut stretch left behind.
+    fn stale(&self, event: Event) -> bool {
+        matches!(event, Event::Step(w, g) if self.workers[w as usize].generation != g)
     }
 
     /// Runs to the end: until no event is left.
@@ -255,7 +299,15 @@ impl<'w> Run<'w> {
             self.push(Timestamp::ZERO, Event::Sample);
         }
         let mut handled: u64 = 0;
-        while let Some(source) = self.next_source() {
+        loop {
+            while let Some(&Reverse((_, event))) = self.heap.peek()
+                && self.stale(event)
+            {
+                self.heap.pop();
+            }
+            let Some(source) = self.next_source() else {
+                break;
+            };
             let at = source.0;
             if at < self.now {
                 return Err(SimError::ClockWentBack {
@@ -264,6 +316,11 @@ impl<'w> Run<'w> {
                 });
             }
             self.now = at;
+            self.current = match source.1 {
+                Source::Channel | Source::Open => (at, Timestamp::ZERO, 0, 0),
+                Source::Heap => self.heap.peek().map_or((at, Timestamp::ZERO, 0, 0), |e| e.0.0),
+                Source::Router => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
+            };
             match source.1 {
                 Source::Channel => self.deliver_kv()?,
                 Source::Open => {
@@ -272,10 +329,10 @@ impl<'w> Run<'w> {
                     self.arrive(i as usize)?;
                 }
                 Source::Heap => {
-                    if let Some(Reverse((_, _, event))) = self.heap.pop() {
+                    if let Some(Reverse((_, event))) = self.heap.pop() {
                         match event {
                             Event::Arrive(i) => self.arrive(i as usize)?,
-                            Event::Step(w) => self.step(w as usize)?,
+                            Event::Step(w, _) => self.step(w as usize)?,
                             Event::TransferDone(i) => self.transfer_done(i as usize)?,
                             Event::Sample => self.sample(),
                         }
@@ -324,7 +381,7 @@ impl<'w> Run<'w> {
                 }),
             Source::Open,
         );
-        consider(self.heap.peek().map(|Reverse((t, _, _))| *t), Source::Heap);
+        consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
         if self.in_flight_requests > 0 {
             let deadline = self.router.next_deadline().map(|t| t.max(self.now));
             // A tick that left its own deadline where it was waits for time to move on.
@@ -380,6 +437,7 @@ impl<'w> Run<'w> {
             }
             None => w,
         };
+        self.materialize(w)?;
         let worker = &mut self.workers[w];
         if worker.engine.add_request(self.now, request).is_err() {
             return self.reject_in_engine(i);
@@ -402,7 +460,8 @@ impl<'w> Run<'w> {
     fn wake(&mut self, w: usize) {
         if !self.workers[w].scheduled {
             self.workers[w].scheduled = true;
-            self.push(self.now, Event::Step(w as u32));
+            let generation = self.workers[w].generation;
+            self.push(self.now, Event::Step(w as u32, generation));
         }
     }
 
@@ -424,6 +483,7 @@ impl<'w> Run<'w> {
     /// Starts the transfer of request `i` to decode engine `w`. False if its blocks are not
     /// free now; a request the engine refuses is turned away (and true is returned).
     fn start_import(&mut self, w: usize, i: usize) -> Result<bool, SimError> {
+        self.materialize(w)?;
         let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
         match self.workers[w].engine.import_request(self.now, request) {
             Ok(import) => {
@@ -465,6 +525,7 @@ impl<'w> Run<'w> {
     /// Request `i`'s KV reached its decode engine.
     fn transfer_done(&mut self, i: usize) -> Result<(), SimError> {
         let w = self.reqs[i].worker.expect("a transferred request has a worker") as usize;
+        self.materialize(w)?;
         let events = self.workers[w]
             .engine
             .complete_import(self.now, RequestId(i as u64))
@@ -524,20 +585,141 @@ impl<'w> Run<'w> {
 
     /// Engine `w`'s pass ended (or it was idle and got work): deliver, then start the next pass.
     fn step(&mut self, w: usize) -> Result<(), SimError> {
-        if let Some(out) = self.workers[w].in_flight.take() {
+        if let Some(start) = self.workers[w].stretch_start.take() {
+            let passes = self.workers[w].stretch_ends.len();
+            self.apply_stretch(w, start, passes);
+        } else if let Some(out) = self.workers[w].in_flight.take() {
             self.deliver_step(w, out)?;
         }
         self.retry_imports(w)?;
+        if self.config.fast_forward && self.begin_stretch(w) {
+            return Ok(());
+        }
         let worker = &mut self.workers[w];
         match worker.engine.step(self.now) {
             Some(out) => {
                 let end = out.end;
                 worker.in_flight = Some(out);
-                self.push(end, Event::Step(w as u32));
+                let generation = worker.generation;
+                self.push(end, Event::Step(w as u32, generation));
             }
             None => worker.scheduled = false,
         }
         Ok(())
+    }
+
+    /// Skips engine `w`'s next passes if they are pure decode (see the module docs): pushes
+    /// the event of the last of them. False if there are fewer than two.
+    fn begin_stretch(&mut self, w: usize) -> bool {
+        let now = self.now;
+        let worker = &mut self.workers[w];
+        if !worker.pending_imports.is_empty() {
+            return false;
+        }
+        let passes = worker.engine.decode_horizon();
+        if passes < 2 {
+            return false;
+        }
+        // The passes change no block, so the KV use they report is the current one; a value
+        // not yet shown (blocks imported since the last pass) waits for a real pass.
+        if kv_use(worker.engine.kv_blocks()).to_bits() != worker.kv_use.to_bits() {
+            return false;
+        }
+        let ends = &mut worker.stretch_ends;
+        ends.clear();
+        worker.engine.decode_pass_ends(now, passes, ends);
+        let (end, pushed) = (ends[ends.len() - 1], ends[ends.len() - 2]);
+        worker.stretch_start = Some(now);
+        let generation = worker.generation;
+        self.push_from(end, pushed, Event::Step(w as u32, generation));
+        true
+    }
+
+    /// Engine `w` is touched while the current event is handled: applies the skipped passes
+    /// that end before it (their events' keys are smaller), starts the pass in flight as it was
+    /// started, and replaces the stretch's event with that pass's.
+    fn materialize(&mut self, w: usize) -> Result<(), SimError> {
+        let Some(start) = self.workers[w].stretch_start.take() else {
+            return Ok(());
+        };
+        let current = self.current;
+        let ends = &self.workers[w].stretch_ends;
+        let (mut done, mut last) = (0, start);
+        while done < ends.len() && (ends[done], last, 1, w as u64) < current {
+            last = ends[done];
+            done += 1;
+        }
+        if done == ends.len() {
+            return Err(SimError::Invariant(format!(
+                "worker {w}: a skipped pass ended before the event touching it"
+            )));
+        }
+        let next_end = ends[done];
+        self.apply_stretch(w, start, done);
+        let worker = &mut self.workers[w];
+        let out = worker
+            .engine
+            .step(last)
+            .filter(|out| out.end == next_end)
+            .ok_or_else(|| SimError::Invariant(format!("worker {w}: a skipped pass changed")))?;
+        worker.in_flight = Some(out);
+        worker.generation += 1;
+        let generation = worker.generation;
+        self.push_from(next_end, last, Event::Step(w as u32, generation));
+        Ok(())
+    }
+
+    /// Applies the first `passes` skipped passes of engine `w`'s stretch from `start`: the
+    /// engine's progress, and what delivering each would have done (one token per running
+    /// request and pass; no block, event, first token or completion).
+    fn apply_stretch(&mut self, w: usize, start: Timestamp, passes: usize) {
+        if passes == 0 {
+            return;
+        }
+        let Self {
+            workers,
+            reqs,
+            totals,
+            ..
+        } = self;
+        let worker = &mut workers[w];
+        let ends = &worker.stretch_ends[..passes];
+        let end = ends[passes - 1];
+        let last_start = if passes >= 2 { ends[passes - 2] } else { start };
+        worker.engine.skip_decode_passes(passes as u32, last_start, end);
+        debug_assert_eq!(worker.engine.check_invariants(), Ok(()));
+        totals.steps += passes as u64;
+        let busy = end.as_nanos() - start.as_nanos();
+        totals.busy_nanos += busy;
+        if worker.role == WorkerRole::Prefill {
+            totals.prefill_busy_nanos += busy;
+        }
+        let mut with_first_token = 0;
+        for id in worker.engine.running_requests() {
+            let s = &mut reqs[id.0 as usize];
+            if s.first_token.is_some() {
+                totals.itl.add(ends[0].saturating_since(s.last_token));
+                with_first_token += 1;
+            }
+            s.last_token = end;
+            s.output_tokens += passes as u32;
+        }
+        // Equal gaps (the rule when the timing model ignores the context) are added at once.
+        let mut run: Option<(Duration, u64)> = None;
+        for pair in ends.windows(2) {
+            let gap = pair[1].saturating_since(pair[0]);
+            match &mut run {
+                Some((d, k)) if *d == gap => *k += 1,
+                _ => {
+                    if let Some((d, k)) = run.replace((gap, 1)) {
+                        totals.itl.add_n(d, k * with_first_token);
+                    }
+                }
+            }
+        }
+        if let Some((d, k)) = run {
+            totals.itl.add_n(d, k * with_first_token);
+        }
     }
 
     /// A pass's effects, at its end.
@@ -555,18 +737,12 @@ impl<'w> Run<'w> {
         t.query_tokens += m.prefix_cache_query_tokens;
         self.window_hits.0 += m.prefix_cache_hit_tokens;
         self.window_hits.1 += m.prefix_cache_query_tokens;
-        self.workers[w].kv_use = if m.total_blocks == 0 {
-            0.0
-        } else {
-            m.active_blocks as f32 / m.total_blocks as f32
-        };
+        self.workers[w].kv_use = kv_use((m.active_blocks, m.total_blocks));
         self.publish(w, out.events)?;
         for e in &out.emitted {
             let s = &mut self.reqs[e.request.0 as usize];
             if s.first_token.is_some() {
-                self.totals
-                    .itl
-                    .add(now.saturating_since(s.last_token).as_secs_f64() * 1e3);
+                self.totals.itl.add(now.saturating_since(s.last_token));
             }
             s.last_token = now;
             s.output_tokens += e.tokens;
@@ -671,7 +847,10 @@ impl<'w> Run<'w> {
         });
         let more = self.in_flight_requests > 0
             || self.open_next < self.open.len()
-            || self.heap.iter().any(|Reverse((_, _, e))| *e != Event::Sample);
+            || self
+                .heap
+                .iter()
+                .any(|&Reverse((_, e))| e != Event::Sample && !self.stale(e));
         if more && let Some(interval) = self.config.sample_interval {
             self.push(self.now + interval, Event::Sample);
         }
@@ -751,6 +930,15 @@ impl<'w> Run<'w> {
             }
         }
         Ok(())
+    }
+}
+
+/// The share of blocks in use, from `(active, total)`.
+fn kv_use((active, total): (u32, u32)) -> f32 {
+    if total == 0 {
+        0.0
+    } else {
+        active as f32 / total as f32
     }
 }
 

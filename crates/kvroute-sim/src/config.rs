@@ -129,6 +129,11 @@ pub struct SimConfig {
     pub keep_requests: bool,
     /// GPUs per worker, for GPU-seconds.
     pub gpus_per_worker: u32,
+    /// Whether to skip over runs of pure-decode passes of an engine (every running request
+    /// decodes, nothing is allocated, cached, admitted or finished) instead of simulating them
+    /// one by one, applying them only when something touches the engine or the run ends. The
+    /// results are identical either way; off, every pass is an event (for checking that).
+    pub fast_forward: bool,
 }
 
 impl SimConfig {
@@ -183,6 +188,7 @@ impl SimConfig {
             sample_interval: Some(Duration::from_secs(1)),
             keep_requests: false,
             gpus_per_worker: 1,
+            fast_forward: true,
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Summary statistics: exact percentiles over per-request samples, and a log-bucket sketch for
 //! the millions of inter-token gaps.
 
+use std::time::Duration;
+
 /// Exact summary of `values` (sorted in place): nearest-rank percentiles at index
 /// `round((n - 1) · p / 100)`, as Dynamo's replay collector computes them.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -53,15 +55,18 @@ impl Summary {
     }
 }
 
-/// Log-bucket sketch of positive values with 0.1% relative error (bucket `i` holds values in
-/// `[γ^i, γ^(i+1))`, `γ = 1.002`, reported at the bucket's geometric middle), plus an exact
-/// count, sum, sum of squares, min and max. Bounded memory; same inputs, same answers.
+/// Log-bucket sketch of durations, reported in milliseconds, with 0.1% relative error (bucket
+/// `i` holds values in `[γ^i, γ^(i+1))` ms, `γ = 1.002`, reported at the bucket's geometric
+/// middle), plus an exact count, min and max, and a sum and sum of squares in integer
+/// nanoseconds, so that the answer does not depend on the order values are added in (adding
+/// `k` equal values at once is the same as adding them one by one). Bounded memory; same
+/// inputs, same answers.
 #[derive(Clone, Debug)]
 pub struct Sketch {
     buckets: Vec<u64>,
     count: u64,
-    sum: f64,
-    sum_sq: f64,
+    sum_nanos: u128,
+    sum_sq_nanos: u128,
     min: f64,
     max: f64,
     zeros: u64,
@@ -77,8 +82,8 @@ impl Default for Sketch {
         Self {
             buckets: Vec::new(),
             count: 0,
-            sum: 0.0,
-            sum_sq: 0.0,
+            sum_nanos: 0,
+            sum_sq_nanos: 0,
             min: f64::INFINITY,
             max: 0.0,
             zeros: 0,
@@ -87,16 +92,25 @@ impl Default for Sketch {
 }
 
 impl Sketch {
-    /// Records `v` (negative values count as 0).
-    pub fn add(&mut self, v: f64) {
-        let v = v.max(0.0);
-        self.count += 1;
-        self.sum += v;
-        self.sum_sq += v * v;
+    /// Records `d`.
+    pub fn add(&mut self, d: Duration) {
+        self.add_n(d, 1);
+    }
+
+    /// Records `d` `k` times.
+    pub fn add_n(&mut self, d: Duration, k: u64) {
+        if k == 0 {
+            return;
+        }
+        let nanos = d.as_nanos();
+        let v = d.as_secs_f64() * 1e3;
+        self.count += k;
+        self.sum_nanos += nanos * u128::from(k);
+        self.sum_sq_nanos += nanos * nanos * u128::from(k);
         self.min = self.min.min(v);
         self.max = self.max.max(v);
         if v <= 0.0 {
-            self.zeros += 1;
+            self.zeros += k;
             return;
         }
         if self.buckets.is_empty() {
@@ -105,7 +119,7 @@ impl Sketch {
         let i = ((v.ln() - LOW_LN) / GAMMA_LN)
             .floor()
             .clamp(0.0, (BUCKETS - 1) as f64) as usize;
-        self.buckets[i] += 1;
+        self.buckets[i] += k;
     }
 
     /// Samples recorded.
@@ -119,7 +133,9 @@ impl Sketch {
             return Summary::default();
         }
         let n = self.count as f64;
-        let mean = self.sum / n;
+        let mean_nanos = self.sum_nanos as f64 / n;
+        let var_nanos = (self.sum_sq_nanos as f64 / n - mean_nanos * mean_nanos).max(0.0);
+        let mean = mean_nanos / 1e6;
         let at = |p: f64| self.quantile(((self.count - 1) as f64 * p / 100.0).round() as u64);
         Summary {
             count: self.count,
@@ -131,7 +147,7 @@ impl Sketch {
             p90: at(90.0),
             p95: at(95.0),
             p99: at(99.0),
-            std: (self.sum_sq / n - mean * mean).max(0.0).sqrt(),
+            std: var_nanos.sqrt() / 1e6,
         }
     }
 
@@ -169,10 +185,10 @@ mod tests {
     fn sketch_is_within_its_relative_error() {
         let mut sketch = Sketch::default();
         let mut exact = Vec::new();
-        for i in 1..=10_000 {
-            let v = f64::from(i) * 0.37;
-            sketch.add(v);
-            exact.push(v);
+        for i in 1..=10_000u64 {
+            let nanos = i * 370_000;
+            sketch.add(Duration::from_nanos(nanos));
+            exact.push(nanos as f64 / 1e6);
         }
         let (a, b) = (sketch.summary(), Summary::exact(&mut exact));
         for (x, y) in [(a.p50, b.p50), (a.p90, b.p90), (a.p99, b.p99)] {

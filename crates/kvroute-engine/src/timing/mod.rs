@@ -39,6 +39,13 @@ pub trait TimingModel: fmt::Debug + Send + Sync {
     /// Seconds one forward pass of `pass` takes on the modeled hardware, before the speedup
     /// factor. Called only for passes that compute at least one token.
     fn pass_secs(&self, pass: &ForwardPass) -> f64;
+
+    /// Whether [`TimingModel::pass_secs`] reads `decode_context_tokens`. When it does not, a
+    /// run of pure-decode passes over the same requests and blocks takes the same time each,
+    /// which lets an engine compute it once. The default is the safe answer.
+    fn reads_decode_context(&self) -> bool {
+        true
+    }
 }
 
 /// Which timing model an engine uses, with its parameters.
@@ -87,6 +94,11 @@ impl StepTimer {
     }
 
     /// The duration of the pass, sped up, rounded and floored at [`MIN_STEP`].
+    /// See [`TimingModel::reads_decode_context`].
+    pub(crate) fn reads_decode_context(&self) -> bool {
+        self.model.reads_decode_context()
+    }
+
     pub(crate) fn duration(&self, pass: &ForwardPass) -> Duration {
         duration_from_secs_f64(self.model.pass_secs(pass) / self.speedup).max(MIN_STEP)
     }

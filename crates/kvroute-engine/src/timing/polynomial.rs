@@ -44,6 +44,10 @@ impl TimingModel for Polynomial {
         };
         ms(Self::prefill_ms(pass.prefill_tokens) + decode)
     }
+
+    fn reads_decode_context(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]
