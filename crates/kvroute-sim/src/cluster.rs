@@ -37,7 +37,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::Duration;
 
-use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
+use kvroute_core::index::KvEvent as IndexEvent;
 use kvroute_core::router::{
     Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterError,
     WorkerRole, WorkerSpec,
@@ -172,6 +173,8 @@ pub(crate) struct Run<'w> {
     open: Vec<u32>,
     open_next: usize,
     channel: VecDeque<(Timestamp, u32, KvEvent)>,
+    /// Removals of one pass that reach the index at the same moment, applied as one event.
+    removed_batch: Vec<ExternalBlockHash>,
     followers: Vec<Vec<u32>>,
     closed_next: usize,
     rng: Rng,
@@ -255,6 +258,7 @@ impl<'w> Run<'w> {
             open,
             open_next: 0,
             channel: VecDeque::new(),
+            removed_batch: Vec::new(),
             followers,
             closed_next: 0,
             rng: Rng::new(config.seed),
@@ -784,6 +788,10 @@ impl<'w> Run<'w> {
 
     /// Puts a pass's KV events on the channel (or applies them at once without lag), dropping
     /// each with the configured probability.
+    ///
+    /// Without lag, a run of removals (an engine evicts one block per event, as vLLM does) goes
+    /// to the index as one event: nothing can observe the index between them, the state after is
+    /// the same, and a batch lets the index overlap its cache misses.
     fn publish(&mut self, w: usize, events: Vec<KvEvent>) -> Result<(), SimError> {
         let channel = self.config.events;
         for event in events {
@@ -792,29 +800,41 @@ impl<'w> Run<'w> {
                 self.totals.kv_events_lost += 1;
                 continue;
             }
-            if channel.lag.is_zero() {
-                self.apply_kv(w, &event)?;
-            } else {
+            if !channel.lag.is_zero() {
                 self.channel.push_back((self.now + channel.lag, w as u32, event));
+            } else if let KvEvent::Removed(removed) = &event {
+                self.removed_batch.extend_from_slice(&removed.block_hashes);
+            } else {
+                self.flush_removed(w)?;
+                self.apply_kv(w, event.as_index_event())?;
             }
         }
-        Ok(())
+        self.flush_removed(w)
+    }
+
+    /// Applies the removals gathered by [`Self::publish`], if any.
+    fn flush_removed(&mut self, w: usize) -> Result<(), SimError> {
+        if self.removed_batch.is_empty() {
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.removed_batch);
+        let result = self.apply_kv(w, IndexEvent::Removed { blocks: &batch });
+        self.removed_batch = batch;
+        self.removed_batch.clear();
+        result
     }
 
     fn deliver_kv(&mut self) -> Result<(), SimError> {
         if let Some((_, w, event)) = self.channel.pop_front() {
-            self.apply_kv(w as usize, &event)?;
+            self.apply_kv(w as usize, event.as_index_event())?;
         }
         Ok(())
     }
 
     /// Applies one KV event to the router's index. Refusals (an event whose parent was lost)
     /// are counted: they are what a lossy channel does.
-    fn apply_kv(&mut self, w: usize, event: &KvEvent) -> Result<(), SimError> {
-        match self
-            .router
-            .handle_kv_event(self.now, self.workers[w].key, event.as_index_event())
-        {
+    fn apply_kv(&mut self, w: usize, event: IndexEvent<'_>) -> Result<(), SimError> {
+        match self.router.handle_kv_event(self.now, self.workers[w].key, event) {
             Ok(()) => Ok(()),
             Err(RouterError::Index(_)) => {
                 self.totals.kv_events_refused += 1;
