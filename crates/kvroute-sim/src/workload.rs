@@ -108,10 +108,21 @@ impl PromptHasher {
     }
 
     /// The local hashes of the full blocks of the buffer's tokens.
+    ///
+    /// A block equal to the one before it reuses its hash: synthesized trace prompts repeat one
+    /// token per trace block, so most blocks do, and comparing is cheaper than hashing.
     pub(crate) fn locals(&self) -> Arc<[LocalBlockHash]> {
+        let mut prev: Option<(&[u32], LocalBlockHash)> = None;
         self.tokens
             .chunks_exact(self.hasher.block_size())
-            .map(|block| self.hasher.local_hash(block))
+            .map(|block| match prev {
+                Some((tokens, hash)) if tokens == block => hash,
+                _ => {
+                    let hash = self.hasher.local_hash(block);
+                    prev = Some((block, hash));
+                    hash
+                }
+            })
             .collect()
     }
 
