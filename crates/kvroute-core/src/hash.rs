@@ -95,14 +95,42 @@ impl BlockHasher {
 
     /// Sequence hashes of the chain of `locals`, starting from the root.
     pub fn sequence_hashes(&self, locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
-        let mut out = Vec::with_capacity(locals.len());
-        let mut prev: Option<SequenceHash> = None;
-        for &local in locals {
-            let next = next_sequence_hash(prev, local);
-            out.push(next);
-            prev = Some(next);
+        let mut chain = Vec::with_capacity(locals.len());
+        sequence_hashes_into(locals, &mut chain);
+        chain
+    }
+
+    /// Hashes the full blocks of `tokens` into their local hashes and their sequence hashes (both
+    /// vectors are cleared first, so callers can reuse them), in one pass, so the latency of each
+    /// chain step overlaps the next block's local hash. The values are those of
+    /// [`BlockHasher::local_hashes`] and [`BlockHasher::sequence_hashes`].
+    pub fn hash_prompt(
+        &self,
+        tokens: &[u32],
+        locals: &mut Vec<LocalBlockHash>,
+        chain: &mut Vec<SequenceHash>,
+    ) {
+        locals.clear();
+        chain.clear();
+        let mut prev = None;
+        for block in tokens.chunks_exact(self.block_size) {
+            let local = self.local_hash(block);
+            let seq = next_sequence_hash(prev, local);
+            locals.push(local);
+            chain.push(seq);
+            prev = Some(seq);
         }
-        out
+    }
+}
+
+/// The sequence hashes of `locals` into `chain` (cleared first), starting from the root.
+pub fn sequence_hashes_into(locals: &[LocalBlockHash], chain: &mut Vec<SequenceHash>) {
+    chain.clear();
+    let mut prev = None;
+    for &local in locals {
+        let seq = next_sequence_hash(prev, local);
+        chain.push(seq);
+        prev = Some(seq);
     }
 }
 
@@ -132,5 +160,30 @@ fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
     {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxh3_64_with_seed(&bytes, seed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_pass_and_into_buffer_forms_match_the_allocating_ones() {
+        let tokens: Vec<u32> = (0..100).map(|i| i * 7 + 3).collect();
+        let hasher = BlockHasher::new(
+            16,
+            &HashSalt {
+                lora_name: Some("a"),
+                namespace: None,
+            },
+        );
+        // Stale contents must be cleared, not appended to.
+        let (mut locals, mut chain) = (vec![LocalBlockHash(1)], vec![SequenceHash(2)]);
+        hasher.hash_prompt(&tokens, &mut locals, &mut chain);
+        assert_eq!(locals, hasher.local_hashes(&tokens));
+        assert_eq!(chain, hasher.sequence_hashes(&locals));
+        let mut again = vec![SequenceHash(3)];
+        sequence_hashes_into(&locals, &mut again);
+        assert_eq!(again, chain);
     }
 }

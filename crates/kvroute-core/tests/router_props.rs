@@ -14,7 +14,7 @@ use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, KvEvent, LoadChange, PolicyConfig, PrefillLoadHint, Prompt,
     RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncEvent, WorkerLoad, WorkerRole,
-    WorkerSpec, hash_prompt, stored_blocks,
+    WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -230,7 +230,7 @@ impl Run {
             Op::Stored(w, p) => {
                 let (mut locals, mut chain) = (Vec::new(), Vec::new());
                 let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
-                hash_prompt(&hasher, &p.tokens(), &mut locals, &mut chain);
+                hasher.hash_prompt(&p.tokens(), &mut locals, &mut chain);
                 let blocks = stored_blocks(&locals, &chain);
                 let worker = worker(*w);
                 drop(r.handle_kv_event(
@@ -248,8 +248,7 @@ impl Run {
             Op::Replica(w, p, cached) => {
                 let tokens = p.tokens();
                 let (mut locals, mut chain) = (Vec::new(), Vec::new());
-                hash_prompt(
-                    &BlockHasher::new(BLOCK as usize, &HashSalt::NONE),
+                BlockHasher::new(BLOCK as usize, &HashSalt::NONE).hash_prompt(
                     &tokens,
                     &mut locals,
                     &mut chain,

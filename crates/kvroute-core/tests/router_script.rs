@@ -50,7 +50,7 @@ use kvroute_core::router::{
     Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, KvEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
     RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SyncEvent,
-    WorkerRole, WorkerSpec, cost, hash_prompt, stored_blocks,
+    WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 
@@ -233,8 +233,7 @@ impl Prompts {
     fn hashes(&mut self, spec: &str) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
         let tokens = self.tokens(spec);
         let (mut locals, mut chain) = (Vec::new(), Vec::new());
-        hash_prompt(
-            &BlockHasher::new(self.block_size as usize, &HashSalt::NONE),
+        BlockHasher::new(self.block_size as usize, &HashSalt::NONE).hash_prompt(
             &tokens,
             &mut locals,
             &mut chain,

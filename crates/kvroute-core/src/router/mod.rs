@@ -86,7 +86,7 @@ pub use output::{Decision, DropReason, Output, PrefillAssignment, RejectReason, 
 pub use policy::{Candidate, Policy, PolicyConfig, UnknownPolicy};
 pub use queue::{QueueConfig, QueueOrder};
 pub use recent::RecentConfig;
-pub use request::{Prompt, RequestView, RouteRequest, chain_hashes, hash_prompt};
+pub use request::{Prompt, RequestView, RouteRequest};
 pub use rng::Rng;
 pub use sync::{Booking, LoadChange, RouterId, SyncEvent};
 pub use worker::{WorkerRole, WorkerSpec};
@@ -96,7 +96,7 @@ use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
 use request::Prepared;
 
-use crate::hash::{BlockHasher, HashSalt};
+use crate::hash::{BlockHasher, HashSalt, sequence_hashes_into};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
 use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
 use crate::time::Timestamp;
@@ -470,12 +470,7 @@ impl Router {
                     lora_name: request.lora_name,
                     namespace: request.cache_salt,
                 };
-                hash_prompt(
-                    &BlockHasher::new(block_size as usize, &salt),
-                    tokens,
-                    locals,
-                    chain,
-                );
+                BlockHasher::new(block_size as usize, &salt).hash_prompt(tokens, locals, chain);
                 tokens.len() as u64
             }
             Prompt::Blocks {
@@ -491,7 +486,7 @@ impl Router {
                 }
                 locals.clear();
                 locals.extend_from_slice(given);
-                chain_hashes(given, chain);
+                sequence_hashes_into(given, chain);
                 prompt_tokens
             }
         };

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use crate::hash::{BlockHasher, next_sequence_hash};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash};
 use crate::time::Timestamp;
 
@@ -78,39 +77,6 @@ impl RequestView<'_> {
     }
 }
 
-/// Hashes the full blocks of `tokens` into their local hashes and their sequence hashes (both
-/// vectors are cleared first), in one pass, so the latency of each chain step overlaps the next
-/// block's local hash. The values are those of [`BlockHasher::local_hashes`] and
-/// [`BlockHasher::sequence_hashes`].
-pub fn hash_prompt(
-    hasher: &BlockHasher,
-    tokens: &[u32],
-    locals: &mut Vec<LocalBlockHash>,
-    chain: &mut Vec<SequenceHash>,
-) {
-    locals.clear();
-    chain.clear();
-    let mut prev = None;
-    for block in tokens.chunks_exact(hasher.block_size()) {
-        let local = hasher.local_hash(block);
-        let seq = next_sequence_hash(prev, local);
-        locals.push(local);
-        chain.push(seq);
-        prev = Some(seq);
-    }
-}
-
-/// The sequence hashes of `locals` into `chain` (cleared first).
-pub fn chain_hashes(locals: &[LocalBlockHash], chain: &mut Vec<SequenceHash>) {
-    chain.clear();
-    let mut prev = None;
-    for &local in locals {
-        let seq = next_sequence_hash(prev, local);
-        chain.push(seq);
-        prev = Some(seq);
-    }
-}
-
 /// A request after hashing, as it is booked or waits in the queue.
 #[derive(Clone, Debug)]
 pub(crate) struct Prepared {
@@ -132,30 +98,5 @@ impl Prepared {
             block_size,
             chain: &self.chain,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::hash::HashSalt;
-
-    #[test]
-    fn one_pass_hashing_matches_the_two_pass_functions() {
-        let tokens: Vec<u32> = (0..100).map(|i| i * 7 + 3).collect();
-        let hasher = BlockHasher::new(
-            16,
-            &HashSalt {
-                lora_name: Some("a"),
-                namespace: None,
-            },
-        );
-        let (mut locals, mut chain) = (Vec::new(), Vec::new());
-        hash_prompt(&hasher, &tokens, &mut locals, &mut chain);
-        assert_eq!(locals, hasher.local_hashes(&tokens));
-        assert_eq!(chain, hasher.sequence_hashes(&locals));
-        let mut again = Vec::new();
-        chain_hashes(&locals, &mut again);
-        assert_eq!(again, chain);
     }
 }

@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    KvEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec, hash_prompt,
-    stored_blocks,
+    KvEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use serde::Serialize;
@@ -147,7 +146,7 @@ fn setup(workers: usize, corpus: &Corpus, rng: &mut Tokens) -> anyhow::Result<(R
         )?;
         for k in 0..corpus.conversations {
             corpus.conversation(w, k, &mut tokens);
-            hash_prompt(&hasher, &tokens, &mut locals, &mut chain);
+            hasher.hash_prompt(&tokens, &mut locals, &mut chain);
             let blocks = stored_blocks(&locals, &chain);
             router.handle_kv_event(
                 Timestamp::ZERO,
@@ -209,7 +208,7 @@ pub fn run_case(
     for _ in 0..samples {
         sample_prompt(&corpus, workers, &mut rng, &mut tokens);
         let t0 = Instant::now();
-        hash_prompt(&hasher, black_box(&tokens), &mut locals, &mut chain);
+        hasher.hash_prompt(black_box(&tokens), &mut locals, &mut chain);
         hash_ns.push(nanos(t0.elapsed()));
         black_box(&chain);
 
