@@ -1,4 +1,5 @@
-//! A hasher for keys that are already hashes.
+//! A hasher for keys that are already hashes (or small integer ids), shared by every kvroute
+//! crate that keys a map by them.
 //!
 //! Block hashes are XXH3 outputs or engine digests: their bits are already well mixed, so SipHash
 //! would only spend time. One folded 64x64->128 multiply spreads every input bit over the high bits
@@ -17,7 +18,7 @@ pub(crate) fn mix(a: u64, b: u64) -> u64 {
 
 /// A [`Hasher`] over integer keys that are already hashes.
 #[derive(Default, Clone, Copy)]
-pub(crate) struct KeyHasher(u64);
+pub struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     #[inline]
@@ -47,7 +48,7 @@ impl Hasher for KeyHasher {
 
 /// Builds [`KeyHasher`]s.
 #[derive(Default, Clone, Copy)]
-pub(crate) struct BuildKeyHasher;
+pub struct BuildKeyHasher;
 
 impl BuildHasher for BuildKeyHasher {
     type Hasher = KeyHasher;
@@ -57,3 +58,7 @@ impl BuildHasher for BuildKeyHasher {
         KeyHasher(0)
     }
 }
+
+/// A standard `HashMap` keyed by hashes or ids, with [`BuildKeyHasher`]: no seed, so nothing
+/// depends on a random state.
+pub type KeyMap<K, V> = std::collections::HashMap<K, V, BuildKeyHasher>;

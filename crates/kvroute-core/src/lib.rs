@@ -37,6 +37,6 @@
 pub mod hash;
 pub mod ids;
 pub mod index;
-mod key_hasher;
+pub mod key_hasher;
 pub mod router;
 pub mod time;

@@ -22,42 +22,15 @@
 //! request is cached and cannot be evicted, so every `stored` event names a parent the router
 //! holds.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use kvroute_core::ids::ExternalBlockHash;
+use kvroute_core::key_hasher::KeyMap;
 
 use crate::events::{BlockRemoved, KvEvent};
 
 /// A block's index in the pool.
 pub(crate) type BlockId = u32;
-
-/// A hasher for keys that are already well-mixed 64-bit hashes (external block hashes are XXH3
-/// outputs), or small integers: one multiply, no seed, so iteration never depends on a random
-/// state. Nothing iterates these maps in an order that reaches an output.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        // Fibonacci hashing: spreads sequential ids over the high bits the table probes with.
-        self.0 = (self.0 ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A hash map with [`MixHasher`].
-pub(crate) type MixMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 
 /// "No block", for free-list links.
 const NIL: BlockId = BlockId::MAX;
@@ -86,7 +59,7 @@ pub(crate) struct BlockPool {
     /// does not touch it: an entry is valid only while its block carries its hash, and stale
     /// entries are overwritten by the next store of the hash or swept when they outnumber the
     /// blocks.
-    cached: MixMap<ExternalBlockHash, BlockId>,
+    cached: KeyMap<ExternalBlockHash, BlockId>,
     /// Blocks that carry a hash (the valid entries of `cached`).
     num_cached: u32,
     /// Events since the last [`BlockPool::take_events`], in order.
@@ -114,7 +87,7 @@ impl BlockPool {
             head,
             tail,
             free: num_blocks,
-            cached: MixMap::default(),
+            cached: KeyMap::default(),
             num_cached: 0,
             events: Vec::new(),
         }

@@ -27,7 +27,9 @@ use kvroute_core::index::StoredBlock;
 
 use crate::config::EngineConfig;
 use crate::events::{BlockStored, KvEvent};
-use crate::kv_pool::{BlockId, BlockPool, MixMap};
+use kvroute_core::key_hasher::KeyMap;
+
+use crate::kv_pool::{BlockId, BlockPool};
 use crate::metrics::ForwardPass;
 use crate::request::{Finished, TokenEmission};
 use crate::sequence::Sequence;
@@ -94,7 +96,7 @@ pub(crate) struct Scheduler {
     pub pool: BlockPool,
     /// Live requests (a hash map: looked up several times per request and step; nothing
     /// iterates it in an order that reaches an output).
-    pub seqs: MixMap<RequestId, Sequence>,
+    pub seqs: KeyMap<RequestId, Sequence>,
     pub waiting: VecDeque<RequestId>,
     /// Oldest first; preemption takes from the back.
     pub running: Vec<RequestId>,
@@ -119,7 +121,7 @@ impl Scheduler {
                 prefix_caching: config.enable_prefix_caching,
             },
             pool: BlockPool::new(config.num_blocks),
-            seqs: MixMap::default(),
+            seqs: KeyMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             importing: BTreeSet::new(),
