@@ -9,7 +9,9 @@
 //!   block's local hash (the router's content hash), which a real engine does not send: a
 //!   subscriber computes it from `token_ids`. Carrying it lets the simulator skip that work and
 //!   lets requests given as block hashes (no token ids) be indexed.
-//! * [`BlockRemoved`] when a cached block is evicted.
+//! * [`BlockRemoved`] when cached blocks are evicted. vLLM sends one per block; the engine
+//!   gathers consecutive evictions (no other event between them) into one, which a subscriber
+//!   applies identically.
 //! * `AllCleared` when the prefix cache is reset.
 //!
 //! Events are values; encoding them for the wire (msgpack over ZMQ) is an edge crate's job.

@@ -361,7 +361,7 @@ impl Scheduler {
             if pool.cache(&mut seq.blocks[b], seq.externals[b]) {
                 let stored = run.get_or_insert_with(|| BlockStored {
                     parent_block_hash: b.checked_sub(1).map(|p| seq.externals[p]),
-                    blocks: Vec::new(),
+                    blocks: Vec::with_capacity(full - b),
                     token_ids: Vec::new(),
                     block_size: limits.block_size,
                     lora_name: seq.lora_name.clone(),

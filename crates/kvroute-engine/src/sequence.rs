@@ -49,8 +49,11 @@ pub(crate) struct Sequence {
     pub max_output: u32,
     /// Whether `max_output` was cut.
     pub truncated: bool,
-    /// Prompt then output tokens. For a block-hash prompt, the prompt's part is zeros.
-    pub tokens: Vec<u32>,
+    /// Prompt then output tokens from token `offset` on. For a block-hash prompt, `offset`
+    /// skips the given blocks (their tokens are never needed) and the prompt's tail is zeros.
+    tokens: Vec<u32>,
+    /// Tokens before `tokens[0]`: the given blocks' (zero for a token prompt).
+    offset: u32,
     /// Whether `tokens` holds the real prompt (false for block-hash prompts).
     pub token_ids_known: bool,
     pub lora_name: Option<String>,
@@ -115,24 +118,27 @@ impl Sequence {
                         block_size: bs,
                     });
                 }
-                let mut tokens = Vec::with_capacity(len as usize + max_output as usize);
-                tokens.resize(len as usize, 0);
+                let tail = (len - blocks as u32 * bs) as usize;
+                let mut tokens = Vec::with_capacity(tail + max_output as usize);
+                tokens.resize(tail, 0);
                 (tokens, hashes, false)
             }
         };
+        let offset = given.len() as u32 * bs;
         let mut seq = Self {
             id,
             max_output,
             truncated: max_output < request.output_len,
             tokens,
+            offset,
             token_ids_known,
             lora_name: request.lora_name,
             hasher,
             given,
-            locals: Vec::new(),
-            externals: Vec::new(),
+            locals: Vec::with_capacity(blocks_needed as usize),
+            externals: Vec::with_capacity(blocks_needed as usize),
             external_seed: config.external_hash_seed,
-            blocks: Vec::new(),
+            blocks: Vec::with_capacity(blocks_needed as usize),
             num_computed: 0,
             num_cached_blocks: 0,
             outputs: 0,
@@ -144,7 +150,7 @@ impl Sequence {
 
     /// Tokens known: the prompt and the outputs so far.
     pub fn len(&self) -> u32 {
-        self.tokens.len() as u32
+        self.offset + self.tokens.len() as u32
     }
 
     /// Tokens known whose KV is not computed yet.
@@ -183,15 +189,16 @@ impl Sequence {
         self.hash_full_blocks();
     }
 
-    /// The tokens of block `index`.
+    /// The tokens of block `index`, which must not be a given block.
     pub fn block_tokens(&self, index: usize) -> &[u32] {
         let bs = self.hasher.block_size();
-        &self.tokens[index * bs..(index + 1) * bs]
+        let start = index * bs - self.offset as usize;
+        &self.tokens[start..start + bs]
     }
 
     /// Extends `locals` and `externals` over every full block of `tokens`.
     fn hash_full_blocks(&mut self) {
-        let full = self.tokens.len() / self.hasher.block_size();
+        let full = self.len() as usize / self.hasher.block_size();
         while self.locals.len() < full {
             let i = self.locals.len();
             let local = match self.given.get(i) {

@@ -103,17 +103,12 @@ pub(crate) fn mooncake_prompt(
     trace_block_size: u32,
 ) -> (Arc<[LocalBlockHash]>, u32) {
     let tbs = trace_block_size as usize;
-    let len = (input_length as usize).min(hash_ids.len() * tbs);
-    let tokens = hasher.buffer();
-    tokens.reserve(len);
-    for &h in hash_ids {
-        let take = (len - tokens.len()).min(tbs);
-        if take == 0 {
-            break;
-        }
-        tokens.extend(std::iter::repeat_n(h as u32, take));
-    }
-    (hasher.locals(), hasher.len())
+    let mut left = (input_length as usize).min(hash_ids.len() * tbs);
+    hasher.run_locals(hash_ids.iter().map_while(|&h| {
+        let take = left.min(tbs);
+        left -= take;
+        (take > 0).then_some((h as u32, take))
+    }))
 }
 
 /// Reads an Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) into a workload

@@ -126,8 +126,78 @@ impl PromptHasher {
             .collect()
     }
 
+    /// The local hashes of the full blocks of a prompt made of `runs` (each a token repeated
+    /// `count` times), and the prompt's length, without writing the prompt out: a block inside
+    /// one run is hashed once per run, only blocks across a run boundary are assembled. The
+    /// hashes are those [`PromptHasher::locals`] gives for the same tokens.
+    pub(crate) fn run_locals(
+        &mut self,
+        runs: impl IntoIterator<Item = (u32, usize)>,
+    ) -> (Arc<[LocalBlockHash]>, u32) {
+        let bs = self.hasher.block_size();
+        let mut locals = Vec::new();
+        let mut len = 0usize;
+        let mut uniform: Option<(u32, LocalBlockHash)> = None;
+        self.tokens.clear();
+        for (token, mut count) in runs {
+            len += count;
+            while count > 0 {
+                if self.tokens.is_empty() && count >= bs {
+                    let hash = match uniform {
+                        Some((t, hash)) if t == token => hash,
+                        _ => {
+                            self.tokens.resize(bs, token);
+                            let hash = self.hasher.local_hash(&self.tokens);
+                            self.tokens.clear();
+                            uniform = Some((token, hash));
+                            hash
+                        }
+                    };
+                    let whole = count / bs;
+                    locals.extend(std::iter::repeat_n(hash, whole));
+                    count -= whole * bs;
+                } else {
+                    let take = (bs - self.tokens.len()).min(count);
+                    self.tokens.extend(std::iter::repeat_n(token, take));
+                    count -= take;
+                    if self.tokens.len() == bs {
+                        locals.push(self.hasher.local_hash(&self.tokens));
+                        self.tokens.clear();
+                    }
+                }
+            }
+        }
+        self.tokens.clear();
+        (locals.into(), u32::try_from(len).unwrap_or(u32::MAX))
+    }
+
     /// Tokens in the buffer.
     pub(crate) fn len(&self) -> u32 {
         u32::try_from(self.tokens.len()).unwrap_or(u32::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::PromptHasher;
+
+    proptest! {
+        /// Hashing runs gives what hashing the written-out prompt gives, partial tail included.
+        #[test]
+        fn run_locals_equal_locals_of_the_tokens(
+            block_size in 1u32..40,
+            runs in prop::collection::vec((0u32..4, 0usize..100), 0..12),
+        ) {
+            let mut hasher = PromptHasher::new(block_size);
+            let (from_runs, len) = hasher.run_locals(runs.iter().copied());
+            let tokens = hasher.buffer();
+            for &(token, count) in &runs {
+                tokens.extend(std::iter::repeat_n(token, count));
+            }
+            prop_assert_eq!(len, hasher.len());
+            prop_assert_eq!(&*from_runs, &*hasher.locals());
+        }
     }
 }
