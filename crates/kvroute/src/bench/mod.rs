@@ -6,6 +6,7 @@
 
 pub mod hash;
 pub mod index;
+pub mod proxy;
 pub mod route;
 
 /// The nearest-rank `p`-th percentile of `sorted` (ascending); 0 when empty.
