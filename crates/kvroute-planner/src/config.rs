@@ -167,6 +167,9 @@ pub struct PlannerConfig {
     pub cold_start_passes: u32,
     /// Scale-down margin: the remaining engines must stay within this share of the SLA.
     pub scale_down_sensitivity: f64,
+    /// Consecutive load ticks the consolidation check must pass before a scale-down (one
+    /// snapshot of queues is noisy; 1 acts on the first pass).
+    pub scale_down_ticks: u32,
     /// Share of an engine's modelled throughput the throughput loop plans to use (queueing
     /// makes 100 % unusable under any latency target).
     pub throughput_headroom: f64,
@@ -194,6 +197,7 @@ impl Default for PlannerConfig {
             min_observations: 5,
             cold_start_passes: 5,
             scale_down_sensitivity: 0.8,
+            scale_down_ticks: 6,
             throughput_headroom: 0.8,
         }
     }
@@ -260,6 +264,9 @@ impl PlannerConfig {
         }
         if !(self.scale_down_sensitivity > 0.0 && self.scale_down_sensitivity <= 1.0) {
             return bad(format!("scale_down_sensitivity {}", self.scale_down_sensitivity));
+        }
+        if self.scale_down_ticks == 0 {
+            return bad("scale_down_ticks must be at least 1".to_owned());
         }
         if !(self.throughput_headroom > 0.0 && self.throughput_headroom <= 1.0) {
             return bad(format!("throughput_headroom {}", self.throughput_headroom));

@@ -375,6 +375,8 @@ pub struct Planner {
     /// The throughput loop's floors (the minimum until it has run).
     floors: [u32; 3],
     predicted_rps: Option<f64>,
+    /// Consecutive load ticks whose consolidation check passed, per pool.
+    down_streak: [u32; 3],
     /// The latest observed means, kept across quiet ticks.
     recent_isl: f64,
     recent_osl: f64,
@@ -420,6 +422,7 @@ impl Planner {
             hit: Predictor::new(p),
             floors: [config.min_replicas; 3],
             predicted_rps: None,
+            down_streak: [0; 3],
             recent_isl: 0.0,
             recent_osl: 0.0,
             recent_hit: 0.0,
@@ -519,6 +522,7 @@ impl Planner {
             c[1] > 0 || c[2] > 0
         }) {
             record.hold = Some(Hold::InProgress);
+            self.down_streak = [0; 3];
             return TickOutput {
                 decision: None,
                 record,
@@ -562,11 +566,21 @@ impl Planner {
             }
             if load_due && reason.is_none() {
                 let est = estimates.iter().find(|e| e.0 == pool).and_then(|e| e.1.as_ref());
-                if let Some(est) = est
-                    && let Some((delta, why)) = self.load_decision(pool, est, ready)
-                {
-                    to = if delta > 0 { ready + 1 } else { ready - 1 };
-                    reason = Some(why);
+                let verdict = est.and_then(|est| self.load_decision(pool, est, ready));
+                let streak = &mut self.down_streak[pool.index()];
+                match verdict {
+                    Some((delta, why)) if delta > 0 => {
+                        *streak = 0;
+                        (to, reason) = (ready + 1, Some(why));
+                    }
+                    Some((_, why)) => {
+                        *streak += 1;
+                        if *streak >= self.config.scale_down_ticks {
+                            *streak = 0;
+                            (to, reason) = (ready - 1, Some(why));
+                        }
+                    }
+                    None => *streak = 0,
                 }
             }
             if let Some(reason) = reason {
@@ -624,11 +638,27 @@ impl Planner {
             .iter()
             .filter(|w| w.pool == pool && w.state == WorkerState::Ready)
         {
-            let (q, kv, seqs) = (
-                w.queued_prefill_tokens as f64,
-                w.kv_tokens as f64,
-                f64::from(w.decode_seqs),
-            );
+            // Resident KV and decoding requests: time-weighted means over the passes since the
+            // last tick (a snapshot when there were none); the queue is a snapshot.
+            let span: f64 = w.passes.iter().map(|p| p.duration_s).sum();
+            let (kv, seqs) = if span > 0.0 {
+                let kv = w
+                    .passes
+                    .iter()
+                    .map(|p| p.kv_tokens as f64 * p.duration_s)
+                    .sum::<f64>()
+                    / span;
+                let seqs = w
+                    .passes
+                    .iter()
+                    .map(|p| f64::from(p.decode_seqs) * p.duration_s)
+                    .sum::<f64>()
+                    / span;
+                (kv, seqs)
+            } else {
+                (w.kv_tokens as f64, f64::from(w.decode_seqs))
+            };
+            let q = w.queued_prefill_tokens as f64;
             let engine = EngineLoad { queued: q, kv, seqs };
             if matches!(pool, Pool::Prefill | Pool::Agg) {
                 e.ttft.push(model.ttft_ms(q, isl, h, kv)?);

@@ -165,6 +165,7 @@ fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
             ttft_ms: 500.0,
             itl_ms: 20.0,
         },
+        scale_down_ticks: 1,
         ..load_only(Mode::Decode)
     };
     // ITL now: 0.005 + 1e-5*101 + 2e-8*(300k + 4000 + 50) ~ 12.1 ms, within 20 ms. After 2 -> 1,
