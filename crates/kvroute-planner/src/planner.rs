@@ -792,8 +792,11 @@ impl Planner {
         } else {
             self.osl.predict()
         };
+        // The discount never assumes more reuse than the window just observed: a trend
+        // extrapolated past it under-provisions prefill, which breaks the TTFT SLA.
         let next_hit = if self.config.kv_hit_discount {
-            clamp_hit_rate((!self.hit.is_empty()).then(|| self.hit.predict()))
+            let forecast = (!self.hit.is_empty()).then(|| self.hit.predict());
+            clamp_hit_rate(forecast.map(|f| f.min(w.hit_rate().unwrap_or(0.0))))
         } else {
             0.0
         };

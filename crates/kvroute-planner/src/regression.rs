@@ -285,6 +285,27 @@ mod tests {
     }
 
     #[test]
+    fn a_negative_coefficient_of_two_is_dropped_and_the_rest_refitted() {
+        // Step time falls with the first feature: the full fit is rejected, the fit on the
+        // second feature alone is kept with the first coefficient at 0.
+        let mut r = Regression::<2>::new([256.0, 1e6], 64, 16, 5);
+        let points = [
+            (1.0, 1000.0),
+            (50.0, 5000.0),
+            (10.0, 200_000.0),
+            (100.0, 90_000.0),
+            (30.0, 800_000.0),
+        ];
+        for (s, kv) in points {
+            r.add([s, kv], 0.01 - 1e-5 * s + 3e-8 * kv);
+        }
+        let fit = r.fit().expect("the reduced fit");
+        assert_eq!(r.rejected(), 1);
+        assert_eq!(fit.coef[0], 0.0);
+        assert!(fit.coef[1] > 0.0, "{fit:?}");
+    }
+
+    #[test]
     fn zero_and_non_finite_times_are_skipped() {
         let mut r = Regression::<1>::new([100.0], 8, 4, 2);
         assert!(!r.add([1.0], 0.0));

@@ -523,9 +523,13 @@ impl<'w> Run<'w> {
         state.worker = Some(w as u32);
         state.overlap_blocks = decision.overlap_blocks;
         if let Some(p) = &mut self.planner {
+            // The hit rate that discounts prefill work is the one of the worker that prefills.
+            let overlap = decision
+                .prefill
+                .map_or(decision.overlap_blocks, |a| a.overlap_blocks);
             let blocks = r.prompt_tokens / self.workload.block_size;
             if blocks > 0 {
-                p.traffic.hit_sum += f64::from(decision.overlap_blocks) / f64::from(blocks);
+                p.traffic.hit_sum += f64::from(overlap) / f64::from(blocks);
                 p.traffic.hit_n += 1;
             }
         }
