@@ -334,6 +334,9 @@ pub struct TickRecord {
     pub throughput_tick: bool,
     /// Observed requests per second since the previous tick.
     pub observed_rps: f64,
+    /// The throughput loop's forecast in force over the same interval (None before its first
+    /// tick), to set against `observed_rps`.
+    pub predicted_rps: Option<f64>,
     /// Observed mean TTFT, ms.
     pub observed_ttft_ms: Option<f64>,
     /// Observed mean ITL, ms.
@@ -498,12 +501,14 @@ impl Planner {
             estimates.push((pool, est));
         }
 
+        let in_force = self.predicted_rps;
         let throughput = throughput_due.then(|| self.throughput_tick());
         let mut record = TickRecord {
             at_s,
             load_tick: load_due,
             throughput_tick: throughput_due,
             observed_rps: t.rps(),
+            predicted_rps: in_force,
             observed_ttft_ms: t.ttft_ms(),
             observed_itl_ms: t.itl_ms(),
             observed_hit_rate: t.hit_rate(),

@@ -169,11 +169,7 @@ fn planner_section(name: &str, p: &crate::PlannerRun) -> String {
     let predicted: Vec<(f64, f64)> = p
         .ticks
         .iter()
-        .filter_map(|t| {
-            t.throughput
-                .as_ref()
-                .and_then(|r| r.predicted_rps.map(|v| (t.at_s, v)))
-        })
+        .filter_map(|t| t.predicted_rps.map(|v| (t.at_s, v)))
         .collect();
     let window_observed: Vec<(f64, f64)> = p
         .ticks
@@ -181,7 +177,7 @@ fn planner_section(name: &str, p: &crate::PlannerRun) -> String {
         .filter_map(|t| t.throughput.as_ref().map(|r| (t.at_s, r.observed_rps)))
         .collect();
     html.push_str(&chart(
-        "Load: observed per tick, and per throughput window observed vs predicted",
+        "Load: observed per tick and per throughput window, and the forecast in force",
         "time s",
         "requests/s",
         &[
@@ -194,7 +190,7 @@ fn planner_section(name: &str, p: &crate::PlannerRun) -> String {
                 points: window_observed,
             },
             Line {
-                name: "predicted (window)",
+                name: "predicted",
                 points: predicted,
             },
         ],
