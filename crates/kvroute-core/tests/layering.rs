@@ -14,8 +14,14 @@ use serde_json::Value;
 
 /// The core crates of the workspace: sans-IO libraries that the live server and the simulator
 /// both drive, plus the simulator and the wire codecs, which are sans-IO too (no sockets, no
-/// runtime). `kvroute-planner` joins this list when it lands.
-const CORE_CRATES: &[&str] = &["kvroute-core", "kvroute-engine", "kvroute-sim", "kvroute-wire"];
+/// runtime), and the planner.
+const CORE_CRATES: &[&str] = &[
+    "kvroute-core",
+    "kvroute-engine",
+    "kvroute-planner",
+    "kvroute-sim",
+    "kvroute-wire",
+];
 
 /// Crates no core crate may depend on, directly or through others.
 const FORBIDDEN: &[&str] = &[

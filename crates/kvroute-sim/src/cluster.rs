@@ -32,6 +32,13 @@
 //! computed ([`Engine::complete_import`]) and generates the rest. KV events a call outside a
 //! pass returns are published after those of the decode engine's pass in flight, keeping the
 //! engine's order.
+//!
+//! With a planner ([`SimConfig::planner`]), a `PlannerTick` event runs the planner at the times
+//! it asks for (see `planned.rs`); an added worker's engine exists from the decision on and
+//! joins the router at its `WorkerReady` event; a removed one drains (the router's
+//! `handle_worker_draining`) and leaves the router (`handle_worker_removed`) once its engine is
+//! idle and no request is on its way to it. Fast-forward is off then: the planner fits on every
+//! pass.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -45,9 +52,13 @@ use kvroute_core::router::{
 };
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, RequestError, StepOutput};
+use kvroute_planner::{
+    Action, EngineLimits, Observation, PassSample, Planner, Pool, WorkerObservation, WorkerState,
+};
 
 use crate::config::{ArrivalMode, SimConfig, Topology};
 use crate::error::SimError;
+use crate::planned::PlannerState;
 use crate::report::{Outcome, TimeSeries};
 use crate::workload::{Arrival, Workload};
 
@@ -70,6 +81,19 @@ enum Event {
     /// A request's KV reached its decode worker.
     TransferDone(u32),
     Sample,
+    /// The planner's next tick.
+    PlannerTick,
+    /// Worker `.0`, added by the planner, becomes routable.
+    WorkerReady(u32),
+}
+
+/// A worker's life under a planner (always `Ready` without one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Life {
+    Starting,
+    Ready,
+    Draining,
+    Removed,
 }
 
 /// One request's state during a run.
@@ -88,6 +112,8 @@ pub(crate) struct ReqState {
     pub(crate) prefill_worker: Option<u32>,
     /// Whether it runs on its prefill worker and will move to its decode worker after.
     pub(crate) in_prefill: bool,
+    /// The worker computing its prompt, until its first token (the planner's queued prefill).
+    pub(crate) queued_on: Option<u32>,
 }
 
 impl ReqState {
@@ -108,9 +134,9 @@ type Key = (Timestamp, Timestamp, u8, u64);
 
 /// One simulated worker.
 #[derive(Debug)]
-struct Worker {
+pub(crate) struct Worker {
     key: WorkerKey,
-    role: WorkerRole,
+    pub(crate) role: WorkerRole,
     engine: Engine,
     /// Disaggregated requests whose prompt blocks this (decode) engine could not reserve yet,
     /// in arrival order.
@@ -127,6 +153,62 @@ struct Worker {
     stretch_start: Option<Timestamp>,
     /// ... and their end times.
     stretch_ends: Vec<Timestamp>,
+    /// Its life under a planner.
+    pub(crate) life: Life,
+    pub(crate) provisioned_at: Timestamp,
+    pub(crate) ready_at: Option<Timestamp>,
+    pub(crate) draining_at: Option<Timestamp>,
+    pub(crate) removed_at: Option<Timestamp>,
+    /// Passes since the planner's last tick (only with a planner).
+    passes: Vec<PassSample>,
+    /// Prompt tokens of requests sent here that have no first token yet.
+    queued_prefill_tokens: u64,
+}
+
+impl Worker {
+    /// Worker `i` of `role` with its engine, provisioned at `now`.
+    fn new(config: &SimConfig, i: usize, role: WorkerRole, now: Timestamp) -> Result<Self, SimError> {
+        let engine = Engine::new(kvroute_engine::EngineConfig {
+            external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
+            ..config.engine.clone()
+        })?;
+        Ok(Self {
+            key: WorkerKey::new(WorkerId(i as u64), DpRank(0)),
+            role,
+            engine,
+            pending_imports: VecDeque::new(),
+            in_flight: None,
+            scheduled: false,
+            kv_use: 0.0,
+            generation: 0,
+            stretch_start: None,
+            stretch_ends: Vec::new(),
+            life: Life::Ready,
+            provisioned_at: now,
+            ready_at: Some(now),
+            draining_at: None,
+            removed_at: None,
+            passes: Vec::new(),
+            queued_prefill_tokens: 0,
+        })
+    }
+
+    /// The router's description of this worker.
+    fn spec(&self, config: &SimConfig) -> WorkerSpec {
+        let mut spec = WorkerSpec::new(self.key, self.role, u64::from(config.engine.num_blocks));
+        spec.max_batched_tokens = u64::from(config.engine.max_num_batched_tokens);
+        spec.max_requests = u64::from(config.engine.max_num_seqs);
+        spec
+    }
+
+    /// The planner's pool of this worker.
+    pub(crate) fn pool(&self) -> Pool {
+        match self.role {
+            WorkerRole::Prefill => Pool::Prefill,
+            WorkerRole::Decode => Pool::Decode,
+            _ => Pool::Agg,
+        }
+    }
 }
 
 /// Totals a run accumulates; the report is computed from them.
@@ -164,7 +246,7 @@ pub(crate) struct Run<'w> {
     config: &'w SimConfig,
     workload: &'w Workload,
     pub(crate) router: Router,
-    workers: Vec<Worker>,
+    pub(crate) workers: Vec<Worker>,
     heap: BinaryHeap<Reverse<(Key, Event)>>,
     seq: u64,
     /// The key of the event being handled (open arrivals come before heap events at the same
@@ -185,6 +267,9 @@ pub(crate) struct Run<'w> {
     pub(crate) series: Option<TimeSeries>,
     window_hits: (u64, u64),
     ticked_at: Option<Timestamp>,
+    /// Whether pure-decode stretches are skipped (off with a planner).
+    fast_forward: bool,
+    pub(crate) planner: Option<PlannerState>,
 }
 
 impl<'w> Run<'w> {
@@ -192,33 +277,30 @@ impl<'w> Run<'w> {
         let mut router = Router::new(config.router.clone())?;
         let mut workers = Vec::with_capacity(config.workers());
         for i in 0..config.workers() {
-            let key = WorkerKey::new(WorkerId(i as u64), DpRank(0));
             let role = match config.topology {
                 Topology::Aggregated { .. } => WorkerRole::Aggregated,
                 Topology::Disaggregated { prefill, .. } if i < prefill => WorkerRole::Prefill,
                 Topology::Disaggregated { .. } => WorkerRole::Decode,
             };
-            let mut spec = WorkerSpec::new(key, role, u64::from(config.engine.num_blocks));
-            spec.max_batched_tokens = u64::from(config.engine.max_num_batched_tokens);
-            spec.max_requests = u64::from(config.engine.max_num_seqs);
-            router.handle_worker_added(Timestamp::ZERO, spec)?;
-            let engine = Engine::new(kvroute_engine::EngineConfig {
-                external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
-                ..config.engine.clone()
-            })?;
-            workers.push(Worker {
-                key,
-                role,
-                engine,
-                pending_imports: VecDeque::new(),
-                in_flight: None,
-                scheduled: false,
-                kv_use: 0.0,
-                generation: 0,
-                stretch_start: None,
-                stretch_ends: Vec::new(),
-            });
+            let worker = Worker::new(config, i, role, Timestamp::ZERO)?;
+            router.handle_worker_added(Timestamp::ZERO, worker.spec(config))?;
+            workers.push(worker);
         }
+        let planner = match &config.planner {
+            Some(setup) => {
+                let e = &config.engine;
+                let limits = EngineLimits {
+                    max_num_batched_tokens: e.max_num_batched_tokens,
+                    max_num_seqs: e.max_num_seqs,
+                    kv_capacity_tokens: u64::from(e.num_blocks) * u64::from(e.block_size),
+                };
+                let planner = Planner::new(setup.config.clone(), limits, Timestamp::ZERO)?;
+                let startup = Duration::try_from_secs_f64(setup.config.startup_delay_s)
+                    .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
+                Some(PlannerState::new(planner, startup))
+            }
+            None => None,
+        };
         let n = workload.requests.len();
         let mut followers = Vec::new();
         let mut open = Vec::new();
@@ -269,6 +351,8 @@ impl<'w> Run<'w> {
             series,
             window_hits: (0, 0),
             ticked_at: None,
+            fast_forward: config.fast_forward && planner.is_none(),
+            planner,
         })
     }
 
@@ -301,6 +385,10 @@ impl<'w> Run<'w> {
         }
         if self.config.sample_interval.is_some() {
             self.push(Timestamp::ZERO, Event::Sample);
+        }
+        if let Some(p) = &self.planner {
+            let at = p.planner.next_tick();
+            self.push(at, Event::PlannerTick);
         }
         let mut handled: u64 = 0;
         loop {
@@ -339,6 +427,8 @@ impl<'w> Run<'w> {
                             Event::Step(w, _) => self.step(w as usize)?,
                             Event::TransferDone(i) => self.transfer_done(i as usize)?,
                             Event::Sample => self.sample(),
+                            Event::PlannerTick => self.planner_tick()?,
+                            Event::WorkerReady(w) => self.worker_ready(w as usize)?,
                         }
                     }
                 }
@@ -399,6 +489,10 @@ impl<'w> Run<'w> {
         let r = &self.workload.requests[i];
         self.reqs[i].arrived = Some(self.now);
         self.totals.arrived += 1;
+        if let Some(p) = &mut self.planner {
+            p.traffic.requests += 1;
+            p.traffic.isl_sum += f64::from(r.prompt_tokens);
+        }
         self.in_flight_requests += 1;
         let request = RouteRequest::new(
             RequestId(i as u64),
@@ -428,6 +522,17 @@ impl<'w> Run<'w> {
         state.routed = Some(self.now);
         state.worker = Some(w as u32);
         state.overlap_blocks = decision.overlap_blocks;
+        if let Some(p) = &mut self.planner {
+            // The hit rate that discounts prefill work is the one of the worker that prefills.
+            let overlap = decision
+                .prefill
+                .map_or(decision.overlap_blocks, |a| a.overlap_blocks);
+            let blocks = r.prompt_tokens / self.workload.block_size;
+            if blocks > 0 {
+                p.traffic.hit_sum += f64::from(overlap) / f64::from(blocks);
+                p.traffic.hit_n += 1;
+            }
+        }
         let mut request = engine_request(decision.request, r);
         // A prefill-only instance samples the first token; a request of at most one token is
         // then complete there.
@@ -442,6 +547,8 @@ impl<'w> Run<'w> {
             None => w,
         };
         self.materialize(w)?;
+        self.reqs[i].queued_on = Some(w as u32);
+        self.workers[w].queued_prefill_tokens += u64::from(self.workload.requests[i].prompt_tokens);
         let worker = &mut self.workers[w];
         if worker.engine.add_request(self.now, request).is_err() {
             return self.reject_in_engine(i);
@@ -453,6 +560,7 @@ impl<'w> Run<'w> {
     /// Request `i` was refused by an engine: turned away, and cancelled at the router.
     fn reject_in_engine(&mut self, i: usize) -> Result<(), SimError> {
         self.totals.rejected_by_engine += 1;
+        self.unqueue(i);
         self.reqs[i].rejected = true;
         self.reqs[i].in_prefill = false;
         let outputs = self.router.handle_cancelled(self.now, RequestId(i as u64))?;
@@ -596,7 +704,7 @@ impl<'w> Run<'w> {
             self.deliver_step(w, out)?;
         }
         self.retry_imports(w)?;
-        if self.config.fast_forward && self.begin_stretch(w) {
+        if self.fast_forward && self.begin_stretch(w) {
             return Ok(());
         }
         let worker = &mut self.workers[w];
@@ -608,6 +716,9 @@ impl<'w> Run<'w> {
                 self.push(end, Event::Step(w as u32, generation));
             }
             None => worker.scheduled = false,
+        }
+        if self.workers[w].life == Life::Draining {
+            self.try_retire(w)?;
         }
         Ok(())
     }
@@ -742,6 +853,14 @@ impl<'w> Run<'w> {
         self.window_hits.0 += m.prefix_cache_hit_tokens;
         self.window_hits.1 += m.prefix_cache_query_tokens;
         self.workers[w].kv_use = kv_use((m.active_blocks, m.total_blocks));
+        if self.planner.is_some() {
+            self.workers[w].passes.push(PassSample {
+                prefill_tokens: m.pass.prefill_tokens,
+                decode_seqs: m.pass.decode_seqs,
+                kv_tokens: u64::from(m.pass.kv_active_blocks) * u64::from(self.config.engine.block_size),
+                duration_s: m.duration.as_secs_f64(),
+            });
+        }
         self.publish(w, out.events)?;
         for e in &out.emitted {
             let s = &mut self.reqs[e.request.0 as usize];
@@ -753,6 +872,13 @@ impl<'w> Run<'w> {
         }
         for &id in &out.first_token {
             self.reqs[id.0 as usize].first_token = Some(now);
+            self.unqueue(id.0 as usize);
+            if let Some(p) = &mut self.planner
+                && let Some(arrived) = self.reqs[id.0 as usize].arrived
+            {
+                p.traffic.ttft_sum_ms += now.saturating_since(arrived).as_secs_f64() * 1e3;
+                p.traffic.ttft_n += 1;
+            }
             let result = self.router.handle_first_token(now, id);
             let outputs = self.lifecycle(result)?;
             self.route_outputs(outputs)?;
@@ -765,6 +891,18 @@ impl<'w> Run<'w> {
             }
             self.reqs[i].finished = Some(now);
             self.totals.completed += 1;
+            if let Some(p) = &mut self.planner {
+                let s = &self.reqs[i];
+                p.traffic.completed += 1;
+                p.traffic.osl_sum += f64::from(s.output_tokens);
+                if let Some(first) = s.first_token
+                    && s.output_tokens > 1
+                {
+                    let span = s.last_token.saturating_since(first).as_secs_f64() * 1e3;
+                    p.traffic.itl_sum_ms += span / f64::from(s.output_tokens - 1);
+                    p.traffic.itl_n += 1;
+                }
+            }
             let result = self.router.handle_finished(now, f.request);
             let outputs = self.lifecycle(result)?;
             self.done(i);
@@ -834,6 +972,12 @@ impl<'w> Run<'w> {
     /// Applies one KV event to the router's index. Refusals (an event whose parent was lost)
     /// are counted: they are what a lossy channel does.
     fn apply_kv(&mut self, w: usize, event: IndexEvent<'_>) -> Result<(), SimError> {
+        if self.workers[w].life == Life::Removed {
+            if let Some(p) = &mut self.planner {
+                p.late_kv_events += 1;
+            }
+            return Ok(());
+        }
         match self.router.handle_kv_event(self.now, self.workers[w].key, event) {
             Ok(()) => Ok(()),
             Err(RouterError::Index(_)) => {
@@ -865,15 +1009,154 @@ impl<'w> Run<'w> {
         } else {
             hits as f64 / queries as f64
         });
-        let more = self.in_flight_requests > 0
+        if self.more_work()
+            && let Some(interval) = self.config.sample_interval
+        {
+            self.push(self.now + interval, Event::Sample);
+        }
+    }
+
+    /// Whether anything but samples and planner ticks is left to happen.
+    fn more_work(&self) -> bool {
+        self.in_flight_requests > 0
             || self.open_next < self.open.len()
             || self
                 .heap
                 .iter()
-                .any(|&Reverse((_, e))| e != Event::Sample && !self.stale(e));
-        if more && let Some(interval) = self.config.sample_interval {
-            self.push(self.now + interval, Event::Sample);
+                .any(|&Reverse((_, e))| !matches!(e, Event::Sample | Event::PlannerTick) && !self.stale(e))
+    }
+
+    /// Request `i` no longer waits for its first token on the worker computing its prompt.
+    fn unqueue(&mut self, i: usize) {
+        if let Some(w) = self.reqs[i].queued_on.take() {
+            let tokens = u64::from(self.workload.requests[i].prompt_tokens);
+            let q = &mut self.workers[w as usize].queued_prefill_tokens;
+            *q = q.saturating_sub(tokens);
         }
+    }
+
+    /// The planner's tick: observe, decide, act; then schedule the next while work remains.
+    fn planner_tick(&mut self) -> Result<(), SimError> {
+        let now = self.now;
+        let Some(p) = &mut self.planner else {
+            return Ok(());
+        };
+        let mut traffic = std::mem::take(&mut p.traffic);
+        traffic.duration_s = now.saturating_since(p.last_tick).as_secs_f64();
+        p.last_tick = now;
+        let bs = u64::from(self.config.engine.block_size);
+        let workers = self
+            .workers
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, w)| w.life != Life::Removed)
+            .map(|(i, w)| WorkerObservation {
+                id: i as u64,
+                pool: w.pool(),
+                state: match w.life {
+                    Life::Starting => WorkerState::Starting,
+                    Life::Draining | Life::Removed => WorkerState::Draining,
+                    Life::Ready => WorkerState::Ready,
+                },
+                passes: std::mem::take(&mut w.passes),
+                queued_prefill_tokens: w.queued_prefill_tokens,
+                decode_seqs: w.engine.num_running() as u32,
+                kv_tokens: u64::from(w.engine.kv_blocks().0) * bs,
+            })
+            .collect();
+        let out = p.planner.tick(now, &Observation { traffic, workers });
+        p.ticks.push(out.record);
+        if let Some(decision) = out.decision {
+            let actions = decision.actions.clone();
+            p.decisions.push(decision);
+            for action in actions {
+                match action {
+                    Action::Add { pool } => self.add_worker(pool)?,
+                    Action::Remove { worker, .. } => self.drain_worker(worker as usize)?,
+                }
+            }
+        }
+        if self.more_work()
+            && let Some(p) = &self.planner
+        {
+            let at = p.planner.next_tick();
+            self.push(at, Event::PlannerTick);
+        }
+        Ok(())
+    }
+
+    /// Provisions a worker of `pool`: its engine exists now, the router learns of it after the
+    /// startup delay.
+    fn add_worker(&mut self, pool: Pool) -> Result<(), SimError> {
+        let role = match pool {
+            Pool::Agg => WorkerRole::Aggregated,
+            Pool::Prefill => WorkerRole::Prefill,
+            Pool::Decode => WorkerRole::Decode,
+        };
+        let i = self.workers.len();
+        let mut worker = Worker::new(self.config, i, role, self.now)?;
+        worker.life = Life::Starting;
+        worker.ready_at = None;
+        self.workers.push(worker);
+        if let Some(series) = &mut self.series {
+            let n = series.time_s.len();
+            series.worker_requests.push(vec![0; n]);
+            series.worker_kv_use.push(vec![0.0; n]);
+        }
+        let delay = self.planner.as_ref().map_or(Duration::ZERO, |p| p.startup);
+        self.push(self.now + delay, Event::WorkerReady(i as u32));
+        Ok(())
+    }
+
+    /// Worker `w` finished starting: the router may route to it.
+    fn worker_ready(&mut self, w: usize) -> Result<(), SimError> {
+        let spec = self.workers[w].spec(self.config);
+        self.workers[w].life = Life::Ready;
+        self.workers[w].ready_at = Some(self.now);
+        let outputs = self.router.handle_worker_added(self.now, spec)?;
+        self.route_outputs(outputs)
+    }
+
+    /// Worker `w` takes no new requests and leaves when idle.
+    fn drain_worker(&mut self, w: usize) -> Result<(), SimError> {
+        if self.workers.get(w).is_none_or(|x| x.life != Life::Ready) {
+            return Err(SimError::Invariant(format!(
+                "the planner removed worker {w}, which is not ready"
+            )));
+        }
+        self.router
+            .handle_worker_draining(self.now, self.workers[w].key)?;
+        self.workers[w].life = Life::Draining;
+        self.workers[w].draining_at = Some(self.now);
+        self.try_retire(w)
+    }
+
+    /// Removes draining worker `w` from the router if nothing runs or is headed there.
+    fn try_retire(&mut self, w: usize) -> Result<(), SimError> {
+        let worker = &self.workers[w];
+        let engine = &worker.engine;
+        if engine.num_running() > 0
+            || engine.num_waiting() > 0
+            || engine.num_importing() > 0
+            || !worker.pending_imports.is_empty()
+            || worker.in_flight.is_some()
+            || worker.stretch_start.is_some()
+        {
+            return Ok(());
+        }
+        // A disaggregated request still prefilling elsewhere will import here.
+        if worker.role == WorkerRole::Decode
+            && self
+                .reqs
+                .iter()
+                .any(|r| r.in_prefill && r.worker == Some(w as u32) && !r.rejected)
+        {
+            return Ok(());
+        }
+        let outputs = self.router.handle_worker_removed(self.now, self.workers[w].key)?;
+        self.workers[w].life = Life::Removed;
+        self.workers[w].removed_at = Some(self.now);
+        self.route_outputs(outputs)
     }
 
     /// Checks the end-of-run invariants.
@@ -938,6 +1221,9 @@ impl<'w> Run<'w> {
             w.engine
                 .check_invariants()
                 .map_err(|e| SimError::Invariant(format!("{}: {e}", w.key)))?;
+            if w.life == Life::Removed {
+                continue;
+            }
             if self.config.events.loss == 0.0 && self.channel.is_empty() {
                 let engine_blocks = w.engine.cached_blocks().count();
                 let index_blocks = self.router.index().block_count(w.key);

@@ -133,7 +133,22 @@ pub struct SimConfig {
     /// decodes, nothing is allocated, cached, admitted or finished) instead of simulating them
     /// one by one, applying them only when something touches the engine or the run ends. The
     /// results are identical either way; off, every pass is an event (for checking that).
+    /// A run with a planner steps every pass (the planner fits on each one).
     pub fast_forward: bool,
+    /// The planner, if one scales the fleet (see [`PlannerSetup`]); `None` keeps the fleet fixed
+    /// and the report exactly as without it.
+    pub planner: Option<PlannerSetup>,
+}
+
+/// A planner in the loop: it adds workers (routable after `config.startup_delay_s`) and drains
+/// and removes them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannerSetup {
+    /// The planner's configuration; its mode must match the topology (`agg` for aggregated
+    /// workers, `disagg`, `prefill` or `decode` for a disaggregated fleet).
+    pub config: kvroute_planner::PlannerConfig,
+    /// Length of the windows SLA attainment is reported over (requests by arrival time).
+    pub sla_window: Duration,
 }
 
 impl SimConfig {
@@ -189,6 +204,7 @@ impl SimConfig {
             keep_requests: false,
             gpus_per_worker: 1,
             fast_forward: true,
+            planner: None,
         }
     }
 }

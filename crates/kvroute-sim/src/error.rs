@@ -17,6 +17,9 @@ pub enum SimError {
     /// The configuration is inconsistent (block sizes, worker count, probabilities).
     #[error("simulation config: {0}")]
     Config(String),
+    /// The planner's configuration is invalid.
+    #[error("{0}")]
+    Planner(#[from] kvroute_planner::PlannerError),
     /// The workload is inconsistent (a session turn that follows a later request).
     #[error("workload: {0}")]
     Workload(String),

@@ -3,7 +3,8 @@
 //!
 //! Plots: TTFT and E2E distributions (CDFs, every policy overlaid), and per policy the requests
 //! and KV use of each worker over time, the engines' prefix hit rate over time and the number of
-//! waiting requests.
+//! waiting requests; with a planner, its replicas over time, observed vs predicted load, SLA
+//! attainment per window and the decision log.
 
 use std::fmt::Write;
 
@@ -57,6 +58,11 @@ pub fn page(results: &[(String, RunResult)]) -> String {
         &cdf(|r| &r.e2e_ms),
         true,
     ));
+    for (name, result) in results {
+        if let Some(p) = &result.planner {
+            html.push_str(&planner_section(name, p));
+        }
+    }
     for (name, result) in results {
         let Some(s) = &result.series else { continue };
         let _ = write!(html, "<h2>{}</h2>", escape(name));
@@ -114,6 +120,123 @@ pub fn page(results: &[(String, RunResult)]) -> String {
         ));
     }
     html.push_str("</body></html>\n");
+    html
+}
+
+/// The planner's plots and decision log for one run.
+fn planner_section(name: &str, p: &crate::PlannerRun) -> String {
+    let mut html = format!("<h2>{}: planner</h2>", escape(name));
+    let (met, counted) = p.attainment();
+    let _ = write!(
+        html,
+        "<p>SLA: TTFT {} ms, ITL {} ms (means per {} s window of arrivals): {met} of {counted} windows met.</p>",
+        p.ttft_sla_ms, p.itl_sla_ms, p.window_s
+    );
+    let pools: Vec<kvroute_planner::Pool> = p
+        .ticks
+        .first()
+        .map(|t| t.pools.iter().map(|s| s.pool).collect())
+        .unwrap_or_default();
+    let mut names: Vec<String> = Vec::new();
+    for pool in &pools {
+        names.push(format!("{} ready", pool.name()));
+        names.push(format!("{} provisioned", pool.name()));
+    }
+    let mut lines: Vec<Line<'_>> = Vec::new();
+    for (i, pool) in pools.iter().enumerate() {
+        let status = |t: &kvroute_planner::TickRecord| t.pools.iter().find(|s| s.pool == *pool).copied();
+        let ready = p
+            .ticks
+            .iter()
+            .filter_map(|t| status(t).map(|s| (t.at_s, f64::from(s.ready))))
+            .collect();
+        let provisioned = p
+            .ticks
+            .iter()
+            .filter_map(|t| status(t).map(|s| (t.at_s, f64::from(s.ready + s.starting + s.draining))))
+            .collect();
+        lines.push(Line {
+            name: &names[2 * i],
+            points: ready,
+        });
+        lines.push(Line {
+            name: &names[2 * i + 1],
+            points: provisioned,
+        });
+    }
+    html.push_str(&chart("Replicas over time", "time s", "workers", &lines, false));
+    let observed: Vec<(f64, f64)> = p.ticks.iter().map(|t| (t.at_s, t.observed_rps)).collect();
+    let predicted: Vec<(f64, f64)> = p
+        .ticks
+        .iter()
+        .filter_map(|t| t.predicted_rps.map(|v| (t.at_s, v)))
+        .collect();
+    let window_observed: Vec<(f64, f64)> = p
+        .ticks
+        .iter()
+        .filter_map(|t| t.throughput.as_ref().map(|r| (t.at_s, r.observed_rps)))
+        .collect();
+    html.push_str(&chart(
+        "Load: observed per tick and per throughput window, and the forecast in force",
+        "time s",
+        "requests/s",
+        &[
+            Line {
+                name: "observed (tick)",
+                points: observed,
+            },
+            Line {
+                name: "observed (window)",
+                points: window_observed,
+            },
+            Line {
+                name: "predicted",
+                points: predicted,
+            },
+        ],
+        false,
+    ));
+    let attain: Vec<(f64, f64)> = p.windows.iter().map(|w| (w.start_s, w.good_fraction)).collect();
+    let met_line: Vec<(f64, f64)> = p
+        .windows
+        .iter()
+        .map(|w| (w.start_s, if w.met { 1.0 } else { 0.0 }))
+        .collect();
+    html.push_str(&chart(
+        "SLA attainment per window",
+        "window start s",
+        "share",
+        &[
+            Line {
+                name: "requests meeting both",
+                points: attain,
+            },
+            Line {
+                name: "window met (1/0)",
+                points: met_line,
+            },
+        ],
+        false,
+    ));
+    html.push_str("<h3>Decisions</h3><table><tr><th>time s</th><th>actions</th><th>reason</th></tr>");
+    for d in &p.decisions {
+        let actions: Vec<String> = d
+            .actions
+            .iter()
+            .map(|a| match a {
+                kvroute_planner::Action::Add { pool } => format!("+1 {}", pool.name()),
+                kvroute_planner::Action::Remove { pool, worker } => format!("-1 {} (w{worker})", pool.name()),
+            })
+            .collect();
+        let _ = write!(
+            html,
+            "<tr><td>{:.1}</td><td>{}</td><td style=\"text-align:left\">{}</td></tr>",
+            d.at_s,
+            escape(&actions.join(", ")),
+            escape(&d.text)
+        );
+    }
+    html.push_str("</table>");
     html
 }
 

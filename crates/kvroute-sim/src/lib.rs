@@ -45,6 +45,7 @@ mod cluster;
 pub mod config;
 mod error;
 pub mod html;
+mod planned;
 pub mod report;
 pub mod stats;
 mod summary;
@@ -53,8 +54,9 @@ pub mod trace;
 pub mod workload;
 
 pub use cluster::Progress;
-pub use config::{ArrivalMode, EventChannel, KvTransfer, SimConfig, Topology};
+pub use config::{ArrivalMode, EventChannel, KvTransfer, PlannerSetup, SimConfig, Topology};
 pub use error::SimError;
+pub use planned::{PlannerRun, SlaWindow};
 pub use report::{Outcome, Report, RequestRecord, TimeSeries};
 pub use workload::{Arrival, SimRequest, Workload};
 
@@ -81,6 +83,8 @@ pub struct RunResult {
     pub ttft_ms: Vec<f64>,
     /// E2E latency of every completed request, ms, in request order (for plots).
     pub e2e_ms: Vec<f64>,
+    /// What the planner saw and did, when one ran.
+    pub planner: Option<PlannerRun>,
 }
 
 impl Simulation {
@@ -120,6 +124,19 @@ impl Simulation {
         }
         if config.sample_interval.is_some_and(|d| d.is_zero()) {
             return Err(SimError::Config("sample interval of zero".to_owned()));
+        }
+        if let Some(setup) = &config.planner {
+            setup.config.validate()?;
+            let agg = matches!(config.topology, config::Topology::Aggregated { .. });
+            if agg != (setup.config.mode == kvroute_planner::Mode::Agg) {
+                return Err(SimError::Config(format!(
+                    "planner mode {:?} does not fit the topology {:?}",
+                    setup.config.mode, config.topology
+                )));
+            }
+            if setup.sla_window.is_zero() {
+                return Err(SimError::Config("SLA window of zero".to_owned()));
+            }
         }
         if let ArrivalMode::Closed { concurrency: 0 } = config.arrivals {
             return Err(SimError::Config("closed-loop concurrency of zero".to_owned()));

@@ -16,6 +16,8 @@ pub enum Value {
     Float(f64),
     /// A name.
     Text(String),
+    /// A structured record (the planner's decisions, ticks and windows).
+    Json(serde_json::Value),
 }
 
 impl Serialize for Value {
@@ -24,6 +26,7 @@ impl Serialize for Value {
             Value::Count(v) => s.serialize_u64(*v),
             Value::Float(v) => s.serialize_f64(*v),
             Value::Text(v) => s.serialize_str(v),
+            Value::Json(v) => v.serialize(s),
         }
     }
 }
@@ -72,7 +75,7 @@ impl Report {
         match self.get(key)? {
             Value::Count(v) => Some(*v as f64),
             Value::Float(v) => Some(*v),
-            Value::Text(_) => None,
+            Value::Text(_) | Value::Json(_) => None,
         }
     }
 }
@@ -100,6 +103,9 @@ const TABLE_ROWS: &[(&str, &str)] = &[
     ("kv_transfers", "KV transfers"),
     ("mean_kv_transfer_ms", "KV transfer mean ms"),
     ("gpu_hours", "GPU-hours"),
+    ("planner_mean_workers", "workers mean (planner)"),
+    ("planner_decisions", "planner decisions"),
+    ("sla_attainment", "SLA windows met"),
 ];
 
 /// A text table with one column per named report, side by side.
@@ -112,6 +118,11 @@ pub fn table(reports: &[(String, Report)]) -> String {
     }
     out.push('\n');
     for (key, label) in TABLE_ROWS {
+        // The planner's rows appear only in runs with a planner.
+        let planner_row = key.starts_with("planner_") || key.starts_with("sla_");
+        if planner_row && reports.iter().all(|(_, r)| r.get(key).is_none()) {
+            continue;
+        }
         out.push_str(&format!("{label:label_width$}"));
         for ((_, report), w) in reports.iter().zip(&widths) {
             let cell = match (report.get(key), *key) {
@@ -120,6 +131,7 @@ pub fn table(reports: &[(String, Report)]) -> String {
                 (Some(Value::Float(v)), _) => format!("{v:.1}"),
                 (Some(Value::Count(v)), _) => v.to_string(),
                 (Some(Value::Text(t)), _) => t.clone(),
+                (Some(Value::Json(_)), _) => "...".to_owned(),
                 (None, _) => "-".to_owned(),
             };
             out.push_str(&format!("  {cell:>w$}"));

@@ -2,7 +2,8 @@
 
 use crate::RunResult;
 use crate::cluster::Run;
-use crate::config::{SimConfig, Topology};
+use crate::config::{PlannerSetup, SimConfig, Topology};
+use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
 use crate::report::{Outcome, Report, RequestRecord, Value};
 use crate::stats::Summary;
 use crate::workload::Workload;
@@ -139,7 +140,18 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
     report.count("kv_events_lost", t.kv_events_lost);
     report.count("kv_events_refused", t.kv_events_refused);
     report.count("engine_steps", t.steps);
-    let worker_seconds = config.workers() as f64 * duration_s;
+    // With a planner, workers are counted from provisioning (startup included) to removal.
+    let worker_seconds = if run.planner.is_some() {
+        run.workers
+            .iter()
+            .map(|w| {
+                let until = w.removed_at.map_or(end, |t| t.as_nanos().min(end));
+                until.saturating_sub(w.provisioned_at.as_nanos()) as f64 / 1e9
+            })
+            .sum()
+    } else {
+        config.workers() as f64 * duration_s
+    };
     report.float("worker_seconds", worker_seconds);
     report.float("busy_worker_seconds", t.busy_nanos as f64 / 1e9);
     if let Topology::Disaggregated { prefill, decode } = config.topology {
@@ -170,11 +182,162 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         "gpu_hours",
         worker_seconds * f64::from(config.gpus_per_worker) / 3600.0,
     );
+    let planner = config
+        .planner
+        .as_ref()
+        .zip(run.planner.as_ref())
+        .map(|(setup, state)| planner_run(setup, state, &run, &mut report, worker_seconds, duration_s));
     RunResult {
         report,
         requests: records,
         series: run.series,
         ttft_ms: ttft,
         e2e_ms: e2e,
+        planner,
     }
+}
+
+/// The planner's part of the report: new keys (only in runs with a planner) and its record.
+fn planner_run(
+    setup: &PlannerSetup,
+    state: &PlannerState,
+    run: &Run<'_>,
+    report: &mut Report,
+    worker_seconds: f64,
+    duration_s: f64,
+) -> PlannerRun {
+    let (ttft_sla, itl_sla) = sla_of(&setup.config);
+    let window = setup.sla_window.as_nanos().max(1) as u64;
+    let mut windows: Vec<SlaWindow> = Vec::new();
+    let mut sums: Vec<(f64, u64, f64, u64, u64)> = Vec::new();
+    for s in &run.reqs {
+        let Some(arrived) = s.arrived else { continue };
+        let k = (arrived.as_nanos() / window) as usize;
+        while windows.len() <= k {
+            windows.push(SlaWindow {
+                start_s: (windows.len() as u64 * window) as f64 / 1e9,
+                arrived: 0,
+                completed: 0,
+                rejected: 0,
+                mean_ttft_ms: None,
+                mean_itl_ms: None,
+                good_fraction: 0.0,
+                met: false,
+            });
+            sums.push((0.0, 0, 0.0, 0, 0));
+        }
+        let w = &mut windows[k];
+        let sum = &mut sums[k];
+        w.arrived += 1;
+        match s.outcome() {
+            Outcome::Rejected => w.rejected += 1,
+            Outcome::Unfinished => {}
+            Outcome::Completed => {
+                w.completed += 1;
+                let ttft = s
+                    .first_token
+                    .map_or(0.0, |t| ms(t.as_nanos() - arrived.as_nanos()));
+                sum.0 += ttft;
+                sum.1 += 1;
+                let mut itl_ok = true;
+                if let Some(first) = s.first_token
+                    && s.output_tokens > 1
+                {
+                    let itl = ms(s.last_token.as_nanos() - first.as_nanos()) / f64::from(s.output_tokens - 1);
+                    sum.2 += itl;
+                    sum.3 += 1;
+                    itl_ok = itl <= itl_sla;
+                }
+                if ttft <= ttft_sla && itl_ok {
+                    sum.4 += 1;
+                }
+            }
+        }
+    }
+    for (w, sum) in windows.iter_mut().zip(&sums) {
+        w.mean_ttft_ms = (sum.1 > 0).then(|| sum.0 / sum.1 as f64);
+        w.mean_itl_ms = (sum.3 > 0).then(|| sum.2 / sum.3 as f64);
+        w.good_fraction = if w.completed == 0 {
+            0.0
+        } else {
+            sum.4 as f64 / w.completed as f64
+        };
+        w.met = w.completed > 0
+            && w.rejected == 0
+            && w.mean_ttft_ms.is_none_or(|t| t <= ttft_sla)
+            && w.mean_itl_ms.is_none_or(|t| t <= itl_sla);
+    }
+    let workers: Vec<WorkerLife> = run
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WorkerLife {
+            id: i as u64,
+            pool: w.pool(),
+            provisioned_s: w.provisioned_at.as_secs_f64(),
+            ready_s: w.ready_at.map(|t| t.as_secs_f64()),
+            draining_s: w.draining_at.map(|t| t.as_secs_f64()),
+            removed_s: w.removed_at.map(|t| t.as_secs_f64()),
+        })
+        .collect();
+    let result = PlannerRun {
+        ttft_sla_ms: ttft_sla,
+        itl_sla_ms: itl_sla,
+        window_s: setup.sla_window.as_secs_f64(),
+        windows,
+        decisions: state.decisions.clone(),
+        ticks: state.ticks.clone(),
+        workers,
+    };
+    let (met, counted) = result.attainment();
+    let actions = |add: bool| {
+        result
+            .decisions
+            .iter()
+            .flat_map(|d| &d.actions)
+            .filter(|a| matches!(a, kvroute_planner::Action::Add { .. }) == add)
+            .count() as u64
+    };
+    report.count("planner_decisions", result.decisions.len() as u64);
+    report.count("planner_workers_added", actions(true));
+    report.count("planner_workers_removed", actions(false));
+    report.count("planner_workers_provisioned", result.workers.len() as u64);
+    report.float(
+        "planner_mean_workers",
+        if duration_s > 0.0 {
+            worker_seconds / duration_s
+        } else {
+            0.0
+        },
+    );
+    report.count("planner_late_kv_events", state.late_kv_events);
+    report.count("sla_windows", counted);
+    report.count("sla_windows_met", met);
+    report.float(
+        "sla_attainment",
+        if counted == 0 {
+            0.0
+        } else {
+            met as f64 / counted as f64
+        },
+    );
+    let completed: u64 = result.windows.iter().map(|w| w.completed).sum();
+    let good: f64 = result
+        .windows
+        .iter()
+        .map(|w| w.good_fraction * w.completed as f64)
+        .sum();
+    report.float(
+        "goodput_fraction",
+        if completed == 0 {
+            0.0
+        } else {
+            good / completed as f64
+        },
+    );
+    report.push(
+        "planner",
+        Value::Json(serde_json::to_value(&result).unwrap_or(serde_json::Value::Null)),
+    );
+    result
 }

@@ -80,6 +80,72 @@ impl Workload {
         }
     }
 
+    /// Re-times fixed arrivals so that the arrival rate at (new) time `τ` is the original rate
+    /// times `m(τ)`, with `m` the piecewise-linear profile through `points` (seconds,
+    /// multiplier), constant before the first point and after the last. A request at original
+    /// time `t` arrives at the `τ` where `∫₀^τ m = t`, so a stationary trace becomes a ramp or a
+    /// daily cycle while its requests, lengths and order stay. Think times are kept. Points must
+    /// have increasing times and positive, finite multipliers; otherwise an error says why.
+    pub fn warp_rate(&mut self, points: &[(f64, f64)]) -> Result<(), String> {
+        if points.is_empty() {
+            return Ok(());
+        }
+        for (i, &(t, m)) in points.iter().enumerate() {
+            if !(t.is_finite() && t >= 0.0 && m.is_finite() && m > 0.0) {
+                return Err(format!(
+                    "rate profile point ({t}, {m}): time >= 0 and multiplier > 0"
+                ));
+            }
+            if i > 0 && t <= points[i - 1].0 {
+                return Err(format!(
+                    "rate profile times must increase ({t} after {})",
+                    points[i - 1].0
+                ));
+            }
+        }
+        // Segments (start, end, m at start, m at end), the first from 0, the last open.
+        let mut segments = Vec::with_capacity(points.len() + 1);
+        let (t0, m0) = points[0];
+        if t0 > 0.0 {
+            segments.push((0.0, t0, m0, m0));
+        }
+        for pair in points.windows(2) {
+            segments.push((pair[0].0, pair[1].0, pair[0].1, pair[1].1));
+        }
+        let (tl, ml) = points[points.len() - 1];
+        segments.push((tl, f64::INFINITY, ml, ml));
+        let invert = |target: f64| -> f64 {
+            let mut area = 0.0;
+            for &(a, b, ma, mb) in &segments {
+                let slope = if b.is_finite() { (mb - ma) / (b - a) } else { 0.0 };
+                let seg_area = if b.is_finite() {
+                    (ma + mb) / 2.0 * (b - a)
+                } else {
+                    f64::INFINITY
+                };
+                if area + seg_area >= target {
+                    // Solve ma·x + slope·x²/2 = target - area for x in [0, b - a].
+                    let need = target - area;
+                    let x = if slope.abs() < 1e-15 {
+                        need / ma
+                    } else {
+                        (-ma + (ma * ma + 2.0 * slope * need).max(0.0).sqrt()) / slope
+                    };
+                    return a + x.max(0.0);
+                }
+                area += seg_area;
+            }
+            target
+        };
+        for r in &mut self.requests {
+            if let Arrival::At(t) = r.arrival {
+                let tau = invert(t.as_secs_f64());
+                r.arrival = Arrival::At(Timestamp((tau * 1e9).round() as u64));
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps the first `n` requests, dropping any session link to a dropped request.
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);

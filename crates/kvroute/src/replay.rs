@@ -16,7 +16,8 @@ use kvroute_core::router::policy::CostPolicyConfig;
 use kvroute_core::router::{CacheMode, Decider, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
-    ArrivalMode, EventChannel, KvTransfer, Progress, Report, RunResult, SimConfig, Simulation, Workload,
+    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, Report, RunResult, SimConfig, Simulation,
+    Workload,
 };
 use serde::Deserialize;
 
@@ -134,6 +135,19 @@ pub struct ReplayArgs {
     /// Synthetic: think time between turns, ms. Default 5,000.
     #[arg(long)]
     pub think_ms: Option<u64>,
+    /// A planner TOML file (`kvroute_planner::PlannerConfig`): the planner adds and removes
+    /// workers during the run, starting from `--workers` (or the two pools); its mode must fit
+    /// the topology. The report gains the planner's keys, decisions and ticks.
+    #[arg(long)]
+    pub planner: Option<PathBuf>,
+    /// With `--planner`: seconds per SLA-attainment window. Default 60.
+    #[arg(long)]
+    pub sla_window_s: Option<f64>,
+    /// Time-varying load: re-time the arrivals so that the rate is the trace's times a
+    /// piecewise-linear multiplier, `T:M,T:M,...` (seconds after the other arrival options,
+    /// multiplier), e.g. `0:0.5,1800:3,3600:0.5`.
+    #[arg(long)]
+    pub rate_profile: Option<String>,
     /// Write the report as JSON (several policies: one object per policy, under its name).
     #[arg(long)]
     #[serde(skip)]
@@ -166,7 +180,7 @@ impl ReplayArgs {
             arrival_speedup, concurrency, block_size, num_blocks, max_num_seqs,
             max_num_batched_tokens, engine_speedup, kv_lag_ms, kv_loss, predict_on_route_s,
             busy_requests_fraction, requests, rate, arrival_cv, isl, osl, prefix_groups,
-            prefix_tokens, turns, think_ms);
+            prefix_tokens, turns, think_ms, planner, sla_window_s, rate_profile);
         Ok(self)
     }
 }
@@ -245,6 +259,16 @@ fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
         config.arrivals = ArrivalMode::Closed { concurrency };
     }
     config.keep_requests = args.per_request_jsonl.is_some();
+    if let Some(path) = &args.planner {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let planner: kvroute_planner::PlannerConfig =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let window = args.sla_window_s.unwrap_or(60.0);
+        config.planner = Some(PlannerSetup {
+            config: planner,
+            sla_window: Duration::try_from_secs_f64(window).context("--sla-window-s")?,
+        });
+    }
     if args.html.is_none() {
         config.sample_interval = None;
     }
@@ -342,7 +366,29 @@ fn load_workload(args: &ReplayArgs, block_size: u32) -> anyhow::Result<(Workload
         other => bail!("unknown format {other:?} (mooncake, azure or synthetic)"),
     };
     workload.0.speed_up(args.arrival_speedup.unwrap_or(1.0));
+    if let Some(profile) = &args.rate_profile {
+        workload
+            .0
+            .warp_rate(&parse_profile(profile)?)
+            .map_err(anyhow::Error::msg)?;
+        workload.1.push_str(&format!(", rate profile {profile}"));
+    }
     Ok(workload)
+}
+
+/// `T:M,T:M,...` as (seconds, multiplier) points.
+fn parse_profile(s: &str) -> anyhow::Result<Vec<(f64, f64)>> {
+    s.split(',')
+        .map(|p| {
+            let (t, m) = p
+                .split_once(':')
+                .with_context(|| format!("--rate-profile point {p:?}: T:M"))?;
+            Ok((
+                t.trim().parse().with_context(|| format!("time in {p:?}"))?,
+                m.trim().parse().with_context(|| format!("multiplier in {p:?}"))?,
+            ))
+        })
+        .collect()
 }
 
 fn synthetic_config(args: &ReplayArgs) -> anyhow::Result<SyntheticConfig> {

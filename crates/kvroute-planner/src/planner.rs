@@ -1,0 +1,1040 @@
+//! The planner's state machine: observations in, decisions out, time passed in.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use kvroute_core::time::Timestamp;
+use serde::Serialize;
+
+use crate::config::{EngineLimits, Mode, PlannerConfig, Pool};
+use crate::error::PlannerError;
+use crate::model::{PassSample, PoolModel, clamp_hit_rate};
+use crate::predictor::Predictor;
+
+/// Traffic over a window, as sums and counts (so windows merge by adding).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Traffic {
+    /// Seconds the window covers.
+    pub duration_s: f64,
+    /// Requests that arrived (offered load).
+    pub requests: u64,
+    /// Prompt tokens of those requests.
+    pub isl_sum: f64,
+    /// Output tokens of the requests that completed in the window ...
+    pub osl_sum: f64,
+    /// ... and how many completed.
+    pub completed: u64,
+    /// TTFT of the requests whose first token came in the window, ms, summed ...
+    pub ttft_sum_ms: f64,
+    /// ... and how many.
+    pub ttft_n: u64,
+    /// Mean inter-token latency of the requests that completed in the window, ms, summed ...
+    pub itl_sum_ms: f64,
+    /// ... and how many.
+    pub itl_n: u64,
+    /// Router-predicted hit rate of the requests routed in the window (overlap blocks / prompt
+    /// blocks, one value per request), summed ...
+    pub hit_sum: f64,
+    /// ... and how many (requests with no full prompt block are left out).
+    pub hit_n: u64,
+}
+
+impl Traffic {
+    /// Adds `other`'s sums and counts.
+    pub fn merge(&mut self, other: &Traffic) {
+        self.duration_s += other.duration_s;
+        self.requests += other.requests;
+        self.isl_sum += other.isl_sum;
+        self.osl_sum += other.osl_sum;
+        self.completed += other.completed;
+        self.ttft_sum_ms += other.ttft_sum_ms;
+        self.ttft_n += other.ttft_n;
+        self.itl_sum_ms += other.itl_sum_ms;
+        self.itl_n += other.itl_n;
+        self.hit_sum += other.hit_sum;
+        self.hit_n += other.hit_n;
+    }
+
+    fn mean(sum: f64, n: u64) -> Option<f64> {
+        (n > 0).then(|| sum / n as f64)
+    }
+
+    /// Requests per second.
+    pub fn rps(&self) -> f64 {
+        if self.duration_s > 0.0 {
+            self.requests as f64 / self.duration_s
+        } else {
+            0.0
+        }
+    }
+
+    /// Mean prompt length.
+    pub fn isl(&self) -> Option<f64> {
+        Self::mean(self.isl_sum, self.requests)
+    }
+
+    /// Mean output length.
+    pub fn osl(&self) -> Option<f64> {
+        Self::mean(self.osl_sum, self.completed)
+    }
+
+    /// Mean TTFT, ms.
+    pub fn ttft_ms(&self) -> Option<f64> {
+        Self::mean(self.ttft_sum_ms, self.ttft_n)
+    }
+
+    /// Mean ITL, ms.
+    pub fn itl_ms(&self) -> Option<f64> {
+        Self::mean(self.itl_sum_ms, self.itl_n)
+    }
+
+    /// Mean router-predicted KV hit rate (raw, not clamped).
+    pub fn hit_rate(&self) -> Option<f64> {
+        Self::mean(self.hit_sum, self.hit_n)
+    }
+}
+
+/// A worker's life as the fleet reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Provisioned, not yet routable.
+    Starting,
+    /// Taking requests.
+    Ready,
+    /// Taking no new requests, finishing its own.
+    Draining,
+}
+
+/// One worker at a tick.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerObservation {
+    /// The fleet's id of the worker.
+    pub id: u64,
+    /// Its pool.
+    pub pool: Pool,
+    /// Its state.
+    pub state: WorkerState,
+    /// Its forward passes since the previous tick, in order.
+    pub passes: Vec<PassSample>,
+    /// Prompt tokens of requests sent to it that have not had their first token yet (raw, no
+    /// cache discount).
+    pub queued_prefill_tokens: u64,
+    /// Requests decoding on it now.
+    pub decode_seqs: u32,
+    /// KV tokens resident now.
+    pub kv_tokens: u64,
+}
+
+/// Everything the planner learns at a tick.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observation {
+    /// Traffic since the previous tick.
+    pub traffic: Traffic,
+    /// Every provisioned worker, in id order.
+    pub workers: Vec<WorkerObservation>,
+}
+
+/// Which latency an estimate is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// Time to first token.
+    Ttft,
+    /// Inter-token latency.
+    Itl,
+}
+
+/// Why a pool's replica count changes.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Reason {
+    /// Load loop: every engine's estimate breaks the SLA; add one.
+    SlaBreached {
+        /// The latency.
+        metric: Metric,
+        /// The best (lowest) engine estimate, ms.
+        best_estimate_ms: f64,
+        /// The target, ms.
+        sla_ms: f64,
+    },
+    /// Load loop: the engines left after removing one, absorbing its load, stay within the
+    /// SLA times the sensitivity; remove one.
+    Consolidation {
+        /// The worst estimate after consolidation, as a share of the allowed margin (< 1).
+        worst_share: f64,
+    },
+    /// Throughput loop (with the load loop on): the replicas the predicted demand needs are a
+    /// floor; raise to it.
+    ThroughputFloor {
+        /// Predicted requests per second.
+        demand_rps: f64,
+        /// Requests per second one engine sustains under the SLA (after headroom).
+        capacity_rps: f64,
+    },
+    /// Throughput loop alone: set the pool to what the predicted demand needs.
+    ThroughputTarget {
+        /// Predicted requests per second.
+        demand_rps: f64,
+        /// Requests per second one engine sustains under the SLA (after headroom).
+        capacity_rps: f64,
+    },
+    /// Fewer replicas than the minimum.
+    MinReplicas,
+    /// The wanted counts exceed the GPU budget: cut proportionally.
+    BudgetCut {
+        /// Replicas wanted before the cut.
+        wanted: u32,
+        /// The budget, GPUs.
+        budget: u32,
+    },
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Reason::SlaBreached {
+                metric,
+                best_estimate_ms,
+                sla_ms,
+            } => write!(
+                f,
+                "every engine's estimated {} breaks the SLA (best {best_estimate_ms:.1} ms > {sla_ms:.1} ms)",
+                match metric {
+                    Metric::Ttft => "TTFT",
+                    Metric::Itl => "ITL",
+                }
+            ),
+            Reason::Consolidation { worst_share } => write!(
+                f,
+                "the remaining engines absorb the load within the margin (worst at {:.0}% of it)",
+                worst_share * 100.0
+            ),
+            Reason::ThroughputFloor {
+                demand_rps,
+                capacity_rps,
+            } => write!(
+                f,
+                "predicted demand {demand_rps:.2} req/s at {capacity_rps:.2} req/s per engine sets a floor"
+            ),
+            Reason::ThroughputTarget {
+                demand_rps,
+                capacity_rps,
+            } => write!(
+                f,
+                "predicted demand {demand_rps:.2} req/s at {capacity_rps:.2} req/s per engine"
+            ),
+            Reason::MinReplicas => write!(f, "below the minimum replicas"),
+            Reason::BudgetCut { wanted, budget } => {
+                write!(f, "{wanted} wanted, cut to fit the budget of {budget} GPUs")
+            }
+        }
+    }
+}
+
+/// One pool's change within a decision.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Change {
+    /// The pool.
+    pub pool: Pool,
+    /// Ready replicas before.
+    pub from: u32,
+    /// Replicas wanted.
+    pub to: u32,
+    /// Why.
+    pub reason: Reason,
+}
+
+/// What the fleet must do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Action {
+    /// Provision a new worker in `pool` (it becomes routable after the startup delay).
+    Add {
+        /// The pool.
+        pool: Pool,
+    },
+    /// Drain worker `worker` of `pool` and remove it when it is idle.
+    Remove {
+        /// The pool.
+        pool: Pool,
+        /// The worker's id.
+        worker: u64,
+    },
+}
+
+/// A scaling decision: changes with their reasons, and the actions that carry them out.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    /// When, seconds since the start.
+    pub at_s: f64,
+    /// Per pool, with the reason.
+    pub changes: Vec<Change>,
+    /// The actions, removals first.
+    pub actions: Vec<Action>,
+    /// The reasons as text.
+    pub text: String,
+}
+
+/// Why a tick made no decision although a loop ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Hold {
+    /// A previous decision is still taking effect (a worker is starting or draining).
+    InProgress,
+    /// No performance model is fitted yet.
+    NoModel,
+}
+
+/// One pool at a tick.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PoolStatus {
+    /// The pool.
+    pub pool: Pool,
+    /// Ready replicas.
+    pub ready: u32,
+    /// Starting replicas.
+    pub starting: u32,
+    /// Draining replicas.
+    pub draining: u32,
+    /// Mean over ready engines of the estimated next TTFT, ms (prefill and agg pools).
+    pub est_ttft_ms: Option<f64>,
+    /// Mean over ready engines of the estimated next ITL, ms (decode and agg pools).
+    pub est_itl_ms: Option<f64>,
+}
+
+/// The throughput loop's view at one of its ticks.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ThroughputRecord {
+    /// Observed requests per second over the window that just ended.
+    pub observed_rps: f64,
+    /// What was predicted for that window one tick ago.
+    pub predicted_rps: Option<f64>,
+    /// Predicted requests per second for the next window.
+    pub next_rps: f64,
+    /// Predicted mean prompt length.
+    pub next_isl: f64,
+    /// Predicted mean output length.
+    pub next_osl: f64,
+    /// Predicted hit rate (clamped; 0 when the discount is off).
+    pub next_hit_rate: f64,
+    /// Replicas the demand needs, per pool (None without a fitted model).
+    pub replicas: Vec<(Pool, Option<u32>)>,
+}
+
+/// What one tick produced.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TickRecord {
+    /// Seconds since the start.
+    pub at_s: f64,
+    /// Whether the load loop ran.
+    pub load_tick: bool,
+    /// Whether the throughput loop ran.
+    pub throughput_tick: bool,
+    /// Observed requests per second since the previous tick.
+    pub observed_rps: f64,
+    /// The throughput loop's forecast in force over the same interval (None before its first
+    /// tick), to set against `observed_rps`.
+    pub predicted_rps: Option<f64>,
+    /// Observed mean TTFT, ms.
+    pub observed_ttft_ms: Option<f64>,
+    /// Observed mean ITL, ms.
+    pub observed_itl_ms: Option<f64>,
+    /// Observed router-predicted hit rate (raw).
+    pub observed_hit_rate: Option<f64>,
+    /// The pools.
+    pub pools: Vec<PoolStatus>,
+    /// The throughput loop's record, at its ticks.
+    pub throughput: Option<ThroughputRecord>,
+    /// Why nothing was decided, if a loop ran and nothing was.
+    pub hold: Option<Hold>,
+}
+
+/// A tick's result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TickOutput {
+    /// The decision, if any.
+    pub decision: Option<Decision>,
+    /// What the tick saw and estimated.
+    pub record: TickRecord,
+}
+
+/// The SLA planner. See the crate docs.
+#[derive(Clone, Debug)]
+pub struct Planner {
+    config: PlannerConfig,
+    start: Timestamp,
+    last_tick: Timestamp,
+    next_load: Timestamp,
+    next_throughput: Timestamp,
+    models: Vec<(Pool, PoolModel)>,
+    passes_seen: BTreeMap<u64, u32>,
+    window: Traffic,
+    rate: Predictor,
+    isl: Predictor,
+    osl: Predictor,
+    hit: Predictor,
+    /// The throughput loop's floors (the minimum until it has run).
+    floors: [u32; 3],
+    predicted_rps: Option<f64>,
+    /// Consecutive load ticks whose consolidation check passed, per pool.
+    down_streak: [u32; 3],
+    /// The latest observed means, kept across quiet ticks.
+    recent_isl: f64,
+    recent_osl: f64,
+    recent_hit: f64,
+}
+
+fn secs(d: f64) -> Duration {
+    Duration::from_secs_f64(d)
+}
+
+impl Planner {
+    /// A planner started at `start`, or why the configuration is unusable.
+    pub fn new(config: PlannerConfig, limits: EngineLimits, start: Timestamp) -> Result<Self, PlannerError> {
+        config.validate()?;
+        limits.validate()?;
+        let models = config
+            .mode
+            .pools()
+            .iter()
+            .map(|&p| {
+                let m = PoolModel::new(
+                    p,
+                    limits,
+                    config.max_samples,
+                    config.sample_buckets,
+                    config.min_observations,
+                );
+                (p, m)
+            })
+            .collect();
+        let p = config.predictor;
+        Ok(Self {
+            start,
+            last_tick: start,
+            next_load: start + secs(config.load_interval_s),
+            next_throughput: start + secs(config.throughput_interval_s),
+            models,
+            passes_seen: BTreeMap::new(),
+            window: Traffic::default(),
+            rate: Predictor::new(p),
+            isl: Predictor::new(p),
+            osl: Predictor::new(p),
+            hit: Predictor::new(p),
+            floors: [config.min_replicas; 3],
+            predicted_rps: None,
+            down_streak: [0; 3],
+            recent_isl: 0.0,
+            recent_osl: 0.0,
+            recent_hit: 0.0,
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.config
+    }
+
+    /// When the planner wants its next tick.
+    pub fn next_tick(&self) -> Timestamp {
+        match (self.config.load_scaling, self.config.throughput_scaling) {
+            (true, true) => self.next_load.min(self.next_throughput),
+            (true, false) => self.next_load,
+            _ => self.next_throughput,
+        }
+    }
+
+    /// The fitted model of `pool`, if the mode scales it.
+    pub fn model(&self, pool: Pool) -> Option<&PoolModel> {
+        self.models.iter().find(|(p, _)| *p == pool).map(|(_, m)| m)
+    }
+
+    /// One tick at `now` with what was observed since the previous one.
+    pub fn tick(&mut self, now: Timestamp, obs: &Observation) -> TickOutput {
+        let at_s = now.saturating_since(self.start).as_secs_f64();
+        let elapsed_s = now.saturating_since(self.last_tick).as_secs_f64();
+        self.learn(obs);
+        let t = &obs.traffic;
+        self.window.merge(t);
+        if let Some(isl) = t.isl() {
+            self.recent_isl = isl;
+        }
+        if let Some(osl) = t.osl() {
+            self.recent_osl = osl;
+        }
+        if t.hit_n > 0 {
+            self.recent_hit = clamp_hit_rate(t.hit_rate());
+        }
+        let load_due = self.config.load_scaling && now >= self.next_load;
+        let throughput_due = self.config.throughput_scaling && now >= self.next_throughput;
+        while self.next_load <= now {
+            self.next_load = self.next_load + secs(self.config.load_interval_s);
+        }
+        while self.next_throughput <= now {
+            self.next_throughput = self.next_throughput + secs(self.config.throughput_interval_s);
+        }
+        self.last_tick = now;
+
+        let counts = Counts::of(obs);
+        let h = if self.config.kv_hit_discount {
+            self.recent_hit
+        } else {
+            0.0
+        };
+        let mut pools = Vec::new();
+        let mut estimates = Vec::new();
+        for &pool in self.config.mode.pools() {
+            let est = self.estimates(pool, obs, h, elapsed_s);
+            let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+            let c = counts.get(pool);
+            pools.push(PoolStatus {
+                pool,
+                ready: c[0],
+                starting: c[1],
+                draining: c[2],
+                est_ttft_ms: est.as_ref().and_then(|e| mean(&e.ttft)),
+                est_itl_ms: est.as_ref().and_then(|e| mean(&e.itl)),
+            });
+            estimates.push((pool, est));
+        }
+
+        let in_force = self.predicted_rps;
+        let throughput = throughput_due.then(|| self.throughput_tick());
+        let mut record = TickRecord {
+            at_s,
+            load_tick: load_due,
+            throughput_tick: throughput_due,
+            observed_rps: t.rps(),
+            predicted_rps: in_force,
+            observed_ttft_ms: t.ttft_ms(),
+            observed_itl_ms: t.itl_ms(),
+            observed_hit_rate: t.hit_rate(),
+            pools,
+            throughput: throughput.as_ref().map(|(r, _)| r.clone()),
+            hold: None,
+        };
+        if !load_due && !throughput_due {
+            return TickOutput {
+                decision: None,
+                record,
+            };
+        }
+        if self.config.mode.pools().iter().any(|&p| {
+            let c = counts.get(p);
+            c[1] > 0 || c[2] > 0
+        }) {
+            record.hold = Some(Hold::InProgress);
+            self.down_streak = [0; 3];
+            return TickOutput {
+                decision: None,
+                record,
+            };
+        }
+
+        // Targets per scaled pool, with the reason of each change.
+        let mut changes: Vec<Change> = Vec::new();
+        let min = self.config.min_replicas;
+        for &pool in self.config.mode.pools() {
+            let ready = counts.get(pool)[0];
+            let mut to = ready;
+            let mut reason = None;
+            if ready < min {
+                (to, reason) = (min, Some(Reason::MinReplicas));
+            }
+            if let Some((_, needs)) = &throughput
+                && let Some(&(n, demand_rps, capacity_rps)) = needs.iter().find(|n| n.0 == pool).map(|n| &n.1)
+            {
+                let n = n.max(min);
+                if self.config.load_scaling {
+                    self.floors[pool.index()] = n;
+                    if to < n {
+                        (to, reason) = (
+                            n,
+                            Some(Reason::ThroughputFloor {
+                                demand_rps,
+                                capacity_rps,
+                            }),
+                        );
+                    }
+                } else if to != n {
+                    (to, reason) = (
+                        n,
+                        Some(Reason::ThroughputTarget {
+                            demand_rps,
+                            capacity_rps,
+                        }),
+                    );
+                }
+            }
+            if load_due && reason.is_none() {
+                let est = estimates.iter().find(|e| e.0 == pool).and_then(|e| e.1.as_ref());
+                let verdict = est.and_then(|est| self.load_decision(pool, est, ready));
+                let streak = &mut self.down_streak[pool.index()];
+                match verdict {
+                    Some((delta, why)) if delta > 0 => {
+                        *streak = 0;
+                        (to, reason) = (ready + 1, Some(why));
+                    }
+                    Some((_, why)) => {
+                        *streak += 1;
+                        if *streak >= self.config.scale_down_ticks {
+                            *streak = 0;
+                            (to, reason) = (ready - 1, Some(why));
+                        }
+                    }
+                    None => *streak = 0,
+                }
+            }
+            if let Some(reason) = reason {
+                changes.push(Change {
+                    pool,
+                    from: ready,
+                    to,
+                    reason,
+                });
+            }
+        }
+        if changes.is_empty() {
+            if load_due && estimates.iter().all(|e| e.1.is_none()) {
+                record.hold = Some(Hold::NoModel);
+            }
+            return TickOutput {
+                decision: None,
+                record,
+            };
+        }
+        let decision = self.carry_out(at_s, changes, obs, &counts);
+        TickOutput { decision, record }
+    }
+
+    /// Feeds the passes of every worker past its cold start to its pool's model.
+    fn learn(&mut self, obs: &Observation) {
+        for w in &obs.workers {
+            let seen = self.passes_seen.entry(w.id).or_insert(0);
+            let Some((_, model)) = self.models.iter_mut().find(|(p, _)| *p == w.pool) else {
+                continue;
+            };
+            for pass in &w.passes {
+                if *seen >= self.config.cold_start_passes {
+                    model.add(pass);
+                }
+                *seen = seen.saturating_add(1);
+            }
+        }
+        let live: std::collections::BTreeSet<u64> = obs.workers.iter().map(|w| w.id).collect();
+        self.passes_seen.retain(|id, _| live.contains(id));
+        for (_, m) in &mut self.models {
+            m.refit();
+        }
+    }
+
+    /// Every ready engine's estimated next TTFT and ITL, and its busy share since the last
+    /// tick; `None` without a fitted model.
+    fn estimates(&self, pool: Pool, obs: &Observation, h: f64, elapsed_s: f64) -> Option<Estimates> {
+        let model = self.model(pool)?;
+        model.fitted()?;
+        let isl = self.recent_isl.max(1.0);
+        let mut e = Estimates::default();
+        for w in obs
+            .workers
+            .iter()
+            .filter(|w| w.pool == pool && w.state == WorkerState::Ready)
+        {
+            // Resident KV and decoding requests: time-weighted means over the passes since the
+            // last tick (a snapshot when there were none); the queue is a snapshot.
+            let span: f64 = w.passes.iter().map(|p| p.duration_s).sum();
+            let (kv, seqs) = if span > 0.0 {
+                let kv = w
+                    .passes
+                    .iter()
+                    .map(|p| p.kv_tokens as f64 * p.duration_s)
+                    .sum::<f64>()
+                    / span;
+                let seqs = w
+                    .passes
+                    .iter()
+                    .map(|p| f64::from(p.decode_seqs) * p.duration_s)
+                    .sum::<f64>()
+                    / span;
+                (kv, seqs)
+            } else {
+                (w.kv_tokens as f64, f64::from(w.decode_seqs))
+            };
+            let q = w.queued_prefill_tokens as f64;
+            let engine = EngineLoad { queued: q, kv, seqs };
+            if matches!(pool, Pool::Prefill | Pool::Agg) {
+                e.ttft.push(model.ttft_ms(q, isl, h, kv)?);
+            }
+            if matches!(pool, Pool::Decode | Pool::Agg) {
+                e.itl.push(self.itl_estimate(model, pool, &engine, 1.0, h)?);
+            }
+            e.engines.push(engine);
+            if elapsed_s > 0.0 {
+                e.busy += w.passes.iter().map(|p| p.duration_s).sum::<f64>() / elapsed_s;
+            }
+        }
+        if !e.engines.is_empty() {
+            e.busy /= e.engines.len() as f64;
+        }
+        Some(e)
+    }
+
+    /// An engine's ITL estimate with its load scaled by `r` (1: as it is; `N/(N-1)`: after a
+    /// consolidation), one more request of the recent ISL and OSL admitted.
+    fn itl_estimate(&self, model: &PoolModel, pool: Pool, e: &EngineLoad, r: f64, h: f64) -> Option<f64> {
+        let (isl, osl) = (self.recent_isl.max(1.0), self.recent_osl.max(1.0));
+        let seqs = e.seqs * r + 1.0;
+        // Decode residency uses the raw ISL; queued prompts (agg) will become resident KV.
+        let queued_kv = if pool == Pool::Agg { e.queued * r } else { 0.0 };
+        let kv = e.kv * r + queued_kv + isl + osl / 2.0;
+        let per_pass = if pool == Pool::Agg {
+            seqs * isl * (1.0 - h) / osl
+        } else {
+            0.0
+        };
+        model.itl_ms(seqs, kv, per_pass)
+    }
+
+    /// The load loop's verdict for `pool` with `ready` engines: +1, -1 or nothing.
+    fn load_decision(&self, pool: Pool, est: &Estimates, ready: u32) -> Option<(i32, Reason)> {
+        let sla = self.config.sla;
+        let min_of = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+        if !est.ttft.is_empty() && est.ttft.iter().all(|&t| t > sla.ttft_ms) {
+            return Some((
+                1,
+                Reason::SlaBreached {
+                    metric: Metric::Ttft,
+                    best_estimate_ms: min_of(&est.ttft),
+                    sla_ms: sla.ttft_ms,
+                },
+            ));
+        }
+        if !est.itl.is_empty() && est.itl.iter().all(|&t| t > sla.itl_ms) {
+            return Some((
+                1,
+                Reason::SlaBreached {
+                    metric: Metric::Itl,
+                    best_estimate_ms: min_of(&est.itl),
+                    sla_ms: sla.itl_ms,
+                },
+            ));
+        }
+        let floor = self.floors[pool.index()].max(self.config.min_replicas);
+        if ready <= floor || ready < 2 || est.engines.len() != ready as usize {
+            return None;
+        }
+        self.consolidation_share(pool, est, ready)
+            .filter(|&s| s < 1.0)
+            .map(|worst_share| (-1, Reason::Consolidation { worst_share }))
+    }
+
+    /// The worst share of the allowed margin any engine would use if `ready - 1` engines took
+    /// the load of `ready` (`< 1` passes); `None` if a model is missing.
+    pub(crate) fn consolidation_share(&self, pool: Pool, est: &Estimates, ready: u32) -> Option<f64> {
+        let model = self.model(pool)?;
+        let sla = self.config.sla;
+        let sens = self.config.scale_down_sensitivity;
+        let r = f64::from(ready) / f64::from(ready - 1);
+        let h = if self.config.kv_hit_discount {
+            self.recent_hit
+        } else {
+            0.0
+        };
+        let (isl, kv_cap) = (self.recent_isl.max(1.0), model_kv_cap(model));
+        let mut worst: f64 = 0.0;
+        for e in &est.engines {
+            if matches!(pool, Pool::Prefill | Pool::Agg) {
+                let own = model.ttft_ms(0.0, isl, h, e.kv)?;
+                let post = model.ttft_ms(e.queued * r, isl, h, e.kv * r)?;
+                let margin = sla.ttft_ms - own;
+                if margin <= 0.0 {
+                    return Some(f64::INFINITY);
+                }
+                worst = worst.max((post - own) / (margin * sens));
+                if pool == Pool::Prefill {
+                    // The work itself must fit: the busy share after consolidation.
+                    worst = worst.max(est.busy * r / sens);
+                }
+            }
+            if matches!(pool, Pool::Decode | Pool::Agg) {
+                let queued_kv = if pool == Pool::Agg { e.queued } else { 0.0 };
+                if (e.kv + queued_kv) * r >= kv_cap {
+                    return Some(f64::INFINITY);
+                }
+                let itl = self.itl_estimate(model, pool, e, r, h)?;
+                worst = worst.max(itl / (sla.itl_ms * sens));
+            }
+        }
+        Some(worst)
+    }
+
+    /// Closes the throughput window: observes it, predicts the next and sizes each pool.
+    fn throughput_tick(&mut self) -> (ThroughputRecord, Vec<(Pool, Need)>) {
+        let w = std::mem::take(&mut self.window);
+        let window_s = self.config.throughput_interval_s;
+        let observed_rps = w.requests as f64 / window_s;
+        self.rate.observe(observed_rps);
+        if let Some(isl) = w.isl() {
+            self.isl.observe(isl);
+        }
+        if let Some(osl) = w.osl() {
+            self.osl.observe(osl);
+        }
+        if let Some(hit) = w.hit_rate() {
+            self.hit.observe(hit);
+        }
+        let next_rps = self.rate.predict();
+        let next_isl = if self.isl.is_empty() {
+            self.recent_isl
+        } else {
+            self.isl.predict()
+        };
+        let next_osl = if self.osl.is_empty() {
+            self.recent_osl
+        } else {
+            self.osl.predict()
+        };
+        // The discount never assumes more reuse than the window just observed: a trend
+        // extrapolated past it under-provisions prefill, which breaks the TTFT SLA.
+        let next_hit = if self.config.kv_hit_discount {
+            let forecast = (!self.hit.is_empty()).then(|| self.hit.predict());
+            clamp_hit_rate(forecast.map(|f| f.min(w.hit_rate().unwrap_or(0.0))))
+        } else {
+            0.0
+        };
+        let predicted_rps = self.predicted_rps.replace(next_rps);
+        let mut needs = Vec::new();
+        let mut replicas = Vec::new();
+        for &(pool, ref model) in &self.models {
+            let capacity = model
+                .capacity_rps(&self.config.sla, next_isl, next_osl, next_hit)
+                .map(|c| c * self.config.throughput_headroom)
+                .filter(|c| c.is_finite() && *c > 0.0);
+            let n = capacity.map(|c| {
+                let n = (next_rps / c).ceil();
+                if n.is_finite() {
+                    n.clamp(0.0, f64::from(u32::MAX)) as u32
+                } else {
+                    u32::MAX
+                }
+            });
+            replicas.push((pool, n));
+            if let (Some(n), Some(c)) = (n, capacity) {
+                needs.push((pool, (n, next_rps, c)));
+            }
+        }
+        let record = ThroughputRecord {
+            observed_rps,
+            predicted_rps,
+            next_rps,
+            next_isl,
+            next_osl,
+            next_hit_rate: next_hit,
+            replicas,
+        };
+        (record, needs)
+    }
+
+    /// Applies the budget to `changes` and turns them into actions.
+    fn carry_out(
+        &self,
+        at_s: f64,
+        mut changes: Vec<Change>,
+        obs: &Observation,
+        counts: &Counts,
+    ) -> Option<Decision> {
+        let budget = self.config.max_gpu_budget;
+        let gpus = |p: Pool| self.config.gpus(p);
+        // GPUs of pools this planner does not scale.
+        let scaled = self.config.mode.pools();
+        let fixed: u32 = obs
+            .workers
+            .iter()
+            .filter(|w| !scaled.contains(&w.pool))
+            .map(|w| gpus(w.pool))
+            .sum();
+        let available = budget.saturating_sub(fixed);
+        // Wanted counts of every scaled pool, in pool order.
+        let mut wanted: Vec<(Pool, u32)> = scaled
+            .iter()
+            .map(|&p| {
+                (
+                    p,
+                    changes
+                        .iter()
+                        .find(|c| c.pool == p)
+                        .map_or(counts.get(p)[0], |c| c.to),
+                )
+            })
+            .collect();
+        let total: u32 = wanted.iter().map(|&(p, n)| n * gpus(p)).sum();
+        if total > available {
+            let cut = fit_budget(&wanted, available, self.config.min_replicas, &gpus);
+            for (&(pool, want), &(_, n)) in wanted.iter().zip(&cut) {
+                if n != want {
+                    let from = counts.get(pool)[0];
+                    let reason = Reason::BudgetCut { wanted: want, budget };
+                    match changes.iter_mut().find(|c| c.pool == pool) {
+                        Some(c) => {
+                            c.to = n;
+                            c.reason = reason;
+                        }
+                        None => changes.push(Change {
+                            pool,
+                            from,
+                            to: n,
+                            reason,
+                        }),
+                    }
+                }
+            }
+            wanted = cut;
+        }
+        changes.retain(|c| c.to != c.from);
+        if changes.is_empty() {
+            return None;
+        }
+        // Removals first; every provisioned worker (draining ones too) holds its GPUs until it
+        // is gone, so adds are made only if they fit beside everything provisioned now.
+        let mut actions = Vec::new();
+        for &(pool, n) in &wanted {
+            let ready = counts.get(pool)[0];
+            if n < ready {
+                let mut victims: Vec<&WorkerObservation> = obs
+                    .workers
+                    .iter()
+                    .filter(|w| w.pool == pool && w.state == WorkerState::Ready)
+                    .collect();
+                victims.sort_by(|a, b| {
+                    (a.queued_prefill_tokens + a.kv_tokens)
+                        .cmp(&(b.queued_prefill_tokens + b.kv_tokens))
+                        .then(b.id.cmp(&a.id))
+                });
+                for w in victims.into_iter().take((ready - n) as usize) {
+                    actions.push(Action::Remove { pool, worker: w.id });
+                }
+            }
+        }
+        let provisioned: u32 = obs.workers.iter().map(|w| gpus(w.pool)).sum();
+        let mut room = budget.saturating_sub(provisioned);
+        let mut deferred = false;
+        for &(pool, n) in &wanted {
+            let ready = counts.get(pool)[0];
+            for _ in ready..n.max(ready) {
+                if gpus(pool) <= room {
+                    room -= gpus(pool);
+                    actions.push(Action::Add { pool });
+                } else {
+                    deferred = true;
+                }
+            }
+        }
+        if actions.is_empty() {
+            return None;
+        }
+        let mut text = changes
+            .iter()
+            .map(|c| format!("{} {} -> {}: {}", c.pool.name(), c.from, c.to, c.reason))
+            .collect::<Vec<_>>()
+            .join("; ");
+        if deferred {
+            text.push_str(" (adds wait until draining workers free their GPUs)");
+        }
+        Some(Decision {
+            at_s,
+            changes,
+            actions,
+            text,
+        })
+    }
+}
+
+/// The KV capacity the model was built for.
+fn model_kv_cap(model: &PoolModel) -> f64 {
+    model.kv_capacity_tokens() as f64
+}
+
+/// Cuts `wanted` to fit `available` GPUs: every pool scaled by the same factor (rounded down,
+/// at least `min`), the first pools first; later pools take what is left, up to their wish.
+pub fn fit_budget(
+    wanted: &[(Pool, u32)],
+    available: u32,
+    min: u32,
+    gpus: &dyn Fn(Pool) -> u32,
+) -> Vec<(Pool, u32)> {
+    let total: u32 = wanted.iter().map(|&(p, n)| n * gpus(p)).sum();
+    if total <= available {
+        return wanted.to_vec();
+    }
+    let factor = f64::from(available) / f64::from(total.max(1));
+    let mut out: Vec<(Pool, u32)> = Vec::with_capacity(wanted.len());
+    let mut used = 0u32;
+    for (i, &(pool, n)) in wanted.iter().enumerate() {
+        // GPUs the later pools need at their minimum.
+        let reserve: u32 = wanted[i + 1..].iter().map(|&(p, _)| min * gpus(p)).sum();
+        let left = available.saturating_sub(used).saturating_sub(reserve);
+        let last = i + 1 == wanted.len();
+        let scaled = if last {
+            n
+        } else {
+            ((f64::from(n) * factor).floor() as u32).max(min)
+        };
+        let fit = (left / gpus(pool)).max(min);
+        let k = scaled.min(fit).min(n.max(min));
+        used += k * gpus(pool);
+        out.push((pool, k));
+    }
+    out
+}
+
+/// What the throughput loop found for a pool: replicas, demand rps, capacity rps per engine.
+type Need = (u32, f64, f64);
+
+/// One engine's load as the estimates use it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct EngineLoad {
+    queued: f64,
+    kv: f64,
+    seqs: f64,
+}
+
+/// A pool's per-engine estimates at a tick.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Estimates {
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+    engines: Vec<EngineLoad>,
+    busy: f64,
+}
+
+/// Ready, starting and draining workers per pool.
+struct Counts([[u32; 3]; 3]);
+
+impl Counts {
+    fn of(obs: &Observation) -> Self {
+        let mut c = [[0u32; 3]; 3];
+        for w in &obs.workers {
+            let s = match w.state {
+                WorkerState::Ready => 0,
+                WorkerState::Starting => 1,
+                WorkerState::Draining => 2,
+            };
+            c[w.pool.index()][s] += 1;
+        }
+        Self(c)
+    }
+
+    fn get(&self, pool: Pool) -> [u32; 3] {
+        self.0[pool.index()]
+    }
+}
+
+impl Mode {
+    /// Whether `pool` is scaled in this mode.
+    pub fn scales(self, pool: Pool) -> bool {
+        self.pools().contains(&pool)
+    }
+}

@@ -1,0 +1,430 @@
+//! The planner through its public API: observations in, decisions out.
+
+use kvroute_core::time::Timestamp;
+use kvroute_planner::{
+    Action, EngineLimits, Mode, Observation, PassSample, Planner, PlannerConfig, Pool, Reason, Traffic,
+    WorkerObservation, WorkerState,
+};
+use proptest::prelude::*;
+
+const LIMITS: EngineLimits = EngineLimits {
+    max_num_batched_tokens: 8192,
+    max_num_seqs: 256,
+    kv_capacity_tokens: 1 << 20,
+};
+
+/// Step seconds of the engine the tests pretend to measure.
+fn prefill_s(tokens: u64) -> f64 {
+    0.02 + 2e-5 * tokens as f64
+}
+fn decode_s(seqs: u32, kv: u64) -> f64 {
+    0.005 + 1e-5 * f64::from(seqs) + 2e-8 * kv as f64
+}
+fn agg_s(tokens: u64, kv: u64) -> f64 {
+    0.005 + 2e-5 * tokens as f64 + 2e-8 * kv as f64
+}
+
+/// Passes spanning the load range, so every model is fitted.
+fn passes(pool: Pool) -> Vec<PassSample> {
+    (1..=40u64)
+        .map(|i| {
+            let tokens = i * 200;
+            let seqs = (i * 6) as u32;
+            let kv = i * 20_000 + (i % 7) * 3_000;
+            match pool {
+                Pool::Prefill => PassSample {
+                    prefill_tokens: tokens,
+                    decode_seqs: 0,
+                    kv_tokens: 0,
+                    duration_s: prefill_s(tokens),
+                },
+                Pool::Decode => PassSample {
+                    prefill_tokens: 0,
+                    decode_seqs: seqs,
+                    kv_tokens: kv,
+                    duration_s: decode_s(seqs, kv),
+                },
+                Pool::Agg => PassSample {
+                    prefill_tokens: tokens,
+                    decode_seqs: seqs,
+                    kv_tokens: kv,
+                    duration_s: agg_s(tokens, kv),
+                },
+            }
+        })
+        .collect()
+}
+
+fn worker(id: u64, pool: Pool, queued: u64, seqs: u32, kv: u64) -> WorkerObservation {
+    WorkerObservation {
+        id,
+        pool,
+        state: WorkerState::Ready,
+        passes: Vec::new(),
+        queued_prefill_tokens: queued,
+        decode_seqs: seqs,
+        kv_tokens: kv,
+    }
+}
+
+fn traffic(requests: u64, isl: f64, osl: f64, hit: Option<f64>, secs: f64) -> Traffic {
+    Traffic {
+        duration_s: secs,
+        requests,
+        isl_sum: isl * requests as f64,
+        osl_sum: osl * requests as f64,
+        completed: requests,
+        hit_sum: hit.unwrap_or(0.0) * requests as f64,
+        hit_n: if hit.is_some() { requests } else { 0 },
+        ..Traffic::default()
+    }
+}
+
+fn at(s: f64) -> Timestamp {
+    Timestamp((s * 1e9) as u64)
+}
+
+/// A planner whose models are fitted (one tick at 1 s with warm-up passes on every worker).
+fn warmed(config: PlannerConfig, workers: &[WorkerObservation]) -> Planner {
+    let mut planner = Planner::new(config, LIMITS, Timestamp::ZERO).expect("valid config");
+    let mut warm = workers.to_vec();
+    for w in &mut warm {
+        // Cold-start passes are skipped: give each worker a few extra first.
+        let mut p = vec![passes(w.pool)[0]; 5];
+        p.extend(passes(w.pool));
+        w.passes = p;
+    }
+    let out = planner.tick(
+        at(1.0),
+        &Observation {
+            traffic: Traffic::default(),
+            workers: warm,
+        },
+    );
+    assert!(out.decision.is_none(), "no loop is due at 1 s");
+    planner
+}
+
+fn load_only(mode: Mode) -> PlannerConfig {
+    PlannerConfig {
+        mode,
+        throughput_scaling: false,
+        max_gpu_budget: 16,
+        ..PlannerConfig::default()
+    }
+}
+
+#[test]
+fn the_fitted_model_recovers_the_engine() {
+    let planner = warmed(load_only(Mode::Decode), &[worker(0, Pool::Decode, 0, 0, 0)]);
+    let model = planner.model(Pool::Decode).expect("decode model");
+    // ITL of 10 requests over 100k KV tokens, no prefill in the pass.
+    let itl = model.itl_ms(10.0, 100_000.0, 0.0).expect("fitted");
+    assert!((itl - decode_s(10, 100_000) * 1e3).abs() < 1e-9, "{itl}");
+}
+
+#[test]
+fn scale_up_only_when_every_engine_breaks_the_sla() {
+    let config = PlannerConfig {
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 50.0,
+        },
+        ..load_only(Mode::Prefill)
+    };
+    // ISL 4000: own TTFT = 0.02 + 0.08 = 100 ms; 40k queued tokens adds ~5 passes => > 500 ms.
+    let busy = worker(0, Pool::Prefill, 40_000, 0, 0);
+    let idle = worker(1, Pool::Prefill, 0, 0, 0);
+    let mut p = warmed(config.clone(), &[busy.clone(), idle.clone()]);
+    let obs = Observation {
+        traffic: traffic(20, 4000.0, 100.0, None, 4.0),
+        workers: vec![busy.clone(), idle],
+    };
+    let out = p.tick(at(5.0), &obs);
+    assert!(
+        out.decision.is_none(),
+        "one engine still meets the SLA: {:?}",
+        out.decision
+    );
+
+    let mut p = warmed(config, &[busy.clone(), worker(1, Pool::Prefill, 40_000, 0, 0)]);
+    let both = Observation {
+        traffic: traffic(20, 4000.0, 100.0, None, 4.0),
+        workers: vec![busy, worker(1, Pool::Prefill, 40_000, 0, 0)],
+    };
+    let d = p.tick(at(5.0), &both).decision.expect("scale up");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Prefill }]);
+    assert!(matches!(d.changes[0].reason, Reason::SlaBreached { .. }), "{d:?}");
+    assert!(d.text.contains("breaks the SLA"), "{}", d.text);
+}
+
+#[test]
+fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
+    let config = PlannerConfig {
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 20.0,
+        },
+        scale_down_ticks: 1,
+        ..load_only(Mode::Decode)
+    };
+    // ITL now: 0.005 + 1e-5*101 + 2e-8*(300k + 4000 + 50) ~ 12.1 ms, within 20 ms. After 2 -> 1,
+    // each engine holds 600k KV tokens: ~18.2 ms, under the SLA but over 0.8 * 20 = 16 ms.
+    let heavy = |id| worker(id, Pool::Decode, 0, 100, 300_000);
+    let mut p = warmed(config.clone(), &[heavy(0), heavy(1)]);
+    let obs = Observation {
+        traffic: traffic(10, 4000.0, 100.0, None, 4.0),
+        workers: vec![heavy(0), heavy(1)],
+    };
+    let out = p.tick(at(5.0), &obs);
+    assert!(out.decision.is_none(), "{:?}", out.decision);
+    let itl = out.record.pools[0].est_itl_ms.expect("estimated");
+    assert!(itl < 20.0, "the SLA holds now ({itl} ms)");
+
+    // Light load: the same check lets one go, and says why.
+    let light = |id| worker(id, Pool::Decode, 0, 10, 50_000);
+    let mut p = warmed(config, &[light(0), light(1)]);
+    let obs = Observation {
+        traffic: traffic(10, 4000.0, 100.0, None, 4.0),
+        workers: vec![light(0), light(1)],
+    };
+    let d = p.tick(at(5.0), &obs).decision.expect("scale down");
+    assert_eq!(
+        d.actions,
+        vec![Action::Remove {
+            pool: Pool::Decode,
+            worker: 1
+        }]
+    );
+    assert!(matches!(d.changes[0].reason, Reason::Consolidation { worst_share } if worst_share < 1.0));
+
+    // 2 -> 1, and the one left does not ask for a second: the load it took is within the SLA.
+    let mut one = light(0);
+    one.decode_seqs *= 2;
+    one.kv_tokens *= 2;
+    let out = p.tick(
+        at(10.0),
+        &Observation {
+            traffic: traffic(10, 4000.0, 100.0, None, 5.0),
+            workers: vec![one],
+        },
+    );
+    assert!(out.decision.is_none(), "{:?}", out.decision);
+}
+
+#[test]
+fn no_decision_while_a_worker_is_starting_or_draining() {
+    let config = load_only(Mode::Prefill);
+    let busy = |id| worker(id, Pool::Prefill, 80_000, 0, 0);
+    let mut p = warmed(config, &[busy(0)]);
+    let mut starting = busy(1);
+    starting.state = WorkerState::Starting;
+    let out = p.tick(
+        at(5.0),
+        &Observation {
+            traffic: traffic(10, 4000.0, 1.0, None, 4.0),
+            workers: vec![busy(0), starting],
+        },
+    );
+    assert!(out.decision.is_none());
+    assert_eq!(out.record.hold, Some(kvroute_planner::Hold::InProgress));
+}
+
+/// Throughput-only planner over a disaggregated fleet after one window of traffic at hit rate `hit`.
+fn throughput_replicas(discount: bool, hit: f64) -> (u32, u32) {
+    let config = PlannerConfig {
+        mode: Mode::Disagg,
+        load_scaling: false,
+        throughput_interval_s: 60.0,
+        kv_hit_discount: discount,
+        max_gpu_budget: 1000,
+        sla: kvroute_planner::Sla {
+            ttft_ms: 2000.0,
+            itl_ms: 30.0,
+        },
+        ..PlannerConfig::default()
+    };
+    let workers = [
+        worker(0, Pool::Prefill, 0, 0, 0),
+        worker(1, Pool::Decode, 0, 0, 0),
+    ];
+    let mut p = warmed(config, &workers);
+    let obs = Observation {
+        traffic: traffic(1200, 6000.0, 200.0, Some(hit), 59.0),
+        workers: workers.to_vec(),
+    };
+    let out = p.tick(at(60.0), &obs);
+    let rec = out.record.throughput.expect("throughput tick");
+    let get = |pool| {
+        rec.replicas
+            .iter()
+            .find(|r| r.0 == pool)
+            .and_then(|r| r.1)
+            .expect("sized")
+    };
+    (get(Pool::Prefill), get(Pool::Decode))
+}
+
+#[test]
+fn hit_rate_discount_lowers_prefill_replicas_not_decode_replicas() {
+    let (p_off, d_off) = throughput_replicas(false, 0.8);
+    let (p_on, d_on) = throughput_replicas(true, 0.8);
+    let (p_none, d_none) = throughput_replicas(true, 0.0);
+    assert!(
+        p_on < p_off,
+        "prefill {p_on} with the discount vs {p_off} without"
+    );
+    assert_eq!(d_on, d_off, "decode residency uses the raw ISL");
+    assert_eq!(
+        (p_none, d_none),
+        (p_off, d_off),
+        "a zero hit rate discounts nothing"
+    );
+    // A NaN hit rate is no hit rate.
+    let (p_nan, _) = throughput_replicas(true, f64::NAN);
+    assert_eq!(p_nan, p_off);
+}
+
+#[test]
+fn throughput_floor_raises_a_load_planner() {
+    let config = PlannerConfig {
+        mode: Mode::Agg,
+        throughput_interval_s: 60.0,
+        max_gpu_budget: 64,
+        ..PlannerConfig::default()
+    };
+    let workers = [worker(0, Pool::Agg, 0, 0, 0)];
+    let mut p = warmed(config, &workers);
+    let obs = Observation {
+        traffic: traffic(3000, 3000.0, 200.0, None, 59.0),
+        workers: workers.to_vec(),
+    };
+    let d = p.tick(at(60.0), &obs).decision.expect("floor");
+    assert!(
+        matches!(d.changes[0].reason, Reason::ThroughputFloor { .. }),
+        "{d:?}"
+    );
+    assert!(d.actions.len() > 1, "{d:?}");
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let cases = [
+        PlannerConfig {
+            min_replicas: 0,
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            load_scaling: false,
+            throughput_scaling: false,
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            max_gpu_budget: 1,
+            mode: Mode::Disagg,
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            load_interval_s: 200.0,
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            scale_down_sensitivity: 0.0,
+            ..PlannerConfig::default()
+        },
+    ];
+    for c in cases {
+        assert!(Planner::new(c.clone(), LIMITS, Timestamp::ZERO).is_err(), "{c:?}");
+    }
+    let parsed: PlannerConfig = toml::from_str(
+        "mode = \"disagg\"\nmax_gpu_budget = 12\n[sla]\nttft_ms = 800\nitl_ms = 25\n[predictor]\nkind = \"holt\"\nalpha = 0.5\nbeta = 0.3\n",
+    )
+    .expect("parses");
+    assert_eq!(parsed.mode, Mode::Disagg);
+    assert!(toml::from_str::<PlannerConfig>("bogus = 1").is_err());
+}
+
+/// A toy fleet: adds start after `startup` ticks, removals drain for `drain` ticks.
+#[derive(Debug)]
+struct Fleet {
+    workers: Vec<(u64, Pool, WorkerState, u32)>,
+    next_id: u64,
+}
+
+fn gpus_of(config: &PlannerConfig, fleet: &Fleet) -> u32 {
+    fleet.workers.iter().map(|w| config.gpus(w.1)).sum()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_gpu_budget_is_never_exceeded(
+        demands in prop::collection::vec((0u64..4000, 0u64..200_000, 0u32..200, 0u64..900_000), 10..80),
+        budget in 2u32..14,
+        prefill_gpus in 1u32..3,
+        decode_gpus in 1u32..3,
+        startup in 0u32..4,
+        drain in 0u32..4,
+        with_throughput in any::<bool>(),
+    ) {
+        let config = PlannerConfig {
+            mode: Mode::Disagg,
+            throughput_scaling: with_throughput,
+            throughput_interval_s: 30.0,
+            max_gpu_budget: budget.max(prefill_gpus + decode_gpus),
+            prefill_gpus,
+            decode_gpus,
+            sla: kvroute_planner::Sla { ttft_ms: 300.0, itl_ms: 12.0 },
+            ..PlannerConfig::default()
+        };
+        let mut fleet = Fleet {
+            workers: vec![(0, Pool::Prefill, WorkerState::Ready, 0), (1, Pool::Decode, WorkerState::Ready, 0)],
+            next_id: 2,
+        };
+        let mut planner = Planner::new(config.clone(), LIMITS, Timestamp::ZERO).expect("valid");
+        for (i, &(requests, queued, seqs, kv)) in demands.iter().enumerate() {
+            let now = at(5.0 * (i + 1) as f64);
+            let workers: Vec<WorkerObservation> = fleet
+                .workers
+                .iter()
+                .map(|&(id, pool, state, _)| WorkerObservation {
+                    state,
+                    passes: if i == 0 { passes(pool) } else { passes(pool)[..3].to_vec() },
+                    ..worker(id, pool, queued, seqs, kv)
+                })
+                .collect();
+            let obs = Observation { traffic: traffic(requests, 3000.0, 150.0, Some(0.3), 5.0), workers };
+            let out = planner.tick(now, &obs);
+            // The fleet moves on: starting workers come up, drained ones go.
+            for w in &mut fleet.workers {
+                w.3 += 1;
+                if w.2 == WorkerState::Starting && w.3 > startup {
+                    w.2 = WorkerState::Ready;
+                }
+            }
+            fleet.workers.retain(|w| !(w.2 == WorkerState::Draining && w.3 > drain));
+            if let Some(d) = out.decision {
+                for a in d.actions {
+                    match a {
+                        Action::Add { pool } => {
+                            fleet.workers.push((fleet.next_id, pool, WorkerState::Starting, 0));
+                            fleet.next_id += 1;
+                        }
+                        Action::Remove { worker, .. } => {
+                            let w = fleet.workers.iter_mut().find(|w| w.0 == worker).expect("a known worker");
+                            prop_assert_eq!(w.2, WorkerState::Ready);
+                            w.2 = WorkerState::Draining;
+                            w.3 = 0;
+                        }
+                    }
+                }
+            }
+            prop_assert!(gpus_of(&config, &fleet) <= config.max_gpu_budget, "{:?}", fleet);
+            for pool in [Pool::Prefill, Pool::Decode] {
+                let live = fleet.workers.iter().filter(|w| w.1 == pool && w.2 != WorkerState::Draining).count();
+                prop_assert!(live >= 1, "{:?} lost its last worker", pool);
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! The planner in the loop: what the event loop keeps for it, and what a run reports about it.
+//!
+//! The loop gathers traffic (arrivals and their prompt lengths, routed requests' predicted
+//! hit rate, first tokens, completions) and every engine's forward passes between ticks, hands
+//! them to [`kvroute_planner::Planner::tick`] at the times it asks for, and carries out its
+//! actions: an added worker gets an engine at once (it is provisioned, so it costs GPU time) and
+//! joins the router after the startup delay; a removed one is marked draining in the router,
+//! finishes its requests, and leaves the router when idle. The formulas are the planner's; this
+//! module only moves data.
+
+use std::time::Duration;
+
+use kvroute_core::time::Timestamp;
+use kvroute_planner::{Decision, Planner, PlannerConfig, Pool, TickRecord, Traffic};
+use serde::Serialize;
+
+/// The planner's state during a run.
+#[derive(Debug)]
+pub(crate) struct PlannerState {
+    pub(crate) planner: Planner,
+    /// Traffic since the previous tick.
+    pub(crate) traffic: Traffic,
+    pub(crate) last_tick: Timestamp,
+    pub(crate) decisions: Vec<Decision>,
+    pub(crate) ticks: Vec<TickRecord>,
+    pub(crate) startup: Duration,
+    /// KV events that reached the router after their worker was removed (dropped).
+    pub(crate) late_kv_events: u64,
+}
+
+impl PlannerState {
+    pub(crate) fn new(planner: Planner, startup: Duration) -> Self {
+        Self {
+            planner,
+            traffic: Traffic::default(),
+            last_tick: Timestamp::ZERO,
+            decisions: Vec::new(),
+            ticks: Vec::new(),
+            startup,
+            late_kv_events: 0,
+        }
+    }
+}
+
+/// One worker's life under the planner, seconds from the start.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerLife {
+    /// The worker's id.
+    pub id: u64,
+    /// Its pool.
+    pub pool: Pool,
+    /// When it was provisioned (0 for the initial fleet).
+    pub provisioned_s: f64,
+    /// When it became routable.
+    pub ready_s: Option<f64>,
+    /// When it started draining.
+    pub draining_s: Option<f64>,
+    /// When it was removed.
+    pub removed_s: Option<f64>,
+}
+
+/// SLA attainment of the requests that arrived in one window.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SlaWindow {
+    /// The window's start, seconds.
+    pub start_s: f64,
+    /// Requests that arrived in it.
+    pub arrived: u64,
+    /// Of those, completed.
+    pub completed: u64,
+    /// Of those, turned away.
+    pub rejected: u64,
+    /// Mean TTFT of the completed ones, ms.
+    pub mean_ttft_ms: Option<f64>,
+    /// Mean inter-token latency (TPOT) of the completed ones with two tokens or more, ms.
+    pub mean_itl_ms: Option<f64>,
+    /// Share of the completed ones meeting both targets on their own.
+    pub good_fraction: f64,
+    /// Whether the window met the SLA: something completed, nothing was turned away, and both
+    /// means are within the targets (the planner plans for means).
+    pub met: bool,
+}
+
+/// What the planner saw and did over a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PlannerRun {
+    /// TTFT target, ms.
+    pub ttft_sla_ms: f64,
+    /// ITL target, ms.
+    pub itl_sla_ms: f64,
+    /// The SLA windows' length, seconds.
+    pub window_s: f64,
+    /// SLA attainment per window.
+    pub windows: Vec<SlaWindow>,
+    /// Every decision, with its reasons.
+    pub decisions: Vec<Decision>,
+    /// Every tick: replicas, estimates, observed and predicted load.
+    pub ticks: Vec<TickRecord>,
+    /// Every worker's life.
+    pub workers: Vec<WorkerLife>,
+}
+
+impl PlannerRun {
+    /// Windows that met the SLA, and windows with arrivals.
+    pub fn attainment(&self) -> (u64, u64) {
+        let counted = self.windows.iter().filter(|w| w.arrived > 0).count() as u64;
+        let met = self.windows.iter().filter(|w| w.met).count() as u64;
+        (met, counted)
+    }
+}
+
+/// The planner's configuration echo for the report.
+pub(crate) fn sla_of(config: &PlannerConfig) -> (f64, f64) {
+    (config.sla.ttft_ms, config.sla.itl_ms)
+}
