@@ -62,6 +62,9 @@
 //! * **Pure-Rust ZeroMQ.** `zeromq` 0.7 (zmq.rs) has SUB (bind and connect, with reconnection
 //!   on connect), PUB (bind and connect), DEALER and ROUTER with multipart messages, over TCP
 //!   and IPC. It has no `inproc://` transport. The build needs nothing but cargo.
+//!   `tests/libzmq.rs` checks it against libzmq 4.3 (pyzmq) in both directions: our subscriber
+//!   and DEALER against a vLLM-like libzmq PUB and ROUTER, a libzmq SUB and DEALER against our
+//!   publisher.
 //! * **Ordering over throughput.** A replay holds the live stream back instead of interleaving
 //!   it, so the receiver sees one worker's batches strictly in sequence order and never has to
 //!   reorder. A long replay delays live batches; it never loses them (the socket queues them,
