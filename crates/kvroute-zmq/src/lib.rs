@@ -27,6 +27,7 @@
 //!                   buffer_steps: usize, encoding: EventEncoding, replay_layout: ReplayLayout,
 //!                   mode: Option<SocketMode> }
 //!     PublisherConfig::new(endpoint) -> PublisherConfig                 // the defaults
+//!     .with_endpoint(endpoint) -> PublisherConfig
 //! EventPublisher::start(PublisherConfig).await -> Result<EventPublisher, ZmqError>
 //! EventPublisher: publish(&self, Vec<WireEvent>, dp_rank: Option<u32>, ts: f64)
 //!     -> Result<u64, ZmqError> (the seq), drop_next(&self, n), endpoint(), replay_endpoint(),
@@ -36,6 +37,47 @@
 //! enum SocketMode { Bind, Connect }
 //! fn subscriber_mode(&str) -> SocketMode   // bind only for wildcard tcp hosts
 //! fn publisher_mode(&str) -> SocketMode    // vLLM's own rule
+//! fn rank_endpoint(&str, rank: u32) -> Result<String, ZmqError>  // vLLM's per-rank endpoint
+//! ```
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvroute_core::ids::WorkerId;
+//! use kvroute_wire::WireEvent;
+//! use kvroute_zmq::{EventPublisher, PublisherConfig, SubscriberConfig, SubscriberEvent, spawn_subscriber};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! // A mock worker on free loopback ports, with a replay socket.
+//! let publisher = EventPublisher::start(PublisherConfig {
+//!     replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+//!     ..PublisherConfig::new("tcp://127.0.0.1:0")
+//! })
+//! .await?;
+//!
+//! // The router's subscriber for it.
+//! let mut config = SubscriberConfig::new(WorkerId(1), publisher.endpoint());
+//! config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+//! let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+//! let subscriber = spawn_subscriber(config, tx).await?;
+//!
+//! // PUB/SUB drops what is sent before the subscription arrives: publish until something does.
+//! let first = loop {
+//!     publisher.publish(vec![WireEvent::AllBlocksCleared], Some(0), 0.0)?;
+//!     if let Ok(Some(event)) = tokio::time::timeout(Duration::from_millis(20), rx.recv()).await {
+//!         break event;
+//!     }
+//! };
+//! // Whichever batch arrived first, the replay brought the ones before it: the stream starts at 0.
+//! assert!(matches!(first, SubscriberEvent::Batch { ref batch, .. } if batch.seq == 0));
+//! subscriber.shutdown().await;
+//! publisher.shutdown().await;
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(example())
+//! # .map_err(|e| e.to_string())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # How the subscriber works
@@ -85,8 +127,9 @@
 //!
 //! * Applying events to an index, clearing a worker, metrics export: the consumer's job (the
 //!   server), using [`WireEvent::apply_to`](kvroute_wire::WireEvent::apply_to) and the counters.
-//! * Per data-parallel-rank endpoints: vLLM gives each rank its own port; run one subscriber per
-//!   port. Batches carry their rank, and sequence numbers are tracked per subscriber.
+//! * One socket for several data-parallel ranks: vLLM gives each rank its own port
+//!   ([`rank_endpoint`]); run one subscriber per rank. Batches carry their rank, and sequence
+//!   numbers are tracked per subscriber.
 //! * Snapshots of a worker's whole cache (a proposal upstream, not a protocol yet), CURVE
 //!   security, and a high-water-mark setting (the `zeromq` crate has none).
 #![forbid(unsafe_code)]
@@ -97,7 +140,7 @@ mod publisher;
 mod subscriber;
 
 pub use error::ZmqError;
-pub use mode::{SocketMode, publisher_mode, subscriber_mode};
+pub use mode::{SocketMode, publisher_mode, rank_endpoint, subscriber_mode};
 pub use publisher::{DEFAULT_BUFFER_STEPS, EventPublisher, PublisherConfig};
 pub use subscriber::{
     CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, SubscriberConfig, SubscriberCounters, SubscriberEvent,

@@ -141,7 +141,9 @@ pub enum SubscriberEvent {
         /// The sequence numbers lost.
         missing: Range<u64>,
     },
-    /// A message that could not be decoded (bad frames or payload), skipped. Never fatal.
+    /// A message that could not be decoded (bad frames or payload), skipped; or, in connect
+    /// mode, a connect that failed for a reason retrying at once would not fix (it is retried
+    /// after a second). Never fatal.
     Error {
         /// The worker.
         worker: WorkerId,
