@@ -130,6 +130,9 @@
 //! * One socket for several data-parallel ranks: vLLM gives each rank its own port
 //!   ([`rank_endpoint`]); run one subscriber per rank. Batches carry their rank, and sequence
 //!   numbers are tracked per subscriber.
+//! * Several engines on one bound subscriber (llm-d's centralized mode tells them apart by
+//!   topic): sequence numbers are per publisher, so a subscriber follows one engine. In bind
+//!   mode, give each worker its own port.
 //! * Snapshots of a worker's whole cache (a proposal upstream, not a protocol yet), CURVE
 //!   security, and a high-water-mark setting (the `zeromq` crate has none).
 #![forbid(unsafe_code)]

@@ -676,3 +676,56 @@ async fn a_subscriber_started_first_waits_for_its_publisher() {
     drop(handle);
     while let Some(_event) = timeout(PATIENCE, rx.recv()).await.expect("the channel closes") {}
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_loses_nothing() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
+    config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    // Room for one event: the subscriber waits on the consumer after every batch.
+    let (tx, mut rx) = mpsc::channel(1);
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    join(&publisher, &mut rx).await;
+
+    let first = publisher.next_seq();
+    for i in 0..300 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    for i in 0..300 {
+        if i % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(next_batch(&mut rx).await.seq, first + i);
+    }
+    assert_eq!(handle.counters().snapshot().gaps_lost, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipc_endpoints_work_with_the_default_modes() {
+    let dir = std::env::temp_dir().join(format!("kvroute-zmq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let path = |name: &str| format!("ipc://{}", dir.join(name).display());
+    let publisher = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(path("replay.sock")),
+        ..PublisherConfig::new(path("events.sock"))
+    })
+    .await
+    .expect("start");
+    // vLLM binds ipc endpoints, so a subscriber connects to them by default.
+    let (handle, mut rx) = subscribe(&publisher, |c| c.topic.clear()).await;
+    assert_eq!(handle.mode(), SocketMode::Connect);
+    let events = join(&publisher, &mut rx).await;
+    assert!(
+        matches!(&events[0], SubscriberEvent::Batch { batch, .. } if batch.seq == 0),
+        "{events:?}"
+    );
+    drop(handle);
+    publisher.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
