@@ -103,7 +103,9 @@
 //!
 //! * **Pure-Rust ZeroMQ.** `zeromq` 0.7 (zmq.rs) has SUB (bind and connect, with reconnection
 //!   on connect), PUB (bind and connect), DEALER and ROUTER with multipart messages, over TCP
-//!   and IPC. It has no `inproc://` transport. The build needs nothing but cargo.
+//!   and IPC. It has no `inproc://` transport, and its PUB does not reconnect by itself, so a
+//!   connecting publisher watches the socket's events and connects again when its subscriber
+//!   goes away (as libzmq would). The build needs nothing but cargo.
 //!   `tests/libzmq.rs` checks it against libzmq 4.3 (pyzmq) in both directions: our subscriber
 //!   and DEALER against a vLLM-like libzmq PUB and ROUTER, a libzmq SUB and DEALER against our
 //!   publisher.

@@ -5,12 +5,13 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvroute_wire::replay::{self, ReplayLayout};
 use kvroute_wire::{EventBatch, EventEncoding, RawBatch, WireEvent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::ZmqError;
 use crate::mode::{SocketMode, normalize};
@@ -294,19 +295,57 @@ pub(crate) async fn close(socket: impl Socket) {
     let _ = tokio::time::timeout(CLOSE_LIMIT, socket.close()).await;
 }
 
+/// How long a connecting publisher waits between attempts that failed for good.
+const RECONNECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 async fn live_loop(
     socket: &mut PubSocket,
     connect_to: Option<String>,
     mut rx: mpsc::UnboundedReceiver<ZmqMessage>,
 ) {
-    if let Some(endpoint) = connect_to {
-        while socket.connect(&endpoint).await.is_err() {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let Some(endpoint) = connect_to else {
+        while let Some(message) = rx.recv().await {
+            // A PUB socket's send only fails when the socket is gone; there is no one to tell.
+            let _ = socket.send(message).await;
         }
-    }
-    while let Some(message) = rx.recv().await {
-        // A PUB socket's send only fails when the socket is gone; there is no one to tell.
-        let _ = socket.send(message).await;
+        return;
+    };
+    // The `zeromq` crate's PUB does not reconnect by itself (its SUB does): watch for the
+    // subscriber going away and connect again, as libzmq would.
+    let mut events = socket.monitor();
+    loop {
+        {
+            // Until connected, what is published is dropped, as a PUB without subscribers
+            // drops it; it stays in the replay ring.
+            let connect = async {
+                while socket.connect(&endpoint).await.is_err() {
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                }
+            };
+            tokio::pin!(connect);
+            loop {
+                tokio::select! {
+                    () = &mut connect => break,
+                    message = rx.recv() => if message.is_none() { return },
+                }
+            }
+        }
+        loop {
+            tokio::select! {
+                message = rx.recv() => match message {
+                    Some(message) => {
+                        let _ = socket.send(message).await;
+                    }
+                    None => return,
+                },
+                event = events.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) => break,
+                    Some(_) => {}
+                    // The socket is closing.
+                    None => return,
+                },
+            }
+        }
     }
 }
 

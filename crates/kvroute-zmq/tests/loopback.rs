@@ -729,3 +729,35 @@ async fn ipc_endpoints_work_with_the_default_modes() {
     publisher.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
+    let bind = |endpoint: String| async move {
+        let (tx, rx) = mpsc::channel(1024);
+        let config = SubscriberConfig {
+            mode: Some(SocketMode::Bind),
+            ..SubscriberConfig::new(WORKER, endpoint)
+        };
+        (spawn_subscriber(config, tx).await.expect("spawn_subscriber"), rx)
+    };
+    let (first, mut rx) = bind("tcp://127.0.0.1:0".into()).await;
+    let endpoint = first.endpoint().to_owned();
+    let publisher = EventPublisher::start(PublisherConfig {
+        mode: Some(SocketMode::Connect),
+        ..PublisherConfig::new(endpoint.clone())
+    })
+    .await
+    .expect("start");
+    join(&publisher, &mut rx).await;
+    first.shutdown().await;
+
+    // A new subscriber on the same port (the router restarted): the publisher connects again.
+    let (second, mut rx) = bind(endpoint).await;
+    let events = join(&publisher, &mut rx).await;
+    // It joined a run already under way and has no replay endpoint: what came before is lost.
+    assert!(
+        matches!(events[0], SubscriberEvent::GapLost { ref missing, .. } if missing.start == 0),
+        "{events:?}"
+    );
+    assert!(!second.is_finished());
+}
