@@ -10,11 +10,17 @@
 //! SubscriberConfig { worker: WorkerId, endpoint: String, replay_endpoint: Option<String>,
 //!                    topic: String, mode: Option<SocketMode>, replay_timeout_ms: u64 }
 //!     SubscriberConfig::new(worker, endpoint) -> SubscriberConfig      // the defaults
+//!     .effective_mode() -> SocketMode, .validate() -> Result<(), ZmqError>
+//!     // serde, unknown keys rejected; defaults: no replay, topic "", mode from the endpoint,
+//!     // replay_timeout_ms 1000. `worker` is the integer id.
 //! async fn spawn_subscriber(SubscriberConfig, mpsc::Sender<SubscriberEvent>)
 //!     -> Result<SubscriberHandle, ZmqError>
 //! SubscriberHandle: worker(), mode(), endpoint() (bound, port resolved), counters()
 //!     -> &Arc<SubscriberCounters> (.snapshot() -> CounterSnapshot), is_finished(),
-//!     async shutdown(self); dropping it stops the task.
+//!     async shutdown(self) (waits until the socket is closed); dropping it stops the task.
+//! CounterSnapshot { received, emitted, replayed, duplicates, gaps_detected, gaps_recovered,
+//!                   gaps_lost, batches_lost, restarts, decode_errors, replay_failures,
+//!                   socket_errors }
 //! enum SubscriberEvent {
 //!     Batch { worker, batch: EventBatch },    // in sequence order, replayed ones included
 //!     Restarted { worker },                   // seq went back: clear the worker
@@ -27,7 +33,10 @@
 //!                   buffer_steps: usize, encoding: EventEncoding, replay_layout: ReplayLayout,
 //!                   mode: Option<SocketMode> }
 //!     PublisherConfig::new(endpoint) -> PublisherConfig                 // the defaults
-//!     .with_endpoint(endpoint) -> PublisherConfig
+//!     .with_endpoint(endpoint) -> PublisherConfig, .validate() -> Result<(), ZmqError>
+//!     // serde, unknown keys rejected; defaults: no replay, topic "", buffer_steps 10 000,
+//!     // encoding "map" ("positional"), replay_layout "topic_seq_payload" ("seq_payload"),
+//!     // mode None = bind (vLLM's own rule is `publisher_mode`).
 //! EventPublisher::start(PublisherConfig).await -> Result<EventPublisher, ZmqError>
 //! EventPublisher: publish(&self, Vec<WireEvent>, dp_rank: Option<u32>, ts: f64)
 //!     -> Result<u64, ZmqError> (the seq), drop_next(&self, n), endpoint(), replay_endpoint(),
