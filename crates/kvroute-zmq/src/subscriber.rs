@@ -1,0 +1,562 @@
+//! The router's side: one SUB socket per worker endpoint, gaps filled through the publisher's
+//! replay socket, batches handed on in sequence order.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute_core::ids::WorkerId;
+use kvroute_wire::replay::{self, ReplayReply};
+use kvroute_wire::{EventBatch, RawBatch, ReplayStatus, SeqStatus, SeqTracker};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::error::ZmqError;
+use crate::mode::{SocketMode, normalize, subscriber_mode};
+
+/// How long a replay may go without progress by default (see
+/// [`SubscriberConfig::replay_timeout_ms`]).
+pub const DEFAULT_REPLAY_TIMEOUT_MS: u64 = 1_000;
+
+/// After a socket error (a peer gone) the receive loop pauses this long before reading again,
+/// so that a burst of errors cannot spin a core.
+const ERROR_PAUSE: Duration = Duration::from_millis(10);
+
+/// After a connect that failed for good (not "refused", which the socket retries itself), the
+/// subscriber tries again after this long.
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// One worker's event stream: where to listen and how to recover.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriberConfig {
+    /// The worker whose events these are; every [`SubscriberEvent`] carries it.
+    #[serde(with = "worker_id")]
+    pub worker: WorkerId,
+    /// The engine's PUB endpoint (`tcp://host:port` or `ipc://path`), or the address to listen
+    /// on when the engine connects out (`tcp://*:port`).
+    pub endpoint: String,
+    /// The engine's replay (ROUTER) endpoint; `None` when it has none: gaps are then reported
+    /// as lost at once.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// The topic prefix to subscribe to; `""` takes every message.
+    #[serde(default)]
+    pub topic: String,
+    /// Bind or connect; `None` decides from the endpoint ([`subscriber_mode`]).
+    #[serde(default)]
+    pub mode: Option<SocketMode>,
+    /// How long a replay may go without progress, in milliseconds: the limit on connecting to
+    /// the replay socket, and then on each wait for the next reply. When it passes, the rest of
+    /// the gap is reported lost ([`SubscriberEvent::GapLost`]) and the stream goes on.
+    #[serde(default = "default_replay_timeout_ms")]
+    pub replay_timeout_ms: u64,
+}
+
+fn default_replay_timeout_ms() -> u64 {
+    DEFAULT_REPLAY_TIMEOUT_MS
+}
+
+impl SubscriberConfig {
+    /// A config with the defaults: no replay, every topic, mode from the endpoint, 1 s replay
+    /// timeout.
+    pub fn new(worker: WorkerId, endpoint: impl Into<String>) -> Self {
+        Self {
+            worker,
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            mode: None,
+            replay_timeout_ms: DEFAULT_REPLAY_TIMEOUT_MS,
+        }
+    }
+
+    /// The mode the subscriber will use: the override, or [`subscriber_mode`].
+    pub fn effective_mode(&self) -> SocketMode {
+        self.mode.unwrap_or_else(|| subscriber_mode(&self.endpoint))
+    }
+
+    /// Checks the endpoints parse and the timeout is positive.
+    pub fn validate(&self) -> Result<(), ZmqError> {
+        check_endpoint("endpoint", &self.endpoint)?;
+        if let Some(replay) = &self.replay_endpoint {
+            check_endpoint("replay_endpoint", replay)?;
+        }
+        if self.replay_timeout_ms == 0 {
+            return Err(ZmqError::Config("replay_timeout_ms must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `endpoint` (the config field `field`) is one the socket library accepts.
+pub(crate) fn check_endpoint(field: &str, endpoint: &str) -> Result<(), ZmqError> {
+    normalize(endpoint)
+        .parse::<zeromq::Endpoint>()
+        .map(|_| ())
+        .map_err(|e| ZmqError::Config(format!("{field} {endpoint:?}: {e}")))
+}
+
+/// `WorkerId` as its integer in configs.
+mod worker_id {
+    use kvroute_core::ids::WorkerId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(id: &WorkerId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(id.0)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WorkerId, D::Error> {
+        u64::deserialize(d).map(WorkerId)
+    }
+}
+
+/// What a subscriber hands on, in order, for its worker.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SubscriberEvent {
+    /// The next batch, in sequence order (live or replayed): apply its events to
+    /// `batch.worker_key(worker)`.
+    Batch {
+        /// The worker.
+        worker: WorkerId,
+        /// The decoded batch.
+        batch: EventBatch,
+    },
+    /// The publisher restarted (its sequence number went back): its cache is new, so clear
+    /// every rank of this worker. Batches of the new run follow.
+    Restarted {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// These batches are gone (no replay endpoint, the replay timed out, or the publisher no
+    /// longer buffers them); the stream continues after them. What the worker's state is now is
+    /// unknown: the consumer decides (keep it, or clear it to never route on evicted blocks).
+    GapLost {
+        /// The worker.
+        worker: WorkerId,
+        /// The sequence numbers lost.
+        missing: Range<u64>,
+    },
+    /// A message that could not be decoded (bad frames or payload), skipped; or, in connect
+    /// mode, a connect that failed for a reason retrying at once would not fix (it is retried
+    /// after a second). Never fatal.
+    Error {
+        /// The worker.
+        worker: WorkerId,
+        /// What was wrong, naming the sequence number when it was readable.
+        error: String,
+    },
+}
+
+/// A subscriber's counters, shared with its task; read them for metrics.
+#[derive(Debug, Default)]
+pub struct SubscriberCounters {
+    received: AtomicU64,
+    emitted: AtomicU64,
+    replayed: AtomicU64,
+    duplicates: AtomicU64,
+    gaps_detected: AtomicU64,
+    gaps_recovered: AtomicU64,
+    gaps_lost: AtomicU64,
+    batches_lost: AtomicU64,
+    restarts: AtomicU64,
+    decode_errors: AtomicU64,
+    replay_failures: AtomicU64,
+    socket_errors: AtomicU64,
+}
+
+/// A copy of [`SubscriberCounters`] at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// Live messages received with well-formed frames.
+    pub received: u64,
+    /// [`SubscriberEvent::Batch`]es handed on (live and replayed).
+    pub emitted: u64,
+    /// Of those, batches that came through a replay.
+    pub replayed: u64,
+    /// Batches dropped as already handed on (live after a replay, or replayed twice).
+    pub duplicates: u64,
+    /// Gaps in the live sequence numbers (a restart that skipped its first batches counts too).
+    pub gaps_detected: u64,
+    /// Gaps filled entirely by a replay.
+    pub gaps_recovered: u64,
+    /// [`SubscriberEvent::GapLost`]s sent.
+    pub gaps_lost: u64,
+    /// Batches reported lost, summed over those events.
+    pub batches_lost: u64,
+    /// Publisher restarts seen ([`SubscriberEvent::Restarted`]s sent).
+    pub restarts: u64,
+    /// Messages that could not be decoded ([`SubscriberEvent::Error`]s sent).
+    pub decode_errors: u64,
+    /// Replays that failed (no connection, no answer in time, a socket error).
+    pub replay_failures: u64,
+    /// Errors of the live socket (a publisher disconnecting, a failed connect).
+    pub socket_errors: u64,
+}
+
+impl SubscriberCounters {
+    /// The counters now. Each is read on its own (relaxed), so a snapshot taken while batches
+    /// flow may be a few increments apart between fields.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterSnapshot {
+            received: get(&self.received),
+            emitted: get(&self.emitted),
+            replayed: get(&self.replayed),
+            duplicates: get(&self.duplicates),
+            gaps_detected: get(&self.gaps_detected),
+            gaps_recovered: get(&self.gaps_recovered),
+            gaps_lost: get(&self.gaps_lost),
+            batches_lost: get(&self.batches_lost),
+            restarts: get(&self.restarts),
+            decode_errors: get(&self.decode_errors),
+            replay_failures: get(&self.replay_failures),
+            socket_errors: get(&self.socket_errors),
+        }
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    add(counter, 1);
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A running subscriber. Dropping it stops its task, which then closes its sockets;
+/// [`SubscriberHandle::shutdown`] also waits until they are closed.
+#[derive(Debug)]
+pub struct SubscriberHandle {
+    worker: WorkerId,
+    mode: SocketMode,
+    endpoint: String,
+    counters: Arc<SubscriberCounters>,
+    /// Dropped to stop the task.
+    stop: watch::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl SubscriberHandle {
+    /// The worker.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// Whether the SUB socket binds or connects.
+    pub fn mode(&self) -> SocketMode {
+        self.mode
+    }
+
+    /// In bind mode the endpoint actually bound (port 0 resolved to the real port); in connect
+    /// mode the endpoint connected to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The shared counters.
+    pub fn counters(&self) -> &Arc<SubscriberCounters> {
+        &self.counters
+    }
+
+    /// Whether the task has ended (its receiver was dropped, or it was stopped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops the task and waits until its sockets are closed (in bind mode, until the port is
+    /// free to bind again).
+    pub async fn shutdown(self) {
+        let Self { stop, task, .. } = self;
+        drop(stop);
+        // A task that panicked has stopped too.
+        let _ = task.await;
+    }
+}
+
+/// Starts a subscriber for `config.worker`: binds its SUB socket now (in bind mode, so that
+/// [`SubscriberHandle::endpoint`] is the real address) or connects in the background, retrying
+/// until the publisher is up (in connect mode), then sends every [`SubscriberEvent`] of the
+/// worker to `tx`, in order. The task ends when the handle is dropped or `tx`'s receiver is.
+///
+/// A slow receiver slows the subscriber down: the socket's queue and then the publisher's fill,
+/// the publisher drops batches, and the subscriber recovers them through replay or reports them
+/// lost. Must be called within a Tokio runtime.
+pub async fn spawn_subscriber(
+    config: SubscriberConfig,
+    tx: mpsc::Sender<SubscriberEvent>,
+) -> Result<SubscriberHandle, ZmqError> {
+    config.validate()?;
+    let mode = config.effective_mode();
+    let endpoint = normalize(&config.endpoint);
+    let mut options = SocketOptions::default();
+    options.no_connect_timeout();
+    let mut socket = SubSocket::with_options(options);
+    socket
+        .subscribe(&config.topic)
+        .await
+        .map_err(|e| ZmqError::socket(format!("subscribing to {:?}", config.topic), e))?;
+    let (endpoint, connect_to) = match mode {
+        SocketMode::Bind => {
+            let bound = socket
+                .bind(&endpoint)
+                .await
+                .map_err(|e| ZmqError::socket(format!("binding {endpoint}"), e))?;
+            (bound.to_string(), None)
+        }
+        SocketMode::Connect => (endpoint.clone(), Some(endpoint)),
+    };
+    let counters = Arc::new(SubscriberCounters::default());
+    let session = Session {
+        worker: config.worker,
+        replay_endpoint: config.replay_endpoint.as_deref().map(normalize),
+        replay_timeout: Duration::from_millis(config.replay_timeout_ms),
+        tx,
+        counters: Arc::clone(&counters),
+        tracker: SeqTracker::new(),
+        dealer: None,
+    };
+    let (stop, stopped) = watch::channel(());
+    let task = tokio::spawn(session.run(socket, connect_to, stopped));
+    Ok(SubscriberHandle {
+        worker: config.worker,
+        mode,
+        endpoint,
+        counters,
+        stop,
+        task,
+    })
+}
+
+/// The receiver of the events is gone: the task ends.
+struct Closed;
+
+/// How a replay ended.
+enum ReplayEnd {
+    /// The end marker arrived.
+    Done,
+    /// It failed; the rest of the gap is lost.
+    Failed,
+}
+
+/// The task's state.
+struct Session {
+    worker: WorkerId,
+    replay_endpoint: Option<String>,
+    replay_timeout: Duration,
+    tx: mpsc::Sender<SubscriberEvent>,
+    counters: Arc<SubscriberCounters>,
+    tracker: SeqTracker,
+    /// The replay connection, kept between replays; dropped after any failure so that no late
+    /// reply of an abandoned replay can be read as part of the next one.
+    dealer: Option<DealerSocket>,
+}
+
+impl Session {
+    /// Serves until `stop` fires or the receiver is gone, then closes the socket.
+    async fn run(mut self, mut socket: SubSocket, connect_to: Option<String>, mut stop: watch::Receiver<()>) {
+        tokio::select! {
+            _ = stop.changed() => {}
+            () = self.serve(&mut socket, connect_to) => {}
+        }
+        crate::publisher::close(socket).await;
+    }
+
+    async fn serve(&mut self, socket: &mut SubSocket, connect_to: Option<String>) {
+        if let Some(endpoint) = connect_to {
+            // "Connection refused" is retried inside `connect` (with backoff, no time limit);
+            // what comes back is an error that will not go away by itself.
+            while let Err(e) = socket.connect(&endpoint).await {
+                bump(&self.counters.socket_errors);
+                let error = format!("connecting to {endpoint}: {e}");
+                if self
+                    .send(SubscriberEvent::Error {
+                        worker: self.worker,
+                        error,
+                    })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+            }
+        }
+        loop {
+            let received = tokio::select! {
+                _ = self.tx.closed() => return,
+                received = socket.recv() => received,
+            };
+            match received {
+                Ok(message) => {
+                    if self.live(message.into_vec()).await.is_err() {
+                        return;
+                    }
+                }
+                Err(_) => {
+                    // A publisher disconnected; the socket reconnects (connect mode) or accepts
+                    // it again (bind mode) by itself.
+                    bump(&self.counters.socket_errors);
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                }
+            }
+        }
+    }
+
+    /// One live message.
+    async fn live(&mut self, frames: Vec<Bytes>) -> Result<(), Closed> {
+        let raw = match RawBatch::from_live(&frames) {
+            Ok(raw) => raw,
+            Err(e) => return self.error(format!("live message: {e}")).await,
+        };
+        bump(&self.counters.received);
+        match self.tracker.observe_live(raw.seq) {
+            SeqStatus::InOrder => self.emit(&raw, false).await,
+            SeqStatus::Duplicate => {
+                bump(&self.counters.duplicates);
+                Ok(())
+            }
+            SeqStatus::Gap { missing } => self.fill_gap(missing, &raw).await,
+            SeqStatus::Restart { missing } => {
+                bump(&self.counters.restarts);
+                // The replay connection went to the old process.
+                self.dealer = None;
+                self.send(SubscriberEvent::Restarted { worker: self.worker })
+                    .await?;
+                if missing.is_empty() {
+                    self.emit(&raw, false).await
+                } else {
+                    self.fill_gap(missing, &raw).await
+                }
+            }
+        }
+    }
+
+    /// `missing` never arrived; `held` is the live batch that showed it. Replays from
+    /// `missing.start` if there is a replay endpoint, reports whatever stays missing as lost,
+    /// and hands on `held` if the replay did not.
+    ///
+    /// The live socket is not read meanwhile: its messages wait in its queue, and those a
+    /// replay already brought are dropped as duplicates afterwards.
+    async fn fill_gap(&mut self, missing: Range<u64>, held: &RawBatch<'_>) -> Result<(), Closed> {
+        bump(&self.counters.gaps_detected);
+        let mut lost = false;
+        if let Some(endpoint) = self.replay_endpoint.clone()
+            && let ReplayEnd::Failed = self.replay(&endpoint, missing.start, &mut lost).await?
+        {
+            bump(&self.counters.replay_failures);
+        }
+        if self.tracker.next_expected() <= held.seq {
+            // The replay did not reach `held`: what it did not bring is lost, `held` goes on.
+            if let Some(skipped) = self.tracker.skip_gap()
+                && !skipped.is_empty()
+            {
+                lost = true;
+                self.lost(skipped).await?;
+            }
+            self.emit(held, false).await?;
+        }
+        if !lost {
+            bump(&self.counters.gaps_recovered);
+        }
+        Ok(())
+    }
+
+    /// Asks for every buffered batch from `start` and hands on those the tracker takes. Sets
+    /// `lost` if the publisher no longer had some.
+    async fn replay(&mut self, endpoint: &str, start: u64, lost: &mut bool) -> Result<ReplayEnd, Closed> {
+        let limit = self.replay_timeout;
+        let mut dealer = match self.dealer.take() {
+            Some(dealer) => dealer,
+            None => {
+                let mut options = SocketOptions::default();
+                options.connect_timeout(limit);
+                let mut dealer = DealerSocket::with_options(options);
+                match tokio::time::timeout(limit, dealer.connect(endpoint)).await {
+                    Ok(Ok(())) => dealer,
+                    _ => return Ok(ReplayEnd::Failed),
+                }
+            }
+        };
+        let request = replay::request(start).map(Bytes::from).to_vec();
+        let Ok(request) = ZmqMessage::try_from(request) else {
+            return Ok(ReplayEnd::Failed);
+        };
+        if !matches!(
+            tokio::time::timeout(limit, dealer.send(request)).await,
+            Ok(Ok(()))
+        ) {
+            return Ok(ReplayEnd::Failed);
+        }
+        loop {
+            let frames = match tokio::time::timeout(limit, dealer.recv()).await {
+                Ok(Ok(message)) => message.into_vec(),
+                _ => return Ok(ReplayEnd::Failed),
+            };
+            match replay::parse_reply(&frames) {
+                Ok(ReplayReply::End) => {
+                    self.dealer = Some(dealer);
+                    return Ok(ReplayEnd::Done);
+                }
+                Ok(ReplayReply::Batch(raw)) => match self.tracker.observe_replayed(raw.seq) {
+                    ReplayStatus::InOrder => self.emit(&raw, true).await?,
+                    ReplayStatus::Duplicate => bump(&self.counters.duplicates),
+                    ReplayStatus::Lost { missing } => {
+                        *lost = true;
+                        self.lost(missing).await?;
+                        self.emit(&raw, true).await?;
+                    }
+                },
+                Err(e) => self.error(format!("replay reply: {e}")).await?,
+            }
+        }
+    }
+
+    /// Decodes `raw` and hands it on (or reports it undecodable).
+    async fn emit(&mut self, raw: &RawBatch<'_>, replayed: bool) -> Result<(), Closed> {
+        match raw.decode() {
+            Ok(batch) => {
+                bump(&self.counters.emitted);
+                if replayed {
+                    bump(&self.counters.replayed);
+                }
+                self.send(SubscriberEvent::Batch {
+                    worker: self.worker,
+                    batch,
+                })
+                .await
+            }
+            Err(e) => self.error(format!("batch {}: {e}", raw.seq)).await,
+        }
+    }
+
+    async fn lost(&mut self, missing: Range<u64>) -> Result<(), Closed> {
+        bump(&self.counters.gaps_lost);
+        add(
+            &self.counters.batches_lost,
+            missing.end.saturating_sub(missing.start),
+        );
+        self.send(SubscriberEvent::GapLost {
+            worker: self.worker,
+            missing,
+        })
+        .await
+    }
+
+    async fn error(&mut self, error: String) -> Result<(), Closed> {
+        bump(&self.counters.decode_errors);
+        self.send(SubscriberEvent::Error {
+            worker: self.worker,
+            error,
+        })
+        .await
+    }
+
+    async fn send(&self, event: SubscriberEvent) -> Result<(), Closed> {
+        self.tx.send(event).await.map_err(|_| Closed)
+    }
+}

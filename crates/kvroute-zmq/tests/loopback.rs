@@ -1,0 +1,763 @@
+//! Publisher and subscriber over loopback TCP: order, replay, loss, restarts, garbage, modes,
+//! and events reaching an index.
+//!
+//! Ports are never fixed: sockets bind port 0 and the tests read the real port back. PUB/SUB
+//! drops what is published before the subscription reaches the publisher ("slow joiner"), so
+//! each test first publishes empty warm-up batches until one arrives ([`join`]); with a replay
+//! socket the subscriber then replays the ones it missed, so every test starts from a known
+//! sequence number without sleeping for a guessed time.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute_core::ids::{ExternalBlockHash, WorkerId};
+use kvroute_core::index::{IndexConfig, PrefixIndex};
+use kvroute_wire::replay::ReplayLayout;
+use kvroute_wire::{ApplyConfig, BlockRemoved, BlockStored, EventBatch, EventEncoding, WireEvent};
+use kvroute_zmq::{
+    CounterSnapshot, EventPublisher, PublisherConfig, SocketMode, SubscriberConfig, SubscriberEvent,
+    SubscriberHandle, spawn_subscriber,
+};
+use tokio::sync::mpsc;
+use tokio::time::timeout;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+const WORKER: WorkerId = WorkerId(3);
+/// Generous: only reached when a test is failing.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The next event, or a panic after [`PATIENCE`].
+async fn next(rx: &mut mpsc::Receiver<SubscriberEvent>) -> SubscriberEvent {
+    match timeout(PATIENCE, rx.recv()).await {
+        Ok(Some(event)) => event,
+        Ok(None) => panic!("the subscriber stopped"),
+        Err(_) => panic!("no event within {PATIENCE:?}"),
+    }
+}
+
+/// The next event, which must be a batch.
+async fn next_batch(rx: &mut mpsc::Receiver<SubscriberEvent>) -> EventBatch {
+    match next(rx).await {
+        SubscriberEvent::Batch { worker, batch } => {
+            assert_eq!(worker, WORKER);
+            batch
+        }
+        other => panic!("expected a batch, got {other:?}"),
+    }
+}
+
+/// Publishes empty batches until the subscriber hands one on, then waits until it has handed
+/// on the last one published. Returns every event seen on the way.
+async fn join(publisher: &EventPublisher, rx: &mut mpsc::Receiver<SubscriberEvent>) -> Vec<SubscriberEvent> {
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    // Until something arrives, a warm-up batch every 20 ms.
+    while events.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the subscriber never connected"
+        );
+        publisher.publish(Vec::new(), None, 0.0).expect("publish");
+        while let Ok(Some(event)) = timeout(Duration::from_millis(20), rx.recv()).await {
+            events.push(event);
+        }
+    }
+    let last = publisher.next_seq() - 1;
+    while !events
+        .iter()
+        .any(|e| matches!(e, SubscriberEvent::Batch { batch, .. } if batch.seq == last))
+    {
+        events.push(next(rx).await);
+    }
+    events
+}
+
+/// The counters once `done` holds of them (they may trail the events by a moment).
+async fn settled(handle: &SubscriberHandle, done: impl Fn(&CounterSnapshot) -> bool) -> CounterSnapshot {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let counters = handle.counters().snapshot();
+        if done(&counters) || tokio::time::Instant::now() > deadline {
+            return counters;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, block_size: u32) -> WireEvent {
+    WireEvent::BlockStored(BlockStored {
+        block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
+        parent_block_hash: parent.map(ExternalBlockHash),
+        token_ids: (0..hashes.len() as u32 * block_size).map(|t| t + 100).collect(),
+        block_size,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        group_idx: None,
+    })
+}
+
+/// A batch's worth of varied events, different for each `i`.
+fn events(i: u64) -> Vec<WireEvent> {
+    vec![
+        stored(&[i * 10 + 1, i * 10 + 2], Some(i), 4),
+        WireEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![ExternalBlockHash(i)],
+            medium: Some("GPU".into()),
+            group_idx: None,
+        }),
+        WireEvent::AllBlocksCleared,
+    ]
+}
+
+fn loopback_publisher(encoding: EventEncoding, layout: ReplayLayout, replay: bool) -> PublisherConfig {
+    PublisherConfig {
+        replay_endpoint: replay.then(|| "tcp://127.0.0.1:0".to_owned()),
+        topic: "kv@test".into(),
+        encoding,
+        replay_layout: layout,
+        ..PublisherConfig::new("tcp://127.0.0.1:0")
+    }
+}
+
+/// A subscriber connected to `publisher` (and to its replay socket, if it has one).
+async fn subscribe(
+    publisher: &EventPublisher,
+    configure: impl FnOnce(&mut SubscriberConfig),
+) -> (SubscriberHandle, mpsc::Receiver<SubscriberEvent>) {
+    let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
+    config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    config.topic = "kv@".into();
+    configure(&mut config);
+    let (tx, rx) = mpsc::channel(1024);
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    (handle, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_arrive_in_order_and_decode_as_published() {
+    for encoding in [EventEncoding::Map, EventEncoding::Positional] {
+        let publisher =
+            EventPublisher::start(loopback_publisher(encoding, ReplayLayout::TopicSeqPayload, true))
+                .await
+                .expect("start");
+        let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+        let warmup = join(&publisher, &mut rx).await;
+        // Every warm-up batch arrives, in order: the ones sent before the subscription
+        // reached the publisher come through the replay.
+        let seqs: Vec<u64> = warmup
+            .iter()
+            .map(|e| match e {
+                SubscriberEvent::Batch { batch, .. } => batch.seq,
+                other => panic!("{encoding:?}: unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            seqs,
+            (0..publisher.next_seq()).collect::<Vec<_>>(),
+            "{encoding:?}"
+        );
+
+        let first = publisher.next_seq();
+        for i in 0..20 {
+            let seq = publisher
+                .publish(events(i), Some(i as u32 % 2), 1_767_225_600.0 + i as f64)
+                .expect("publish");
+            assert_eq!(seq, first + i);
+        }
+        for i in 0..20 {
+            let batch = next_batch(&mut rx).await;
+            let expected = EventBatch {
+                topic: "kv@test".into(),
+                seq: first + i,
+                ts: 1_767_225_600.0 + i as f64,
+                events: events(i),
+                dp_rank: Some(i as u32 % 2),
+            };
+            assert_eq!(batch, expected, "{encoding:?}");
+        }
+        let counters = handle.counters().snapshot();
+        assert_eq!(counters.emitted, first + 20, "{encoding:?}: {counters:?}");
+        assert_eq!(
+            (counters.gaps_lost, counters.decode_errors, counters.restarts),
+            (0, 0, 0)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_is_recovered_through_replay() {
+    for layout in [ReplayLayout::TopicSeqPayload, ReplayLayout::SeqPayload] {
+        let publisher = EventPublisher::start(loopback_publisher(EventEncoding::Map, layout, true))
+            .await
+            .expect("start");
+        let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+        join(&publisher, &mut rx).await;
+        let before = handle.counters().snapshot();
+
+        let first = publisher.next_seq();
+        publisher.drop_next(2);
+        for i in 0..5 {
+            publisher.publish(events(i), None, i as f64).expect("publish");
+        }
+        for i in 0..5 {
+            let batch = next_batch(&mut rx).await;
+            assert_eq!((batch.seq, &batch.events), (first + i, &events(i)), "{layout:?}");
+        }
+        // A gap counts as recovered once its replay has ended, which may be just after its last
+        // batch was handed on.
+        let after = settled(&handle, |c| c.gaps_recovered > before.gaps_recovered).await;
+        assert_eq!(
+            after.gaps_detected - before.gaps_detected,
+            1,
+            "{layout:?}: {after:?}"
+        );
+        assert_eq!(
+            after.gaps_recovered - before.gaps_recovered,
+            1,
+            "{layout:?}: {after:?}"
+        );
+        // The two dropped batches and the one that showed the gap, at least.
+        assert!(after.replayed - before.replayed >= 3, "{layout:?}: {after:?}");
+        assert_eq!(after.gaps_lost, before.gaps_lost, "{layout:?}: {after:?}");
+        assert_eq!(after.emitted - before.emitted, 5, "{layout:?}: {after:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_replay_endpoint_a_gap_is_lost_and_the_stream_goes_on() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        false,
+    ))
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    let first = publisher.next_seq();
+    publisher.drop_next(1);
+    for i in 0..3 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    assert_eq!(
+        next(&mut rx).await,
+        SubscriberEvent::GapLost {
+            worker: WORKER,
+            missing: first..first + 1
+        }
+    );
+    assert_eq!(next_batch(&mut rx).await.seq, first + 1);
+    assert_eq!(next_batch(&mut rx).await.seq, first + 2);
+    let after = handle.counters().snapshot();
+    assert_eq!(after.gaps_detected - before.gaps_detected, 1);
+    assert_eq!(after.gaps_lost - before.gaps_lost, 1);
+    assert_eq!(after.batches_lost - before.batches_lost, 1);
+    assert_eq!(after.gaps_recovered, before.gaps_recovered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_replay_endpoint_times_out_into_a_lost_gap() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        false,
+    ))
+    .await
+    .expect("start");
+    // A port that was free a moment ago: nothing listens there.
+    let unused = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let (handle, mut rx) = subscribe(&publisher, |c| {
+        c.replay_endpoint = Some(format!("tcp://127.0.0.1:{unused}"));
+        c.replay_timeout_ms = 200;
+    })
+    .await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    let first = publisher.next_seq();
+    publisher.drop_next(1);
+    for i in 0..2 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    assert_eq!(
+        next(&mut rx).await,
+        SubscriberEvent::GapLost {
+            worker: WORKER,
+            missing: first..first + 1
+        }
+    );
+    assert_eq!(next_batch(&mut rx).await.seq, first + 1);
+    let after = handle.counters().snapshot();
+    assert_eq!(after.replay_failures - before.replay_failures, 1, "{after:?}");
+    assert_eq!(after.gaps_lost - before.gaps_lost, 1, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_publisher_is_reported_and_its_new_run_follows() {
+    // The subscriber binds and the publishers connect out to it (llm-d's centralized mode),
+    // so the second publisher reaches the same subscriber without reusing a port.
+    let (tx, mut rx) = mpsc::channel(1024);
+    let mut config = SubscriberConfig::new(WORKER, "tcp://*:0");
+    assert_eq!(config.effective_mode(), SocketMode::Bind);
+    config.topic = "kv@".into();
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    let port = handle.endpoint().rsplit(':').next().expect("a port").to_owned();
+    let publisher_config = || PublisherConfig {
+        mode: Some(SocketMode::Connect),
+        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true)
+    };
+    let start = |replay: bool| {
+        let mut config = publisher_config();
+        config.endpoint = format!("tcp://127.0.0.1:{port}");
+        if !replay {
+            config.replay_endpoint = None;
+        }
+        EventPublisher::start(config)
+    };
+
+    let first = start(false).await.expect("first publisher");
+    join(&first, &mut rx).await;
+    // Far more batches than the second publisher's warm-up will number, so that its batches
+    // are recognisably a new run (the wire has no run id: only a sequence number that goes
+    // back shows a restart).
+    for _ in 0..300 {
+        first.publish(Vec::new(), None, 0.0).expect("publish");
+    }
+    let last = first.next_seq() - 1;
+    while next_batch(&mut rx).await.seq != last {}
+    first.shutdown().await;
+
+    // The subscriber has no replay endpoint configured for the new run either: the new
+    // publisher's warm-up batches it missed are reported lost, then the run goes on.
+    let second = start(false).await.expect("second publisher");
+    let events = join(&second, &mut rx).await;
+    assert!(
+        matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
+        "{events:?}"
+    );
+    let counters = handle.counters().snapshot();
+    assert_eq!(counters.restarts, 1, "{counters:?}");
+    let seq = second.publish(events_for_restart(), None, 0.0).expect("publish");
+    let batch = next_batch(&mut rx).await;
+    assert_eq!((batch.seq, batch.events), (seq, events_for_restart()));
+}
+
+fn events_for_restart() -> Vec<WireEvent> {
+    vec![stored(&[7], None, 4)]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_is_reported_and_the_subscriber_goes_on() {
+    let (tx, mut rx) = mpsc::channel(1024);
+    let config = SubscriberConfig::new(WORKER, "tcp://127.0.0.1:0");
+    let config = SubscriberConfig {
+        mode: Some(SocketMode::Bind),
+        ..config
+    };
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    let mut raw = zeromq::PubSocket::new();
+    raw.connect(handle.endpoint()).await.expect("connect");
+    let message = |frames: Vec<&[u8]>| {
+        ZmqMessage::try_from(frames.into_iter().map(Bytes::copy_from_slice).collect::<Vec<_>>())
+            .expect("frames")
+    };
+
+    // One frame, until the subscription has reached the publisher.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        assert!(tokio::time::Instant::now() < deadline, "never connected");
+        raw.send(message(vec![b"one frame"])).await.expect("send");
+        if let Ok(Some(event)) = timeout(Duration::from_millis(20), rx.recv()).await {
+            assert!(matches!(event, SubscriberEvent::Error { .. }), "{event:?}");
+            break;
+        }
+    }
+    let payload = EventBatch {
+        topic: String::new(),
+        seq: 1,
+        ts: 0.0,
+        events: vec![stored(&[1], None, 4)],
+        dp_rank: None,
+    }
+    .encode_payload(EventEncoding::Map)
+    .expect("encode");
+    let seq = |n: u64| n.to_be_bytes();
+    raw.send(message(vec![b"", b"short"])).await.expect("send");
+    raw.send(message(vec![b"", &seq(0)[..3], b"x"]))
+        .await
+        .expect("send");
+    raw.send(message(vec![b"", &seq(0), b"\xc1"]))
+        .await
+        .expect("send");
+    raw.send(message(vec![b"", &seq(1), &payload]))
+        .await
+        .expect("send");
+
+    let mut errors = Vec::new();
+    let batch = loop {
+        match next(&mut rx).await {
+            SubscriberEvent::Error { worker, error } => {
+                assert_eq!(worker, WORKER);
+                errors.push(error);
+            }
+            SubscriberEvent::Batch { batch, .. } => break batch,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    // Batch 0 was undecodable but numbered, so batch 1 follows it in order.
+    assert_eq!((batch.seq, batch.events.len()), (1, 1));
+    let tail: Vec<&str> = errors.iter().rev().take(3).rev().map(String::as_str).collect();
+    assert!(tail[0].contains("2 frames"), "{tail:?}");
+    assert!(tail[1].contains("sequence number frame of 3 bytes"), "{tail:?}");
+    assert!(tail[2].starts_with("batch 0:"), "{tail:?}");
+    let counters = handle.counters().snapshot();
+    assert_eq!(counters.decode_errors as usize, errors.len() + 1, "{counters:?}");
+    assert_eq!(counters.gaps_detected, 0, "{counters:?}");
+    assert!(!handle.is_finished());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn received_batches_build_the_index() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Positional,
+        ReplayLayout::SeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let (_handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    let mut index = PrefixIndex::new(IndexConfig::default());
+    let config = ApplyConfig {
+        block_size: NonZeroU32::new(4).expect("non-zero"),
+        namespace: None,
+        group_idx: 0,
+    };
+    let apply = |event: SubscriberEvent, index: &mut PrefixIndex| match event {
+        SubscriberEvent::Batch { worker, batch } => {
+            let key = batch.worker_key(worker);
+            index.add_worker(key);
+            for event in &batch.events {
+                event.apply_to(index, key, &config).expect("apply");
+            }
+            Some(batch.seq)
+        }
+        other => panic!("unexpected {other:?}"),
+    };
+    for event in join(&publisher, &mut rx).await {
+        apply(event, &mut index);
+    }
+    publisher
+        .publish(vec![stored(&[11, 12, 13], None, 4)], Some(1), 0.0)
+        .expect("publish");
+    publisher
+        .publish(vec![stored(&[14], Some(13), 4)], Some(1), 0.0)
+        .expect("publish");
+    let removed = WireEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![ExternalBlockHash(14)],
+        medium: Some("GPU".into()),
+        group_idx: None,
+    });
+    let last = publisher.publish(vec![removed], Some(1), 0.0).expect("publish");
+    while apply(next(&mut rx).await, &mut index) != Some(last) {}
+    let key = kvroute_core::ids::WorkerKey::new(WORKER, kvroute_core::ids::DpRank(1));
+    assert_eq!(index.block_count(key), 3);
+    index.check_invariants().expect("invariants");
+}
+
+#[test]
+fn configs_reject_unknown_keys_and_fill_defaults() {
+    let config: SubscriberConfig = toml::from_str(
+        r#"
+        worker = 4
+        endpoint = "tcp://10.0.0.1:5557"
+        replay_endpoint = "tcp://10.0.0.1:5558"
+        "#,
+    )
+    .expect("parse");
+    assert_eq!(
+        config,
+        SubscriberConfig {
+            replay_endpoint: Some("tcp://10.0.0.1:5558".into()),
+            ..SubscriberConfig::new(WorkerId(4), "tcp://10.0.0.1:5557")
+        }
+    );
+    assert_eq!(config.effective_mode(), SocketMode::Connect);
+    assert!(toml::from_str::<SubscriberConfig>("worker = 1\nendpoint = \"tcp://*:1\"\nhwm = 5").is_err());
+    let with_mode: SubscriberConfig =
+        toml::from_str("worker = 1\nendpoint = \"tcp://127.0.0.1:1\"\nmode = \"bind\"").expect("parse");
+    assert_eq!(with_mode.effective_mode(), SocketMode::Bind);
+
+    let publisher: PublisherConfig = toml::from_str(
+        r#"
+        endpoint = "tcp://*:5557"
+        encoding = "positional"
+        replay_layout = "seq_payload"
+        "#,
+    )
+    .expect("parse");
+    assert_eq!(
+        publisher,
+        PublisherConfig {
+            encoding: EventEncoding::Positional,
+            replay_layout: ReplayLayout::SeqPayload,
+            ..PublisherConfig::new("tcp://*:5557")
+        }
+    );
+    assert!(toml::from_str::<PublisherConfig>("endpoint = \"tcp://*:1\"\nbuffer = 5").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configs_are_refused_before_any_socket() {
+    let (tx, _rx) = mpsc::channel(1);
+    let mut config = SubscriberConfig::new(WORKER, "nonsense");
+    assert!(spawn_subscriber(config.clone(), tx.clone()).await.is_err());
+    config.endpoint = "tcp://127.0.0.1:1".into();
+    config.replay_timeout_ms = 0;
+    assert!(spawn_subscriber(config, tx).await.is_err());
+    assert!(
+        EventPublisher::start(PublisherConfig::new("udp://x"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_older_than_the_replay_buffer_are_lost_and_the_rest_replayed() {
+    let publisher = EventPublisher::start(PublisherConfig {
+        buffer_steps: 3,
+        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true)
+    })
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    let first = publisher.next_seq();
+    publisher.drop_next(5);
+    for i in 0..6 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    // The ring holds the last three (first + 3 ..= first + 5): the two before are gone.
+    assert_eq!(
+        next(&mut rx).await,
+        SubscriberEvent::GapLost {
+            worker: WORKER,
+            missing: first..first + 3
+        }
+    );
+    for i in 3..6 {
+        let batch = next_batch(&mut rx).await;
+        assert_eq!((batch.seq, batch.events), (first + i, events(i)));
+    }
+    let after = handle.counters().snapshot();
+    assert_eq!(after.batches_lost - before.batches_lost, 3, "{after:?}");
+    assert_eq!(after.replayed - before.replayed, 3, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_drops_are_all_recovered_in_order() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Positional,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    // A fixed pattern of drops (1 to 4 batches, every few batches), 1 000 batches in all.
+    let first = publisher.next_seq();
+    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut drops = 0;
+    for i in 0..1_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        if state.is_multiple_of(16) {
+            publisher.drop_next(1 + state / 16 % 4);
+            drops += 1;
+        }
+        publisher.publish(events(i), None, i as f64).expect("publish");
+    }
+    // A drop at the end would swallow the last batches, which no later batch would reveal.
+    publisher.drop_next(0);
+    let last = publisher.publish(Vec::new(), None, 0.0).expect("publish");
+    for i in 0..1_000 {
+        let batch = next_batch(&mut rx).await;
+        assert_eq!((batch.seq, batch.events), (first + i, events(i)));
+    }
+    assert_eq!(next_batch(&mut rx).await.seq, last);
+    let after = handle.counters().snapshot();
+    assert!(drops > 10, "the pattern drops too rarely: {drops}");
+    assert_eq!(after.gaps_lost, before.gaps_lost, "{after:?}");
+    assert!(after.gaps_detected - before.gaps_detected >= 1, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
+    let first = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&first, |_| {}).await;
+    join(&first, &mut rx).await;
+    for _ in 0..300 {
+        first.publish(Vec::new(), None, 0.0).expect("publish");
+    }
+    let last = first.next_seq() - 1;
+    while next_batch(&mut rx).await.seq != last {}
+    let (endpoint, replay) = (
+        first.endpoint().to_owned(),
+        first.replay_endpoint().expect("replay").to_owned(),
+    );
+    first.shutdown().await;
+
+    // The same ports, as an engine restarted in place would have. The subscriber reconnects by
+    // itself; what the new run published before it did comes back through the replay socket.
+    let second = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(replay),
+        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true).with_endpoint(endpoint)
+    })
+    .await
+    .expect("restart on the same ports");
+    let events = join(&second, &mut rx).await;
+    assert!(
+        matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
+        "{events:?}"
+    );
+    let seqs: Vec<u64> = events[1..]
+        .iter()
+        .map(|e| match e {
+            SubscriberEvent::Batch { batch, .. } => batch.seq,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(seqs, (0..second.next_seq()).collect::<Vec<_>>());
+    assert_eq!(handle.counters().snapshot().restarts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_started_first_waits_for_its_publisher() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (tx, mut rx) = mpsc::channel(16);
+    let handle = spawn_subscriber(SubscriberConfig::new(WORKER, endpoint.clone()), tx)
+        .await
+        .expect("spawn_subscriber");
+    assert_eq!(handle.mode(), SocketMode::Connect);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let publisher = EventPublisher::start(PublisherConfig::new(endpoint))
+        .await
+        .expect("start");
+    let events = join(&publisher, &mut rx).await;
+    assert!(
+        events
+            .iter()
+            .all(|e| matches!(e, SubscriberEvent::Batch { .. } | SubscriberEvent::GapLost { .. })),
+        "{events:?}"
+    );
+    // Dropping the handle stops the task, which closes the channel.
+    drop(handle);
+    while let Some(_event) = timeout(PATIENCE, rx.recv()).await.expect("the channel closes") {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_loses_nothing() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
+    config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    // Room for one event: the subscriber waits on the consumer after every batch.
+    let (tx, mut rx) = mpsc::channel(1);
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    join(&publisher, &mut rx).await;
+
+    let first = publisher.next_seq();
+    for i in 0..300 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    for i in 0..300 {
+        if i % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(next_batch(&mut rx).await.seq, first + i);
+    }
+    assert_eq!(handle.counters().snapshot().gaps_lost, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipc_endpoints_work_with_the_default_modes() {
+    let dir = std::env::temp_dir().join(format!("kvroute-zmq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let path = |name: &str| format!("ipc://{}", dir.join(name).display());
+    let publisher = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(path("replay.sock")),
+        ..PublisherConfig::new(path("events.sock"))
+    })
+    .await
+    .expect("start");
+    // vLLM binds ipc endpoints, so a subscriber connects to them by default.
+    let (handle, mut rx) = subscribe(&publisher, |c| c.topic.clear()).await;
+    assert_eq!(handle.mode(), SocketMode::Connect);
+    let events = join(&publisher, &mut rx).await;
+    assert!(
+        matches!(&events[0], SubscriberEvent::Batch { batch, .. } if batch.seq == 0),
+        "{events:?}"
+    );
+    drop(handle);
+    publisher.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
+    let bind = |endpoint: String| async move {
+        let (tx, rx) = mpsc::channel(1024);
+        let config = SubscriberConfig {
+            mode: Some(SocketMode::Bind),
+            ..SubscriberConfig::new(WORKER, endpoint)
+        };
+        (spawn_subscriber(config, tx).await.expect("spawn_subscriber"), rx)
+    };
+    let (first, mut rx) = bind("tcp://127.0.0.1:0".into()).await;
+    let endpoint = first.endpoint().to_owned();
+    let publisher = EventPublisher::start(PublisherConfig {
+        mode: Some(SocketMode::Connect),
+        ..PublisherConfig::new(endpoint.clone())
+    })
+    .await
+    .expect("start");
+    join(&publisher, &mut rx).await;
+    first.shutdown().await;
+
+    // A new subscriber on the same port (the router restarted): the publisher connects again.
+    let (second, mut rx) = bind(endpoint).await;
+    let events = join(&publisher, &mut rx).await;
+    // It joined a run already under way and has no replay endpoint: what came before is lost.
+    assert!(
+        matches!(events[0], SubscriberEvent::GapLost { ref missing, .. } if missing.start == 0),
+        "{events:?}"
+    );
+    assert!(!second.is_finished());
+}
