@@ -3,11 +3,15 @@
 //! This is the index's hottest table: every stored and every removed block probes it once, and
 //! with thousands of blocks per worker and dozens of workers it does not fit in cache, so its cost
 //! is counted in cache lines. A general Swiss table reads a control group and then a bucket: two
-//! lines per probe. Here a slot holds key and value together, slots come in cache-line-aligned
-//! groups of four, and a key's probe starts at the first slot of its home line. At the load this
-//! table keeps (at most 5/8) a home line rarely overflows, so a lookup, an insert or a removal
-//! touches one line. Keys are hashes already; one multiply spreads them. Deletion shifts later
-//! entries back (no tombstones), so probe runs stay short under the constant churn of eviction.
+//! lines per probe. Here a cache line holds five keys, their five node ids and one counter, and a
+//! key lives in its home line unless that line was full when it was inserted.
+//!
+//! The counter (as in folly's F14) is the line's *overflow*: how many keys stored in later lines
+//! passed over this one while looking for room. A lookup that misses in a line whose overflow is
+//! zero is over: the key is absent. A removal empties its slot and decrements the overflow of the
+//! lines the key had passed over; nothing moves and no tombstone is left. So a removal touches
+//! only the lines its own key's probe touched, almost always the home line alone, where linear
+//! probing with backward-shift deletion had to read on past the hole, often into the next line.
 
 use super::NodeId;
 use crate::key_hasher::mix;
@@ -15,26 +19,59 @@ use crate::key_hasher::mix;
 /// The value marking an empty slot. Node ids never take it (it is the index's `NONE`).
 const EMPTY: NodeId = NodeId::MAX;
 
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    key: u64,
-    node: NodeId,
-}
+/// Slots per cache line: five 8-byte keys and five 4-byte node ids, with 4 bytes left for the
+/// overflow counter.
+const LINE_SLOTS: usize = 5;
 
-const VACANT: Slot = Slot { key: 0, node: EMPTY };
+/// A slot's position as `line * SLOT_STRIDE + slot` (a shift, not a multiply by five).
+const SLOT_STRIDE: usize = 8;
 
-/// Slots per cache line.
-const LINE_SLOTS: usize = 4;
+/// The table grows before more than this fraction of its slots (numerator, denominator) is full.
+const MAX_LOAD: (usize, usize) = (5, 8);
 
-/// Four slots on one 64-byte cache line.
+/// Five slots and an overflow counter on one 64-byte cache line.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(64))]
-struct Line([Slot; LINE_SLOTS]);
+struct Line {
+    keys: [u64; LINE_SLOTS],
+    nodes: [NodeId; LINE_SLOTS],
+    /// Keys stored in a later line whose probe passed over this one.
+    overflow: u32,
+}
 
-const VACANT_LINE: Line = Line([VACANT; LINE_SLOTS]);
+const VACANT_LINE: Line = Line {
+    keys: [0; LINE_SLOTS],
+    nodes: [EMPTY; LINE_SLOTS],
+    overflow: 0,
+};
 
-/// Open-addressing map `u64 -> NodeId` with linear probing from a line-aligned home and
-/// backward-shift deletion.
+impl Line {
+    /// The slot holding `key`, if any.
+    ///
+    /// The slots are compared into a bit mask without a branch per slot: where a key sits in
+    /// its line is random, so a branch per slot would be mispredicted about once per probe.
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        let mut hits = 0u32;
+        for s in 0..LINE_SLOTS {
+            hits |= u32::from((self.keys[s] == key) & (self.nodes[s] != EMPTY)) << s;
+        }
+        (hits != 0).then(|| hits.trailing_zeros() as usize)
+    }
+
+    /// The first empty slot, if any (compared without a branch per slot, like [`Line::find`]).
+    #[inline]
+    fn vacant(&self) -> Option<usize> {
+        let mut empty = 0u32;
+        for s in 0..LINE_SLOTS {
+            empty |= u32::from(self.nodes[s] == EMPTY) << s;
+        }
+        (empty != 0).then(|| empty.trailing_zeros() as usize)
+    }
+}
+
+/// Open-addressing map `u64 -> NodeId` over cache lines, probing line by line from a key's home
+/// line, with per-line overflow counters instead of tombstones or backward shifts.
 #[derive(Clone, Debug, Default)]
 pub(super) struct ExtMap {
     lines: Vec<Line>,
@@ -52,28 +89,24 @@ pub(super) enum Probe {
 impl ExtMap {
     const MIN_LINES: usize = 4;
 
-    /// Number of slots (a power of two, or zero before the first insert).
+    /// Number of slots (zero before the first insert).
     #[inline]
     fn capacity(&self) -> usize {
         self.lines.len() * LINE_SLOTS
     }
 
+    /// The line after `line`, wrapping around.
     #[inline]
-    fn slot(&self, i: usize) -> Slot {
-        self.lines[i / LINE_SLOTS].0[i % LINE_SLOTS]
+    fn next(&self, line: usize) -> usize {
+        (line + 1) & (self.lines.len() - 1)
     }
 
-    #[inline]
-    fn set(&mut self, i: usize, slot: Slot) {
-        self.lines[i / LINE_SLOTS].0[i % LINE_SLOTS] = slot;
-    }
-
-    /// The first slot of `key`'s home line.
+    /// `key`'s home line (the table is allocated).
     #[inline]
     fn home(&self, key: u64) -> usize {
         // High bits of the multiplicative hash are the best mixed; shift them down.
-        let bits = self.capacity().trailing_zeros();
-        (mix(key, 0) >> (64 - bits)) as usize & !(LINE_SLOTS - 1)
+        let bits = self.lines.len().trailing_zeros();
+        (mix(key, 0) >> (64 - bits)) as usize
     }
 
     pub(super) fn len(&self) -> usize {
@@ -84,7 +117,7 @@ impl ExtMap {
         self.lines.capacity() * size_of::<Line>()
     }
 
-    /// Reads the home slot of every key, so that the probes which follow find them in cache.
+    /// Reads the home line of every key, so that the probes which follow find them in cache.
     ///
     /// The loads are independent and feed no branch, so the processor issues them all at once
     /// instead of one cache miss after another (a prefetch in safe code). Returns a value to
@@ -94,7 +127,7 @@ impl ExtMap {
         if self.lines.is_empty() {
             return 0;
         }
-        keys.fold(0, |acc, key| acc ^ self.slot(self.home(key)).key)
+        keys.fold(0, |acc, key| acc ^ self.lines[self.home(key)].keys[0])
     }
 
     /// Looks `key` up, reporting the node or the slot to insert it into.
@@ -103,18 +136,41 @@ impl ExtMap {
         if self.lines.is_empty() {
             return Probe::Vacant(usize::MAX);
         }
-        let mask = self.capacity() - 1;
-        let mut i = self.home(key);
-        loop {
-            let slot = self.slot(i);
-            if slot.node == EMPTY {
-                return Probe::Vacant(i);
+        let mut line = self.home(key);
+        let mut vacant = usize::MAX;
+        // Every line is visited at most once: a table whose every line has overflowed could
+        // otherwise be probed forever for an absent key.
+        for _ in 0..self.lines.len() {
+            let l = &self.lines[line];
+            if let Some(s) = l.find(key) {
+                return Probe::Found(l.nodes[s]);
             }
-            if slot.key == key {
-                return Probe::Found(slot.node);
+            if vacant == usize::MAX
+                && let Some(s) = l.vacant()
+            {
+                vacant = line * SLOT_STRIDE + s;
             }
-            i = (i + 1) & mask;
+            if l.overflow == 0 {
+                break;
+            }
+            line = self.next(line);
         }
+        if vacant == usize::MAX {
+            // The key is absent, but the lines probed were full: room is further on.
+            vacant = self.first_vacant(self.next(line));
+        }
+        Probe::Vacant(vacant)
+    }
+
+    /// The first empty slot at or after `line`, or `usize::MAX` if the table is full.
+    fn first_vacant(&self, mut line: usize) -> usize {
+        for _ in 0..self.lines.len() {
+            if let Some(s) = self.lines[line].vacant() {
+                return line * SLOT_STRIDE + s;
+            }
+            line = self.next(line);
+        }
+        usize::MAX
     }
 
     #[inline]
@@ -130,17 +186,29 @@ impl ExtMap {
     #[inline]
     pub(super) fn insert_at(&mut self, at: usize, key: u64, node: NodeId) {
         debug_assert!(node != EMPTY);
-        if at == usize::MAX || (self.len + 1) * 8 > self.capacity() * 5 {
+        if at == usize::MAX || (self.len + 1) * MAX_LOAD.1 > self.capacity() * MAX_LOAD.0 {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow();
-            match self.probe(key) {
-                Probe::Vacant(i) => self.set(i, Slot { key, node }),
-                Probe::Found(_) => unreachable!("insert_at is only called for absent keys"),
-            }
+            let at = self.first_vacant(self.home(key));
+            self.place(at, key, node);
         } else {
-            self.set(at, Slot { key, node });
+            self.place(at, key, node);
         }
         self.len += 1;
+    }
+
+    /// Writes `key` into the empty slot `at` and counts it on the lines its probe passed over.
+    #[inline]
+    fn place(&mut self, at: usize, key: u64, node: NodeId) {
+        let (line, s) = (at / SLOT_STRIDE, at % SLOT_STRIDE);
+        let l = &mut self.lines[line];
+        l.keys[s] = key;
+        l.nodes[s] = node;
+        let mut passed = self.home(key);
+        while passed != line {
+            self.lines[passed].overflow += 1;
+            passed = self.next(passed);
+        }
     }
 
     /// Removes `key`, returning its node.
@@ -149,38 +217,28 @@ impl ExtMap {
         if self.lines.is_empty() {
             return None;
         }
-        let mask = self.capacity() - 1;
-        let mut i = self.home(key);
-        loop {
-            let slot = self.slot(i);
-            if slot.node == EMPTY {
+        let home = self.home(key);
+        let mut line = home;
+        for _ in 0..self.lines.len() {
+            let l = &mut self.lines[line];
+            if let Some(s) = l.find(key) {
+                let removed = l.nodes[s];
+                l.nodes[s] = EMPTY;
+                let mut passed = home;
+                while passed != line {
+                    let o = &mut self.lines[passed].overflow;
+                    *o = o.saturating_sub(1);
+                    passed = self.next(passed);
+                }
+                self.len -= 1;
+                return Some(removed);
+            }
+            if l.overflow == 0 {
                 return None;
             }
-            if slot.key == key {
-                break;
-            }
-            i = (i + 1) & mask;
+            line = self.next(line);
         }
-        let removed = self.slot(i).node;
-        // Backward shift: pull later entries of the run into the hole when their home allows.
-        let mut hole = i;
-        let mut j = (i + 1) & mask;
-        loop {
-            let slot = self.slot(j);
-            if slot.node == EMPTY {
-                break;
-            }
-            let home = self.home(slot.key);
-            // The entry at j may move to the hole if its home is not in (hole, j] (cyclically).
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.set(hole, slot);
-                hole = j;
-            }
-            j = (j + 1) & mask;
-        }
-        self.set(hole, VACANT);
-        self.len -= 1;
-        Some(removed)
+        None
     }
 
     /// Removes every entry, keeping the allocation, and yields the nodes that were mapped.
@@ -188,34 +246,60 @@ impl ExtMap {
         self.len = 0;
         self.lines
             .iter_mut()
-            .flat_map(|line| line.0.iter_mut())
-            .filter(|s| s.node != EMPTY)
-            .map(|s| std::mem::replace(s, VACANT).node)
+            .flat_map(|line| {
+                line.overflow = 0;
+                line.nodes.iter_mut()
+            })
+            .filter(|n| **n != EMPTY)
+            .map(|n| std::mem::replace(n, EMPTY))
     }
 
     /// Every key and its node, in slot order.
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
         self.lines
             .iter()
-            .flat_map(|line| line.0.iter())
-            .filter(|s| s.node != EMPTY)
-            .map(|s| (s.key, s.node))
+            .flat_map(|line| line.keys.iter().copied().zip(line.nodes.iter().copied()))
+            .filter(|&(_, n)| n != EMPTY)
+    }
+
+    /// Checks the overflow counters against the keys' positions, for tests.
+    #[cfg(test)]
+    fn check_overflow(&self) -> Result<(), String> {
+        let mut expected = vec![0u32; self.lines.len()];
+        for (line, l) in self.lines.iter().enumerate() {
+            for s in 0..LINE_SLOTS {
+                if l.nodes[s] == EMPTY {
+                    continue;
+                }
+                let mut passed = self.home(l.keys[s]);
+                while passed != line {
+                    expected[passed] += 1;
+                    passed = self.next(passed);
+                }
+            }
+        }
+        for (line, l) in self.lines.iter().enumerate() {
+            if l.overflow != expected[line] {
+                return Err(format!(
+                    "line {line} counts overflow {}, expected {}",
+                    l.overflow, expected[line]
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
-        let mask = self.capacity() - 1;
-        for slot in old
-            .iter()
-            .flat_map(|line| line.0.iter())
-            .filter(|s| s.node != EMPTY)
-        {
-            let mut i = self.home(slot.key);
-            while self.slot(i).node != EMPTY {
-                i = (i + 1) & mask;
+        for line in &old {
+            for s in 0..LINE_SLOTS {
+                if line.nodes[s] != EMPTY {
+                    let key = line.keys[s];
+                    let at = self.first_vacant(self.home(key));
+                    self.place(at, key, line.nodes[s]);
+                }
             }
-            self.set(i, *slot);
         }
     }
 }
@@ -270,10 +354,53 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(map.len(), model.len());
+                if let Err(e) = map.check_overflow() {
+                    return Err(TestCaseError::fail(e));
+                }
                 for (k, v) in &model {
                     prop_assert_eq!(map.get(*k), Some(*v));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn keys_sharing_a_home_line_overflow_and_come_back() {
+        // Twelve keys with one home line in the smallest table: they fill it and spill over
+        // into the next lines; removing them in any order must keep the rest reachable.
+        let mut map = ExtMap::default();
+        let at = match map.probe(0) {
+            Probe::Vacant(at) => at,
+            Probe::Found(_) => unreachable!("empty map"),
+        };
+        map.insert_at(at, 0, 0);
+        let home = map.home(0);
+        let keys: Vec<u64> = (0u64..)
+            .filter(|&k| map.home(k) == home)
+            .take(ExtMap::MIN_LINES * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1)
+            .collect();
+        map.remove(0);
+        for (i, &k) in keys.iter().enumerate() {
+            match map.probe(k) {
+                Probe::Vacant(at) => map.insert_at(at, k, i as NodeId),
+                Probe::Found(_) => panic!("key {k} found before insert"),
+            }
+            assert_eq!(map.lines.len(), ExtMap::MIN_LINES, "the table must not grow");
+            assert_eq!(map.check_overflow(), Ok(()));
+        }
+        assert!(map.lines[home].overflow > 0);
+        for order in [[0usize, 6, 11, 3, 9, 1, 7, 4, 10, 2, 8, 5]] {
+            let mut map = map.clone();
+            for (n, &i) in order.iter().enumerate() {
+                assert_eq!(map.remove(keys[i]), Some(i as NodeId));
+                assert_eq!(map.remove(keys[i]), None);
+                assert_eq!(map.check_overflow(), Ok(()));
+                for &j in &order[n + 1..] {
+                    assert_eq!(map.get(keys[j]), Some(j as NodeId));
+                }
+            }
+            assert_eq!(map.len(), 0);
+            assert!(map.lines.iter().all(|l| l.overflow == 0));
         }
     }
 }
