@@ -294,6 +294,11 @@ async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<M
 
 // ---- the engine driver ----
 
+/// The timer's resolution: the driver runs ahead of the wall clock by up to this much.
+const TICK: std::time::Duration = std::time::Duration::from_millis(1);
+/// How far behind the wall clock the driver may run before its engine's time slips.
+const CATCH_UP: std::time::Duration = std::time::Duration::from_millis(20);
+
 struct Live {
     tx: mpsc::UnboundedSender<Progress>,
     outputs: u32,
@@ -343,7 +348,11 @@ async fn drive(
             }
             continue;
         };
-        if wake > now() {
+        // Sleep only when ahead of the wall clock by more than the timer's resolution: a
+        // sped-up engine's passes are shorter than a millisecond, and rounding each sleep up to
+        // the timer's tick would slow it down several times. Virtual time stays exact; tokens
+        // are delivered at most a tick early.
+        if wake > now() + TICK {
             tokio::select! {
                 () = tokio::time::sleep_until(at(wake)) => {}
                 job = jobs.recv() => {
@@ -355,11 +364,14 @@ async fn drive(
                 }
             }
         }
-        let start = now().max(wake);
+        // A pass starts when the last one ended, even if the timer woke the driver late (it
+        // catches up by running the next passes without sleeping), unless it fell behind by
+        // more than `CATCH_UP` (the machine is overloaded): then the engine slips to now.
+        let start = wake.max(now() - CATCH_UP);
         let Some(out) = engine.step(start) else { continue };
         // The pass's effects happen when it ends; requests arriving meanwhile join the queue.
         let end = at(out.end);
-        loop {
+        while out.end > now() + TICK {
             tokio::select! {
                 () = tokio::time::sleep_until(end) => break,
                 job = jobs.recv() => match job {

@@ -29,6 +29,13 @@ enum Command {
     Bench(BenchCommand),
     /// Replay a trace through the cluster simulator (the router core and simulated engines).
     Replay(Box<kvroute::replay::ReplayArgs>),
+    /// Run the OpenAI-compatible proxy in front of engine workers.
+    Serve(Box<kvroute::serve::ServeArgs>),
+    /// Run simulated engines as OpenAI-compatible workers that publish KV events.
+    Mock(Box<kvroute::serve::MockArgs>),
+    /// The router and 4 mock workers in-process, the example trace driven through HTTP, and the
+    /// replay's table beside the simulated run.
+    Demo(kvroute::demo::DemoArgs),
 }
 
 #[derive(Subcommand)]
@@ -90,6 +97,9 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
         Command::Replay(args) => kvroute::replay::run(*args),
+        Command::Serve(args) => kvroute::serve::serve(*args),
+        Command::Mock(args) => kvroute::serve::mock(*args),
+        Command::Demo(args) => kvroute::demo::run(args),
     }
 }
 
