@@ -46,6 +46,10 @@ enum BenchCommand {
     Hash(HashArgs),
     /// Routing decision latency (hashing included) for several fleet sizes and prompt lengths.
     Route(RouteArgs),
+    /// Proxy overhead on loopback: added latency and requests per second against fast upstreams.
+    Serve(kvroute::bench::serve::ServeBenchArgs),
+    /// Trivially fast OpenAI-compatible upstreams, for `bench serve` against any proxy.
+    Upstream(kvroute::bench::serve::UpstreamArgs),
 }
 
 #[derive(Args)]
@@ -96,6 +100,8 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
+        Command::Bench(BenchCommand::Serve(args)) => kvroute::bench::serve::run(args),
+        Command::Bench(BenchCommand::Upstream(args)) => kvroute::bench::serve::run_upstreams(args),
         Command::Replay(args) => kvroute::replay::run(*args),
         Command::Serve(args) => kvroute::serve::serve(*args),
         Command::Mock(args) => kvroute::serve::mock(*args),

@@ -34,7 +34,12 @@ tokenizer = {
     "padding": None,
     "added_tokens": added,
     "normalizer": None,
-    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    # Split before spaces (a plain string pattern, no regex), then map bytes: words stay short,
+    # so the BPE model's word cache serves repeated words. Ids are one per byte either way.
+    "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithNext", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]},
     "post_processor": None,
     "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
     "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
