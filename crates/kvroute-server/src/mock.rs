@@ -531,7 +531,10 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
                 }
             }
         });
-        let body = ChannelBody(frames_rx);
+        let body = ChannelBody {
+            rx: frames_rx,
+            complete: false,
+        };
         return Response::builder()
             .header(header::CONTENT_TYPE, "text/event-stream")
             .header(header::CACHE_CONTROL, "no-cache")
@@ -563,20 +566,39 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
     .into_response()
 }
 
-/// A response body fed by a channel of SSE chunks.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+/// A response body fed by a channel of SSE chunks. If the channel closes before the final
+/// chunk (the engine stopped: the worker was killed), the body fails, so the connection breaks
+/// off instead of ending like a complete response.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+    complete: bool,
+}
+
+/// The engine stopped in the middle of a response.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine stopped mid-response")]
+struct EngineStopped;
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
 
 impl hyper::body::Body for ChannelBody {
     type Data = Bytes;
-    type Error = std::convert::Infallible;
+    type Error = EngineStopped;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+        self.rx.poll_recv(cx).map(|chunk| match chunk {
+            Some(b) => {
+                if b.ends_with(DONE) {
+                    self.complete = true;
+                }
+                Some(Ok(Frame::data(b)))
+            }
+            None if self.complete => None,
+            None => Some(Err(EngineStopped)),
+        })
     }
 }
 
