@@ -10,11 +10,17 @@
 //! SubscriberConfig { worker: WorkerId, endpoint: String, replay_endpoint: Option<String>,
 //!                    topic: String, mode: Option<SocketMode>, replay_timeout_ms: u64 }
 //!     SubscriberConfig::new(worker, endpoint) -> SubscriberConfig      // the defaults
+//!     .effective_mode() -> SocketMode, .validate() -> Result<(), ZmqError>
+//!     // serde, unknown keys rejected; defaults: no replay, topic "", mode from the endpoint,
+//!     // replay_timeout_ms 1000. `worker` is the integer id.
 //! async fn spawn_subscriber(SubscriberConfig, mpsc::Sender<SubscriberEvent>)
 //!     -> Result<SubscriberHandle, ZmqError>
 //! SubscriberHandle: worker(), mode(), endpoint() (bound, port resolved), counters()
 //!     -> &Arc<SubscriberCounters> (.snapshot() -> CounterSnapshot), is_finished(),
-//!     async shutdown(self); dropping it stops the task.
+//!     async shutdown(self) (waits until the socket is closed); dropping it stops the task.
+//! CounterSnapshot { received, emitted, replayed, duplicates, gaps_detected, gaps_recovered,
+//!                   gaps_lost, batches_lost, restarts, decode_errors, replay_failures,
+//!                   socket_errors }
 //! enum SubscriberEvent {
 //!     Batch { worker, batch: EventBatch },    // in sequence order, replayed ones included
 //!     Restarted { worker },                   // seq went back: clear the worker
@@ -27,6 +33,10 @@
 //!                   buffer_steps: usize, encoding: EventEncoding, replay_layout: ReplayLayout,
 //!                   mode: Option<SocketMode> }
 //!     PublisherConfig::new(endpoint) -> PublisherConfig                 // the defaults
+//!     .with_endpoint(endpoint) -> PublisherConfig, .validate() -> Result<(), ZmqError>
+//!     // serde, unknown keys rejected; defaults: no replay, topic "", buffer_steps 10 000,
+//!     // encoding "map" ("positional"), replay_layout "topic_seq_payload" ("seq_payload"),
+//!     // mode None = bind (vLLM's own rule is `publisher_mode`).
 //! EventPublisher::start(PublisherConfig).await -> Result<EventPublisher, ZmqError>
 //! EventPublisher: publish(&self, Vec<WireEvent>, dp_rank: Option<u32>, ts: f64)
 //!     -> Result<u64, ZmqError> (the seq), drop_next(&self, n), endpoint(), replay_endpoint(),
@@ -36,6 +46,47 @@
 //! enum SocketMode { Bind, Connect }
 //! fn subscriber_mode(&str) -> SocketMode   // bind only for wildcard tcp hosts
 //! fn publisher_mode(&str) -> SocketMode    // vLLM's own rule
+//! fn rank_endpoint(&str, rank: u32) -> Result<String, ZmqError>  // vLLM's per-rank endpoint
+//! ```
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvroute_core::ids::WorkerId;
+//! use kvroute_wire::WireEvent;
+//! use kvroute_zmq::{EventPublisher, PublisherConfig, SubscriberConfig, SubscriberEvent, spawn_subscriber};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! // A mock worker on free loopback ports, with a replay socket.
+//! let publisher = EventPublisher::start(PublisherConfig {
+//!     replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+//!     ..PublisherConfig::new("tcp://127.0.0.1:0")
+//! })
+//! .await?;
+//!
+//! // The router's subscriber for it.
+//! let mut config = SubscriberConfig::new(WorkerId(1), publisher.endpoint());
+//! config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+//! let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+//! let subscriber = spawn_subscriber(config, tx).await?;
+//!
+//! // PUB/SUB drops what is sent before the subscription arrives: publish until something does.
+//! let first = loop {
+//!     publisher.publish(vec![WireEvent::AllBlocksCleared], Some(0), 0.0)?;
+//!     if let Ok(Some(event)) = tokio::time::timeout(Duration::from_millis(20), rx.recv()).await {
+//!         break event;
+//!     }
+//! };
+//! // Whichever batch arrived first, the replay brought the ones before it: the stream starts at 0.
+//! assert!(matches!(first, SubscriberEvent::Batch { ref batch, .. } if batch.seq == 0));
+//! subscriber.shutdown().await;
+//! publisher.shutdown().await;
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(example())
+//! # .map_err(|e| e.to_string())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # How the subscriber works
@@ -61,7 +112,12 @@
 //!
 //! * **Pure-Rust ZeroMQ.** `zeromq` 0.7 (zmq.rs) has SUB (bind and connect, with reconnection
 //!   on connect), PUB (bind and connect), DEALER and ROUTER with multipart messages, over TCP
-//!   and IPC. It has no `inproc://` transport. The build needs nothing but cargo.
+//!   and IPC. It has no `inproc://` transport, and its PUB does not reconnect by itself, so a
+//!   connecting publisher watches the socket's events and connects again when its subscriber
+//!   goes away (as libzmq would). The build needs nothing but cargo.
+//!   `tests/libzmq.rs` checks it against libzmq 4.3 (pyzmq) in both directions: our subscriber
+//!   and DEALER against a vLLM-like libzmq PUB and ROUTER, a libzmq SUB and DEALER against our
+//!   publisher.
 //! * **Ordering over throughput.** A replay holds the live stream back instead of interleaving
 //!   it, so the receiver sees one worker's batches strictly in sequence order and never has to
 //!   reorder. A long replay delays live batches; it never loses them (the socket queues them,
@@ -82,8 +138,12 @@
 //!
 //! * Applying events to an index, clearing a worker, metrics export: the consumer's job (the
 //!   server), using [`WireEvent::apply_to`](kvroute_wire::WireEvent::apply_to) and the counters.
-//! * Per data-parallel-rank endpoints: vLLM gives each rank its own port; run one subscriber per
-//!   port. Batches carry their rank, and sequence numbers are tracked per subscriber.
+//! * One socket for several data-parallel ranks: vLLM gives each rank its own port
+//!   ([`rank_endpoint`]); run one subscriber per rank. Batches carry their rank, and sequence
+//!   numbers are tracked per subscriber.
+//! * Several engines on one bound subscriber (llm-d's centralized mode tells them apart by
+//!   topic): sequence numbers are per publisher, so a subscriber follows one engine. In bind
+//!   mode, give each worker its own port.
 //! * Snapshots of a worker's whole cache (a proposal upstream, not a protocol yet), CURVE
 //!   security, and a high-water-mark setting (the `zeromq` crate has none).
 #![forbid(unsafe_code)]
@@ -94,7 +154,7 @@ mod publisher;
 mod subscriber;
 
 pub use error::ZmqError;
-pub use mode::{SocketMode, publisher_mode, subscriber_mode};
+pub use mode::{SocketMode, publisher_mode, rank_endpoint, subscriber_mode};
 pub use publisher::{DEFAULT_BUFFER_STEPS, EventPublisher, PublisherConfig};
 pub use subscriber::{
     CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, SubscriberConfig, SubscriberCounters, SubscriberEvent,

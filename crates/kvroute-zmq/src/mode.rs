@@ -13,6 +13,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::ZmqError;
+
 /// Which side of a link a socket takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -52,6 +54,28 @@ pub fn subscriber_mode(endpoint: &str) -> SocketMode {
     }
 }
 
+/// The endpoint of data-parallel rank `rank` of an engine configured with `endpoint`, by vLLM's
+/// rule: each rank publishes on its own endpoint, the TCP port plus the rank, or for `inproc://`
+/// the name with `_dp{rank}` appended; rank 0 keeps the endpoint as it is. The same rule gives
+/// the replay endpoints. Errors for a port that would pass 65535 and for `ipc://` endpoints of
+/// ranks past 0 (no offset rule is known for them).
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, ZmqError> {
+    if rank == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    if endpoint.starts_with("inproc://") {
+        return Ok(format!("{endpoint}_dp{rank}"));
+    }
+    let bad = |why: &str| ZmqError::Config(format!("endpoint {endpoint:?} for rank {rank}: {why}"));
+    let (base, port) = endpoint
+        .strip_prefix("tcp://")
+        .and_then(|_| endpoint.rsplit_once(':'))
+        .ok_or_else(|| bad("only tcp:// and inproc:// endpoints have a rank offset"))?;
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    let port = u16::try_from(u32::from(port) + rank).map_err(|_| bad("the port passes 65535"))?;
+    Ok(format!("{base}:{port}"))
+}
+
 /// The endpoint as the `zeromq` crate takes it: a `*` host becomes `0.0.0.0` (libzmq's spelling
 /// of "every interface", which the crate would try to resolve as a host name).
 pub(crate) fn normalize(endpoint: &str) -> String {
@@ -85,6 +109,28 @@ mod tests {
         for (endpoint, publisher, subscriber) in cases {
             assert_eq!(publisher_mode(endpoint), publisher, "publisher {endpoint}");
             assert_eq!(subscriber_mode(endpoint), subscriber, "subscriber {endpoint}");
+        }
+    }
+
+    #[test]
+    fn each_rank_has_its_own_endpoint() {
+        let cases = [
+            ("tcp://*:5557", 0, Some("tcp://*:5557")),
+            ("tcp://*:5557", 3, Some("tcp://*:5560")),
+            ("tcp://[::1]:5557", 1, Some("tcp://[::1]:5558")),
+            ("tcp://10.0.0.1:65535", 1, None),
+            ("inproc://kv", 0, Some("inproc://kv")),
+            ("inproc://kv", 2, Some("inproc://kv_dp2")),
+            ("ipc:///tmp/kv", 0, Some("ipc:///tmp/kv")),
+            ("ipc:///tmp/kv", 1, None),
+            ("tcp://host:port", 1, None),
+        ];
+        for (endpoint, rank, expected) in cases {
+            assert_eq!(
+                rank_endpoint(endpoint, rank).ok().as_deref(),
+                expected,
+                "{endpoint} rank {rank}"
+            );
         }
     }
 

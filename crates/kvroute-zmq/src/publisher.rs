@@ -5,12 +5,13 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvroute_wire::replay::{self, ReplayLayout};
 use kvroute_wire::{EventBatch, EventEncoding, RawBatch, WireEvent};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::ZmqError;
 use crate::mode::{SocketMode, normalize};
@@ -88,6 +89,14 @@ impl PublisherConfig {
         }
     }
 
+    /// The same config with another PUB endpoint.
+    pub fn with_endpoint(self, endpoint: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            ..self
+        }
+    }
+
     /// Checks that the endpoints parse.
     pub fn validate(&self) -> Result<(), ZmqError> {
         check_endpoint("endpoint", &self.endpoint)?;
@@ -119,6 +128,8 @@ pub struct EventPublisher {
     replay_endpoint: Option<String>,
     state: Arc<Mutex<State>>,
     live: mpsc::UnboundedSender<ZmqMessage>,
+    /// Dropped to stop the tasks: each then closes its socket.
+    stop: watch::Sender<()>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -146,6 +157,7 @@ impl EventPublisher {
             ring: VecDeque::new(),
             drop_remaining: 0,
         }));
+        let (stop, stopped) = watch::channel(());
         let mut tasks = Vec::new();
         let replay_endpoint = match &config.replay_endpoint {
             None => None,
@@ -162,12 +174,13 @@ impl EventPublisher {
                     Arc::clone(&state),
                     topic,
                     config.replay_layout,
+                    stopped.clone(),
                 )));
                 Some(bound.to_string())
             }
         };
         let (live, rx) = mpsc::unbounded_channel();
-        tasks.push(tokio::spawn(send_live(socket, connect_to, rx)));
+        tasks.push(tokio::spawn(send_live(socket, connect_to, rx, stopped)));
         Ok(Self {
             topic: Bytes::from(config.topic.into_bytes()),
             encoding: config.encoding,
@@ -176,6 +189,7 @@ impl EventPublisher {
             replay_endpoint,
             state,
             live,
+            stop,
             tasks,
         })
     }
@@ -239,11 +253,13 @@ impl EventPublisher {
         self.lock().drop_remaining = n;
     }
 
-    /// Stops the tasks and waits until the sockets are closed (so that the ports are free).
-    pub async fn shutdown(mut self) {
-        for task in std::mem::take(&mut self.tasks) {
-            task.abort();
-            // Cancelled or finished: either way it has stopped.
+    /// Stops the tasks and waits until the sockets are closed, so that the ports are free to
+    /// bind again (dropping the publisher closes them too, without waiting).
+    pub async fn shutdown(self) {
+        let Self { stop, tasks, .. } = self;
+        drop(stop);
+        for task in tasks {
+            // A task that panicked has stopped too.
             let _ = task.await;
         }
     }
@@ -255,40 +271,102 @@ impl EventPublisher {
     }
 }
 
-impl Drop for EventPublisher {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
-    }
-}
-
 /// Sends live messages in the order published. In connect mode, connects first (messages
 /// queue meanwhile).
 async fn send_live(
     mut socket: PubSocket,
     connect_to: Option<String>,
+    rx: mpsc::UnboundedReceiver<ZmqMessage>,
+    mut stop: watch::Receiver<()>,
+) {
+    tokio::select! {
+        _ = stop.changed() => {}
+        () = live_loop(&mut socket, connect_to, rx) => {}
+    }
+    close(socket).await;
+}
+
+/// How long closing a socket may take before it is left to finish on its own.
+const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Closes `socket`, waiting (up to [`CLOSE_LIMIT`]) until its listeners are gone.
+pub(crate) async fn close(socket: impl Socket) {
+    // Errors here are about listeners already gone; there is no one to tell.
+    let _ = tokio::time::timeout(CLOSE_LIMIT, socket.close()).await;
+}
+
+/// How long a connecting publisher waits between attempts that failed for good.
+const RECONNECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+async fn live_loop(
+    socket: &mut PubSocket,
+    connect_to: Option<String>,
     mut rx: mpsc::UnboundedReceiver<ZmqMessage>,
 ) {
-    if let Some(endpoint) = connect_to {
-        while socket.connect(&endpoint).await.is_err() {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let Some(endpoint) = connect_to else {
+        while let Some(message) = rx.recv().await {
+            // A PUB socket's send only fails when the socket is gone; there is no one to tell.
+            let _ = socket.send(message).await;
         }
-    }
-    while let Some(message) = rx.recv().await {
-        // A PUB socket's send only fails when the socket is gone; there is no one to tell.
-        let _ = socket.send(message).await;
+        return;
+    };
+    // The `zeromq` crate's PUB does not reconnect by itself (its SUB does): watch for the
+    // subscriber going away and connect again, as libzmq would.
+    let mut events = socket.monitor();
+    loop {
+        {
+            // Until connected, what is published is dropped, as a PUB without subscribers
+            // drops it; it stays in the replay ring.
+            let connect = async {
+                while socket.connect(&endpoint).await.is_err() {
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                }
+            };
+            tokio::pin!(connect);
+            loop {
+                tokio::select! {
+                    () = &mut connect => break,
+                    message = rx.recv() => if message.is_none() { return },
+                }
+            }
+        }
+        loop {
+            tokio::select! {
+                message = rx.recv() => match message {
+                    Some(message) => {
+                        let _ = socket.send(message).await;
+                    }
+                    None => return,
+                },
+                event = events.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) => break,
+                    Some(_) => {}
+                    // The socket is closing.
+                    None => return,
+                },
+            }
+        }
     }
 }
 
 /// Answers replay requests: `[identity, "", start]` gets every buffered batch from `start` on,
-/// then the end marker. Malformed requests are ignored, as vLLM does.
+/// then the end marker. Malformed requests are ignored, as vLLM does. Closes the socket when
+/// `stop` fires.
 async fn serve_replays(
     mut router: RouterSocket,
     state: Arc<Mutex<State>>,
     topic: String,
     layout: ReplayLayout,
+    mut stop: watch::Receiver<()>,
 ) {
+    tokio::select! {
+        _ = stop.changed() => {}
+        () = replay_loop(&mut router, &state, &topic, layout) => {}
+    }
+    close(router).await;
+}
+
+async fn replay_loop(router: &mut RouterSocket, state: &Mutex<State>, topic: &str, layout: ReplayLayout) {
     loop {
         let Ok(message) = router.recv().await else {
             // A client went away mid-message; pause so that a burst of errors cannot spin.
@@ -316,7 +394,7 @@ async fn serve_replays(
             .map(|(seq, payload)| {
                 replay::reply(
                     &RawBatch {
-                        topic: &topic,
+                        topic,
                         seq: *seq,
                         payload,
                     },

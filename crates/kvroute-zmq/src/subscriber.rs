@@ -11,7 +11,7 @@ use kvroute_core::ids::WorkerId;
 use kvroute_wire::replay::{self, ReplayReply};
 use kvroute_wire::{EventBatch, RawBatch, ReplayStatus, SeqStatus, SeqTracker};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -141,7 +141,9 @@ pub enum SubscriberEvent {
         /// The sequence numbers lost.
         missing: Range<u64>,
     },
-    /// A message that could not be decoded (bad frames or payload), skipped. Never fatal.
+    /// A message that could not be decoded (bad frames or payload), skipped; or, in connect
+    /// mode, a connect that failed for a reason retrying at once would not fix (it is retried
+    /// after a second). Never fatal.
     Error {
         /// The worker.
         worker: WorkerId,
@@ -226,14 +228,16 @@ fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
 }
 
-/// A running subscriber. Dropping it (or [`SubscriberHandle::shutdown`]) stops its task and
-/// closes its sockets.
+/// A running subscriber. Dropping it stops its task, which then closes its sockets;
+/// [`SubscriberHandle::shutdown`] also waits until they are closed.
 #[derive(Debug)]
 pub struct SubscriberHandle {
     worker: WorkerId,
     mode: SocketMode,
     endpoint: String,
     counters: Arc<SubscriberCounters>,
+    /// Dropped to stop the task.
+    stop: watch::Sender<()>,
     task: JoinHandle<()>,
 }
 
@@ -264,17 +268,13 @@ impl SubscriberHandle {
         self.task.is_finished()
     }
 
-    /// Stops the task and waits until its sockets are closed.
+    /// Stops the task and waits until its sockets are closed (in bind mode, until the port is
+    /// free to bind again).
     pub async fn shutdown(self) {
-        self.task.abort();
-        // The task's result is "cancelled" or, if it had ended, "finished": both mean stopped.
-        let _ = (&mut { self }.task).await;
-    }
-}
-
-impl Drop for SubscriberHandle {
-    fn drop(&mut self) {
-        self.task.abort();
+        let Self { stop, task, .. } = self;
+        drop(stop);
+        // A task that panicked has stopped too.
+        let _ = task.await;
     }
 }
 
@@ -320,12 +320,14 @@ pub async fn spawn_subscriber(
         tracker: SeqTracker::new(),
         dealer: None,
     };
-    let task = tokio::spawn(session.run(socket, connect_to));
+    let (stop, stopped) = watch::channel(());
+    let task = tokio::spawn(session.run(socket, connect_to, stopped));
     Ok(SubscriberHandle {
         worker: config.worker,
         mode,
         endpoint,
         counters,
+        stop,
         task,
     })
 }
@@ -355,7 +357,16 @@ struct Session {
 }
 
 impl Session {
-    async fn run(mut self, mut socket: SubSocket, connect_to: Option<String>) {
+    /// Serves until `stop` fires or the receiver is gone, then closes the socket.
+    async fn run(mut self, mut socket: SubSocket, connect_to: Option<String>, mut stop: watch::Receiver<()>) {
+        tokio::select! {
+            _ = stop.changed() => {}
+            () = self.serve(&mut socket, connect_to) => {}
+        }
+        crate::publisher::close(socket).await;
+    }
+
+    async fn serve(&mut self, socket: &mut SubSocket, connect_to: Option<String>) {
         if let Some(endpoint) = connect_to {
             // "Connection refused" is retried inside `connect` (with backoff, no time limit);
             // what comes back is an error that will not go away by itself.

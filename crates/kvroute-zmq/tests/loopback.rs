@@ -527,3 +527,237 @@ async fn bad_configs_are_refused_before_any_socket() {
             .is_err()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_older_than_the_replay_buffer_are_lost_and_the_rest_replayed() {
+    let publisher = EventPublisher::start(PublisherConfig {
+        buffer_steps: 3,
+        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true)
+    })
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    let first = publisher.next_seq();
+    publisher.drop_next(5);
+    for i in 0..6 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    // The ring holds the last three (first + 3 ..= first + 5): the two before are gone.
+    assert_eq!(
+        next(&mut rx).await,
+        SubscriberEvent::GapLost {
+            worker: WORKER,
+            missing: first..first + 3
+        }
+    );
+    for i in 3..6 {
+        let batch = next_batch(&mut rx).await;
+        assert_eq!((batch.seq, batch.events), (first + i, events(i)));
+    }
+    let after = handle.counters().snapshot();
+    assert_eq!(after.batches_lost - before.batches_lost, 3, "{after:?}");
+    assert_eq!(after.replayed - before.replayed, 3, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_drops_are_all_recovered_in_order() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Positional,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+
+    // A fixed pattern of drops (1 to 4 batches, every few batches), 1 000 batches in all.
+    let first = publisher.next_seq();
+    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut drops = 0;
+    for i in 0..1_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        if state.is_multiple_of(16) {
+            publisher.drop_next(1 + state / 16 % 4);
+            drops += 1;
+        }
+        publisher.publish(events(i), None, i as f64).expect("publish");
+    }
+    // A drop at the end would swallow the last batches, which no later batch would reveal.
+    publisher.drop_next(0);
+    let last = publisher.publish(Vec::new(), None, 0.0).expect("publish");
+    for i in 0..1_000 {
+        let batch = next_batch(&mut rx).await;
+        assert_eq!((batch.seq, batch.events), (first + i, events(i)));
+    }
+    assert_eq!(next_batch(&mut rx).await.seq, last);
+    let after = handle.counters().snapshot();
+    assert!(drops > 10, "the pattern drops too rarely: {drops}");
+    assert_eq!(after.gaps_lost, before.gaps_lost, "{after:?}");
+    assert!(after.gaps_detected - before.gaps_detected >= 1, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
+    let first = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let (handle, mut rx) = subscribe(&first, |_| {}).await;
+    join(&first, &mut rx).await;
+    for _ in 0..300 {
+        first.publish(Vec::new(), None, 0.0).expect("publish");
+    }
+    let last = first.next_seq() - 1;
+    while next_batch(&mut rx).await.seq != last {}
+    let (endpoint, replay) = (
+        first.endpoint().to_owned(),
+        first.replay_endpoint().expect("replay").to_owned(),
+    );
+    first.shutdown().await;
+
+    // The same ports, as an engine restarted in place would have. The subscriber reconnects by
+    // itself; what the new run published before it did comes back through the replay socket.
+    let second = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(replay),
+        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true).with_endpoint(endpoint)
+    })
+    .await
+    .expect("restart on the same ports");
+    let events = join(&second, &mut rx).await;
+    assert!(
+        matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
+        "{events:?}"
+    );
+    let seqs: Vec<u64> = events[1..]
+        .iter()
+        .map(|e| match e {
+            SubscriberEvent::Batch { batch, .. } => batch.seq,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(seqs, (0..second.next_seq()).collect::<Vec<_>>());
+    assert_eq!(handle.counters().snapshot().restarts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_started_first_waits_for_its_publisher() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (tx, mut rx) = mpsc::channel(16);
+    let handle = spawn_subscriber(SubscriberConfig::new(WORKER, endpoint.clone()), tx)
+        .await
+        .expect("spawn_subscriber");
+    assert_eq!(handle.mode(), SocketMode::Connect);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let publisher = EventPublisher::start(PublisherConfig::new(endpoint))
+        .await
+        .expect("start");
+    let events = join(&publisher, &mut rx).await;
+    assert!(
+        events
+            .iter()
+            .all(|e| matches!(e, SubscriberEvent::Batch { .. } | SubscriberEvent::GapLost { .. })),
+        "{events:?}"
+    );
+    // Dropping the handle stops the task, which closes the channel.
+    drop(handle);
+    while let Some(_event) = timeout(PATIENCE, rx.recv()).await.expect("the channel closes") {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_loses_nothing() {
+    let publisher = EventPublisher::start(loopback_publisher(
+        EventEncoding::Map,
+        ReplayLayout::TopicSeqPayload,
+        true,
+    ))
+    .await
+    .expect("start");
+    let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
+    config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    // Room for one event: the subscriber waits on the consumer after every batch.
+    let (tx, mut rx) = mpsc::channel(1);
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    join(&publisher, &mut rx).await;
+
+    let first = publisher.next_seq();
+    for i in 0..300 {
+        publisher.publish(events(i), None, 0.0).expect("publish");
+    }
+    for i in 0..300 {
+        if i % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(next_batch(&mut rx).await.seq, first + i);
+    }
+    assert_eq!(handle.counters().snapshot().gaps_lost, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipc_endpoints_work_with_the_default_modes() {
+    let dir = std::env::temp_dir().join(format!("kvroute-zmq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let path = |name: &str| format!("ipc://{}", dir.join(name).display());
+    let publisher = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(path("replay.sock")),
+        ..PublisherConfig::new(path("events.sock"))
+    })
+    .await
+    .expect("start");
+    // vLLM binds ipc endpoints, so a subscriber connects to them by default.
+    let (handle, mut rx) = subscribe(&publisher, |c| c.topic.clear()).await;
+    assert_eq!(handle.mode(), SocketMode::Connect);
+    let events = join(&publisher, &mut rx).await;
+    assert!(
+        matches!(&events[0], SubscriberEvent::Batch { batch, .. } if batch.seq == 0),
+        "{events:?}"
+    );
+    drop(handle);
+    publisher.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
+    let bind = |endpoint: String| async move {
+        let (tx, rx) = mpsc::channel(1024);
+        let config = SubscriberConfig {
+            mode: Some(SocketMode::Bind),
+            ..SubscriberConfig::new(WORKER, endpoint)
+        };
+        (spawn_subscriber(config, tx).await.expect("spawn_subscriber"), rx)
+    };
+    let (first, mut rx) = bind("tcp://127.0.0.1:0".into()).await;
+    let endpoint = first.endpoint().to_owned();
+    let publisher = EventPublisher::start(PublisherConfig {
+        mode: Some(SocketMode::Connect),
+        ..PublisherConfig::new(endpoint.clone())
+    })
+    .await
+    .expect("start");
+    join(&publisher, &mut rx).await;
+    first.shutdown().await;
+
+    // A new subscriber on the same port (the router restarted): the publisher connects again.
+    let (second, mut rx) = bind(endpoint).await;
+    let events = join(&publisher, &mut rx).await;
+    // It joined a run already under way and has no replay endpoint: what came before is lost.
+    assert!(
+        matches!(events[0], SubscriberEvent::GapLost { ref missing, .. } if missing.start == 0),
+        "{events:?}"
+    );
+    assert!(!second.is_finished());
+}
