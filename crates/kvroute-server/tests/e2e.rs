@@ -25,9 +25,13 @@ struct Cluster {
 /// Starts `n` mock workers (engine `speedup`) and a proxy in front of them, with `tweak` applied
 /// to the proxy's configuration.
 async fn cluster(n: usize, speedup: f64, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
-    let model = Arc::new(Model::tiny().unwrap());
     let mut mc = MockConfig::new(n);
     mc.engine.speedup = speedup;
+    cluster_of(mc, tweak).await
+}
+
+async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
+    let model = Arc::new(Model::tiny().unwrap());
     let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
@@ -523,5 +527,30 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     let bad_worker = serde_json::to_vec(&json!({"url": "http://127.0.0.1:1", "colour": "red"})).unwrap();
     let (got, _, _) = c.http.request("POST", "/admin/workers", bad_worker).await;
     assert_eq!(got, 400);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn positional_events_from_older_engines_feed_the_router_too() {
+    let mut mc = MockConfig::new(2);
+    mc.engine.speedup = 20.0;
+    mc.encoding = kvroute_wire::EventEncoding::Positional;
+    let c = cluster_of(mc, |_| {}).await;
+    let prompt: String = (0..480).map(|i| char::from(b'a' + (i * 11 % 26) as u8)).collect();
+    let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 1})).unwrap();
+    let (status, _, _) = c.http.request("POST", "/v1/completions", body.clone()).await;
+    assert_eq!(status, 200);
+    let t0 = Instant::now();
+    while c.cached_blocks().iter().max().copied().unwrap_or(0) < 30 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no events: {:?}",
+            c.cached_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (_, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 464);
     c.assert_drained().await;
 }
