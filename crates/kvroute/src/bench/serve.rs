@@ -71,6 +71,10 @@ pub struct ServeBenchArgs {
     /// Name of the measured proxy in the output.
     #[arg(long, default_value = "kvroute")]
     pub name: String,
+    /// Send the prompts as token ids (the same bytes' ids under the tiny model), which a proxy
+    /// that tokenizes passes as they are: isolates tokenization's share.
+    #[arg(long)]
+    pub token_ids: bool,
 }
 
 /// One case's figures.
@@ -80,6 +84,8 @@ pub struct ServeReport {
     pub proxy: String,
     /// `unary` or `stream`.
     pub mode: String,
+    /// Whether prompts were token ids.
+    pub token_ids: bool,
     /// Throughput run's concurrency.
     pub concurrency: usize,
     /// Requests per second through the proxy at `concurrency`.
@@ -188,15 +194,20 @@ pub fn run_upstreams(args: UpstreamArgs) -> anyhow::Result<()> {
     })
 }
 
-fn body(i: usize, stream: bool) -> Bytes {
+fn body(i: usize, stream: bool, token_ids: bool) -> Bytes {
     let prefix = i % 8;
     let text = format!(
         "System prompt number {prefix}: you are a helpful assistant that answers briefly and well. \
          Context for group {prefix} follows, repeated so the prompt spans several blocks of tokens. \
          The user asks question {i}: what is the capital of the country with index {i}?"
     );
+    let prompt = if token_ids {
+        serde_json::json!(text.bytes().collect::<Vec<u8>>())
+    } else {
+        serde_json::json!(text)
+    };
     Bytes::from(
-        serde_json::json!({"model": "tiny", "prompt": text, "max_tokens": 8, "stream": stream}).to_string(),
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": stream}).to_string(),
     )
 }
 
@@ -209,6 +220,7 @@ async fn load(
     concurrency: usize,
     seconds: f64,
     stream: bool,
+    token_ids: bool,
 ) -> anyhow::Result<(Vec<u64>, u64, f64)> {
     let authority = url.trim_start_matches("http://").trim_end_matches('/').to_owned();
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
@@ -225,7 +237,7 @@ async fn load(
                 let req = Request::post(format!("http://{authority}{path}"))
                     .header("host", &authority)
                     .header("content-type", "application/json")
-                    .body(Full::new(body(i, stream)))?;
+                    .body(Full::new(body(i, stream, token_ids)))?;
                 i += concurrency;
                 let t0 = Instant::now();
                 sender.ready().await?;
@@ -330,25 +342,50 @@ async fn run_async(args: ServeBenchArgs) -> anyhow::Result<()> {
         };
         let path = "/v1/completions";
         // Warm-up (connection pools, routing trees), then the runs.
-        load(&target, path, args.concurrency, 1.0, stream).await?;
+        load(&target, path, args.concurrency, 1.0, stream, args.token_ids).await?;
         let (direct, e1, _) = load(
             &upstreams[0],
             path,
             args.latency_concurrency,
             args.seconds,
             stream,
+            args.token_ids,
         )
         .await?;
-        let (proxied, e2, _) = load(&target, path, args.latency_concurrency, args.seconds, stream).await?;
-        let (direct_tp, e3, direct_secs) =
-            load(&upstreams[0], path, args.concurrency, args.seconds, stream).await?;
+        let (proxied, e2, _) = load(
+            &target,
+            path,
+            args.latency_concurrency,
+            args.seconds,
+            stream,
+            args.token_ids,
+        )
+        .await?;
+        let (direct_tp, e3, direct_secs) = load(
+            &upstreams[0],
+            path,
+            args.concurrency,
+            args.seconds,
+            stream,
+            args.token_ids,
+        )
+        .await?;
         let cpu0 = pid.and_then(cpu_us);
-        let (tp, e4, secs) = load(&target, path, args.concurrency, args.seconds, stream).await?;
+        let (tp, e4, secs) = load(
+            &target,
+            path,
+            args.concurrency,
+            args.seconds,
+            stream,
+            args.token_ids,
+        )
+        .await?;
         let cpu1 = pid.and_then(cpu_us);
         let p = |v: &[u64], q: f64| percentile(v, q);
         let report = ServeReport {
             proxy: args.name.clone(),
             mode: mode.clone(),
+            token_ids: args.token_ids,
             concurrency: args.concurrency,
             rps: tp.len() as f64 / secs,
             direct_rps: direct_tp.len() as f64 / direct_secs,
