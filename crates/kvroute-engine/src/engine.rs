@@ -42,6 +42,10 @@ pub struct StepOutput {
     pub preempted: Vec<RequestId>,
     /// KV events of the step, in the order they happened.
     pub events: Vec<KvEvent>,
+    /// Requests admitted in this pass (preempted ones readmitted included), each with the prompt
+    /// tokens it found in the prefix cache: what vLLM reports as a request's
+    /// `prompt_tokens_details.cached_tokens`.
+    pub prefix_hits: Vec<(RequestId, u32)>,
     /// The step's metrics.
     pub metrics: StepMetrics,
 }
@@ -312,6 +316,12 @@ impl Engine {
         metrics.admitted = schedule.admitted;
         metrics.prefix_cache_hit_tokens = schedule.hit_tokens;
         metrics.prefix_cache_query_tokens = schedule.query_tokens;
+        // Admissions are scheduled after the running requests: the last `admitted` chunks.
+        let admissions = schedule.chunks.len().saturating_sub(schedule.admitted as usize);
+        let prefix_hits = schedule.chunks[admissions..]
+            .iter()
+            .map(|chunk| (chunk.id, chunk.context))
+            .collect();
         StepOutput {
             start,
             end,
@@ -320,6 +330,7 @@ impl Engine {
             finished: progress.finished,
             preempted: schedule.preempted,
             events: self.scheduler.pool.take_events(),
+            prefix_hits,
             metrics,
         }
     }

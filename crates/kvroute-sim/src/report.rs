@@ -47,17 +47,70 @@ impl Serialize for Report {
     }
 }
 
+/// A latency whose summary a report carries under Dynamo's key names (`mean_ttft_ms`,
+/// `median_ttft_ms`, `p99_ttft_ms`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Latency {
+    /// Time to first token.
+    Ttft,
+    /// Inter-token latency.
+    Itl,
+    /// Time per output token after the first.
+    Tpot,
+    /// Arrival to last token.
+    E2e,
+}
+
+macro_rules! latency_keys {
+    ($m:literal) => {
+        [
+            concat!("mean_", $m, "_ms"),
+            concat!("min_", $m, "_ms"),
+            concat!("max_", $m, "_ms"),
+            concat!("median_", $m, "_ms"),
+            concat!("p75_", $m, "_ms"),
+            concat!("p90_", $m, "_ms"),
+            concat!("p95_", $m, "_ms"),
+            concat!("p99_", $m, "_ms"),
+            concat!("std_", $m, "_ms"),
+        ]
+    };
+}
+
+impl Latency {
+    fn keys(self) -> [&'static str; 9] {
+        match self {
+            Latency::Ttft => latency_keys!("ttft"),
+            Latency::Itl => latency_keys!("itl"),
+            Latency::Tpot => latency_keys!("tpot"),
+            Latency::E2e => latency_keys!("e2e_latency"),
+        }
+    }
+}
+
 impl Report {
-    pub(crate) fn push(&mut self, key: &'static str, value: Value) {
+    /// Appends a value. Keys are the report's vocabulary (Dynamo's names): drivers other than
+    /// the simulator (the live demo) fill the same keys so that [`table`] reads them alike.
+    pub fn push(&mut self, key: &'static str, value: Value) {
         self.entries.push((key, value));
     }
 
-    pub(crate) fn count(&mut self, key: &'static str, v: u64) {
+    /// Appends a count.
+    pub fn count(&mut self, key: &'static str, v: u64) {
         self.push(key, Value::Count(v));
     }
 
-    pub(crate) fn float(&mut self, key: &'static str, v: f64) {
+    /// Appends a measurement (not-finite values become 0).
+    pub fn float(&mut self, key: &'static str, v: f64) {
         self.push(key, Value::Float(if v.is_finite() { v } else { 0.0 }));
+    }
+
+    /// Appends a latency summary (milliseconds) under its nine keys.
+    pub fn latency(&mut self, latency: Latency, s: &crate::stats::Summary) {
+        let values = [s.mean, s.min, s.max, s.p50, s.p75, s.p90, s.p95, s.p99, s.std];
+        for (k, v) in latency.keys().into_iter().zip(values) {
+            self.float(k, v);
+        }
     }
 
     /// The entries, in order.

@@ -4,32 +4,9 @@ use crate::RunResult;
 use crate::cluster::Run;
 use crate::config::{PlannerSetup, SimConfig, Topology};
 use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
-use crate::report::{Outcome, Report, RequestRecord, Value};
+use crate::report::{Latency, Outcome, Report, RequestRecord, Value};
 use crate::stats::Summary;
 use crate::workload::Workload;
-
-macro_rules! latency_keys {
-    ($m:literal) => {
-        [
-            concat!("mean_", $m, "_ms"),
-            concat!("min_", $m, "_ms"),
-            concat!("max_", $m, "_ms"),
-            concat!("median_", $m, "_ms"),
-            concat!("p75_", $m, "_ms"),
-            concat!("p90_", $m, "_ms"),
-            concat!("p95_", $m, "_ms"),
-            concat!("p99_", $m, "_ms"),
-            concat!("std_", $m, "_ms"),
-        ]
-    };
-}
-
-fn push_summary(report: &mut Report, keys: [&'static str; 9], s: &Summary) {
-    let values = [s.mean, s.min, s.max, s.p50, s.p75, s.p90, s.p95, s.p99, s.std];
-    for (k, v) in keys.into_iter().zip(values) {
-        report.float(k, v);
-    }
-}
 
 fn ms(nanos: u64) -> f64 {
     nanos as f64 / 1e6
@@ -108,18 +85,10 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         "total_throughput_tok_s",
         per_s((input_tokens + output_tokens) as f64),
     );
-    push_summary(
-        &mut report,
-        latency_keys!("ttft"),
-        &Summary::exact(&mut ttft.clone()),
-    );
-    push_summary(&mut report, latency_keys!("itl"), &t.itl.summary());
-    push_summary(&mut report, latency_keys!("tpot"), &Summary::exact(&mut tpot));
-    push_summary(
-        &mut report,
-        latency_keys!("e2e_latency"),
-        &Summary::exact(&mut e2e.clone()),
-    );
+    report.latency(Latency::Ttft, &Summary::exact(&mut ttft.clone()));
+    report.latency(Latency::Itl, &t.itl.summary());
+    report.latency(Latency::Tpot, &Summary::exact(&mut tpot));
+    report.latency(Latency::E2e, &Summary::exact(&mut e2e.clone()));
     report.float("prefix_cache_reused_ratio", ratio(t.hit_tokens, t.query_tokens));
     report.float(
         "router_predicted_overlap_ratio",

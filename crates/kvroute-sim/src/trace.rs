@@ -68,9 +68,30 @@ pub fn read_mooncake(
     }
     let mut workload = Workload::new(block_size);
     let mut hasher = PromptHasher::new(block_size);
+    mooncake_rows(reader, limit, |arrival, row| {
+        let (locals, prompt_tokens) =
+            mooncake_prompt(&mut hasher, &row.hash_ids, row.input_length, trace_block_size);
+        workload.requests.push(SimRequest {
+            arrival: Arrival::At(arrival),
+            locals,
+            prompt_tokens,
+            output_tokens: u32::try_from(row.output_length).unwrap_or(u32::MAX),
+        });
+    })?;
+    Ok(workload)
+}
+
+/// Calls `f` with each row of a Mooncake trace (at most `limit`) and its arrival, shifted so the
+/// first row arrives at 0.
+fn mooncake_rows(
+    reader: impl BufRead,
+    limit: Option<usize>,
+    mut f: impl FnMut(Timestamp, MooncakeRow),
+) -> Result<(), TraceError> {
     let mut first_ms = None;
+    let mut rows = 0;
     for (i, line) in reader.lines().enumerate() {
-        if limit.is_some_and(|n| workload.requests.len() >= n) {
+        if limit.is_some_and(|n| rows >= n) {
             break;
         }
         let line = line?;
@@ -83,32 +104,79 @@ pub fn read_mooncake(
         })?;
         let first = *first_ms.get_or_insert(row.timestamp);
         let ms = (row.timestamp - first).max(0.0);
-        let (locals, prompt_tokens) =
-            mooncake_prompt(&mut hasher, &row.hash_ids, row.input_length, trace_block_size);
-        workload.requests.push(SimRequest {
-            arrival: Arrival::At(Timestamp((ms * 1e6).round() as u64)),
-            locals,
-            prompt_tokens,
-            output_tokens: u32::try_from(row.output_length).unwrap_or(u32::MAX),
-        });
+        rows += 1;
+        f(Timestamp((ms * 1e6).round() as u64), row);
     }
-    Ok(workload)
+    Ok(())
 }
 
-/// The synthesized prompt of a Mooncake row: its full blocks' local hashes and its length.
+/// The synthesized prompt of a Mooncake row: its full blocks' local hashes and its length,
+/// hashed from its runs without writing the tokens out.
 pub(crate) fn mooncake_prompt(
     hasher: &mut PromptHasher,
     hash_ids: &[u64],
     input_length: u64,
     trace_block_size: u32,
 ) -> (Arc<[LocalBlockHash]>, u32) {
+    hasher.run_locals(mooncake_runs(hash_ids, input_length, trace_block_size))
+}
+
+/// Dynamo's token synthesis for a Mooncake row (see the module docs), appended to `tokens`.
+pub fn mooncake_tokens(hash_ids: &[u64], input_length: u64, trace_block_size: u32, tokens: &mut Vec<u32>) {
+    for (token, count) in mooncake_runs(hash_ids, input_length, trace_block_size) {
+        tokens.extend(std::iter::repeat_n(token, count));
+    }
+}
+
+/// A Mooncake row's prompt as runs of one token: each hash id repeated for its trace block, the
+/// whole cut at `input_length`.
+fn mooncake_runs(
+    hash_ids: &[u64],
+    input_length: u64,
+    trace_block_size: u32,
+) -> impl Iterator<Item = (u32, usize)> + '_ {
     let tbs = trace_block_size as usize;
     let mut left = (input_length as usize).min(hash_ids.len() * tbs);
-    hasher.run_locals(hash_ids.iter().map_while(|&h| {
+    hash_ids.iter().map_while(move |&h| {
         let take = left.min(tbs);
         left -= take;
         (take > 0).then_some((h as u32, take))
-    }))
+    })
+}
+
+/// A Mooncake row with its prompt as token ids, for drivers that send real prompts (the live
+/// demo) rather than block hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenRequest {
+    /// Arrival, the first row at 0.
+    pub arrival: Timestamp,
+    /// The synthesized prompt ([`mooncake_tokens`]).
+    pub tokens: Vec<u32>,
+    /// Tokens to generate.
+    pub output_tokens: u32,
+}
+
+/// Reads a Mooncake JSONL trace into requests with token prompts, keeping at most `limit` rows;
+/// the same rows, arrivals and tokens as [`read_mooncake`].
+pub fn read_mooncake_tokens(
+    reader: impl BufRead,
+    trace_block_size: u32,
+    limit: Option<usize>,
+) -> Result<Vec<TokenRequest>, TraceError> {
+    if trace_block_size == 0 {
+        return Err(TraceError::ZeroBlockSize);
+    }
+    let mut out = Vec::new();
+    mooncake_rows(reader, limit, |arrival, row| {
+        let mut tokens = Vec::new();
+        mooncake_tokens(&row.hash_ids, row.input_length, trace_block_size, &mut tokens);
+        out.push(TokenRequest {
+            arrival,
+            tokens,
+            output_tokens: u32::try_from(row.output_length).unwrap_or(u32::MAX),
+        });
+    })?;
+    Ok(out)
 }
 
 /// Reads an Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) into a workload

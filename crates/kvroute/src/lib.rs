@@ -5,5 +5,7 @@
 //! does none of that.
 
 pub mod bench;
+pub mod demo;
 pub mod opstream;
 pub mod replay;
+pub mod serve;

@@ -29,6 +29,13 @@ enum Command {
     Bench(BenchCommand),
     /// Replay a trace through the cluster simulator (the router core and simulated engines).
     Replay(Box<kvroute::replay::ReplayArgs>),
+    /// Run the OpenAI-compatible proxy in front of engine workers.
+    Serve(Box<kvroute::serve::ServeArgs>),
+    /// Run simulated engines as OpenAI-compatible workers that publish KV events.
+    Mock(Box<kvroute::serve::MockArgs>),
+    /// The router and 4 mock workers in-process, the example trace driven through HTTP, and the
+    /// replay's table beside the simulated run.
+    Demo(kvroute::demo::DemoArgs),
 }
 
 #[derive(Subcommand)]
@@ -39,68 +46,10 @@ enum BenchCommand {
     Hash(HashArgs),
     /// Routing decision latency (hashing included) for several fleet sizes and prompt lengths.
     Route(RouteArgs),
-    /// Serve trivially fast OpenAI-compatible workers (for `bench proxy`) until interrupted.
-    Upstream(UpstreamArgs),
-    /// Drive a proxy with a closed loop of clients: requests/s, latency, CPU per request; with
-    /// `--direct`, the same against one worker, and the latency the proxy adds.
-    Proxy(ProxyArgs),
-}
-
-#[derive(Args)]
-struct UpstreamArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Ports, comma-separated: one worker each.
-    #[arg(long, value_delimiter = ',', default_value = "18100,18101,18102,18103")]
-    ports: Vec<u16>,
-    /// Events of a streamed completion (and tokens of a whole one).
-    #[arg(long, default_value_t = 8)]
-    chunks: usize,
-    /// Hand a streamed completion's events over at once (the server may write them together)
-    /// instead of one write per event.
-    #[arg(long)]
-    coalesce: bool,
-    /// Runtime threads.
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
-}
-
-#[derive(Args)]
-struct ProxyArgs {
-    /// The proxy, as host:port.
-    #[arg(long)]
-    target: std::net::SocketAddr,
-    /// One worker behind it, as host:port, measured the same way for the added latency.
-    #[arg(long)]
-    direct: Option<std::net::SocketAddr>,
-    /// The API path.
-    #[arg(long, default_value = "/v1/completions")]
-    path: String,
-    /// Clients, each with one connection and one request in flight.
-    #[arg(long, default_value_t = 16)]
-    concurrency: usize,
-    /// The measured window, seconds.
-    #[arg(long, default_value_t = 10.0)]
-    seconds: f64,
-    /// Unmeasured warm-up, seconds.
-    #[arg(long, default_value_t = 2.0)]
-    warmup: f64,
-    /// Ask for streamed responses.
-    #[arg(long)]
-    stream: bool,
-    /// Words in the prompt.
-    #[arg(long, default_value_t = 64)]
-    prompt_words: usize,
-    /// `max_tokens` of each request.
-    #[arg(long, default_value_t = 8)]
-    max_tokens: u32,
-    /// The proxy's process id, for its CPU time per request.
-    #[arg(long)]
-    pid: Option<u32>,
-    /// Runtime threads of the load generator.
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
+    /// Proxy overhead on loopback: added latency and requests per second against fast upstreams.
+    Serve(kvroute::bench::serve::ServeBenchArgs),
+    /// Trivially fast OpenAI-compatible upstreams, for `bench serve` against any proxy.
+    Upstream(kvroute::bench::serve::UpstreamArgs),
 }
 
 #[derive(Args)]
@@ -151,9 +100,12 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
-        Command::Bench(BenchCommand::Upstream(args)) => bench_upstream(args),
-        Command::Bench(BenchCommand::Proxy(args)) => bench_proxy(args),
+        Command::Bench(BenchCommand::Serve(args)) => kvroute::bench::serve::run(args),
+        Command::Bench(BenchCommand::Upstream(args)) => kvroute::bench::serve::run_upstreams(args),
         Command::Replay(args) => kvroute::replay::run(*args),
+        Command::Serve(args) => kvroute::serve::serve(*args),
+        Command::Mock(args) => kvroute::serve::mock(*args),
+        Command::Demo(args) => kvroute::demo::run(args),
     }
 }
 
@@ -210,70 +162,6 @@ fn bench_route(args: RouteArgs) -> anyhow::Result<()> {
                 serde_json::to_string(&report).context("serializing the report")?
             );
         }
-    }
-    Ok(())
-}
-
-fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
-}
-
-fn bench_upstream(args: UpstreamArgs) -> anyhow::Result<()> {
-    let config = bench::proxy::UpstreamConfig {
-        chunks: args.chunks,
-        coalesce: args.coalesce,
-    };
-    eprintln!(
-        "fast workers on {}:{:?} (model {}); interrupt to stop",
-        args.host,
-        args.ports,
-        bench::proxy::MODEL
-    );
-    runtime(args.threads)?.block_on(bench::proxy::serve_upstreams(&args.host, &args.ports, config))
-}
-
-fn bench_proxy(args: ProxyArgs) -> anyhow::Result<()> {
-    let prompt = (0..args.prompt_words)
-        .map(|i| format!("w{}", i % 97))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let config = |target, pid| bench::proxy::LoadConfig {
-        target,
-        path: args.path.clone(),
-        concurrency: args.concurrency,
-        warmup: std::time::Duration::from_secs_f64(args.warmup),
-        measure: std::time::Duration::from_secs_f64(args.seconds),
-        stream: args.stream,
-        prompt: prompt.clone(),
-        max_tokens: args.max_tokens,
-        pid,
-    };
-    let rt = runtime(args.threads)?;
-    let proxied = rt.block_on(bench::proxy::drive(&config(args.target, args.pid)))?;
-    println!(
-        "{}",
-        serde_json::to_string(&proxied).context("serializing the report")?
-    );
-    if let Some(direct) = args.direct {
-        let direct = rt.block_on(bench::proxy::drive(&config(direct, None)))?;
-        println!(
-            "{}",
-            serde_json::to_string(&direct).context("serializing the report")?
-        );
-        println!(
-            "{}",
-            serde_json::json!({
-                "added_p50_us": proxied.p50_us - direct.p50_us,
-                "added_p99_us": proxied.p99_us - direct.p99_us,
-            })
-        );
-    }
-    if proxied.requests == 0 {
-        bail!("no request completed through {}", args.target);
     }
     Ok(())
 }

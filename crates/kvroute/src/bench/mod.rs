@@ -6,8 +6,8 @@
 
 pub mod hash;
 pub mod index;
-pub mod proxy;
 pub mod route;
+pub mod serve;
 
 /// The nearest-rank `p`-th percentile of `sorted` (ascending); 0 when empty.
 pub fn percentile(sorted: &[u64], p: f64) -> u64 {

@@ -173,7 +173,7 @@ fn setup(workers: usize, corpus: &Corpus, rng: &mut Tokens) -> anyhow::Result<(R
 
 /// A prompt of `corpus.prompt_tokens`: half continue a cached conversation, half start anew.
 fn sample_prompt(corpus: &Corpus, workers: usize, rng: &mut Tokens, out: &mut Vec<u32>) {
-    if rng.next() % 2 == 0 {
+    if rng.next().is_multiple_of(2) {
         let w = rng.next() as usize % workers;
         let k = rng.next() as usize % corpus.conversations;
         corpus.conversation(w, k, out);

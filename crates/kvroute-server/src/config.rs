@@ -1,0 +1,350 @@
+//! `kvroute serve`'s configuration: a TOML file (unknown keys rejected) that flags override,
+//! validated once by [`ServeConfig::validate`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_core::router::{
+    BusyThresholds, CacheMode, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
+};
+use serde::{Deserialize, Serialize};
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A field has a value outside its range or vocabulary.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The router refused its part of the configuration.
+    #[error("router: {0}")]
+    Router(#[from] kvroute_core::router::ConfigError),
+    /// The TOML did not parse (unknown keys included).
+    #[error("{0}")]
+    Parse(String),
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// One worker: an OpenAI-compatible engine endpoint and, optionally, its KV-event sockets.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL of the worker's OpenAI API, e.g. `http://10.0.0.5:8000` (plain HTTP).
+    pub url: String,
+    /// The worker's KV-event PUB endpoint, e.g. `tcp://10.0.0.5:5557`. None: no events (the
+    /// router sees this worker's cache only through its own decisions, if the cache mode
+    /// predicts).
+    #[serde(default)]
+    pub events: Option<String>,
+    /// The worker's replay ROUTER endpoint, for filling sequence gaps.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// The topic of its events (vLLM's default is empty).
+    #[serde(default)]
+    pub topic: String,
+    /// Tokens per KV block; must equal the router's block size (checked). Default: the router's.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Data-parallel ranks behind the URL; each is a cache of its own (selected with the
+    /// `X-data-parallel-rank` header, as vLLM reads it). Default 1.
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    /// `agg` (prefill and decode). Disaggregated roles are refused: the proxy does not run the
+    /// two-hop prefill/decode flow.
+    #[serde(default = "agg")]
+    pub role: String,
+    /// KV-cache capacity in blocks (for busy thresholds and capacity-aware policies). Default
+    /// 16,384.
+    #[serde(default = "default_capacity")]
+    pub capacity_blocks: u64,
+    /// Concurrent requests the engine runs (vLLM `max_num_seqs`). Default 256.
+    #[serde(default = "default_max_requests")]
+    pub max_requests: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+fn agg() -> String {
+    "agg".to_owned()
+}
+fn default_capacity() -> u64 {
+    16_384
+}
+fn default_max_requests() -> u64 {
+    256
+}
+
+impl WorkerConfig {
+    /// A worker at `url` with every other field at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            events: None,
+            replay: None,
+            topic: String::new(),
+            block_size: None,
+            dp_size: 1,
+            role: agg(),
+            capacity_blocks: default_capacity(),
+            max_requests: default_max_requests(),
+        }
+    }
+
+    /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
+    /// [,role=R][,capacity=N][,max-requests=N]`.
+    pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
+        let mut parts = s.split(',');
+        let mut w = Self::new(parts.next().unwrap_or_default().trim());
+        for part in parts {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| invalid("--worker", format!("{part:?} is not key=value")))?;
+            let num = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| invalid("--worker", format!("{k}={v} is not a number")))
+            };
+            match k.trim() {
+                "events" => w.events = Some(v.to_owned()),
+                "replay" => w.replay = Some(v.to_owned()),
+                "topic" => w.topic = v.to_owned(),
+                "dp" | "dp-size" => w.dp_size = num(v)? as u32,
+                "block-size" => w.block_size = Some(num(v)? as u32),
+                "role" => w.role = v.to_owned(),
+                "capacity" => w.capacity_blocks = num(v)?,
+                "max-requests" => w.max_requests = num(v)?,
+                other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
+            }
+        }
+        Ok(w)
+    }
+
+    /// Checks the worker against the router's block size.
+    pub fn validate(&self, router_block_size: u32) -> Result<(), ConfigError> {
+        let f = |name: &str| format!("worker {}: {name}", self.url);
+        let uri: hyper::Uri = self.url.parse().map_err(|_| invalid(f("url"), "is not a URL"))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(invalid(f("url"), "must be http://host:port"));
+        }
+        if self.dp_size == 0 || self.dp_size > 1024 {
+            return Err(invalid(f("dp_size"), "must be 1 to 1024"));
+        }
+        if let Some(bs) = self.block_size
+            && bs != router_block_size
+        {
+            return Err(invalid(
+                f("block_size"),
+                format!("{bs} differs from the router's block size {router_block_size}"),
+            ));
+        }
+        if self.role != "agg" {
+            return Err(invalid(
+                f("role"),
+                format!(
+                    "{:?}: only `agg` workers are served (no disaggregated flow)",
+                    self.role
+                ),
+            ));
+        }
+        if self.capacity_blocks == 0 || self.max_requests == 0 {
+            return Err(invalid(f("capacity_blocks/max_requests"), "must be at least 1"));
+        }
+        if self.replay.is_some() && self.events.is_none() {
+            return Err(invalid(f("replay"), "needs an events endpoint"));
+        }
+        Ok(())
+    }
+
+    /// The role the router books this worker under.
+    pub fn role(&self) -> WorkerRole {
+        WorkerRole::Aggregated
+    }
+}
+
+/// Everything `kvroute serve` needs. Every field has a default, so a file names only what it
+/// changes.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Where to listen. Default `127.0.0.1:8000`.
+    pub listen: String,
+    /// The model name served (`/v1/models`). Default `tiny`.
+    pub model_name: String,
+    /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat). Default:
+    /// the built-in tiny model.
+    pub model_dir: Option<PathBuf>,
+    /// Routing policy name (`kv`, `dynamo`, `sglang-cache-aware`, `round-robin`, ...). Default
+    /// `kv`.
+    pub policy: String,
+    /// Tokens per KV block, as the engines use. Default 16 (vLLM's default).
+    pub block_size: u32,
+    /// Router seed. Default 0.
+    pub seed: u64,
+    /// Where the router's cache view comes from: `events`, `predict` (events plus its own
+    /// recent decisions) or `approximate` (its decisions only). Default `events`.
+    pub cache: String,
+    /// Requests that may wait when every worker is busy; past it, 503 with `Retry-After`.
+    /// Default 1,024.
+    pub queue_capacity: usize,
+    /// How long a request may wait in the queue before a 503. Default 30,000 ms.
+    pub queue_timeout_ms: u64,
+    /// A worker is busy when its requests exceed this fraction of its `max_requests`. Default:
+    /// never busy.
+    pub busy_requests_fraction: Option<f64>,
+    /// Largest request body, bytes (413 past it). Default 4 MiB.
+    pub max_body_bytes: usize,
+    /// Most prompt tokens (400 past it). Default 131,072.
+    pub max_prompt_tokens: usize,
+    /// Longest silence from a worker while a request runs (before its headers or between two
+    /// chunks) before the request fails with 504. Default 600,000 ms.
+    pub request_timeout_ms: u64,
+    /// TCP connect timeout to a worker. Default 2,000 ms.
+    pub connect_timeout_ms: u64,
+    /// How often workers' `/health` is checked; 0 turns checks off. Default 5,000 ms.
+    pub health_interval_ms: u64,
+    /// Timeout of one health check. Default 1,000 ms.
+    pub health_timeout_ms: u64,
+    /// Runtime worker threads (0: one per core). Default 0.
+    pub threads: usize,
+    /// The workers.
+    pub workers: Vec<WorkerConfig>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".to_owned(),
+            model_name: "tiny".to_owned(),
+            model_dir: None,
+            policy: "kv".to_owned(),
+            block_size: 16,
+            seed: 0,
+            cache: "events".to_owned(),
+            queue_capacity: 1024,
+            queue_timeout_ms: 30_000,
+            busy_requests_fraction: None,
+            max_body_bytes: 4 << 20,
+            max_prompt_tokens: 131_072,
+            request_timeout_ms: 600_000,
+            connect_timeout_ms: 2_000,
+            health_interval_ms: 5_000,
+            health_timeout_ms: 1_000,
+            threads: 0,
+            workers: Vec::new(),
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Parses a TOML file's text; unknown keys are errors.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))
+    }
+
+    /// Checks every field once, and returns the router configuration it implies.
+    pub fn validate(&self) -> Result<RouterConfig, ConfigError> {
+        self.listen_addr()?;
+        if self.model_name.is_empty() {
+            return Err(invalid("model_name", "must not be empty"));
+        }
+        if self.max_body_bytes == 0 || self.max_prompt_tokens == 0 {
+            return Err(invalid("max_body_bytes/max_prompt_tokens", "must be at least 1"));
+        }
+        if self.request_timeout_ms == 0 || self.connect_timeout_ms == 0 || self.queue_timeout_ms == 0 {
+            return Err(invalid("timeouts", "must be at least 1 ms"));
+        }
+        if self.health_interval_ms > 0 && self.health_timeout_ms == 0 {
+            return Err(invalid("health_timeout_ms", "must be at least 1 ms"));
+        }
+        let policy = PolicyConfig::from_name(&self.policy).map_err(|e| invalid("policy", e.to_string()))?;
+        let cache = match self.cache.as_str() {
+            "events" => CacheMode::Events,
+            "predict" => CacheMode::EventsWithPrediction(RecentConfig::PREDICT_ON_ROUTE),
+            "approximate" => CacheMode::Approximate(RecentConfig::PREDICT_ON_ROUTE),
+            other => {
+                return Err(invalid(
+                    "cache",
+                    format!("{other:?}: events, predict or approximate"),
+                ));
+            }
+        };
+        let router = RouterConfig {
+            block_size: self.block_size,
+            seed: self.seed,
+            policy,
+            cache,
+            busy: BusyThresholds {
+                requests_fraction: self.busy_requests_fraction,
+                ..BusyThresholds::default()
+            },
+            queue: QueueConfig {
+                capacity: self.queue_capacity,
+                ..QueueConfig::default()
+            },
+            ..RouterConfig::default()
+        };
+        router.validate()?;
+        for w in &self.workers {
+            w.validate(self.block_size)?;
+        }
+        Ok(router)
+    }
+
+    /// The listen address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.listen
+            .parse()
+            .map_err(|e| invalid("listen", format!("{:?}: {e}", self.listen)))
+    }
+
+    pub(crate) fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_reject_unknown_keys_and_flags_parse() {
+        let c = ServeConfig::from_toml_str(
+            "policy = \"round-robin\"\n[[workers]]\nurl = \"http://127.0.0.1:1\"\ndp_size = 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.workers[0].dp_size, 2);
+        assert!(c.validate().is_ok());
+        assert!(ServeConfig::from_toml_str("polcy = \"kv\"").is_err());
+        assert!(ServeConfig::from_toml_str("[[workers]]\nurl = \"http://a\"\nport = 1\n").is_err());
+        let w = WorkerConfig::parse_flag("http://h:1,events=tcp://h:2,replay=tcp://h:3,dp=2").unwrap();
+        assert_eq!(w.events.as_deref(), Some("tcp://h:2"));
+        assert_eq!(w.dp_size, 2);
+        assert!(WorkerConfig::parse_flag("http://h:1,bogus=1").is_err());
+        for bad in [
+            "ftp://h:1",
+            "http://h:1,dp=0",
+            "http://h:1,block-size=64",
+            "http://h:1,role=prefill",
+        ] {
+            let w = WorkerConfig::parse_flag(bad).unwrap();
+            assert!(w.validate(16).is_err(), "{bad}");
+        }
+        let bad = ServeConfig {
+            policy: "nope".into(),
+            ..ServeConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

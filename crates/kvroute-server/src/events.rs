@@ -1,0 +1,113 @@
+//! The KV-event feed: one `kvroute-zmq` subscriber per worker endpoint reports into one channel,
+//! and one task applies the reports to the router in arrival order (so a worker's events apply
+//! in order). Gaps are filled by the subscriber through the worker's replay socket; what it
+//! cannot fill arrives as `GapLost`, and the worker's cache view is cleared (never route on
+//! blocks that may be gone).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvroute_core::ids::WorkerId;
+use tokio::sync::mpsc;
+
+use kvroute_zmq::{SubscriberConfig, SubscriberEvent, SubscriberHandle};
+
+use crate::config::WorkerConfig;
+use crate::state::{FeedEvent, Shared};
+
+/// The feed: a channel into the router, and the subscribers that write to it.
+pub struct EventFeed {
+    tx: mpsc::Sender<FeedEvent>,
+    zmq_tx: mpsc::Sender<SubscriberEvent>,
+    subscribers: Mutex<HashMap<WorkerId, tokio::task::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for EventFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventFeed").finish_non_exhaustive()
+    }
+}
+
+impl EventFeed {
+    /// Starts the task that applies reports to `shared`'s router.
+    pub fn start(shared: Arc<Shared>) -> Self {
+        let (tx, mut rx) = mpsc::channel::<FeedEvent>(4096);
+        let (zmq_tx, mut zmq_rx) = mpsc::channel::<SubscriberEvent>(4096);
+        tokio::spawn(async move {
+            loop {
+                let event = tokio::select! {
+                    Some(e) = rx.recv() => e,
+                    Some(e) = zmq_rx.recv() => from_subscriber(e),
+                    else => break,
+                };
+                shared.apply_feed(event);
+            }
+        });
+        Self {
+            tx,
+            zmq_tx,
+            subscribers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A sender into the feed (for in-process event sources).
+    pub fn sender(&self) -> mpsc::Sender<FeedEvent> {
+        self.tx.clone()
+    }
+
+    /// Starts a subscriber for worker `id` if it has an events endpoint.
+    pub fn subscribe(&self, id: WorkerId, config: &WorkerConfig) {
+        let Some(endpoint) = &config.events else { return };
+        let sub = SubscriberConfig {
+            replay_endpoint: config.replay.clone(),
+            topic: config.topic.clone(),
+            ..SubscriberConfig::new(id, endpoint.clone())
+        };
+        let tx = self.zmq_tx.clone();
+        // The handle lives in the task: aborting the task drops it, which stops the subscriber.
+        let task = tokio::spawn(async move {
+            let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::error!(worker = id.0, error = %e, "KV-event subscriber failed to start");
+                    return;
+                }
+            };
+            std::future::pending::<()>().await;
+            drop(handle);
+        });
+        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = subs.insert(id, task) {
+            old.abort();
+        }
+    }
+
+    /// Stops worker `id`'s subscriber.
+    pub fn unsubscribe(&self, id: WorkerId) {
+        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(task) = subs.remove(&id) {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for EventFeed {
+    fn drop(&mut self) {
+        let subs = self.subscribers.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (_, task) in subs.drain() {
+            task.abort();
+        }
+    }
+}
+
+fn from_subscriber(e: SubscriberEvent) -> FeedEvent {
+    match e {
+        SubscriberEvent::Batch { worker, batch } => FeedEvent::Batch { worker, batch },
+        SubscriberEvent::Restarted { worker } => FeedEvent::Restarted { worker },
+        SubscriberEvent::GapLost { worker, missing } => FeedEvent::GapLost {
+            worker,
+            missing: missing.end.saturating_sub(missing.start),
+        },
+        SubscriberEvent::Error { worker, error } => FeedEvent::Error { worker, error },
+    }
+}

@@ -1,0 +1,774 @@
+//! `kvroute mock`: simulated engines as OpenAI-compatible workers.
+//!
+//! Each mock worker is a [`kvroute_engine::Engine`] driven in real time (divided by the engine's
+//! `speedup`) by one task, behind its own HTTP server: `/v1/completions` and
+//! `/v1/chat/completions` (streaming or not, with `usage` and
+//! `prompt_tokens_details.cached_tokens`), `/v1/models`, `/health` and a vLLM-like `/metrics`.
+//! The engine's KV events go out in vLLM's wire format on a ZMQ PUB socket with a replay socket
+//! ([`kvroute_zmq::EventPublisher`]). Prompts are tokenized with the same [`Model`] as the proxy,
+//! so the blocks the proxy hashes are the blocks the engine caches.
+//!
+//! The driver loop: take requests as they arrive ([`Engine::add_request`] at the arrival time);
+//! when the engine has work, run one pass ([`Engine::step`]), sleep until the pass ends (taking
+//! new requests meanwhile), then deliver its tokens, first tokens and completions and publish its
+//! events. The engine has no cancellation, so a request whose client left runs to its end and
+//! its tokens are dropped.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Frame;
+use kvroute_core::ids::RequestId;
+use kvroute_core::time::Timestamp;
+use kvroute_engine::{
+    Engine, EngineConfig, EngineRequest, FinishReason, Prompt, TimingConfig, synthetic_output_token,
+};
+use kvroute_wire::{EventEncoding, WireEvent};
+use kvroute_zmq::{EventPublisher, PublisherConfig};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::model::Model;
+use crate::net::{self, Shutdown};
+use crate::openai::{self, ApiError, Endpoint};
+
+/// How to run mock workers.
+#[derive(Clone, Debug)]
+pub struct MockConfig {
+    /// How many.
+    pub workers: usize,
+    /// The address they listen on.
+    pub host: IpAddr,
+    /// The first worker's HTTP port; worker `i` listens on `port + i`. 0 picks free ports.
+    pub port: u16,
+    /// The first worker's ZMQ event port; worker `i` publishes on `event_port + 2i` and replays
+    /// on the port after. 0 picks free ports. Ignored without events.
+    pub event_port: u16,
+    /// Whether to publish KV events.
+    pub events: bool,
+    /// How events are encoded.
+    pub encoding: EventEncoding,
+    /// The engine of each worker (`speedup` divides modeled times).
+    pub engine: EngineConfig,
+    /// Output tokens of a request that names no `max_tokens`.
+    pub default_max_tokens: u32,
+    /// The model name served.
+    pub model_name: String,
+}
+
+impl MockConfig {
+    /// `workers` mock workers on free loopback ports, with events (map encoding), a vLLM-like
+    /// engine of 16-token blocks and the polynomial timing model.
+    pub fn new(workers: usize) -> Self {
+        Self {
+            workers,
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            event_port: 0,
+            events: true,
+            encoding: EventEncoding::Map,
+            engine: Self::default_engine(),
+            default_max_tokens: 16,
+            model_name: "tiny".to_owned(),
+        }
+    }
+
+    /// The default engine: 16-token blocks, 16,384 blocks, 256 sequences, 8,192 tokens per
+    /// pass, chunked prefill and prefix caching on, real time.
+    pub fn default_engine() -> EngineConfig {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 16_384,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 131_072,
+            enable_chunked_prefill: true,
+            enable_prefix_caching: true,
+            external_hash_seed: 0,
+            speedup: 1.0,
+            timing: TimingConfig::Polynomial,
+        }
+    }
+}
+
+/// Why mock workers could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MockError {
+    /// The engine configuration was refused.
+    #[error("engine: {0}")]
+    Engine(#[from] kvroute_engine::ConfigError),
+    /// A port could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The event publisher did not start.
+    #[error("KV-event publisher: {0}")]
+    Events(#[from] kvroute_zmq::ZmqError),
+}
+
+/// One running mock worker.
+pub struct MockWorker {
+    /// Its HTTP address.
+    pub addr: SocketAddr,
+    /// Its KV-event PUB endpoint, if it publishes.
+    pub events_endpoint: Option<String>,
+    /// Its replay endpoint.
+    pub replay_endpoint: Option<String>,
+    publisher: Option<Arc<EventPublisher>>,
+    shutdown: Shutdown,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MockWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MockWorker")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MockWorker {
+    /// Its base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Fault injection: the next `n` event batches are buffered for replay but not sent live.
+    pub fn drop_next_event_batches(&self, n: u64) {
+        if let Some(p) = &self.publisher {
+            p.drop_next(n);
+        }
+    }
+
+    /// Kills the worker at once: its listener and connections close (streams in flight break
+    /// off), its engine and publisher stop.
+    pub fn kill(&self) {
+        self.shutdown.stop();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for MockWorker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What the engine task tells a request's handler.
+#[derive(Debug)]
+enum Progress {
+    /// The request was admitted, with this many prompt tokens found cached.
+    Cached(u32),
+    /// Output tokens.
+    Tokens(Vec<u32>),
+    /// It finished.
+    Done { completion_tokens: u32, length: bool },
+    /// The engine refused it.
+    Refused(String),
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    output_len: u32,
+    cache_salt: Option<String>,
+    tx: mpsc::UnboundedSender<Progress>,
+}
+
+/// Engine counters for `/metrics`, updated after every pass.
+#[derive(Debug, Default, Clone, Copy)]
+struct Stats {
+    running: u64,
+    waiting: u64,
+    kv_usage: f64,
+    hit_tokens: u64,
+    query_tokens: u64,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    finished: u64,
+}
+
+struct Worker {
+    model: Arc<Model>,
+    model_name: String,
+    max_model_len: u32,
+    default_max_tokens: u32,
+    jobs: mpsc::UnboundedSender<Job>,
+    stats: Arc<Mutex<Stats>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// Starts `config.workers` mock workers.
+pub async fn start(config: &MockConfig, model: Arc<Model>) -> Result<Vec<MockWorker>, MockError> {
+    let mut workers = Vec::with_capacity(config.workers);
+    for i in 0..config.workers {
+        workers.push(start_one(config, i, Arc::clone(&model)).await?);
+    }
+    Ok(workers)
+}
+
+fn port(base: u16, offset: usize) -> u16 {
+    if base == 0 {
+        0
+    } else {
+        base.saturating_add(u16::try_from(offset).unwrap_or(u16::MAX))
+    }
+}
+
+async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<MockWorker, MockError> {
+    let engine = Engine::new(EngineConfig {
+        external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
+        ..config.engine.clone()
+    })?;
+    let addr = SocketAddr::new(config.host, port(config.port, i));
+    let (listener, addr) = net::bind(addr)
+        .await
+        .map_err(|source| MockError::Bind { addr, source })?;
+    let publisher = if config.events {
+        let host = config.host;
+        let pub_port = port(config.event_port, 2 * i);
+        let replay_port = if config.event_port == 0 {
+            0
+        } else {
+            pub_port.saturating_add(1)
+        };
+        let publisher = EventPublisher::start(PublisherConfig {
+            replay_endpoint: Some(format!("tcp://{host}:{replay_port}")),
+            encoding: config.encoding,
+            ..PublisherConfig::new(format!("tcp://{host}:{pub_port}"))
+        })
+        .await?;
+        Some(Arc::new(publisher))
+    } else {
+        None
+    };
+    let (jobs, rx) = mpsc::unbounded_channel();
+    let stats = Arc::new(Mutex::new(Stats::default()));
+    let shutdown = Shutdown::new();
+    let worker = Arc::new(Worker {
+        model,
+        model_name: config.model_name.clone(),
+        max_model_len: config.engine.max_model_len,
+        default_max_tokens: config.default_max_tokens,
+        jobs,
+        stats: Arc::clone(&stats),
+        next_id: std::sync::atomic::AtomicU64::new(0),
+    });
+    let routes = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .with_state(worker);
+    let tasks = vec![
+        tokio::spawn(drive(engine, rx, stats, publisher.clone())),
+        tokio::spawn(net::serve(listener, routes, shutdown.clone())),
+    ];
+    Ok(MockWorker {
+        addr,
+        events_endpoint: publisher.as_ref().map(|p| p.endpoint().to_owned()),
+        replay_endpoint: publisher
+            .as_ref()
+            .and_then(|p| p.replay_endpoint().map(str::to_owned)),
+        publisher,
+        shutdown,
+        tasks,
+    })
+}
+
+// ---- the engine driver ----
+
+/// The timer's resolution: the driver runs ahead of the wall clock by up to this much.
+const TICK: std::time::Duration = std::time::Duration::from_millis(1);
+/// How far behind the wall clock the driver may run before its engine's time slips.
+const CATCH_UP: std::time::Duration = std::time::Duration::from_millis(20);
+
+struct Live {
+    tx: mpsc::UnboundedSender<Progress>,
+    outputs: u32,
+}
+
+async fn drive(
+    mut engine: Engine,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    stats: Arc<Mutex<Stats>>,
+    publisher: Option<Arc<EventPublisher>>,
+) {
+    let epoch = Instant::now();
+    let now = || Timestamp(u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
+    let at = |t: Timestamp| tokio::time::Instant::from_std(epoch + std::time::Duration::from_nanos(t.0));
+    let mut live: HashMap<RequestId, Live> = HashMap::new();
+    let mut next_id = 0u64;
+    let mut add = |engine: &mut Engine, live: &mut HashMap<RequestId, Live>, job: Job, t: Timestamp| {
+        let id = RequestId(next_id);
+        next_id += 1;
+        let request = EngineRequest {
+            id,
+            prompt: Prompt::Tokens(job.prompt),
+            output_len: job.output_len,
+            lora_name: None,
+            cache_namespace: job.cache_salt,
+        };
+        match engine.add_request(t, request) {
+            Ok(()) => {
+                live.insert(
+                    id,
+                    Live {
+                        tx: job.tx,
+                        outputs: 0,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = job.tx.send(Progress::Refused(e.to_string()));
+            }
+        }
+    };
+    loop {
+        let Some(wake) = engine.next_wakeup() else {
+            match jobs.recv().await {
+                Some(job) => add(&mut engine, &mut live, job, now()),
+                None => return,
+            }
+            continue;
+        };
+        // Sleep only when ahead of the wall clock by more than the timer's resolution: a
+        // sped-up engine's passes are shorter than a millisecond, and rounding each sleep up to
+        // the timer's tick would slow it down several times. Virtual time stays exact; tokens
+        // are delivered at most a tick early.
+        if wake > now() + TICK {
+            tokio::select! {
+                () = tokio::time::sleep_until(at(wake)) => {}
+                job = jobs.recv() => {
+                    match job {
+                        Some(job) => add(&mut engine, &mut live, job, now()),
+                        None => return,
+                    }
+                    continue;
+                }
+            }
+        }
+        // A pass starts when the last one ended, even if the timer woke the driver late (it
+        // catches up by running the next passes without sleeping), unless it fell behind by
+        // more than `CATCH_UP` (the machine is overloaded): then the engine slips to now.
+        let start = wake.max(now() - CATCH_UP);
+        let Some(out) = engine.step(start) else { continue };
+        // The pass's effects happen when it ends; requests arriving meanwhile join the queue.
+        let end = at(out.end);
+        while out.end > now() + TICK {
+            tokio::select! {
+                () = tokio::time::sleep_until(end) => break,
+                job = jobs.recv() => match job {
+                    Some(job) => add(&mut engine, &mut live, job, now()),
+                    None => return,
+                },
+            }
+        }
+        for &(id, cached) in &out.prefix_hits {
+            if let Some(l) = live.get(&id) {
+                let _ = l.tx.send(Progress::Cached(cached));
+            }
+        }
+        for e in &out.emitted {
+            if let Some(l) = live.get_mut(&e.request) {
+                let tokens = (0..e.tokens)
+                    .map(|k| synthetic_output_token(e.request, l.outputs + k))
+                    .collect();
+                l.outputs += e.tokens;
+                let _ = l.tx.send(Progress::Tokens(tokens));
+            }
+        }
+        for f in &out.finished {
+            if let Some(l) = live.remove(&f.request) {
+                let _ = l.tx.send(Progress::Done {
+                    completion_tokens: f.output_tokens,
+                    length: f.reason == FinishReason::Length,
+                });
+            }
+        }
+        if let Some(p) = &publisher
+            && !out.events.is_empty()
+        {
+            let events: Vec<WireEvent> = out.events.iter().map(WireEvent::from).collect();
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            if let Err(e) = p.publish(events, Some(0), ts) {
+                tracing::warn!(error = %e, "publishing KV events failed");
+            }
+        }
+        let (active, total) = engine.kv_blocks();
+        let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+        s.running = engine.num_running() as u64;
+        s.waiting = engine.num_waiting() as u64;
+        s.kv_usage = if total == 0 {
+            0.0
+        } else {
+            f64::from(active) / f64::from(total)
+        };
+        s.hit_tokens += out.metrics.prefix_cache_hit_tokens;
+        s.query_tokens += out.metrics.prefix_cache_query_tokens;
+        s.generation_tokens += out.emitted.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
+        s.finished += out.finished.len() as u64;
+    }
+}
+
+// ---- HTTP ----
+
+async fn completions(State(w): State<Arc<Worker>>, req: Request) -> Response {
+    generate(&w, Endpoint::Completions, req).await
+}
+
+async fn chat(State(w): State<Arc<Worker>>, req: Request) -> Response {
+    generate(&w, Endpoint::Chat, req).await
+}
+
+async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response {
+    let body = match http_body_util::Limited::new(req.into_body(), 64 << 20)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return ApiError::bad_request("body", format!("reading the body: {e}")).into_response(),
+    };
+    let parsed = match openai::parse(endpoint, &body, &w.model, w.max_model_len as usize) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let prompt_tokens = parsed.tokens.len() as u32;
+    let max_tokens = parsed.max_tokens;
+    let output_len = max_tokens.unwrap_or(w.default_max_tokens);
+    {
+        let mut s = w.stats.lock().unwrap_or_else(|p| p.into_inner());
+        s.prompt_tokens += u64::from(prompt_tokens);
+    }
+    let job = Job {
+        prompt: parsed.tokens,
+        output_len,
+        cache_salt: parsed.cache_salt,
+        tx,
+    };
+    if w.jobs.send(job).is_err() {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "stopped",
+            "the engine stopped",
+        )
+        .into_response();
+    }
+    let n = w.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let shape = Shape {
+        endpoint,
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-mock-{n}"),
+            Endpoint::Chat => format!("chatcmpl-mock-{n}"),
+        },
+        created,
+        model: parsed.model.unwrap_or_else(|| w.model_name.clone()),
+        prompt_tokens,
+        max_tokens,
+    };
+    if parsed.stream {
+        let include_usage = parsed.include_usage;
+        let worker = Arc::clone(w);
+        let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(64);
+        tokio::spawn(async move {
+            let mut cached = 0;
+            let mut first = true;
+            while let Some(p) = rx.recv().await {
+                let chunk = match p {
+                    Progress::Cached(c) => {
+                        cached = c;
+                        continue;
+                    }
+                    Progress::Tokens(tokens) => {
+                        let text = worker.text(&tokens);
+                        let c = shape.chunk(&text, None, first);
+                        first = false;
+                        c
+                    }
+                    Progress::Done {
+                        completion_tokens,
+                        length,
+                    } => {
+                        let mut out =
+                            shape.chunk("", Some(shape.finish_reason(completion_tokens, length)), first);
+                        if include_usage {
+                            out.push_str(&shape.usage_chunk(completion_tokens, cached));
+                        }
+                        out.push_str("data: [DONE]\n\n");
+                        let _ = frames_tx.send(Bytes::from(out)).await;
+                        return;
+                    }
+                    Progress::Refused(message) => {
+                        let err = json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": "refused"}});
+                        format!("data: {err}\n\n")
+                    }
+                };
+                if frames_tx.send(Bytes::from(chunk)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let body = ChannelBody {
+            rx: frames_rx,
+            complete: false,
+        };
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::new(body))
+            .unwrap_or_default();
+    }
+    let mut cached = 0;
+    let mut tokens = Vec::new();
+    while let Some(p) = rx.recv().await {
+        match p {
+            Progress::Cached(c) => cached = c,
+            Progress::Tokens(t) => tokens.extend(t),
+            Progress::Done {
+                completion_tokens,
+                length,
+            } => {
+                let text = w.text(&tokens);
+                return axum::Json(shape.full(&text, completion_tokens, length, cached)).into_response();
+            }
+            Progress::Refused(message) => return ApiError::bad_request("prompt", message).into_response(),
+        }
+    }
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        "stopped",
+        "the engine stopped",
+    )
+    .into_response()
+}
+
+/// A response body fed by a channel of SSE chunks. If the channel closes before the final
+/// chunk (the engine stopped: the worker was killed), the body fails, so the connection breaks
+/// off instead of ending like a complete response.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+    complete: bool,
+}
+
+/// The engine stopped in the middle of a response.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine stopped mid-response")]
+struct EngineStopped;
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = EngineStopped;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.rx.poll_recv(cx).map(|chunk| match chunk {
+            Some(b) => {
+                if b.ends_with(DONE) {
+                    self.complete = true;
+                }
+                Some(Ok(Frame::data(b)))
+            }
+            None if self.complete => None,
+            None => Some(Err(EngineStopped)),
+        })
+    }
+}
+
+impl Worker {
+    fn text(&self, tokens: &[u32]) -> String {
+        let vocab = self.model.vocab_size().max(1);
+        let ids: Vec<u32> = tokens
+            .iter()
+            .map(|&t| {
+                if vocab <= 512 {
+                    u32::from(b'a') + t % 26
+                } else {
+                    t % vocab
+                }
+            })
+            .collect();
+        self.model.decode(&ids)
+    }
+}
+
+/// The response shapes of one request.
+struct Shape {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u32,
+    max_tokens: Option<u32>,
+}
+
+impl Shape {
+    fn finish_reason(&self, completion_tokens: u32, length: bool) -> &'static str {
+        if length || self.max_tokens == Some(completion_tokens) {
+            "length"
+        } else {
+            "stop"
+        }
+    }
+
+    fn usage(&self, completion_tokens: u32, cached: u32) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    /// One SSE event with `text`.
+    fn chunk(&self, text: &str, finish: Option<&str>, first: bool) -> String {
+        let choice = match self.endpoint {
+            Endpoint::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Chat => {
+                let delta = match (first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) => json!({}),
+                    (false, None) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let object = match self.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion.chunk",
+        };
+        let v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
+        format!("data: {v}\n\n")
+    }
+
+    fn usage_chunk(&self, completion_tokens: u32, cached: u32) -> String {
+        let object = match self.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion.chunk",
+        };
+        let v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": self.usage(completion_tokens, cached)});
+        format!("data: {v}\n\n")
+    }
+
+    fn full(&self, text: &str, completion_tokens: u32, length: bool, cached: u32) -> Value {
+        let finish = self.finish_reason(completion_tokens, length);
+        let (object, choice) = match self.endpoint {
+            Endpoint::Completions => (
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+            ),
+            Endpoint::Chat => (
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
+            ),
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [choice], "usage": self.usage(completion_tokens, cached)})
+    }
+}
+
+async fn models(State(w): State<Arc<Worker>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [{"id": w.model_name, "object": "model", "created": 0, "owned_by": "kvroute-mock"}]}))
+        .into_response()
+}
+
+/// vLLM-like metrics, by vLLM's names.
+async fn metrics(State(w): State<Arc<Worker>>) -> Response {
+    let s = *w.stats.lock().unwrap_or_else(|p| p.into_inner());
+    let m = &w.model_name;
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {value}\n"
+        ));
+    };
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Requests running on the engine.",
+        s.running.to_string(),
+    );
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Requests waiting to be scheduled.",
+        s.waiting.to_string(),
+    );
+    metric(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "KV-cache usage, 1 = full (deprecated name).",
+        format!("{}", s.kv_usage),
+    );
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage, 1 = full.",
+        format!("{}", s.kv_usage),
+    );
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        s.query_tokens.to_string(),
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+        s.hit_tokens.to_string(),
+    );
+    metric(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Prompt tokens received.",
+        s.prompt_tokens.to_string(),
+    );
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Tokens generated.",
+        s.generation_tokens.to_string(),
+    );
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        "Requests finished.",
+        s.finished.to_string(),
+    );
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        out,
+    )
+        .into_response()
+}

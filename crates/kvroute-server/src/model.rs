@@ -1,0 +1,202 @@
+//! The model's text side: its tokenizer (`tokenizer.json`) and chat template
+//! (`tokenizer_config.json`), read from a local directory, or the built-in tiny model.
+//!
+//! The proxy and the mock workers tokenize with the same [`Model`], so a prompt's blocks hash the
+//! same on both sides and cached prefixes match.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind, Value};
+use serde_json::Value as Json;
+
+/// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
+/// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
+pub const TINY_TOKENIZER_JSON: &str = include_str!("../tests/data/tiny-model/tokenizer.json");
+/// The built-in tiny model's `tokenizer_config.json`, with a ChatML chat template.
+pub const TINY_TOKENIZER_CONFIG_JSON: &str = include_str!("../tests/data/tiny-model/tokenizer_config.json");
+
+/// Why a model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` did not load.
+    #[error("tokenizer.json: {0}")]
+    Tokenizer(String),
+    /// `tokenizer_config.json` is not JSON, or its chat template is not a string or a list of
+    /// named templates.
+    #[error("tokenizer_config.json: {0}")]
+    Config(String),
+    /// The chat template does not compile.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// Why a prompt could not be turned into tokens. The message is meant for the client.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PromptError(pub String);
+
+/// A model's tokenizer and chat template.
+#[derive(Debug)]
+pub struct Model {
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl Model {
+    /// The built-in tiny model (embedded, so it works on a fresh clone).
+    pub fn tiny() -> Result<Self, ModelError> {
+        Self::from_json(TINY_TOKENIZER_JSON, Some(TINY_TOKENIZER_CONFIG_JSON))
+    }
+
+    /// Loads `dir/tokenizer.json` and, if present, `dir/tokenizer_config.json`.
+    pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        };
+        let tokenizer = read("tokenizer.json")?;
+        let config = if dir.join("tokenizer_config.json").exists() {
+            Some(read("tokenizer_config.json")?)
+        } else {
+            None
+        };
+        Self::from_json(&tokenizer, config.as_deref())
+    }
+
+    /// A model from the texts of `tokenizer.json` and `tokenizer_config.json`.
+    pub fn from_json(tokenizer_json: &str, config_json: Option<&str>) -> Result<Self, ModelError> {
+        let tokenizer: tokenizers::Tokenizer = tokenizer_json
+            .parse()
+            .map_err(|e: tokenizers::Error| ModelError::Tokenizer(e.to_string()))?;
+        let mut model = Self {
+            tokenizer,
+            chat: None,
+            bos_token: String::new(),
+            eos_token: String::new(),
+        };
+        let Some(config_json) = config_json else {
+            return Ok(model);
+        };
+        let config: Json =
+            serde_json::from_str(config_json).map_err(|e| ModelError::Config(e.to_string()))?;
+        model.bos_token = special_token(&config["bos_token"]);
+        model.eos_token = special_token(&config["eos_token"]);
+        let template = match &config["chat_template"] {
+            Json::Null => None,
+            Json::String(s) => Some(s.clone()),
+            Json::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or_else(|| list.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            other => return Err(ModelError::Config(format!("chat_template is {other}"))),
+        };
+        if let Some(template) = template {
+            let mut env = Environment::new();
+            env.add_function(
+                "raise_exception",
+                |message: String| -> Result<Value, minijinja::Error> {
+                    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+                },
+            );
+            env.add_template_owned("chat", template)
+                .map_err(|e| ModelError::Template(e.to_string()))?;
+            model.chat = Some(env);
+        }
+        Ok(model)
+    }
+
+    /// The token ids of `text` (special tokens written in the text are recognized).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        self.tokenizer
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))
+    }
+
+    /// Renders `messages` (OpenAI chat messages, content already flattened to strings) with the
+    /// chat template.
+    pub fn render_chat(&self, messages: &Json, add_generation_prompt: bool) -> Result<String, PromptError> {
+        let env = self
+            .chat
+            .as_ref()
+            .ok_or_else(|| PromptError("the model has no chat template".to_owned()))?;
+        let template = env
+            .get_template("chat")
+            .map_err(|e| PromptError(format!("chat template: {e}")))?;
+        template
+            .render(minijinja::context! {
+                messages => Value::from_serialize(messages),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(|e| PromptError(format!("rendering the chat template: {e}")))
+    }
+
+    /// The text of one token (empty for an id outside the vocabulary).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true).unwrap_or_default()
+    }
+
+    /// Tokens in the vocabulary, special tokens included.
+    pub fn vocab_size(&self) -> u32 {
+        u32::try_from(self.tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX)
+    }
+
+    /// The id of the end-of-sequence token, if the model names one.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.tokenizer.token_to_id(&self.eos_token)
+    }
+}
+
+/// A special token as `tokenizer_config.json` gives it: a string or `{"content": ...}`.
+fn special_token(value: &Json) -> String {
+    match value {
+        Json::String(s) => s.clone(),
+        Json::Object(o) => o
+            .get("content")
+            .and_then(Json::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_model_tokenizes_bytes_and_renders_chat() {
+        let model = Model::tiny().unwrap();
+        assert_eq!(
+            model.encode("ab").unwrap(),
+            vec![u32::from(b'a'), u32::from(b'b')]
+        );
+        assert_eq!(model.encode("é").unwrap().len(), 2);
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let text = model.render_chat(&messages, true).unwrap();
+        assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        let ids = model.encode(&text).unwrap();
+        assert_eq!(ids[0], 257, "special tokens are recognized in the text");
+        assert_eq!(model.decode(&[u32::from(b'h'), u32::from(b'i')]), "hi");
+        assert_eq!(model.eos_token_id(), Some(258));
+        assert_eq!(model.vocab_size(), 259);
+    }
+}

@@ -1,0 +1,528 @@
+//! `kvroute serve`: the OpenAI-compatible proxy.
+//!
+//! A generation request is read (bounded), parsed and tokenized, routed by the router core, and
+//! sent unchanged to the chosen worker; the worker's response streams back unchanged through an
+//! [`Observed`] body that reports the first chunk (prefill done), the gaps between chunks, and
+//! the end, error, timeout or disconnect that frees the request.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Frame, Incoming, SizeHint};
+use kvroute_core::ids::WorkerId;
+use kvroute_core::router::Router;
+use serde_json::json;
+use tokio::time::Sleep;
+
+use crate::config::{ConfigError, ServeConfig, WorkerConfig};
+use crate::events::EventFeed;
+use crate::metrics::Metrics;
+use crate::model::Model;
+use crate::net::{self, HttpClient, Shutdown};
+use crate::openai::{self, ApiError, Endpoint};
+use crate::state::{RequestGuard, RouteError, Shared};
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The configuration was refused.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The model did not load.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// The listener could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A worker was refused.
+    #[error("worker: {0}")]
+    Worker(String),
+}
+
+struct App {
+    shared: Arc<Shared>,
+    model: Arc<Model>,
+    client: HttpClient,
+    feed: EventFeed,
+}
+
+/// A running proxy.
+pub struct ProxyHandle {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// The router driver (for tests and the demo: loads, invariants).
+    pub shared: Arc<Shared>,
+    shutdown: Shutdown,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ProxyHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyHandle")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProxyHandle {
+    /// The base URL, `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops the proxy: the listener, every connection and the background tasks.
+    pub fn stop(&self) {
+        self.shutdown.stop();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+
+    /// Resolves when the proxy was stopped.
+    pub async fn stopped(&self) {
+        self.shutdown.stopped().await;
+    }
+}
+
+impl Drop for ProxyHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Starts the proxy: validates `config`, loads the model (`model` overrides the config's
+/// directory), binds, adds the configured workers and starts their event subscribers, health
+/// checks and the router's timers.
+pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<ProxyHandle, ServeError> {
+    let router_config = config.validate()?;
+    let router = Router::new(router_config).map_err(ConfigError::from)?;
+    let model = match model {
+        Some(m) => m,
+        None => Arc::new(match &config.model_dir {
+            Some(dir) => Model::load(dir)?,
+            None => Model::tiny()?,
+        }),
+    };
+    let addr = config.listen_addr()?;
+    let (listener, addr) = net::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { addr, source })?;
+    let client = net::client(ServeConfig::ms(config.connect_timeout_ms));
+    let workers = config.workers.clone();
+    let shared = Shared::new(router, config, Metrics::new());
+    let feed = EventFeed::start(Arc::clone(&shared));
+    let app = Arc::new(App {
+        shared: Arc::clone(&shared),
+        model,
+        client: client.clone(),
+        feed,
+    });
+    for w in workers {
+        add_worker(&app, w).map_err(ServeError::Worker)?;
+    }
+    let shutdown = Shutdown::new();
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
+    if shared.config.health_interval_ms > 0 {
+        tasks.push(tokio::spawn(health_checks(Arc::clone(&shared), client)));
+    }
+    let routes = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/admin/workers", get(list_workers).post(post_worker))
+        .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
+        .route("/admin/workers/{id}/drain", post(drain_worker))
+        .fallback(not_found)
+        .with_state(app);
+    tasks.push(tokio::spawn(net::serve(listener, routes, shutdown.clone())));
+    Ok(ProxyHandle {
+        addr,
+        shared,
+        shutdown,
+        tasks,
+    })
+}
+
+fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
+    let id = app.shared.add_worker(config.clone())?;
+    app.feed.subscribe(id, &config);
+    Ok(id)
+}
+
+/// Runs the router's timers: request expiry and queue re-checks.
+async fn ticker(shared: Arc<Shared>) {
+    loop {
+        let next = shared
+            .tick()
+            .unwrap_or(Duration::MAX)
+            .min(Duration::from_millis(250));
+        tokio::time::sleep(next.max(Duration::from_millis(1))).await;
+    }
+}
+
+/// Checks every worker's `/health` periodically; a failed check takes it out of routing, a
+/// passing one brings it back.
+async fn health_checks(shared: Arc<Shared>, client: HttpClient) {
+    let interval = ServeConfig::ms(shared.config.health_interval_ms);
+    let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
+    loop {
+        tokio::time::sleep(interval).await;
+        for (id, base) in shared.worker_urls() {
+            let ok = match hyper::Request::get(format!("{base}/health")).body(Full::new(Bytes::new())) {
+                Ok(req) => matches!(
+                    tokio::time::timeout(timeout, client.request(req)).await,
+                    Ok(Ok(resp)) if resp.status().is_success()
+                ),
+                Err(_) => false,
+            };
+            shared.set_health(id, ok);
+        }
+    }
+}
+
+async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
+    generate(&app, Endpoint::Completions, req).await
+}
+
+async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
+    generate(&app, Endpoint::Chat, req).await
+}
+
+async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response {
+    let t0 = Instant::now();
+    let (result, kind) = match handle(app, endpoint, req, t0).await {
+        Ok((response, stream)) => (Ok(response), stream),
+        Err((e, stream)) => (Err(e), stream),
+    };
+    let request_type = if kind { "stream" } else { "unary" };
+    let (response, status) = match result {
+        Ok(r) => {
+            let status = if r.status().is_success() {
+                "success"
+            } else {
+                "error"
+            };
+            (r, status)
+        }
+        Err(e) => {
+            let status = if e.status == StatusCode::SERVICE_UNAVAILABLE {
+                "rejected"
+            } else {
+                "error"
+            };
+            (e.into_response(), status)
+        }
+    };
+    app.shared
+        .metrics
+        .requests
+        .with_label_values(&[endpoint.path(), request_type, status])
+        .inc();
+    response
+}
+
+async fn handle(
+    app: &Arc<App>,
+    endpoint: Endpoint,
+    req: Request,
+    t0: Instant,
+) -> Result<(Response, bool), (ApiError, bool)> {
+    let config = &app.shared.config;
+    let body = Limited::new(req.into_body(), config.max_body_bytes)
+        .collect()
+        .await
+        .map_err(|e| {
+            let err = if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "body_too_large",
+                    format!("the request body exceeds {} bytes", config.max_body_bytes),
+                )
+            } else {
+                ApiError::bad_request("body", format!("reading the body: {e}"))
+            };
+            (err, false)
+        })?
+        .to_bytes();
+    let parsed =
+        openai::parse(endpoint, &body, &app.model, config.max_prompt_tokens).map_err(|e| (e, false))?;
+    let stream = parsed.stream;
+    app.shared
+        .metrics
+        .overhead_tokenize
+        .observe(t0.elapsed().as_secs_f64() * 1e3);
+    forward(app, endpoint, &parsed, body, t0)
+        .await
+        .map(|r| (r, stream))
+        .map_err(|e| (e, stream))
+}
+
+fn route_error(e: RouteError) -> ApiError {
+    let (code, message) = match e {
+        RouteError::NoWorker => ("no_worker", "no worker is available"),
+        RouteError::QueueFull => ("overloaded", "every worker is busy and the queue is full"),
+        RouteError::QueueTimeout => ("queue_timeout", "the request waited too long for a worker"),
+    };
+    ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            code,
+            message,
+        )
+    }
+}
+
+async fn forward(
+    app: &Arc<App>,
+    endpoint: Endpoint,
+    parsed: &openai::Parsed,
+    body: Bytes,
+    t0: Instant,
+) -> Result<Response, ApiError> {
+    let shared = &app.shared;
+    let timeout = ServeConfig::ms(shared.config.request_timeout_ms);
+    for attempt in 0..2 {
+        let (guard, target, _) = shared
+            .route(&parsed.tokens, parsed.cache_salt.as_deref())
+            .await
+            .map_err(route_error)?;
+        if attempt == 0 {
+            shared
+                .metrics
+                .overhead_total
+                .observe(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let mut builder = hyper::Request::post(format!("{}{}", target.base, endpoint.path()))
+            .header(header::CONTENT_TYPE, "application/json");
+        if target.dp {
+            builder = builder.header("x-data-parallel-rank", target.dp_rank);
+        }
+        let request = builder.body(Full::new(body.clone())).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "bad_worker_url",
+                e.to_string(),
+            )
+        })?;
+        match tokio::time::timeout(timeout, app.client.request(request)).await {
+            Err(_) => {
+                return Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream_error",
+                    "timeout",
+                    "the worker did not answer in time",
+                ));
+            }
+            Ok(Err(e)) if e.is_connect() && attempt == 0 => {
+                tracing::warn!(worker = target.worker.0, error = %e, "connect failed; retrying on another worker");
+                shared.metrics.upstream_retries.inc();
+                drop(guard);
+                shared.set_health(target.worker, false);
+                continue;
+            }
+            Ok(Err(e)) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_failed",
+                    format!("the worker failed: {e}"),
+                ));
+            }
+            Ok(Ok(response)) => {
+                let (parts, incoming) = response.into_parts();
+                let body = Observed {
+                    inner: incoming,
+                    guard: Some(guard),
+                    streaming: parsed.stream,
+                    idle: Box::pin(tokio::time::sleep(timeout)),
+                    timeout,
+                };
+                let mut out = Response::new(Body::new(body));
+                *out.status_mut() = parts.status;
+                if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+                    out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+                }
+                return Ok(out);
+            }
+        }
+    }
+    Err(route_error(RouteError::NoWorker))
+}
+
+/// The worker's response body, passed through unchanged while it reports to the request's guard.
+struct Observed {
+    inner: Incoming,
+    guard: Option<RequestGuard>,
+    streaming: bool,
+    idle: Pin<Box<Sleep>>,
+    timeout: Duration,
+}
+
+/// The error a client sees when the worker's response breaks off.
+#[derive(Debug, thiserror::Error)]
+enum StreamError {
+    #[error("the worker's response failed: {0}")]
+    Upstream(#[from] hyper::Error),
+    #[error("the worker went silent for longer than the request timeout")]
+    Timeout,
+}
+
+impl hyper::body::Body for Observed {
+    type Data = Bytes;
+    type Error = StreamError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, StreamError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data()
+                    && let Some(guard) = &mut this.guard
+                {
+                    guard.chunk(this.streaming);
+                    if this.streaming {
+                        let deadline = tokio::time::Instant::now() + this.timeout;
+                        this.idle.as_mut().reset(deadline);
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.guard.take();
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                if let Some(guard) = this.guard.take() {
+                    guard.finish();
+                }
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.guard.is_some() && this.idle.as_mut().poll(cx).is_ready() {
+                    this.guard.take();
+                    return Poll::Ready(Some(Err(StreamError::Timeout)));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.guard.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.shared.config.model_name, "object": "model", "created": 0, "owned_by": "kvroute"}],
+    }))
+    .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    if app.shared.any_routable() {
+        (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "no_worker",
+            "no worker is available",
+        )
+        .into_response()
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    app.shared.snapshot();
+    let mut response = app.shared.metrics.render().into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
+}
+
+async fn list_workers(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({"workers": app.shared.worker_statuses()})).into_response()
+}
+
+async fn post_worker(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let config: WorkerConfig = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
+    };
+    match add_worker(&app, config) {
+        Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
+        Err(e) => ApiError::bad_request("body", e).into_response(),
+    }
+}
+
+fn unknown_worker(id: &str) -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "unknown_worker",
+        format!("no worker {id}"),
+    )
+    .into_response()
+}
+
+async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match id.parse().ok().map(WorkerId) {
+        Some(w) if app.shared.drain_worker(w) => {
+            axum::Json(json!({"id": w.0, "draining": true})).into_response()
+        }
+        _ => unknown_worker(&id),
+    }
+}
+
+async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match id.parse().ok().map(WorkerId) {
+        Some(w) if app.shared.remove_worker(w).is_some() => {
+            app.feed.unsubscribe(w);
+            axum::Json(json!({"id": w.0, "removed": true})).into_response()
+        }
+        _ => unknown_worker(&id),
+    }
+}
+
+async fn not_found() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        "no such endpoint",
+    )
+    .into_response()
+}

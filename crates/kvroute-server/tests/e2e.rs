@@ -1,0 +1,556 @@
+//! End to end on loopback: a real third-party OpenAI client (`async-openai`) against `kvroute
+//! serve` in front of mock workers that run the simulated engine and publish KV events over ZMQ.
+
+// Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_openai::Client;
+use async_openai::config::OpenAIConfig;
+use async_openai::types::chat::{ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequestArgs};
+use async_openai::types::completions::CreateCompletionRequestArgs;
+use futures_util::StreamExt;
+use kvroute_server::mock::{self, MockConfig, MockWorker};
+use kvroute_server::{Model, ProxyHandle, ServeConfig, WorkerConfig};
+use serde_json::{Value, json};
+
+struct Cluster {
+    proxy: ProxyHandle,
+    mocks: Vec<MockWorker>,
+    http: reqwest_lite::Http,
+}
+
+/// Starts `n` mock workers (engine `speedup`) and a proxy in front of them, with `tweak` applied
+/// to the proxy's configuration.
+async fn cluster(n: usize, speedup: f64, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
+    let mut mc = MockConfig::new(n);
+    mc.engine.speedup = speedup;
+    cluster_of(mc, tweak).await
+}
+
+async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
+    let model = Arc::new(Model::tiny().unwrap());
+    let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
+    let mut config = ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        health_interval_ms: 200,
+        workers: mocks
+            .iter()
+            .map(|m| WorkerConfig {
+                events: m.events_endpoint.clone(),
+                replay: m.replay_endpoint.clone(),
+                ..WorkerConfig::new(m.url())
+            })
+            .collect(),
+        ..ServeConfig::default()
+    };
+    tweak(&mut config);
+    let proxy = kvroute_server::start(config, Some(model)).await.unwrap();
+    // Let the subscribers connect before traffic (they would recover through replay anyway).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    Cluster {
+        http: reqwest_lite::Http::new(proxy.url()),
+        proxy,
+        mocks,
+    }
+}
+
+impl Cluster {
+    fn client(&self) -> Client<OpenAIConfig> {
+        Client::with_config(
+            OpenAIConfig::new()
+                .with_api_base(format!("{}/v1", self.proxy.url()))
+                .with_api_key("unused"),
+        )
+    }
+
+    /// Waits until the router books no request, then checks its invariants.
+    async fn assert_drained(&self) {
+        let t0 = Instant::now();
+        loop {
+            let m = self.proxy.shared.snapshot();
+            let booked: u64 = m.workers.iter().map(|w| u64::from(w.load.requests)).sum();
+            if m.active_now == 0 && m.queued_now == 0 && booked == 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "load leaked: {} active, {} queued",
+                m.active_now,
+                m.queued_now
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.proxy.shared.check_invariants().unwrap();
+    }
+
+    /// Blocks the router's index holds for each worker, by worker id.
+    fn cached_blocks(&self) -> Vec<u64> {
+        self.proxy
+            .shared
+            .snapshot()
+            .workers
+            .iter()
+            .map(|w| w.cached_blocks)
+            .collect()
+    }
+}
+
+/// A tiny HTTP/1.1 client over the crate's own pooled client, for raw requests and metrics.
+mod reqwest_lite {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use kvroute_server::net::{HttpClient, client};
+
+    pub struct Http {
+        base: String,
+        client: HttpClient,
+    }
+
+    impl Http {
+        pub fn new(base: String) -> Self {
+            Self {
+                base,
+                client: client(std::time::Duration::from_secs(2)),
+            }
+        }
+
+        pub async fn request(
+            &self,
+            method: &str,
+            path: &str,
+            body: Vec<u8>,
+        ) -> (u16, Option<String>, Vec<u8>) {
+            let req = hyper::Request::builder()
+                .method(method)
+                .uri(format!("{}{path}", self.base))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            let resp = self.client.request(req).await.unwrap();
+            let status = resp.status().as_u16();
+            let retry = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let body = resp.into_body().collect().await.unwrap().to_bytes().to_vec();
+            (status, retry, body)
+        }
+
+        pub async fn get(&self, path: &str) -> String {
+            String::from_utf8(self.request("GET", path, Vec::new()).await.2).unwrap()
+        }
+    }
+}
+
+/// A metric's value from a Prometheus text exposition (the sum over matching lines).
+fn metric(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split([' ', '{']).next() == Some(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_streaming_and_not() {
+    let c = cluster(2, 20.0, |_| {}).await;
+    let client = c.client();
+
+    let chat = CreateChatCompletionRequestArgs::default()
+        .model("tiny")
+        .max_tokens(8u32)
+        .messages([ChatCompletionRequestUserMessageArgs::default()
+            .content("Hello there, router.")
+            .build()
+            .unwrap()
+            .into()])
+        .build()
+        .unwrap();
+    let response = client.chat().create(chat.clone()).await.unwrap();
+    let text = response.choices[0].message.content.clone().unwrap();
+    assert_eq!(text.len(), 8, "one ASCII letter per generated token: {text:?}");
+    let usage = response.usage.unwrap();
+    assert_eq!(usage.completion_tokens, 8);
+    assert!(usage.prompt_tokens > 20);
+
+    let mut stream = client.chat().create_stream(chat).await.unwrap();
+    let mut streamed = String::new();
+    let mut chunks = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        for choice in chunk.choices {
+            streamed.push_str(choice.delta.content.as_deref().unwrap_or(""));
+        }
+        chunks += 1;
+    }
+    assert_eq!(streamed.len(), 8);
+    assert!(chunks >= 8, "tokens arrive as separate chunks ({chunks})");
+
+    let completion = CreateCompletionRequestArgs::default()
+        .model("tiny")
+        .prompt("Once upon a time")
+        .max_tokens(5u32)
+        .build()
+        .unwrap();
+    let response = client.completions().create(completion.clone()).await.unwrap();
+    assert_eq!(response.choices[0].text.len(), 5);
+    let usage = response.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (16, 5));
+    let mut stream = client.completions().create_stream(completion).await.unwrap();
+    let mut text = String::new();
+    while let Some(chunk) = stream.next().await {
+        for choice in chunk.unwrap().choices {
+            text.push_str(&choice.text);
+        }
+    }
+    assert_eq!(text.len(), 5);
+
+    let models: Value = serde_json::from_str(&c.http.get("/v1/models").await).unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny");
+
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+        4.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "dynamo_component_router_time_to_first_token_seconds_count",
+            ""
+        ) >= 2.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "dynamo_component_router_inter_token_latency_seconds_count",
+            ""
+        ) >= 7.0
+    );
+    assert!(metric(&metrics, "dynamo_router_overhead_total_ms_count", "") >= 4.0);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_long_prompt_lands_on_the_worker_that_cached_it() {
+    let c = cluster(3, 20.0, |_| {}).await;
+    let client = c.client();
+    // 1,600 bytes: 100 full blocks of 16 tokens with the byte-level tiny tokenizer.
+    let prompt: String = (0..1600).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let request = CreateCompletionRequestArgs::default()
+        .model("tiny")
+        .prompt(prompt.as_str())
+        .max_tokens(2u32)
+        .build()
+        .unwrap();
+    let first = client.completions().create(request.clone()).await.unwrap();
+    let cached_first = first
+        .usage
+        .unwrap()
+        .prompt_tokens_details
+        .and_then(|d| d.cached_tokens);
+    assert_eq!(cached_first.unwrap_or(0), 0);
+    // Wait until the stored events reached the router.
+    let t0 = Instant::now();
+    while c.cached_blocks().iter().max().copied().unwrap_or(0) < 100 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "events never arrived: {:?}",
+            c.cached_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let holder = c.cached_blocks().iter().position(|&b| b >= 100).unwrap();
+    for _ in 0..3 {
+        let again = client.completions().create(request.clone()).await.unwrap();
+        let cached = again
+            .usage
+            .unwrap()
+            .prompt_tokens_details
+            .unwrap()
+            .cached_tokens
+            .unwrap();
+        assert_eq!(
+            cached, 1584,
+            "every full block but the last (vLLM always computes the last token) came from the cache"
+        );
+    }
+    let blocks = c.cached_blocks();
+    assert!(
+        blocks.iter().enumerate().all(|(i, &b)| i == holder || b < 100),
+        "only the first worker holds the prompt: {blocks:?}"
+    );
+    let metrics = c.http.get("/metrics").await;
+    // The first request was predicted a miss, the next three full hits.
+    assert_eq!(
+        metric(&metrics, "dynamo_component_router_kv_hit_rate_count", ""),
+        4.0
+    );
+    assert_eq!(
+        metric(&metrics, "dynamo_component_router_kv_hit_rate_sum", ""),
+        3.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "dynamo_component_router_kv_hit_rate_bucket",
+            "le=\"0.95\""
+        ),
+        1.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "dynamo_component_kv_cache_events_applied",
+            "status=\"ok\""
+        ) >= 1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "dynamo_component_kv_cache_events_applied",
+            "status=\"parent_block_not_found\""
+        ),
+        0.0
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
+    // Real time: a 2,000-token output takes seconds, time enough to kill the worker.
+    let c = cluster(2, 1.0, |_| {}).await;
+    let client = c.client();
+    let request = CreateCompletionRequestArgs::default()
+        .model("tiny")
+        .prompt("stream me a long story")
+        .max_tokens(2000u32)
+        .build()
+        .unwrap();
+    let mut stream = client.completions().create_stream(request).await.unwrap();
+    // Wait for a few tokens, then find the worker serving it and kill it.
+    for _ in 0..3 {
+        stream.next().await.unwrap().unwrap();
+    }
+    let m = c.proxy.shared.snapshot();
+    let busy = m.workers.iter().position(|w| w.load.requests == 1).unwrap();
+    c.mocks[busy].kill();
+    let mut ended_with_error = false;
+    while let Some(chunk) = stream.next().await {
+        if chunk.is_err() {
+            ended_with_error = true;
+            break;
+        }
+    }
+    assert!(ended_with_error, "the stream broke off with an error");
+    c.assert_drained().await;
+    // Connect failures retry on the other worker, and the health check takes the dead one out.
+    for i in 0..4 {
+        let (status, _, body) = c
+            .http
+            .request(
+                "POST",
+                "/v1/completions",
+                serde_json::to_vec(&json!({"prompt": format!("after {i}"), "max_tokens": 2})).unwrap(),
+            )
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    assert_eq!(workers["workers"][busy]["routable"], false);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_event_batch_is_recovered_through_replay() {
+    let c = cluster(1, 20.0, |_| {}).await;
+    // The next batch (the prompt's blocks, stored by the prefill pass) is buffered but not sent.
+    c.mocks[0].drop_next_event_batches(1);
+    let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 5 % 26) as u8)).collect();
+    let body = |p: &str| serde_json::to_vec(&json!({"prompt": p, "max_tokens": 40})).unwrap();
+    let (status, _, _) = c.http.request("POST", "/v1/completions", body(&prompt)).await;
+    assert_eq!(status, 200);
+    // Later batches (output blocks filling, the next request) show the gap; the subscriber
+    // replays it from the worker's replay socket.
+    let (status, _, _) = c
+        .http
+        .request("POST", "/v1/completions", body("another prompt entirely"))
+        .await;
+    assert_eq!(status, 200);
+    let t0 = Instant::now();
+    while c.cached_blocks()[0] < 20 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "not recovered: {:?}",
+            c.cached_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(
+        metric(&metrics, "kvroute_kv_event_stream_incidents_total", "gap_lost"),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "dynamo_component_kv_cache_events_applied",
+            "status=\"parent_block_not_found\""
+        ),
+        0.0,
+        "every store found its parent: nothing was missed"
+    );
+    // And the prompt now routes as a full hit.
+    let (_, _, out) = c.http.request("POST", "/v1/completions", body(&prompt)).await;
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        out["usage"]["prompt_tokens_details"]["cached_tokens"], 304,
+        "19 of 20 blocks: the last token is always computed"
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_returns_503_and_nothing_leaks() {
+    // One worker that counts as busy past 2 requests, and no queue.
+    let c = cluster(1, 1.0, |config| {
+        config.workers[0].max_requests = 2;
+        config.busy_requests_fraction = Some(1.0);
+        config.queue_capacity = 0;
+    })
+    .await;
+    let body = serde_json::to_vec(&json!({"prompt": "slow", "max_tokens": 30})).unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let http = reqwest_lite::Http::new(c.proxy.url());
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            http.request("POST", "/v1/completions", body).await
+        }));
+    }
+    let (mut ok, mut rejected) = (0, 0);
+    for t in tasks {
+        let (status, retry, body) = t.await.unwrap();
+        match status {
+            200 => ok += 1,
+            503 => {
+                rejected += 1;
+                assert_eq!(retry.as_deref(), Some("1"));
+                let err: Value = serde_json::from_slice(&body).unwrap();
+                assert_eq!(err["error"]["code"], "overloaded");
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert!(ok >= 3 && rejected >= 1, "{ok} served, {rejected} rejected");
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"rejected\""),
+        f64::from(rejected)
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_json_errors_naming_the_problem() {
+    let c = cluster(1, 20.0, |config| {
+        config.max_body_bytes = 1000;
+        config.max_prompt_tokens = 50;
+    })
+    .await;
+    let cases: &[(&str, &[u8], u16, &str)] = &[
+        ("/v1/completions", b"{not json", 400, "body"),
+        ("/v1/completions", b"{}", 400, "prompt"),
+        ("/v1/completions", br#"{"prompt": [1, -2]}"#, 400, "prompt"),
+        (
+            "/v1/completions",
+            br#"{"prompt": "x", "stream": 3}"#,
+            400,
+            "stream",
+        ),
+        ("/v1/chat/completions", br#"{"messages": "hi"}"#, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            br#"{"messages": [{"role": "user", "content": 5}]}"#,
+            400,
+            "messages",
+        ),
+    ];
+    for (path, body, status, param) in cases {
+        let (got, _, out) = c.http.request("POST", path, body.to_vec()).await;
+        assert_eq!(got, *status, "{}", String::from_utf8_lossy(body));
+        let err: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(err["error"]["param"], *param, "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().len() > 5);
+    }
+    let long = serde_json::to_vec(&json!({"prompt": "y".repeat(60)})).unwrap();
+    let (got, _, out) = c.http.request("POST", "/v1/completions", long).await;
+    assert_eq!(got, 400);
+    let err: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(err["error"]["code"], "context_length_exceeded");
+    let huge = serde_json::to_vec(&json!({"prompt": "z".repeat(2000)})).unwrap();
+    let (got, _, out) = c.http.request("POST", "/v1/completions", huge).await;
+    assert_eq!(got, 413);
+    let err: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(err["error"]["code"], "body_too_large");
+    let (got, _, _) = c.http.request("GET", "/v1/nothing", Vec::new()).await;
+    assert_eq!(got, 404);
+    // Admin: drain the only worker; requests then find no worker (503), and removal works.
+    let (got, _, _) = c.http.request("POST", "/admin/workers/0/drain", Vec::new()).await;
+    assert_eq!(got, 200);
+    let (got, _, out) = c
+        .http
+        .request("POST", "/v1/completions", br#"{"prompt": "x"}"#.to_vec())
+        .await;
+    assert_eq!(got, 503, "{}", String::from_utf8_lossy(&out));
+    let (got, _, _) = c.http.request("GET", "/health", Vec::new()).await;
+    assert_eq!(got, 503);
+    let (got, _, _) = c.http.request("DELETE", "/admin/workers/0", Vec::new()).await;
+    assert_eq!(got, 200);
+    let (got, _, _) = c.http.request("DELETE", "/admin/workers/0", Vec::new()).await;
+    assert_eq!(got, 404);
+    let add = serde_json::to_vec(&json!({"url": c.mocks[0].url()})).unwrap();
+    let (got, _, out) = c.http.request("POST", "/admin/workers", add).await;
+    assert_eq!(got, 201, "{}", String::from_utf8_lossy(&out));
+    let (got, _, _) = c
+        .http
+        .request(
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": "x", "max_tokens": 1}"#.to_vec(),
+        )
+        .await;
+    assert_eq!(got, 200);
+    let bad_worker = serde_json::to_vec(&json!({"url": "http://127.0.0.1:1", "colour": "red"})).unwrap();
+    let (got, _, _) = c.http.request("POST", "/admin/workers", bad_worker).await;
+    assert_eq!(got, 400);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn positional_events_from_older_engines_feed_the_router_too() {
+    let mut mc = MockConfig::new(2);
+    mc.engine.speedup = 20.0;
+    mc.encoding = kvroute_wire::EventEncoding::Positional;
+    let c = cluster_of(mc, |_| {}).await;
+    let prompt: String = (0..480).map(|i| char::from(b'a' + (i * 11 % 26) as u8)).collect();
+    let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 1})).unwrap();
+    let (status, _, _) = c.http.request("POST", "/v1/completions", body.clone()).await;
+    assert_eq!(status, 200);
+    let t0 = Instant::now();
+    while c.cached_blocks().iter().max().copied().unwrap_or(0) < 30 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no events: {:?}",
+            c.cached_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (_, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 464);
+    c.assert_drained().await;
+}

@@ -1,0 +1,265 @@
+//! `kvroute demo`: the router and mock workers in-process on loopback, the example trace driven
+//! through HTTP, and the replay's summary table, beside the simulator's run of the same requests.
+//!
+//! The first `--limit` requests of the embedded Mooncake sample (prompts synthesized by Dynamo's
+//! rule, as the replay does) are sent as streaming completions with token-id prompts at their
+//! trace arrival times. Arrivals and the engines are both sped up by `--speedup`, so the live
+//! system is the simulated one in compressed time; measured times are multiplied back by the
+//! speedup, so the two columns read in the same (modeled) milliseconds. Differences between them
+//! are the live system's: real scheduling, HTTP, event delays and the proxy's own overhead.
+
+use std::io::BufReader;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::Args;
+use flate2::read::GzDecoder;
+use http_body_util::{BodyExt, Full};
+use kvroute_server::mock::{self, MockConfig};
+use kvroute_server::{Model, ServeConfig, WorkerConfig};
+use kvroute_sim::report::{Latency, Report, Value};
+use kvroute_sim::stats::Summary;
+use kvroute_sim::trace::TokenRequest;
+use kvroute_sim::{SimConfig, Simulation};
+
+/// The options of `kvroute demo`.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Requests of the example trace to run (its first N rows).
+    #[arg(long, default_value_t = 200)]
+    pub limit: usize,
+    /// Speed-up of arrivals and engines alike.
+    #[arg(long, default_value_t = 10.0)]
+    pub speedup: f64,
+    /// Mock workers.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Routing policy.
+    #[arg(long, default_value = "kv")]
+    pub policy: String,
+}
+
+/// One request's measurements, in wall-clock time.
+#[derive(Debug, Default)]
+struct Measured {
+    ok: bool,
+    arrival: Option<Instant>,
+    first: Option<Instant>,
+    last_token: Option<Instant>,
+    end: Option<Instant>,
+    gaps: Vec<Duration>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    completion_tokens: u64,
+}
+
+/// Runs the demo.
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.speedup.is_finite() && args.speedup > 0.0,
+        "--speedup must be positive"
+    );
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    let trace = || BufReader::new(GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
+    let mut sim = SimConfig::new(args.workers);
+    sim.router.policy = kvroute_core::router::PolicyConfig::from_name(&args.policy)?;
+    sim.sample_interval = None;
+    let workload = kvroute_sim::trace::read_mooncake(trace(), 512, sim.engine.block_size, Some(args.limit))?;
+    let requests = kvroute_sim::trace::read_mooncake_tokens(trace(), 512, Some(args.limit))?;
+    eprintln!(
+        "demo: {} requests of the example trace, {} workers, policy {}, {}x speed",
+        requests.len(),
+        args.workers,
+        args.policy,
+        args.speedup
+    );
+    let simulated = Simulation::new(sim.clone())?.run(&workload, &mut |_| {})?.report;
+    let live = super::serve::runtime(0)?.block_on(live(&args, &sim, requests))?;
+    print!(
+        "{}",
+        kvroute_sim::report::table(&[
+            (format!("{} (simulated)", args.policy), simulated),
+            (format!("{} (live HTTP)", args.policy), live),
+        ])
+    );
+    Ok(())
+}
+
+async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> anyhow::Result<Report> {
+    let model = Arc::new(Model::tiny()?);
+    let mut mc = MockConfig::new(args.workers);
+    mc.engine = sim.engine.clone();
+    mc.engine.speedup = sim.engine.speedup * args.speedup;
+    let mocks = mock::start(&mc, Arc::clone(&model)).await?;
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        policy: args.policy.clone(),
+        block_size: sim.engine.block_size,
+        max_body_bytes: 64 << 20,
+        max_prompt_tokens: 1 << 21,
+        health_interval_ms: 1000,
+        workers: mocks
+            .iter()
+            .map(|m| WorkerConfig {
+                events: m.events_endpoint.clone(),
+                replay: m.replay_endpoint.clone(),
+                ..WorkerConfig::new(m.url())
+            })
+            .collect(),
+        ..ServeConfig::default()
+    };
+    let proxy = kvroute_server::start(config, Some(model)).await?;
+    // Let the event subscribers connect (they would recover through replay anyway).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let client = kvroute_server::net::client(Duration::from_secs(5));
+    let url: Arc<str> = format!("{}/v1/completions", proxy.url()).into();
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for r in requests {
+        let at = start + Duration::from_secs_f64(r.arrival.as_secs_f64() / args.speedup);
+        let (client, url) = (client.clone(), Arc::clone(&url));
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            let mut m = send(&client, &url, &r).await.unwrap_or_default();
+            m.arrival = Some(at);
+            m
+        }));
+    }
+    let mut measured = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        measured.push(t.await.context("a request task failed")?);
+    }
+    let snapshot = proxy.shared.snapshot();
+    let lost = proxy
+        .shared
+        .metrics
+        .kv_stream_incidents
+        .with_label_values(&["gap_lost"])
+        .get();
+    drop(proxy);
+    drop(mocks);
+    Ok(report(args, &measured, start, &snapshot, lost))
+}
+
+/// Sends one streaming completion and measures it.
+async fn send(
+    client: &kvroute_server::net::HttpClient,
+    url: &str,
+    r: &TokenRequest,
+) -> anyhow::Result<Measured> {
+    let body = serde_json::json!({
+        "model": "tiny",
+        "prompt": r.tokens,
+        "max_tokens": r.output_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let request = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body)?)))?;
+    let response = client.request(request).await?;
+    let mut m = Measured::default();
+    if !response.status().is_success() {
+        return Ok(m);
+    }
+    let mut body = response.into_body();
+    let mut last_frame: Option<Instant> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else { continue };
+        let now = Instant::now();
+        let text = String::from_utf8_lossy(&data);
+        if text.contains("\"usage\"") {
+            for line in text.lines() {
+                let Some(json) = line.strip_prefix("data: ") else {
+                    continue;
+                };
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
+                    continue;
+                };
+                let u = &v["usage"];
+                if u.is_object() {
+                    m.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                    m.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                    m.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                }
+            }
+        }
+        if text.contains("[DONE]") {
+            m.ok = true;
+            m.end = Some(now);
+            break;
+        }
+        // A frame with tokens.
+        if m.first.is_none() {
+            m.first = Some(now);
+        } else if let Some(prev) = last_frame {
+            m.gaps.push(now - prev);
+        }
+        last_frame = Some(now);
+        m.last_token = Some(now);
+    }
+    Ok(m)
+}
+
+/// The replay's report keys, filled from the live measurements (times scaled by the speedup).
+fn report(
+    args: &DemoArgs,
+    measured: &[Measured],
+    start: Instant,
+    snapshot: &kvroute_core::router::RouterMetrics,
+    lost: u64,
+) -> Report {
+    let x = args.speedup;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 * x;
+    let done: Vec<&Measured> = measured.iter().filter(|m| m.ok).collect();
+    let (mut ttft, mut e2e, mut tpot, mut itl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut input, mut output, mut cached, mut end) = (0u64, 0u64, 0u64, Duration::ZERO);
+    for m in &done {
+        input += m.prompt_tokens;
+        output += m.completion_tokens;
+        cached += m.cached_tokens;
+        let (Some(arrival), Some(finish)) = (m.arrival, m.end) else {
+            continue;
+        };
+        end = end.max(finish - start);
+        e2e.push(ms(finish - arrival));
+        if let Some(first) = m.first {
+            ttft.push(ms(first - arrival));
+            if let Some(last) = m.last_token
+                && m.completion_tokens > 1
+            {
+                tpot.push(ms(last - first) / (m.completion_tokens - 1) as f64);
+            }
+        }
+        itl.extend(m.gaps.iter().map(|&g| ms(g)));
+    }
+    let duration_s = end.as_secs_f64() * x;
+    let per_s = |v: f64| if duration_s > 0.0 { v / duration_s } else { 0.0 };
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    let c = &snapshot.counters;
+    let mut r = Report::default();
+    r.push("policy", Value::Text(args.policy.clone()));
+    r.count("num_workers", args.workers as u64);
+    r.count("num_requests", measured.len() as u64);
+    r.count("completed_requests", done.len() as u64);
+    r.count("rejected_requests", (measured.len() - done.len()) as u64);
+    r.count("total_input_tokens", input);
+    r.count("total_output_tokens", output);
+    r.float("duration_ms", duration_s * 1e3);
+    r.float("request_throughput_rps", per_s(done.len() as f64));
+    r.float("output_throughput_tok_s", per_s(output as f64));
+    r.latency(Latency::Ttft, &Summary::exact(&mut ttft));
+    r.latency(Latency::Itl, &Summary::exact(&mut itl));
+    r.latency(Latency::Tpot, &Summary::exact(&mut tpot));
+    r.latency(Latency::E2e, &Summary::exact(&mut e2e));
+    r.float("prefix_cache_reused_ratio", ratio(cached, input));
+    r.float(
+        "router_predicted_overlap_ratio",
+        ratio(c.overlap_blocks, c.prompt_blocks),
+    );
+    r.count("kv_events_lost", lost);
+    r.float("gpu_hours", args.workers as f64 * duration_s / 3600.0);
+    r
+}

@@ -1,0 +1,226 @@
+//! `kvroute serve` and `kvroute mock`: flags (and for serve a `--config` TOML file, whose keys are
+//! `ServeConfig`'s fields; flags beat it) into the server crate's configurations, on a Tokio
+//! runtime.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use kvroute_server::mock::{self, MockConfig};
+use kvroute_server::{Model, ServeConfig, WorkerConfig};
+use kvroute_wire::EventEncoding;
+
+/// The options of `kvroute serve`.
+#[derive(Args, Debug, Default)]
+pub struct ServeArgs {
+    /// A TOML file of options (keys: the fields of the server's `ServeConfig`, snake_case;
+    /// workers as `[[workers]]` tables); flags beat it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Listen address. Default 127.0.0.1:8000.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
+    /// [,capacity=BLOCKS][,max-requests=N]`. Repeat for several; replaces the file's workers.
+    #[arg(long = "worker")]
+    pub workers: Vec<String>,
+    /// Model name served. Default `tiny`.
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Local model directory (`tokenizer.json`, `tokenizer_config.json`). Default: the built-in
+    /// tiny byte-level model.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Routing policy (kv, dynamo, sglang-cache-aware, llmd-weighted, least-loaded,
+    /// power-of-two, round-robin, random). Default kv.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Tokens per KV block, as the engines use. Default 16.
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Cache view: events, predict or approximate. Default events.
+    #[arg(long)]
+    pub cache: Option<String>,
+    /// Router queue capacity (0: reject when every worker is busy). Default 1024.
+    #[arg(long)]
+    pub queue_capacity: Option<usize>,
+    /// A worker is busy above this fraction of its max requests. Default: never.
+    #[arg(long)]
+    pub busy_requests_fraction: Option<f64>,
+    /// Largest request body in bytes. Default 4 MiB.
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Most prompt tokens. Default 131072.
+    #[arg(long)]
+    pub max_prompt_tokens: Option<usize>,
+    /// Health-check interval, ms (0: off). Default 5000.
+    #[arg(long)]
+    pub health_interval_ms: Option<u64>,
+    /// Runtime worker threads (0: one per core). Default 0.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+macro_rules! over {
+    ($config:ident, $args:ident; $($field:ident),* $(,)?) => {
+        $( if let Some(v) = $args.$field.clone() { $config.$field = v; } )*
+    };
+}
+
+impl ServeArgs {
+    /// The configuration: the file's (or the defaults), with the flags over it.
+    pub fn to_config(&self) -> anyhow::Result<ServeConfig> {
+        let mut config = match &self.config {
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                ServeConfig::from_toml_str(&text).with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => ServeConfig::default(),
+        };
+        over!(config, self; listen, model_name, policy, block_size, cache, queue_capacity,
+            max_body_bytes, max_prompt_tokens, health_interval_ms, threads);
+        if self.model_dir.is_some() {
+            config.model_dir = self.model_dir.clone();
+        }
+        if self.busy_requests_fraction.is_some() {
+            config.busy_requests_fraction = self.busy_requests_fraction;
+        }
+        if !self.workers.is_empty() {
+            config.workers = self
+                .workers
+                .iter()
+                .map(|w| WorkerConfig::parse_flag(w))
+                .collect::<Result<_, _>>()?;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// A Tokio runtime with `threads` workers (0: one per core).
+pub fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        builder.worker_threads(threads);
+    }
+    builder.enable_all().build().context("starting the runtime")
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs `kvroute serve` until the process is stopped.
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging();
+    let config = args.to_config()?;
+    if config.workers.is_empty() {
+        eprintln!("no workers yet: add them with --worker or POST /admin/workers");
+    }
+    runtime(config.threads)?.block_on(async move {
+        let proxy = kvroute_server::start(config, None).await?;
+        eprintln!("kvroute serve: listening on {}", proxy.url());
+        proxy.stopped().await;
+        Ok(())
+    })
+}
+
+/// The options of `kvroute mock`.
+#[derive(Args, Debug)]
+pub struct MockArgs {
+    /// Mock workers to run.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// HTTP port of the first worker; worker i listens on PORT+i (0: free ports).
+    #[arg(long, default_value_t = 8001)]
+    pub port: u16,
+    /// ZMQ port of the first worker's events; worker i publishes on EVENT_PORT+2i and replays
+    /// on EVENT_PORT+2i+1 (0: free ports).
+    #[arg(long, default_value_t = 5557)]
+    pub event_port: u16,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Divide the engine's modeled step times by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// KV-event encoding: map (vLLM since mid 2026) or positional (older vLLM, SGLang).
+    #[arg(long, default_value = "map")]
+    pub encoding: String,
+    /// Publish no KV events.
+    #[arg(long)]
+    pub no_events: bool,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_blocks: u32,
+    /// Output tokens of a request that names no max_tokens.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: u32,
+    /// Local model directory (the proxy's, so prompts tokenize alike). Default: the built-in
+    /// tiny model.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Model name served.
+    #[arg(long, default_value = "tiny")]
+    pub model_name: String,
+}
+
+/// Parses `map` or `positional`.
+pub fn encoding(s: &str) -> anyhow::Result<EventEncoding> {
+    Ok(match s {
+        "map" => EventEncoding::Map,
+        "positional" => EventEncoding::Positional,
+        other => bail!("--encoding {other:?}: map or positional"),
+    })
+}
+
+/// Runs `kvroute mock` until the process is stopped.
+pub fn mock(args: MockArgs) -> anyhow::Result<()> {
+    init_logging();
+    let mut config = MockConfig::new(args.workers);
+    config.host = args.host;
+    config.port = args.port;
+    config.event_port = args.event_port;
+    config.events = !args.no_events;
+    config.encoding = encoding(&args.encoding)?;
+    config.engine.speedup = args.speedup;
+    config.engine.block_size = args.block_size;
+    config.engine.num_blocks = args.num_blocks;
+    config.default_max_tokens = args.default_max_tokens;
+    config.model_name = args.model_name.clone();
+    let model = Arc::new(match &args.model_dir {
+        Some(dir) => Model::load(dir)?,
+        None => Model::tiny()?,
+    });
+    runtime(0)?.block_on(async move {
+        let workers = mock::start(&config, model).await?;
+        let mut flags = Vec::new();
+        for w in &workers {
+            let mut flag = w.url();
+            if let (Some(e), Some(r)) = (&w.events_endpoint, &w.replay_endpoint) {
+                flag.push_str(&format!(",events={e},replay={r}"));
+            }
+            eprintln!("mock worker: {flag}");
+            flags.push(format!("--worker {flag}"));
+        }
+        eprintln!(
+            "route to them with:\n  kvroute serve --block-size {} {}",
+            config.engine.block_size,
+            flags.join(" ")
+        );
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}
