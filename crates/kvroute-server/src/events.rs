@@ -13,12 +13,11 @@ use tokio::sync::mpsc;
 use kvroute_zmq::{SubscriberConfig, SubscriberEvent, SubscriberHandle};
 
 use crate::config::WorkerConfig;
-use crate::state::{FeedEvent, Shared};
+use crate::state::Shared;
 
 /// The feed: a channel into the router, and the subscribers that write to it.
 pub struct EventFeed {
-    tx: mpsc::Sender<FeedEvent>,
-    zmq_tx: mpsc::Sender<SubscriberEvent>,
+    tx: mpsc::Sender<SubscriberEvent>,
     subscribers: Mutex<HashMap<WorkerId, tokio::task::JoinHandle<()>>>,
 }
 
@@ -31,28 +30,16 @@ impl std::fmt::Debug for EventFeed {
 impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
-        let (tx, mut rx) = mpsc::channel::<FeedEvent>(4096);
-        let (zmq_tx, mut zmq_rx) = mpsc::channel::<SubscriberEvent>(4096);
+        let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
-            loop {
-                let event = tokio::select! {
-                    Some(e) = rx.recv() => e,
-                    Some(e) = zmq_rx.recv() => from_subscriber(e),
-                    else => break,
-                };
+            while let Some(event) = rx.recv().await {
                 shared.apply_feed(event);
             }
         });
         Self {
             tx,
-            zmq_tx,
             subscribers: Mutex::new(HashMap::new()),
         }
-    }
-
-    /// A sender into the feed (for in-process event sources).
-    pub fn sender(&self) -> mpsc::Sender<FeedEvent> {
-        self.tx.clone()
     }
 
     /// Starts a subscriber for worker `id` if it has an events endpoint.
@@ -63,7 +50,7 @@ impl EventFeed {
             topic: config.topic.clone(),
             ..SubscriberConfig::new(id, endpoint.clone())
         };
-        let tx = self.zmq_tx.clone();
+        let tx = self.tx.clone();
         // The handle lives in the task: aborting the task drops it, which stops the subscriber.
         let task = tokio::spawn(async move {
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
@@ -97,17 +84,5 @@ impl Drop for EventFeed {
         for (_, task) in subs.drain() {
             task.abort();
         }
-    }
-}
-
-fn from_subscriber(e: SubscriberEvent) -> FeedEvent {
-    match e {
-        SubscriberEvent::Batch { worker, batch } => FeedEvent::Batch { worker, batch },
-        SubscriberEvent::Restarted { worker } => FeedEvent::Restarted { worker },
-        SubscriberEvent::GapLost { worker, missing } => FeedEvent::GapLost {
-            worker,
-            missing: missing.end.saturating_sub(missing.start),
-        },
-        SubscriberEvent::Error { worker, error } => FeedEvent::Error { worker, error },
     }
 }

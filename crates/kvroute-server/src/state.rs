@@ -25,42 +25,12 @@ use kvroute_core::router::{
 };
 use kvroute_core::time::Timestamp;
 use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
+use kvroute_zmq::SubscriberEvent;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
 use crate::config::{ServeConfig, WorkerConfig};
 use crate::metrics::Metrics;
-
-/// What happened to a KV-event stream, as a subscriber reports it.
-#[derive(Debug)]
-pub enum FeedEvent {
-    /// A batch arrived (live, or replayed to fill a gap), in order.
-    Batch {
-        /// The worker.
-        worker: WorkerId,
-        /// The batch.
-        batch: EventBatch,
-    },
-    /// The publisher restarted (its sequence went back): the worker's cache is empty.
-    Restarted {
-        /// The worker.
-        worker: WorkerId,
-    },
-    /// A gap could not be filled: the router's view of this worker's cache is unreliable.
-    GapLost {
-        /// The worker.
-        worker: WorkerId,
-        /// Batches lost.
-        missing: u64,
-    },
-    /// A transport error (reported, not fatal).
-    Error {
-        /// The worker.
-        worker: WorkerId,
-        /// What went wrong.
-        error: String,
-    },
-}
 
 /// Why a request could not be routed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -495,20 +465,20 @@ impl Shared {
     // ---- KV events ----
 
     /// Applies what a subscriber reported.
-    pub fn apply_feed(&self, event: FeedEvent) {
+    pub fn apply_feed(&self, event: SubscriberEvent) {
         match event {
-            FeedEvent::Batch { worker, batch } => self.apply_batch(worker, &batch),
-            FeedEvent::Restarted { worker } => {
+            SubscriberEvent::Batch { worker, batch } => self.apply_batch(worker, &batch),
+            SubscriberEvent::Restarted { worker } => {
                 self.metrics
                     .kv_stream_incidents
                     .with_label_values(&["restarted"])
                     .inc();
                 self.clear_worker(worker);
             }
-            FeedEvent::GapLost { worker, missing } => {
+            SubscriberEvent::GapLost { worker, missing } => {
                 tracing::warn!(
                     worker = worker.0,
-                    missing,
+                    missing = missing.end.saturating_sub(missing.start),
                     "KV events lost; clearing the worker's cache view"
                 );
                 self.metrics
@@ -517,7 +487,7 @@ impl Shared {
                     .inc();
                 self.clear_worker(worker);
             }
-            FeedEvent::Error { worker, error } => {
+            SubscriberEvent::Error { worker, error } => {
                 tracing::debug!(worker = worker.0, error, "KV event stream error");
                 self.metrics
                     .kv_stream_incidents
