@@ -147,6 +147,15 @@ impl MockWorker {
         format!("http://{}", self.addr)
     }
 
+    /// The proxy's configuration of this worker: its URL and event endpoints, defaults otherwise.
+    pub fn worker_config(&self) -> crate::config::WorkerConfig {
+        crate::config::WorkerConfig {
+            events: self.events_endpoint.clone(),
+            replay: self.replay_endpoint.clone(),
+            ..crate::config::WorkerConfig::new(self.url())
+        }
+    }
+
     /// Fault injection: the next `n` event batches are buffered for replay but not sent live.
     pub fn drop_next_event_batches(&self, n: u64) {
         if let Some(p) = &self.publisher {

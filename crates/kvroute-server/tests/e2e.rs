@@ -13,7 +13,7 @@ use async_openai::types::chat::{ChatCompletionRequestUserMessageArgs, CreateChat
 use async_openai::types::completions::CreateCompletionRequestArgs;
 use futures_util::StreamExt;
 use kvroute_server::mock::{self, MockConfig, MockWorker};
-use kvroute_server::{Model, ProxyHandle, ServeConfig, WorkerConfig};
+use kvroute_server::{Model, ProxyHandle, ServeConfig};
 use serde_json::{Value, json};
 
 struct Cluster {
@@ -36,20 +36,13 @@ async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Clu
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
-        workers: mocks
-            .iter()
-            .map(|m| WorkerConfig {
-                events: m.events_endpoint.clone(),
-                replay: m.replay_endpoint.clone(),
-                ..WorkerConfig::new(m.url())
-            })
-            .collect(),
+        workers: mocks.iter().map(|m| m.worker_config()).collect(),
         ..ServeConfig::default()
     };
     tweak(&mut config);
+    // No pause for the subscribers to connect: batches they miss at first come back through
+    // replay, which the tests below then exercise as well.
     let proxy = kvroute_server::start(config, Some(model)).await.unwrap();
-    // Let the subscribers connect before traffic (they would recover through replay anyway).
-    tokio::time::sleep(Duration::from_millis(200)).await;
     Cluster {
         http: reqwest_lite::Http::new(proxy.url()),
         proxy,

@@ -18,7 +18,7 @@ use clap::Args;
 use flate2::read::GzDecoder;
 use http_body_util::{BodyExt, Full};
 use kvroute_server::mock::{self, MockConfig};
-use kvroute_server::{Model, ServeConfig, WorkerConfig};
+use kvroute_server::{Model, ServeConfig};
 use kvroute_sim::report::{Latency, Report, Value};
 use kvroute_sim::stats::Summary;
 use kvroute_sim::trace::TokenRequest;
@@ -100,14 +100,7 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         max_body_bytes: 64 << 20,
         max_prompt_tokens: 1 << 21,
         health_interval_ms: 1000,
-        workers: mocks
-            .iter()
-            .map(|m| WorkerConfig {
-                events: m.events_endpoint.clone(),
-                replay: m.replay_endpoint.clone(),
-                ..WorkerConfig::new(m.url())
-            })
-            .collect(),
+        workers: mocks.iter().map(|m| m.worker_config()).collect(),
         ..ServeConfig::default()
     };
     let proxy = kvroute_server::start(config, Some(model)).await?;
