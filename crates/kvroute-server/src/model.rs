@@ -8,6 +8,7 @@ use std::path::Path;
 
 use minijinja::{Environment, ErrorKind, Value};
 use serde_json::Value as Json;
+use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
 
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
 /// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
@@ -45,12 +46,26 @@ pub enum ModelError {
 pub struct PromptError(pub String);
 
 /// A model's tokenizer and chat template.
-#[derive(Debug)]
 pub struct Model {
-    tokenizer: tokenizers::Tokenizer,
+    tokenizer: PipelineTokenizer,
+    /// No special tokens added, and none of the file's truncation or padding: the router hashes
+    /// the prompt the engine will see.
+    options: EncodeOptions,
+    vocab_size: u32,
     chat: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("vocab_size", &self.vocab_size)
+            .field("chat_template", &self.chat.is_some())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Model {
@@ -78,12 +93,25 @@ impl Model {
     }
 
     /// A model from the texts of `tokenizer.json` and `tokenizer_config.json`.
+    ///
+    /// `tokenizer.json` may be in any format version the `tokenizers` library has written: it is
+    /// brought to the current one first.
     pub fn from_json(tokenizer_json: &str, config_json: Option<&str>) -> Result<Self, ModelError> {
-        let tokenizer: tokenizers::Tokenizer = tokenizer_json
-            .parse()
-            .map_err(|e: tokenizers::Error| ModelError::Tokenizer(e.to_string()))?;
+        let mut value: Json =
+            serde_json::from_str(tokenizer_json).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let vocab_size = vocab_size(&value);
+        tokenizers::canonicalize_value(&mut value).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let tokenizer =
+            tokenizers::from_json(&value.to_string()).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let mut model = Self {
             tokenizer,
+            options: EncodeOptions {
+                add_special_tokens: false,
+                encode_special_tokens: false,
+                padding: Override::Off,
+                truncation: Override::Off,
+            },
+            vocab_size,
             chat: None,
             bos_token: String::new(),
             eos_token: String::new(),
@@ -121,12 +149,14 @@ impl Model {
         Ok(model)
     }
 
-    /// The token ids of `text` (special tokens written in the text are recognized).
+    /// The token ids of `text`: special tokens written in the text are recognized, none are
+    /// added around it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        let mut tokens = Vec::with_capacity(text.len() / 3 + 1);
         self.tokenizer
-            .encode_fast(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))
+            .encode_into(text, &self.options, &mut tokens)
+            .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))?;
+        Ok(tokens.into_iter().map(PipelineToken::id).collect())
     }
 
     /// Renders `messages` (OpenAI chat messages, content already flattened to strings) with the
@@ -149,20 +179,38 @@ impl Model {
             .map_err(|e| PromptError(format!("rendering the chat template: {e}")))
     }
 
-    /// The text of one token (empty for an id outside the vocabulary).
+    /// The text of `ids`, special tokens skipped (empty if they do not decode).
     pub fn decode(&self, ids: &[u32]) -> String {
         self.tokenizer.decode(ids, true).unwrap_or_default()
     }
 
-    /// Tokens in the vocabulary, special tokens included.
+    /// One more than the highest token id, special tokens included.
     pub fn vocab_size(&self) -> u32 {
-        u32::try_from(self.tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX)
+        self.vocab_size
     }
 
-    /// The id of the end-of-sequence token, if the model names one.
+    /// The id of the end-of-sequence token, if the model names one and it is an added token.
     pub fn eos_token_id(&self) -> Option<u32> {
-        self.tokenizer.token_to_id(&self.eos_token)
+        self.tokenizer.get_added_vocabulary().token_to_id(&self.eos_token)
     }
+}
+
+/// One more than the highest id in `tokenizer.json`'s model vocabulary (a map of token to id, or
+/// a Unigram list) and its added tokens.
+fn vocab_size(tokenizer: &Json) -> u32 {
+    let model = match &tokenizer["model"]["vocab"] {
+        Json::Object(vocab) => vocab.values().filter_map(Json::as_u64).max().map(|max| max + 1),
+        Json::Array(list) => u64::try_from(list.len()).ok(),
+        _ => None,
+    };
+    let added = tokenizer["added_tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|token| token["id"].as_u64())
+        .max()
+        .map(|max| max + 1);
+    u32::try_from(model.max(added).unwrap_or(0)).unwrap_or(u32::MAX)
 }
 
 /// A special token as `tokenizer_config.json` gives it: a string or `{"content": ...}`.
