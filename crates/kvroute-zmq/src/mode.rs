@@ -76,6 +76,27 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, ZmqError> {
     Ok(format!("{base}:{port}"))
 }
 
+/// Takes `socket`'s side of the link at `endpoint` (as [`normalize`] gives it). In bind mode it
+/// binds now and returns the address bound (port 0 resolved) and nothing to connect to; in
+/// connect mode it returns the endpoint twice, as the address and as what the socket's task
+/// connects to in the background (so that a peer that is not up yet does not hold the caller).
+pub(crate) async fn bind_or_defer(
+    socket: &mut impl zeromq::Socket,
+    mode: SocketMode,
+    endpoint: String,
+) -> Result<(String, Option<String>), ZmqError> {
+    match mode {
+        SocketMode::Bind => {
+            let bound = socket
+                .bind(&endpoint)
+                .await
+                .map_err(|e| ZmqError::socket(format!("binding {endpoint}"), e))?;
+            Ok((bound.to_string(), None))
+        }
+        SocketMode::Connect => Ok((endpoint.clone(), Some(endpoint))),
+    }
+}
+
 /// The endpoint as the `zeromq` crate takes it: a `*` host becomes `0.0.0.0` (libzmq's spelling
 /// of "every interface", which the crate would try to resolve as a host name).
 pub(crate) fn normalize(endpoint: &str) -> String {

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::ZmqError;
-use crate::mode::{SocketMode, normalize};
+use crate::mode::{SocketMode, bind_or_defer, normalize};
 use crate::subscriber::check_endpoint;
 
 /// vLLM's default replay buffer: the last 10 000 batches.
@@ -142,16 +142,7 @@ impl EventPublisher {
         let endpoint = normalize(&config.endpoint);
         let mut socket = PubSocket::new();
         let mode = config.mode.unwrap_or(SocketMode::Bind);
-        let (bound, connect_to) = match mode {
-            SocketMode::Bind => {
-                let bound = socket
-                    .bind(&endpoint)
-                    .await
-                    .map_err(|e| ZmqError::socket(format!("binding {endpoint}"), e))?;
-                (bound.to_string(), None)
-            }
-            SocketMode::Connect => (endpoint.clone(), Some(endpoint)),
-        };
+        let (bound, connect_to) = bind_or_defer(&mut socket, mode, endpoint).await?;
         let state = Arc::new(Mutex::new(State {
             next_seq: 0,
             ring: VecDeque::new(),

@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::error::ZmqError;
-use crate::mode::{SocketMode, normalize, subscriber_mode};
+use crate::mode::{SocketMode, bind_or_defer, normalize, subscriber_mode};
 
 /// How long a replay may go without progress by default (see
 /// [`SubscriberConfig::replay_timeout_ms`]).
@@ -300,16 +300,7 @@ pub async fn spawn_subscriber(
         .subscribe(&config.topic)
         .await
         .map_err(|e| ZmqError::socket(format!("subscribing to {:?}", config.topic), e))?;
-    let (endpoint, connect_to) = match mode {
-        SocketMode::Bind => {
-            let bound = socket
-                .bind(&endpoint)
-                .await
-                .map_err(|e| ZmqError::socket(format!("binding {endpoint}"), e))?;
-            (bound.to_string(), None)
-        }
-        SocketMode::Connect => (endpoint.clone(), Some(endpoint)),
-    };
+    let (endpoint, connect_to) = bind_or_defer(&mut socket, mode, endpoint).await?;
     let counters = Arc::new(SubscriberCounters::default());
     let session = Session {
         worker: config.worker,

@@ -111,50 +111,126 @@ fn events(i: u64) -> Vec<WireEvent> {
     ]
 }
 
-fn loopback_publisher(encoding: EventEncoding, layout: ReplayLayout, replay: bool) -> PublisherConfig {
+/// A publisher on a free loopback port with topic `kv@test`, map encoding, the new replay
+/// layout, and a replay socket if `replay`.
+fn loopback(replay: bool) -> PublisherConfig {
     PublisherConfig {
         replay_endpoint: replay.then(|| "tcp://127.0.0.1:0".to_owned()),
         topic: "kv@test".into(),
-        encoding,
-        replay_layout: layout,
         ..PublisherConfig::new("tcp://127.0.0.1:0")
     }
 }
 
-/// A subscriber connected to `publisher` (and to its replay socket, if it has one).
+/// Starts a subscriber with `config`, its events on a channel of `capacity`.
+async fn spawn(
+    config: SubscriberConfig,
+    capacity: usize,
+) -> (SubscriberHandle, mpsc::Receiver<SubscriberEvent>) {
+    let (tx, rx) = mpsc::channel(capacity);
+    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    (handle, rx)
+}
+
+/// A subscriber connected to `publisher` (and to its replay socket, if it has one), topic
+/// `kv@`, as `configure` leaves it.
 async fn subscribe(
     publisher: &EventPublisher,
+    capacity: usize,
     configure: impl FnOnce(&mut SubscriberConfig),
 ) -> (SubscriberHandle, mpsc::Receiver<SubscriberEvent>) {
     let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
     config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
     config.topic = "kv@".into();
     configure(&mut config);
-    let (tx, rx) = mpsc::channel(1024);
-    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
-    (handle, rx)
+    spawn(config, capacity).await
+}
+
+/// A started publisher and a subscriber that has joined it ([`join`]).
+struct Joined {
+    publisher: EventPublisher,
+    handle: SubscriberHandle,
+    rx: mpsc::Receiver<SubscriberEvent>,
+    /// The subscriber's counters once joined.
+    before: CounterSnapshot,
+}
+
+/// Starts a publisher with `config` and joins a subscriber ([`subscribe`], as `configure`
+/// leaves it) to it.
+async fn joined(config: PublisherConfig, configure: impl FnOnce(&mut SubscriberConfig)) -> Joined {
+    let publisher = EventPublisher::start(config).await.expect("start");
+    let (handle, mut rx) = subscribe(&publisher, 1024, configure).await;
+    join(&publisher, &mut rx).await;
+    let before = handle.counters().snapshot();
+    Joined {
+        publisher,
+        handle,
+        rx,
+        before,
+    }
+}
+
+/// Drops the next `dropped` batches live, then publishes `events(i)` for `i` in `0..count`
+/// (at time `i`). Returns the first one's sequence number.
+fn publish_dropping(publisher: &EventPublisher, dropped: u64, count: u64) -> u64 {
+    let first = publisher.next_seq();
+    publisher.drop_next(dropped);
+    for i in 0..count {
+        publisher.publish(events(i), None, i as f64).expect("publish");
+    }
+    first
+}
+
+/// Publishes `count` empty batches and waits until the last one arrives.
+async fn publish_empty(publisher: &EventPublisher, rx: &mut mpsc::Receiver<SubscriberEvent>, count: usize) {
+    for _ in 0..count {
+        publisher.publish(Vec::new(), None, 0.0).expect("publish");
+    }
+    let last = publisher.next_seq() - 1;
+    while next_batch(rx).await.seq != last {}
+}
+
+/// The event of the batches `missing` being lost.
+fn gap_lost(missing: std::ops::Range<u64>) -> SubscriberEvent {
+    SubscriberEvent::GapLost {
+        worker: WORKER,
+        missing,
+    }
+}
+
+/// The sequence numbers of `events`, which must all be batches.
+fn batch_seqs(events: &[SubscriberEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .map(|e| match e {
+            SubscriberEvent::Batch { batch, .. } => batch.seq,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect()
+}
+
+/// A loopback port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_arrive_in_order_and_decode_as_published() {
     for encoding in [EventEncoding::Map, EventEncoding::Positional] {
-        let publisher =
-            EventPublisher::start(loopback_publisher(encoding, ReplayLayout::TopicSeqPayload, true))
-                .await
-                .expect("start");
-        let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
+        let publisher = EventPublisher::start(PublisherConfig {
+            encoding,
+            ..loopback(true)
+        })
+        .await
+        .expect("start");
+        let (handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
         let warmup = join(&publisher, &mut rx).await;
         // Every warm-up batch arrives, in order: the ones sent before the subscription
         // reached the publisher come through the replay.
-        let seqs: Vec<u64> = warmup
-            .iter()
-            .map(|e| match e {
-                SubscriberEvent::Batch { batch, .. } => batch.seq,
-                other => panic!("{encoding:?}: unexpected {other:?}"),
-            })
-            .collect();
         assert_eq!(
-            seqs,
+            batch_seqs(&warmup),
             (0..publisher.next_seq()).collect::<Vec<_>>(),
             "{encoding:?}"
         );
@@ -188,155 +264,117 @@ async fn batches_arrive_in_order_and_decode_as_published() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_batch_is_recovered_through_replay() {
-    for layout in [ReplayLayout::TopicSeqPayload, ReplayLayout::SeqPayload] {
-        let publisher = EventPublisher::start(loopback_publisher(EventEncoding::Map, layout, true))
-            .await
-            .expect("start");
-        let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
-        join(&publisher, &mut rx).await;
-        let before = handle.counters().snapshot();
+    for replay_layout in [ReplayLayout::TopicSeqPayload, ReplayLayout::SeqPayload] {
+        let config = PublisherConfig {
+            replay_layout,
+            ..loopback(true)
+        };
+        let mut link = joined(config, |_| {}).await;
 
-        let first = publisher.next_seq();
-        publisher.drop_next(2);
+        let first = publish_dropping(&link.publisher, 2, 5);
         for i in 0..5 {
-            publisher.publish(events(i), None, i as f64).expect("publish");
-        }
-        for i in 0..5 {
-            let batch = next_batch(&mut rx).await;
-            assert_eq!((batch.seq, &batch.events), (first + i, &events(i)), "{layout:?}");
+            let batch = next_batch(&mut link.rx).await;
+            assert_eq!(
+                (batch.seq, &batch.events),
+                (first + i, &events(i)),
+                "{replay_layout:?}"
+            );
         }
         // A gap counts as recovered once its replay has ended, which may be just after its last
         // batch was handed on.
-        let after = settled(&handle, |c| c.gaps_recovered > before.gaps_recovered).await;
+        let after = settled(&link.handle, |c| c.gaps_recovered > link.before.gaps_recovered).await;
         assert_eq!(
-            after.gaps_detected - before.gaps_detected,
+            after.gaps_detected - link.before.gaps_detected,
             1,
-            "{layout:?}: {after:?}"
+            "{replay_layout:?}: {after:?}"
         );
         assert_eq!(
-            after.gaps_recovered - before.gaps_recovered,
+            after.gaps_recovered - link.before.gaps_recovered,
             1,
-            "{layout:?}: {after:?}"
+            "{replay_layout:?}: {after:?}"
         );
         // The two dropped batches and the one that showed the gap, at least.
-        assert!(after.replayed - before.replayed >= 3, "{layout:?}: {after:?}");
-        assert_eq!(after.gaps_lost, before.gaps_lost, "{layout:?}: {after:?}");
-        assert_eq!(after.emitted - before.emitted, 5, "{layout:?}: {after:?}");
+        assert!(
+            after.replayed - link.before.replayed >= 3,
+            "{replay_layout:?}: {after:?}"
+        );
+        assert_eq!(
+            after.gaps_lost, link.before.gaps_lost,
+            "{replay_layout:?}: {after:?}"
+        );
+        assert_eq!(
+            after.emitted - link.before.emitted,
+            5,
+            "{replay_layout:?}: {after:?}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_replay_endpoint_a_gap_is_lost_and_the_stream_goes_on() {
-    let publisher = EventPublisher::start(loopback_publisher(
-        EventEncoding::Map,
-        ReplayLayout::TopicSeqPayload,
-        false,
-    ))
-    .await
-    .expect("start");
-    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
-    join(&publisher, &mut rx).await;
-    let before = handle.counters().snapshot();
+    let mut link = joined(loopback(false), |_| {}).await;
 
-    let first = publisher.next_seq();
-    publisher.drop_next(1);
-    for i in 0..3 {
-        publisher.publish(events(i), None, 0.0).expect("publish");
-    }
-    assert_eq!(
-        next(&mut rx).await,
-        SubscriberEvent::GapLost {
-            worker: WORKER,
-            missing: first..first + 1
-        }
-    );
-    assert_eq!(next_batch(&mut rx).await.seq, first + 1);
-    assert_eq!(next_batch(&mut rx).await.seq, first + 2);
-    let after = handle.counters().snapshot();
-    assert_eq!(after.gaps_detected - before.gaps_detected, 1);
-    assert_eq!(after.gaps_lost - before.gaps_lost, 1);
-    assert_eq!(after.batches_lost - before.batches_lost, 1);
-    assert_eq!(after.gaps_recovered, before.gaps_recovered);
+    let first = publish_dropping(&link.publisher, 1, 3);
+    assert_eq!(next(&mut link.rx).await, gap_lost(first..first + 1));
+    assert_eq!(next_batch(&mut link.rx).await.seq, first + 1);
+    assert_eq!(next_batch(&mut link.rx).await.seq, first + 2);
+    let after = link.handle.counters().snapshot();
+    assert_eq!(after.gaps_detected - link.before.gaps_detected, 1);
+    assert_eq!(after.gaps_lost - link.before.gaps_lost, 1);
+    assert_eq!(after.batches_lost - link.before.batches_lost, 1);
+    assert_eq!(after.gaps_recovered, link.before.gaps_recovered);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_replay_endpoint_times_out_into_a_lost_gap() {
-    let publisher = EventPublisher::start(loopback_publisher(
-        EventEncoding::Map,
-        ReplayLayout::TopicSeqPayload,
-        false,
-    ))
-    .await
-    .expect("start");
-    // A port that was free a moment ago: nothing listens there.
-    let unused = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let (handle, mut rx) = subscribe(&publisher, |c| {
+    // Nothing listens on a port that was free a moment ago.
+    let unused = free_port();
+    let mut link = joined(loopback(false), |c| {
         c.replay_endpoint = Some(format!("tcp://127.0.0.1:{unused}"));
         c.replay_timeout_ms = 200;
     })
     .await;
-    join(&publisher, &mut rx).await;
-    let before = handle.counters().snapshot();
 
-    let first = publisher.next_seq();
-    publisher.drop_next(1);
-    for i in 0..2 {
-        publisher.publish(events(i), None, 0.0).expect("publish");
-    }
+    let first = publish_dropping(&link.publisher, 1, 2);
+    assert_eq!(next(&mut link.rx).await, gap_lost(first..first + 1));
+    assert_eq!(next_batch(&mut link.rx).await.seq, first + 1);
+    let after = link.handle.counters().snapshot();
     assert_eq!(
-        next(&mut rx).await,
-        SubscriberEvent::GapLost {
-            worker: WORKER,
-            missing: first..first + 1
-        }
+        after.replay_failures - link.before.replay_failures,
+        1,
+        "{after:?}"
     );
-    assert_eq!(next_batch(&mut rx).await.seq, first + 1);
-    let after = handle.counters().snapshot();
-    assert_eq!(after.replay_failures - before.replay_failures, 1, "{after:?}");
-    assert_eq!(after.gaps_lost - before.gaps_lost, 1, "{after:?}");
+    assert_eq!(after.gaps_lost - link.before.gaps_lost, 1, "{after:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_publisher_is_reported_and_its_new_run_follows() {
     // The subscriber binds and the publishers connect out to it (llm-d's centralized mode),
     // so the second publisher reaches the same subscriber without reusing a port.
-    let (tx, mut rx) = mpsc::channel(1024);
     let mut config = SubscriberConfig::new(WORKER, "tcp://*:0");
     assert_eq!(config.effective_mode(), SocketMode::Bind);
     config.topic = "kv@".into();
-    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    let (handle, mut rx) = spawn(config, 1024).await;
     let port = handle.endpoint().rsplit(':').next().expect("a port").to_owned();
-    let publisher_config = || PublisherConfig {
-        mode: Some(SocketMode::Connect),
-        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true)
-    };
-    let start = |replay: bool| {
-        let mut config = publisher_config();
-        config.endpoint = format!("tcp://127.0.0.1:{port}");
-        if !replay {
-            config.replay_endpoint = None;
-        }
-        EventPublisher::start(config)
+    // Neither publisher has a replay socket.
+    let start = || {
+        EventPublisher::start(PublisherConfig {
+            mode: Some(SocketMode::Connect),
+            ..loopback(false).with_endpoint(format!("tcp://127.0.0.1:{port}"))
+        })
     };
 
-    let first = start(false).await.expect("first publisher");
+    let first = start().await.expect("first publisher");
     join(&first, &mut rx).await;
     // Far more batches than the second publisher's warm-up will number, so that its batches
     // are recognisably a new run (the wire has no run id: only a sequence number that goes
     // back shows a restart).
-    for _ in 0..300 {
-        first.publish(Vec::new(), None, 0.0).expect("publish");
-    }
-    let last = first.next_seq() - 1;
-    while next_batch(&mut rx).await.seq != last {}
+    publish_empty(&first, &mut rx, 300).await;
     first.shutdown().await;
 
     // The subscriber has no replay endpoint configured for the new run either: the new
     // publisher's warm-up batches it missed are reported lost, then the run goes on.
-    let second = start(false).await.expect("second publisher");
+    let second = start().await.expect("second publisher");
     let events = join(&second, &mut rx).await;
     assert!(
         matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
@@ -353,15 +391,18 @@ fn events_for_restart() -> Vec<WireEvent> {
     vec![stored(&[7], None, 4)]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn garbage_is_reported_and_the_subscriber_goes_on() {
-    let (tx, mut rx) = mpsc::channel(1024);
-    let config = SubscriberConfig::new(WORKER, "tcp://127.0.0.1:0");
+/// A subscriber that binds `endpoint`, every topic.
+async fn bound(endpoint: impl Into<String>) -> (SubscriberHandle, mpsc::Receiver<SubscriberEvent>) {
     let config = SubscriberConfig {
         mode: Some(SocketMode::Bind),
-        ..config
+        ..SubscriberConfig::new(WORKER, endpoint)
     };
-    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    spawn(config, 1024).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_is_reported_and_the_subscriber_goes_on() {
+    let (handle, mut rx) = bound("tcp://127.0.0.1:0").await;
     let mut raw = zeromq::PubSocket::new();
     raw.connect(handle.endpoint()).await.expect("connect");
     let message = |frames: Vec<&[u8]>| {
@@ -388,17 +429,16 @@ async fn garbage_is_reported_and_the_subscriber_goes_on() {
     }
     .encode_payload(EventEncoding::Map)
     .expect("encode");
-    let seq = |n: u64| n.to_be_bytes();
-    raw.send(message(vec![b"", b"short"])).await.expect("send");
-    raw.send(message(vec![b"", &seq(0)[..3], b"x"]))
-        .await
-        .expect("send");
-    raw.send(message(vec![b"", &seq(0), b"\xc1"]))
-        .await
-        .expect("send");
-    raw.send(message(vec![b"", &seq(1), &payload]))
-        .await
-        .expect("send");
+    let (seq0, seq1) = (0_u64.to_be_bytes(), 1_u64.to_be_bytes());
+    let garbage: [Vec<&[u8]>; 4] = [
+        vec![b"", b"short"],
+        vec![b"", &seq0[..3], b"x"],
+        vec![b"", &seq0, b"\xc1"],
+        vec![b"", &seq1, &payload],
+    ];
+    for frames in garbage {
+        raw.send(message(frames)).await.expect("send");
+    }
 
     let mut errors = Vec::new();
     let batch = loop {
@@ -425,14 +465,14 @@ async fn garbage_is_reported_and_the_subscriber_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn received_batches_build_the_index() {
-    let publisher = EventPublisher::start(loopback_publisher(
-        EventEncoding::Positional,
-        ReplayLayout::SeqPayload,
-        true,
-    ))
+    let publisher = EventPublisher::start(PublisherConfig {
+        encoding: EventEncoding::Positional,
+        replay_layout: ReplayLayout::SeqPayload,
+        ..loopback(true)
+    })
     .await
     .expect("start");
-    let (_handle, mut rx) = subscribe(&publisher, |_| {}).await;
+    let (_handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
     let mut index = PrefixIndex::new(IndexConfig::default());
     let config = ApplyConfig {
         block_size: NonZeroU32::new(4).expect("non-zero"),
@@ -530,53 +570,34 @@ async fn bad_configs_are_refused_before_any_socket() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_older_than_the_replay_buffer_are_lost_and_the_rest_replayed() {
-    let publisher = EventPublisher::start(PublisherConfig {
+    let config = PublisherConfig {
         buffer_steps: 3,
-        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true)
-    })
-    .await
-    .expect("start");
-    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
-    join(&publisher, &mut rx).await;
-    let before = handle.counters().snapshot();
+        ..loopback(true)
+    };
+    let mut link = joined(config, |_| {}).await;
 
-    let first = publisher.next_seq();
-    publisher.drop_next(5);
-    for i in 0..6 {
-        publisher.publish(events(i), None, 0.0).expect("publish");
-    }
+    let first = publish_dropping(&link.publisher, 5, 6);
     // The ring holds the last three (first + 3 ..= first + 5): the two before are gone.
-    assert_eq!(
-        next(&mut rx).await,
-        SubscriberEvent::GapLost {
-            worker: WORKER,
-            missing: first..first + 3
-        }
-    );
+    assert_eq!(next(&mut link.rx).await, gap_lost(first..first + 3));
     for i in 3..6 {
-        let batch = next_batch(&mut rx).await;
+        let batch = next_batch(&mut link.rx).await;
         assert_eq!((batch.seq, batch.events), (first + i, events(i)));
     }
-    let after = handle.counters().snapshot();
-    assert_eq!(after.batches_lost - before.batches_lost, 3, "{after:?}");
-    assert_eq!(after.replayed - before.replayed, 3, "{after:?}");
+    let after = link.handle.counters().snapshot();
+    assert_eq!(after.batches_lost - link.before.batches_lost, 3, "{after:?}");
+    assert_eq!(after.replayed - link.before.replayed, 3, "{after:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_drops_are_all_recovered_in_order() {
-    let publisher = EventPublisher::start(loopback_publisher(
-        EventEncoding::Positional,
-        ReplayLayout::TopicSeqPayload,
-        true,
-    ))
-    .await
-    .expect("start");
-    let (handle, mut rx) = subscribe(&publisher, |_| {}).await;
-    join(&publisher, &mut rx).await;
-    let before = handle.counters().snapshot();
+    let config = PublisherConfig {
+        encoding: EventEncoding::Positional,
+        ..loopback(true)
+    };
+    let mut link = joined(config, |_| {}).await;
 
     // A fixed pattern of drops (1 to 4 batches, every few batches), 1 000 batches in all.
-    let first = publisher.next_seq();
+    let first = link.publisher.next_seq();
     let mut state = 0x9E37_79B9_7F4A_7C15_u64;
     let mut drops = 0;
     for i in 0..1_000 {
@@ -584,41 +605,36 @@ async fn random_drops_are_all_recovered_in_order() {
         state ^= state >> 7;
         state ^= state << 17;
         if state.is_multiple_of(16) {
-            publisher.drop_next(1 + state / 16 % 4);
+            link.publisher.drop_next(1 + state / 16 % 4);
             drops += 1;
         }
-        publisher.publish(events(i), None, i as f64).expect("publish");
+        link.publisher
+            .publish(events(i), None, i as f64)
+            .expect("publish");
     }
     // A drop at the end would swallow the last batches, which no later batch would reveal.
-    publisher.drop_next(0);
-    let last = publisher.publish(Vec::new(), None, 0.0).expect("publish");
+    link.publisher.drop_next(0);
+    let last = link.publisher.publish(Vec::new(), None, 0.0).expect("publish");
     for i in 0..1_000 {
-        let batch = next_batch(&mut rx).await;
+        let batch = next_batch(&mut link.rx).await;
         assert_eq!((batch.seq, batch.events), (first + i, events(i)));
     }
-    assert_eq!(next_batch(&mut rx).await.seq, last);
-    let after = handle.counters().snapshot();
+    assert_eq!(next_batch(&mut link.rx).await.seq, last);
+    let after = link.handle.counters().snapshot();
     assert!(drops > 10, "the pattern drops too rarely: {drops}");
-    assert_eq!(after.gaps_lost, before.gaps_lost, "{after:?}");
-    assert!(after.gaps_detected - before.gaps_detected >= 1, "{after:?}");
+    assert_eq!(after.gaps_lost, link.before.gaps_lost, "{after:?}");
+    assert!(after.gaps_detected - link.before.gaps_detected >= 1, "{after:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
-    let first = EventPublisher::start(loopback_publisher(
-        EventEncoding::Map,
-        ReplayLayout::TopicSeqPayload,
-        true,
-    ))
-    .await
-    .expect("start");
-    let (handle, mut rx) = subscribe(&first, |_| {}).await;
-    join(&first, &mut rx).await;
-    for _ in 0..300 {
-        first.publish(Vec::new(), None, 0.0).expect("publish");
-    }
-    let last = first.next_seq() - 1;
-    while next_batch(&mut rx).await.seq != last {}
+    let Joined {
+        publisher: first,
+        handle,
+        mut rx,
+        ..
+    } = joined(loopback(true), |_| {}).await;
+    publish_empty(&first, &mut rx, 300).await;
     let (endpoint, replay) = (
         first.endpoint().to_owned(),
         first.replay_endpoint().expect("replay").to_owned(),
@@ -629,7 +645,7 @@ async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
     // itself; what the new run published before it did comes back through the replay socket.
     let second = EventPublisher::start(PublisherConfig {
         replay_endpoint: Some(replay),
-        ..loopback_publisher(EventEncoding::Map, ReplayLayout::TopicSeqPayload, true).with_endpoint(endpoint)
+        ..loopback(true).with_endpoint(endpoint)
     })
     .await
     .expect("restart on the same ports");
@@ -638,28 +654,17 @@ async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
         matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
         "{events:?}"
     );
-    let seqs: Vec<u64> = events[1..]
-        .iter()
-        .map(|e| match e {
-            SubscriberEvent::Batch { batch, .. } => batch.seq,
-            other => panic!("unexpected {other:?}"),
-        })
-        .collect();
-    assert_eq!(seqs, (0..second.next_seq()).collect::<Vec<_>>());
+    assert_eq!(
+        batch_seqs(&events[1..]),
+        (0..second.next_seq()).collect::<Vec<_>>()
+    );
     assert_eq!(handle.counters().snapshot().restarts, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_started_first_waits_for_its_publisher() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let endpoint = format!("tcp://127.0.0.1:{port}");
-    let (tx, mut rx) = mpsc::channel(16);
-    let handle = spawn_subscriber(SubscriberConfig::new(WORKER, endpoint.clone()), tx)
-        .await
-        .expect("spawn_subscriber");
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let (handle, mut rx) = spawn(SubscriberConfig::new(WORKER, endpoint.clone()), 16).await;
     assert_eq!(handle.mode(), SocketMode::Connect);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let publisher = EventPublisher::start(PublisherConfig::new(endpoint))
@@ -679,24 +684,12 @@ async fn a_subscriber_started_first_waits_for_its_publisher() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_consumer_loses_nothing() {
-    let publisher = EventPublisher::start(loopback_publisher(
-        EventEncoding::Map,
-        ReplayLayout::TopicSeqPayload,
-        true,
-    ))
-    .await
-    .expect("start");
-    let mut config = SubscriberConfig::new(WORKER, publisher.endpoint());
-    config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    let publisher = EventPublisher::start(loopback(true)).await.expect("start");
     // Room for one event: the subscriber waits on the consumer after every batch.
-    let (tx, mut rx) = mpsc::channel(1);
-    let handle = spawn_subscriber(config, tx).await.expect("spawn_subscriber");
+    let (handle, mut rx) = subscribe(&publisher, 1, |_| {}).await;
     join(&publisher, &mut rx).await;
 
-    let first = publisher.next_seq();
-    for i in 0..300 {
-        publisher.publish(events(i), None, 0.0).expect("publish");
-    }
+    let first = publish_dropping(&publisher, 0, 300);
     for i in 0..300 {
         if i % 50 == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -718,7 +711,7 @@ async fn ipc_endpoints_work_with_the_default_modes() {
     .await
     .expect("start");
     // vLLM binds ipc endpoints, so a subscriber connects to them by default.
-    let (handle, mut rx) = subscribe(&publisher, |c| c.topic.clear()).await;
+    let (handle, mut rx) = subscribe(&publisher, 1024, |c| c.topic.clear()).await;
     assert_eq!(handle.mode(), SocketMode::Connect);
     let events = join(&publisher, &mut rx).await;
     assert!(
@@ -732,15 +725,7 @@ async fn ipc_endpoints_work_with_the_default_modes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
-    let bind = |endpoint: String| async move {
-        let (tx, rx) = mpsc::channel(1024);
-        let config = SubscriberConfig {
-            mode: Some(SocketMode::Bind),
-            ..SubscriberConfig::new(WORKER, endpoint)
-        };
-        (spawn_subscriber(config, tx).await.expect("spawn_subscriber"), rx)
-    };
-    let (first, mut rx) = bind("tcp://127.0.0.1:0".into()).await;
+    let (first, mut rx) = bound("tcp://127.0.0.1:0").await;
     let endpoint = first.endpoint().to_owned();
     let publisher = EventPublisher::start(PublisherConfig {
         mode: Some(SocketMode::Connect),
@@ -752,7 +737,7 @@ async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
     first.shutdown().await;
 
     // A new subscriber on the same port (the router restarted): the publisher connects again.
-    let (second, mut rx) = bind(endpoint).await;
+    let (second, mut rx) = bound(endpoint).await;
     let events = join(&publisher, &mut rx).await;
     // It joined a run already under way and has no replay endpoint: what came before is lost.
     assert!(
