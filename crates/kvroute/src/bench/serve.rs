@@ -211,17 +211,40 @@ fn body(i: usize, stream: bool, token_ids: bool) -> Bytes {
     )
 }
 
-/// Closed-loop load: `concurrency` connections, each sending the next request when the last
-/// response has been read, for `seconds`. Returns per-request latencies (µs), requests done,
-/// errors and elapsed time.
-async fn load(
-    url: &str,
-    path: &str,
-    concurrency: usize,
-    seconds: f64,
+/// What every connection of a load sends: requests to `path`, streamed or not, with prompts as
+/// text or as token ids ([`body`]).
+#[derive(Clone, Copy)]
+struct Traffic<'a> {
+    path: &'a str,
     stream: bool,
     token_ids: bool,
-) -> anyhow::Result<(Vec<u64>, u64, f64)> {
+}
+
+/// What a load measured.
+struct Measured {
+    /// Per-request latencies in µs, sorted; one per request done.
+    latencies_us: Vec<u64>,
+    /// Requests answered with an error status.
+    errors: u64,
+    /// Elapsed seconds.
+    secs: f64,
+}
+
+impl Measured {
+    /// Requests done per second.
+    fn rps(&self) -> f64 {
+        self.latencies_us.len() as f64 / self.secs
+    }
+}
+
+/// Closed-loop load: `concurrency` connections to `url`, each sending the next request of
+/// `traffic` when the last response has been read, for `seconds`.
+async fn load(url: &str, traffic: Traffic<'_>, concurrency: usize, seconds: f64) -> anyhow::Result<Measured> {
+    let Traffic {
+        path,
+        stream,
+        token_ids,
+    } = traffic;
     let authority = url.trim_start_matches("http://").trim_end_matches('/').to_owned();
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let mut tasks = Vec::new();
@@ -259,9 +282,13 @@ async fn load(
         all.extend(lat);
         errors += e;
     }
-    let elapsed = t0.elapsed().as_secs_f64();
+    let secs = t0.elapsed().as_secs_f64();
     all.sort_unstable();
-    Ok((all, errors, elapsed))
+    Ok(Measured {
+        latencies_us: all,
+        errors,
+        secs,
+    })
 }
 
 /// A process's user + system CPU time in microseconds (`/proc/<pid>/stat`, 100 ticks per s).
@@ -340,55 +367,28 @@ async fn run_async(args: ServeBenchArgs) -> anyhow::Result<()> {
             "stream" => true,
             other => bail!("--mode {other:?}: unary or stream"),
         };
-        let path = "/v1/completions";
+        let traffic = Traffic {
+            path: "/v1/completions",
+            stream,
+            token_ids: args.token_ids,
+        };
         // Warm-up (connection pools, routing trees), then the runs.
-        load(&target, path, args.concurrency, 1.0, stream, args.token_ids).await?;
-        let (direct, e1, _) = load(
-            &upstreams[0],
-            path,
-            args.latency_concurrency,
-            args.seconds,
-            stream,
-            args.token_ids,
-        )
-        .await?;
-        let (proxied, e2, _) = load(
-            &target,
-            path,
-            args.latency_concurrency,
-            args.seconds,
-            stream,
-            args.token_ids,
-        )
-        .await?;
-        let (direct_tp, e3, direct_secs) = load(
-            &upstreams[0],
-            path,
-            args.concurrency,
-            args.seconds,
-            stream,
-            args.token_ids,
-        )
-        .await?;
+        load(&target, traffic, args.concurrency, 1.0).await?;
+        let direct = load(&upstreams[0], traffic, args.latency_concurrency, args.seconds).await?;
+        let proxied = load(&target, traffic, args.latency_concurrency, args.seconds).await?;
+        let direct_tp = load(&upstreams[0], traffic, args.concurrency, args.seconds).await?;
         let cpu0 = pid.and_then(cpu_us);
-        let (tp, e4, secs) = load(
-            &target,
-            path,
-            args.concurrency,
-            args.seconds,
-            stream,
-            args.token_ids,
-        )
-        .await?;
+        let tp = load(&target, traffic, args.concurrency, args.seconds).await?;
         let cpu1 = pid.and_then(cpu_us);
-        let p = |v: &[u64], q: f64| percentile(v, q);
+        let p = |m: &Measured, q: f64| percentile(&m.latencies_us, q);
+        let done = tp.latencies_us.len();
         let report = ServeReport {
             proxy: args.name.clone(),
             mode: mode.clone(),
             token_ids: args.token_ids,
             concurrency: args.concurrency,
-            rps: tp.len() as f64 / secs,
-            direct_rps: direct_tp.len() as f64 / direct_secs,
+            rps: tp.rps(),
+            direct_rps: direct_tp.rps(),
             p50_us: p(&proxied, 50.0),
             p99_us: p(&proxied, 99.0),
             direct_p50_us: p(&direct, 50.0),
@@ -396,10 +396,10 @@ async fn run_async(args: ServeBenchArgs) -> anyhow::Result<()> {
             added_p50_us: p(&proxied, 50.0) as i64 - p(&direct, 50.0) as i64,
             added_p99_us: p(&proxied, 99.0) as i64 - p(&direct, 99.0) as i64,
             cpu_us_per_request: match (cpu0, cpu1) {
-                (Some(a), Some(b)) if !tp.is_empty() => Some((b - a) as f64 / tp.len() as f64),
+                (Some(a), Some(b)) if done > 0 => Some((b - a) as f64 / done as f64),
                 _ => None,
             },
-            errors: e1 + e2 + e3 + e4,
+            errors: direct.errors + proxied.errors + direct_tp.errors + tp.errors,
         };
         println!("{}", serde_json::to_string(&report)?);
     }
