@@ -2,7 +2,8 @@
 //! and one task applies the reports to the router in arrival order (so a worker's events apply
 //! in order). Gaps are filled by the subscriber through the worker's replay socket; what it
 //! cannot fill arrives as `GapLost`, and the worker's cache view is cleared (never route on
-//! blocks that may be gone).
+//! blocks that may be gone). While a subscriber runs, its counters are exported from
+//! `/metrics` ([`KvSubscriberCounters`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,15 +11,31 @@ use std::sync::{Arc, Mutex};
 use kvroute_core::ids::WorkerId;
 use tokio::sync::mpsc;
 
-use kvroute_zmq::{SubscriberConfig, SubscriberEvent, SubscriberHandle};
+use kvroute_zmq::{SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
 
 use crate::config::WorkerConfig;
+use crate::metrics::KvSubscriberCounters;
 use crate::state::Shared;
 
 /// The feed: a channel into the router, and the subscribers that write to it.
 pub struct EventFeed {
     tx: mpsc::Sender<SubscriberEvent>,
     subscribers: Mutex<HashMap<WorkerId, tokio::task::JoinHandle<()>>>,
+    exported: KvSubscriberCounters,
+}
+
+/// A subscriber's counters exported for as long as this lives (it lives in the subscriber's
+/// task, so stopping the task stops the export).
+struct Exported {
+    exported: KvSubscriberCounters,
+    worker: WorkerId,
+    counters: Arc<SubscriberCounters>,
+}
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        self.exported.remove(self.worker, &self.counters);
+    }
 }
 
 impl std::fmt::Debug for EventFeed {
@@ -30,6 +47,7 @@ impl std::fmt::Debug for EventFeed {
 impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
+        let exported = shared.metrics.kv_subscribers.clone();
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
@@ -39,6 +57,7 @@ impl EventFeed {
         Self {
             tx,
             subscribers: Mutex::new(HashMap::new()),
+            exported,
         }
     }
 
@@ -51,7 +70,9 @@ impl EventFeed {
             ..SubscriberConfig::new(id, endpoint.clone())
         };
         let tx = self.tx.clone();
-        // The handle lives in the task: aborting the task drops it, which stops the subscriber.
+        let exported = self.exported.clone();
+        // The handle lives in the task: aborting the task drops it, which stops the subscriber
+        // (and ends the export of its counters).
         let task = tokio::spawn(async move {
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
@@ -60,8 +81,15 @@ impl EventFeed {
                     return;
                 }
             };
+            let counters = Arc::clone(handle.counters());
+            exported.insert(id, Arc::clone(&counters));
+            let export = Exported {
+                exported,
+                worker: id,
+                counters,
+            };
             std::future::pending::<()>().await;
-            drop(handle);
+            drop((export, handle));
         });
         let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(old) = subs.insert(id, task) {

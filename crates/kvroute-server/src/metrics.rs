@@ -3,10 +3,18 @@
 //! `dynamo_component_kv_cache_events_applied`), plus a few `kvroute_*` ones of our own.
 //!
 //! Per-request metrics are recorded on the request path (atomic adds); per-worker gauges are
-//! refreshed from the router's snapshot when `/metrics` is scraped, so they cost nothing
-//! between scrapes.
+//! refreshed from the router's snapshot when `/metrics` is scraped, and the KV-event
+//! subscribers' counters ([`KvSubscriberCounters`]) are read from the subscribers when scraped,
+//! so they cost nothing between scrapes.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvroute_core::ids::WorkerId;
 use kvroute_core::router::RouterMetrics;
+use kvroute_zmq::{CounterSnapshot, SubscriberCounters};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
@@ -57,6 +65,170 @@ pub struct Metrics {
     pub kv_stream_incidents: IntCounterVec,
     /// Requests active in the router now.
     pub active_requests: IntGauge,
+    /// The KV-event subscribers whose counters are exported, per worker.
+    pub kv_subscribers: KvSubscriberCounters,
+}
+
+/// Reads one counter of a snapshot.
+type CounterField = fn(&CounterSnapshot) -> u64;
+
+/// The counters of each worker's KV-event subscriber (`kvroute-zmq`'s [`CounterSnapshot`]) as
+/// Prometheus counters with a `worker` label: `(name, help, field)`. Dynamo's name where Dynamo
+/// exports the same count (its ZMQ ingress batches), `kvroute_kv_events_*` otherwise.
+const SUBSCRIBER_COUNTERS: &[(&str, &str, CounterField)] = &[
+    (
+        "dynamo_component_router_kv_zmq_ingress_batches_total",
+        "KV-event batches handed on to the router (live and replayed), per worker.",
+        |c| c.emitted,
+    ),
+    (
+        "kvroute_kv_events_received_total",
+        "Live KV-event messages received with well-formed frames, per worker.",
+        |c| c.received,
+    ),
+    (
+        "kvroute_kv_events_replayed_total",
+        "KV-event batches handed on that came through a replay, per worker.",
+        |c| c.replayed,
+    ),
+    (
+        "kvroute_kv_events_duplicates_total",
+        "KV-event batches dropped as already handed on, per worker.",
+        |c| c.duplicates,
+    ),
+    (
+        "kvroute_kv_events_gaps_detected_total",
+        "Gaps in a worker's KV-event sequence numbers.",
+        |c| c.gaps_detected,
+    ),
+    (
+        "kvroute_kv_events_gaps_recovered_total",
+        "KV-event gaps filled entirely by a replay, per worker.",
+        |c| c.gaps_recovered,
+    ),
+    (
+        "kvroute_kv_events_gaps_lost_total",
+        "KV-event gaps (or parts of them) reported lost, per worker.",
+        |c| c.gaps_lost,
+    ),
+    (
+        "kvroute_kv_events_batches_lost_total",
+        "KV-event batches reported lost, per worker.",
+        |c| c.batches_lost,
+    ),
+    (
+        "kvroute_kv_events_restarts_total",
+        "KV-event publisher restarts seen (sequence number went back), per worker.",
+        |c| c.restarts,
+    ),
+    (
+        "kvroute_kv_events_decode_errors_total",
+        "KV-event messages that could not be decoded, per worker.",
+        |c| c.decode_errors,
+    ),
+    (
+        "kvroute_kv_events_replay_failures_total",
+        "KV-event replays that failed (no connection, no answer in time), per worker.",
+        |c| c.replay_failures,
+    ),
+    (
+        "kvroute_kv_events_socket_errors_total",
+        "Errors of a worker's live KV-event socket.",
+        |c| c.socket_errors,
+    ),
+];
+
+/// The running KV-event subscribers' counters by worker, exported from `/metrics`: each scrape
+/// reads every subscriber's [`SubscriberCounters`] then, so a worker's series appear while its
+/// subscriber runs and go when it stops. A subscriber restarted for the same worker starts
+/// from zero again (a counter reset, as Prometheus understands it).
+#[derive(Clone, Debug, Default)]
+pub struct KvSubscriberCounters {
+    subscribers: Arc<Mutex<BTreeMap<WorkerId, Arc<SubscriberCounters>>>>,
+}
+
+impl KvSubscriberCounters {
+    /// Exports `counters` as `worker`'s (replacing what it had).
+    pub fn insert(&self, worker: WorkerId, counters: Arc<SubscriberCounters>) {
+        self.lock().insert(worker, counters);
+    }
+
+    /// Stops exporting `worker`'s counters if they are still `counters` (not those of a
+    /// subscriber started for it since).
+    pub fn remove(&self, worker: WorkerId, counters: &Arc<SubscriberCounters>) {
+        let mut subscribers = self.lock();
+        if subscribers
+            .get(&worker)
+            .is_some_and(|current| Arc::ptr_eq(current, counters))
+        {
+            subscribers.remove(&worker);
+        }
+    }
+
+    /// Every exported worker's counters now, in worker order.
+    pub fn snapshots(&self) -> Vec<(WorkerId, CounterSnapshot)> {
+        self.lock()
+            .iter()
+            .map(|(worker, counters)| (*worker, counters.snapshot()))
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<WorkerId, Arc<SubscriberCounters>>> {
+        // Every update is one insert or remove: a poisoned map is still whole.
+        self.subscribers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The collector of [`SUBSCRIBER_COUNTERS`]: fills one counter family per field from the
+/// subscribers when gathered.
+#[derive(Debug)]
+struct SubscriberCollector {
+    subscribers: KvSubscriberCounters,
+    /// One per [`SUBSCRIBER_COUNTERS`] entry, in its order; refilled under the lock on each
+    /// gather, so that two scrapes at once cannot interleave their resets and adds.
+    families: Mutex<Vec<IntCounterVec>>,
+    descs: Vec<Desc>,
+}
+
+impl SubscriberCollector {
+    fn new(subscribers: KvSubscriberCounters) -> Self {
+        let families: Vec<IntCounterVec> = SUBSCRIBER_COUNTERS
+            .iter()
+            .map(|(name, help, _)| {
+                IntCounterVec::new(Opts::new(*name, *help), &["worker"])
+                    .expect("static metric options are valid")
+            })
+            .collect();
+        let descs = families
+            .iter()
+            .flat_map(|family| family.desc().into_iter().cloned())
+            .collect();
+        Self {
+            subscribers,
+            families: Mutex::new(families),
+            descs,
+        }
+    }
+}
+
+impl Collector for SubscriberCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let snapshots = self.subscribers.snapshots();
+        let families = self.families.lock().unwrap_or_else(|p| p.into_inner());
+        for (family, &(_, _, field)) in families.iter().zip(SUBSCRIBER_COUNTERS) {
+            family.reset();
+            for (worker, snapshot) in &snapshots {
+                family
+                    .with_label_values(&[worker.0.to_string().as_str()])
+                    .inc_by(field(snapshot));
+            }
+        }
+        families.iter().flat_map(Collector::collect).collect()
+    }
 }
 
 fn hist(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
@@ -184,6 +356,7 @@ impl Metrics {
             .expect("static metric options are valid"),
             active_requests: IntGauge::new("kvroute_router_active_requests", "Requests booked in the router.")
                 .expect("static metric options are valid"),
+            kv_subscribers: KvSubscriberCounters::default(),
             registry,
         };
         let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
@@ -207,6 +380,7 @@ impl Metrics {
             Box::new(m.upstream_retries.clone()),
             Box::new(m.kv_stream_incidents.clone()),
             Box::new(m.active_requests.clone()),
+            Box::new(SubscriberCollector::new(m.kv_subscribers.clone())),
         ];
         for c in collectors {
             m.registry.register(c).expect("metric names are unique");
@@ -255,5 +429,34 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_subscriber_counter_is_exported_once() {
+        let snapshot = CounterSnapshot {
+            received: 1,
+            emitted: 2,
+            replayed: 3,
+            duplicates: 4,
+            gaps_detected: 5,
+            gaps_recovered: 6,
+            gaps_lost: 7,
+            batches_lost: 8,
+            restarts: 9,
+            decode_errors: 10,
+            replay_failures: 11,
+            socket_errors: 12,
+        };
+        let mut read: Vec<u64> = SUBSCRIBER_COUNTERS
+            .iter()
+            .map(|(_, _, field)| field(&snapshot))
+            .collect();
+        read.sort_unstable();
+        assert_eq!(read, (1..=12).collect::<Vec<_>>());
     }
 }
