@@ -780,54 +780,32 @@ fn the_reference_follows_opstream_md() {
         .map(|s| s.external.0)
         .collect();
     model = Model::apply(model, &Transition::AddWorker(0));
-    model = Model::apply(
-        model,
-        &Transition::Store {
-            w: 0,
-            parent: None,
-            locals: vec![a, b, c, d],
-            corrupt: None,
-        },
-    );
-    assert_eq!(model.depths(&[a, b, c, d]), BTreeMap::from([(0, 4)]));
-    model = Model::apply(
-        model,
-        &Transition::Remove {
-            w: 0,
-            exts: vec![chain[1]],
-        },
-    );
-    assert_eq!(model.depths(&[a, b, c, d]), BTreeMap::from([(0, 1)]));
-    model = Model::apply(
-        model,
-        &Transition::Store {
-            w: 0,
-            parent: Some(chain[0]),
-            locals: vec![b],
-            corrupt: None,
-        },
-    );
-    assert_eq!(model.depths(&[a, b, c, d]), BTreeMap::from([(0, 4)]));
-    model = Model::apply(
-        model,
-        &Transition::Remove {
-            w: 0,
-            exts: vec![chain[0]],
-        },
-    );
-    assert_eq!(model.depths(&[a, b, c, d]), BTreeMap::new());
+    let store = |parent: Option<u64>, locals: Vec<u64>| Transition::Store {
+        w: 0,
+        parent,
+        locals,
+        corrupt: None,
+    };
+    let remove = |ext: u64| Transition::Remove {
+        w: 0,
+        exts: vec![ext],
+    };
+    // Each step, then the depth worker 0 matches of A B C D after it.
+    let steps = [
+        (store(None, vec![a, b, c, d]), Some(4)),
+        (remove(chain[1]), Some(1)),
+        (store(Some(chain[0]), vec![b]), Some(4)),
+        (remove(chain[0]), None),
+    ];
+    for (i, (step, depth)) in steps.iter().enumerate() {
+        model = Model::apply(model, step);
+        let expected: BTreeMap<u64, u32> = depth.map(|depth| (0, depth)).into_iter().collect();
+        assert_eq!(model.depths(&[a, b, c, d]), expected, "after step {i}: {step:?}");
+    }
     assert_eq!(model.stats.blocks_stored, 5);
     assert_eq!(model.stats.blocks_removed, 2);
     // A second ext for the held prefix A B is refused after applying the first block.
-    model = Model::apply(
-        model,
-        &Transition::Store {
-            w: 0,
-            parent: None,
-            locals: vec![a],
-            corrupt: None,
-        },
-    );
+    model = Model::apply(model, &store(None, vec![a]));
     assert_eq!(model.depths(&[a, b, c, d]), BTreeMap::from([(0, 4)]));
     let dup = Transition::Store {
         w: 0,

@@ -228,6 +228,16 @@ fn solve<const K: usize>(mut a: [[f64; K]; K], mut b: [f64; K]) -> Option<[f64; 
 mod tests {
     use super::*;
 
+    /// A two-feature regression (batch size up to 256, KV tokens up to 10^6) fed the step time
+    /// `time(s, kv)` at each of `points`.
+    fn fed_plane(points: &[(f64, f64)], time: impl Fn(f64, f64) -> f64) -> Regression<2> {
+        let mut r = Regression::<2>::new([256.0, 1e6], 64, 16, 5);
+        for &(s, kv) in points {
+            r.add([s, kv], time(s, kv));
+        }
+        r
+    }
+
     #[test]
     fn one_feature_fits_known_line_exactly() {
         let mut r = Regression::<1>::new([8192.0], 64, 16, 5);
@@ -241,7 +251,6 @@ mod tests {
 
     #[test]
     fn two_features_fit_known_plane_exactly() {
-        let mut r = Regression::<2>::new([256.0, 1e6], 64, 16, 5);
         let points = [
             (1.0, 1000.0),
             (10.0, 5000.0),
@@ -250,9 +259,7 @@ mod tests {
             (200.0, 800_000.0),
             (3.0, 700_000.0),
         ];
-        for (s, kv) in points {
-            r.add([s, kv], 0.005 + 2e-5 * s + 3e-8 * kv);
-        }
+        let mut r = fed_plane(&points, |s, kv| 0.005 + 2e-5 * s + 3e-8 * kv);
         let fit = r.fit().expect("fitted");
         assert!((fit.intercept - 0.005).abs() < 1e-12, "{fit:?}");
         assert!((fit.coef[0] - 2e-5).abs() < 1e-13, "{fit:?}");
@@ -288,7 +295,6 @@ mod tests {
     fn a_negative_coefficient_of_two_is_dropped_and_the_rest_refitted() {
         // Step time falls with the first feature: the full fit is rejected, the fit on the
         // second feature alone is kept with the first coefficient at 0.
-        let mut r = Regression::<2>::new([256.0, 1e6], 64, 16, 5);
         let points = [
             (1.0, 1000.0),
             (50.0, 5000.0),
@@ -296,9 +302,7 @@ mod tests {
             (100.0, 90_000.0),
             (30.0, 800_000.0),
         ];
-        for (s, kv) in points {
-            r.add([s, kv], 0.01 - 1e-5 * s + 3e-8 * kv);
-        }
+        let mut r = fed_plane(&points, |s, kv| 0.01 - 1e-5 * s + 3e-8 * kv);
         let fit = r.fit().expect("the reduced fit");
         assert_eq!(r.rejected(), 1);
         assert_eq!(fit.coef[0], 0.0);
