@@ -23,7 +23,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub listen: Option<String>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
-    /// [,capacity=BLOCKS][,max-requests=N]`. Repeat for several; replaces the file's workers.
+    /// [,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]`. Repeat for several;
+    /// replaces the file's workers.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
     /// Model name served. Default `tiny`.
@@ -40,6 +41,11 @@ pub struct ServeArgs {
     /// Tokens per KV block, as the engines use. Default 16.
     #[arg(long)]
     pub block_size: Option<u32>,
+    /// Disaggregation decider, for requests routed to `role=decode` workers: `always` (prefill
+    /// on a prefill worker first), `never`, or N (when more than N prompt tokens are uncached
+    /// on the chosen decode worker). Default always.
+    #[arg(long)]
+    pub decider: Option<String>,
     /// Cache view: events, predict or approximate. Default events.
     #[arg(long)]
     pub cache: Option<String>,
@@ -80,7 +86,7 @@ impl ServeArgs {
             }
             None => ServeConfig::default(),
         };
-        over!(config, self; listen, model_name, policy, block_size, cache, queue_capacity,
+        over!(config, self; listen, model_name, policy, block_size, decider, cache, queue_capacity,
             max_body_bytes, max_prompt_tokens, health_interval_ms, threads);
         if self.model_dir.is_some() {
             config.model_dir = self.model_dir.clone();
