@@ -70,7 +70,8 @@ pub struct MockConfig {
     /// Prefill workers, started before the others (worker `i < prefill_workers` has role
     /// `prefill`; the others then have role `decode`). Default 0: aggregated workers.
     pub prefill_workers: usize,
-    /// The prefill-to-decode KV link of imports. Default [`KvTransfer::default`].
+    /// The prefill-to-decode KV link of imports (its times are divided by the engine's
+    /// `speedup`, like the engine's passes). Default [`KvTransfer::default`].
     pub transfer: KvTransfer,
     /// The address they listen on.
     pub host: IpAddr,
@@ -488,7 +489,10 @@ impl Driver {
                         },
                     );
                     self.publish(&import.events);
-                    let lands = t + self.transfer.duration(import.transfer_blocks, bs);
+                    // A modeled time, sped up like the engine's passes.
+                    let took = self.transfer.duration(import.transfer_blocks, bs);
+                    let took = took.div_f64(engine.config().speedup);
+                    let lands = t + took;
                     self.transfers.insert((lands, id));
                     let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
                     s.import_hit_blocks += u64::from(import.hit_blocks);
