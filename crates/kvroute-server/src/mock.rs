@@ -294,6 +294,8 @@ struct Stats {
     import_hit_blocks: u64,
     /// Prompt blocks imports moved over the link.
     import_transfer_blocks: u64,
+    /// Imports that found too few free blocks and waited.
+    import_waits: u64,
 }
 
 struct Worker {
@@ -416,6 +418,8 @@ struct Driver {
     next_id: u64,
     /// Imports waiting to start (for a pass to end, or for free blocks), in arrival order.
     pending_imports: std::collections::VecDeque<(RequestId, Job)>,
+    /// The waiting import last counted in `import_waits`.
+    counted_wait: Option<RequestId>,
     /// Imports whose KV is on the link: when it lands, and the request.
     transfers: std::collections::BTreeSet<(Timestamp, RequestId)>,
     transfer: KvTransfer,
@@ -502,6 +506,10 @@ impl Driver {
                 Err(RequestError::NoBlocksForImport { blocks_needed, .. })
                     if blocks_needed <= engine.kv_blocks().1 =>
                 {
+                    if self.counted_wait != Some(id) {
+                        self.counted_wait = Some(id);
+                        self.stats.lock().unwrap_or_else(|p| p.into_inner()).import_waits += 1;
+                    }
                     break;
                 }
                 Err(e) => {
@@ -563,6 +571,7 @@ async fn drive(
         live: HashMap::new(),
         next_id: 0,
         pending_imports: std::collections::VecDeque::new(),
+        counted_wait: None,
         transfers: std::collections::BTreeSet::new(),
         transfer,
         stats,
@@ -1102,6 +1111,12 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         "counter",
         "Prompt blocks imports moved over the link.",
         s.import_transfer_blocks.to_string(),
+    );
+    metric(
+        "kvroute_mock_kv_import_waits_total",
+        "counter",
+        "Imports that waited for free KV blocks.",
+        s.import_waits.to_string(),
     );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

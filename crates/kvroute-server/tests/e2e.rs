@@ -827,3 +827,95 @@ async fn deciders_choose_which_requests_take_the_prefill_hop() {
         c.assert_drained().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
+    let long: String = (0..1500)
+        .map(|i| char::from(b'a' + (i * 11 % 26) as u8))
+        .collect();
+    // (engine max_model_len, engine speedup, proxy request timeout ms, status, error code, in
+    // the message)
+    let cases = [
+        // The prefill worker refuses the prompt (400): a 502 naming its answer.
+        (
+            1000,
+            20.0,
+            600_000,
+            502,
+            "prefill_failed",
+            "answered 400 Bad Request",
+        ),
+        // The prefill worker is too slow for the request timeout.
+        (
+            131_072,
+            0.01,
+            100,
+            504,
+            "prefill_timeout",
+            "did not answer in time",
+        ),
+    ];
+    for (max_model_len, speedup, timeout_ms, status, code, says) in cases {
+        let mut mc = MockConfig::new(1);
+        mc.prefill_workers = 1;
+        mc.engine.speedup = speedup;
+        mc.engine.max_model_len = max_model_len;
+        let c = cluster_of(mc, |config| config.request_timeout_ms = timeout_ms).await;
+        let body = serde_json::to_vec(&json!({"prompt": long, "max_tokens": 4, "stream": true})).unwrap();
+        let (got, _, out) = c.http.request("POST", "/v1/completions", body).await;
+        assert_eq!(got, status, "{code}: {}", String::from_utf8_lossy(&out));
+        let err: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(err["error"]["code"], code, "{err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("prefill worker") && message.contains(says),
+            "{message}"
+        );
+        assert!(c.kv_requests().1.is_empty(), "{code}: no hop 2");
+        c.assert_drained().await;
+        let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+        assert_eq!(
+            workers["workers"][0]["routable"], true,
+            "{code}: a prefill worker that answered stays in routing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_waits_for_free_blocks_on_a_full_decode_worker() {
+    // 30 blocks per engine: one 320-token prompt (20 blocks) decoding 40 tokens holds 20 to
+    // 23, so the second import (20 more) waits until the first request frees its blocks. The
+    // prefill worker, as small, prefills them one after the other.
+    let mut mc = MockConfig::new(1);
+    mc.prefill_workers = 1;
+    mc.engine.speedup = 20.0;
+    mc.engine.num_blocks = 30;
+    mc.engine.max_model_len = 480;
+    let c = cluster_of(mc, |_| {}).await;
+    let mut tasks = Vec::new();
+    for k in 0..2u8 {
+        let prompt: String = (0..320)
+            .map(|i| char::from(b'a' + ((i * 7 + usize::from(k)) % 26) as u8))
+            .collect();
+        let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 40})).unwrap();
+        let http = reqwest_lite::Http::new(c.proxy.url());
+        tasks.push(tokio::spawn(async move {
+            http.request("POST", "/v1/completions", body).await
+        }));
+    }
+    for t in tasks {
+        let (status, _, out) = t.await.unwrap();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out["usage"]["completion_tokens"], 40);
+    }
+    assert_eq!(c.mock_metric("kvroute_mock_kv_imports_total").await, 2.0);
+    assert_eq!(
+        c.mock_metric("kvroute_mock_kv_import_transfer_blocks_total")
+            .await,
+        40.0,
+        "20 blocks each, none cached"
+    );
+    assert_eq!(c.mock_metric("kvroute_mock_kv_import_waits_total").await, 1.0);
+    c.assert_drained().await;
+}
