@@ -240,7 +240,7 @@ impl Drop for MockWorker {
 }
 
 /// How many [`SeenKvRequest`]s a worker keeps.
-pub const SEEN_KEPT: usize = 256;
+pub const SEEN_KEPT: usize = 64;
 
 /// A request of the disaggregated flow as a mock worker received it.
 #[derive(Clone, Debug, PartialEq)]
@@ -249,7 +249,7 @@ pub struct SeenKvRequest {
     pub request_id: Option<String>,
     /// True for hop 1 (`do_remote_decode`), false for hop 2 (`do_remote_prefill`).
     pub remote_decode: bool,
-    /// Its body.
+    /// Its body, without the prompt (`prompt`, `messages`).
     pub body: Value,
 }
 
@@ -750,6 +750,11 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         }
     }
     if role != KvRole::Local {
+        let mut body = value;
+        if let Value::Object(obj) = &mut body {
+            obj.remove("prompt");
+            obj.remove("messages");
+        }
         let mut seen = w.seen.lock().unwrap_or_else(|p| p.into_inner());
         if seen.len() == SEEN_KEPT {
             seen.pop_front();
@@ -757,7 +762,7 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         seen.push_back(SeenKvRequest {
             request_id: request_id.clone(),
             remote_decode: role == KvRole::RemoteDecode,
-            body: value,
+            body,
         });
     }
     // The engine imports only what leaves something to decode; a request of one token decodes
