@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_core::router::{
-    BusyThresholds, CacheMode, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
+    BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
 };
 use serde::{Deserialize, Serialize};
 
@@ -61,8 +61,9 @@ pub struct WorkerConfig {
     /// `X-data-parallel-rank` header, as vLLM reads it). Default 1.
     #[serde(default = "one")]
     pub dp_size: u32,
-    /// `agg` (prefill and decode). Disaggregated roles are refused: the proxy does not run the
-    /// two-hop prefill/decode flow.
+    /// `agg` (prefill and decode), `prefill` (prefills for decode workers: the first hop of a
+    /// disaggregated request) or `decode` (decodes, with the prompt's KV from a prefill worker
+    /// when the decider says so, else computed locally). Default `agg`.
     #[serde(default = "agg")]
     pub role: String,
     /// KV-cache capacity in blocks (for busy thresholds and capacity-aware policies). Default
@@ -149,13 +150,10 @@ impl WorkerConfig {
                 format!("{bs} differs from the router's block size {router_block_size}"),
             ));
         }
-        if self.role != "agg" {
+        if role_of(&self.role).is_none() {
             return Err(invalid(
                 f("role"),
-                format!(
-                    "{:?}: only `agg` workers are served (no disaggregated flow)",
-                    self.role
-                ),
+                format!("{:?}: agg, prefill or decode", self.role),
             ));
         }
         if self.capacity_blocks == 0 || self.max_requests == 0 {
@@ -167,10 +165,18 @@ impl WorkerConfig {
         Ok(())
     }
 
-    /// The role the router books this worker under.
+    /// The role the router books this worker under (a role [`WorkerConfig::validate`] refused
+    /// counts as `agg`).
     pub fn role(&self) -> WorkerRole {
-        WorkerRole::Aggregated
+        role_of(&self.role).unwrap_or(WorkerRole::Aggregated)
     }
+}
+
+/// The core's role named `name` (`agg`, `prefill`, `decode`), by the core's own names.
+fn role_of(name: &str) -> Option<WorkerRole> {
+    [WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode]
+        .into_iter()
+        .find(|r| r.name() == name)
 }
 
 /// Everything `kvroute serve` needs. Every field has a default, so a file names only what it
@@ -192,6 +198,11 @@ pub struct ServeConfig {
     pub block_size: u32,
     /// Router seed. Default 0.
     pub seed: u64,
+    /// Whether a request routed to a `decode` worker has its prefill on a `prefill` worker
+    /// first (the two-hop flow): `always`, `never`, or a number N: when more than N prompt
+    /// tokens are not cached on the chosen decode worker (the core's prefix-threshold
+    /// decider; the vocabulary of `kvroute replay --decider`). Default `always`.
+    pub decider: String,
     /// Where the router's cache view comes from: `events`, `predict` (events plus its own
     /// recent decisions) or `approximate` (its decisions only). Default `events`.
     pub cache: String,
@@ -231,6 +242,7 @@ impl Default for ServeConfig {
             policy: "kv".to_owned(),
             block_size: 16,
             seed: 0,
+            decider: "always".to_owned(),
             cache: "events".to_owned(),
             queue_capacity: 1024,
             queue_timeout_ms: 30_000,
@@ -280,9 +292,11 @@ impl ServeConfig {
                 ));
             }
         };
+        let decider = Decider::from_name(&self.decider).map_err(|e| invalid("decider", e.to_string()))?;
         let router = RouterConfig {
             block_size: self.block_size,
             seed: self.seed,
+            decider,
             policy,
             cache,
             busy: BusyThresholds {
@@ -299,7 +313,32 @@ impl ServeConfig {
         for w in &self.workers {
             w.validate(self.block_size)?;
         }
+        Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         Ok(router)
+    }
+
+    /// Checks that a fleet of these roles can serve: some worker decodes (`agg` or `decode`),
+    /// and `prefill` workers come with `decode` workers (the core sends prefills only for
+    /// requests decoded on a `decode` worker). An empty fleet passes (workers may come through
+    /// the admin API).
+    pub fn validate_fleet(roles: impl IntoIterator<Item = WorkerRole>) -> Result<(), ConfigError> {
+        let (mut agg, mut prefill, mut decode) = (0, 0, 0);
+        for role in roles {
+            match role {
+                WorkerRole::Aggregated => agg += 1,
+                WorkerRole::Prefill => prefill += 1,
+                WorkerRole::Decode => decode += 1,
+            }
+        }
+        if prefill > 0 && decode == 0 {
+            let message = if agg == 0 {
+                "a fleet of only prefill workers cannot serve: add decode (or agg) workers"
+            } else {
+                "prefill workers serve only decode workers, and this fleet has none (role = \"decode\")"
+            };
+            return Err(invalid("workers", message));
+        }
+        Ok(())
     }
 
     /// The listen address.
@@ -336,7 +375,7 @@ mod tests {
             "ftp://h:1",
             "http://h:1,dp=0",
             "http://h:1,block-size=64",
-            "http://h:1,role=prefill",
+            "http://h:1,role=prefil",
         ] {
             let w = WorkerConfig::parse_flag(bad).unwrap();
             assert!(w.validate(16).is_err(), "{bad}");
@@ -346,5 +385,61 @@ mod tests {
             ..ServeConfig::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn roles_fleets_and_deciders() {
+        for (flag, role) in [
+            ("http://h:1", WorkerRole::Aggregated),
+            ("http://h:1,role=agg", WorkerRole::Aggregated),
+            ("http://h:1,role=prefill", WorkerRole::Prefill),
+            ("http://h:1,role=decode", WorkerRole::Decode),
+        ] {
+            let w = WorkerConfig::parse_flag(flag).unwrap();
+            assert!(w.validate(16).is_ok(), "{flag}");
+            assert_eq!(w.role(), role, "{flag}");
+        }
+        // (roles, decider, accepted)
+        let cases: &[(&[&str], &str, bool)] = &[
+            (&[], "always", true),
+            (&["agg", "agg"], "always", true),
+            (&["prefill", "decode"], "always", true),
+            (&["prefill", "decode", "agg"], "never", true),
+            (&["decode"], "512", true),
+            (&["prefill"], "always", false),
+            (&["prefill", "prefill"], "always", false),
+            (&["prefill", "agg"], "always", false),
+            (&["prefill", "decode"], "sometimes", false),
+            (&["prefill", "decode"], "-3", false),
+        ];
+        for (roles, decider, accepted) in cases {
+            let workers = roles
+                .iter()
+                .enumerate()
+                .map(|(i, r)| WorkerConfig {
+                    role: (*r).to_owned(),
+                    ..WorkerConfig::new(format!("http://127.0.0.1:{}", 1 + i))
+                })
+                .collect();
+            let c = ServeConfig {
+                workers,
+                decider: (*decider).to_owned(),
+                ..ServeConfig::default()
+            };
+            assert_eq!(
+                c.validate().is_ok(),
+                *accepted,
+                "{roles:?} {decider}: {:?}",
+                c.validate()
+            );
+        }
+        let c = ServeConfig::from_toml_str(
+            "decider = \"256\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             [[workers]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+        )
+        .unwrap();
+        let router = c.validate().unwrap();
+        assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
+        assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
     }
 }

@@ -11,6 +11,7 @@
 //! * [`config`]: `ServeConfig` and `WorkerConfig` (TOML, unknown keys rejected), validated once.
 //! * [`model`]: the tokenizer and chat template of a local model directory, or the built-in tiny
 //!   model.
+//! * [`disagg`]: the request bodies of the prefill/decode two-hop flow (vLLM's protocol).
 //! * [`openai`]: request parsing (prompt forms, limits) and the OpenAI error shape.
 //! * [`state`]: the router driver, the request guard that frees load on every exit path, KV-event
 //!   application and worker membership.
@@ -21,6 +22,7 @@
 //! * [`net`]: the accept loop and the pooled upstream client (TCP_NODELAY on both legs).
 
 pub mod config;
+pub mod disagg;
 pub mod events;
 pub mod metrics;
 pub mod mock;

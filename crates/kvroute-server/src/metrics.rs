@@ -61,6 +61,8 @@ pub struct Metrics {
     pub worker_up: IntGaugeVec,
     /// Upstream attempts that failed to connect and were retried on another worker.
     pub upstream_retries: IntCounter,
+    /// Requests routed with a prefill worker (the two-hop prefill/decode flow).
+    pub disaggregated_requests: IntCounter,
     /// KV-event stream incidents by kind (`gap_lost`, `restarted`, `error`).
     pub kv_stream_incidents: IntCounterVec,
     /// Requests active in the router now.
@@ -346,6 +348,11 @@ impl Metrics {
                 "Upstream connect failures retried on another worker.",
             )
             .expect("static metric options are valid"),
+            disaggregated_requests: IntCounter::new(
+                "kvroute_disaggregated_requests_total",
+                "Requests routed with a prefill worker: prefilled there, then decoded on a decode worker.",
+            )
+            .expect("static metric options are valid"),
             kv_stream_incidents: IntCounterVec::new(
                 Opts::new(
                     "kvroute_kv_event_stream_incidents_total",
@@ -378,6 +385,7 @@ impl Metrics {
             Box::new(m.worker_cached_blocks.clone()),
             Box::new(m.worker_up.clone()),
             Box::new(m.upstream_retries.clone()),
+            Box::new(m.disaggregated_requests.clone()),
             Box::new(m.kv_stream_incidents.clone()),
             Box::new(m.active_requests.clone()),
             Box::new(SubscriberCollector::new(m.kv_subscribers.clone())),

@@ -13,6 +13,24 @@
 //! new requests meanwhile), then deliver its tokens, first tokens and completions and publish its
 //! events. The engine has no cancellation, so a request whose client left runs to its end and
 //! its tokens are dropped.
+//!
+//! # Prefill/decode
+//!
+//! Any mock worker speaks both sides of vLLM's disaggregated-prefill protocol (NIXL connector),
+//! whatever role it is configured under (the role only tells the proxy how to route to it):
+//!
+//! * a request whose `kv_transfer_params.do_remote_decode` is true is prefilled (one output
+//!   token) and answered with `kv_transfer_params` naming this worker as the remote engine
+//!   (`do_remote_prefill: true`, its engine id, the prompt's block indices, its host and port,
+//!   the request's `X-Request-Id`);
+//! * a request whose `kv_transfer_params.do_remote_prefill` is true is imported
+//!   ([`Engine::import_request`]: the prompt's blocks it holds are hits, the rest are reserved;
+//!   an import that finds no free blocks waits, in order, for a pass to free some), its KV lands
+//!   after the transfer time of the blocks it lacks ([`KvTransfer::duration`], the simulator's
+//!   link model), then [`Engine::complete_import`] caches the prompt and the request decodes
+//!   from the token the prefill worker sampled. Its `cached_tokens` are the prompt blocks it
+//!   already held. Imports start and land between passes, so their KV events follow the
+//!   pass's in the engine's order.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -28,10 +46,13 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
 use kvroute_core::ids::RequestId;
+use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, FinishReason, Prompt, TimingConfig, synthetic_output_token,
+    Engine, EngineConfig, EngineRequest, FinishReason, KvEvent, Prompt, RequestError, TimingConfig,
+    synthetic_output_token,
 };
+pub use kvroute_sim::KvTransfer;
 use kvroute_wire::{EventEncoding, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
 use serde_json::{Value, json};
@@ -44,8 +65,14 @@ use crate::openai::{self, ApiError, Endpoint};
 /// How to run mock workers.
 #[derive(Clone, Debug)]
 pub struct MockConfig {
-    /// How many.
+    /// How many decode workers (aggregated ones when `prefill_workers` is 0).
     pub workers: usize,
+    /// Prefill workers, started before the others (worker `i < prefill_workers` has role
+    /// `prefill`; the others then have role `decode`). Default 0: aggregated workers.
+    pub prefill_workers: usize,
+    /// The prefill-to-decode KV link of imports (its times are divided by the engine's
+    /// `speedup`, like the engine's passes). Default [`KvTransfer::default`].
+    pub transfer: KvTransfer,
     /// The address they listen on.
     pub host: IpAddr,
     /// The first worker's HTTP port; worker `i` listens on `port + i`. 0 picks free ports.
@@ -71,6 +98,8 @@ impl MockConfig {
     pub fn new(workers: usize) -> Self {
         Self {
             workers,
+            prefill_workers: 0,
+            transfer: KvTransfer::default(),
             host: IpAddr::from([127, 0, 0, 1]),
             port: 0,
             event_port: 0,
@@ -80,6 +109,20 @@ impl MockConfig {
             default_max_tokens: 16,
             model_name: "tiny".to_owned(),
         }
+    }
+
+    /// The role of worker `i` (prefill workers first).
+    pub fn role(&self, i: usize) -> WorkerRole {
+        match (i < self.prefill_workers, self.prefill_workers > 0) {
+            (true, _) => WorkerRole::Prefill,
+            (false, true) => WorkerRole::Decode,
+            (false, false) => WorkerRole::Aggregated,
+        }
+    }
+
+    /// Every worker: the prefill workers and the others.
+    pub fn total(&self) -> usize {
+        self.prefill_workers + self.workers
     }
 
     /// The default engine: 16-token blocks, 16,384 blocks, 256 sequences, 8,192 tokens per
@@ -128,6 +171,9 @@ pub struct MockWorker {
     pub events_endpoint: Option<String>,
     /// Its replay endpoint.
     pub replay_endpoint: Option<String>,
+    /// The role the proxy is to route to it under.
+    pub role: WorkerRole,
+    state: Arc<Worker>,
     publisher: Option<Arc<EventPublisher>>,
     shutdown: Shutdown,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -152,8 +198,22 @@ impl MockWorker {
         crate::config::WorkerConfig {
             events: self.events_endpoint.clone(),
             replay: self.replay_endpoint.clone(),
+            role: self.role.name().to_owned(),
             ..crate::config::WorkerConfig::new(self.url())
         }
+    }
+
+    /// The requests of the disaggregated flow it received, oldest first (the last
+    /// [`SEEN_KEPT`]): their `X-Request-Id`, whether they asked for a remote decode (hop 1) or a
+    /// remote prefill (hop 2), and their bodies.
+    pub fn seen_kv_requests(&self) -> Vec<SeenKvRequest> {
+        self.state
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Fault injection: the next `n` event batches are buffered for replay but not sent live.
@@ -179,6 +239,20 @@ impl Drop for MockWorker {
     }
 }
 
+/// How many [`SeenKvRequest`]s a worker keeps.
+pub const SEEN_KEPT: usize = 64;
+
+/// A request of the disaggregated flow as a mock worker received it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeenKvRequest {
+    /// Its `X-Request-Id` header.
+    pub request_id: Option<String>,
+    /// True for hop 1 (`do_remote_decode`), false for hop 2 (`do_remote_prefill`).
+    pub remote_decode: bool,
+    /// Its body, without the prompt (`prompt`, `messages`).
+    pub body: Value,
+}
+
 /// What the engine task tells a request's handler.
 #[derive(Debug)]
 enum Progress {
@@ -196,6 +270,8 @@ struct Job {
     prompt: Vec<u32>,
     output_len: u32,
     cache_salt: Option<String>,
+    /// Its KV comes from a prefill worker ([`Engine::import_request`]).
+    import: bool,
     tx: mpsc::UnboundedSender<Progress>,
 }
 
@@ -210,9 +286,24 @@ struct Stats {
     prompt_tokens: u64,
     generation_tokens: u64,
     finished: u64,
+    /// Requests prefilled for a remote decode (hop 1).
+    remote_decode_requests: u64,
+    /// Imports whose KV landed (hop 2).
+    imports: u64,
+    /// Prompt blocks imports found cached here.
+    import_hit_blocks: u64,
+    /// Prompt blocks imports moved over the link.
+    import_transfer_blocks: u64,
+    /// Imports that found too few free blocks and waited.
+    import_waits: u64,
 }
 
 struct Worker {
+    /// The engine id it names in `kv_transfer_params`.
+    engine_id: String,
+    addr: SocketAddr,
+    block_size: u32,
+    seen: Mutex<std::collections::VecDeque<SeenKvRequest>>,
     model: Arc<Model>,
     model_name: String,
     max_model_len: u32,
@@ -222,10 +313,11 @@ struct Worker {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// Starts `config.workers` mock workers.
+/// Starts the mock workers: `config.prefill_workers` prefill workers, then `config.workers`
+/// others.
 pub async fn start(config: &MockConfig, model: Arc<Model>) -> Result<Vec<MockWorker>, MockError> {
-    let mut workers = Vec::with_capacity(config.workers);
-    for i in 0..config.workers {
+    let mut workers = Vec::with_capacity(config.total());
+    for i in 0..config.total() {
         workers.push(start_one(config, i, Arc::clone(&model)).await?);
     }
     Ok(workers)
@@ -270,6 +362,10 @@ async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<M
     let stats = Arc::new(Mutex::new(Stats::default()));
     let shutdown = Shutdown::new();
     let worker = Arc::new(Worker {
+        engine_id: format!("kvroute-mock-{addr}"),
+        addr,
+        block_size: config.engine.block_size,
+        seen: Mutex::new(std::collections::VecDeque::new()),
         model,
         model_name: config.model_name.clone(),
         max_model_len: config.engine.max_model_len,
@@ -284,9 +380,9 @@ async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<M
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
-        .with_state(worker);
+        .with_state(Arc::clone(&worker));
     let tasks = vec![
-        tokio::spawn(drive(engine, rx, stats, publisher.clone())),
+        tokio::spawn(drive(engine, rx, stats, publisher.clone(), config.transfer)),
         tokio::spawn(net::serve(listener, routes, shutdown.clone())),
     ];
     Ok(MockWorker {
@@ -295,6 +391,8 @@ async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<M
         replay_endpoint: publisher
             .as_ref()
             .and_then(|p| p.replay_endpoint().map(str::to_owned)),
+        role: config.role(i),
+        state: worker,
         publisher,
         shutdown,
         tasks,
@@ -313,30 +411,54 @@ struct Live {
     outputs: u32,
 }
 
-async fn drive(
-    mut engine: Engine,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
+/// The engine task's state besides the engine.
+struct Driver {
+    epoch: Instant,
+    live: HashMap<RequestId, Live>,
+    next_id: u64,
+    /// Imports waiting to start (for a pass to end, or for free blocks), in arrival order.
+    pending_imports: std::collections::VecDeque<(RequestId, Job)>,
+    /// The waiting import last counted in `import_waits`.
+    counted_wait: Option<RequestId>,
+    /// Imports whose KV is on the link: when it lands, and the request.
+    transfers: std::collections::BTreeSet<(Timestamp, RequestId)>,
+    transfer: KvTransfer,
     stats: Arc<Mutex<Stats>>,
     publisher: Option<Arc<EventPublisher>>,
-) {
-    let epoch = Instant::now();
-    let now = || Timestamp(u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX));
-    let at = |t: Timestamp| tokio::time::Instant::from_std(epoch + std::time::Duration::from_nanos(t.0));
-    let mut live: HashMap<RequestId, Live> = HashMap::new();
-    let mut next_id = 0u64;
-    let mut add = |engine: &mut Engine, live: &mut HashMap<RequestId, Live>, job: Job, t: Timestamp| {
-        let id = RequestId(next_id);
-        next_id += 1;
-        let request = EngineRequest {
+}
+
+impl Driver {
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn at(&self, t: Timestamp) -> tokio::time::Instant {
+        tokio::time::Instant::from_std(self.epoch + std::time::Duration::from_nanos(t.0))
+    }
+
+    fn request(id: RequestId, job: &Job) -> EngineRequest {
+        EngineRequest {
             id,
-            prompt: Prompt::Tokens(job.prompt),
+            prompt: Prompt::Tokens(job.prompt.clone()),
             output_len: job.output_len,
             lora_name: None,
-            cache_namespace: job.cache_salt,
-        };
+            cache_namespace: job.cache_salt.clone(),
+        }
+    }
+
+    /// Takes a request: a local one joins the engine's queue now; an import waits for
+    /// [`Self::start_imports`], which runs between passes.
+    fn add(&mut self, engine: &mut Engine, job: Job, t: Timestamp) {
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        if job.import {
+            self.pending_imports.push_back((id, job));
+            return;
+        }
+        let request = Self::request(id, &job);
         match engine.add_request(t, request) {
             Ok(()) => {
-                live.insert(
+                self.live.insert(
                     id,
                     Live {
                         tx: job.tx,
@@ -348,11 +470,122 @@ async fn drive(
                 let _ = job.tx.send(Progress::Refused(e.to_string()));
             }
         }
+    }
+
+    /// Starts the waiting imports that fit, in order: blocks reserved, the transfer of those it
+    /// lacks on the link. Called only between passes.
+    fn start_imports(&mut self, engine: &mut Engine, t: Timestamp) {
+        while let Some((id, job)) = self.pending_imports.front() {
+            let id = *id;
+            match engine.import_request(t, Self::request(id, job)) {
+                Ok(import) => {
+                    let Some((_, job)) = self.pending_imports.pop_front() else {
+                        break;
+                    };
+                    let bs = engine.config().block_size;
+                    let cached = (import.hit_blocks * bs).min(job.prompt.len() as u32);
+                    let _ = job.tx.send(Progress::Cached(cached));
+                    self.live.insert(
+                        id,
+                        Live {
+                            tx: job.tx,
+                            outputs: 0,
+                        },
+                    );
+                    self.publish(&import.events);
+                    // A modeled time, sped up like the engine's passes.
+                    let took = self.transfer.duration(import.transfer_blocks, bs);
+                    let took = took.div_f64(engine.config().speedup);
+                    let lands = t + took;
+                    self.transfers.insert((lands, id));
+                    let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+                    s.import_hit_blocks += u64::from(import.hit_blocks);
+                    s.import_transfer_blocks += u64::from(import.transfer_blocks);
+                }
+                // Retried after the next pass frees blocks, unless it can never fit.
+                Err(RequestError::NoBlocksForImport { blocks_needed, .. })
+                    if blocks_needed <= engine.kv_blocks().1 =>
+                {
+                    if self.counted_wait != Some(id) {
+                        self.counted_wait = Some(id);
+                        self.stats.lock().unwrap_or_else(|p| p.into_inner()).import_waits += 1;
+                    }
+                    break;
+                }
+                Err(e) => {
+                    if let Some((_, job)) = self.pending_imports.pop_front() {
+                        let _ = job.tx.send(Progress::Refused(e.to_string()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lands the transfers due by `until`: the engine takes the KV, and the token the prefill
+    /// worker sampled is the request's first. Called only between passes.
+    fn land_transfers(&mut self, engine: &mut Engine, until: Timestamp) {
+        while let Some(&(t, id)) = self.transfers.first() {
+            if t > until {
+                break;
+            }
+            self.transfers.pop_first();
+            match engine.complete_import(t, id) {
+                Ok(events) => self.publish(&events),
+                Err(e) => {
+                    tracing::warn!(error = %e, "completing an import failed");
+                    continue;
+                }
+            }
+            self.stats.lock().unwrap_or_else(|p| p.into_inner()).imports += 1;
+            if let Some(l) = self.live.get_mut(&id) {
+                l.outputs = 1;
+                let _ = l.tx.send(Progress::Tokens(vec![synthetic_output_token(id, 0)]));
+            }
+        }
+    }
+
+    fn publish(&self, events: &[KvEvent]) {
+        let Some(p) = &self.publisher else { return };
+        if events.is_empty() {
+            return;
+        }
+        let events: Vec<WireEvent> = events.iter().map(WireEvent::from).collect();
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        if let Err(e) = p.publish(events, Some(0), ts) {
+            tracing::warn!(error = %e, "publishing KV events failed");
+        }
+    }
+}
+
+async fn drive(
+    mut engine: Engine,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    stats: Arc<Mutex<Stats>>,
+    publisher: Option<Arc<EventPublisher>>,
+    transfer: KvTransfer,
+) {
+    let mut d = Driver {
+        epoch: Instant::now(),
+        live: HashMap::new(),
+        next_id: 0,
+        pending_imports: std::collections::VecDeque::new(),
+        counted_wait: None,
+        transfers: std::collections::BTreeSet::new(),
+        transfer,
+        stats,
+        publisher,
     };
     loop {
-        let Some(wake) = engine.next_wakeup() else {
+        // Between passes: transfers land, waiting imports start.
+        d.land_transfers(&mut engine, d.now() + TICK);
+        d.start_imports(&mut engine, d.now());
+        let landing = d.transfers.first().map(|&(t, _)| t);
+        let wake = engine.next_wakeup();
+        let Some(next) = wake.into_iter().chain(landing).min() else {
             match jobs.recv().await {
-                Some(job) => add(&mut engine, &mut live, job, now()),
+                Some(job) => d.add(&mut engine, job, d.now()),
                 None => return,
             }
             continue;
@@ -361,41 +594,43 @@ async fn drive(
         // sped-up engine's passes are shorter than a millisecond, and rounding each sleep up to
         // the timer's tick would slow it down several times. Virtual time stays exact; tokens
         // are delivered at most a tick early.
-        if wake > now() + TICK {
+        if next > d.now() + TICK {
             tokio::select! {
-                () = tokio::time::sleep_until(at(wake)) => {}
-                job = jobs.recv() => {
-                    match job {
-                        Some(job) => add(&mut engine, &mut live, job, now()),
-                        None => return,
-                    }
-                    continue;
-                }
+                () = tokio::time::sleep_until(d.at(next)) => {}
+                job = jobs.recv() => match job {
+                    Some(job) => d.add(&mut engine, job, d.now()),
+                    None => return,
+                },
             }
+            continue;
         }
+        // Only a transfer was due: it lands at the top of the loop.
+        let Some(wake) = wake.filter(|&w| w <= d.now() + TICK) else {
+            continue;
+        };
         // A pass starts when the last one ended, even if the timer woke the driver late (it
         // catches up by running the next passes without sleeping), unless it fell behind by
         // more than `CATCH_UP` (the machine is overloaded): then the engine slips to now.
-        let start = wake.max(now() - CATCH_UP);
+        let start = wake.max(d.now() - CATCH_UP);
         let Some(out) = engine.step(start) else { continue };
         // The pass's effects happen when it ends; requests arriving meanwhile join the queue.
-        let end = at(out.end);
-        while out.end > now() + TICK {
+        let end = d.at(out.end);
+        while out.end > d.now() + TICK {
             tokio::select! {
                 () = tokio::time::sleep_until(end) => break,
                 job = jobs.recv() => match job {
-                    Some(job) => add(&mut engine, &mut live, job, now()),
+                    Some(job) => d.add(&mut engine, job, d.now()),
                     None => return,
                 },
             }
         }
         for &(id, cached) in &out.prefix_hits {
-            if let Some(l) = live.get(&id) {
+            if let Some(l) = d.live.get(&id) {
                 let _ = l.tx.send(Progress::Cached(cached));
             }
         }
         for e in &out.emitted {
-            if let Some(l) = live.get_mut(&e.request) {
+            if let Some(l) = d.live.get_mut(&e.request) {
                 let tokens = (0..e.tokens)
                     .map(|k| synthetic_output_token(e.request, l.outputs + k))
                     .collect();
@@ -404,26 +639,16 @@ async fn drive(
             }
         }
         for f in &out.finished {
-            if let Some(l) = live.remove(&f.request) {
+            if let Some(l) = d.live.remove(&f.request) {
                 let _ = l.tx.send(Progress::Done {
                     completion_tokens: f.output_tokens,
                     length: f.reason == FinishReason::Length,
                 });
             }
         }
-        if let Some(p) = &publisher
-            && !out.events.is_empty()
-        {
-            let events: Vec<WireEvent> = out.events.iter().map(WireEvent::from).collect();
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64());
-            if let Err(e) = p.publish(events, Some(0), ts) {
-                tracing::warn!(error = %e, "publishing KV events failed");
-            }
-        }
+        d.publish(&out.events);
         let (active, total) = engine.kv_blocks();
-        let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = d.stats.lock().unwrap_or_else(|p| p.into_inner());
         s.running = engine.num_running() as u64;
         s.waiting = engine.num_waiting() as u64;
         s.kv_usage = if total == 0 {
@@ -448,7 +673,50 @@ async fn chat(State(w): State<Arc<Worker>>, req: Request) -> Response {
     generate(&w, Endpoint::Chat, req).await
 }
 
+/// What a request asks of the disaggregated flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KvRole {
+    /// An ordinary request.
+    Local,
+    /// Hop 1: prefill it and keep its KV for a remote decode.
+    RemoteDecode,
+    /// Hop 2: its KV was prefilled elsewhere; import it and decode.
+    RemotePrefill,
+}
+
+/// The request's `kv_transfer_params`, checked: hop 2's must name where the KV is.
+fn kv_role(body: &Value) -> Result<KvRole, ApiError> {
+    let Some(params) = body.get("kv_transfer_params").filter(|p| !p.is_null()) else {
+        return Ok(KvRole::Local);
+    };
+    let flag = |name: &str| params.get(name).and_then(Value::as_bool) == Some(true);
+    match (flag("do_remote_decode"), flag("do_remote_prefill")) {
+        (true, true) => Err(ApiError::bad_request(
+            "kv_transfer_params",
+            "do_remote_decode and do_remote_prefill are both true",
+        )),
+        (true, false) => Ok(KvRole::RemoteDecode),
+        (false, true) => {
+            if !params.get("remote_engine_id").is_some_and(Value::is_string)
+                || !params.get("remote_block_ids").is_some_and(Value::is_array)
+            {
+                return Err(ApiError::bad_request(
+                    "kv_transfer_params",
+                    "a remote prefill needs remote_engine_id and remote_block_ids",
+                ));
+            }
+            Ok(KvRole::RemotePrefill)
+        }
+        (false, false) => Ok(KvRole::Local),
+    }
+}
+
 async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response {
+    let request_id = req
+        .headers()
+        .get(crate::disagg::REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let body = match http_body_util::Limited::new(req.into_body(), 64 << 20)
         .collect()
         .await
@@ -460,18 +728,64 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    // `parse` accepted it: a JSON object.
+    let value: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let role = match kv_role(&value) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let prompt_tokens = parsed.tokens.len() as u32;
     let max_tokens = parsed.max_tokens;
-    let output_len = max_tokens.unwrap_or(w.default_max_tokens);
+    let mut output_len = max_tokens.unwrap_or(w.default_max_tokens);
+    if role == KvRole::RemoteDecode {
+        // A prefill for a remote decode samples the first token only.
+        output_len = output_len.min(1);
+    }
     {
         let mut s = w.stats.lock().unwrap_or_else(|p| p.into_inner());
         s.prompt_tokens += u64::from(prompt_tokens);
+        if role == KvRole::RemoteDecode {
+            s.remote_decode_requests += 1;
+        }
     }
+    if role != KvRole::Local {
+        let mut body = value;
+        if let Value::Object(obj) = &mut body {
+            obj.remove("prompt");
+            obj.remove("messages");
+        }
+        let mut seen = w.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() == SEEN_KEPT {
+            seen.pop_front();
+        }
+        seen.push_back(SeenKvRequest {
+            request_id: request_id.clone(),
+            remote_decode: role == KvRole::RemoteDecode,
+            body,
+        });
+    }
+    // The engine imports only what leaves something to decode; a request of one token decodes
+    // (recomputes) here.
+    let import = role == KvRole::RemotePrefill && output_len >= 2;
+    let transfer_params = (role == KvRole::RemoteDecode).then(|| {
+        let blocks = prompt_tokens.div_ceil(w.block_size.max(1));
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": w.engine_id,
+            "remote_block_ids": (0..blocks).collect::<Vec<u32>>(),
+            "remote_host": w.addr.ip().to_string(),
+            "remote_port": w.addr.port(),
+            "remote_request_id": request_id,
+            "tp_size": 1,
+        })
+    });
     let job = Job {
         prompt: parsed.tokens,
         output_len,
         cache_salt: parsed.cache_salt,
+        import,
         tx,
     };
     if w.jobs.send(job).is_err() {
@@ -561,7 +875,11 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
                 length,
             } => {
                 let text = w.text(&tokens);
-                return axum::Json(shape.full(&text, completion_tokens, length, cached)).into_response();
+                let mut full = shape.full(&text, completion_tokens, length, cached);
+                if let Some(params) = transfer_params {
+                    full["kv_transfer_params"] = params;
+                }
+                return axum::Json(full).into_response();
             }
             Progress::Refused(message) => return ApiError::bad_request("prompt", message).into_response(),
         }
@@ -774,6 +1092,36 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         "counter",
         "Requests finished.",
         s.finished.to_string(),
+    );
+    metric(
+        "kvroute_mock_remote_decode_requests_total",
+        "counter",
+        "Requests prefilled for a remote decode (kv_transfer_params.do_remote_decode).",
+        s.remote_decode_requests.to_string(),
+    );
+    metric(
+        "kvroute_mock_kv_imports_total",
+        "counter",
+        "Remote prefills imported: KV landed (kv_transfer_params.do_remote_prefill).",
+        s.imports.to_string(),
+    );
+    metric(
+        "kvroute_mock_kv_import_hit_blocks_total",
+        "counter",
+        "Prompt blocks imports found cached locally.",
+        s.import_hit_blocks.to_string(),
+    );
+    metric(
+        "kvroute_mock_kv_import_transfer_blocks_total",
+        "counter",
+        "Prompt blocks imports moved over the link.",
+        s.import_transfer_blocks.to_string(),
+    );
+    metric(
+        "kvroute_mock_kv_import_waits_total",
+        "counter",
+        "Imports that waited for free KV blocks.",
+        s.import_waits.to_string(),
     );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

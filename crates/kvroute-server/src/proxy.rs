@@ -4,6 +4,15 @@
 //! sent unchanged to the chosen worker; the worker's response streams back unchanged through an
 //! [`Observed`] body that reports the first chunk (prefill done), the gaps between chunks, and
 //! the end, error, timeout or disconnect that frees the request.
+//!
+//! A request the router disaggregates (its decision names a prefill worker) takes two hops, in
+//! vLLM's disaggregated-prefill protocol ([`crate::disagg`]): a prefill-only request to the
+//! prefill worker, read whole, then the client's request with the prefill's
+//! `kv_transfer_params` to the decode worker, whose response streams back as above. The
+//! prefill's answer is the router's first token (the prefill worker's load is freed then, as
+//! the simulator does on the prefill engine's first token); the client's time to first token
+//! is measured to hop 2's first chunk. A failed hop 1 (connect error, non-2xx, timeout) ends
+//! the request with an OpenAI-shaped 502 (504 on timeout).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -25,12 +34,13 @@ use serde_json::json;
 use tokio::time::Sleep;
 
 use crate::config::{ConfigError, ServeConfig, WorkerConfig};
+use crate::disagg;
 use crate::events::EventFeed;
 use crate::metrics::Metrics;
 use crate::model::Model;
 use crate::net::{self, HttpClient, Shutdown};
 use crate::openai::{self, ApiError, Endpoint};
-use crate::state::{RequestGuard, RouteError, Shared};
+use crate::state::{RequestGuard, RouteError, Shared, Upstream};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +70,16 @@ struct App {
     model: Arc<Model>,
     client: HttpClient,
     feed: EventFeed,
+    /// This proxy's instance tag (its start time), which makes the request ids of the
+    /// disaggregated flow unique across restarts.
+    instance: u64,
+}
+
+impl App {
+    /// The `X-Request-Id` both hops of the router's request `id` carry.
+    fn request_id(&self, id: kvroute_core::ids::RequestId) -> String {
+        format!("kvroute-{:x}-{}", self.instance, id.0)
+    }
 }
 
 /// A running proxy.
@@ -132,6 +152,9 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         model,
         client: client.clone(),
         feed,
+        instance: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
     });
     for w in workers {
         add_worker(&app, w).map_err(ServeError::Worker)?;
@@ -304,7 +327,7 @@ async fn forward(
     let shared = &app.shared;
     let timeout = ServeConfig::ms(shared.config.request_timeout_ms);
     for attempt in 0..2 {
-        let (guard, target, _) = shared
+        let (mut guard, target, _) = shared
             .route(&parsed.tokens, parsed.cache_salt.as_deref())
             .await
             .map_err(route_error)?;
@@ -314,19 +337,21 @@ async fn forward(
                 .overhead_total
                 .observe(t0.elapsed().as_secs_f64() * 1e3);
         }
-        let mut builder = hyper::Request::post(format!("{}{}", target.base, endpoint.path()))
-            .header(header::CONTENT_TYPE, "application/json");
-        if target.dp {
-            builder = builder.header("x-data-parallel-rank", target.dp_rank);
-        }
-        let request = builder.body(Full::new(body.clone())).map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                "bad_worker_url",
-                e.to_string(),
-            )
-        })?;
+        // A disaggregated request: hop 1 to its prefill worker first. Any failure there ends
+        // the request; the guard, dropped with it, frees its load (so does a client leaving).
+        let (body, request_id) = match &target.prefill {
+            None => (body.clone(), None),
+            Some(prefill) => {
+                let request_id = app.request_id(guard.id());
+                let params = prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await?;
+                guard.prefill_done();
+                let decode =
+                    disagg::decode_body(&body, params).map_err(|e| ApiError::bad_request("body", e))?;
+                (Bytes::from(decode), Some(request_id))
+            }
+        };
+        let decode = &target.decode;
+        let request = upstream_request(decode, endpoint, body, request_id.as_deref())?;
         match tokio::time::timeout(timeout, app.client.request(request)).await {
             Err(_) => {
                 return Err(ApiError::new(
@@ -337,10 +362,10 @@ async fn forward(
                 ));
             }
             Ok(Err(e)) if e.is_connect() && attempt == 0 => {
-                tracing::warn!(worker = target.worker.0, error = %e, "connect failed; retrying on another worker");
+                tracing::warn!(worker = decode.worker.0, error = %e, "connect failed; retrying on another worker");
                 shared.metrics.upstream_retries.inc();
                 drop(guard);
-                shared.set_health(target.worker, false);
+                shared.set_health(decode.worker, false);
                 continue;
             }
             Ok(Err(e)) => {
@@ -370,6 +395,88 @@ async fn forward(
         }
     }
     Err(route_error(RouteError::NoWorker))
+}
+
+/// A POST of `body` to `upstream`'s `endpoint`, with its rank header and, for the two hops of
+/// a disaggregated request, their shared request id.
+fn upstream_request(
+    upstream: &Upstream,
+    endpoint: Endpoint,
+    body: Bytes,
+    request_id: Option<&str>,
+) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    let mut builder = hyper::Request::post(format!("{}{}", upstream.base, endpoint.path()))
+        .header(header::CONTENT_TYPE, "application/json");
+    if upstream.dp {
+        builder = builder.header("x-data-parallel-rank", upstream.dp_rank);
+    }
+    if let Some(id) = request_id {
+        builder = builder.header(disagg::REQUEST_ID, id);
+    }
+    builder.body(Full::new(body)).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "bad_worker_url",
+            e.to_string(),
+        )
+    })
+}
+
+/// The largest prefill response read (one token, and the KV's block ids).
+const MAX_PREFILL_RESPONSE: usize = 16 << 20;
+
+/// Hop 1 of a disaggregated request: the prefill-only request to `prefill`, read whole within
+/// `timeout`; returns the `kv_transfer_params` its response carries. A connect failure also
+/// takes the worker out of routing (health checks bring it back).
+async fn prefill_hop(
+    app: &App,
+    endpoint: Endpoint,
+    prefill: &Upstream,
+    body: &[u8],
+    request_id: &str,
+    timeout: Duration,
+) -> Result<Option<serde_json::Value>, ApiError> {
+    let hop = disagg::prefill_body(body).map_err(|e| ApiError::bad_request("body", e))?;
+    let request = upstream_request(prefill, endpoint, Bytes::from(hop), Some(request_id))?;
+    let failed = |message: String| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "prefill_failed",
+            format!("the prefill worker {}: {message}", prefill.base),
+        )
+    };
+    let exchange = async {
+        let response = app.client.request(request).await.map_err(|e| {
+            if e.is_connect() {
+                tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
+                app.shared.set_health(prefill.worker, false);
+            }
+            failed(format!("request failed: {e}"))
+        })?;
+        let status = response.status();
+        let bytes = Limited::new(response.into_body(), MAX_PREFILL_RESPONSE)
+            .collect()
+            .await
+            .map_err(|e| failed(format!("reading the response: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&bytes);
+            let text: String = text.chars().take(300).collect();
+            return Err(failed(format!("answered {status}: {text}")));
+        }
+        Ok(disagg::kv_transfer_params(&bytes))
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "prefill_timeout",
+            format!("the prefill worker {} did not answer in time", prefill.base),
+        )),
+    }
 }
 
 /// The worker's response body, passed through unchanged while it reports to the request's guard.

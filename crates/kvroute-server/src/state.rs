@@ -102,9 +102,9 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-/// Where a routed request goes.
+/// One worker rank a request is sent to.
 #[derive(Debug)]
-pub struct Target {
+pub struct Upstream {
     /// The worker.
     pub worker: WorkerId,
     /// The data-parallel rank.
@@ -113,6 +113,15 @@ pub struct Target {
     pub dp: bool,
     /// The worker's base URL.
     pub base: String,
+}
+
+/// Where a routed request goes.
+#[derive(Debug)]
+pub struct Target {
+    /// The worker that decodes it, and prefills it too unless `prefill` is set.
+    pub decode: Upstream,
+    /// The prefill worker of a disaggregated request (the first hop).
+    pub prefill: Option<Upstream>,
 }
 
 impl Shared {
@@ -169,6 +178,7 @@ impl Shared {
             id,
             started: t0,
             first_token: false,
+            prefill_reported: false,
             last_chunk: None,
             done: true,
         };
@@ -217,6 +227,9 @@ impl Shared {
             }
         };
         self.metrics.router_requests.inc();
+        if decision.prefill.is_some() {
+            self.metrics.disaggregated_requests.inc();
+        }
         if !locals.is_empty() {
             self.metrics
                 .kv_hit_rate
@@ -558,10 +571,17 @@ fn event_type(e: &WireEvent) -> &'static str {
 
 impl Inner {
     fn target(&self, d: &Decision) -> Target {
-        let w = self.workers.get(&d.worker.worker);
         Target {
-            worker: d.worker.worker,
-            dp_rank: d.worker.dp_rank.0,
+            decode: self.upstream(d.worker),
+            prefill: d.prefill.map(|p| self.upstream(p.worker)),
+        }
+    }
+
+    fn upstream(&self, key: WorkerKey) -> Upstream {
+        let w = self.workers.get(&key.worker);
+        Upstream {
+            worker: key.worker,
+            dp_rank: key.dp_rank.0,
             dp: w.is_some_and(|w| w.config.dp_size > 1),
             base: w.map(|w| w.base.clone()).unwrap_or_default(),
         }
@@ -574,6 +594,7 @@ pub struct RequestGuard {
     id: RequestId,
     started: Instant,
     first_token: bool,
+    prefill_reported: bool,
     last_chunk: Option<Instant>,
     done: bool,
 }
@@ -592,8 +613,20 @@ impl RequestGuard {
         self.id
     }
 
-    /// A chunk of the response arrived: the first marks prefill done; `streaming` chunks after
-    /// it are inter-token latencies.
+    /// A disaggregated request's prefill worker answered (its first token is out, the prompt's
+    /// KV is ready to move): the router frees the prefill worker's share, as it does on the
+    /// first token. The client's time to first token is still measured to [`Self::chunk`].
+    pub fn prefill_done(&mut self) {
+        if !self.prefill_reported {
+            self.prefill_reported = true;
+            let id = self.id;
+            self.shared.lifecycle(|r, t| r.handle_first_token(t, id));
+        }
+    }
+
+    /// A chunk of the response arrived: the first marks prefill done (unless
+    /// [`Self::prefill_done`] did) and the time to first token; `streaming` chunks after it are
+    /// inter-token latencies.
     pub fn chunk(&mut self, streaming: bool) {
         let now = Instant::now();
         if !self.first_token {
@@ -604,8 +637,7 @@ impl RequestGuard {
                     .ttft
                     .observe((now - self.started).as_secs_f64());
             }
-            let id = self.id;
-            self.shared.lifecycle(|r, t| r.handle_first_token(t, id));
+            self.prefill_done();
         } else if streaming && let Some(last) = self.last_chunk {
             self.shared.metrics.itl.observe((now - last).as_secs_f64());
         }

@@ -547,3 +547,375 @@ async fn positional_events_from_older_engines_feed_the_router_too() {
     assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 464);
     c.assert_drained().await;
 }
+
+// ---- prefill/decode disaggregation ----
+
+/// `prefill` prefill workers and `decode` decode workers (engines at `speedup`) behind a proxy.
+async fn disagg_cluster(
+    prefill: usize,
+    decode: usize,
+    speedup: f64,
+    tweak: impl FnOnce(&mut ServeConfig),
+) -> Cluster {
+    let mut mc = MockConfig::new(decode);
+    mc.prefill_workers = prefill;
+    mc.engine.speedup = speedup;
+    cluster_of(mc, tweak).await
+}
+
+impl Cluster {
+    /// The requests of the two-hop flow the mocks saw: (hop 1 on prefill workers, hop 2 on
+    /// decode workers).
+    fn kv_requests(&self) -> (Vec<mock::SeenKvRequest>, Vec<mock::SeenKvRequest>) {
+        let mut hops = (Vec::new(), Vec::new());
+        for m in &self.mocks {
+            for seen in m.seen_kv_requests() {
+                if seen.remote_decode {
+                    assert_eq!(m.role.name(), "prefill", "hop 1 went to a prefill worker");
+                    hops.0.push(seen);
+                } else {
+                    assert_eq!(m.role.name(), "decode", "hop 2 went to a decode worker");
+                    hops.1.push(seen);
+                }
+            }
+        }
+        hops
+    }
+
+    /// A metric summed over every mock worker's `/metrics`.
+    async fn mock_metric(&self, name: &str) -> f64 {
+        let mut sum = 0.0;
+        for m in &self.mocks {
+            let text = reqwest_lite::Http::new(m.url()).get("/metrics").await;
+            sum += metric(&text, name, "");
+        }
+        sum
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
+    let c = disagg_cluster(2, 2, 20.0, |_| {}).await;
+    let client = c.client();
+    let chat = CreateChatCompletionRequestArgs::default()
+        .model("tiny")
+        .max_tokens(8u32)
+        .messages([ChatCompletionRequestUserMessageArgs::default()
+            .content("Hello there, disaggregated router.")
+            .build()
+            .unwrap()
+            .into()])
+        .build()
+        .unwrap();
+    let response = client.chat().create(chat.clone()).await.unwrap();
+    assert_eq!(response.choices[0].message.content.as_deref().unwrap().len(), 8);
+    assert_eq!(response.usage.unwrap().completion_tokens, 8);
+    let mut stream = client.chat().create_stream(chat).await.unwrap();
+    let mut streamed = String::new();
+    while let Some(chunk) = stream.next().await {
+        for choice in chunk.unwrap().choices {
+            streamed.push_str(choice.delta.content.as_deref().unwrap_or(""));
+        }
+    }
+    assert_eq!(streamed.len(), 8, "{streamed:?}");
+
+    // 320 bytes: 20 full blocks of the byte-level tiny tokenizer.
+    let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 3 % 26) as u8)).collect();
+    let completion = CreateCompletionRequestArgs::default()
+        .model("tiny")
+        .prompt(prompt.as_str())
+        .max_tokens(5u32)
+        .build()
+        .unwrap();
+    let response = client.completions().create(completion.clone()).await.unwrap();
+    assert_eq!(response.choices[0].text.len(), 5);
+    let usage = response.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (320, 5));
+    let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+    assert_eq!(
+        cached.unwrap_or(0),
+        0,
+        "nothing was cached on the decode worker yet"
+    );
+    // The decode worker's import stored the prompt's blocks; once the router knows, the same
+    // prompt goes back to it and its import finds every block locally.
+    let decode_ids: Vec<usize> = (0..c.mocks.len())
+        .filter(|&i| c.mocks[i].role.name() == "decode")
+        .collect();
+    let t0 = Instant::now();
+    while !decode_ids.iter().any(|&i| c.cached_blocks()[i] >= 20) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the decode worker's import events never arrived: {:?}",
+            c.cached_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut stream = client.completions().create_stream(completion).await.unwrap();
+    let mut text = String::new();
+    while let Some(chunk) = stream.next().await {
+        for choice in chunk.unwrap().choices {
+            text.push_str(&choice.text);
+        }
+    }
+    assert_eq!(text.len(), 5);
+    // The cached tokens of an import, through the raw API (usage in the stream).
+    let body = json!({"prompt": prompt, "max_tokens": 3, "min_tokens": 3});
+    let (status, _, out) = c
+        .http
+        .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
+        "the decode worker held all 20 blocks: nothing crossed the link"
+    );
+    assert!(out.get("kv_transfer_params").is_none() || out["kv_transfer_params"].is_null());
+
+    // What the workers saw: 5 requests, each hop 1 then hop 2 under one request id.
+    let (hop1, hop2) = c.kv_requests();
+    assert_eq!((hop1.len(), hop2.len()), (5, 5));
+    let ids = |hops: &[mock::SeenKvRequest]| {
+        let mut ids: Vec<String> = hops.iter().map(|h| h.request_id.clone().unwrap()).collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ids(&hop1), ids(&hop2));
+    let remote_decode = kvroute_server::disagg::remote_decode_params();
+    for h in &hop1 {
+        assert_eq!(h.body["max_tokens"], 1, "{}", h.body);
+        assert_eq!(h.body["stream"], false, "{}", h.body);
+        assert!(h.body.get("stream_options").is_none(), "{}", h.body);
+        assert!(h.body.get("min_tokens").is_none(), "{}", h.body);
+        assert_eq!(h.body["kv_transfer_params"], remote_decode);
+    }
+    let prefill_engines: Vec<String> = c
+        .mocks
+        .iter()
+        .filter(|m| m.role.name() == "prefill")
+        .map(|m| format!("kvroute-mock-{}", m.addr))
+        .collect();
+    for h in &hop2 {
+        let params = &h.body["kv_transfer_params"];
+        assert_eq!(params["do_remote_prefill"], true, "{}", h.body);
+        assert_eq!(params["do_remote_decode"], false);
+        assert!(
+            prefill_engines.iter().any(|e| params["remote_engine_id"] == *e),
+            "{params}"
+        );
+        assert_eq!(params["remote_request_id"].as_str(), h.request_id.as_deref());
+        assert!(
+            h.body["max_tokens"].as_u64().unwrap() > 1,
+            "the client's own max_tokens"
+        );
+    }
+    let last = hop2.iter().find(|h| h.body["max_tokens"] == 3).unwrap();
+    assert_eq!(last.body["min_tokens"], 3, "hop 2 keeps min_tokens");
+    assert_eq!(
+        last.body["kv_transfer_params"]["remote_block_ids"],
+        json!((0..20).collect::<Vec<u32>>())
+    );
+
+    assert_eq!(
+        c.mock_metric("kvroute_mock_remote_decode_requests_total").await,
+        5.0
+    );
+    assert_eq!(c.mock_metric("kvroute_mock_kv_imports_total").await, 5.0);
+    assert!(c.mock_metric("kvroute_mock_kv_import_hit_blocks_total").await >= 20.0);
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 5.0);
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+        5.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "dynamo_component_router_time_to_first_token_seconds_count",
+            ""
+        ) >= 2.0,
+        "streamed requests measure TTFT at hop 2's first chunk"
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_prefill_worker_fails_the_request_cleanly_and_frees_its_load() {
+    let c = disagg_cluster(1, 1, 20.0, |_| {}).await;
+    c.mocks[0].kill();
+    let body = serde_json::to_vec(&json!({"prompt": "to a dead prefill worker", "max_tokens": 4})).unwrap();
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&out));
+    let err: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(err["error"]["code"], "prefill_failed", "{err}");
+    assert_eq!(err["error"]["type"], "upstream_error");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("prefill worker")
+    );
+    c.assert_drained().await;
+    // The unreachable prefill worker is out of routing: the decode worker prefills itself.
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 1.0);
+    assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_the_prefill_hop_frees_its_load() {
+    // Slow engines: a 2,000-token prefill takes long enough to leave during it.
+    let c = disagg_cluster(1, 1, 0.05, |_| {}).await;
+    let prompt: String = (0..2000)
+        .map(|i| char::from(b'a' + (i * 13 % 26) as u8))
+        .collect();
+    let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 4, "stream": true})).unwrap();
+    let http = reqwest_lite::Http::new(c.proxy.url());
+    let task = tokio::spawn(async move { http.request("POST", "/v1/completions", body).await });
+    let t0 = Instant::now();
+    while c.kv_requests().0.is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(5), "hop 1 never came");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(c.proxy.shared.snapshot().active_now, 1);
+    task.abort();
+    c.assert_drained().await;
+    assert!(c.kv_requests().1.is_empty(), "the client left before hop 2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deciders_choose_which_requests_take_the_prefill_hop() {
+    let short = "a short prompt"; // 14 tokens
+    let long: String = (0..200).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    // (decider, prompts, disaggregated)
+    let cases: &[(&str, &[&str], f64)] = &[
+        ("never", &[short, long.as_str(), short], 0.0),
+        ("64", &[short, long.as_str()], 1.0),
+        ("always", &[short], 1.0),
+    ];
+    for &(decider, prompts, want) in cases {
+        let c = disagg_cluster(1, 1, 20.0, |config| config.decider = decider.to_owned()).await;
+        for p in prompts {
+            let body = serde_json::to_vec(&json!({"prompt": p, "max_tokens": 3})).unwrap();
+            let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+            assert_eq!(status, 200, "{decider}: {}", String::from_utf8_lossy(&out));
+            let out: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(out["usage"]["completion_tokens"], 3);
+        }
+        let metrics = c.http.get("/metrics").await;
+        assert_eq!(
+            metric(&metrics, "kvroute_disaggregated_requests_total", ""),
+            want,
+            "{decider}"
+        );
+        let (hop1, hop2) = c.kv_requests();
+        assert_eq!((hop1.len() as f64, hop2.len() as f64), (want, want), "{decider}");
+        assert_eq!(
+            c.mock_metric("kvroute_mock_remote_decode_requests_total").await,
+            want,
+            "{decider}: nothing else reached the prefill worker"
+        );
+        assert_eq!(
+            c.mock_metric("vllm:request_success_total").await,
+            prompts.len() as f64 + want,
+            "{decider}: every request ran once on the decode worker, plus its prefills"
+        );
+        c.assert_drained().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
+    let long: String = (0..1500)
+        .map(|i| char::from(b'a' + (i * 11 % 26) as u8))
+        .collect();
+    // (engine max_model_len, engine speedup, proxy request timeout ms, status, error code, in
+    // the message)
+    let cases = [
+        // The prefill worker refuses the prompt (400): a 502 naming its answer.
+        (
+            1000,
+            20.0,
+            600_000,
+            502,
+            "prefill_failed",
+            "answered 400 Bad Request",
+        ),
+        // The prefill worker is too slow for the request timeout.
+        (
+            131_072,
+            0.01,
+            100,
+            504,
+            "prefill_timeout",
+            "did not answer in time",
+        ),
+    ];
+    for (max_model_len, speedup, timeout_ms, status, code, says) in cases {
+        let mut mc = MockConfig::new(1);
+        mc.prefill_workers = 1;
+        mc.engine.speedup = speedup;
+        mc.engine.max_model_len = max_model_len;
+        let c = cluster_of(mc, |config| config.request_timeout_ms = timeout_ms).await;
+        let body = serde_json::to_vec(&json!({"prompt": long, "max_tokens": 4, "stream": true})).unwrap();
+        let (got, _, out) = c.http.request("POST", "/v1/completions", body).await;
+        assert_eq!(got, status, "{code}: {}", String::from_utf8_lossy(&out));
+        let err: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(err["error"]["code"], code, "{err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("prefill worker") && message.contains(says),
+            "{message}"
+        );
+        assert!(c.kv_requests().1.is_empty(), "{code}: no hop 2");
+        c.assert_drained().await;
+        let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+        assert_eq!(
+            workers["workers"][0]["routable"], true,
+            "{code}: a prefill worker that answered stays in routing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_waits_for_free_blocks_on_a_full_decode_worker() {
+    // 30 blocks per engine: one 320-token prompt (20 blocks) decoding 40 tokens holds 20 to
+    // 23, so the second import (20 more) waits until the first request frees its blocks. The
+    // prefill worker, as small, prefills them one after the other.
+    let mut mc = MockConfig::new(1);
+    mc.prefill_workers = 1;
+    mc.engine.speedup = 20.0;
+    mc.engine.num_blocks = 30;
+    mc.engine.max_model_len = 480;
+    let c = cluster_of(mc, |_| {}).await;
+    let mut tasks = Vec::new();
+    for k in 0..2u8 {
+        let prompt: String = (0..320)
+            .map(|i| char::from(b'a' + ((i * 7 + usize::from(k)) % 26) as u8))
+            .collect();
+        let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 40})).unwrap();
+        let http = reqwest_lite::Http::new(c.proxy.url());
+        tasks.push(tokio::spawn(async move {
+            http.request("POST", "/v1/completions", body).await
+        }));
+    }
+    for t in tasks {
+        let (status, _, out) = t.await.unwrap();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out["usage"]["completion_tokens"], 40);
+    }
+    assert_eq!(c.mock_metric("kvroute_mock_kv_imports_total").await, 2.0);
+    assert_eq!(
+        c.mock_metric("kvroute_mock_kv_import_transfer_blocks_total")
+            .await,
+        40.0,
+        "20 blocks each, none cached"
+    );
+    assert_eq!(c.mock_metric("kvroute_mock_kv_import_waits_total").await, 1.0);
+    c.assert_drained().await;
+}

@@ -33,9 +33,13 @@ pub struct DemoArgs {
     /// Speed-up of arrivals and engines alike.
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
-    /// Mock workers.
+    /// Mock workers (decode workers with `--prefill`).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
+    /// Prefill workers, before the `--workers` ones, which then decode: the disaggregated
+    /// two-hop flow, live and simulated (the simulator's default KV link and decider).
+    #[arg(long, default_value_t = 0)]
+    pub prefill: usize,
     /// Routing policy.
     #[arg(long, default_value = "kv")]
     pub policy: String,
@@ -63,15 +67,23 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let trace = || BufReader::new(GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
-    let mut sim = SimConfig::new(args.workers);
+    let mut sim = if args.prefill > 0 {
+        SimConfig::disaggregated(args.prefill, args.workers)
+    } else {
+        SimConfig::new(args.workers)
+    };
     sim.router.policy = kvroute_core::router::PolicyConfig::from_name(&args.policy)?;
     sim.sample_interval = None;
     let workload = kvroute_sim::trace::read_mooncake(trace(), 512, sim.engine.block_size, Some(args.limit))?;
     let requests = kvroute_sim::trace::read_mooncake_tokens(trace(), 512, Some(args.limit))?;
+    let fleet = if args.prefill > 0 {
+        format!("{} prefill + {} decode workers", args.prefill, args.workers)
+    } else {
+        format!("{} workers", args.workers)
+    };
     eprintln!(
-        "demo: {} requests of the example trace, {} workers, policy {}, {}x speed",
+        "demo: {} requests of the example trace, {fleet}, policy {}, {}x speed",
         requests.len(),
-        args.workers,
         args.policy,
         args.speedup
     );
@@ -90,6 +102,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
 async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> anyhow::Result<Report> {
     let model = Arc::new(Model::tiny()?);
     let mut mc = MockConfig::new(args.workers);
+    mc.prefill_workers = args.prefill;
+    mc.transfer = sim.transfer;
     mc.engine = sim.engine.clone();
     mc.engine.speedup = sim.engine.speedup * args.speedup;
     let mocks = mock::start(&mc, Arc::clone(&model)).await?;
@@ -234,7 +248,8 @@ fn report(
     let c = &snapshot.counters;
     let mut r = Report::default();
     r.push("policy", Value::Text(args.policy.clone()));
-    r.count("num_workers", args.workers as u64);
+    let workers = args.prefill + args.workers;
+    r.count("num_workers", workers as u64);
     r.count("num_requests", measured.len() as u64);
     r.count("completed_requests", done.len() as u64);
     r.count("rejected_requests", (measured.len() - done.len()) as u64);
@@ -253,6 +268,6 @@ fn report(
         ratio(c.overlap_blocks, c.prompt_blocks),
     );
     r.count("kv_events_lost", lost);
-    r.float("gpu_hours", args.workers as f64 * duration_s / 3600.0);
+    r.float("gpu_hours", workers as f64 * duration_s / 3600.0);
     r
 }

@@ -293,17 +293,9 @@ fn kv_transfer(args: &ReplayArgs) -> anyhow::Result<KvTransfer> {
     })
 }
 
-/// `never`, `always` or a threshold in tokens.
+/// `never`, `always` or a threshold in tokens ([`Decider::from_name`]).
 fn parse_decider(s: &str) -> anyhow::Result<Decider> {
-    Ok(match s {
-        "never" => Decider::Never,
-        "always" => Decider::Always,
-        n => Decider::PrefixThreshold {
-            uncached_tokens: n
-                .parse()
-                .with_context(|| format!("--decider {s:?}: never, always or a token count"))?,
-        },
-    })
+    Decider::from_name(s).with_context(|| format!("--decider {s:?}"))
 }
 
 /// A policy spec: a name, then for the cost policies (`kv`, `dynamo`) optional `:`-separated

@@ -23,7 +23,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub listen: Option<String>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
-    /// [,capacity=BLOCKS][,max-requests=N]`. Repeat for several; replaces the file's workers.
+    /// [,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]`. Repeat for several;
+    /// replaces the file's workers.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
     /// Model name served. Default `tiny`.
@@ -40,6 +41,11 @@ pub struct ServeArgs {
     /// Tokens per KV block, as the engines use. Default 16.
     #[arg(long)]
     pub block_size: Option<u32>,
+    /// Disaggregation decider, for requests routed to `role=decode` workers: `always` (prefill
+    /// on a prefill worker first), `never`, or N (when more than N prompt tokens are uncached
+    /// on the chosen decode worker). Default always.
+    #[arg(long)]
+    pub decider: Option<String>,
     /// Cache view: events, predict or approximate. Default events.
     #[arg(long)]
     pub cache: Option<String>,
@@ -80,7 +86,7 @@ impl ServeArgs {
             }
             None => ServeConfig::default(),
         };
-        over!(config, self; listen, model_name, policy, block_size, cache, queue_capacity,
+        over!(config, self; listen, model_name, policy, block_size, decider, cache, queue_capacity,
             max_body_bytes, max_prompt_tokens, health_interval_ms, threads);
         if self.model_dir.is_some() {
             config.model_dir = self.model_dir.clone();
@@ -137,9 +143,23 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// The options of `kvroute mock`.
 #[derive(Args, Debug)]
 pub struct MockArgs {
-    /// Mock workers to run.
+    /// Mock workers to run (decode workers with `--prefill`, aggregated ones without).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
+    /// Prefill workers, started first (ports before the others'); the `--workers` then have
+    /// role `decode`. Every mock speaks both sides of vLLM's kv_transfer_params protocol; the
+    /// role is what the printed serve command tells the proxy. Default 0.
+    #[arg(long, default_value_t = 0)]
+    pub prefill: usize,
+    /// KV link bandwidth of imports (remote prefills), GB/s (10^9 bytes). Default 64.
+    #[arg(long)]
+    pub kv_transfer_gbps: Option<f64>,
+    /// Fixed latency of a KV transfer, ms. Default 0.05.
+    #[arg(long)]
+    pub kv_transfer_latency_ms: Option<f64>,
+    /// KV bytes per token. Default 131072 (Llama-3.1-8B in fp16).
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u64>,
     /// HTTP port of the first worker; worker i listens on PORT+i (0: free ports).
     #[arg(long, default_value_t = 8001)]
     pub port: u16,
@@ -190,6 +210,22 @@ pub fn encoding(s: &str) -> anyhow::Result<EventEncoding> {
 pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     init_logging();
     let mut config = MockConfig::new(args.workers);
+    config.prefill_workers = args.prefill;
+    let d = config.transfer;
+    config.transfer = mock::KvTransfer {
+        bandwidth_bytes_per_s: args.kv_transfer_gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
+        bytes_per_token: args.kv_bytes_per_token.unwrap_or(d.bytes_per_token),
+        base_latency: match args.kv_transfer_latency_ms {
+            Some(ms) => {
+                std::time::Duration::try_from_secs_f64(ms / 1e3).context("--kv-transfer-latency-ms")?
+            }
+            None => d.base_latency,
+        },
+    };
+    anyhow::ensure!(
+        config.transfer.bandwidth_bytes_per_s.is_finite() && config.transfer.bandwidth_bytes_per_s > 0.0,
+        "--kv-transfer-gbps must be positive"
+    );
     config.host = args.host;
     config.port = args.port;
     config.event_port = args.event_port;
@@ -211,6 +247,9 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
             let mut flag = w.url();
             if let (Some(e), Some(r)) = (&w.events_endpoint, &w.replay_endpoint) {
                 flag.push_str(&format!(",events={e},replay={r}"));
+            }
+            if w.role != kvroute_core::router::WorkerRole::Aggregated {
+                flag.push_str(&format!(",role={}", w.role));
             }
             eprintln!("mock worker: {flag}");
             flags.push(format!("--worker {flag}"));

@@ -40,7 +40,25 @@ pub enum Decider {
     },
 }
 
+/// A decider name that is none of `never`, `always` or a token count.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown decider {0:?}: never, always, or a threshold in uncached tokens")]
+pub struct UnknownDecider(pub String);
+
 impl Decider {
+    /// The decider a name stands for, the vocabulary of every front end (`kvroute replay
+    /// --decider`, `kvroute serve --decider`): `never`, `always`, or a number N, the
+    /// [`Decider::PrefixThreshold`] of N uncached tokens.
+    pub fn from_name(name: &str) -> Result<Self, UnknownDecider> {
+        Ok(match name.trim() {
+            "never" => Self::Never,
+            "always" => Self::Always,
+            n => Self::PrefixThreshold {
+                uncached_tokens: n.parse().map_err(|_| UnknownDecider(name.to_owned()))?,
+            },
+        })
+    }
+
     /// Whether to disaggregate a prompt of `prompt_tokens` with `cached_blocks` blocks of
     /// `block_size` tokens cached on the chosen decode worker.
     pub fn disaggregate(&self, prompt_tokens: u64, cached_blocks: u32, block_size: u32) -> bool {
@@ -72,5 +90,21 @@ mod tests {
         assert!(Decider::PrefixThreshold { uncached_tokens: 0 }.disaggregate(1, 0, 16));
         assert!(!Decider::Never.disaggregate(1 << 20, 0, 16));
         assert!(Decider::Always.disaggregate(0, 0, 16));
+    }
+
+    #[test]
+    fn names() {
+        let cases = [
+            ("never", Some(Decider::Never)),
+            ("always", Some(Decider::Always)),
+            ("512", Some(Decider::PrefixThreshold { uncached_tokens: 512 })),
+            ("0", Some(Decider::PrefixThreshold { uncached_tokens: 0 })),
+            ("-1", None),
+            ("sometimes", None),
+            ("", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(Decider::from_name(name).ok(), want, "{name:?}");
+        }
     }
 }

@@ -76,7 +76,7 @@ pub use crate::index::{KvEvent, stored_blocks};
 pub use busy::BusyThresholds;
 pub use config::{CacheMode, ConfigError, RouterConfig};
 pub use cost::{CostParams, cost};
-pub use disagg::Decider;
+pub use disagg::{Decider, UnknownDecider};
 pub use load::{
     ActiveDepth, DecodeProjection, PrefillLoadHint, PrefillModel, Projection, WorkerLoad,
     effective_prefill_tokens, project,
