@@ -11,8 +11,10 @@
 //! `kv_transfer_params` to the decode worker, whose response streams back as above. The
 //! prefill's answer is the router's first token (the prefill worker's load is freed then, as
 //! the simulator does on the prefill engine's first token); the client's time to first token
-//! is measured to hop 2's first chunk. A failed hop 1 (connect error, non-2xx, timeout) ends
-//! the request with an OpenAI-shaped 502 (504 on timeout).
+//! is measured to hop 2's first chunk. A prefill worker that cannot be reached is taken out of
+//! routing and the request routed once more, as for any worker; any other failure of hop 1
+//! (non-2xx, a broken response, a timeout, or a second connect failure) ends the request with
+//! an OpenAI-shaped 502 (504 on timeout).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -337,13 +339,22 @@ async fn forward(
                 .overhead_total
                 .observe(t0.elapsed().as_secs_f64() * 1e3);
         }
-        // A disaggregated request: hop 1 to its prefill worker first. Any failure there ends
-        // the request; the guard, dropped with it, frees its load (so does a client leaving).
+        // A disaggregated request: hop 1 to its prefill worker first. A connect failure on the
+        // first attempt routes the request again (the unreachable worker is out of routing by
+        // then); any other failure ends the request. The guard, dropped either way, frees its
+        // load (so does a client leaving).
         let (body, request_id) = match &target.prefill {
             None => (body.clone(), None),
             Some(prefill) => {
                 let request_id = app.request_id(guard.id());
-                let params = prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await?;
+                let params = match prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await {
+                    Ok(params) => params,
+                    Err(HopError::Connect(_)) if attempt == 0 => {
+                        shared.metrics.upstream_retries.inc();
+                        continue;
+                    }
+                    Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
+                };
                 guard.prefill_done();
                 let decode =
                     disagg::decode_body(&body, params).map_err(|e| ApiError::bad_request("body", e))?;
@@ -426,6 +437,13 @@ fn upstream_request(
 /// The largest prefill response read (one token, and the KV's block ids).
 const MAX_PREFILL_RESPONSE: usize = 16 << 20;
 
+/// How hop 1 failed: before the prefill worker was reached (the request may be routed again),
+/// or after.
+enum HopError {
+    Connect(ApiError),
+    Failed(ApiError),
+}
+
 /// Hop 1 of a disaggregated request: the prefill-only request to `prefill`, read whole within
 /// `timeout`; returns the `kv_transfer_params` its response carries. A connect failure also
 /// takes the worker out of routing (health checks bring it back).
@@ -436,9 +454,10 @@ async fn prefill_hop(
     body: &[u8],
     request_id: &str,
     timeout: Duration,
-) -> Result<Option<serde_json::Value>, ApiError> {
-    let hop = disagg::prefill_body(body).map_err(|e| ApiError::bad_request("body", e))?;
-    let request = upstream_request(prefill, endpoint, Bytes::from(hop), Some(request_id))?;
+) -> Result<Option<serde_json::Value>, HopError> {
+    let hop = disagg::prefill_body(body).map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
+    let request =
+        upstream_request(prefill, endpoint, Bytes::from(hop), Some(request_id)).map_err(HopError::Failed)?;
     let failed = |message: String| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
@@ -449,33 +468,36 @@ async fn prefill_hop(
     };
     let exchange = async {
         let response = app.client.request(request).await.map_err(|e| {
+            let error = failed(format!("request failed: {e}"));
             if e.is_connect() {
                 tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
                 app.shared.set_health(prefill.worker, false);
+                HopError::Connect(error)
+            } else {
+                HopError::Failed(error)
             }
-            failed(format!("request failed: {e}"))
         })?;
         let status = response.status();
         let bytes = Limited::new(response.into_body(), MAX_PREFILL_RESPONSE)
             .collect()
             .await
-            .map_err(|e| failed(format!("reading the response: {e}")))?
+            .map_err(|e| HopError::Failed(failed(format!("reading the response: {e}"))))?
             .to_bytes();
         if !status.is_success() {
             let text = String::from_utf8_lossy(&bytes);
             let text: String = text.chars().take(300).collect();
-            return Err(failed(format!("answered {status}: {text}")));
+            return Err(HopError::Failed(failed(format!("answered {status}: {text}"))));
         }
         Ok(disagg::kv_transfer_params(&bytes))
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(result) => result,
-        Err(_) => Err(ApiError::new(
+        Err(_) => Err(HopError::Failed(ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_error",
             "prefill_timeout",
             format!("the prefill worker {} did not answer in time", prefill.base),
-        )),
+        ))),
     }
 }
 

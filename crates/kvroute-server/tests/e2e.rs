@@ -741,11 +741,44 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_prefill_worker_fails_the_request_cleanly_and_frees_its_load() {
+async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
     let c = disagg_cluster(1, 1, 20.0, |_| {}).await;
     c.mocks[0].kill();
     let body = serde_json::to_vec(&json!({"prompt": "to a dead prefill worker", "max_tokens": 4})).unwrap();
+    // Hop 1 cannot connect: the prefill worker leaves routing and the request is routed once
+    // more, to the decode worker alone, which prefills itself.
     let (status, _, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(out["usage"]["completion_tokens"], 4, "{out}");
+    c.assert_drained().await;
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(
+        metric(&metrics, "kvroute_disaggregated_requests_total", ""),
+        1.0,
+        "only the first routing chose the prefill worker"
+    );
+    assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+        2.0
+    );
+    assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
+    // Two prefill workers, both dead, and a decider that always disaggregates: the retry meets
+    // the second dead worker, and the request ends with a 502 naming it.
+    let c = disagg_cluster(2, 1, 20.0, |config| config.decider = "always".to_owned()).await;
+    c.mocks[0].kill();
+    c.mocks[1].kill();
+    let body =
+        serde_json::to_vec(&json!({"prompt": "to two dead prefill workers", "max_tokens": 4})).unwrap();
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&out));
     let err: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(err["error"]["code"], "prefill_failed", "{err}");
@@ -756,13 +789,9 @@ async fn a_dead_prefill_worker_fails_the_request_cleanly_and_frees_its_load() {
             .unwrap()
             .contains("prefill worker")
     );
-    c.assert_drained().await;
-    // The unreachable prefill worker is out of routing: the decode worker prefills itself.
-    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
     let metrics = c.http.get("/metrics").await;
-    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 1.0);
-    assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
+    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 2.0);
+    assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
     c.assert_drained().await;
 }
 
