@@ -227,6 +227,11 @@ pub struct ServeConfig {
     pub health_interval_ms: u64,
     /// Timeout of one health check. Default 1,000 ms.
     pub health_timeout_ms: u64,
+    /// Failed health checks in a row that take a worker out of routing. Default 3. (A request
+    /// that cannot connect to a worker takes it out at once.)
+    pub health_failure_threshold: u32,
+    /// Passing health checks in a row that bring an unhealthy worker back. Default 2.
+    pub health_success_threshold: u32,
     /// Runtime worker threads (0: one per core). Default 0.
     pub threads: usize,
     /// The workers.
@@ -253,6 +258,8 @@ impl Default for ServeConfig {
             connect_timeout_ms: 2_000,
             health_interval_ms: 5_000,
             health_timeout_ms: 1_000,
+            health_failure_threshold: 3,
+            health_success_threshold: 2,
             threads: 0,
             workers: Vec::new(),
         }
@@ -279,6 +286,12 @@ impl ServeConfig {
         }
         if self.health_interval_ms > 0 && self.health_timeout_ms == 0 {
             return Err(invalid("health_timeout_ms", "must be at least 1 ms"));
+        }
+        if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
+            return Err(invalid(
+                "health_failure_threshold/health_success_threshold",
+                "must be at least 1",
+            ));
         }
         let policy = PolicyConfig::from_name(&self.policy).map_err(|e| invalid("policy", e.to_string()))?;
         let cache = match self.cache.as_str() {

@@ -204,8 +204,8 @@ async fn ticker(shared: Arc<Shared>) {
     }
 }
 
-/// Checks every worker's `/health` periodically; a failed check takes it out of routing, a
-/// passing one brings it back.
+/// Checks every worker's `/health` periodically; enough failed checks in a row take it out of
+/// routing, enough passing ones bring it back ([`Shared::record_check`]).
 async fn health_checks(shared: Arc<Shared>, client: HttpClient) {
     let interval = ServeConfig::ms(shared.config.health_interval_ms);
     let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
@@ -219,7 +219,7 @@ async fn health_checks(shared: Arc<Shared>, client: HttpClient) {
                 ),
                 Err(_) => false,
             };
-            shared.set_health(id, ok);
+            shared.record_check(id, ok);
         }
     }
 }
@@ -376,7 +376,7 @@ async fn forward(
                 tracing::warn!(worker = decode.worker.0, error = %e, "connect failed; retrying on another worker");
                 shared.metrics.upstream_retries.inc();
                 drop(guard);
-                shared.set_health(decode.worker, false);
+                shared.mark_unreachable(decode.worker);
                 continue;
             }
             Ok(Err(e)) => {
@@ -471,7 +471,7 @@ async fn prefill_hop(
             let error = failed(format!("request failed: {e}"));
             if e.is_connect() {
                 tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
-                app.shared.set_health(prefill.worker, false);
+                app.shared.mark_unreachable(prefill.worker);
                 HopError::Connect(error)
             } else {
                 HopError::Failed(error)

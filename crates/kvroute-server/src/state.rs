@@ -54,8 +54,12 @@ pub struct WorkerEntry {
     pub in_router: bool,
     /// Whether it was drained by an operator (it leaves routing for good).
     pub draining: bool,
-    /// The last health check's verdict.
+    /// Whether it is counted healthy (see [`Shared::record_check`]).
     pub healthy: bool,
+    /// Health checks passed in a row (counts up to `health_success_threshold` when unhealthy).
+    pub checks_passed: u32,
+    /// Health checks failed in a row (counts up to `health_failure_threshold` when healthy).
+    pub checks_failed: u32,
 }
 
 /// A worker as the admin API lists it.
@@ -299,6 +303,8 @@ impl Shared {
                 in_router: false,
                 draining: false,
                 healthy: true,
+                checks_passed: 0,
+                checks_failed: 0,
             },
         );
         self.enter(&mut inner, id);
@@ -397,10 +403,42 @@ impl Shared {
         Some(w.config)
     }
 
-    /// Records a health verdict: a failed worker leaves routing, a recovered one comes back
-    /// with an empty cache view (a worker that died lost its cache).
-    pub fn set_health(&self, id: WorkerId, healthy: bool) {
+    /// Takes a worker that could not be reached out of routing at once; it comes back after
+    /// `health_success_threshold` passing health checks in a row.
+    pub fn mark_unreachable(&self, id: WorkerId) {
         let mut inner = self.lock();
+        if let Some(w) = inner.workers.get_mut(&id) {
+            w.checks_passed = 0;
+        }
+        self.set_health(&mut inner, id, false);
+    }
+
+    /// Records one health check: a healthy worker leaves routing after
+    /// `health_failure_threshold` failed checks in a row, an unhealthy one comes back after
+    /// `health_success_threshold` passing checks in a row, so one slow answer does not drop a
+    /// worker's cache view and one lucky answer does not bring a failing worker back.
+    pub fn record_check(&self, id: WorkerId, passed: bool) {
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else {
+            return;
+        };
+        let flip = if passed {
+            w.checks_failed = 0;
+            w.checks_passed = w.checks_passed.saturating_add(1);
+            !w.healthy && w.checks_passed >= self.config.health_success_threshold
+        } else {
+            w.checks_passed = 0;
+            w.checks_failed = w.checks_failed.saturating_add(1);
+            w.healthy && w.checks_failed >= self.config.health_failure_threshold
+        };
+        if flip {
+            self.set_health(&mut inner, id, passed);
+        }
+    }
+
+    /// A health verdict: a failed worker leaves routing, a recovered one comes back with an
+    /// empty cache view (a worker that died lost its cache).
+    fn set_health(&self, inner: &mut Inner, id: WorkerId, healthy: bool) {
         let Some(w) = inner.workers.get_mut(&id) else {
             return;
         };
@@ -410,10 +448,10 @@ impl Shared {
         w.healthy = healthy;
         if healthy {
             tracing::info!(worker = id.0, "worker healthy again; back in routing");
-            self.enter(&mut inner, id);
+            self.enter(inner, id);
         } else {
             tracing::warn!(worker = id.0, "worker failed; out of routing");
-            self.leave(&mut inner, id);
+            self.leave(inner, id);
         }
     }
 
@@ -669,5 +707,60 @@ impl Drop for RequestGuard {
         {
             self.shared.dispatch(&mut inner, out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared() -> (Arc<Shared>, WorkerId) {
+        let config = ServeConfig::default();
+        let router = Router::new(config.validate().unwrap()).unwrap();
+        let shared = Shared::new(router, config, Metrics::new());
+        let id = shared
+            .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:1").unwrap())
+            .unwrap();
+        (shared, id)
+    }
+
+    fn routable(shared: &Shared) -> bool {
+        shared.worker_statuses()[0].routable
+    }
+
+    #[test]
+    fn health_checks_flip_a_worker_only_after_enough_in_a_row() {
+        // Defaults: out after 3 failed checks in a row, back after 2 passing ones in a row.
+        // (checks, routable after each)
+        let script: &[(bool, bool)] = &[
+            (false, true),
+            (false, true),
+            (true, true), // the streak of failures is broken
+            (false, true),
+            (false, true),
+            (false, false), // third in a row: out
+            (true, false),
+            (false, false), // the streak of passes is broken
+            (true, false),
+            (true, true), // second in a row: back
+            (true, true),
+        ];
+        let (shared, id) = shared();
+        for (step, &(passed, want)) in script.iter().enumerate() {
+            shared.record_check(id, passed);
+            assert_eq!(routable(&shared), want, "after check {step} ({passed})");
+        }
+    }
+
+    #[test]
+    fn an_unreachable_worker_leaves_at_once_and_needs_fresh_passes_to_return() {
+        let (shared, id) = shared();
+        shared.record_check(id, true);
+        shared.mark_unreachable(id);
+        assert!(!routable(&shared));
+        shared.record_check(id, true);
+        assert!(!routable(&shared), "a pass before the failure does not count");
+        shared.record_check(id, true);
+        assert!(routable(&shared));
     }
 }

@@ -64,6 +64,12 @@ pub struct ServeArgs {
     /// Health-check interval, ms (0: off). Default 5000.
     #[arg(long)]
     pub health_interval_ms: Option<u64>,
+    /// Failed health checks in a row that take a worker out of routing. Default 3.
+    #[arg(long)]
+    pub health_failure_threshold: Option<u32>,
+    /// Passing health checks in a row that bring an unhealthy worker back. Default 2.
+    #[arg(long)]
+    pub health_success_threshold: Option<u32>,
     /// Runtime worker threads (0: one per core). Default 0.
     #[arg(long)]
     pub threads: Option<usize>,
@@ -87,7 +93,8 @@ impl ServeArgs {
             None => ServeConfig::default(),
         };
         over!(config, self; listen, model_name, policy, block_size, decider, cache, queue_capacity,
-            max_body_bytes, max_prompt_tokens, health_interval_ms, threads);
+            max_body_bytes, max_prompt_tokens, health_interval_ms, health_failure_threshold,
+            health_success_threshold, threads);
         if self.model_dir.is_some() {
             config.model_dir = self.model_dir.clone();
         }
