@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 
 use async_openai::Client;
 use async_openai::config::OpenAIConfig;
-use async_openai::types::chat::{ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequestArgs};
-use async_openai::types::completions::CreateCompletionRequestArgs;
+use async_openai::types::chat::{
+    ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequest, CreateChatCompletionRequestArgs,
+};
+use async_openai::types::completions::{CreateCompletionRequest, CreateCompletionRequestArgs};
 use futures_util::StreamExt;
 use kvroute_server::mock::{self, MockConfig, MockWorker};
 use kvroute_server::{Model, ProxyHandle, ServeConfig};
@@ -147,51 +149,45 @@ fn metric(text: &str, name: &str, label: &str) -> f64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chat_and_completions_streaming_and_not() {
-    let c = cluster(2, 20.0, |_| {}).await;
-    let client = c.client();
-
-    let chat = CreateChatCompletionRequestArgs::default()
+/// A chat request for the tiny model: one user message, `max_tokens` tokens.
+fn chat_request(content: &str, max_tokens: u32) -> CreateChatCompletionRequest {
+    CreateChatCompletionRequestArgs::default()
         .model("tiny")
-        .max_tokens(8u32)
+        .max_tokens(max_tokens)
         .messages([ChatCompletionRequestUserMessageArgs::default()
-            .content("Hello there, router.")
+            .content(content)
             .build()
             .unwrap()
             .into()])
         .build()
-        .unwrap();
-    let response = client.chat().create(chat.clone()).await.unwrap();
-    let text = response.choices[0].message.content.clone().unwrap();
-    assert_eq!(text.len(), 8, "one ASCII letter per generated token: {text:?}");
-    let usage = response.usage.unwrap();
-    assert_eq!(usage.completion_tokens, 8);
-    assert!(usage.prompt_tokens > 20);
+        .unwrap()
+}
 
+/// A completion request for the tiny model.
+fn completion_request(prompt: &str, max_tokens: u32) -> CreateCompletionRequest {
+    CreateCompletionRequestArgs::default()
+        .model("tiny")
+        .prompt(prompt)
+        .max_tokens(max_tokens)
+        .build()
+        .unwrap()
+}
+
+/// Streams `chat` and returns the text and the number of chunks.
+async fn stream_chat(client: &Client<OpenAIConfig>, chat: CreateChatCompletionRequest) -> (String, usize) {
     let mut stream = client.chat().create_stream(chat).await.unwrap();
-    let mut streamed = String::new();
-    let mut chunks = 0;
+    let (mut text, mut chunks) = (String::new(), 0);
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.unwrap();
-        for choice in chunk.choices {
-            streamed.push_str(choice.delta.content.as_deref().unwrap_or(""));
+        for choice in chunk.unwrap().choices {
+            text.push_str(choice.delta.content.as_deref().unwrap_or(""));
         }
         chunks += 1;
     }
-    assert_eq!(streamed.len(), 8);
-    assert!(chunks >= 8, "tokens arrive as separate chunks ({chunks})");
+    (text, chunks)
+}
 
-    let completion = CreateCompletionRequestArgs::default()
-        .model("tiny")
-        .prompt("Once upon a time")
-        .max_tokens(5u32)
-        .build()
-        .unwrap();
-    let response = client.completions().create(completion.clone()).await.unwrap();
-    assert_eq!(response.choices[0].text.len(), 5);
-    let usage = response.usage.unwrap();
-    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (16, 5));
+/// Streams `completion` and returns the text.
+async fn stream_completion(client: &Client<OpenAIConfig>, completion: CreateCompletionRequest) -> String {
     let mut stream = client.completions().create_stream(completion).await.unwrap();
     let mut text = String::new();
     while let Some(chunk) = stream.next().await {
@@ -199,7 +195,31 @@ async fn chat_and_completions_streaming_and_not() {
             text.push_str(&choice.text);
         }
     }
-    assert_eq!(text.len(), 5);
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_streaming_and_not() {
+    let c = cluster(2, 20.0, |_| {}).await;
+    let client = c.client();
+
+    let chat = chat_request("Hello there, router.", 8);
+    let response = client.chat().create(chat.clone()).await.unwrap();
+    let text = response.choices[0].message.content.clone().unwrap();
+    assert_eq!(text.len(), 8, "one ASCII letter per generated token: {text:?}");
+    let usage = response.usage.unwrap();
+    assert_eq!(usage.completion_tokens, 8);
+    assert!(usage.prompt_tokens > 20);
+    let (streamed, chunks) = stream_chat(&client, chat).await;
+    assert_eq!(streamed.len(), 8);
+    assert!(chunks >= 8, "tokens arrive as separate chunks ({chunks})");
+
+    let completion = completion_request("Once upon a time", 5);
+    let response = client.completions().create(completion.clone()).await.unwrap();
+    assert_eq!(response.choices[0].text.len(), 5);
+    let usage = response.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (16, 5));
+    assert_eq!(stream_completion(&client, completion).await.len(), 5);
 
     let models: Value = serde_json::from_str(&c.http.get("/v1/models").await).unwrap();
     assert_eq!(models["data"][0]["id"], "tiny");
@@ -233,12 +253,7 @@ async fn a_repeated_long_prompt_lands_on_the_worker_that_cached_it() {
     let client = c.client();
     // 1,600 bytes: 100 full blocks of 16 tokens with the byte-level tiny tokenizer.
     let prompt: String = (0..1600).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
-    let request = CreateCompletionRequestArgs::default()
-        .model("tiny")
-        .prompt(prompt.as_str())
-        .max_tokens(2u32)
-        .build()
-        .unwrap();
+    let request = completion_request(&prompt, 2);
     let first = client.completions().create(request.clone()).await.unwrap();
     let cached_first = first
         .usage
@@ -317,12 +332,7 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
     // Real time: a 2,000-token output takes seconds, time enough to kill the worker.
     let c = cluster(2, 1.0, |_| {}).await;
     let client = c.client();
-    let request = CreateCompletionRequestArgs::default()
-        .model("tiny")
-        .prompt("stream me a long story")
-        .max_tokens(2000u32)
-        .build()
-        .unwrap();
+    let request = completion_request("stream me a long story", 2000);
     let mut stream = client.completions().create_stream(request).await.unwrap();
     // Wait for a few tokens, then find the worker serving it and kill it.
     for _ in 0..3 {
@@ -597,36 +607,16 @@ impl Cluster {
 async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
     let c = disagg_cluster(2, 2, 20.0, |_| {}).await;
     let client = c.client();
-    let chat = CreateChatCompletionRequestArgs::default()
-        .model("tiny")
-        .max_tokens(8u32)
-        .messages([ChatCompletionRequestUserMessageArgs::default()
-            .content("Hello there, disaggregated router.")
-            .build()
-            .unwrap()
-            .into()])
-        .build()
-        .unwrap();
+    let chat = chat_request("Hello there, disaggregated router.", 8);
     let response = client.chat().create(chat.clone()).await.unwrap();
     assert_eq!(response.choices[0].message.content.as_deref().unwrap().len(), 8);
     assert_eq!(response.usage.unwrap().completion_tokens, 8);
-    let mut stream = client.chat().create_stream(chat).await.unwrap();
-    let mut streamed = String::new();
-    while let Some(chunk) = stream.next().await {
-        for choice in chunk.unwrap().choices {
-            streamed.push_str(choice.delta.content.as_deref().unwrap_or(""));
-        }
-    }
+    let (streamed, _) = stream_chat(&client, chat).await;
     assert_eq!(streamed.len(), 8, "{streamed:?}");
 
     // 320 bytes: 20 full blocks of the byte-level tiny tokenizer.
     let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 3 % 26) as u8)).collect();
-    let completion = CreateCompletionRequestArgs::default()
-        .model("tiny")
-        .prompt(prompt.as_str())
-        .max_tokens(5u32)
-        .build()
-        .unwrap();
+    let completion = completion_request(&prompt, 5);
     let response = client.completions().create(completion.clone()).await.unwrap();
     assert_eq!(response.choices[0].text.len(), 5);
     let usage = response.usage.unwrap();
@@ -651,14 +641,7 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut stream = client.completions().create_stream(completion).await.unwrap();
-    let mut text = String::new();
-    while let Some(chunk) = stream.next().await {
-        for choice in chunk.unwrap().choices {
-            text.push_str(&choice.text);
-        }
-    }
-    assert_eq!(text.len(), 5);
+    assert_eq!(stream_completion(&client, completion).await.len(), 5);
     // The cached tokens of an import, through the raw API (usage in the stream).
     let body = json!({"prompt": prompt, "max_tokens": 3, "min_tokens": 3});
     let (status, _, out) = c

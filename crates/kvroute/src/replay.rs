@@ -277,20 +277,39 @@ fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
 
 /// The KV link the options describe.
 fn kv_transfer(args: &ReplayArgs) -> anyhow::Result<KvTransfer> {
-    let d = KvTransfer::default();
     let bytes_per_token = match (args.kv_bytes_per_token, &args.kv_model) {
-        (Some(b), _) => b,
-        (None, Some(name)) => KvTransfer::model_bytes_per_token(name)?,
-        (None, None) => d.bytes_per_token,
+        (Some(b), _) => Some(b),
+        (None, Some(name)) => Some(KvTransfer::model_bytes_per_token(name)?),
+        (None, None) => None,
     };
-    Ok(KvTransfer {
-        bandwidth_bytes_per_s: args.kv_transfer_gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
+    kv_link(
+        args.kv_transfer_gbps,
+        args.kv_transfer_latency_ms,
         bytes_per_token,
-        base_latency: match args.kv_transfer_latency_ms {
+    )
+}
+
+/// A KV link from the `--kv-transfer-gbps`, `--kv-transfer-latency-ms` and bytes-per-token
+/// options of `replay` and `mock`, [`KvTransfer::default`] where one is absent.
+pub(crate) fn kv_link(
+    gbps: Option<f64>,
+    latency_ms: Option<f64>,
+    bytes_per_token: Option<u64>,
+) -> anyhow::Result<KvTransfer> {
+    let d = KvTransfer::default();
+    let link = KvTransfer {
+        bandwidth_bytes_per_s: gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
+        bytes_per_token: bytes_per_token.unwrap_or(d.bytes_per_token),
+        base_latency: match latency_ms {
             Some(ms) => Duration::try_from_secs_f64(ms / 1e3).context("--kv-transfer-latency-ms")?,
             None => d.base_latency,
         },
-    })
+    };
+    anyhow::ensure!(
+        link.bandwidth_bytes_per_s.is_finite() && link.bandwidth_bytes_per_s > 0.0,
+        "--kv-transfer-gbps must be positive"
+    );
+    Ok(link)
 }
 
 /// `never`, `always` or a threshold in tokens ([`Decider::from_name`]).

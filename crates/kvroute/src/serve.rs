@@ -218,21 +218,11 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     init_logging();
     let mut config = MockConfig::new(args.workers);
     config.prefill_workers = args.prefill;
-    let d = config.transfer;
-    config.transfer = mock::KvTransfer {
-        bandwidth_bytes_per_s: args.kv_transfer_gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
-        bytes_per_token: args.kv_bytes_per_token.unwrap_or(d.bytes_per_token),
-        base_latency: match args.kv_transfer_latency_ms {
-            Some(ms) => {
-                std::time::Duration::try_from_secs_f64(ms / 1e3).context("--kv-transfer-latency-ms")?
-            }
-            None => d.base_latency,
-        },
-    };
-    anyhow::ensure!(
-        config.transfer.bandwidth_bytes_per_s.is_finite() && config.transfer.bandwidth_bytes_per_s > 0.0,
-        "--kv-transfer-gbps must be positive"
-    );
+    config.transfer = crate::replay::kv_link(
+        args.kv_transfer_gbps,
+        args.kv_transfer_latency_ms,
+        args.kv_bytes_per_token,
+    )?;
     config.host = args.host;
     config.port = args.port;
     config.event_port = args.event_port;
