@@ -10,6 +10,8 @@ use kvroute_core::router::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::disagg::DisaggProtocol;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -73,6 +75,11 @@ pub struct WorkerConfig {
     /// Concurrent requests the engine runs (vLLM `max_num_seqs`). Default 256.
     #[serde(default = "default_max_requests")]
     pub max_requests: u64,
+    /// A `prefill` worker's bootstrap server port, in SGLang's protocol (`disagg_protocol =
+    /// "sglang"`; SGLang's `--disaggregation-bootstrap-port`). None sends `null`: the engine's
+    /// default port.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 fn one() -> u32 {
@@ -101,11 +108,12 @@ impl WorkerConfig {
             role: agg(),
             capacity_blocks: default_capacity(),
             max_requests: default_max_requests(),
+            bootstrap_port: None,
         }
     }
 
     /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
-    /// [,role=R][,capacity=N][,max-requests=N]`.
+    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N]`.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         let mut parts = s.split(',');
         let mut w = Self::new(parts.next().unwrap_or_default().trim());
@@ -126,14 +134,20 @@ impl WorkerConfig {
                 "role" => w.role = v.to_owned(),
                 "capacity" => w.capacity_blocks = num(v)?,
                 "max-requests" => w.max_requests = num(v)?,
+                "bootstrap-port" => {
+                    let port = u16::try_from(num(v)?)
+                        .map_err(|_| invalid("--worker", format!("{k}={v} is not a port")))?;
+                    w.bootstrap_port = Some(port);
+                }
                 other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
             }
         }
         Ok(w)
     }
 
-    /// Checks the worker against the router's block size.
-    pub fn validate(&self, router_block_size: u32) -> Result<(), ConfigError> {
+    /// Checks the worker against the router's block size and the fleet's disaggregation
+    /// protocol.
+    pub fn validate(&self, router_block_size: u32, protocol: DisaggProtocol) -> Result<(), ConfigError> {
         let f = |name: &str| format!("worker {}: {name}", self.url);
         let uri: hyper::Uri = self.url.parse().map_err(|_| invalid(f("url"), "is not a URL"))?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
@@ -161,6 +175,17 @@ impl WorkerConfig {
         }
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));
+        }
+        if self.bootstrap_port.is_some() {
+            if self.role() != WorkerRole::Prefill {
+                return Err(invalid(f("bootstrap_port"), "only a prefill worker has one"));
+            }
+            if protocol != DisaggProtocol::Sglang {
+                return Err(invalid(
+                    f("bootstrap_port"),
+                    "is SGLang's: set disagg_protocol = \"sglang\"",
+                ));
+            }
         }
         Ok(())
     }
@@ -203,6 +228,10 @@ pub struct ServeConfig {
     /// tokens are not cached on the chosen decode worker (the core's prefix-threshold
     /// decider; the vocabulary of `kvroute replay --decider`). Default `always`.
     pub decider: String,
+    /// How prefill and decode workers hand a request's KV over: `vllm` (two hops with
+    /// `kv_transfer_params`) or `sglang` (bootstrap host, port and room, sent to both at once).
+    /// Default `vllm`.
+    pub disagg_protocol: DisaggProtocol,
     /// Where the router's cache view comes from: `events`, `predict` (events plus its own
     /// recent decisions) or `approximate` (its decisions only). Default `events`.
     pub cache: String,
@@ -248,6 +277,7 @@ impl Default for ServeConfig {
             block_size: 16,
             seed: 0,
             decider: "always".to_owned(),
+            disagg_protocol: DisaggProtocol::Vllm,
             cache: "events".to_owned(),
             queue_capacity: 1024,
             queue_timeout_ms: 30_000,
@@ -324,7 +354,7 @@ impl ServeConfig {
         };
         router.validate()?;
         for w in &self.workers {
-            w.validate(self.block_size)?;
+            w.validate(self.block_size, self.disagg_protocol)?;
         }
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         Ok(router)
@@ -391,7 +421,7 @@ mod tests {
             "http://h:1,role=prefil",
         ] {
             let w = WorkerConfig::parse_flag(bad).unwrap();
-            assert!(w.validate(16).is_err(), "{bad}");
+            assert!(w.validate(16, DisaggProtocol::Vllm).is_err(), "{bad}");
         }
         let bad = ServeConfig {
             policy: "nope".into(),
@@ -409,7 +439,7 @@ mod tests {
             ("http://h:1,role=decode", WorkerRole::Decode),
         ] {
             let w = WorkerConfig::parse_flag(flag).unwrap();
-            assert!(w.validate(16).is_ok(), "{flag}");
+            assert!(w.validate(16, DisaggProtocol::Vllm).is_ok(), "{flag}");
             assert_eq!(w.role(), role, "{flag}");
         }
         // (roles, decider, accepted)
@@ -453,6 +483,29 @@ mod tests {
         .unwrap();
         let router = c.validate().unwrap();
         assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
+        assert_eq!(c.disagg_protocol, DisaggProtocol::Vllm);
         assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
+    }
+
+    #[test]
+    fn sglang_bootstrap_ports() {
+        let c = ServeConfig::from_toml_str(
+            "disagg_protocol = \"sglang\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             bootstrap_port = 8998\n[[workers]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+        )
+        .unwrap();
+        assert!(c.validate().is_ok());
+        assert_eq!(c.disagg_protocol, DisaggProtocol::Sglang);
+        assert_eq!(c.workers[0].bootstrap_port, Some(8998));
+        let err = ServeConfig::from_toml_str("disagg_protocol = \"nixl\"").unwrap_err();
+        assert!(err.to_string().contains("unknown variant"), "{err}");
+        let w = WorkerConfig::parse_flag("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
+        assert_eq!(w.bootstrap_port, Some(8998));
+        assert!(w.validate(16, DisaggProtocol::Sglang).is_ok());
+        let err = w.validate(16, DisaggProtocol::Vllm).unwrap_err();
+        assert!(err.to_string().contains("disagg_protocol"), "{err}");
+        let w = WorkerConfig::parse_flag("http://h:1,role=decode,bootstrap-port=8998").unwrap();
+        assert!(w.validate(16, DisaggProtocol::Sglang).is_err());
+        assert!(WorkerConfig::parse_flag("http://h:1,bootstrap-port=70000").is_err());
     }
 }

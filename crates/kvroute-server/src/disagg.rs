@@ -1,6 +1,8 @@
-//! The bodies of the disaggregated (prefill/decode) two-hop flow, in the protocol of vLLM's
-//! disaggregated-prefill proxy (the NIXL connector's), which vLLM and the engines built on its
-//! KV connectors speak:
+//! The bodies of the disaggregated (prefill/decode) flow, in either of the two protocols
+//! engines speak ([`DisaggProtocol`]).
+//!
+//! **vLLM** (its disaggregated-prefill proxy's protocol, the NIXL connector's, which vLLM and
+//! the engines built on its KV connectors speak), two hops in turn:
 //!
 //! * **Hop 1**, to the prefill worker, on the client's endpoint: the client's body with
 //!   `"stream": false`, `"max_tokens": 1` (and `"max_completion_tokens": 1` when the client
@@ -13,8 +15,48 @@
 //!   one ([`decode_body`]); its response goes back to the client unchanged.
 //!
 //! Both hops carry the same `X-Request-Id` ([`REQUEST_ID`]).
+//!
+//! **SGLang** (its engines' bootstrap protocol, as SGLang's model gateway speaks it): one body,
+//! the client's with `bootstrap_host` (the prefill worker's host), `bootstrap_port` (its
+//! bootstrap server's port, or `null` for the engine's default) and `bootstrap_room` (a number
+//! below 2^63 naming this request's KV hand-over) added ([`bootstrap_body`]), sent to the
+//! prefill and the decode worker at once. The decode worker pulls the KV of that room from the
+//! prefill worker's bootstrap server and streams the answer; the prefill worker's own answer is
+//! read and dropped.
 
 use serde_json::{Map, Value, json};
+
+/// How prefill and decode workers hand a request's KV over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DisaggProtocol {
+    /// vLLM's two hops with `kv_transfer_params` (the default).
+    #[default]
+    Vllm,
+    /// SGLang's bootstrap host, port and room, sent to both workers at once.
+    Sglang,
+}
+
+impl DisaggProtocol {
+    /// The protocol's name in configuration and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+        }
+    }
+}
+
+impl std::str::FromStr for DisaggProtocol {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [Self::Vllm, Self::Sglang]
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("{s:?}: vllm or sglang"))
+    }
+}
 
 /// The header both hops carry, with the same value.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -67,6 +109,36 @@ pub fn decode_body(body: &[u8], params: Option<Value>) -> Result<Vec<u8>, String
     let mut obj = object(body)?;
     obj.insert("kv_transfer_params".to_owned(), params);
     serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+}
+
+/// The SGLang body sent to both workers: the client's `body` with the bootstrap fields of the
+/// prefill worker at `host` (its bootstrap server on `port`; `None` sends `null`, the engine's
+/// default port) and the request's `room`. A client's own bootstrap fields are replaced.
+pub fn bootstrap_body(body: &[u8], host: &str, port: Option<u16>, room: u64) -> Result<Vec<u8>, String> {
+    let mut obj = object(body)?;
+    obj.insert("bootstrap_host".to_owned(), json!(host));
+    obj.insert("bootstrap_port".to_owned(), json!(port));
+    obj.insert("bootstrap_room".to_owned(), json!(room));
+    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+}
+
+/// The bootstrap room of the request numbered `id` by the proxy started at `instance`: a
+/// number below 2^63 (SGLang reads it as a signed 64-bit integer), the same for the same
+/// request, and different for requests of one proxy (SplitMix64's finalizer is a bijection;
+/// clearing the top bit pairs at most two inputs).
+pub fn bootstrap_room(instance: u64, id: u64) -> u64 {
+    let mut z = instance.rotate_left(32) ^ id;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) & (u64::MAX >> 1)
+}
+
+/// The host of a worker's base URL `http://host:port`, as the bootstrap host.
+pub fn host_of(base: &str) -> String {
+    base.parse::<hyper::Uri>()
+        .ok()
+        .and_then(|uri| uri.host().map(str::to_owned))
+        .unwrap_or_default()
 }
 
 fn object(body: &[u8]) -> Result<Map<String, Value>, String> {
@@ -158,5 +230,39 @@ mod tests {
             bytes,
             "unchanged, byte for byte"
         );
+    }
+
+    #[test]
+    fn sglang_bodies() {
+        let client = json!({"model": "m", "prompt": "hi", "max_tokens": 50, "stream": true,
+            "bootstrap_room": 7});
+        let bytes = serde_json::to_vec(&client).unwrap();
+        let mut want = client.clone();
+        want["bootstrap_host"] = json!("10.0.0.2");
+        want["bootstrap_port"] = json!(8998);
+        want["bootstrap_room"] = json!(42);
+        assert_eq!(
+            parse(&bootstrap_body(&bytes, "10.0.0.2", Some(8998), 42).unwrap()),
+            want
+        );
+        want["bootstrap_port"] = Value::Null;
+        assert_eq!(
+            parse(&bootstrap_body(&bytes, "10.0.0.2", None, 42).unwrap()),
+            want
+        );
+        assert!(bootstrap_body(b"[1]", "h", None, 1).is_err());
+
+        assert_eq!(host_of("http://10.0.0.2:30000"), "10.0.0.2");
+        assert_eq!(host_of("http://prefill-0.svc:8000"), "prefill-0.svc");
+        let rooms: std::collections::HashSet<u64> = (0..10_000).map(|id| bootstrap_room(1234, id)).collect();
+        assert_eq!(rooms.len(), 10_000);
+        assert!(rooms.iter().all(|&r| r < 1 << 63));
+        assert_eq!(bootstrap_room(1234, 5), bootstrap_room(1234, 5));
+        assert_ne!(bootstrap_room(1234, 5), bootstrap_room(1235, 5));
+
+        for p in [DisaggProtocol::Vllm, DisaggProtocol::Sglang] {
+            assert_eq!(p.name().parse::<DisaggProtocol>(), Ok(p));
+        }
+        assert!("nixl".parse::<DisaggProtocol>().is_err());
     }
 }

@@ -33,6 +33,7 @@ pub mod proxy;
 pub mod state;
 
 pub use config::{ServeConfig, WorkerConfig};
+pub use disagg::DisaggProtocol;
 pub use mock::{MockConfig, MockWorker};
 pub use model::Model;
 pub use proxy::{ProxyHandle, start};

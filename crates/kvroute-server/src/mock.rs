@@ -31,6 +31,14 @@
 //!   from the token the prefill worker sampled. Its `cached_tokens` are the prompt blocks it
 //!   already held. Imports start and land between passes, so their KV events follow the
 //!   pass's in the engine's order.
+//!
+//! They speak SGLang's bootstrap protocol too, where the role decides the side, since both
+//! workers get the same body: a request with `bootstrap_room` (and `bootstrap_host`) on a
+//! `prefill` worker is prefilled (one output token) and its room marked ready when that token
+//! is out; on any other worker it waits for its room to be ready (at most [`BOOTSTRAP_TIMEOUT`])
+//! and is then imported as above. The rooms live in memory shared by the workers of one
+//! [`start`] (standing in for the prefill worker's bootstrap server), so the prefill and decode
+//! workers of a pair must be started together.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -56,7 +64,7 @@ pub use kvroute_sim::KvTransfer;
 use kvroute_wire::{EventEncoding, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::model::Model;
 use crate::net::{self, Shutdown};
@@ -204,8 +212,7 @@ impl MockWorker {
     }
 
     /// The requests of the disaggregated flow it received, oldest first (the last
-    /// [`SEEN_KEPT`]): their `X-Request-Id`, whether they asked for a remote decode (hop 1) or a
-    /// remote prefill (hop 2), and their bodies.
+    /// [`SEEN_KEPT`]): their `X-Request-Id`, which side of the flow they were, and their bodies.
     pub fn seen_kv_requests(&self) -> Vec<SeenKvRequest> {
         self.state
             .seen
@@ -247,7 +254,8 @@ pub const SEEN_KEPT: usize = 64;
 pub struct SeenKvRequest {
     /// Its `X-Request-Id` header.
     pub request_id: Option<String>,
-    /// True for hop 1 (`do_remote_decode`), false for hop 2 (`do_remote_prefill`).
+    /// True on the prefill side (vLLM's hop 1, `do_remote_decode`, or an SGLang body on a
+    /// prefill worker), false on the decode side (hop 2, or an SGLang body elsewhere).
     pub remote_decode: bool,
     /// Its body, without the prompt (`prompt`, `messages`).
     pub body: Value,
@@ -301,6 +309,10 @@ struct Stats {
 struct Worker {
     /// The engine id it names in `kv_transfer_params`.
     engine_id: String,
+    /// Its role: which side of an SGLang pair it takes.
+    role: WorkerRole,
+    /// The bootstrap rooms of the workers started with it.
+    rooms: Arc<Rooms>,
     addr: SocketAddr,
     block_size: u32,
     seen: Mutex<std::collections::VecDeque<SeenKvRequest>>,
@@ -317,10 +329,106 @@ struct Worker {
 /// others.
 pub async fn start(config: &MockConfig, model: Arc<Model>) -> Result<Vec<MockWorker>, MockError> {
     let mut workers = Vec::with_capacity(config.total());
+    let rooms = Arc::new(Rooms::default());
     for i in 0..config.total() {
-        workers.push(start_one(config, i, Arc::clone(&model)).await?);
+        workers.push(start_one(config, i, Arc::clone(&model), Arc::clone(&rooms)).await?);
     }
     Ok(workers)
+}
+
+/// How long the decode side of an SGLang pair waits for its room's prefill.
+pub const BOOTSTRAP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// SGLang's bootstrap rooms, by number: a prefill that finished before its decode side asked,
+/// or a decode side waiting for its prefill.
+#[derive(Default)]
+struct Rooms {
+    slots: Mutex<HashMap<u64, Slot>>,
+}
+
+enum Slot {
+    /// The prefill ended (true: its KV is ready; false: it was refused) at this time.
+    Done(bool, Instant),
+    /// A decode side waits.
+    Waiting(oneshot::Sender<bool>),
+}
+
+impl Rooms {
+    /// The prefill of `room` ended: `ok` if its KV is ready.
+    fn prefilled(&self, room: u64, ok: bool) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Slot::Waiting(tx)) = slots.remove(&room) {
+            let _ = tx.send(ok);
+            return;
+        }
+        // Rooms no decode side claimed within the timeout are forgotten.
+        if slots.len() >= 1024 {
+            slots.retain(|_, slot| !matches!(slot, Slot::Done(_, at) if at.elapsed() > BOOTSTRAP_TIMEOUT));
+        }
+        slots.insert(room, Slot::Done(ok, Instant::now()));
+    }
+
+    /// Passes `progress` on, and marks `room` prefilled when it ends (refused: not ready).
+    fn watch(
+        self: &Arc<Self>,
+        room: u64,
+        mut progress: mpsc::UnboundedReceiver<Progress>,
+    ) -> mpsc::UnboundedReceiver<Progress> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rooms = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut ok = false;
+            while let Some(p) = progress.recv().await {
+                let end = match &p {
+                    Progress::Done { .. } => Some(true),
+                    Progress::Refused(_) => Some(false),
+                    _ => None,
+                };
+                let _ = tx.send(p);
+                if let Some(end) = end {
+                    ok = end;
+                    break;
+                }
+            }
+            rooms.prefilled(room, ok);
+        });
+        rx
+    }
+
+    /// Waits (at most `timeout`) for the prefill of `room`; true if its KV is ready.
+    async fn wait(&self, room: u64, timeout: std::time::Duration) -> bool {
+        let rx = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(Slot::Done(ok, _)) = slots.get(&room) {
+                let ok = *ok;
+                slots.remove(&room);
+                return ok;
+            }
+            let (tx, rx) = oneshot::channel();
+            slots.insert(room, Slot::Waiting(tx));
+            rx
+        };
+        let forget = Forget { rooms: self, room };
+        let ok = matches!(tokio::time::timeout(timeout, rx).await, Ok(Ok(true)));
+        drop(forget);
+        ok
+    }
+}
+
+/// Removes a waiting decode side's slot when it stops waiting (answered, timed out or its
+/// client left).
+struct Forget<'a> {
+    rooms: &'a Rooms,
+    room: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.rooms.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(slots.get(&self.room), Some(Slot::Waiting(_))) {
+            slots.remove(&self.room);
+        }
+    }
 }
 
 fn port(base: u16, offset: usize) -> u16 {
@@ -331,7 +439,12 @@ fn port(base: u16, offset: usize) -> u16 {
     }
 }
 
-async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<MockWorker, MockError> {
+async fn start_one(
+    config: &MockConfig,
+    i: usize,
+    model: Arc<Model>,
+    rooms: Arc<Rooms>,
+) -> Result<MockWorker, MockError> {
     let engine = Engine::new(EngineConfig {
         external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
         ..config.engine.clone()
@@ -363,6 +476,8 @@ async fn start_one(config: &MockConfig, i: usize, model: Arc<Model>) -> Result<M
     let shutdown = Shutdown::new();
     let worker = Arc::new(Worker {
         engine_id: format!("kvroute-mock-{addr}"),
+        role: config.role(i),
+        rooms,
         addr,
         block_size: config.engine.block_size,
         seen: Mutex::new(std::collections::VecDeque::new()),
@@ -682,11 +797,63 @@ enum KvRole {
     RemoteDecode,
     /// Hop 2: its KV was prefilled elsewhere; import it and decode.
     RemotePrefill,
+    /// SGLang, on a prefill worker: prefill it, then mark its room ready.
+    BootstrapPrefill(u64),
+    /// SGLang, on another worker: wait for its room, then import it and decode.
+    BootstrapDecode(u64),
 }
 
-/// The request's `kv_transfer_params`, checked: hop 2's must name where the KV is.
-fn kv_role(body: &Value) -> Result<KvRole, ApiError> {
-    let Some(params) = body.get("kv_transfer_params").filter(|p| !p.is_null()) else {
+impl KvRole {
+    /// The prefill side of a pair (it samples one token).
+    fn prefills(self) -> bool {
+        matches!(self, Self::RemoteDecode | Self::BootstrapPrefill(_))
+    }
+
+    /// The decode side of a pair (its KV comes from a prefill worker).
+    fn imports(self) -> bool {
+        matches!(self, Self::RemotePrefill | Self::BootstrapDecode(_))
+    }
+
+    /// The room whose prefill this request is.
+    fn prefilled_room(self) -> Option<u64> {
+        match self {
+            Self::BootstrapPrefill(room) => Some(room),
+            _ => None,
+        }
+    }
+}
+
+/// The request's part in a disaggregated flow, from its `kv_transfer_params` (vLLM: hop 2's
+/// must name where the KV is) or its bootstrap fields (SGLang: the worker's `role` picks the
+/// side).
+fn kv_role(body: &Value, role: WorkerRole) -> Result<KvRole, ApiError> {
+    let params = body.get("kv_transfer_params").filter(|p| !p.is_null());
+    if let Some(room) = body.get("bootstrap_room").filter(|r| !r.is_null()) {
+        if params.is_some() {
+            return Err(ApiError::bad_request(
+                "bootstrap_room",
+                "a request speaks one protocol: bootstrap_room or kv_transfer_params",
+            ));
+        }
+        let Some(room) = room.as_u64().filter(|&r| r < 1 << 63) else {
+            return Err(ApiError::bad_request(
+                "bootstrap_room",
+                "must be an integer from 0 to 2^63 - 1",
+            ));
+        };
+        if !body.get("bootstrap_host").is_some_and(Value::is_string) {
+            return Err(ApiError::bad_request(
+                "bootstrap_host",
+                "a bootstrap room needs its host",
+            ));
+        }
+        return Ok(if role == WorkerRole::Prefill {
+            KvRole::BootstrapPrefill(room)
+        } else {
+            KvRole::BootstrapDecode(room)
+        });
+    }
+    let Some(params) = params else {
         return Ok(KvRole::Local);
     };
     let flag = |name: &str| params.get(name).and_then(Value::as_bool) == Some(true);
@@ -730,7 +897,7 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
     };
     // `parse` accepted it: a JSON object.
     let value: Value = serde_json::from_slice(&body).unwrap_or_default();
-    let role = match kv_role(&value) {
+    let role = match kv_role(&value, w.role) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -738,14 +905,14 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
     let prompt_tokens = parsed.tokens.len() as u32;
     let max_tokens = parsed.max_tokens;
     let mut output_len = max_tokens.unwrap_or(w.default_max_tokens);
-    if role == KvRole::RemoteDecode {
+    if role.prefills() {
         // A prefill for a remote decode samples the first token only.
         output_len = output_len.min(1);
     }
     {
         let mut s = w.stats.lock().unwrap_or_else(|p| p.into_inner());
         s.prompt_tokens += u64::from(prompt_tokens);
-        if role == KvRole::RemoteDecode {
+        if role.prefills() {
             s.remote_decode_requests += 1;
         }
     }
@@ -761,13 +928,30 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         }
         seen.push_back(SeenKvRequest {
             request_id: request_id.clone(),
-            remote_decode: role == KvRole::RemoteDecode,
+            remote_decode: role.prefills(),
             body,
         });
     }
     // The engine imports only what leaves something to decode; a request of one token decodes
     // (recomputes) here.
-    let import = role == KvRole::RemotePrefill && output_len >= 2;
+    let import = role.imports() && output_len >= 2;
+    // SGLang's decode side starts when its room's KV is ready.
+    if let KvRole::BootstrapDecode(room) = role
+        && !w.rooms.wait(room, BOOTSTRAP_TIMEOUT).await
+    {
+        return ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "kv_transfer_failed",
+            format!("no prefilled KV arrived for bootstrap_room {room}"),
+        )
+        .into_response();
+    }
+    // SGLang's prefill side marks its room when the engine is done with it, whether or not
+    // anyone still reads the answer.
+    if let Some(room) = role.prefilled_room() {
+        rx = w.rooms.watch(room, rx);
+    }
     let transfer_params = (role == KvRole::RemoteDecode).then(|| {
         let blocks = prompt_tokens.div_ceil(w.block_size.max(1));
         json!({
@@ -1128,4 +1312,90 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         out,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_take_their_side_of_either_protocol() {
+        let prefill = WorkerRole::Prefill;
+        let decode = WorkerRole::Decode;
+        let room = json!({"prompt": "p", "bootstrap_host": "10.0.0.1", "bootstrap_port": null,
+            "bootstrap_room": 42});
+        assert_eq!(kv_role(&room, prefill).unwrap(), KvRole::BootstrapPrefill(42));
+        assert_eq!(kv_role(&room, decode).unwrap(), KvRole::BootstrapDecode(42));
+        assert_eq!(
+            kv_role(&room, WorkerRole::Aggregated).unwrap(),
+            KvRole::BootstrapDecode(42)
+        );
+        assert_eq!(
+            kv_role(&json!({"prompt": "p", "bootstrap_room": null}), decode).unwrap(),
+            KvRole::Local
+        );
+        let vllm = json!({"kv_transfer_params": {"do_remote_decode": true}});
+        assert_eq!(kv_role(&vllm, decode).unwrap(), KvRole::RemoteDecode);
+        // (body, the field the error names)
+        let bad = [
+            (json!({"bootstrap_room": 1}), "bootstrap_host"),
+            (
+                json!({"bootstrap_host": "h", "bootstrap_room": -1}),
+                "bootstrap_room",
+            ),
+            (
+                json!({"bootstrap_host": "h", "bootstrap_room": 1u64 << 63}),
+                "bootstrap_room",
+            ),
+            (
+                json!({"bootstrap_host": "h", "bootstrap_room": "7"}),
+                "bootstrap_room",
+            ),
+            (
+                json!({"bootstrap_host": "h", "bootstrap_room": 7,
+                       "kv_transfer_params": {"do_remote_decode": true}}),
+                "bootstrap_room",
+            ),
+        ];
+        for (body, field) in bad {
+            let err = kv_role(&body, decode).unwrap_err();
+            assert_eq!(err.param, Some(field), "{body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_room_is_met_whichever_side_comes_first() {
+        let rooms = Arc::new(Rooms::default());
+        let short = std::time::Duration::from_millis(20);
+        // The prefill ends first; the decode side then finds it at once.
+        rooms.prefilled(1, true);
+        assert!(rooms.wait(1, short).await);
+        // The decode side waits, then the prefill ends.
+        let waiter = tokio::spawn({
+            let rooms = Arc::clone(&rooms);
+            async move { rooms.wait(2, std::time::Duration::from_secs(5)).await }
+        });
+        while !rooms.slots.lock().unwrap().contains_key(&2) {
+            tokio::task::yield_now().await;
+        }
+        rooms.prefilled(2, true);
+        assert!(waiter.await.unwrap());
+        // A refused prefill, and one that never comes.
+        rooms.prefilled(3, false);
+        assert!(!rooms.wait(3, short).await);
+        assert!(!rooms.wait(4, short).await);
+        assert!(rooms.slots.lock().unwrap().is_empty(), "every room was forgotten");
+
+        // `watch` passes progress on and marks the room when the engine is done, even when
+        // nobody reads the answer.
+        let (tx, rx) = mpsc::unbounded_channel();
+        drop(rooms.watch(5, rx));
+        tx.send(Progress::Tokens(vec![1])).unwrap();
+        tx.send(Progress::Done {
+            completion_tokens: 1,
+            length: true,
+        })
+        .unwrap();
+        assert!(rooms.wait(5, std::time::Duration::from_secs(5)).await);
+    }
 }

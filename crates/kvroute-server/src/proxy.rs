@@ -2,7 +2,7 @@
 //!
 //! A generation request is read (bounded), parsed and tokenized, routed by the router core, and
 //! sent unchanged to the chosen worker; the worker's response streams back unchanged through an
-//! [`Observed`] body that reports the first chunk (prefill done), the gaps between chunks, and
+//! `Observed` body that reports the first chunk (prefill done), the gaps between chunks, and
 //! the end, error, timeout or disconnect that frees the request.
 //!
 //! A request the router disaggregates (its decision names a prefill worker) takes two hops, in
@@ -15,6 +15,10 @@
 //! routing and the request routed once more, as for any worker; any other failure of hop 1
 //! (non-2xx, a broken response, a timeout, or a second connect failure) ends the request with
 //! an OpenAI-shaped 502 (504 on timeout).
+//!
+//! With `disagg_protocol = "sglang"` a disaggregated request is one body with SGLang's bootstrap
+//! fields, sent to the prefill and the decode worker at once (`sglang_pair`); the decode
+//! worker's response streams back as above.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -36,7 +40,7 @@ use serde_json::json;
 use tokio::time::Sleep;
 
 use crate::config::{ConfigError, ServeConfig, WorkerConfig};
-use crate::disagg;
+use crate::disagg::{self, DisaggProtocol};
 use crate::events::EventFeed;
 use crate::metrics::Metrics;
 use crate::model::Model;
@@ -339,55 +343,38 @@ async fn forward(
                 .overhead_total
                 .observe(t0.elapsed().as_secs_f64() * 1e3);
         }
-        // A disaggregated request: hop 1 to its prefill worker first. A connect failure on the
-        // first attempt routes the request again (the unreachable worker is out of routing by
-        // then); any other failure ends the request. The guard, dropped either way, frees its
-        // load (so does a client leaving).
-        let (body, request_id) = match &target.prefill {
-            None => (body.clone(), None),
-            Some(prefill) => {
+        // A worker that cannot be reached (either worker of a disaggregated request) is out of
+        // routing by then, and the first attempt routes the request again; any other failure
+        // ends it. The guard, dropped either way, frees its load (so does a client leaving).
+        let decode = &target.decode;
+        let sent = match (&target.prefill, shared.config.disagg_protocol) {
+            (None, _) => send(app, decode, endpoint, body.clone(), None, timeout).await,
+            (Some(prefill), DisaggProtocol::Vllm) => {
                 let request_id = app.request_id(guard.id());
-                let params = match prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await {
-                    Ok(params) => params,
-                    Err(HopError::Connect(_)) if attempt == 0 => {
-                        shared.metrics.upstream_retries.inc();
-                        continue;
+                match prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await {
+                    Ok(params) => {
+                        guard.prefill_done();
+                        let hop2 = disagg::decode_body(&body, params)
+                            .map_err(|e| ApiError::bad_request("body", e))?;
+                        send(
+                            app,
+                            decode,
+                            endpoint,
+                            Bytes::from(hop2),
+                            Some(&request_id),
+                            timeout,
+                        )
+                        .await
                     }
-                    Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
-                };
-                guard.prefill_done();
-                let decode =
-                    disagg::decode_body(&body, params).map_err(|e| ApiError::bad_request("body", e))?;
-                (Bytes::from(decode), Some(request_id))
+                    Err(e) => Err(e),
+                }
+            }
+            (Some(prefill), DisaggProtocol::Sglang) => {
+                sglang_pair(app, endpoint, prefill, decode, &mut guard, &body, timeout).await
             }
         };
-        let decode = &target.decode;
-        let request = upstream_request(decode, endpoint, body, request_id.as_deref())?;
-        match tokio::time::timeout(timeout, app.client.request(request)).await {
-            Err(_) => {
-                return Err(ApiError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "upstream_error",
-                    "timeout",
-                    "the worker did not answer in time",
-                ));
-            }
-            Ok(Err(e)) if e.is_connect() && attempt == 0 => {
-                tracing::warn!(worker = decode.worker.0, error = %e, "connect failed; retrying on another worker");
-                shared.metrics.upstream_retries.inc();
-                drop(guard);
-                shared.mark_unreachable(decode.worker);
-                continue;
-            }
-            Ok(Err(e)) => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    "upstream_failed",
-                    format!("the worker failed: {e}"),
-                ));
-            }
-            Ok(Ok(response)) => {
+        match sent {
+            Ok(response) => {
                 let (parts, incoming) = response.into_parts();
                 let body = Observed {
                     inner: incoming,
@@ -403,6 +390,11 @@ async fn forward(
                 }
                 return Ok(out);
             }
+            Err(HopError::Connect(_)) if attempt == 0 => {
+                shared.metrics.upstream_retries.inc();
+                continue;
+            }
+            Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
         }
     }
     Err(route_error(RouteError::NoWorker))
@@ -437,18 +429,55 @@ fn upstream_request(
 /// The largest prefill response read (one token, and the KV's block ids).
 const MAX_PREFILL_RESPONSE: usize = 16 << 20;
 
-/// How hop 1 failed: before the prefill worker was reached (the request may be routed again),
-/// or after.
+/// How sending to a worker failed: before it was reached (the worker is out of routing and the
+/// request may be routed again), or after.
 enum HopError {
     Connect(ApiError),
     Failed(ApiError),
 }
 
-/// Hop 1 of a disaggregated request: the prefill-only request to `prefill`, read whole within
-/// `timeout`; returns the `kv_transfer_params` its response carries. A connect failure also
-/// takes the worker out of routing (health checks bring it back).
-async fn prefill_hop(
+/// Sends `body` to the worker that answers the client and returns its response once its
+/// headers arrive (within `timeout`). A connect failure takes the worker out of routing.
+async fn send(
     app: &App,
+    upstream: &Upstream,
+    endpoint: Endpoint,
+    body: Bytes,
+    request_id: Option<&str>,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    let request = upstream_request(upstream, endpoint, body, request_id).map_err(HopError::Failed)?;
+    match tokio::time::timeout(timeout, app.client.request(request)).await {
+        Err(_) => Err(HopError::Failed(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "timeout",
+            "the worker did not answer in time",
+        ))),
+        Ok(Err(e)) if e.is_connect() => {
+            tracing::warn!(worker = upstream.worker.0, error = %e, "worker unreachable; out of routing");
+            app.shared.mark_unreachable(upstream.worker);
+            Err(HopError::Connect(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "upstream_failed",
+                format!("the worker {} cannot be reached: {e}", upstream.base),
+            )))
+        }
+        Ok(Err(e)) => Err(HopError::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_failed",
+            format!("the worker failed: {e}"),
+        ))),
+        Ok(Ok(response)) => Ok(response),
+    }
+}
+
+/// vLLM's hop 1: the prefill-only request to `prefill`; returns the `kv_transfer_params` its
+/// response carries.
+async fn prefill_hop(
+    app: &Arc<App>,
     endpoint: Endpoint,
     prefill: &Upstream,
     body: &[u8],
@@ -458,6 +487,69 @@ async fn prefill_hop(
     let hop = disagg::prefill_body(body).map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
     let request =
         upstream_request(prefill, endpoint, Bytes::from(hop), Some(request_id)).map_err(HopError::Failed)?;
+    let answer = prefill_exchange(Arc::clone(app), prefill.clone(), request, timeout).await?;
+    Ok(disagg::kv_transfer_params(&answer))
+}
+
+/// SGLang's pair: one body with the bootstrap fields to `prefill` and `decode` at once. The
+/// decode worker's response is the client's. Whichever comes first decides: the prefill
+/// worker's answer (it prefilled; the router frees its share, and the decode worker's headers
+/// are awaited), a failed prefill (the decode request is dropped, which cancels it), or the
+/// decode worker's headers (a streaming decode answers before its KV arrives; the prefill
+/// worker's answer is then read and dropped in the background, and its failure only logged:
+/// the decode stream fails or times out on its own).
+async fn sglang_pair(
+    app: &Arc<App>,
+    endpoint: Endpoint,
+    prefill: &Upstream,
+    decode: &Upstream,
+    guard: &mut RequestGuard,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    let request_id = app.request_id(guard.id());
+    let room = disagg::bootstrap_room(app.instance, guard.id().0);
+    let host = disagg::host_of(&prefill.base);
+    let both = disagg::bootstrap_body(body, &host, prefill.bootstrap_port, room)
+        .map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
+    let both = Bytes::from(both);
+    let request =
+        upstream_request(prefill, endpoint, both.clone(), Some(&request_id)).map_err(HopError::Failed)?;
+    let mut prefill_side = Box::pin(prefill_exchange(
+        Arc::clone(app),
+        prefill.clone(),
+        request,
+        timeout,
+    ));
+    let decode_side = send(app, decode, endpoint, both, Some(&request_id), timeout);
+    tokio::pin!(decode_side);
+    tokio::select! {
+        answer = &mut prefill_side => {
+            answer?;
+            guard.prefill_done();
+            decode_side.await
+        }
+        response = &mut decode_side => {
+            let worker = prefill.worker;
+            tokio::spawn(async move {
+                if let Err(HopError::Connect(e) | HopError::Failed(e)) = prefill_side.await {
+                    tracing::warn!(worker = worker.0, error = %e.message, "the prefill side of an SGLang pair failed");
+                }
+            });
+            response
+        }
+    }
+}
+
+/// Sends a prefill request and reads its answer whole within `timeout`; a non-2xx answer is an
+/// error naming the worker. A connect failure also takes the worker out of routing (health
+/// checks bring it back). Owns what it uses, so it can finish in the background.
+async fn prefill_exchange(
+    app: Arc<App>,
+    prefill: Upstream,
+    request: hyper::Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Result<Bytes, HopError> {
     let failed = |message: String| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
@@ -488,7 +580,7 @@ async fn prefill_hop(
             let text: String = text.chars().take(300).collect();
             return Err(HopError::Failed(failed(format!("answered {status}: {text}"))));
         }
-        Ok(disagg::kv_transfer_params(&bytes))
+        Ok(bytes)
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(result) => result,

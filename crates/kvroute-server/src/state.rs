@@ -107,7 +107,7 @@ impl std::fmt::Debug for Shared {
 }
 
 /// One worker rank a request is sent to.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Upstream {
     /// The worker.
     pub worker: WorkerId,
@@ -117,6 +117,8 @@ pub struct Upstream {
     pub dp: bool,
     /// The worker's base URL.
     pub base: String,
+    /// Its SGLang bootstrap port, if configured.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Where a routed request goes.
@@ -289,7 +291,7 @@ impl Shared {
     /// Adds a worker (all its ranks) to routing and returns its id.
     pub fn add_worker(&self, config: WorkerConfig) -> Result<WorkerId, String> {
         config
-            .validate(self.config.block_size)
+            .validate(self.config.block_size, self.config.disagg_protocol)
             .map_err(|e| e.to_string())?;
         let mut inner = self.lock();
         let id = WorkerId(inner.next_worker);
@@ -622,6 +624,7 @@ impl Inner {
             dp_rank: key.dp_rank.0,
             dp: w.is_some_and(|w| w.config.dp_size > 1),
             base: w.map(|w| w.base.clone()).unwrap_or_default(),
+            bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
         }
     }
 }

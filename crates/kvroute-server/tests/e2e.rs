@@ -931,3 +931,117 @@ async fn an_import_waits_for_free_blocks_on_a_full_decode_worker() {
     assert_eq!(c.mock_metric("kvroute_mock_kv_import_waits_total").await, 1.0);
     c.assert_drained().await;
 }
+
+// ---- SGLang's bootstrap protocol ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
+    // One decode worker, so a repeated prompt finds its blocks there whatever the policy's
+    // tie-break (decode workers are chosen by load alone).
+    let c = disagg_cluster(2, 1, 20.0, |config| {
+        config.disagg_protocol = kvroute_server::DisaggProtocol::Sglang;
+        // One prefill worker names its bootstrap port, the other leaves it to the engine.
+        config.workers[0].bootstrap_port = Some(8998);
+    })
+    .await;
+    let client = c.client();
+    let chat = chat_request("Hello there, SGLang pair.", 8);
+    let response = client.chat().create(chat.clone()).await.unwrap();
+    assert_eq!(response.choices[0].message.content.as_deref().unwrap().len(), 8);
+    let (streamed, _) = stream_chat(&client, chat).await;
+    assert_eq!(streamed.len(), 8, "{streamed:?}");
+    // 320 bytes: 20 full blocks of the byte-level tiny tokenizer.
+    let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let completion = completion_request(&prompt, 5);
+    assert_eq!(stream_completion(&client, completion).await.len(), 5);
+    // The decode worker's import stored the prompt; a repeat's import finds every block there.
+    let t0 = Instant::now();
+    while c.cached_blocks()[2] < 20 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", c.cached_blocks());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let body = json!({"prompt": prompt, "max_tokens": 3});
+    let (status, _, out) = c
+        .http
+        .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
+    assert_eq!(
+        out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
+        "{out}"
+    );
+
+    // Each request went to one prefill and one decode worker with the same body: the same
+    // room (below 2^63), the prefill worker's host and its bootstrap port (or null), the
+    // same request id, and the client's own fields (stream, max_tokens).
+    let (prefills, decodes) = c.kv_requests();
+    assert_eq!((prefills.len(), decodes.len()), (4, 4));
+    let mut rooms = std::collections::HashSet::new();
+    for d in &decodes {
+        let room = d.body["bootstrap_room"].as_u64().unwrap();
+        assert!(room < 1 << 63);
+        assert!(rooms.insert(room), "one room per request");
+        let p = prefills
+            .iter()
+            .find(|p| p.body["bootstrap_room"] == room)
+            .expect("the prefill worker got the same room");
+        assert_eq!(p.body, d.body, "both workers get one body");
+        assert_eq!(p.request_id, d.request_id);
+        assert_eq!(d.body["bootstrap_host"], "127.0.0.1");
+        assert!(d.body.get("kv_transfer_params").is_none());
+    }
+    let ports = |i: usize| -> Vec<Value> {
+        c.mocks[i]
+            .seen_kv_requests()
+            .iter()
+            .map(|s| s.body["bootstrap_port"].clone())
+            .collect()
+    };
+    assert!(ports(0).iter().all(|p| *p == 8998), "{:?}", ports(0));
+    assert!(ports(1).iter().all(Value::is_null), "{:?}", ports(1));
+    assert!(
+        decodes
+            .iter()
+            .any(|d| d.body["stream"] == true && d.body["max_tokens"] == 8)
+    );
+    assert!(decodes.iter().any(|d| d.body["max_tokens"] == 3));
+
+    assert_eq!(
+        c.mock_metric("kvroute_mock_remote_decode_requests_total").await,
+        4.0
+    );
+    assert_eq!(c.mock_metric("kvroute_mock_kv_imports_total").await, 4.0);
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 4.0);
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+        4.0
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_sglang_prefill_worker_drops_the_pair_and_is_routed_around() {
+    let c = disagg_cluster(1, 1, 20.0, |config| {
+        config.disagg_protocol = kvroute_server::DisaggProtocol::Sglang;
+    })
+    .await;
+    c.mocks[0].kill();
+    let body =
+        serde_json::to_vec(&json!({"prompt": "to a dead SGLang prefill worker", "max_tokens": 4})).unwrap();
+    // The prefill side cannot connect: the decode side's request is dropped with it, the
+    // prefill worker leaves routing, and the request is routed once more, to the decode worker
+    // alone, which prefills itself.
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(out["usage"]["completion_tokens"], 4, "{out}");
+    let metrics = c.http.get("/metrics").await;
+    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 1.0);
+    assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
+    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    assert_eq!(workers["workers"][0]["routable"], false, "{workers}");
+    c.assert_drained().await;
+}

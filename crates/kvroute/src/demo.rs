@@ -40,6 +40,9 @@ pub struct DemoArgs {
     /// two-hop flow, live and simulated (the simulator's default KV link and decider).
     #[arg(long, default_value_t = 0)]
     pub prefill: usize,
+    /// The prefill/decode protocol the live proxy speaks to the mocks: vllm or sglang.
+    #[arg(long, default_value = "vllm")]
+    pub disagg_protocol: kvroute_server::DisaggProtocol,
     /// Routing policy.
     #[arg(long, default_value = "kv")]
     pub policy: String,
@@ -114,6 +117,7 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         max_body_bytes: 64 << 20,
         max_prompt_tokens: 1 << 21,
         health_interval_ms: 1000,
+        disagg_protocol: args.disagg_protocol,
         workers: mocks.iter().map(|m| m.worker_config()).collect(),
         ..ServeConfig::default()
     };

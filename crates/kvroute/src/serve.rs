@@ -23,7 +23,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub listen: Option<String>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
-    /// [,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]`. Repeat for several;
+    /// [,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N][,bootstrap-port=N]`
+    /// (`bootstrap-port`: a prefill worker's SGLang bootstrap port). Repeat for several;
     /// replaces the file's workers.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
@@ -46,6 +47,11 @@ pub struct ServeArgs {
     /// on the chosen decode worker). Default always.
     #[arg(long)]
     pub decider: Option<String>,
+    /// How prefill and decode workers hand KV over: `vllm` (two hops with
+    /// kv_transfer_params) or `sglang` (bootstrap host, port and room, to both at once).
+    /// Default vllm.
+    #[arg(long)]
+    pub disagg_protocol: Option<kvroute_server::DisaggProtocol>,
     /// Cache view: events, predict or approximate. Default events.
     #[arg(long)]
     pub cache: Option<String>,
@@ -92,7 +98,7 @@ impl ServeArgs {
             }
             None => ServeConfig::default(),
         };
-        over!(config, self; listen, model_name, policy, block_size, decider, cache, queue_capacity,
+        over!(config, self; listen, model_name, policy, block_size, decider, disagg_protocol, cache, queue_capacity,
             max_body_bytes, max_prompt_tokens, health_interval_ms, health_failure_threshold,
             health_success_threshold, threads);
         if self.model_dir.is_some() {
@@ -154,8 +160,8 @@ pub struct MockArgs {
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
     /// Prefill workers, started first (ports before the others'); the `--workers` then have
-    /// role `decode`. Every mock speaks both sides of vLLM's kv_transfer_params protocol; the
-    /// role is what the printed serve command tells the proxy. Default 0.
+    /// role `decode`. Every mock speaks both sides of vLLM's kv_transfer_params protocol; in
+    /// SGLang's bootstrap protocol the role picks the side. Default 0.
     #[arg(long, default_value_t = 0)]
     pub prefill: usize,
     /// KV link bandwidth of imports (remote prefills), GB/s (10^9 bytes). Default 64.
