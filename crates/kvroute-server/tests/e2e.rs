@@ -15,7 +15,7 @@ use async_openai::types::chat::{
 use async_openai::types::completions::{CreateCompletionRequest, CreateCompletionRequestArgs};
 use futures_util::StreamExt;
 use kvroute_server::mock::{self, MockConfig, MockWorker};
-use kvroute_server::{Model, ProxyHandle, ServeConfig};
+use kvroute_server::{DisaggProtocol, Model, ProxyHandle, ServeConfig};
 use serde_json::{Value, json};
 
 struct Cluster {
@@ -79,6 +79,16 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.proxy.shared.check_invariants().unwrap();
+    }
+
+    /// A raw `/v1/completions` request that must succeed; its JSON answer.
+    async fn complete(&self, body: Value) -> Value {
+        let (status, _, out) = self
+            .http
+            .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        serde_json::from_slice(&out).unwrap()
     }
 
     /// Blocks the router's index holds for each worker, by worker id.
@@ -643,13 +653,9 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
     }
     assert_eq!(stream_completion(&client, completion).await.len(), 5);
     // The cached tokens of an import, through the raw API (usage in the stream).
-    let body = json!({"prompt": prompt, "max_tokens": 3, "min_tokens": 3});
-    let (status, _, out) = c
-        .http
-        .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
+    let out = c
+        .complete(json!({"prompt": prompt, "max_tokens": 3, "min_tokens": 3}))
         .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-    let out: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(
         out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
         "the decode worker held all 20 blocks: nothing crossed the link"
@@ -725,31 +731,42 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
-    let c = disagg_cluster(1, 1, 20.0, |_| {}).await;
-    c.mocks[0].kill();
-    let body = serde_json::to_vec(&json!({"prompt": "to a dead prefill worker", "max_tokens": 4})).unwrap();
-    // Hop 1 cannot connect: the prefill worker leaves routing and the request is routed once
-    // more, to the decode worker alone, which prefills itself.
-    let (status, _, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-    let out: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(out["usage"]["completion_tokens"], 4, "{out}");
-    c.assert_drained().await;
-    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-    let metrics = c.http.get("/metrics").await;
-    assert_eq!(
-        metric(&metrics, "kvroute_disaggregated_requests_total", ""),
-        1.0,
-        "only the first routing chose the prefill worker"
-    );
-    assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
-    assert_eq!(
-        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
-        2.0
-    );
-    assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
-    c.assert_drained().await;
+    for protocol in [DisaggProtocol::Vllm, DisaggProtocol::Sglang] {
+        let c = disagg_cluster(1, 1, 20.0, |config| config.disagg_protocol = protocol).await;
+        c.mocks[0].kill();
+        let body =
+            serde_json::to_vec(&json!({"prompt": "to a dead prefill worker", "max_tokens": 4})).unwrap();
+        // vLLM's hop 1, or the prefill side of SGLang's pair (whose decode side is dropped with
+        // it), cannot connect: the prefill worker leaves routing and the request is routed once
+        // more, to the decode worker alone, which prefills itself.
+        let (status, _, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{protocol:?}: {}", String::from_utf8_lossy(&out));
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out["usage"]["completion_tokens"], 4, "{protocol:?}: {out}");
+        c.assert_drained().await;
+        let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+        assert_eq!(status, 200, "{protocol:?}: {}", String::from_utf8_lossy(&out));
+        let metrics = c.http.get("/metrics").await;
+        assert_eq!(
+            metric(&metrics, "kvroute_disaggregated_requests_total", ""),
+            1.0,
+            "{protocol:?}: only the first routing chose the prefill worker"
+        );
+        assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
+        assert_eq!(
+            metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+            2.0
+        );
+        let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+        assert_eq!(
+            workers["workers"][0]["routable"], false,
+            "{protocol:?}: {workers}"
+        );
+        if protocol == DisaggProtocol::Vllm {
+            assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
+        }
+        c.assert_drained().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -939,7 +956,7 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
     // One decode worker, so a repeated prompt finds its blocks there whatever the policy's
     // tie-break (decode workers are chosen by load alone).
     let c = disagg_cluster(2, 1, 20.0, |config| {
-        config.disagg_protocol = kvroute_server::DisaggProtocol::Sglang;
+        config.disagg_protocol = DisaggProtocol::Sglang;
         // One prefill worker names its bootstrap port, the other leaves it to the engine.
         config.workers[0].bootstrap_port = Some(8998);
     })
@@ -960,13 +977,7 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", c.cached_blocks());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let body = json!({"prompt": prompt, "max_tokens": 3});
-    let (status, _, out) = c
-        .http
-        .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
-        .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-    let out: Value = serde_json::from_slice(&out).unwrap();
+    let out = c.complete(json!({"prompt": prompt, "max_tokens": 3})).await;
     assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
     assert_eq!(
         out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
@@ -1019,29 +1030,5 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
         metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
         4.0
     );
-    c.assert_drained().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_sglang_prefill_worker_drops_the_pair_and_is_routed_around() {
-    let c = disagg_cluster(1, 1, 20.0, |config| {
-        config.disagg_protocol = kvroute_server::DisaggProtocol::Sglang;
-    })
-    .await;
-    c.mocks[0].kill();
-    let body =
-        serde_json::to_vec(&json!({"prompt": "to a dead SGLang prefill worker", "max_tokens": 4})).unwrap();
-    // The prefill side cannot connect: the decode side's request is dropped with it, the
-    // prefill worker leaves routing, and the request is routed once more, to the decode worker
-    // alone, which prefills itself.
-    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-    let out: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(out["usage"]["completion_tokens"], 4, "{out}");
-    let metrics = c.http.get("/metrics").await;
-    assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 1.0);
-    assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
-    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
-    assert_eq!(workers["workers"][0]["routable"], false, "{workers}");
     c.assert_drained().await;
 }
