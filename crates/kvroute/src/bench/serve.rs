@@ -75,6 +75,10 @@ pub struct ServeBenchArgs {
     /// that tokenizes passes as they are: isolates tokenization's share.
     #[arg(long)]
     pub token_ids: bool,
+    /// Run a spawned proxy disaggregated in this protocol (vllm or sglang): the first upstream
+    /// is its prefill worker, the others decode, and every request takes the prefill path.
+    #[arg(long)]
+    pub disagg: Option<kvroute_server::DisaggProtocol>,
 }
 
 /// One case's figures.
@@ -340,8 +344,16 @@ async fn run_async(args: ServeBenchArgs) -> anyhow::Result<()> {
             };
             cmd.args(["serve", "--threads", "1", "--health-interval-ms", "0", "--listen"])
                 .arg(format!("127.0.0.1:{port}"));
-            for u in &upstreams {
-                cmd.arg("--worker").arg(u);
+            for (i, u) in upstreams.iter().enumerate() {
+                let role = match (args.disagg, i) {
+                    (None, _) => "",
+                    (Some(_), 0) => ",role=prefill",
+                    (Some(_), _) => ",role=decode",
+                };
+                cmd.arg("--worker").arg(format!("{u}{role}"));
+            }
+            if let Some(protocol) = args.disagg {
+                cmd.args(["--decider", "always", "--disagg-protocol", protocol.name()]);
             }
             cmd.env("RUST_LOG", "warn").stdout(Stdio::null());
             let child = cmd.spawn().context("spawning kvroute serve")?;
