@@ -91,6 +91,24 @@ impl Cluster {
         serde_json::from_slice(&out).unwrap()
     }
 
+    /// Waits until the router's index holds at least `blocks` blocks of worker `only` (or of
+    /// any worker), and returns that worker's index.
+    async fn wait_for_cached_blocks(&self, only: Option<usize>, blocks: u64) -> usize {
+        let t0 = Instant::now();
+        loop {
+            let cached = self.cached_blocks();
+            let held = (0..cached.len()).find(|&i| only.is_none_or(|o| o == i) && cached[i] >= blocks);
+            if let Some(i) = held {
+                return i;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the events never arrived: {cached:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Blocks the router's index holds for each worker, by worker id.
     fn cached_blocks(&self) -> Vec<u64> {
         self.proxy
@@ -272,16 +290,7 @@ async fn a_repeated_long_prompt_lands_on_the_worker_that_cached_it() {
         .and_then(|d| d.cached_tokens);
     assert_eq!(cached_first.unwrap_or(0), 0);
     // Wait until the stored events reached the router.
-    let t0 = Instant::now();
-    while c.cached_blocks().iter().max().copied().unwrap_or(0) < 100 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "events never arrived: {:?}",
-            c.cached_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let holder = c.cached_blocks().iter().position(|&b| b >= 100).unwrap();
+    let holder = c.wait_for_cached_blocks(None, 100).await;
     for _ in 0..3 {
         let again = client.completions().create(request.clone()).await.unwrap();
         let cached = again
@@ -393,15 +402,7 @@ async fn a_dropped_event_batch_is_recovered_through_replay() {
         .request("POST", "/v1/completions", body("another prompt entirely"))
         .await;
     assert_eq!(status, 200);
-    let t0 = Instant::now();
-    while c.cached_blocks()[0] < 20 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "not recovered: {:?}",
-            c.cached_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    c.wait_for_cached_blocks(Some(0), 20).await;
     let metrics = c.http.get("/metrics").await;
     assert_eq!(
         metric(&metrics, "kvroute_kv_event_stream_incidents_total", "gap_lost"),
@@ -553,15 +554,7 @@ async fn positional_events_from_older_engines_feed_the_router_too() {
     let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 1})).unwrap();
     let (status, _, _) = c.http.request("POST", "/v1/completions", body.clone()).await;
     assert_eq!(status, 200);
-    let t0 = Instant::now();
-    while c.cached_blocks().iter().max().copied().unwrap_or(0) < 30 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "no events: {:?}",
-            c.cached_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    c.wait_for_cached_blocks(None, 30).await;
     let (_, _, out) = c.http.request("POST", "/v1/completions", body).await;
     let out: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 464);
@@ -615,7 +608,9 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
-    let c = disagg_cluster(2, 2, 20.0, |_| {}).await;
+    // One decode worker, so a repeated prompt finds its blocks there whatever the policy's
+    // tie-break (decode workers are chosen by load alone, as in Dynamo's decode pool).
+    let c = disagg_cluster(2, 1, 20.0, |_| {}).await;
     let client = c.client();
     let chat = chat_request("Hello there, disaggregated router.", 8);
     let response = client.chat().create(chat.clone()).await.unwrap();
@@ -637,20 +632,9 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
         0,
         "nothing was cached on the decode worker yet"
     );
-    // The decode worker's import stored the prompt's blocks; once the router knows, the same
-    // prompt goes back to it and its import finds every block locally.
-    let decode_ids: Vec<usize> = (0..c.mocks.len())
-        .filter(|&i| c.mocks[i].role.name() == "decode")
-        .collect();
-    let t0 = Instant::now();
-    while !decode_ids.iter().any(|&i| c.cached_blocks()[i] >= 20) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the decode worker's import events never arrived: {:?}",
-            c.cached_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The decode worker's import stored the prompt's blocks; a repeat's import finds every
+    // block there.
+    c.wait_for_cached_blocks(Some(2), 20).await;
     assert_eq!(stream_completion(&client, completion).await.len(), 5);
     // The cached tokens of an import, through the raw API (usage in the stream).
     let out = c
@@ -972,11 +956,7 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
     let completion = completion_request(&prompt, 5);
     assert_eq!(stream_completion(&client, completion).await.len(), 5);
     // The decode worker's import stored the prompt; a repeat's import finds every block there.
-    let t0 = Instant::now();
-    while c.cached_blocks()[2] < 20 {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", c.cached_blocks());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    c.wait_for_cached_blocks(Some(2), 20).await;
     let out = c.complete(json!({"prompt": prompt, "max_tokens": 3})).await;
     assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
     assert_eq!(
