@@ -497,7 +497,8 @@ async fn prefill_hop(
 /// are awaited), a failed prefill (the decode request is dropped, which cancels it), or the
 /// decode worker's headers (a streaming decode answers before its KV arrives; the prefill
 /// worker's answer is then read and dropped in the background, and its failure only logged:
-/// the decode stream fails or times out on its own).
+/// the decode stream fails or times out on its own), or a failed decode request (the prefill
+/// request is dropped with it).
 async fn sglang_pair(
     app: &Arc<App>,
     endpoint: Endpoint,
@@ -530,12 +531,15 @@ async fn sglang_pair(
             decode_side.await
         }
         response = &mut decode_side => {
-            let worker = prefill.worker;
-            tokio::spawn(async move {
-                if let Err(HopError::Connect(e) | HopError::Failed(e)) = prefill_side.await {
-                    tracing::warn!(worker = worker.0, error = %e.message, "the prefill side of an SGLang pair failed");
-                }
-            });
+            // A failed decode side drops the prefill side too (its KV would wait for nobody).
+            if response.is_ok() {
+                let worker = prefill.worker;
+                tokio::spawn(async move {
+                    if let Err(HopError::Connect(e) | HopError::Failed(e)) = prefill_side.await {
+                        tracing::warn!(worker = worker.0, error = %e.message, "the prefill side of an SGLang pair failed");
+                    }
+                });
+            }
             response
         }
     }

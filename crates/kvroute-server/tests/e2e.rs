@@ -754,6 +754,32 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
+    // One prefill and two decode workers, one of them dead: whichever decode worker a request
+    // is first paired with, it is answered, and a pair sent to the dead one is re-routed once.
+    let c = disagg_cluster(1, 2, 20.0, |config| {
+        config.disagg_protocol = DisaggProtocol::Sglang
+    })
+    .await;
+    c.mocks[2].kill();
+    for i in 0..4 {
+        let out = c
+            .complete(json!({"prompt": format!("request {i} of a pair"), "max_tokens": 3}))
+            .await;
+        assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
+    }
+    let metrics = c.http.get("/metrics").await;
+    let retries = metric(&metrics, "kvroute_upstream_retries_total", "");
+    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    let dead_routable = workers["workers"][2]["routable"].as_bool().unwrap();
+    assert!(
+        (retries == 1.0 && !dead_routable) || (retries == 0.0 && dead_routable),
+        "retries {retries}, the dead worker routable: {dead_routable}"
+    );
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
     // Two prefill workers, both dead, and a decider that always disaggregates: the retry meets
     // the second dead worker, and the request ends with a 502 naming it.
