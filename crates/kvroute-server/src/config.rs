@@ -39,6 +39,30 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
     }
 }
 
+/// The engine behind a worker, for what OpenAI's API leaves open: how a request names the
+/// data-parallel rank that is to serve it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// vLLM: the `X-data-parallel-rank` header.
+    #[default]
+    Vllm,
+    /// SGLang: a `data_parallel_rank` field in the body (as SGLang's gateway sends it).
+    Sglang,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            other => Err(format!("{other:?}: vllm or sglang")),
+        }
+    }
+}
+
 /// One worker: an OpenAI-compatible engine endpoint and, optionally, its KV-event sockets.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -59,8 +83,8 @@ pub struct WorkerConfig {
     /// Tokens per KV block; must equal the router's block size (checked). Default: the router's.
     #[serde(default)]
     pub block_size: Option<u32>,
-    /// Data-parallel ranks behind the URL; each is a cache of its own (selected with the
-    /// `X-data-parallel-rank` header, as vLLM reads it). Default 1.
+    /// Data-parallel ranks behind the URL; each is a cache of its own, selected as the
+    /// worker's `engine` reads it. Default 1.
     #[serde(default = "one")]
     pub dp_size: u32,
     /// `agg` (prefill and decode), `prefill` (prefills for decode workers: the first hop of a
@@ -80,6 +104,10 @@ pub struct WorkerConfig {
     /// default port.
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// The engine: `vllm` or `sglang` (how a request names its data-parallel rank). Default
+    /// `vllm`.
+    #[serde(default)]
+    pub engine: EngineKind,
 }
 
 fn one() -> u32 {
@@ -109,11 +137,12 @@ impl WorkerConfig {
             capacity_blocks: default_capacity(),
             max_requests: default_max_requests(),
             bootstrap_port: None,
+            engine: EngineKind::Vllm,
         }
     }
 
     /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
-    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N]`.
+    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]`.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         let mut parts = s.split(',');
         let mut w = Self::new(parts.next().unwrap_or_default().trim());
@@ -134,6 +163,11 @@ impl WorkerConfig {
                 "role" => w.role = v.to_owned(),
                 "capacity" => w.capacity_blocks = num(v)?,
                 "max-requests" => w.max_requests = num(v)?,
+                "engine" => {
+                    w.engine = v
+                        .parse()
+                        .map_err(|e| invalid("--worker", format!("engine={e}")))?
+                }
                 "bootstrap-port" => {
                     let port = u16::try_from(num(v)?)
                         .map_err(|_| invalid("--worker", format!("{k}={v} is not a port")))?;
@@ -413,6 +447,14 @@ mod tests {
         let w = WorkerConfig::parse_flag("http://h:1,events=tcp://h:2,replay=tcp://h:3,dp=2").unwrap();
         assert_eq!(w.events.as_deref(), Some("tcp://h:2"));
         assert_eq!(w.dp_size, 2);
+        assert_eq!(w.engine, EngineKind::Vllm);
+        let w = WorkerConfig::parse_flag("http://h:1,dp=4,engine=sglang").unwrap();
+        assert_eq!(w.engine, EngineKind::Sglang);
+        assert!(WorkerConfig::parse_flag("http://h:1,engine=trt").is_err());
+        let c =
+            ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
+        assert_eq!(c.workers[0].engine, EngineKind::Sglang);
+        assert!(ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"trt\"\n").is_err());
         assert!(WorkerConfig::parse_flag("http://h:1,bogus=1").is_err());
         for bad in [
             "ftp://h:1",

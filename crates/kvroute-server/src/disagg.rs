@@ -111,6 +111,13 @@ pub fn decode_body(body: &[u8], params: Option<Value>) -> Result<Vec<u8>, String
     serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
 }
 
+/// The client's `body` with `field` set to `value` (a client's own value is replaced).
+pub fn with_field(body: &[u8], field: &str, value: Value) -> Result<Vec<u8>, String> {
+    let mut obj = object(body)?;
+    obj.insert(field.to_owned(), value);
+    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+}
+
 /// The SGLang body sent to both workers: the client's `body` with the bootstrap fields of the
 /// prefill worker at `host` (its bootstrap server on `port`; `None` sends `null`, the engine's
 /// default port) and the request's `room`. A client's own bootstrap fields are replaced.

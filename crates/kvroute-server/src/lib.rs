@@ -32,7 +32,7 @@ pub mod openai;
 pub mod proxy;
 pub mod state;
 
-pub use config::{ServeConfig, WorkerConfig};
+pub use config::{EngineKind, ServeConfig, WorkerConfig};
 pub use disagg::DisaggProtocol;
 pub use mock::{MockConfig, MockWorker};
 pub use model::Model;

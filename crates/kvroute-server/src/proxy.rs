@@ -39,7 +39,7 @@ use kvroute_core::router::Router;
 use serde_json::json;
 use tokio::time::Sleep;
 
-use crate::config::{ConfigError, ServeConfig, WorkerConfig};
+use crate::config::{ConfigError, EngineKind, ServeConfig, WorkerConfig};
 use crate::disagg::{self, DisaggProtocol};
 use crate::events::EventFeed;
 use crate::metrics::Metrics;
@@ -400,18 +400,26 @@ async fn forward(
     Err(route_error(RouteError::NoWorker))
 }
 
-/// A POST of `body` to `upstream`'s `endpoint`, with its rank header and, for the two hops of
-/// a disaggregated request, their shared request id.
+/// A POST of `body` to `upstream`'s `endpoint`, naming its data-parallel rank as its engine
+/// reads it (vLLM's header, SGLang's body field) and, for the requests of a disaggregated one,
+/// their shared request id.
 fn upstream_request(
     upstream: &Upstream,
     endpoint: Endpoint,
-    body: Bytes,
+    mut body: Bytes,
     request_id: Option<&str>,
 ) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", upstream.base, endpoint.path()))
         .header(header::CONTENT_TYPE, "application/json");
     if upstream.dp {
-        builder = builder.header("x-data-parallel-rank", upstream.dp_rank);
+        match upstream.engine {
+            EngineKind::Vllm => builder = builder.header("x-data-parallel-rank", upstream.dp_rank),
+            EngineKind::Sglang => {
+                body = disagg::with_field(&body, "data_parallel_rank", upstream.dp_rank.into())
+                    .map(Bytes::from)
+                    .map_err(|e| ApiError::bad_request("body", e))?;
+            }
+        }
     }
     if let Some(id) = request_id {
         builder = builder.header(disagg::REQUEST_ID, id);

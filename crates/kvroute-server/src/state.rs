@@ -119,6 +119,8 @@ pub struct Upstream {
     pub base: String,
     /// Its SGLang bootstrap port, if configured.
     pub bootstrap_port: Option<u16>,
+    /// How a request names its rank.
+    pub engine: crate::config::EngineKind,
 }
 
 /// Where a routed request goes.
@@ -625,6 +627,7 @@ impl Inner {
             dp: w.is_some_and(|w| w.config.dp_size > 1),
             base: w.map(|w| w.base.clone()).unwrap_or_default(),
             bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
+            engine: w.map(|w| w.config.engine).unwrap_or_default(),
         }
     }
 }

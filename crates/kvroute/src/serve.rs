@@ -23,8 +23,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub listen: Option<String>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
-    /// [,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N][,bootstrap-port=N]`
-    /// (`bootstrap-port`: a prefill worker's SGLang bootstrap port). Repeat for several;
+    /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
+    /// [,bootstrap-port=N]` (`engine`: how a request names its data-parallel rank;
+    /// `bootstrap-port`: a prefill worker's SGLang bootstrap port). Repeat for several;
     /// replaces the file's workers.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
