@@ -1,14 +1,16 @@
 //! The KV-event feed: one `kvroute-zmq` subscriber per worker endpoint reports into one channel,
 //! and one task applies the reports to the router in arrival order (so a worker's events apply
-//! in order). Gaps are filled by the subscriber through the worker's replay socket; what it
-//! cannot fill arrives as `GapLost`, and the worker's cache view is cleared (never route on
-//! blocks that may be gone). While a subscriber runs, its counters are exported from
-//! `/metrics` ([`KvSubscriberCounters`]).
+//! in order). A worker of several data-parallel ranks has one subscriber per rank, on the
+//! rank's own endpoints (vLLM's and SGLang's rule: the port plus the rank,
+//! [`kvroute_zmq::rank_endpoint`]), and its reports carry the rank. Gaps are filled by the
+//! subscriber through the rank's replay socket; what it cannot fill arrives as `GapLost`, and
+//! that rank's cache view is cleared (never route on blocks that may be gone). While a
+//! subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvroute_core::ids::WorkerId;
+use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use tokio::sync::mpsc;
 
 use kvroute_zmq::{SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
@@ -17,10 +19,20 @@ use crate::config::WorkerConfig;
 use crate::metrics::KvSubscriberCounters;
 use crate::state::Shared;
 
-/// The feed: a channel into the router, and the subscribers that write to it.
+/// What one rank's subscriber reported.
+#[derive(Debug)]
+pub struct Report {
+    /// The rank whose endpoints the subscriber follows.
+    pub rank: DpRank,
+    /// The report.
+    pub event: SubscriberEvent,
+}
+
+/// The feed: a channel into the router, and the subscribers that write to it (one task per
+/// rank of each worker).
 pub struct EventFeed {
-    tx: mpsc::Sender<SubscriberEvent>,
-    subscribers: Mutex<HashMap<WorkerId, tokio::task::JoinHandle<()>>>,
+    tx: mpsc::Sender<Report>,
+    subscribers: Mutex<HashMap<WorkerId, Vec<tokio::task::JoinHandle<()>>>>,
     exported: KvSubscriberCounters,
 }
 
@@ -28,13 +40,13 @@ pub struct EventFeed {
 /// task, so stopping the task stops the export).
 struct Exported {
     exported: KvSubscriberCounters,
-    worker: WorkerId,
+    key: WorkerKey,
     counters: Arc<SubscriberCounters>,
 }
 
 impl Drop for Exported {
     fn drop(&mut self) {
-        self.exported.remove(self.worker, &self.counters);
+        self.exported.remove(self.key, &self.counters);
     }
 }
 
@@ -48,10 +60,10 @@ impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
         let exported = shared.metrics.kv_subscribers.clone();
-        let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
+        let (tx, mut rx) = mpsc::channel::<Report>(4096);
         tokio::spawn(async move {
-            while let Some(event) = rx.recv().await {
-                shared.apply_feed(event);
+            while let Some(report) = rx.recv().await {
+                shared.apply_feed(report.rank, report.event);
             }
         });
         Self {
@@ -61,47 +73,80 @@ impl EventFeed {
         }
     }
 
-    /// Starts a subscriber for worker `id` if it has an events endpoint.
+    /// Starts worker `id`'s subscribers, one per rank, if it has an events endpoint. A rank
+    /// whose endpoint has no offset rule (an `ipc://` path past rank 0) is logged and skipped.
     pub fn subscribe(&self, id: WorkerId, config: &WorkerConfig) {
         let Some(endpoint) = &config.events else { return };
-        let sub = SubscriberConfig {
-            replay_endpoint: config.replay.clone(),
-            topic: config.topic.clone(),
-            ..SubscriberConfig::new(id, endpoint.clone())
-        };
-        let tx = self.tx.clone();
+        let mut tasks = Vec::with_capacity(config.dp_size as usize);
+        for rank in 0..config.dp_size {
+            let endpoints = kvroute_zmq::rank_endpoint(endpoint, rank).and_then(|events| {
+                let replay = config
+                    .replay
+                    .as_deref()
+                    .map(|r| kvroute_zmq::rank_endpoint(r, rank))
+                    .transpose()?;
+                Ok((events, replay))
+            });
+            let (events, replay) = match endpoints {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::error!(worker = id.0, rank, error = %e, "no KV-event endpoint for this rank");
+                    continue;
+                }
+            };
+            let sub = SubscriberConfig {
+                replay_endpoint: replay,
+                topic: config.topic.clone(),
+                ..SubscriberConfig::new(id, events)
+            };
+            tasks.push(self.spawn(WorkerKey::new(id, DpRank(rank)), sub));
+        }
+        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = subs.insert(id, tasks) {
+            old.iter().for_each(tokio::task::JoinHandle::abort);
+        }
+    }
+
+    /// One rank's subscriber, its reports tagged with the rank. The handle lives in the task:
+    /// aborting the task drops it, which stops the subscriber (and ends the export of its
+    /// counters).
+    fn spawn(&self, key: WorkerKey, sub: SubscriberConfig) -> tokio::task::JoinHandle<()> {
+        let feed = self.tx.clone();
         let exported = self.exported.clone();
-        // The handle lives in the task: aborting the task drops it, which stops the subscriber
-        // (and ends the export of its counters).
-        let task = tokio::spawn(async move {
+        tokio::spawn(async move {
+            let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(1024);
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
                 Err(e) => {
-                    tracing::error!(worker = id.0, error = %e, "KV-event subscriber failed to start");
+                    tracing::error!(worker = key.worker.0, rank = key.dp_rank.0, error = %e, "KV-event subscriber failed to start");
                     return;
                 }
             };
             let counters = Arc::clone(handle.counters());
-            exported.insert(id, Arc::clone(&counters));
+            exported.insert(key, Arc::clone(&counters));
             let export = Exported {
                 exported,
-                worker: id,
+                key,
                 counters,
             };
-            std::future::pending::<()>().await;
+            while let Some(event) = rx.recv().await {
+                let report = Report {
+                    rank: key.dp_rank,
+                    event,
+                };
+                if feed.send(report).await.is_err() {
+                    break;
+                }
+            }
             drop((export, handle));
-        });
-        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = subs.insert(id, task) {
-            old.abort();
-        }
+        })
     }
 
     /// Stops worker `id`'s subscriber.
     pub fn unsubscribe(&self, id: WorkerId) {
         let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(task) = subs.remove(&id) {
-            task.abort();
+        if let Some(tasks) = subs.remove(&id) {
+            tasks.iter().for_each(tokio::task::JoinHandle::abort);
         }
     }
 }
@@ -109,8 +154,8 @@ impl EventFeed {
 impl Drop for EventFeed {
     fn drop(&mut self) {
         let subs = self.subscribers.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (_, task) in subs.drain() {
-            task.abort();
+        for (_, tasks) in subs.drain() {
+            tasks.iter().for_each(tokio::task::JoinHandle::abort);
         }
     }
 }

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvroute_core::ids::WorkerId;
+use kvroute_core::ids::WorkerKey;
 use kvroute_core::router::RouterMetrics;
 use kvroute_zmq::{CounterSnapshot, SubscriberCounters};
 use prometheus::core::{Collector, Desc};
@@ -146,36 +146,36 @@ const SUBSCRIBER_COUNTERS: &[(&str, &str, CounterField)] = &[
 /// from zero again (a counter reset, as Prometheus understands it).
 #[derive(Clone, Debug, Default)]
 pub struct KvSubscriberCounters {
-    subscribers: Arc<Mutex<BTreeMap<WorkerId, Arc<SubscriberCounters>>>>,
+    subscribers: Arc<Mutex<BTreeMap<WorkerKey, Arc<SubscriberCounters>>>>,
 }
 
 impl KvSubscriberCounters {
-    /// Exports `counters` as `worker`'s (replacing what it had).
-    pub fn insert(&self, worker: WorkerId, counters: Arc<SubscriberCounters>) {
-        self.lock().insert(worker, counters);
+    /// Exports `counters` as those of `key`'s subscriber (replacing what it had).
+    pub fn insert(&self, key: WorkerKey, counters: Arc<SubscriberCounters>) {
+        self.lock().insert(key, counters);
     }
 
-    /// Stops exporting `worker`'s counters if they are still `counters` (not those of a
+    /// Stops exporting `key`'s counters if they are still `counters` (not those of a
     /// subscriber started for it since).
-    pub fn remove(&self, worker: WorkerId, counters: &Arc<SubscriberCounters>) {
+    pub fn remove(&self, key: WorkerKey, counters: &Arc<SubscriberCounters>) {
         let mut subscribers = self.lock();
         if subscribers
-            .get(&worker)
+            .get(&key)
             .is_some_and(|current| Arc::ptr_eq(current, counters))
         {
-            subscribers.remove(&worker);
+            subscribers.remove(&key);
         }
     }
 
-    /// Every exported worker's counters now, in worker order.
-    pub fn snapshots(&self) -> Vec<(WorkerId, CounterSnapshot)> {
+    /// Every exported subscriber's counters now, in worker and rank order.
+    pub fn snapshots(&self) -> Vec<(WorkerKey, CounterSnapshot)> {
         self.lock()
             .iter()
             .map(|(worker, counters)| (*worker, counters.snapshot()))
             .collect()
     }
 
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<WorkerId, Arc<SubscriberCounters>>> {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<WorkerKey, Arc<SubscriberCounters>>> {
         // Every update is one insert or remove: a poisoned map is still whole.
         self.subscribers.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -197,7 +197,7 @@ impl SubscriberCollector {
         let families: Vec<IntCounterVec> = SUBSCRIBER_COUNTERS
             .iter()
             .map(|(name, help, _)| {
-                IntCounterVec::new(Opts::new(*name, *help), &["worker"])
+                IntCounterVec::new(Opts::new(*name, *help), &["worker", "dp_rank"])
                     .expect("static metric options are valid")
             })
             .collect();
@@ -223,9 +223,12 @@ impl Collector for SubscriberCollector {
         let families = self.families.lock().unwrap_or_else(|p| p.into_inner());
         for (family, &(_, _, field)) in families.iter().zip(SUBSCRIBER_COUNTERS) {
             family.reset();
-            for (worker, snapshot) in &snapshots {
+            for (key, snapshot) in &snapshots {
                 family
-                    .with_label_values(&[worker.0.to_string().as_str()])
+                    .with_label_values(&[
+                        key.worker.0.to_string().as_str(),
+                        key.dp_rank.0.to_string().as_str(),
+                    ])
                     .inc_by(field(snapshot));
             }
         }

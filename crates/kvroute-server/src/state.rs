@@ -519,28 +519,34 @@ impl Shared {
 
     // ---- KV events ----
 
-    /// Applies what a subscriber reported.
-    pub fn apply_feed(&self, event: SubscriberEvent) {
+    /// Applies what the subscriber of a worker's `rank` reported. A batch applies to the rank
+    /// it names (the engine's publisher fills it in), else to `rank`; a restart or lost batches
+    /// clear `rank`'s cache view.
+    pub fn apply_feed(&self, rank: DpRank, event: SubscriberEvent) {
         match event {
-            SubscriberEvent::Batch { worker, batch } => self.apply_batch(worker, &batch),
+            SubscriberEvent::Batch { worker, batch } => {
+                let key = WorkerKey::new(worker, batch.dp_rank.map_or(rank, DpRank));
+                self.apply_batch(key, &batch);
+            }
             SubscriberEvent::Restarted { worker } => {
                 self.metrics
                     .kv_stream_incidents
                     .with_label_values(&["restarted"])
                     .inc();
-                self.clear_worker(worker);
+                self.clear(WorkerKey::new(worker, rank));
             }
             SubscriberEvent::GapLost { worker, missing } => {
                 tracing::warn!(
                     worker = worker.0,
+                    rank = rank.0,
                     missing = missing.end.saturating_sub(missing.start),
-                    "KV events lost; clearing the worker's cache view"
+                    "KV events lost; clearing the rank's cache view"
                 );
                 self.metrics
                     .kv_stream_incidents
                     .with_label_values(&["gap_lost"])
                     .inc();
-                self.clear_worker(worker);
+                self.clear(WorkerKey::new(worker, rank));
             }
             SubscriberEvent::Error { worker, error } => {
                 tracing::debug!(worker = worker.0, error, "KV event stream error");
@@ -552,29 +558,24 @@ impl Shared {
         }
     }
 
-    fn clear_worker(&self, worker: WorkerId) {
+    fn clear(&self, key: WorkerKey) {
         let mut inner = self.lock();
-        let Some(ranks) = inner.workers.get(&worker).map(|w| w.config.dp_size) else {
+        if !inner.workers.contains_key(&key.worker) {
             return;
-        };
-        let now = self.now();
-        for rank in 0..ranks {
-            let _ = inner.router.handle_kv_event(
-                now,
-                WorkerKey::new(worker, DpRank(rank)),
-                kvroute_core::router::KvEvent::Cleared,
-            );
         }
+        let now = self.now();
+        let _ = inner
+            .router
+            .handle_kv_event(now, key, kvroute_core::router::KvEvent::Cleared);
     }
 
-    fn apply_batch(&self, worker: WorkerId, batch: &EventBatch) {
+    fn apply_batch(&self, key: WorkerKey, batch: &EventBatch) {
         let config = ApplyConfig {
             block_size: std::num::NonZeroU32::new(self.config.block_size)
                 .unwrap_or(std::num::NonZeroU32::MIN),
             namespace: None,
             group_idx: 0,
         };
-        let key = batch.worker_key(worker);
         // Convert (and hash) outside the lock.
         let converted: Vec<_> = batch
             .events
@@ -582,7 +583,7 @@ impl Shared {
             .map(|e| (event_type(e), e.to_kv_event(&config)))
             .collect();
         let mut inner = self.lock();
-        if !inner.workers.get(&worker).is_some_and(|w| w.in_router) {
+        if !inner.workers.get(&key.worker).is_some_and(|w| w.in_router) {
             return;
         }
         let now = self.now();

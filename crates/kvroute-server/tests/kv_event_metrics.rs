@@ -1,6 +1,7 @@
-//! The KV-event subscribers' counters as `/metrics` exports them, per worker: a worker with a
-//! replay socket recovers dropped batches (gap detected, recovered, batches replayed), one
-//! without reports them lost, and a removed worker's series go away.
+//! The KV-event subscribers' counters as `/metrics` exports them, per worker and rank: a worker
+//! with a replay socket recovers dropped batches (gap detected, recovered, batches replayed), one
+//! without reports them lost, and a removed worker's series go away. A data-parallel worker has a
+//! subscriber per rank, on the rank's own port, whose lost batches clear that rank alone.
 //!
 //! The workers are bare `kvroute-zmq` publishers (no HTTP side): only their event streams
 //! matter here, and the test decides exactly which batches are dropped.
@@ -12,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use kvroute_core::ids::ExternalBlockHash;
 use kvroute_server::net::{HttpClient, client};
 use kvroute_server::{ProxyHandle, ServeConfig, WorkerConfig};
+use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
 
 /// Generous: only reached when a test is failing.
@@ -42,9 +45,14 @@ impl Scrape {
         Self(text)
     }
 
-    /// `name{worker="worker"}`, or `None` when the scrape has no such series.
+    /// `name{worker="worker"}` of rank 0, or `None` when the scrape has no such series.
     fn get(&self, name: &str, worker: u64) -> Option<u64> {
-        let series = format!("{name}{{worker=\"{worker}\"}} ");
+        self.get_rank(name, worker, 0)
+    }
+
+    /// `name{dp_rank="rank",worker="worker"}`, or `None` when the scrape has no such series.
+    fn get_rank(&self, name: &str, worker: u64, rank: u32) -> Option<u64> {
+        let series = format!("{name}{{dp_rank=\"{rank}\",worker=\"{worker}\"}} ");
         self.0
             .lines()
             .find_map(|line| line.strip_prefix(&series))
@@ -186,5 +194,106 @@ async fn subscriber_counters_are_exported_per_worker() {
     .await;
     assert!(!gone.0.contains(&format!("worker=\"{l}\"")), "{}", gone.0);
     assert_eq!(gone.batches(r), after.batches(r));
+    proxy.stop();
+}
+
+/// Publishers for ranks 0 and 1 of one engine: on a port and the next, vLLM's layout.
+async fn rank_publishers() -> (EventPublisher, EventPublisher) {
+    for _ in 0..50 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let Some(next) = port.checked_add(1) else { continue };
+        let start =
+            |port: u16| EventPublisher::start(PublisherConfig::new(format!("tcp://127.0.0.1:{port}")));
+        if let (Ok(zero), Ok(one)) = (start(port).await, start(next).await) {
+            return (zero, one);
+        }
+    }
+    panic!("no two free consecutive ports");
+}
+
+/// One stored block of 16 tokens, named `hash` by the engine.
+fn stored(hash: u64) -> Vec<WireEvent> {
+    vec![WireEvent::BlockStored(BlockStored {
+        block_hashes: vec![ExternalBlockHash(hash)],
+        parent_block_hash: None,
+        token_ids: (0..16).map(|t| t + 100 * hash as u32).collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+        group_idx: None,
+    })]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
+    let (zero, one) = rank_publishers().await;
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        health_interval_ms: 0,
+        workers: vec![WorkerConfig {
+            // Rank 0's endpoint; rank 1 publishes on the next port.
+            events: Some(zero.endpoint().to_owned()),
+            dp_size: 2,
+            ..WorkerConfig::new("http://127.0.0.1:9")
+        }],
+        ..ServeConfig::default()
+    };
+    let proxy = kvroute_server::start(config, None).await.unwrap();
+    let http = client(Duration::from_secs(2));
+    let cached = |rank: u32| {
+        proxy
+            .shared
+            .snapshot()
+            .workers
+            .iter()
+            .find(|w| w.spec.key.dp_rank.0 == rank)
+            .unwrap()
+            .cached_blocks
+    };
+    let joined = |s: &Scrape, rank: u32| {
+        s.get_rank("dynamo_component_router_kv_zmq_ingress_batches_total", 0, rank)
+            .is_some_and(|n| n > 0)
+    };
+    scrape_until(&http, &proxy, &[&zero, &one], "both ranks joined", |s| {
+        joined(s, 0) && joined(s, 1)
+    })
+    .await;
+    // Rank 1's stream feeds rank 1, whether its batches name the rank or not; rank 0's, rank 0.
+    one.publish(stored(1), Some(1), 0.0).unwrap();
+    one.publish(stored(2), None, 0.0).unwrap();
+    zero.publish(stored(3), Some(0), 0.0).unwrap();
+    let t0 = Instant::now();
+    while (cached(0), cached(1)) != (1, 2) {
+        assert!(
+            t0.elapsed() < PATIENCE,
+            "ranks hold {} and {} blocks",
+            cached(0),
+            cached(1)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Batches lost on rank 1's stream (it has no replay socket) clear rank 1 alone. (Joining
+    // lost what was published before each subscription: count from here.)
+    let gaps = |s: &Scrape, rank: u32| s.get_rank("kvroute_kv_events_gaps_lost_total", 0, rank);
+    let before = Scrape::take(&http, &proxy).await;
+    one.drop_next(1);
+    one.publish(Vec::new(), Some(1), 0.0).unwrap();
+    one.publish(Vec::new(), Some(1), 0.0).unwrap();
+    let lost = scrape_until(&http, &proxy, &[], "rank 1's gap", |s| {
+        gaps(s, 1) == gaps(&before, 1).map(|n| n + 1)
+    })
+    .await;
+    assert_eq!(gaps(&lost, 0), gaps(&before, 0), "{}", lost.0);
+    let t0 = Instant::now();
+    while cached(1) != 0 {
+        assert!(t0.elapsed() < PATIENCE, "rank 1 still holds {} blocks", cached(1));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(cached(0), 1, "rank 0 keeps its view");
     proxy.stop();
 }
