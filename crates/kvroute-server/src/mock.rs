@@ -294,9 +294,9 @@ struct Stats {
     prompt_tokens: u64,
     generation_tokens: u64,
     finished: u64,
-    /// Requests prefilled for a remote decode (hop 1).
+    /// Requests prefilled for a remote decode (vLLM's hop 1, SGLang's prefill side).
     remote_decode_requests: u64,
-    /// Imports whose KV landed (hop 2).
+    /// Imports whose KV landed (vLLM's hop 2, SGLang's decode side).
     imports: u64,
     /// Prompt blocks imports found cached here.
     import_hit_blocks: u64,
@@ -1280,13 +1280,13 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
     metric(
         "kvroute_mock_remote_decode_requests_total",
         "counter",
-        "Requests prefilled for a remote decode (kv_transfer_params.do_remote_decode).",
+        "Requests prefilled for a remote decode (kv_transfer_params.do_remote_decode, or an SGLang bootstrap room on a prefill worker).",
         s.remote_decode_requests.to_string(),
     );
     metric(
         "kvroute_mock_kv_imports_total",
         "counter",
-        "Remote prefills imported: KV landed (kv_transfer_params.do_remote_prefill).",
+        "Remote prefills imported: KV landed (kv_transfer_params.do_remote_prefill, or an SGLang bootstrap room).",
         s.imports.to_string(),
     );
     metric(

@@ -264,7 +264,9 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
             flags.join(" ")
         );
         if config.prefill_workers > 0 {
-            eprintln!("(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)");
+            eprintln!(
+                "(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)"
+            );
         }
         std::future::pending::<()>().await;
         Ok(())
