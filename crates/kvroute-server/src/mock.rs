@@ -85,9 +85,16 @@ pub struct MockConfig {
     pub host: IpAddr,
     /// The first worker's HTTP port; worker `i` listens on `port + i`. 0 picks free ports.
     pub port: u16,
-    /// The first worker's ZMQ event port; worker `i` publishes on `event_port + 2i` and replays
-    /// on the port after. 0 picks free ports. Ignored without events.
+    /// The first worker's ZMQ event port; worker `i`'s rank `r` publishes on
+    /// `event_port + 2·i·dp_size + r` and replays on `dp_size` ports after (with one rank: worker
+    /// `i` on `event_port + 2i`, replay on the port after). 0 picks free ports. Ignored without
+    /// events.
     pub event_port: u16,
+    /// Data-parallel ranks per worker: each an engine of its own behind the worker's one HTTP
+    /// port, chosen by vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
+    /// body field (in turn when a request names none), each publishing its own events on the
+    /// rank-0 ports plus its rank (vLLM's layout). Default 1.
+    pub dp_size: u32,
     /// Whether to publish KV events.
     pub events: bool,
     /// How events are encoded.
@@ -111,6 +118,7 @@ impl MockConfig {
             host: IpAddr::from([127, 0, 0, 1]),
             port: 0,
             event_port: 0,
+            dp_size: 1,
             events: true,
             encoding: EventEncoding::Map,
             engine: Self::default_engine(),
@@ -181,8 +189,10 @@ pub struct MockWorker {
     pub replay_endpoint: Option<String>,
     /// The role the proxy is to route to it under.
     pub role: WorkerRole,
+    /// Its data-parallel ranks.
+    pub dp_size: u32,
     state: Arc<Worker>,
-    publisher: Option<Arc<EventPublisher>>,
+    publishers: Vec<Arc<EventPublisher>>,
     shutdown: Shutdown,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -207,6 +217,7 @@ impl MockWorker {
             events: self.events_endpoint.clone(),
             replay: self.replay_endpoint.clone(),
             role: self.role.name().to_owned(),
+            dp_size: self.dp_size,
             ..crate::config::WorkerConfig::new(self.url())
         }
     }
@@ -223,9 +234,10 @@ impl MockWorker {
             .collect()
     }
 
-    /// Fault injection: the next `n` event batches are buffered for replay but not sent live.
+    /// Fault injection: the next `n` event batches of every rank are buffered for replay but
+    /// not sent live.
     pub fn drop_next_event_batches(&self, n: u64) {
-        if let Some(p) = &self.publisher {
+        for p in &self.publishers {
             p.drop_next(n);
         }
     }
@@ -320,9 +332,17 @@ struct Worker {
     model_name: String,
     max_model_len: u32,
     default_max_tokens: u32,
+    /// Each rank's engine task and counters.
+    ranks: Vec<Rank>,
+    /// The rank of the next request that names none.
+    next_rank: std::sync::atomic::AtomicU64,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// One data-parallel rank of a mock worker: its engine task's queue and its counters.
+struct Rank {
     jobs: mpsc::UnboundedSender<Job>,
     stats: Arc<Mutex<Stats>>,
-    next_id: std::sync::atomic::AtomicU64,
 }
 
 /// Starts the mock workers: `config.prefill_workers` prefill workers, then `config.workers`
@@ -445,34 +465,39 @@ async fn start_one(
     model: Arc<Model>,
     rooms: Arc<Rooms>,
 ) -> Result<MockWorker, MockError> {
-    let engine = Engine::new(EngineConfig {
-        external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
-        ..config.engine.clone()
-    })?;
     let addr = SocketAddr::new(config.host, port(config.port, i));
     let (listener, addr) = net::bind(addr)
         .await
         .map_err(|source| MockError::Bind { addr, source })?;
-    let publisher = if config.events {
-        let host = config.host;
-        let pub_port = port(config.event_port, 2 * i);
-        let replay_port = if config.event_port == 0 {
-            0
-        } else {
-            pub_port.saturating_add(1)
-        };
-        let publisher = EventPublisher::start(PublisherConfig {
-            replay_endpoint: Some(format!("tcp://{host}:{replay_port}")),
-            encoding: config.encoding,
-            ..PublisherConfig::new(format!("tcp://{host}:{pub_port}"))
-        })
-        .await?;
-        Some(Arc::new(publisher))
+    let dp = config.dp_size.max(1);
+    let publishers = if config.events {
+        start_publishers(config, i, dp).await?
     } else {
-        None
+        Vec::new()
     };
-    let (jobs, rx) = mpsc::unbounded_channel();
-    let stats = Arc::new(Mutex::new(Stats::default()));
+    let mut ranks = Vec::with_capacity(dp as usize);
+    let mut tasks = Vec::with_capacity(dp as usize + 1);
+    for r in 0..dp {
+        let engine = Engine::new(EngineConfig {
+            external_hash_seed: config
+                .engine
+                .external_hash_seed
+                .wrapping_add(i as u64 * u64::from(dp) + u64::from(r)),
+            ..config.engine.clone()
+        })?;
+        let (jobs, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(Mutex::new(Stats::default()));
+        let publisher = publishers.get(r as usize).cloned();
+        let out = Outbox { publisher, rank: r };
+        tasks.push(tokio::spawn(drive(
+            engine,
+            rx,
+            Arc::clone(&stats),
+            out,
+            config.transfer,
+        )));
+        ranks.push(Rank { jobs, stats });
+    }
     let shutdown = Shutdown::new();
     let worker = Arc::new(Worker {
         engine_id: format!("kvroute-mock-{addr}"),
@@ -485,8 +510,8 @@ async fn start_one(
         model_name: config.model_name.clone(),
         max_model_len: config.engine.max_model_len,
         default_max_tokens: config.default_max_tokens,
-        jobs,
-        stats: Arc::clone(&stats),
+        ranks,
+        next_rank: std::sync::atomic::AtomicU64::new(0),
         next_id: std::sync::atomic::AtomicU64::new(0),
     });
     let routes = axum::Router::new()
@@ -496,21 +521,92 @@ async fn start_one(
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
         .with_state(Arc::clone(&worker));
-    let tasks = vec![
-        tokio::spawn(drive(engine, rx, stats, publisher.clone(), config.transfer)),
-        tokio::spawn(net::serve(listener, routes, shutdown.clone())),
-    ];
+    tasks.push(tokio::spawn(net::serve(listener, routes, shutdown.clone())));
     Ok(MockWorker {
         addr,
-        events_endpoint: publisher.as_ref().map(|p| p.endpoint().to_owned()),
-        replay_endpoint: publisher
-            .as_ref()
+        events_endpoint: publishers.first().map(|p| p.endpoint().to_owned()),
+        replay_endpoint: publishers
+            .first()
             .and_then(|p| p.replay_endpoint().map(str::to_owned)),
         role: config.role(i),
+        dp_size: dp,
         state: worker,
-        publisher,
+        publishers,
         shutdown,
         tasks,
+    })
+}
+
+/// Worker `i`'s publishers, one per rank: rank `r` on the rank-0 ports plus `r` (see
+/// [`MockConfig::event_port`]). With free ports and several ranks, a free run of ports is
+/// looked for first, since the ranks' ports must follow each other.
+async fn start_publishers(
+    config: &MockConfig,
+    i: usize,
+    dp: u32,
+) -> Result<Vec<Arc<EventPublisher>>, MockError> {
+    let host = config.host;
+    let width = 2 * dp as usize;
+    let mut tries = 0;
+    loop {
+        let base = match (config.event_port, dp) {
+            (0, 1) => None,
+            (0, _) => Some(free_run(host, width)?),
+            (p, _) => Some(port(p, width * i)),
+        };
+        let endpoint = |offset: u32| match base {
+            None => format!("tcp://{host}:0"),
+            Some(b) => format!("tcp://{host}:{}", b.saturating_add(offset as u16)),
+        };
+        let mut publishers = Vec::with_capacity(dp as usize);
+        let mut failed = None;
+        for r in 0..dp {
+            let started = EventPublisher::start(PublisherConfig {
+                replay_endpoint: Some(endpoint(dp + r)),
+                encoding: config.encoding,
+                ..PublisherConfig::new(endpoint(r))
+            })
+            .await;
+            match started {
+                Ok(p) => publishers.push(Arc::new(p)),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        match failed {
+            None => return Ok(publishers),
+            // Another process took a port of the free run meanwhile: look again.
+            Some(_) if config.event_port == 0 && tries < 10 => tries += 1,
+            Some(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The first of `width` consecutive free TCP ports on `host`.
+fn free_run(host: IpAddr, width: usize) -> Result<u16, MockError> {
+    let bind = |port: u16| std::net::TcpListener::bind(SocketAddr::new(host, port));
+    let mut last = None;
+    for _ in 0..50 {
+        let first = bind(0)
+            .and_then(|l| l.local_addr())
+            .map_err(|source| MockError::Bind {
+                addr: SocketAddr::new(host, 0),
+                source,
+            })?
+            .port();
+        let taken: Vec<_> = (0..width)
+            .map(|k| first.checked_add(k as u16).map(bind))
+            .collect();
+        if taken.iter().all(|t| matches!(t, Some(Ok(_)))) {
+            return Ok(first);
+        }
+        last = Some(first);
+    }
+    Err(MockError::Bind {
+        addr: SocketAddr::new(host, last.unwrap_or(0)),
+        source: std::io::Error::new(std::io::ErrorKind::AddrInUse, "no run of free ports"),
     })
 }
 
@@ -539,7 +635,13 @@ struct Driver {
     transfers: std::collections::BTreeSet<(Timestamp, RequestId)>,
     transfer: KvTransfer,
     stats: Arc<Mutex<Stats>>,
+    out: Outbox,
+}
+
+/// Where a rank's engine publishes its KV events, under its rank.
+struct Outbox {
     publisher: Option<Arc<EventPublisher>>,
+    rank: u32,
 }
 
 impl Driver {
@@ -660,7 +762,7 @@ impl Driver {
     }
 
     fn publish(&self, events: &[KvEvent]) {
-        let Some(p) = &self.publisher else { return };
+        let Some(p) = &self.out.publisher else { return };
         if events.is_empty() {
             return;
         }
@@ -668,7 +770,7 @@ impl Driver {
         let ts = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        if let Err(e) = p.publish(events, Some(0), ts) {
+        if let Err(e) = p.publish(events, Some(self.out.rank), ts) {
             tracing::warn!(error = %e, "publishing KV events failed");
         }
     }
@@ -678,7 +780,7 @@ async fn drive(
     mut engine: Engine,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     stats: Arc<Mutex<Stats>>,
-    publisher: Option<Arc<EventPublisher>>,
+    out: Outbox,
     transfer: KvTransfer,
 ) {
     let mut d = Driver {
@@ -690,7 +792,7 @@ async fn drive(
         transfers: std::collections::BTreeSet::new(),
         transfer,
         stats,
-        publisher,
+        out,
     };
     loop {
         // Between passes: transfers land, waiting imports start.
@@ -878,12 +980,38 @@ fn kv_role(body: &Value, role: WorkerRole) -> Result<KvRole, ApiError> {
     }
 }
 
+/// The rank a request names: vLLM's `X-data-parallel-rank` header, else SGLang's
+/// `data_parallel_rank` body field, else the next rank in turn.
+fn pick_rank(w: &Worker, header: Option<&str>, body: &Value) -> Result<usize, ApiError> {
+    let named = match (header, body.get("data_parallel_rank").filter(|v| !v.is_null())) {
+        (Some(h), _) => Some(h.trim().parse::<u64>().ok()),
+        (None, Some(v)) => Some(v.as_u64()),
+        (None, None) => None,
+    };
+    let ranks = w.ranks.len();
+    match named {
+        None => {
+            let turn = w.next_rank.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok((turn % ranks as u64) as usize)
+        }
+        Some(Some(r)) if (r as usize) < ranks => Ok(r as usize),
+        Some(_) => Err(ApiError::bad_request(
+            "data_parallel_rank",
+            format!("the data-parallel rank must be an integer below {ranks}"),
+        )),
+    }
+}
+
 async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response {
-    let request_id = req
-        .headers()
-        .get(crate::disagg::REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let (request_id, rank_header) = {
+        let header = |name: &str| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        (header(crate::disagg::REQUEST_ID), header("x-data-parallel-rank"))
+    };
     let body = match http_body_util::Limited::new(req.into_body(), 64 << 20)
         .collect()
         .await
@@ -901,6 +1029,10 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let rank = match pick_rank(w, rank_header.as_deref(), &value) {
+        Ok(r) => &w.ranks[r],
+        Err(e) => return e.into_response(),
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let prompt_tokens = parsed.tokens.len() as u32;
     let max_tokens = parsed.max_tokens;
@@ -910,7 +1042,7 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         output_len = output_len.min(1);
     }
     {
-        let mut s = w.stats.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = rank.stats.lock().unwrap_or_else(|p| p.into_inner());
         s.prompt_tokens += u64::from(prompt_tokens);
         if role.prefills() {
             s.remote_decode_requests += 1;
@@ -972,7 +1104,7 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
         import,
         tx,
     };
-    if w.jobs.send(job).is_err() {
+    if rank.jobs.send(job).is_err() {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -1213,99 +1345,108 @@ async fn models(State(w): State<Arc<Worker>>) -> Response {
         .into_response()
 }
 
-/// vLLM-like metrics, by vLLM's names.
+/// vLLM-like metrics, by vLLM's names: a series per data-parallel rank (label `engine`, as
+/// vLLM labels its engines).
 async fn metrics(State(w): State<Arc<Worker>>) -> Response {
-    let s = *w.stats.lock().unwrap_or_else(|p| p.into_inner());
+    let stats: Vec<Stats> = w
+        .ranks
+        .iter()
+        .map(|r| *r.stats.lock().unwrap_or_else(|p| p.into_inner()))
+        .collect();
     let m = &w.model_name;
     let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-        out.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {value}\n"
-        ));
+    let mut metric = |name: &str, kind: &str, help: &str, value: fn(&Stats) -> String| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (rank, s) in stats.iter().enumerate() {
+            out.push_str(&format!(
+                "{name}{{engine=\"{rank}\",model_name=\"{m}\"}} {}\n",
+                value(s)
+            ));
+        }
     };
     metric(
         "vllm:num_requests_running",
         "gauge",
         "Requests running on the engine.",
-        s.running.to_string(),
+        |s| s.running.to_string(),
     );
     metric(
         "vllm:num_requests_waiting",
         "gauge",
         "Requests waiting to be scheduled.",
-        s.waiting.to_string(),
+        |s| s.waiting.to_string(),
     );
     metric(
         "vllm:gpu_cache_usage_perc",
         "gauge",
         "KV-cache usage, 1 = full (deprecated name).",
-        format!("{}", s.kv_usage),
+        |s| format!("{}", s.kv_usage),
     );
     metric(
         "vllm:kv_cache_usage_perc",
         "gauge",
         "KV-cache usage, 1 = full.",
-        format!("{}", s.kv_usage),
+        |s| format!("{}", s.kv_usage),
     );
     metric(
         "vllm:prefix_cache_queries_total",
         "counter",
         "Prompt tokens looked up in the prefix cache.",
-        s.query_tokens.to_string(),
+        |s| s.query_tokens.to_string(),
     );
     metric(
         "vllm:prefix_cache_hits_total",
         "counter",
         "Prompt tokens found in the prefix cache.",
-        s.hit_tokens.to_string(),
+        |s| s.hit_tokens.to_string(),
     );
     metric(
         "vllm:prompt_tokens_total",
         "counter",
         "Prompt tokens received.",
-        s.prompt_tokens.to_string(),
+        |s| s.prompt_tokens.to_string(),
     );
     metric(
         "vllm:generation_tokens_total",
         "counter",
         "Tokens generated.",
-        s.generation_tokens.to_string(),
+        |s| s.generation_tokens.to_string(),
     );
     metric(
         "vllm:request_success_total",
         "counter",
         "Requests finished.",
-        s.finished.to_string(),
+        |s| s.finished.to_string(),
     );
     metric(
         "kvroute_mock_remote_decode_requests_total",
         "counter",
         "Requests prefilled for a remote decode (kv_transfer_params.do_remote_decode, or an SGLang bootstrap room on a prefill worker).",
-        s.remote_decode_requests.to_string(),
+        |s| s.remote_decode_requests.to_string(),
     );
     metric(
         "kvroute_mock_kv_imports_total",
         "counter",
         "Remote prefills imported: KV landed (kv_transfer_params.do_remote_prefill, or an SGLang bootstrap room).",
-        s.imports.to_string(),
+        |s| s.imports.to_string(),
     );
     metric(
         "kvroute_mock_kv_import_hit_blocks_total",
         "counter",
         "Prompt blocks imports found cached locally.",
-        s.import_hit_blocks.to_string(),
+        |s| s.import_hit_blocks.to_string(),
     );
     metric(
         "kvroute_mock_kv_import_transfer_blocks_total",
         "counter",
         "Prompt blocks imports moved over the link.",
-        s.import_transfer_blocks.to_string(),
+        |s| s.import_transfer_blocks.to_string(),
     );
     metric(
         "kvroute_mock_kv_import_waits_total",
         "counter",
         "Imports that waited for free KV blocks.",
-        s.import_waits.to_string(),
+        |s| s.import_waits.to_string(),
     );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

@@ -1,6 +1,7 @@
 //! A data-parallel worker is one router worker per rank; each request names the rank it was
 //! routed to as the worker's engine reads it: vLLM's `X-data-parallel-rank` header, or SGLang's
-//! `data_parallel_rank` body field.
+//! `data_parallel_rank` body field. Against a recording upstream (what is sent), and against a
+//! two-rank mock worker (each rank an engine publishing its own events on its own port).
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +12,9 @@ use axum::http::HeaderMap;
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use kvroute_server::{EngineKind, ServeConfig, WorkerConfig};
+use kvroute_server::mock::{self, MockConfig};
+use kvroute_server::net::HttpClient;
+use kvroute_server::{EngineKind, Model, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
 /// What the upstream saw of each request: its rank header and its body.
@@ -60,15 +63,10 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
         };
         let proxy = kvroute_server::start(config, None).await.unwrap();
         let client = kvroute_server::net::client(std::time::Duration::from_secs(2));
+        let url = format!("{}/v1/completions", proxy.url());
         for i in 0..4 {
             let body = json!({"prompt": format!("request {i}"), "max_tokens": 2, "data_parallel_rank": 7});
-            let request = hyper::Request::post(format!("{}/v1/completions", proxy.url()))
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
-                .unwrap();
-            let response = client.request(request).await.unwrap();
-            assert_eq!(response.status(), 200, "{engine:?}");
-            response.into_body().collect().await.unwrap();
+            post_json(&client, &url, &body, None).await;
         }
         let seen = seen.lock().unwrap().clone();
         let ranks: Vec<u64> = seen
@@ -88,4 +86,126 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
         assert_eq!(ranks, [0, 1, 0, 1], "{engine:?}: round-robin over the two ranks");
         assert!(seen.iter().all(|(_, body)| body["max_tokens"] == 2));
     }
+}
+
+/// POSTs `body` as JSON to `url` (naming data-parallel `rank` in vLLM's header, if given) and
+/// returns the JSON answer, which must be a 200.
+async fn post_json(client: &HttpClient, url: &str, body: &Value, rank: Option<u32>) -> Value {
+    let mut request = hyper::Request::post(url).header("content-type", "application/json");
+    if let Some(rank) = rank {
+        request = request.header("x-data-parallel-rank", rank);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        let model = Arc::new(Model::tiny().unwrap());
+        let mut mc = MockConfig::new(1);
+        mc.dp_size = 2;
+        mc.engine.speedup = 20.0;
+        let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
+        let config = ServeConfig {
+            listen: "127.0.0.1:0".into(),
+            health_interval_ms: 0,
+            workers: vec![WorkerConfig {
+                engine,
+                ..mocks[0].worker_config()
+            }],
+            ..ServeConfig::default()
+        };
+        assert_eq!(config.workers[0].dp_size, 2);
+        let proxy = kvroute_server::start(config, Some(model)).await.unwrap();
+        let client = kvroute_server::net::client(std::time::Duration::from_secs(2));
+        let url = format!("{}/v1/completions", proxy.url());
+        // Until both ranks' subscribers have joined (PUB/SUB drops what comes before, and a
+        // gap shows only with a later batch), run a new one-block request on each rank directly.
+        let mock_url = format!("{}/v1/completions", mocks[0].url());
+        let joined = |metrics: &str, rank: u32| {
+            let series = format!(
+                "dynamo_component_router_kv_zmq_ingress_batches_total{{dp_rank=\"{rank}\",worker=\"0\"}} "
+            );
+            metrics
+                .lines()
+                .any(|l| l.strip_prefix(&series).is_some_and(|n| n != "0"))
+        };
+        let t0 = std::time::Instant::now();
+        for attempt in 0.. {
+            for rank in 0..2 {
+                // A new first block each time (a cached one publishes nothing).
+                let warm =
+                    json!({"prompt": format!("{attempt:06}: warming up rank {rank}"), "max_tokens": 1});
+                post_json(&client, &mock_url, &warm, Some(rank)).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            let metrics = get_text(&client, &format!("{}/metrics", proxy.url())).await;
+            if joined(&metrics, 0) && joined(&metrics, 1) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "{engine:?}: the subscribers never joined:\n{metrics}"
+            );
+        }
+        let prompt_tokens = |metrics: &str, rank: u32| -> f64 {
+            let series = format!("vllm:prompt_tokens_total{{engine=\"{rank}\",model_name=\"tiny\"}} ");
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&series))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let before = get_text(&client, &format!("{}/metrics", mocks[0].url())).await;
+        // 320 bytes: 20 full blocks of the byte-level tiny tokenizer.
+        let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 5 % 26) as u8)).collect();
+        let body = json!({"prompt": prompt, "max_tokens": 3});
+        let first = post_json(&client, &url, &body, None).await;
+        assert_eq!(
+            first["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{first}"
+        );
+        // The rank that ran it publishes its blocks on its own port; the router books them
+        // under that rank.
+        let t0 = std::time::Instant::now();
+        let holder = loop {
+            let snapshot = proxy.shared.snapshot();
+            if let Some(w) = snapshot.workers.iter().find(|w| w.cached_blocks >= 20) {
+                break w.spec.key.dp_rank.0;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(5),
+                "{engine:?}: no rank's events arrived"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        let again = post_json(&client, &url, &body, None).await;
+        // All 20 blocks but the last, which the engine computes again for the first token.
+        assert_eq!(
+            again["usage"]["prompt_tokens_details"]["cached_tokens"], 304,
+            "{engine:?}: the repeat went back to rank {holder}: {again}"
+        );
+        // The mock's per-rank counters agree: both requests ran on the holding rank.
+        let after = get_text(&client, &format!("{}/metrics", mocks[0].url())).await;
+        let ran = |rank: u32| prompt_tokens(&after, rank) - prompt_tokens(&before, rank);
+        assert_eq!(ran(holder), 640.0, "{engine:?}: {after}");
+        assert_eq!(ran(1 - holder), 0.0, "{engine:?}: {after}");
+        proxy.stop();
+    }
+}
+
+/// GETs `url`'s body as text.
+async fn get_text(client: &HttpClient, url: &str) -> String {
+    let request = hyper::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    let response = client.request(request).await.unwrap();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
 }

@@ -178,9 +178,14 @@ pub struct MockArgs {
     #[arg(long, default_value_t = 8001)]
     pub port: u16,
     /// ZMQ port of the first worker's events; worker i publishes on EVENT_PORT+2i and replays
-    /// on EVENT_PORT+2i+1 (0: free ports).
+    /// on EVENT_PORT+2i+1 (0: free ports). With --dp N, worker i's rank r publishes on
+    /// EVENT_PORT+2iN+r and replays on EVENT_PORT+2iN+N+r.
     #[arg(long, default_value_t = 5557)]
     pub event_port: u16,
+    /// Data-parallel ranks per worker: an engine each behind the worker's port, chosen by
+    /// vLLM's X-data-parallel-rank header or SGLang's data_parallel_rank field.
+    #[arg(long, default_value_t = 1)]
+    pub dp: u32,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
@@ -233,6 +238,8 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     config.host = args.host;
     config.port = args.port;
     config.event_port = args.event_port;
+    anyhow::ensure!(args.dp >= 1, "--dp must be at least 1");
+    config.dp_size = args.dp;
     config.events = !args.no_events;
     config.encoding = encoding(&args.encoding)?;
     config.engine.speedup = args.speedup;
@@ -251,6 +258,9 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
             let mut flag = w.url();
             if let (Some(e), Some(r)) = (&w.events_endpoint, &w.replay_endpoint) {
                 flag.push_str(&format!(",events={e},replay={r}"));
+            }
+            if w.dp_size > 1 {
+                flag.push_str(&format!(",dp={}", w.dp_size));
             }
             if w.role != kvroute_core::router::WorkerRole::Aggregated {
                 flag.push_str(&format!(",role={}", w.role));
