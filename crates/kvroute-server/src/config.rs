@@ -210,6 +210,16 @@ impl WorkerConfig {
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));
         }
+        // Rank r publishes on the endpoint's port plus r: that port must exist.
+        if self.dp_size > 1 {
+            for (field, endpoint) in [("events", &self.events), ("replay", &self.replay)] {
+                if let Some(endpoint) = endpoint
+                    && let Err(e) = kvroute_zmq::rank_endpoint(endpoint, self.dp_size - 1)
+                {
+                    return Err(invalid(f(field), e.to_string()));
+                }
+            }
+        }
         if self.bootstrap_port.is_some() {
             if self.role() != WorkerRole::Prefill {
                 return Err(invalid(f("bootstrap_port"), "only a prefill worker has one"));
@@ -450,6 +460,8 @@ mod tests {
         assert_eq!(w.engine, EngineKind::Vllm);
         let w = WorkerConfig::parse_flag("http://h:1,dp=4,engine=sglang").unwrap();
         assert_eq!(w.engine, EngineKind::Sglang);
+        let w = WorkerConfig::parse_flag("http://h:1,dp=4,events=tcp://h:5557,replay=tcp://h:5561").unwrap();
+        assert!(w.validate(16, DisaggProtocol::Vllm).is_ok());
         assert!(WorkerConfig::parse_flag("http://h:1,engine=trt").is_err());
         let c =
             ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
@@ -459,6 +471,8 @@ mod tests {
         for bad in [
             "ftp://h:1",
             "http://h:1,dp=0",
+            "http://h:1,dp=2,events=ipc:///tmp/kv",
+            "http://h:1,dp=2,events=tcp://h:65535",
             "http://h:1,block-size=64",
             "http://h:1,role=prefil",
         ] {
