@@ -2,7 +2,7 @@
 //! and one task applies the reports to the router in arrival order (so a worker's events apply
 //! in order). A worker of several data-parallel ranks has one subscriber per rank, on the
 //! rank's own endpoints (vLLM's and SGLang's rule: the port plus the rank,
-//! [`kvroute_zmq::rank_endpoint`]), and its reports carry the rank. Gaps are filled by the
+//! [`kvroute_zmq::rank_endpoint`]), and its reports name the rank. Gaps are filled by the
 //! subscriber through the rank's replay socket; what it cannot fill arrives as `GapLost`, and
 //! that rank's cache view is cleared (never route on blocks that may be gone). While a
 //! subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
@@ -19,19 +19,10 @@ use crate::config::WorkerConfig;
 use crate::metrics::KvSubscriberCounters;
 use crate::state::Shared;
 
-/// What one rank's subscriber reported.
-#[derive(Debug)]
-pub struct Report {
-    /// The rank whose endpoints the subscriber follows.
-    pub rank: DpRank,
-    /// The report.
-    pub event: SubscriberEvent,
-}
-
 /// The feed: a channel into the router, and the subscribers that write to it (one task per
 /// rank of each worker).
 pub struct EventFeed {
-    tx: mpsc::Sender<Report>,
+    tx: mpsc::Sender<SubscriberEvent>,
     subscribers: Mutex<HashMap<WorkerId, Vec<tokio::task::JoinHandle<()>>>>,
     exported: KvSubscriberCounters,
 }
@@ -60,10 +51,10 @@ impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
         let exported = shared.metrics.kv_subscribers.clone();
-        let (tx, mut rx) = mpsc::channel::<Report>(4096);
+        let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
-            while let Some(report) = rx.recv().await {
-                shared.apply_feed(report.rank, report.event);
+            while let Some(event) = rx.recv().await {
+                shared.apply_feed(event);
             }
         });
         Self {
@@ -73,8 +64,9 @@ impl EventFeed {
         }
     }
 
-    /// Starts worker `id`'s subscribers, one per rank, if it has an events endpoint. A rank
-    /// whose endpoint has no offset rule (an `ipc://` path past rank 0) is logged and skipped.
+    /// Starts worker `id`'s subscribers, one per rank, if it has an events endpoint. (The
+    /// configuration was checked to give every rank an endpoint; one that has none anyway is
+    /// logged and skipped.)
     pub fn subscribe(&self, id: WorkerId, config: &WorkerConfig) {
         let Some(endpoint) = &config.events else { return };
         let mut tasks = Vec::with_capacity(config.dp_size as usize);
@@ -95,11 +87,12 @@ impl EventFeed {
                 }
             };
             let sub = SubscriberConfig {
+                rank: DpRank(rank),
                 replay_endpoint: replay,
                 topic: config.topic.clone(),
                 ..SubscriberConfig::new(id, events)
             };
-            tasks.push(self.spawn(WorkerKey::new(id, DpRank(rank)), sub));
+            tasks.push(self.spawn(sub));
         }
         let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(old) = subs.insert(id, tasks) {
@@ -107,14 +100,13 @@ impl EventFeed {
         }
     }
 
-    /// One rank's subscriber, its reports tagged with the rank. The handle lives in the task:
-    /// aborting the task drops it, which stops the subscriber (and ends the export of its
-    /// counters).
-    fn spawn(&self, key: WorkerKey, sub: SubscriberConfig) -> tokio::task::JoinHandle<()> {
-        let feed = self.tx.clone();
+    /// One rank's subscriber. The handle lives in the task: aborting the task drops it, which
+    /// stops the subscriber (and ends the export of its counters).
+    fn spawn(&self, sub: SubscriberConfig) -> tokio::task::JoinHandle<()> {
+        let key = WorkerKey::new(sub.worker, sub.rank);
+        let tx = self.tx.clone();
         let exported = self.exported.clone();
         tokio::spawn(async move {
-            let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(1024);
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
                 Err(e) => {
@@ -129,15 +121,7 @@ impl EventFeed {
                 key,
                 counters,
             };
-            while let Some(event) = rx.recv().await {
-                let report = Report {
-                    rank: key.dp_rank,
-                    event,
-                };
-                if feed.send(report).await.is_err() {
-                    break;
-                }
-            }
+            std::future::pending::<()>().await;
             drop((export, handle));
         })
     }

@@ -519,26 +519,23 @@ impl Shared {
 
     // ---- KV events ----
 
-    /// Applies what the subscriber of a worker's `rank` reported. A batch applies to the rank
-    /// it names (the engine's publisher fills it in), else to `rank`; a restart or lost batches
-    /// clear `rank`'s cache view.
-    pub fn apply_feed(&self, rank: DpRank, event: SubscriberEvent) {
+    /// Applies what the subscriber of one rank's stream reported. A batch applies to the rank
+    /// it names (the engine's publisher fills it in), else to the stream's; a restart or lost
+    /// batches clear the stream's rank.
+    pub fn apply_feed(&self, event: SubscriberEvent) {
         match event {
-            SubscriberEvent::Batch { worker, batch } => {
-                let key = WorkerKey::new(worker, batch.dp_rank.map_or(rank, DpRank));
-                self.apply_batch(key, &batch);
-            }
+            SubscriberEvent::Batch { worker, batch } => self.apply_batch(batch.worker_key(worker), &batch),
             SubscriberEvent::Restarted { worker } => {
                 self.metrics
                     .kv_stream_incidents
                     .with_label_values(&["restarted"])
                     .inc();
-                self.clear(WorkerKey::new(worker, rank));
+                self.clear(worker);
             }
             SubscriberEvent::GapLost { worker, missing } => {
                 tracing::warn!(
-                    worker = worker.0,
-                    rank = rank.0,
+                    worker = worker.worker.0,
+                    rank = worker.dp_rank.0,
                     missing = missing.end.saturating_sub(missing.start),
                     "KV events lost; clearing the rank's cache view"
                 );
@@ -546,10 +543,15 @@ impl Shared {
                     .kv_stream_incidents
                     .with_label_values(&["gap_lost"])
                     .inc();
-                self.clear(WorkerKey::new(worker, rank));
+                self.clear(worker);
             }
             SubscriberEvent::Error { worker, error } => {
-                tracing::debug!(worker = worker.0, error, "KV event stream error");
+                tracing::debug!(
+                    worker = worker.worker.0,
+                    rank = worker.dp_rank.0,
+                    error,
+                    "KV event stream error"
+                );
                 self.metrics
                     .kv_stream_incidents
                     .with_label_values(&["error"])

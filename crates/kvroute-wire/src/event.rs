@@ -5,7 +5,7 @@
 //! layout: a batch decoded from any revision's bytes compares equal to the same batch decoded
 //! from another's.
 
-use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerId, WorkerKey};
+use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerKey};
 use kvroute_engine::events::{BlockRemoved as EngineRemoved, BlockStored as EngineStored, KvEvent};
 
 use crate::error::{DecodeError, EncodeError, PayloadError};
@@ -126,10 +126,10 @@ impl EventBatch {
         ])
     }
 
-    /// The cache this batch is about: `worker`'s data-parallel rank named in the batch, or rank
-    /// 0 when the batch names none.
-    pub fn worker_key(&self, worker: WorkerId) -> WorkerKey {
-        WorkerKey::new(worker, DpRank(self.dp_rank.unwrap_or(0)))
+    /// The cache this batch is about, when it came on `stream` (a worker's rank's endpoint):
+    /// the worker's data-parallel rank the batch names, or the stream's rank when it names none.
+    pub fn worker_key(&self, stream: WorkerKey) -> WorkerKey {
+        WorkerKey::new(stream.worker, self.dp_rank.map_or(stream.dp_rank, DpRank))
     }
 }
 

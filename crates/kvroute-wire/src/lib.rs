@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use std::num::NonZeroU32;
-//! use kvroute_core::ids::WorkerId;
+//! use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 //! use kvroute_core::index::{IndexConfig, PrefixIndex};
 //! use kvroute_wire::{ApplyConfig, BlockStored, EventBatch, EventEncoding, RawBatch, SeqStatus, SeqTracker, WireEvent};
 //!
@@ -39,7 +39,7 @@
 //! let raw = RawBatch::from_live(&frames).unwrap();
 //! assert_eq!(tracker.observe_live(raw.seq), SeqStatus::InOrder);
 //! let batch = raw.decode().unwrap();
-//! let worker = batch.worker_key(WorkerId(7));
+//! let worker = batch.worker_key(WorkerKey::new(WorkerId(7), DpRank(0)));
 //! index.add_worker(worker);
 //! for event in &batch.events {
 //!     let report = event.apply_to(&mut index, worker, &config).unwrap();

@@ -139,8 +139,10 @@
 //! * Applying events to an index, clearing a worker, metrics export: the consumer's job (the
 //!   server), using [`WireEvent::apply_to`](kvroute_wire::WireEvent::apply_to) and the counters.
 //! * One socket for several data-parallel ranks: vLLM gives each rank its own port
-//!   ([`rank_endpoint`]); run one subscriber per rank. Batches carry their rank, and sequence
-//!   numbers are tracked per subscriber.
+//!   ([`rank_endpoint`]); run one subscriber per rank (`SubscriberConfig::rank`). Every event
+//!   names the worker and the stream's rank, a batch naming no rank is the stream's
+//!   ([`EventBatch::worker_key`](kvroute_wire::EventBatch::worker_key)), and sequence numbers
+//!   are tracked per subscriber.
 //! * Several engines on one bound subscriber (llm-d's centralized mode tells them apart by
 //!   topic): sequence numbers are per publisher, so a subscriber follows one engine. In bind
 //!   mode, give each worker its own port.

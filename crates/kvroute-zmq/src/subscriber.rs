@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_core::ids::WorkerId;
+use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_wire::replay::{self, ReplayReply};
 use kvroute_wire::{EventBatch, RawBatch, ReplayStatus, SeqStatus, SeqTracker};
 use serde::{Deserialize, Serialize};
@@ -30,13 +30,19 @@ const ERROR_PAUSE: Duration = Duration::from_millis(10);
 /// subscriber tries again after this long.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
-/// One worker's event stream: where to listen and how to recover.
+/// One event stream (a worker's, or one data-parallel rank's of a worker whose ranks publish
+/// apart): where to listen and how to recover.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubscriberConfig {
     /// The worker whose events these are; every [`SubscriberEvent`] carries it.
     #[serde(with = "worker_id")]
     pub worker: WorkerId,
+    /// The data-parallel rank whose endpoints these are (0 for an engine of one rank); every
+    /// [`SubscriberEvent`] carries it with the worker, and a batch naming no rank is this
+    /// rank's.
+    #[serde(default, with = "dp_rank")]
+    pub rank: DpRank,
     /// The engine's PUB endpoint (`tcp://host:port` or `ipc://path`), or the address to listen
     /// on when the engine connects out (`tcp://*:port`).
     pub endpoint: String,
@@ -67,6 +73,7 @@ impl SubscriberConfig {
     pub fn new(worker: WorkerId, endpoint: impl Into<String>) -> Self {
         Self {
             worker,
+            rank: DpRank(0),
             endpoint: endpoint.into(),
             replay_endpoint: None,
             topic: String::new(),
@@ -115,29 +122,44 @@ mod worker_id {
     }
 }
 
-/// What a subscriber hands on, in order, for its worker.
+/// `DpRank` as its integer in configs.
+mod dp_rank {
+    use kvroute_core::ids::DpRank;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(rank: &DpRank, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(rank.0)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DpRank, D::Error> {
+        u32::deserialize(d).map(DpRank)
+    }
+}
+
+/// What a subscriber hands on, in order, for its stream: each event names the worker and the
+/// rank whose endpoints the subscriber follows (`SubscriberConfig::worker` and `rank`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum SubscriberEvent {
     /// The next batch, in sequence order (live or replayed): apply its events to
     /// `batch.worker_key(worker)`.
     Batch {
-        /// The worker.
-        worker: WorkerId,
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
         /// The decoded batch.
         batch: EventBatch,
     },
     /// The publisher restarted (its sequence number went back): its cache is new, so clear
-    /// every rank of this worker. Batches of the new run follow.
+    /// the stream's rank. Batches of the new run follow.
     Restarted {
-        /// The worker.
-        worker: WorkerId,
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
     },
     /// These batches are gone (no replay endpoint, the replay timed out, or the publisher no
     /// longer buffers them); the stream continues after them. What the worker's state is now is
     /// unknown: the consumer decides (keep it, or clear it to never route on evicted blocks).
     GapLost {
-        /// The worker.
-        worker: WorkerId,
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
         /// The sequence numbers lost.
         missing: Range<u64>,
     },
@@ -145,8 +167,8 @@ pub enum SubscriberEvent {
     /// mode, a connect that failed for a reason retrying at once would not fix (it is retried
     /// after a second). Never fatal.
     Error {
-        /// The worker.
-        worker: WorkerId,
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
         /// What was wrong, naming the sequence number when it was readable.
         error: String,
     },
@@ -303,7 +325,7 @@ pub async fn spawn_subscriber(
     let (endpoint, connect_to) = bind_or_defer(&mut socket, mode, endpoint).await?;
     let counters = Arc::new(SubscriberCounters::default());
     let session = Session {
-        worker: config.worker,
+        worker: WorkerKey::new(config.worker, config.rank),
         replay_endpoint: config.replay_endpoint.as_deref().map(normalize),
         replay_timeout: Duration::from_millis(config.replay_timeout_ms),
         tx,
@@ -336,7 +358,7 @@ enum ReplayEnd {
 
 /// The task's state.
 struct Session {
-    worker: WorkerId,
+    worker: WorkerKey,
     replay_endpoint: Option<String>,
     replay_timeout: Duration,
     tx: mpsc::Sender<SubscriberEvent>,

@@ -11,7 +11,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_core::ids::{ExternalBlockHash, WorkerId};
+use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
 use kvroute_wire::replay::ReplayLayout;
 use kvroute_wire::{ApplyConfig, BlockRemoved, BlockStored, EventBatch, EventEncoding, WireEvent};
@@ -24,6 +24,8 @@ use tokio::time::timeout;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const WORKER: WorkerId = WorkerId(3);
+/// The stream the subscribers follow: the worker's only rank.
+const STREAM: WorkerKey = WorkerKey::new(WORKER, DpRank(0));
 /// Generous: only reached when a test is failing.
 const PATIENCE: Duration = Duration::from_secs(10);
 
@@ -40,7 +42,7 @@ async fn next(rx: &mut mpsc::Receiver<SubscriberEvent>) -> SubscriberEvent {
 async fn next_batch(rx: &mut mpsc::Receiver<SubscriberEvent>) -> EventBatch {
     match next(rx).await {
         SubscriberEvent::Batch { worker, batch } => {
-            assert_eq!(worker, WORKER);
+            assert_eq!(worker, STREAM);
             batch
         }
         other => panic!("expected a batch, got {other:?}"),
@@ -192,7 +194,7 @@ async fn publish_empty(publisher: &EventPublisher, rx: &mut mpsc::Receiver<Subsc
 /// The event of the batches `missing` being lost.
 fn gap_lost(missing: std::ops::Range<u64>) -> SubscriberEvent {
     SubscriberEvent::GapLost {
-        worker: WORKER,
+        worker: STREAM,
         missing,
     }
 }
@@ -377,7 +379,7 @@ async fn a_restarted_publisher_is_reported_and_its_new_run_follows() {
     let second = start().await.expect("second publisher");
     let events = join(&second, &mut rx).await;
     assert!(
-        matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
+        matches!(events[0], SubscriberEvent::Restarted { worker: STREAM }),
         "{events:?}"
     );
     let counters = handle.counters().snapshot();
@@ -444,7 +446,7 @@ async fn garbage_is_reported_and_the_subscriber_goes_on() {
     let batch = loop {
         match next(&mut rx).await {
             SubscriberEvent::Error { worker, error } => {
-                assert_eq!(worker, WORKER);
+                assert_eq!(worker, STREAM);
                 errors.push(error);
             }
             SubscriberEvent::Batch { batch, .. } => break batch,
@@ -651,7 +653,7 @@ async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
     .expect("restart on the same ports");
     let events = join(&second, &mut rx).await;
     assert!(
-        matches!(events[0], SubscriberEvent::Restarted { worker: WORKER }),
+        matches!(events[0], SubscriberEvent::Restarted { worker: STREAM }),
         "{events:?}"
     );
     assert_eq!(
