@@ -10,8 +10,6 @@ use kvroute_core::router::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::disagg::DisaggProtocol;
-
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -39,27 +37,38 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
     }
 }
 
-/// The engine behind a worker, for what OpenAI's API leaves open: how a request names the
-/// data-parallel rank that is to serve it.
+/// An engine family, for what OpenAI's API leaves open: how a request names the data-parallel
+/// rank that is to serve it (a worker's `engine`), and how prefill and decode workers hand a
+/// request's KV over (the fleet's `disagg_protocol`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
-    /// vLLM: the `X-data-parallel-rank` header.
+    /// vLLM: the `X-data-parallel-rank` header; two hops with `kv_transfer_params`.
     #[default]
     Vllm,
-    /// SGLang: a `data_parallel_rank` field in the body (as SGLang's gateway sends it).
+    /// SGLang: a `data_parallel_rank` field in the body; bootstrap host, port and room sent to
+    /// both workers at once (as SGLang's gateway does both).
     Sglang,
+}
+
+impl EngineKind {
+    /// The name in configuration and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+        }
+    }
 }
 
 impl std::str::FromStr for EngineKind {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            other => Err(format!("{other:?}: vllm or sglang")),
-        }
+        [Self::Vllm, Self::Sglang]
+            .into_iter()
+            .find(|e| e.name() == s)
+            .ok_or_else(|| format!("{s:?}: vllm or sglang"))
     }
 }
 
@@ -181,7 +190,7 @@ impl WorkerConfig {
 
     /// Checks the worker against the router's block size and the fleet's disaggregation
     /// protocol.
-    pub fn validate(&self, router_block_size: u32, protocol: DisaggProtocol) -> Result<(), ConfigError> {
+    pub fn validate(&self, router_block_size: u32, protocol: EngineKind) -> Result<(), ConfigError> {
         let f = |name: &str| format!("worker {}: {name}", self.url);
         let uri: hyper::Uri = self.url.parse().map_err(|_| invalid(f("url"), "is not a URL"))?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
@@ -224,7 +233,7 @@ impl WorkerConfig {
             if self.role() != WorkerRole::Prefill {
                 return Err(invalid(f("bootstrap_port"), "only a prefill worker has one"));
             }
-            if protocol != DisaggProtocol::Sglang {
+            if protocol != EngineKind::Sglang {
                 return Err(invalid(
                     f("bootstrap_port"),
                     "is SGLang's: set disagg_protocol = \"sglang\"",
@@ -275,7 +284,7 @@ pub struct ServeConfig {
     /// How prefill and decode workers hand a request's KV over: `vllm` (two hops with
     /// `kv_transfer_params`) or `sglang` (bootstrap host, port and room, sent to both at once).
     /// Default `vllm`.
-    pub disagg_protocol: DisaggProtocol,
+    pub disagg_protocol: EngineKind,
     /// Where the router's cache view comes from: `events`, `predict` (events plus its own
     /// recent decisions) or `approximate` (its decisions only). Default `events`.
     pub cache: String,
@@ -321,7 +330,7 @@ impl Default for ServeConfig {
             block_size: 16,
             seed: 0,
             decider: "always".to_owned(),
-            disagg_protocol: DisaggProtocol::Vllm,
+            disagg_protocol: EngineKind::Vllm,
             cache: "events".to_owned(),
             queue_capacity: 1024,
             queue_timeout_ms: 30_000,
@@ -461,8 +470,11 @@ mod tests {
         let w = WorkerConfig::parse_flag("http://h:1,dp=4,engine=sglang").unwrap();
         assert_eq!(w.engine, EngineKind::Sglang);
         let w = WorkerConfig::parse_flag("http://h:1,dp=4,events=tcp://h:5557,replay=tcp://h:5561").unwrap();
-        assert!(w.validate(16, DisaggProtocol::Vllm).is_ok());
+        assert!(w.validate(16, EngineKind::Vllm).is_ok());
         assert!(WorkerConfig::parse_flag("http://h:1,engine=trt").is_err());
+        for e in [EngineKind::Vllm, EngineKind::Sglang] {
+            assert_eq!(e.name().parse::<EngineKind>(), Ok(e));
+        }
         let c =
             ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
         assert_eq!(c.workers[0].engine, EngineKind::Sglang);
@@ -477,7 +489,7 @@ mod tests {
             "http://h:1,role=prefil",
         ] {
             let w = WorkerConfig::parse_flag(bad).unwrap();
-            assert!(w.validate(16, DisaggProtocol::Vllm).is_err(), "{bad}");
+            assert!(w.validate(16, EngineKind::Vllm).is_err(), "{bad}");
         }
         let bad = ServeConfig {
             policy: "nope".into(),
@@ -495,7 +507,7 @@ mod tests {
             ("http://h:1,role=decode", WorkerRole::Decode),
         ] {
             let w = WorkerConfig::parse_flag(flag).unwrap();
-            assert!(w.validate(16, DisaggProtocol::Vllm).is_ok(), "{flag}");
+            assert!(w.validate(16, EngineKind::Vllm).is_ok(), "{flag}");
             assert_eq!(w.role(), role, "{flag}");
         }
         // (roles, decider, accepted)
@@ -539,7 +551,7 @@ mod tests {
         .unwrap();
         let router = c.validate().unwrap();
         assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
-        assert_eq!(c.disagg_protocol, DisaggProtocol::Vllm);
+        assert_eq!(c.disagg_protocol, EngineKind::Vllm);
         assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
     }
 
@@ -551,17 +563,17 @@ mod tests {
         )
         .unwrap();
         assert!(c.validate().is_ok());
-        assert_eq!(c.disagg_protocol, DisaggProtocol::Sglang);
+        assert_eq!(c.disagg_protocol, EngineKind::Sglang);
         assert_eq!(c.workers[0].bootstrap_port, Some(8998));
         let err = ServeConfig::from_toml_str("disagg_protocol = \"nixl\"").unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");
         let w = WorkerConfig::parse_flag("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
         assert_eq!(w.bootstrap_port, Some(8998));
-        assert!(w.validate(16, DisaggProtocol::Sglang).is_ok());
-        let err = w.validate(16, DisaggProtocol::Vllm).unwrap_err();
+        assert!(w.validate(16, EngineKind::Sglang).is_ok());
+        let err = w.validate(16, EngineKind::Vllm).unwrap_err();
         assert!(err.to_string().contains("disagg_protocol"), "{err}");
         let w = WorkerConfig::parse_flag("http://h:1,role=decode,bootstrap-port=8998").unwrap();
-        assert!(w.validate(16, DisaggProtocol::Sglang).is_err());
+        assert!(w.validate(16, EngineKind::Sglang).is_err());
         assert!(WorkerConfig::parse_flag("http://h:1,bootstrap-port=70000").is_err());
     }
 }

@@ -1,5 +1,5 @@
-//! The bodies of the disaggregated (prefill/decode) flow, in either of the two protocols
-//! engines speak ([`DisaggProtocol`]).
+//! The bodies of the disaggregated (prefill/decode) flow, in either engine's protocol
+//! ([`EngineKind`](crate::config::EngineKind), `disagg_protocol` in the configuration).
 //!
 //! **vLLM** (its disaggregated-prefill proxy's protocol, the NIXL connector's, which vLLM and
 //! the engines built on its KV connectors speak), two hops in turn:
@@ -25,38 +25,6 @@
 //! read and dropped.
 
 use serde_json::{Map, Value, json};
-
-/// How prefill and decode workers hand a request's KV over.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DisaggProtocol {
-    /// vLLM's two hops with `kv_transfer_params` (the default).
-    #[default]
-    Vllm,
-    /// SGLang's bootstrap host, port and room, sent to both workers at once.
-    Sglang,
-}
-
-impl DisaggProtocol {
-    /// The protocol's name in configuration and flags.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-        }
-    }
-}
-
-impl std::str::FromStr for DisaggProtocol {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        [Self::Vllm, Self::Sglang]
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("{s:?}: vllm or sglang"))
-    }
-}
 
 /// The header both hops carry, with the same value.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -266,10 +234,5 @@ mod tests {
         assert!(rooms.iter().all(|&r| r < 1 << 63));
         assert_eq!(bootstrap_room(1234, 5), bootstrap_room(1234, 5));
         assert_ne!(bootstrap_room(1234, 5), bootstrap_room(1235, 5));
-
-        for p in [DisaggProtocol::Vllm, DisaggProtocol::Sglang] {
-            assert_eq!(p.name().parse::<DisaggProtocol>(), Ok(p));
-        }
-        assert!("nixl".parse::<DisaggProtocol>().is_err());
     }
 }

@@ -33,7 +33,6 @@ pub mod proxy;
 pub mod state;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};
-pub use disagg::DisaggProtocol;
 pub use mock::{MockConfig, MockWorker};
 pub use model::Model;
 pub use proxy::{ProxyHandle, start};

@@ -40,7 +40,7 @@ use serde_json::json;
 use tokio::time::Sleep;
 
 use crate::config::{ConfigError, EngineKind, ServeConfig, WorkerConfig};
-use crate::disagg::{self, DisaggProtocol};
+use crate::disagg;
 use crate::events::EventFeed;
 use crate::metrics::Metrics;
 use crate::model::Model;
@@ -349,7 +349,7 @@ async fn forward(
         let decode = &target.decode;
         let sent = match (&target.prefill, shared.config.disagg_protocol) {
             (None, _) => send(app, decode, endpoint, body.clone(), None, timeout).await,
-            (Some(prefill), DisaggProtocol::Vllm) => {
+            (Some(prefill), EngineKind::Vllm) => {
                 let request_id = app.request_id(guard.id());
                 match prefill_hop(app, endpoint, prefill, &body, &request_id, timeout).await {
                     Ok(params) => {
@@ -369,7 +369,7 @@ async fn forward(
                     Err(e) => Err(e),
                 }
             }
-            (Some(prefill), DisaggProtocol::Sglang) => {
+            (Some(prefill), EngineKind::Sglang) => {
                 sglang_pair(app, endpoint, prefill, decode, &mut guard, &body, timeout).await
             }
         };

@@ -15,7 +15,7 @@ use async_openai::types::chat::{
 use async_openai::types::completions::{CreateCompletionRequest, CreateCompletionRequestArgs};
 use futures_util::StreamExt;
 use kvroute_server::mock::{self, MockConfig, MockWorker};
-use kvroute_server::{DisaggProtocol, Model, ProxyHandle, ServeConfig};
+use kvroute_server::{EngineKind, Model, ProxyHandle, ServeConfig};
 use serde_json::{Value, json};
 
 struct Cluster {
@@ -715,7 +715,7 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
-    for protocol in [DisaggProtocol::Vllm, DisaggProtocol::Sglang] {
+    for protocol in [EngineKind::Vllm, EngineKind::Sglang] {
         let c = disagg_cluster(1, 1, 20.0, |config| config.disagg_protocol = protocol).await;
         c.mocks[0].kill();
         let body =
@@ -746,7 +746,7 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
             workers["workers"][0]["routable"], false,
             "{protocol:?}: {workers}"
         );
-        if protocol == DisaggProtocol::Vllm {
+        if protocol == EngineKind::Vllm {
             assert_eq!(c.kv_requests().1.len(), 0, "no hop 2 without a hop 1");
         }
         c.assert_drained().await;
@@ -757,10 +757,7 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
 async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
     // One prefill and two decode workers, one of them dead: whichever decode worker a request
     // is first paired with, it is answered, and a pair sent to the dead one is re-routed once.
-    let c = disagg_cluster(1, 2, 20.0, |config| {
-        config.disagg_protocol = DisaggProtocol::Sglang
-    })
-    .await;
+    let c = disagg_cluster(1, 2, 20.0, |config| config.disagg_protocol = EngineKind::Sglang).await;
     c.mocks[2].kill();
     for i in 0..4 {
         let out = c
@@ -966,7 +963,7 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
     // One decode worker, so a repeated prompt finds its blocks there whatever the policy's
     // tie-break (decode workers are chosen by load alone).
     let c = disagg_cluster(2, 1, 20.0, |config| {
-        config.disagg_protocol = DisaggProtocol::Sglang;
+        config.disagg_protocol = EngineKind::Sglang;
         // One prefill worker names its bootstrap port, the other leaves it to the engine.
         config.workers[0].bootstrap_port = Some(8998);
     })

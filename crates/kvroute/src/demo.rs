@@ -42,7 +42,7 @@ pub struct DemoArgs {
     pub prefill: usize,
     /// The prefill/decode protocol the live proxy speaks to the mocks: vllm or sglang.
     #[arg(long, default_value = "vllm")]
-    pub disagg_protocol: kvroute_server::DisaggProtocol,
+    pub disagg_protocol: kvroute_server::EngineKind,
     /// Routing policy.
     #[arg(long, default_value = "kv")]
     pub policy: String,

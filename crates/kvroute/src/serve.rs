@@ -52,7 +52,7 @@ pub struct ServeArgs {
     /// kv_transfer_params) or `sglang` (bootstrap host, port and room, to both at once).
     /// Default vllm.
     #[arg(long)]
-    pub disagg_protocol: Option<kvroute_server::DisaggProtocol>,
+    pub disagg_protocol: Option<kvroute_server::EngineKind>,
     /// Cache view: events, predict or approximate. Default events.
     #[arg(long)]
     pub cache: Option<String>,
