@@ -45,17 +45,17 @@ pub fn remote_decode_params() -> Value {
 /// Hop 1's body from the client's `body`, a JSON object (the proxy parsed it already; anything
 /// else is returned as an error message).
 pub fn prefill_body(body: &[u8]) -> Result<Vec<u8>, String> {
-    let mut obj = object(body)?;
-    obj.insert("stream".to_owned(), Value::Bool(false));
-    obj.insert("max_tokens".to_owned(), json!(1));
-    if obj.contains_key("max_completion_tokens") {
-        obj.insert("max_completion_tokens".to_owned(), json!(1));
-    }
-    for field in ["stream_options", "min_tokens", "min_completion_tokens"] {
-        obj.remove(field);
-    }
-    obj.insert("kv_transfer_params".to_owned(), remote_decode_params());
-    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+    rewrite(body, |obj| {
+        obj.insert("stream".to_owned(), Value::Bool(false));
+        obj.insert("max_tokens".to_owned(), json!(1));
+        if obj.contains_key("max_completion_tokens") {
+            obj.insert("max_completion_tokens".to_owned(), json!(1));
+        }
+        for field in ["stream_options", "min_tokens", "min_completion_tokens"] {
+            obj.remove(field);
+        }
+        obj.insert("kv_transfer_params".to_owned(), remote_decode_params());
+    })
 }
 
 /// The `kv_transfer_params` of the prefill worker's response `body`, if it is a non-empty
@@ -71,30 +71,28 @@ pub fn kv_transfer_params(body: &[u8]) -> Option<Value> {
 /// Hop 2's body: the client's `body` with `params` (from hop 1) as its `kv_transfer_params`;
 /// without params, the client's body unchanged (the decode worker then prefills itself).
 pub fn decode_body(body: &[u8], params: Option<Value>) -> Result<Vec<u8>, String> {
-    let Some(params) = params else {
-        return Ok(body.to_vec());
-    };
-    let mut obj = object(body)?;
-    obj.insert("kv_transfer_params".to_owned(), params);
-    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+    match params {
+        Some(params) => with_field(body, "kv_transfer_params", params),
+        None => Ok(body.to_vec()),
+    }
 }
 
 /// The client's `body` with `field` set to `value` (a client's own value is replaced).
 pub fn with_field(body: &[u8], field: &str, value: Value) -> Result<Vec<u8>, String> {
-    let mut obj = object(body)?;
-    obj.insert(field.to_owned(), value);
-    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+    rewrite(body, |obj| {
+        obj.insert(field.to_owned(), value);
+    })
 }
 
 /// The SGLang body sent to both workers: the client's `body` with the bootstrap fields of the
 /// prefill worker at `host` (its bootstrap server on `port`; `None` sends `null`, the engine's
 /// default port) and the request's `room`. A client's own bootstrap fields are replaced.
 pub fn bootstrap_body(body: &[u8], host: &str, port: Option<u16>, room: u64) -> Result<Vec<u8>, String> {
-    let mut obj = object(body)?;
-    obj.insert("bootstrap_host".to_owned(), json!(host));
-    obj.insert("bootstrap_port".to_owned(), json!(port));
-    obj.insert("bootstrap_room".to_owned(), json!(room));
-    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
+    rewrite(body, |obj| {
+        obj.insert("bootstrap_host".to_owned(), json!(host));
+        obj.insert("bootstrap_port".to_owned(), json!(port));
+        obj.insert("bootstrap_room".to_owned(), json!(room));
+    })
 }
 
 /// The bootstrap room of the request numbered `id` by the proxy started at `instance`: a
@@ -116,12 +114,15 @@ pub fn host_of(base: &str) -> String {
         .unwrap_or_default()
 }
 
-fn object(body: &[u8]) -> Result<Map<String, Value>, String> {
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(obj)) => Ok(obj),
-        Ok(_) => Err("the body is not a JSON object".to_owned()),
-        Err(e) => Err(format!("the body is not JSON: {e}")),
-    }
+/// `body`, a JSON object, edited by `edit` (anything else is returned as an error message).
+fn rewrite(body: &[u8], edit: impl FnOnce(&mut Map<String, Value>)) -> Result<Vec<u8>, String> {
+    let mut obj = match serde_json::from_slice(body) {
+        Ok(Value::Object(obj)) => obj,
+        Ok(_) => return Err("the body is not a JSON object".to_owned()),
+        Err(e) => return Err(format!("the body is not JSON: {e}")),
+    };
+    edit(&mut obj);
+    serde_json::to_vec(&Value::Object(obj)).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
