@@ -62,7 +62,7 @@ use kvroute_engine::{
 };
 pub use kvroute_sim::KvTransfer;
 use kvroute_wire::{EventEncoding, WireEvent};
-use kvroute_zmq::{EventPublisher, PublisherConfig};
+use kvroute_zmq::{EventPublisher, PublisherConfig, rank_endpoint};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
@@ -547,26 +547,35 @@ async fn start_publishers(
 ) -> Result<Vec<Arc<EventPublisher>>, MockError> {
     let host = config.host;
     let width = 2 * dp as usize;
+    let tcp = |port: u16| format!("tcp://{host}:{port}");
     let mut tries = 0;
     loop {
-        let base = match (config.event_port, dp) {
-            (0, 1) => None,
-            (0, _) => Some(free_run(host, width)?),
-            (p, _) => Some(port(p, width * i)),
-        };
-        let endpoint = |offset: u32| match base {
-            None => format!("tcp://{host}:0"),
-            Some(b) => format!("tcp://{host}:{}", b.saturating_add(offset as u16)),
+        // Rank 0's endpoints; rank r's follow by the rule the proxy reads them with.
+        let (events, replay) = match (config.event_port, dp) {
+            (0, 1) => (tcp(0), tcp(0)),
+            (0, _) => {
+                let base = free_run(host, width)?;
+                (tcp(base), tcp(base.saturating_add(dp as u16)))
+            }
+            (p, _) => {
+                let base = port(p, width * i);
+                (tcp(base), tcp(base.saturating_add(dp as u16)))
+            }
         };
         let mut publishers = Vec::with_capacity(dp as usize);
         let mut failed = None;
         for r in 0..dp {
-            let started = EventPublisher::start(PublisherConfig {
-                replay_endpoint: Some(endpoint(dp + r)),
-                encoding: config.encoding,
-                ..PublisherConfig::new(endpoint(r))
-            })
-            .await;
+            let started = match (rank_endpoint(&events, r), rank_endpoint(&replay, r)) {
+                (Ok(events), Ok(replay)) => {
+                    EventPublisher::start(PublisherConfig {
+                        replay_endpoint: Some(replay),
+                        encoding: config.encoding,
+                        ..PublisherConfig::new(events)
+                    })
+                    .await
+                }
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            };
             match started {
                 Ok(p) => publishers.push(Arc::new(p)),
                 Err(e) => {
@@ -1504,7 +1513,8 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    // Paused time: a wait that times out does so at once, at the virtual deadline.
+    #[tokio::test(start_paused = true)]
     async fn a_room_is_met_whichever_side_comes_first() {
         let rooms = Arc::new(Rooms::default());
         let short = std::time::Duration::from_millis(20);
@@ -1524,7 +1534,9 @@ mod tests {
         // A refused prefill, and one that never comes.
         rooms.prefilled(3, false);
         assert!(!rooms.wait(3, short).await);
+        let t0 = tokio::time::Instant::now();
         assert!(!rooms.wait(4, short).await);
+        assert_eq!(t0.elapsed(), short, "the decode side gave up at its deadline");
         assert!(rooms.slots.lock().unwrap().is_empty(), "every room was forgotten");
 
         // `watch` passes progress on and marks the room when the engine is done, even when

@@ -94,6 +94,8 @@ pub struct Shared {
     inner: Mutex<Inner>,
     epoch: Instant,
     next_request: AtomicU64,
+    /// KV-event reports applied so far (see [`Shared::kv_reports`]).
+    kv_reports: tokio::sync::watch::Sender<u64>,
     /// The metrics.
     pub metrics: Metrics,
     /// The configuration.
@@ -144,6 +146,7 @@ impl Shared {
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(0),
+            kv_reports: tokio::sync::watch::Sender::new(0),
             metrics,
             config,
         })
@@ -523,6 +526,29 @@ impl Shared {
     /// it names (the engine's publisher fills it in), else to the stream's; a restart or lost
     /// batches clear the stream's rank.
     pub fn apply_feed(&self, event: SubscriberEvent) {
+        self.apply_report(event);
+        self.kv_reports.send_modify(|n| *n += 1);
+    }
+
+    /// Waits until `done` holds of this state, checking it again after each KV-event report
+    /// is applied (no timer polls); false if `patience` passes first. For whoever needs the
+    /// router's cache view to reach some state: tests, and a caller waiting for its engines'
+    /// subscribers to join.
+    pub async fn wait_for_kv(&self, patience: Duration, mut done: impl FnMut(&Self) -> bool) -> bool {
+        let mut reports = self.kv_reports.subscribe();
+        let deadline = tokio::time::Instant::now() + patience;
+        while !done(self) {
+            if !matches!(
+                tokio::time::timeout_at(deadline, reports.changed()).await,
+                Ok(Ok(()))
+            ) {
+                return done(self);
+            }
+        }
+        true
+    }
+
+    fn apply_report(&self, event: SubscriberEvent) {
         match event {
             SubscriberEvent::Batch { worker, batch } => self.apply_batch(batch.worker_key(worker), &batch),
             SubscriberEvent::Restarted { worker } => {

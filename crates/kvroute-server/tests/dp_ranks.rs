@@ -17,6 +17,11 @@ use kvroute_server::net::HttpClient;
 use kvroute_server::{EngineKind, Model, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
+/// Generous: only reached when a test is failing.
+const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long to wait for the subscribers to report before publishing again while they join.
+const RETRY_PACE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// What the upstream saw of each request: its rank header and its body.
 type Seen = Arc<Mutex<Vec<(Option<String>, Value)>>>;
 
@@ -127,33 +132,29 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         let client = kvroute_server::net::client(std::time::Duration::from_secs(2));
         let url = format!("{}/v1/completions", proxy.url());
         // Until both ranks' subscribers have joined (PUB/SUB drops what comes before, and a
-        // gap shows only with a later batch), run a new one-block request on each rank directly.
+        // gap shows only with a later batch), run a new one-block request on each rank directly
+        // and wait for the proxy to apply reports from both. The short wait only paces the
+        // retries; what is checked is the proxy's state.
         let mock_url = format!("{}/v1/completions", mocks[0].url());
-        let joined = |metrics: &str, rank: u32| {
-            let series = format!(
-                "dynamo_component_router_kv_zmq_ingress_batches_total{{dp_rank=\"{rank}\",worker=\"0\"}} "
-            );
-            metrics
-                .lines()
-                .any(|l| l.strip_prefix(&series).is_some_and(|n| n != "0"))
+        let joined = |shared: &kvroute_server::state::Shared| {
+            let subscribers = shared.metrics.kv_subscribers.snapshots();
+            (0..2).all(|r| {
+                subscribers
+                    .iter()
+                    .any(|(key, counters)| key.dp_rank.0 == r && counters.emitted > 0)
+            })
         };
-        let t0 = std::time::Instant::now();
         for attempt in 0.. {
+            assert!(attempt < 100, "{engine:?}: the subscribers never joined");
             for rank in 0..2 {
                 // A new first block each time (a cached one publishes nothing).
                 let warm =
                     json!({"prompt": format!("{attempt:06}: warming up rank {rank}"), "max_tokens": 1});
                 post_json(&client, &mock_url, &warm, Some(rank)).await;
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            let metrics = get_text(&client, &format!("{}/metrics", proxy.url())).await;
-            if joined(&metrics, 0) && joined(&metrics, 1) {
+            if proxy.shared.wait_for_kv(RETRY_PACE, joined).await {
                 break;
             }
-            assert!(
-                t0.elapsed() < std::time::Duration::from_secs(10),
-                "{engine:?}: the subscribers never joined:\n{metrics}"
-            );
         }
         let prompt_tokens = |metrics: &str, rank: u32| -> f64 {
             let series = format!("vllm:prompt_tokens_total{{engine=\"{rank}\",model_name=\"tiny\"}} ");
@@ -175,18 +176,19 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         );
         // The rank that ran it publishes its blocks on its own port; the router books them
         // under that rank.
-        let t0 = std::time::Instant::now();
-        let holder = loop {
-            let snapshot = proxy.shared.snapshot();
-            if let Some(w) = snapshot.workers.iter().find(|w| w.cached_blocks >= 20) {
-                break w.spec.key.dp_rank.0;
-            }
-            assert!(
-                t0.elapsed() < std::time::Duration::from_secs(5),
-                "{engine:?}: no rank's events arrived"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        let holds = |shared: &kvroute_server::state::Shared| {
+            shared
+                .snapshot()
+                .workers
+                .iter()
+                .find(|w| w.cached_blocks >= 20)
+                .map(|w| w.spec.key.dp_rank.0)
         };
+        assert!(
+            proxy.shared.wait_for_kv(PATIENCE, |s| holds(s).is_some()).await,
+            "{engine:?}: no rank's events arrived"
+        );
+        let holder = holds(&proxy.shared).unwrap();
         let again = post_json(&client, &url, &body, None).await;
         // All 20 blocks but the last, which the engine computes again for the first token.
         assert_eq!(

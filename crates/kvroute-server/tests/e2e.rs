@@ -18,6 +18,9 @@ use kvroute_server::mock::{self, MockConfig, MockWorker};
 use kvroute_server::{EngineKind, Model, ProxyHandle, ServeConfig};
 use serde_json::{Value, json};
 
+/// Generous: only reached when a test is failing.
+const PATIENCE: Duration = Duration::from_secs(30);
+
 struct Cluster {
     proxy: ProxyHandle,
     mocks: Vec<MockWorker>,
@@ -92,21 +95,19 @@ impl Cluster {
     }
 
     /// Waits until the router's index holds at least `blocks` blocks of worker `only` (or of
-    /// any worker), and returns that worker's index.
+    /// any worker), and returns that worker's index. Woken by each KV-event report the proxy
+    /// applies, not by a timer.
     async fn wait_for_cached_blocks(&self, only: Option<usize>, blocks: u64) -> usize {
-        let t0 = Instant::now();
-        loop {
-            let cached = self.cached_blocks();
-            let held = (0..cached.len()).find(|&i| only.is_none_or(|o| o == i) && cached[i] >= blocks);
-            if let Some(i) = held {
-                return i;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "the events never arrived: {cached:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let held =
+            |cached: &[u64]| (0..cached.len()).find(|&i| only.is_none_or(|o| o == i) && cached[i] >= blocks);
+        let arrived = self
+            .proxy
+            .shared
+            .wait_for_kv(PATIENCE, |_| held(&self.cached_blocks()).is_some())
+            .await;
+        let cached = self.cached_blocks();
+        assert!(arrived, "the events never arrived: {cached:?}");
+        held(&cached).unwrap()
     }
 
     /// Blocks the router's index holds for each worker, by worker id.

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_core::ids::ExternalBlockHash;
 use kvroute_server::net::{HttpClient, client};
+use kvroute_server::state::Shared;
 use kvroute_server::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
@@ -245,9 +246,8 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     };
     let proxy = kvroute_server::start(config, None).await.unwrap();
     let http = client(Duration::from_secs(2));
-    let cached = |rank: u32| {
-        proxy
-            .shared
+    let cached = |shared: &Shared, rank: u32| {
+        shared
             .snapshot()
             .workers
             .iter()
@@ -255,45 +255,72 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
             .unwrap()
             .cached_blocks
     };
-    let joined = |s: &Scrape, rank: u32| {
-        s.get_rank("dynamo_component_router_kv_zmq_ingress_batches_total", 0, rank)
-            .is_some_and(|n| n > 0)
+    // A rank's subscriber counters, read straight from the proxy (as `/metrics` reads them).
+    let counters = |shared: &Shared, rank: u32| {
+        shared
+            .metrics
+            .kv_subscribers
+            .snapshots()
+            .into_iter()
+            .find(|(key, _)| key.dp_rank.0 == rank)
+            .map(|(_, c)| c)
     };
-    scrape_until(&http, &proxy, &[&zero, &one], "both ranks joined", |s| {
-        joined(s, 0) && joined(s, 1)
-    })
-    .await;
+    let joined = |s: &Shared| (0..2).all(|r| counters(s, r).is_some_and(|c| c.emitted > 0));
+    // Publish until both ranks' subscribers have joined (PUB/SUB drops what comes before);
+    // the short wait only paces the nudges.
+    for attempt in 0.. {
+        assert!(attempt < 100, "the ranks' subscribers never joined");
+        for publisher in [&zero, &one] {
+            publisher.publish(Vec::new(), None, 0.0).unwrap();
+        }
+        if proxy.shared.wait_for_kv(Duration::from_millis(200), joined).await {
+            break;
+        }
+    }
     // Rank 1's stream feeds rank 1, whether its batches name the rank or not; rank 0's, rank 0.
     one.publish(stored(1), Some(1), 0.0).unwrap();
     one.publish(stored(2), None, 0.0).unwrap();
     zero.publish(stored(3), Some(0), 0.0).unwrap();
-    let t0 = Instant::now();
-    while (cached(0), cached(1)) != (1, 2) {
-        assert!(
-            t0.elapsed() < PATIENCE,
-            "ranks hold {} and {} blocks",
-            cached(0),
-            cached(1)
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let held = proxy
+        .shared
+        .wait_for_kv(PATIENCE, |s| (cached(s, 0), cached(s, 1)) == (1, 2))
+        .await;
+    let shared = &proxy.shared;
+    assert!(
+        held,
+        "ranks hold {} and {} blocks",
+        cached(shared, 0),
+        cached(shared, 1)
+    );
     // Batches lost on rank 1's stream (it has no replay socket) clear rank 1 alone. (Joining
     // lost what was published before each subscription: count from here.)
-    let gaps = |s: &Scrape, rank: u32| s.get_rank("kvroute_kv_events_gaps_lost_total", 0, rank);
-    let before = Scrape::take(&http, &proxy).await;
+    let gaps = |s: &Shared, rank: u32| counters(s, rank).map(|c| c.gaps_lost);
+    let before = (gaps(shared, 0), gaps(shared, 1));
     one.drop_next(1);
     one.publish(Vec::new(), Some(1), 0.0).unwrap();
     one.publish(Vec::new(), Some(1), 0.0).unwrap();
-    let lost = scrape_until(&http, &proxy, &[], "rank 1's gap", |s| {
-        gaps(s, 1) == gaps(&before, 1).map(|n| n + 1)
-    })
-    .await;
-    assert_eq!(gaps(&lost, 0), gaps(&before, 0), "{}", lost.0);
-    let t0 = Instant::now();
-    while cached(1) != 0 {
-        assert!(t0.elapsed() < PATIENCE, "rank 1 still holds {} blocks", cached(1));
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    let cleared = shared
+        .wait_for_kv(PATIENCE, |s| {
+            gaps(s, 1) == before.1.map(|n| n + 1) && cached(s, 1) == 0
+        })
+        .await;
+    assert!(
+        cleared,
+        "rank 1: gaps lost {:?}, {} blocks",
+        gaps(shared, 1),
+        cached(shared, 1)
+    );
+    assert_eq!(gaps(shared, 0), before.0, "rank 0 lost nothing");
+    assert_eq!(cached(shared, 0), 1, "rank 0 keeps its view");
+    // `/metrics` shows each rank's series.
+    let scrape = Scrape::take(&http, &proxy).await;
+    for (rank, lost) in [(0, before.0), (1, before.1.map(|n| n + 1))] {
+        assert_eq!(
+            scrape.get_rank("kvroute_kv_events_gaps_lost_total", 0, rank),
+            lost,
+            "{}",
+            scrape.0
+        );
     }
-    assert_eq!(cached(0), 1, "rank 0 keeps its view");
     proxy.stop();
 }
