@@ -1,5 +1,5 @@
-//! `kvroute serve`'s configuration: a TOML file (unknown keys rejected) that flags override,
-//! validated once by [`ServeConfig::validate`].
+//! `kvroute serve`'s configuration: a TOML file (unknown keys rejected, kebab-case keys that are
+//! the CLI's flag names) that flags override, validated once by [`ServeConfig::validate`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -74,7 +74,7 @@ impl std::str::FromStr for EngineKind {
 
 /// One worker: an OpenAI-compatible engine endpoint and, optionally, its KV-event sockets.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct WorkerConfig {
     /// Base URL of the worker's OpenAI API, e.g. `http://10.0.0.5:8000` (plain HTTP).
     pub url: String,
@@ -94,7 +94,7 @@ pub struct WorkerConfig {
     pub block_size: Option<u32>,
     /// Data-parallel ranks behind the URL; each is a cache of its own, selected as the
     /// worker's `engine` reads it. Default 1.
-    #[serde(default = "one")]
+    #[serde(default = "one", rename = "dp")]
     pub dp_size: u32,
     /// `agg` (prefill and decode), `prefill` (prefills for decode workers: the first hop of a
     /// disaggregated request) or `decode` (decodes, with the prompt's KV from a prefill worker
@@ -103,12 +103,12 @@ pub struct WorkerConfig {
     pub role: String,
     /// KV-cache capacity in blocks (for busy thresholds and capacity-aware policies). Default
     /// 16,384.
-    #[serde(default = "default_capacity")]
+    #[serde(default = "default_capacity", rename = "capacity")]
     pub capacity_blocks: u64,
     /// Concurrent requests the engine runs (vLLM `max_num_seqs`). Default 256.
     #[serde(default = "default_max_requests")]
     pub max_requests: u64,
-    /// A `prefill` worker's bootstrap server port, in SGLang's protocol (`disagg_protocol =
+    /// A `prefill` worker's bootstrap server port, in SGLang's protocol (`disagg-protocol =
     /// "sglang"`; SGLang's `--disaggregation-bootstrap-port`). None sends `null`: the engine's
     /// default port.
     #[serde(default)]
@@ -151,37 +151,39 @@ impl WorkerConfig {
     }
 
     /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
-    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]`.
+    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]`: the
+    /// keys of a `[[worker]]` table.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
+        fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| invalid("--worker", format!("{k}={v} is not a whole number")))?;
+            T::try_from(n).map_err(|_| {
+                let ty = std::any::type_name::<T>();
+                invalid("--worker", format!("{k}={v} is past the largest {k} ({ty})"))
+            })
+        }
         let mut parts = s.split(',');
         let mut w = Self::new(parts.next().unwrap_or_default().trim());
         for part in parts {
             let (k, v) = part
                 .split_once('=')
                 .ok_or_else(|| invalid("--worker", format!("{part:?} is not key=value")))?;
-            let num = |v: &str| {
-                v.parse::<u64>()
-                    .map_err(|_| invalid("--worker", format!("{k}={v} is not a number")))
-            };
             match k.trim() {
                 "events" => w.events = Some(v.to_owned()),
                 "replay" => w.replay = Some(v.to_owned()),
                 "topic" => w.topic = v.to_owned(),
-                "dp" | "dp-size" => w.dp_size = num(v)? as u32,
-                "block-size" => w.block_size = Some(num(v)? as u32),
+                "dp" => w.dp_size = num(k, v)?,
+                "block-size" => w.block_size = Some(num(k, v)?),
                 "role" => w.role = v.to_owned(),
-                "capacity" => w.capacity_blocks = num(v)?,
-                "max-requests" => w.max_requests = num(v)?,
+                "capacity" => w.capacity_blocks = num(k, v)?,
+                "max-requests" => w.max_requests = num(k, v)?,
                 "engine" => {
                     w.engine = v
                         .parse()
                         .map_err(|e| invalid("--worker", format!("engine={e}")))?
                 }
-                "bootstrap-port" => {
-                    let port = u16::try_from(num(v)?)
-                        .map_err(|_| invalid("--worker", format!("{k}={v} is not a port")))?;
-                    w.bootstrap_port = Some(port);
-                }
+                "bootstrap-port" => w.bootstrap_port = Some(num(k, v)?),
                 other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
             }
         }
@@ -197,13 +199,13 @@ impl WorkerConfig {
             return Err(invalid(f("url"), "must be http://host:port"));
         }
         if self.dp_size == 0 || self.dp_size > 1024 {
-            return Err(invalid(f("dp_size"), "must be 1 to 1024"));
+            return Err(invalid(f("dp"), "must be 1 to 1024"));
         }
         if let Some(bs) = self.block_size
             && bs != router_block_size
         {
             return Err(invalid(
-                f("block_size"),
+                f("block-size"),
                 format!("{bs} differs from the router's block size {router_block_size}"),
             ));
         }
@@ -214,7 +216,7 @@ impl WorkerConfig {
             ));
         }
         if self.capacity_blocks == 0 || self.max_requests == 0 {
-            return Err(invalid(f("capacity_blocks/max_requests"), "must be at least 1"));
+            return Err(invalid(f("capacity/max-requests"), "must be at least 1"));
         }
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));
@@ -231,12 +233,12 @@ impl WorkerConfig {
         }
         if self.bootstrap_port.is_some() {
             if self.role() != WorkerRole::Prefill {
-                return Err(invalid(f("bootstrap_port"), "only a prefill worker has one"));
+                return Err(invalid(f("bootstrap-port"), "only a prefill worker has one"));
             }
             if protocol != EngineKind::Sglang {
                 return Err(invalid(
-                    f("bootstrap_port"),
-                    "is SGLang's: set disagg_protocol = \"sglang\"",
+                    f("bootstrap-port"),
+                    "is SGLang's: set disagg-protocol = \"sglang\"",
                 ));
             }
         }
@@ -260,7 +262,7 @@ fn role_of(name: &str) -> Option<WorkerRole> {
 /// Everything `kvroute serve` needs. Every field has a default, so a file names only what it
 /// changes.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct ServeConfig {
     /// Where to listen. Default `127.0.0.1:8000`.
     pub listen: String,
@@ -316,7 +318,8 @@ pub struct ServeConfig {
     pub health_success_threshold: u32,
     /// Runtime worker threads (0: one per core). Default 0.
     pub threads: usize,
-    /// The workers.
+    /// The workers (`[[worker]]` tables; the CLI's `--worker`).
+    #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
 }
 
@@ -359,20 +362,23 @@ impl ServeConfig {
     pub fn validate(&self) -> Result<RouterConfig, ConfigError> {
         self.listen_addr()?;
         if self.model_name.is_empty() {
-            return Err(invalid("model_name", "must not be empty"));
+            return Err(invalid("model-name", "must not be empty"));
         }
         if self.max_body_bytes == 0 || self.max_prompt_tokens == 0 {
-            return Err(invalid("max_body_bytes/max_prompt_tokens", "must be at least 1"));
+            return Err(invalid("max-body-bytes/max-prompt-tokens", "must be at least 1"));
         }
         if self.request_timeout_ms == 0 || self.connect_timeout_ms == 0 || self.queue_timeout_ms == 0 {
-            return Err(invalid("timeouts", "must be at least 1 ms"));
+            return Err(invalid(
+                "request-timeout-ms/connect-timeout-ms/queue-timeout-ms",
+                "must be at least 1 ms",
+            ));
         }
         if self.health_interval_ms > 0 && self.health_timeout_ms == 0 {
-            return Err(invalid("health_timeout_ms", "must be at least 1 ms"));
+            return Err(invalid("health-timeout-ms", "must be at least 1 ms"));
         }
         if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
             return Err(invalid(
-                "health_failure_threshold/health_success_threshold",
+                "health-failure-threshold/health-success-threshold",
                 "must be at least 1",
             ));
         }
@@ -432,16 +438,24 @@ impl ServeConfig {
             } else {
                 "prefill workers serve only decode workers, and this fleet has none (role = \"decode\")"
             };
-            return Err(invalid("workers", message));
+            return Err(invalid("worker", message));
         }
         Ok(())
     }
 
     /// The listen address.
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        if let Some((_, port)) = self.listen.rsplit_once(':')
+            && port.parse::<u16>().is_err()
+        {
+            return Err(invalid(
+                "listen",
+                format!("{:?}: port {port:?} is not 0 to 65535", self.listen),
+            ));
+        }
         self.listen
             .parse()
-            .map_err(|e| invalid("listen", format!("{:?}: {e}", self.listen)))
+            .map_err(|e| invalid("listen", format!("{:?}: {e} (HOST:PORT)", self.listen)))
     }
 
     pub(crate) fn ms(ms: u64) -> Duration {
@@ -456,13 +470,13 @@ mod tests {
     #[test]
     fn files_reject_unknown_keys_and_flags_parse() {
         let c = ServeConfig::from_toml_str(
-            "policy = \"round-robin\"\n[[workers]]\nurl = \"http://127.0.0.1:1\"\ndp_size = 2\n",
+            "policy = \"round-robin\"\n[[worker]]\nurl = \"http://127.0.0.1:1\"\ndp = 2\n",
         )
         .unwrap();
         assert_eq!(c.workers[0].dp_size, 2);
         assert!(c.validate().is_ok());
         assert!(ServeConfig::from_toml_str("polcy = \"kv\"").is_err());
-        assert!(ServeConfig::from_toml_str("[[workers]]\nurl = \"http://a\"\nport = 1\n").is_err());
+        assert!(ServeConfig::from_toml_str("[[worker]]\nurl = \"http://a\"\nport = 1\n").is_err());
         let w = WorkerConfig::parse_flag("http://h:1,events=tcp://h:2,replay=tcp://h:3,dp=2").unwrap();
         assert_eq!(w.events.as_deref(), Some("tcp://h:2"));
         assert_eq!(w.dp_size, 2);
@@ -476,9 +490,9 @@ mod tests {
             assert_eq!(e.name().parse::<EngineKind>(), Ok(e));
         }
         let c =
-            ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
+            ServeConfig::from_toml_str("[[worker]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
         assert_eq!(c.workers[0].engine, EngineKind::Sglang);
-        assert!(ServeConfig::from_toml_str("[[workers]]\nurl = \"http://h:1\"\nengine = \"trt\"\n").is_err());
+        assert!(ServeConfig::from_toml_str("[[worker]]\nurl = \"http://h:1\"\nengine = \"trt\"\n").is_err());
         assert!(WorkerConfig::parse_flag("http://h:1,bogus=1").is_err());
         for bad in [
             "ftp://h:1",
@@ -545,8 +559,8 @@ mod tests {
             );
         }
         let c = ServeConfig::from_toml_str(
-            "decider = \"256\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
-             [[workers]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+            "decider = \"256\"\n[[worker]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             [[worker]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
         )
         .unwrap();
         let router = c.validate().unwrap();
@@ -558,20 +572,20 @@ mod tests {
     #[test]
     fn sglang_bootstrap_ports() {
         let c = ServeConfig::from_toml_str(
-            "disagg_protocol = \"sglang\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
-             bootstrap_port = 8998\n[[workers]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+            "disagg-protocol = \"sglang\"\n[[worker]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             bootstrap-port = 8998\n[[worker]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
         )
         .unwrap();
         assert!(c.validate().is_ok());
         assert_eq!(c.disagg_protocol, EngineKind::Sglang);
         assert_eq!(c.workers[0].bootstrap_port, Some(8998));
-        let err = ServeConfig::from_toml_str("disagg_protocol = \"nixl\"").unwrap_err();
+        let err = ServeConfig::from_toml_str("disagg-protocol = \"nixl\"").unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");
         let w = WorkerConfig::parse_flag("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
         assert_eq!(w.bootstrap_port, Some(8998));
         assert!(w.validate(16, EngineKind::Sglang).is_ok());
         let err = w.validate(16, EngineKind::Vllm).unwrap_err();
-        assert!(err.to_string().contains("disagg_protocol"), "{err}");
+        assert!(err.to_string().contains("disagg-protocol"), "{err}");
         let w = WorkerConfig::parse_flag("http://h:1,role=decode,bootstrap-port=8998").unwrap();
         assert!(w.validate(16, EngineKind::Sglang).is_err());
         assert!(WorkerConfig::parse_flag("http://h:1,bootstrap-port=70000").is_err());

@@ -56,7 +56,8 @@ struct MooncakeRow {
 
 /// Reads a Mooncake JSONL trace (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of
 /// `trace_block_size` tokens) into a workload at `block_size` tokens per block, keeping at most
-/// `limit` rows. Arrivals are the timestamps, shifted so the first row arrives at 0.
+/// `limit` rows. Arrivals are the timestamps, shifted so the first row arrives at 0; a row earlier
+/// than the first is an error naming its line (rows are in time order).
 pub fn read_mooncake(
     reader: impl BufRead,
     trace_block_size: u32,
@@ -103,7 +104,16 @@ fn mooncake_rows(
             message: e.to_string(),
         })?;
         let first = *first_ms.get_or_insert(row.timestamp);
-        let ms = (row.timestamp - first).max(0.0);
+        let ms = row.timestamp - first;
+        if !(ms >= 0.0) {
+            return Err(TraceError::Parse {
+                line: i + 1,
+                message: format!(
+                    "timestamp {} ms is before the first row's {first} ms (rows must be in time order)",
+                    row.timestamp
+                ),
+            });
+        }
         rows += 1;
         f(Timestamp((ms * 1e6).round() as u64), row);
     }
@@ -217,11 +227,16 @@ pub fn read_azure(
             .parse()
             .map_err(|_| parse("bad GeneratedTokens"))?;
         let first = *first_ns.get_or_insert(ns);
+        if ns < first {
+            return Err(parse(
+                "timestamp before the first row's (rows must be in time order)",
+            ));
+        }
         let id = workload.requests.len() as u64;
         let tokens = hasher.buffer();
         tokens.extend((0..context).map(|j| unique_token(id, j)));
         workload.requests.push(SimRequest {
-            arrival: Arrival::At(Timestamp(ns.saturating_sub(first))),
+            arrival: Arrival::At(Timestamp(ns - first)),
             locals: hasher.locals(),
             prompt_tokens: context,
             output_tokens: generated,

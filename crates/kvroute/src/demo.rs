@@ -28,13 +28,13 @@ use kvroute_sim::{SimConfig, Simulation};
 #[derive(Args, Debug)]
 pub struct DemoArgs {
     /// Requests of the example trace to run (its first N rows).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = crate::config::count)]
     pub limit: usize,
     /// Speed-up of arrivals and engines alike.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = crate::config::positive)]
     pub speedup: f64,
     /// Mock workers (decode workers with `--prefill`).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::config::count)]
     pub workers: usize,
     /// Prefill workers, before the `--workers` ones, which then decode: the disaggregated
     /// two-hop flow, live and simulated (the simulator's default KV link and decider).
@@ -64,11 +64,6 @@ struct Measured {
 
 /// Runs the demo.
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.speedup.is_finite() && args.speedup > 0.0,
-        "--speedup must be positive"
-    );
-    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let trace = || BufReader::new(GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
     let mut sim = if args.prefill > 0 {
         SimConfig::disaggregated(args.prefill, args.workers)

@@ -5,7 +5,9 @@
 //! does none of that.
 
 pub mod bench;
+pub mod config;
 pub mod demo;
 pub mod opstream;
+pub mod provenance;
 pub mod replay;
 pub mod serve;

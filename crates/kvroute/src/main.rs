@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use kvroute::bench;
+use kvroute::config::count;
 use kvroute::opstream::OpStream;
 
 /// The op-stream the index benchmark runs on when none is named: a file of the shared bench
@@ -58,7 +59,7 @@ struct IndexArgs {
     #[arg(long, default_value = DEFAULT_OPSTREAM)]
     opstream: PathBuf,
     /// Repetitions; the median run is reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = count)]
     reps: usize,
     /// Print up to this many mismatching lookups to stderr.
     #[arg(long, default_value_t = 5)]
@@ -68,34 +69,61 @@ struct IndexArgs {
 #[derive(Args)]
 struct HashArgs {
     /// Token ids to hash per repetition.
-    #[arg(long, default_value_t = 16 << 20)]
+    #[arg(long, default_value_t = 16 << 20, value_parser = count)]
     tokens: usize,
     /// Block sizes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,512")]
+    #[arg(long, value_delimiter = ',', default_value = "16,64,512", value_parser = block_size)]
     block_size: Vec<usize>,
     /// Repetitions; the median is reported.
-    #[arg(long, default_value_t = 7)]
+    #[arg(long, default_value_t = 7, value_parser = count)]
     reps: usize,
 }
 
 #[derive(Args)]
 struct RouteArgs {
     /// Fleet sizes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256", value_parser = count)]
     workers: Vec<usize>,
     /// Prompt lengths in tokens, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1024,32768,131072")]
+    #[arg(long, value_delimiter = ',', default_value = "1024,32768,131072", value_parser = count)]
     prompt_tokens: Vec<usize>,
     /// Decisions timed per case.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = count)]
     samples: usize,
     /// Seed of the generated fleet state, prompts and router.
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// A block size: a whole number from 1 to `u32::MAX`.
+fn block_size(s: &str) -> Result<usize, String> {
+    let n = count(s)?;
+    u32::try_from(n).map_err(|_| format!("{n} is past the largest block size, {}", u32::MAX))?;
+    Ok(n)
+}
+
+/// Runs the command; an error is printed as one line (its causes after colons), exit status 1.
+fn main() -> std::process::ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version as clap prints them; a bad flag as one line, like every error.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let text = e.to_string();
+            eprintln!("{}", text.lines().next().unwrap_or_default());
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),

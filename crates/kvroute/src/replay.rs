@@ -1,15 +1,16 @@
 //! `kvroute replay`: a trace (or a generated workload) through the cluster simulator, under one
 //! or several policies, with a text table on stdout and optional JSON, JSONL and HTML outputs.
 //!
-//! Options come from flags and from an optional TOML file (`--config`) whose keys are the long
-//! flag names; unknown keys are rejected and flags beat the file.
+//! Options come from an optional TOML file (`--config`) whose keys are the long flag names, then
+//! the flags over it ([`crate::config::layered`]); unknown keys are rejected. Every option is
+//! checked ([`ReplayConfig::check`]) before the trace is read.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
 use kvroute_core::router::policy::CostPolicyConfig;
@@ -19,19 +20,38 @@ use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, Report, RunResult, SimConfig, Simulation,
     Workload,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-/// The options of `kvroute replay`. Every option is also a key of the `--config` TOML file.
-#[derive(Args, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+/// The options of `kvroute replay`: the configuration, the file it may come from, and the
+/// outputs.
+#[derive(Args, Debug, Default)]
 pub struct ReplayArgs {
-    /// The trace file (`.jsonl[.gz]` Mooncake, `.csv[.gz]` Azure). Default: the built-in first
-    /// 2,000 rows of the Mooncake conversation trace. Ignored with `--format synthetic`.
-    pub trace: Option<PathBuf>,
-    /// A TOML file of options (keys: the long flag names); flags beat it.
+    /// The configuration (flags; `--config` keys under the same names).
+    #[command(flatten)]
+    pub options: ReplayConfig,
+    /// A TOML file of options (keys: the long flag names, e.g. `block-size = 64`); flags beat it.
     #[arg(long)]
-    #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// Write the report as JSON (several policies: one object per policy, under its name), with
+    /// its `provenance`.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// Write one JSON line per request (several policies: a `policy` field on each).
+    #[arg(long)]
+    pub per_request_jsonl: Option<PathBuf>,
+    /// Write a self-contained HTML page of plots.
+    #[arg(long)]
+    pub html: Option<PathBuf>,
+}
+
+/// The configuration of `kvroute replay`: every option is a flag and a key of the `--config`
+/// file, under one kebab-case name. Unset options take the defaults their docs name.
+#[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ReplayConfig {
+    /// The trace file (`.jsonl[.gz]` Mooncake, `.csv[.gz]` Azure). Default: the built-in first
+    /// 2,000 rows of the Mooncake conversation trace. Not with `--format synthetic`.
+    pub trace: Option<PathBuf>,
     /// Trace format: mooncake, azure or synthetic. Default: from the file name.
     #[arg(long)]
     pub format: Option<String>,
@@ -148,60 +168,22 @@ pub struct ReplayArgs {
     /// multiplier), e.g. `0:0.5,1800:3,3600:0.5`.
     #[arg(long)]
     pub rate_profile: Option<String>,
-    /// Write the report as JSON (several policies: one object per policy, under its name).
-    #[arg(long)]
-    #[serde(skip)]
-    pub report_json: Option<PathBuf>,
-    /// Write one JSON line per request (several policies: a `policy` field on each).
-    #[arg(long)]
-    #[serde(skip)]
-    pub per_request_jsonl: Option<PathBuf>,
-    /// Write a self-contained HTML page of plots.
-    #[arg(long)]
-    #[serde(skip)]
-    pub html: Option<PathBuf>,
-}
-
-macro_rules! merge {
-    ($flags:ident, $file:ident; $($field:ident),* $(,)?) => {
-        $( if $flags.$field.is_none() { $flags.$field = $file.$field.take(); } )*
-    };
-}
-
-impl ReplayArgs {
-    /// These flags over the `--config` file's values.
-    fn with_file(mut self) -> anyhow::Result<Self> {
-        let Some(path) = &self.config else { return Ok(self) };
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut file: ReplayArgs =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        merge!(self, file; trace, format, workers, prefill_workers, decode_workers, decider,
-            kv_transfer_gbps, kv_transfer_latency_ms, kv_bytes_per_token, kv_model, policy, seed, limit, trace_block_size,
-            arrival_speedup, concurrency, block_size, num_blocks, max_num_seqs,
-            max_num_batched_tokens, engine_speedup, kv_lag_ms, kv_loss, predict_on_route_s,
-            busy_requests_fraction, requests, rate, arrival_cv, isl, osl, prefix_groups,
-            prefix_tokens, turns, think_ms, planner, sla_window_s, rate_profile);
-        Ok(self)
-    }
 }
 
 /// Runs `kvroute replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    let args = args.with_file()?;
-    let base = sim_config(&args)?;
+    let options = crate::config::layered(args.config.as_deref(), &args.options)?;
+    let plan = Plan::new(&options, &args)?;
     let t0 = Instant::now();
-    let (workload, source) = load_workload(&args, base.engine.block_size)?;
+    let trace = plan.trace()?;
+    let (workload, source) = plan.workload(&trace)?;
     eprintln!(
         "workload: {} requests from {source} (loaded in {:.2}s)",
         workload.requests.len(),
         t0.elapsed().as_secs_f64()
     );
-    let policies = args.policy.clone().unwrap_or_else(|| vec!["kv".to_owned()]);
     let mut results: Vec<(String, RunResult)> = Vec::new();
-    for name in &policies {
-        let mut config = base.clone();
-        config.router.policy = parse_policy(name)?;
-        let sim = Simulation::new(config)?;
+    for (name, sim) in &plan.runs {
         let started = Instant::now();
         let mut bar = ProgressBar::new(name, started);
         let result = sim.run(&workload, &mut |p| bar.update(p))?;
@@ -217,53 +199,270 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         .map(|(n, r)| (n.clone(), r.report.clone()))
         .collect();
     print!("{}", kvroute_sim::report::table(&reports));
-    write_outputs(&args, &results)
+    let provenance = crate::provenance::Provenance::new(&options, plan.seed, trace.file.as_ref())?;
+    write_outputs(&args, &results, &provenance)
+}
+
+/// Where the workload comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Mooncake,
+    Azure,
+    Synthetic,
+}
+
+/// A checked configuration: everything `kvroute replay` will do, decided before any work.
+struct Plan<'a> {
+    options: &'a ReplayConfig,
+    format: Format,
+    /// One simulation per policy, in the order named.
+    runs: Vec<(String, Simulation)>,
+    block_size: u32,
+    seed: u64,
+    synthetic: Option<SyntheticConfig>,
+    profile: Option<Vec<(f64, f64)>>,
+}
+
+/// The trace's bytes (a file's, or the built-in example's) and the file, if one was named.
+struct Trace {
+    bytes: Option<Vec<u8>>,
+    file: Option<crate::provenance::TraceFile>,
+}
+
+impl<'a> Plan<'a> {
+    /// Checks every option, or says which flag is wrong.
+    fn new(o: &'a ReplayConfig, args: &ReplayArgs) -> anyhow::Result<Self> {
+        let format = match (o.format.as_deref(), &o.trace) {
+            (Some("synthetic"), Some(_)) => bail!("--format synthetic reads no TRACE file"),
+            (Some("synthetic"), None) => Format::Synthetic,
+            (Some("azure"), None) => bail!("--format azure needs a TRACE file"),
+            (Some("azure"), Some(_)) => Format::Azure,
+            (Some("mooncake"), _) => Format::Mooncake,
+            (Some(other), _) => bail!("--format {other:?}: mooncake, azure or synthetic"),
+            (None, Some(path)) if path.to_string_lossy().contains(".csv") => Format::Azure,
+            (None, _) => Format::Mooncake,
+        };
+        let synthetic_only = [
+            ("--requests", o.requests.is_some()),
+            ("--rate", o.rate.is_some()),
+            ("--arrival-cv", o.arrival_cv.is_some()),
+            ("--isl", o.isl.is_some()),
+            ("--osl", o.osl.is_some()),
+            ("--prefix-groups", o.prefix_groups.is_some()),
+            ("--prefix-tokens", o.prefix_tokens.is_some()),
+            ("--turns", o.turns.is_some()),
+            ("--think-ms", o.think_ms.is_some()),
+        ];
+        for (flag, set) in synthetic_only {
+            ensure!(
+                !set || format == Format::Synthetic,
+                "{flag} applies only to --format synthetic"
+            );
+        }
+        ensure!(
+            o.limit.is_none() || format != Format::Synthetic,
+            "--limit applies to a trace; with --format synthetic use --requests"
+        );
+        ensure!(
+            o.trace_block_size.is_none() || format == Format::Mooncake,
+            "--trace-block-size applies only to --format mooncake"
+        );
+        ensure!(
+            o.sla_window_s.is_none() || o.planner.is_some(),
+            "--sla-window-s applies only with --planner"
+        );
+        for (flag, v) in [
+            ("--workers", o.workers),
+            ("--prefill-workers", o.prefill_workers),
+            ("--decode-workers", o.decode_workers),
+            ("--limit", o.limit),
+            ("--concurrency", o.concurrency),
+            ("--requests", o.requests),
+        ] {
+            at_least_one(flag, v.map(|v| v as u64))?;
+        }
+        for (flag, v) in [
+            ("--trace-block-size", o.trace_block_size),
+            ("--block-size", o.block_size),
+            ("--num-blocks", o.num_blocks),
+            ("--max-num-seqs", o.max_num_seqs),
+            ("--max-num-batched-tokens", o.max_num_batched_tokens),
+            ("--turns", o.turns),
+        ] {
+            at_least_one(flag, v.map(u64::from))?;
+        }
+        for (flag, v) in [
+            ("--arrival-speedup", o.arrival_speedup),
+            ("--engine-speedup", o.engine_speedup),
+            ("--predict-on-route-s", o.predict_on_route_s),
+            ("--busy-requests-fraction", o.busy_requests_fraction),
+            ("--rate", o.rate),
+            ("--arrival-cv", o.arrival_cv),
+            ("--sla-window-s", o.sla_window_s),
+        ] {
+            positive(flag, v)?;
+        }
+        non_negative("--kv-lag-ms", o.kv_lag_ms)?;
+        if let Some(p) = o.kv_loss {
+            ensure!(
+                (0.0..=1.0).contains(&p),
+                "--kv-loss must be a probability (0 to 1), not {p}"
+            );
+        }
+        let base = sim_config(o, args)?;
+        let policies = o.policy.clone().unwrap_or_else(|| vec!["kv".to_owned()]);
+        ensure!(!policies.is_empty(), "--policy names no policy");
+        let mut runs = Vec::with_capacity(policies.len());
+        for (i, name) in policies.iter().enumerate() {
+            ensure!(!policies[..i].contains(name), "--policy names {name} twice");
+            let mut config = base.clone();
+            config.router.policy = parse_policy(&name).with_context(|| format!("--policy {name}"))?;
+            let sim = Simulation::new(config)?;
+            runs.push((name.clone(), sim));
+        }
+        let synthetic = (format == Format::Synthetic)
+            .then(|| synthetic_config(o))
+            .transpose()?;
+        let profile = o.rate_profile.as_deref().map(parse_profile).transpose()?;
+        Ok(Self {
+            options: o,
+            format,
+            runs,
+            block_size: base.engine.block_size,
+            seed: base.seed,
+            synthetic,
+            profile,
+        })
+    }
+
+    /// The trace's bytes (none for a synthetic workload), read whole so that they can be hashed.
+    fn trace(&self) -> anyhow::Result<Trace> {
+        if self.format == Format::Synthetic {
+            return Ok(Trace {
+                bytes: None,
+                file: None,
+            });
+        }
+        let Some(path) = &self.options.trace else {
+            return Ok(Trace {
+                bytes: Some(kvroute_sim::EXAMPLE_MOONCAKE_GZ.to_vec()),
+                file: Some(crate::provenance::TraceFile::builtin()),
+            });
+        };
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let file = crate::provenance::TraceFile::new(path, &bytes);
+        Ok(Trace {
+            bytes: Some(bytes),
+            file: Some(file),
+        })
+    }
+
+    /// The workload and a description of where it came from.
+    fn workload(&self, trace: &Trace) -> anyhow::Result<(Workload, String)> {
+        let o = self.options;
+        let mut workload = match (&self.synthetic, &trace.bytes) {
+            (Some(config), _) => {
+                let w = kvroute_sim::synthetic::generate(config, self.block_size);
+                (w, format!("the synthetic generator ({config:?})"))
+            }
+            (None, Some(bytes)) => {
+                let (reader, source) = open_trace(o.trace.as_deref(), bytes);
+                let w = match self.format {
+                    Format::Azure => kvroute_sim::trace::read_azure(reader, self.block_size, o.limit),
+                    _ => {
+                        let tbs = o.trace_block_size.unwrap_or(512);
+                        kvroute_sim::trace::read_mooncake(reader, tbs, self.block_size, o.limit)
+                    }
+                }
+                .with_context(|| format!("reading {source}"))?;
+                (w, source)
+            }
+            (None, None) => bail!("no trace and no synthetic workload"),
+        };
+        workload.0.speed_up(o.arrival_speedup.unwrap_or(1.0));
+        if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
+            workload
+                .0
+                .warp_rate(points)
+                .map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
+            workload.1.push_str(&format!(", rate profile {profile}"));
+        }
+        Ok(workload)
+    }
+}
+
+/// `v`, if set, is at least 1.
+fn at_least_one(flag: &str, v: Option<u64>) -> anyhow::Result<()> {
+    ensure!(v != Some(0), "{flag} must be at least 1");
+    Ok(())
+}
+
+/// `v`, if set, is a finite number above 0.
+fn positive(flag: &str, v: Option<f64>) -> anyhow::Result<()> {
+    if let Some(v) = v {
+        ensure!(
+            v.is_finite() && v > 0.0,
+            "{flag} must be a positive number, not {v}"
+        );
+    }
+    Ok(())
+}
+
+/// `v`, if set, is a finite number, 0 or above.
+fn non_negative(flag: &str, v: Option<f64>) -> anyhow::Result<()> {
+    if let Some(v) = v {
+        ensure!(
+            v.is_finite() && v >= 0.0,
+            "{flag} must be a number 0 or above, not {v}"
+        );
+    }
+    Ok(())
 }
 
 /// The simulation configuration the options describe (the policy is set per run).
-fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
-    let mut config = match (args.prefill_workers, args.decode_workers) {
-        (None, None) => SimConfig::new(args.workers.unwrap_or(16)),
+fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> {
+    let mut config = match (o.prefill_workers, o.decode_workers) {
+        (None, None) => SimConfig::new(o.workers.unwrap_or(16)),
         (Some(p), Some(d)) => SimConfig::disaggregated(p, d),
         _ => bail!("--prefill-workers and --decode-workers go together"),
     };
-    config.transfer = kv_transfer(args)?;
+    config.transfer = kv_transfer(o)?;
     let e = &mut config.engine;
-    e.block_size = args.block_size.unwrap_or(e.block_size);
-    e.num_blocks = args.num_blocks.unwrap_or(e.num_blocks);
-    e.max_num_seqs = args.max_num_seqs.unwrap_or(e.max_num_seqs);
-    e.max_num_batched_tokens = args.max_num_batched_tokens.unwrap_or(e.max_num_batched_tokens);
-    e.speedup = args.engine_speedup.unwrap_or(e.speedup);
-    let seed = args.seed.unwrap_or(0);
+    e.block_size = o.block_size.unwrap_or(e.block_size);
+    e.num_blocks = o.num_blocks.unwrap_or(e.num_blocks);
+    e.max_num_seqs = o.max_num_seqs.unwrap_or(e.max_num_seqs);
+    e.max_num_batched_tokens = o.max_num_batched_tokens.unwrap_or(e.max_num_batched_tokens);
+    e.speedup = o.engine_speedup.unwrap_or(e.speedup);
+    let seed = o.seed.unwrap_or(0);
     config.seed = seed;
     config.router = RouterConfig {
         block_size: e.block_size,
         seed,
         ..RouterConfig::default()
     };
-    if let Some(ttl) = args.predict_on_route_s {
+    if let Some(ttl) = o.predict_on_route_s {
         config.router.cache = CacheMode::EventsWithPrediction(RecentConfig {
             ttl: Some(Duration::try_from_secs_f64(ttl).context("--predict-on-route-s")?),
             ..RecentConfig::PREDICT_ON_ROUTE
         });
     }
-    config.router.busy.requests_fraction = args.busy_requests_fraction;
-    if let Some(decider) = &args.decider {
+    config.router.busy.requests_fraction = o.busy_requests_fraction;
+    if let Some(decider) = &o.decider {
         config.router.decider = parse_decider(decider)?;
     }
     config.events = EventChannel {
-        lag: Duration::try_from_secs_f64(args.kv_lag_ms.unwrap_or(0.0) / 1e3).context("--kv-lag-ms")?,
-        loss: args.kv_loss.unwrap_or(0.0),
+        lag: Duration::try_from_secs_f64(o.kv_lag_ms.unwrap_or(0.0) / 1e3).context("--kv-lag-ms")?,
+        loss: o.kv_loss.unwrap_or(0.0),
     };
-    if let Some(concurrency) = args.concurrency {
+    if let Some(concurrency) = o.concurrency {
         config.arrivals = ArrivalMode::Closed { concurrency };
     }
     config.keep_requests = args.per_request_jsonl.is_some();
-    if let Some(path) = &args.planner {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    if let Some(path) = &o.planner {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--planner {}", path.display()))?;
         let planner: kvroute_planner::PlannerConfig =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        let window = args.sla_window_s.unwrap_or(60.0);
+            crate::config::parse(&text).with_context(|| format!("--planner {}", path.display()))?;
+        let window = o.sla_window_s.unwrap_or(60.0);
         config.planner = Some(PlannerSetup {
             config: planner,
             sla_window: Duration::try_from_secs_f64(window).context("--sla-window-s")?,
@@ -276,17 +475,13 @@ fn sim_config(args: &ReplayArgs) -> anyhow::Result<SimConfig> {
 }
 
 /// The KV link the options describe.
-fn kv_transfer(args: &ReplayArgs) -> anyhow::Result<KvTransfer> {
-    let bytes_per_token = match (args.kv_bytes_per_token, &args.kv_model) {
+fn kv_transfer(o: &ReplayConfig) -> anyhow::Result<KvTransfer> {
+    let bytes_per_token = match (o.kv_bytes_per_token, &o.kv_model) {
         (Some(b), _) => Some(b),
-        (None, Some(name)) => Some(KvTransfer::model_bytes_per_token(name)?),
+        (None, Some(name)) => Some(KvTransfer::model_bytes_per_token(name).context("--kv-model")?),
         (None, None) => None,
     };
-    kv_link(
-        args.kv_transfer_gbps,
-        args.kv_transfer_latency_ms,
-        bytes_per_token,
-    )
+    kv_link(o.kv_transfer_gbps, o.kv_transfer_latency_ms, bytes_per_token)
 }
 
 /// A KV link from the `--kv-transfer-gbps`, `--kv-transfer-latency-ms` and bytes-per-token
@@ -296,6 +491,9 @@ pub(crate) fn kv_link(
     latency_ms: Option<f64>,
     bytes_per_token: Option<u64>,
 ) -> anyhow::Result<KvTransfer> {
+    positive("--kv-transfer-gbps", gbps)?;
+    non_negative("--kv-transfer-latency-ms", latency_ms)?;
+    at_least_one("--kv-bytes-per-token", bytes_per_token)?;
     let d = KvTransfer::default();
     let link = KvTransfer {
         bandwidth_bytes_per_s: gbps.map_or(d.bandwidth_bytes_per_s, |g| g * 1e9),
@@ -305,10 +503,6 @@ pub(crate) fn kv_link(
             None => d.base_latency,
         },
     };
-    anyhow::ensure!(
-        link.bandwidth_bytes_per_s.is_finite() && link.bandwidth_bytes_per_s > 0.0,
-        "--kv-transfer-gbps must be positive"
-    );
     Ok(link)
 }
 
@@ -345,64 +539,23 @@ fn parse_policy(spec: &str) -> anyhow::Result<PolicyConfig> {
     Ok(policy)
 }
 
-/// The workload and a description of where it came from.
-fn load_workload(args: &ReplayArgs, block_size: u32) -> anyhow::Result<(Workload, String)> {
-    let format = match (&args.format, &args.trace) {
-        (Some(f), _) => f.clone(),
-        (None, Some(path)) if path.to_string_lossy().contains(".csv") => "azure".to_owned(),
-        _ => "mooncake".to_owned(),
-    };
-    let mut workload = match format.as_str() {
-        "synthetic" => {
-            let config = synthetic_config(args)?;
-            let w = kvroute_sim::synthetic::generate(&config, block_size);
-            (w, format!("the synthetic generator ({config:?})"))
-        }
-        "mooncake" => {
-            let tbs = args.trace_block_size.unwrap_or(512);
-            let (reader, source) = open_trace(args.trace.as_deref())?;
-            let w = kvroute_sim::trace::read_mooncake(reader, tbs, block_size, args.limit)?;
-            (w, source)
-        }
-        "azure" => {
-            let Some(path) = &args.trace else {
-                bail!("--format azure needs a TRACE file")
-            };
-            let (reader, source) = open_trace(Some(path))?;
-            (
-                kvroute_sim::trace::read_azure(reader, block_size, args.limit)?,
-                source,
-            )
-        }
-        other => bail!("unknown format {other:?} (mooncake, azure or synthetic)"),
-    };
-    workload.0.speed_up(args.arrival_speedup.unwrap_or(1.0));
-    if let Some(profile) = &args.rate_profile {
-        workload
-            .0
-            .warp_rate(&parse_profile(profile)?)
-            .map_err(anyhow::Error::msg)?;
-        workload.1.push_str(&format!(", rate profile {profile}"));
-    }
-    Ok(workload)
-}
-
-/// `T:M,T:M,...` as (seconds, multiplier) points.
+/// `T:M,T:M,...` as (seconds, multiplier) points, checked as [`Workload::warp_rate`] checks them.
 fn parse_profile(s: &str) -> anyhow::Result<Vec<(f64, f64)>> {
-    s.split(',')
+    let points = s
+        .split(',')
         .map(|p| {
-            let (t, m) = p
-                .split_once(':')
-                .with_context(|| format!("--rate-profile point {p:?}: T:M"))?;
-            Ok((
-                t.trim().parse().with_context(|| format!("time in {p:?}"))?,
-                m.trim().parse().with_context(|| format!("multiplier in {p:?}"))?,
-            ))
+            let (t, m) = p.split_once(':')?;
+            Some((t.trim().parse().ok()?, m.trim().parse().ok()?))
         })
-        .collect()
+        .collect::<Option<Vec<(f64, f64)>>>()
+        .with_context(|| format!("--rate-profile {s:?}: T:M,T:M,... (seconds, multiplier)"))?;
+    Workload::new(1)
+        .warp_rate(&points)
+        .map_err(|e| anyhow::anyhow!("--rate-profile {s:?}: {e}"))?;
+    Ok(points)
 }
 
-fn synthetic_config(args: &ReplayArgs) -> anyhow::Result<SyntheticConfig> {
+fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
     let d = SyntheticConfig::default();
     Ok(SyntheticConfig {
         requests: args.requests.unwrap_or(d.requests),
@@ -414,13 +567,13 @@ fn synthetic_config(args: &ReplayArgs) -> anyhow::Result<SyntheticConfig> {
         isl: args
             .isl
             .as_deref()
-            .map(parse_lengths)
+            .map(|s| parse_lengths("--isl", s))
             .transpose()?
             .unwrap_or(d.isl),
         osl: args
             .osl
             .as_deref()
-            .map(parse_lengths)
+            .map(|s| parse_lengths("--osl", s))
             .transpose()?
             .unwrap_or(d.osl),
         prefix_groups: args.prefix_groups.unwrap_or(d.prefix_groups),
@@ -431,50 +584,53 @@ fn synthetic_config(args: &ReplayArgs) -> anyhow::Result<SyntheticConfig> {
     })
 }
 
-fn parse_lengths(s: &str) -> anyhow::Result<Lengths> {
-    let num = |x: &str| {
-        x.trim()
-            .parse::<u32>()
-            .with_context(|| format!("bad length {s:?}"))
+/// `N` or `MIN-MAX` tokens, at least 1.
+fn parse_lengths(flag: &str, s: &str) -> anyhow::Result<Lengths> {
+    let num = |x: &str| match x.trim().parse::<u32>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => bail!("{flag} {s:?}: N or MIN-MAX, whole numbers from 1 to {}", u32::MAX),
     };
     Ok(match s.split_once('-') {
-        Some((a, b)) => Lengths::Uniform {
-            min: num(a)?,
-            max: num(b)?,
-        },
+        Some((a, b)) => {
+            let (min, max) = (num(a)?, num(b)?);
+            ensure!(min <= max, "{flag} {s:?}: MIN is above MAX");
+            Lengths::Uniform { min, max }
+        }
         None => Lengths::Fixed(num(s)?),
     })
 }
 
-/// A reader over the trace (gunzipped if it ends in `.gz`), or over the built-in example.
-fn open_trace(path: Option<&Path>) -> anyhow::Result<(Box<dyn BufRead>, String)> {
+/// A reader over the trace's bytes (gunzipped if the file ends in `.gz`; the built-in example is
+/// gzip'd), and its description.
+fn open_trace<'b>(path: Option<&Path>, bytes: &'b [u8]) -> (Box<dyn BufRead + 'b>, String) {
     let Some(path) = path else {
-        let reader = GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ);
-        return Ok((
-            Box::new(BufReader::new(reader)),
+        return (
+            Box::new(BufReader::new(GzDecoder::new(bytes))),
             "the built-in example (first 2,000 rows of the Mooncake conversation trace)".to_owned(),
-        ));
+        );
     };
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let reader: Box<dyn Read> = if path.extension().is_some_and(|e| e == "gz") {
-        Box::new(GzDecoder::new(file))
+        Box::new(GzDecoder::new(bytes))
     } else {
-        Box::new(file)
+        Box::new(bytes)
     };
-    Ok((
+    (
         Box::new(BufReader::with_capacity(1 << 20, reader)),
         path.display().to_string(),
-    ))
+    )
 }
 
-fn write_outputs(args: &ReplayArgs, results: &[(String, RunResult)]) -> anyhow::Result<()> {
+fn write_outputs(
+    args: &ReplayArgs,
+    results: &[(String, RunResult)],
+    provenance: &crate::provenance::Provenance,
+) -> anyhow::Result<()> {
     if let Some(path) = &args.report_json {
-        let text = if let [(_, only)] = results {
-            serde_json::to_string_pretty(&only.report)?
-        } else {
-            let map: Vec<(&str, &Report)> = results.iter().map(|(n, r)| (n.as_str(), &r.report)).collect();
-            serde_json::to_string_pretty(&OrderedMap(&map))?
-        };
+        let reports: Vec<(&str, &Report)> = results.iter().map(|(n, r)| (n.as_str(), &r.report)).collect();
+        let text = serde_json::to_string_pretty(&crate::provenance::ReportFile {
+            reports: &reports,
+            provenance,
+        })?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.per_request_jsonl {
@@ -499,20 +655,6 @@ fn write_outputs(args: &ReplayArgs, results: &[(String, RunResult)]) -> anyhow::
         std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
-}
-
-/// Serializes `(name, report)` pairs as one JSON object, in order.
-struct OrderedMap<'a>(&'a [(&'a str, &'a Report)]);
-
-impl serde::Serialize for OrderedMap<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut map = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in self.0 {
-            map.serialize_entry(k, v)?;
-        }
-        map.end()
-    }
 }
 
 /// A one-line progress bar on stderr, drawn only on a terminal and only after a second.

@@ -1,34 +1,46 @@
-//! `kvroute serve` and `kvroute mock`: flags (and for serve a `--config` TOML file, whose keys are
-//! `ServeConfig`'s fields; flags beat it) into the server crate's configurations, on a Tokio
-//! runtime.
+//! `kvroute serve` and `kvroute mock`: flags (and for serve a `--config` TOML file under the same
+//! kebab-case names, the keys of the server's `ServeConfig`; flags beat it) into the server
+//! crate's configurations, on a Tokio runtime.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use clap::Args;
 use kvroute_server::mock::{self, MockConfig};
 use kvroute_server::{Model, ServeConfig, WorkerConfig};
 use kvroute_wire::EventEncoding;
+use serde::{Deserialize, Serialize};
 
-/// The options of `kvroute serve`.
+/// The options of `kvroute serve`: the configuration and the file it may come from.
 #[derive(Args, Debug, Default)]
 pub struct ServeArgs {
-    /// A TOML file of options (keys: the fields of the server's `ServeConfig`, snake_case;
-    /// workers as `[[workers]]` tables); flags beat it.
+    /// A TOML file of options (keys: the long flag names, e.g. `queue-capacity = 64`; workers
+    /// as `[[worker]]` tables); flags beat it.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Listen address. Default 127.0.0.1:8000.
+    /// The configuration (flags; `--config` keys under the same names).
+    #[command(flatten)]
+    pub options: ServeOptions,
+}
+
+/// The configuration of `kvroute serve`: every option is a flag and a key of the `--config`
+/// file under one kebab-case name, the keys of the server's `ServeConfig`. Unset options take
+/// the defaults their docs name.
+#[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ServeOptions {
+    /// Listen address, `HOST:PORT`. Default 127.0.0.1:8000.
     #[arg(long)]
     pub listen: Option<String>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
     /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
     /// [,bootstrap-port=N]` (`engine`: how a request names its data-parallel rank;
     /// `bootstrap-port`: a prefill worker's SGLang bootstrap port). Repeat for several;
-    /// replaces the file's workers.
-    #[arg(long = "worker")]
-    pub workers: Vec<String>,
+    /// replaces the file's `[[worker]]` tables, whose keys are the same.
+    #[arg(long, value_parser = parse_worker)]
+    pub worker: Option<Vec<WorkerConfig>>,
     /// Model name served. Default `tiny`.
     #[arg(long)]
     pub model_name: Option<String>,
@@ -43,6 +55,9 @@ pub struct ServeArgs {
     /// Tokens per KV block, as the engines use. Default 16.
     #[arg(long)]
     pub block_size: Option<u32>,
+    /// Router seed. Default 0.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Disaggregation decider, for requests routed to `role=decode` workers: `always` (prefill
     /// on a prefill worker first), `never`, or N (when more than N prompt tokens are uncached
     /// on the chosen decode worker). Default always.
@@ -59,6 +74,9 @@ pub struct ServeArgs {
     /// Router queue capacity (0: reject when every worker is busy). Default 1024.
     #[arg(long)]
     pub queue_capacity: Option<usize>,
+    /// How long a request may wait in the queue before a 503, ms. Default 30,000.
+    #[arg(long)]
+    pub queue_timeout_ms: Option<u64>,
     /// A worker is busy above this fraction of its max requests. Default: never.
     #[arg(long)]
     pub busy_requests_fraction: Option<f64>,
@@ -68,9 +86,18 @@ pub struct ServeArgs {
     /// Most prompt tokens. Default 131072.
     #[arg(long)]
     pub max_prompt_tokens: Option<usize>,
+    /// Longest silence from a worker while a request runs before a 504, ms. Default 600,000.
+    #[arg(long)]
+    pub request_timeout_ms: Option<u64>,
+    /// TCP connect timeout to a worker, ms. Default 2,000.
+    #[arg(long)]
+    pub connect_timeout_ms: Option<u64>,
     /// Health-check interval, ms (0: off). Default 5000.
     #[arg(long)]
     pub health_interval_ms: Option<u64>,
+    /// Timeout of one health check, ms. Default 1,000.
+    #[arg(long)]
+    pub health_timeout_ms: Option<u64>,
     /// Failed health checks in a row that take a worker out of routing. Default 3.
     #[arg(long)]
     pub health_failure_threshold: Option<u32>,
@@ -82,40 +109,24 @@ pub struct ServeArgs {
     pub threads: Option<usize>,
 }
 
-macro_rules! over {
-    ($config:ident, $args:ident; $($field:ident),* $(,)?) => {
-        $( if let Some(v) = $args.$field.clone() { $config.$field = v; } )*
-    };
+/// A `--worker` flag.
+fn parse_worker(s: &str) -> Result<WorkerConfig, String> {
+    WorkerConfig::parse_flag(s).map_err(|e| e.to_string())
 }
 
 impl ServeArgs {
-    /// The configuration: the file's (or the defaults), with the flags over it.
+    /// The configuration: the file's options, the flags over them, the defaults under both;
+    /// checked.
     pub fn to_config(&self) -> anyhow::Result<ServeConfig> {
-        let mut config = match &self.config {
-            Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-                ServeConfig::from_toml_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        let options = crate::config::layered(self.config.as_deref(), &self.options)?;
+        let config: ServeConfig = toml::Value::Table(crate::config::to_table(&options)?).try_into()?;
+        // The server names a field by its key, which is also the flag.
+        config.validate().map_err(|e| match e {
+            kvroute_server::config::ConfigError::Invalid { field, message } => {
+                anyhow::anyhow!("--{field}: {message}")
             }
-            None => ServeConfig::default(),
-        };
-        over!(config, self; listen, model_name, policy, block_size, decider, disagg_protocol, cache, queue_capacity,
-            max_body_bytes, max_prompt_tokens, health_interval_ms, health_failure_threshold,
-            health_success_threshold, threads);
-        if self.model_dir.is_some() {
-            config.model_dir = self.model_dir.clone();
-        }
-        if self.busy_requests_fraction.is_some() {
-            config.busy_requests_fraction = self.busy_requests_fraction;
-        }
-        if !self.workers.is_empty() {
-            config.workers = self
-                .workers
-                .iter()
-                .map(|w| WorkerConfig::parse_flag(w))
-                .collect::<Result<_, _>>()?;
-        }
-        config.validate()?;
+            other => other.into(),
+        })?;
         Ok(config)
     }
 }
@@ -225,9 +236,47 @@ pub fn encoding(s: &str) -> anyhow::Result<EventEncoding> {
     })
 }
 
+/// Checks `kvroute mock`'s flags: counts of at least one, ports that exist for every worker.
+fn check_mock(args: &MockArgs) -> anyhow::Result<()> {
+    let workers = args.workers + args.prefill;
+    ensure!(
+        workers >= 1,
+        "--workers (with --prefill) must give at least 1 worker"
+    );
+    ensure!(args.dp >= 1, "--dp must be at least 1");
+    ensure!(
+        args.speedup.is_finite() && args.speedup > 0.0,
+        "--speedup must be a positive number, not {}",
+        args.speedup
+    );
+    ensure!(args.block_size >= 1, "--block-size must be at least 1");
+    ensure!(args.num_blocks >= 1, "--num-blocks must be at least 1");
+    ensure!(
+        args.default_max_tokens >= 1,
+        "--default-max-tokens must be at least 1"
+    );
+    let last = |first: u16, ports: u64| u64::from(first) + ports.saturating_sub(1);
+    ensure!(
+        args.port == 0 || last(args.port, workers as u64) <= 65535,
+        "--port {}: {workers} workers need ports up to {}, past 65535",
+        args.port,
+        last(args.port, workers as u64)
+    );
+    let event_ports = 2 * workers as u64 * u64::from(args.dp);
+    ensure!(
+        args.no_events || args.event_port == 0 || last(args.event_port, event_ports) <= 65535,
+        "--event-port {}: {workers} workers of {} ranks need ports up to {}, past 65535",
+        args.event_port,
+        args.dp,
+        last(args.event_port, event_ports)
+    );
+    Ok(())
+}
+
 /// Runs `kvroute mock` until the process is stopped.
 pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     init_logging();
+    check_mock(&args)?;
     let mut config = MockConfig::new(args.workers);
     config.prefill_workers = args.prefill;
     config.transfer = crate::replay::kv_link(
@@ -238,7 +287,6 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     config.host = args.host;
     config.port = args.port;
     config.event_port = args.event_port;
-    anyhow::ensure!(args.dp >= 1, "--dp must be at least 1");
     config.dp_size = args.dp;
     config.events = !args.no_events;
     config.encoding = encoding(&args.encoding)?;

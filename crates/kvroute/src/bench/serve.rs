@@ -57,13 +57,13 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub proxy_cpu: Option<usize>,
     /// Concurrency of the throughput runs.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::config::count)]
     pub concurrency: usize,
     /// Concurrency of the latency runs.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::config::count)]
     pub latency_concurrency: usize,
     /// Seconds per measured run (after a 1 s warm-up).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = crate::config::positive)]
     pub seconds: f64,
     /// Modes: unary, stream.
     #[arg(long, value_delimiter = ',', default_value = "unary,stream")]
