@@ -30,7 +30,7 @@ pub fn layered<T: Serialize + DeserializeOwned>(file: Option<&Path>, flags: &T) 
 /// `text` as a `T`, or a one-line error naming the line and key.
 pub fn parse<T: DeserializeOwned>(text: &str) -> anyhow::Result<T> {
     let at = |e: &toml::de::Error| {
-        let line = e.span().map_or(0, |s| text[..s.start].lines().count().max(1));
+        let line = e.span().map_or(0, |s| text[..s.start].matches('\n').count() + 1);
         format!("line {line}")
     };
     let de = toml::Deserializer::parse(text).map_err(|e| anyhow::anyhow!("{}: {}", at(&e), e.message()))?;
