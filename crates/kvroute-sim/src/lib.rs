@@ -57,7 +57,7 @@ pub use cluster::Progress;
 pub use config::{ArrivalMode, EventChannel, KvTransfer, PlannerSetup, SimConfig, Topology};
 pub use error::SimError;
 pub use planned::{PlannerRun, SlaWindow};
-pub use report::{Latency, Outcome, Report, RequestRecord, TimeSeries};
+pub use report::{Completion, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
 pub use workload::{Arrival, SimRequest, Workload};
 
 /// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),

@@ -7,6 +7,8 @@
 use serde::Serialize;
 use serde::ser::SerializeMap;
 
+use crate::stats::Summary;
+
 /// One value of a report.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -106,7 +108,7 @@ impl Report {
     }
 
     /// Appends a latency summary (milliseconds) under its nine keys.
-    pub fn latency(&mut self, latency: Latency, s: &crate::stats::Summary) {
+    pub fn latency(&mut self, latency: Latency, s: &Summary) {
         let values = [s.mean, s.min, s.max, s.p50, s.p75, s.p90, s.p95, s.p99, s.std];
         for (k, v) in latency.keys().into_iter().zip(values) {
             self.float(k, v);
@@ -130,6 +132,254 @@ impl Report {
             Value::Float(v) => Some(*v),
             Value::Text(_) | Value::Json(_) => None,
         }
+    }
+}
+
+/// One completed request: times in nanoseconds from the run's start, and its tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Completion {
+    /// Arrival.
+    pub arrival_ns: u64,
+    /// First output token, if one was seen.
+    pub first_token_ns: Option<u64>,
+    /// Last output token.
+    pub last_token_ns: u64,
+    /// End of the request.
+    pub finished_ns: u64,
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+}
+
+/// The simulated engines' and router's counts, which a live run does not see.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineCounts {
+    /// Requests preempted by their engine.
+    pub preemptions: u64,
+    /// Requests that waited in the router's queue.
+    pub router_queued: u64,
+    /// Requests whose wait in the router's queue expired.
+    pub router_expired: u64,
+    /// KV events the engines published.
+    pub kv_events_published: u64,
+    /// KV events the router's index refused.
+    pub kv_events_refused: u64,
+    /// Engine forward passes.
+    pub engine_steps: u64,
+    /// Worker-seconds the engines spent computing.
+    pub busy_worker_seconds: f64,
+}
+
+/// A disaggregated fleet's pools and KV transfers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Disaggregation {
+    /// Prefill workers.
+    pub prefill_workers: u64,
+    /// Decode workers.
+    pub decode_workers: u64,
+    /// Worker-seconds the prefill workers spent computing.
+    pub prefill_busy_worker_seconds: f64,
+    /// Requests the router split into a prefill and a decode.
+    pub disaggregated_requests: u64,
+    /// KV transfers.
+    pub kv_transfers: u64,
+    /// Blocks they covered.
+    pub kv_transfer_blocks: u64,
+    /// Of those, blocks the decode worker already held.
+    pub kv_transfer_hit_blocks: u64,
+    /// Bytes moved.
+    pub kv_transfer_bytes: u64,
+    /// Time on the link, summed.
+    pub kv_transfer_nanos: u64,
+    /// Imports that waited for free blocks.
+    pub kv_import_waits: u64,
+    /// Their waits, summed.
+    pub kv_import_wait_nanos: u64,
+}
+
+/// Every report formula in one place. A driver (the simulator, the live demo) sets what it
+/// counted and adds each completed request; [`ReportBuilder::build`] writes the report's keys in
+/// their order, leaving out the figures the driver does not have.
+#[derive(Clone, Debug, Default)]
+pub struct ReportBuilder {
+    /// The policy's name.
+    pub policy: String,
+    /// Workers in the fleet (both pools).
+    pub num_workers: u64,
+    /// GPUs per worker, for GPU-hours.
+    pub gpus_per_worker: u32,
+    /// Requests of the workload.
+    pub num_requests: u64,
+    /// Requests that arrived (the simulator's; a live run sends them all).
+    pub arrived: Option<u64>,
+    /// Requests turned away.
+    pub rejected: u64,
+    /// Requests the run ended before (the simulator's).
+    pub unfinished: Option<u64>,
+    /// Inter-token latency, ms.
+    pub itl: Summary,
+    /// Prompt tokens the engines found cached, and prompt tokens they looked up.
+    pub prefix_cache_tokens: (u64, u64),
+    /// Prompt blocks the router believed cached on its choice, and prompt blocks routed.
+    pub router_overlap_blocks: (u64, u64),
+    /// Mean over routed requests of the router's predicted hit rate (the simulator's).
+    pub router_mean_kv_hit_rate: Option<f64>,
+    /// The simulated engines' counts.
+    pub engine: Option<EngineCounts>,
+    /// KV events lost on their way to the router.
+    pub kv_events_lost: u64,
+    /// Worker-seconds when workers came and went (a planner's run); else workers × duration.
+    pub worker_seconds: Option<f64>,
+    /// The pools, in a disaggregated fleet.
+    pub disaggregation: Option<Disaggregation>,
+    completed: u64,
+    input_tokens: u64,
+    output_tokens: u64,
+    end_ns: u64,
+    ttft_ms: Vec<f64>,
+    e2e_ms: Vec<f64>,
+    tpot_ms: Vec<f64>,
+}
+
+/// Milliseconds from `from` to `to`, nanoseconds.
+pub fn ms_between(from: u64, to: u64) -> f64 {
+    (to - from) as f64 / 1e6
+}
+
+impl ReportBuilder {
+    /// A builder for a run of `policy` on `num_workers` workers of `gpus_per_worker` GPUs, with
+    /// `num_requests` requests; nothing counted yet.
+    pub fn new(policy: &str, num_workers: u64, gpus_per_worker: u32, num_requests: u64) -> Self {
+        Self {
+            policy: policy.to_owned(),
+            num_workers,
+            gpus_per_worker,
+            num_requests,
+            ..Self::default()
+        }
+    }
+
+    /// Adds a completed request.
+    pub fn complete(&mut self, c: &Completion) {
+        self.completed += 1;
+        self.input_tokens += c.input_tokens;
+        self.output_tokens += c.output_tokens;
+        self.end_ns = self.end_ns.max(c.finished_ns);
+        self.e2e_ms.push(ms_between(c.arrival_ns, c.finished_ns));
+        if let Some(first) = c.first_token_ns {
+            self.ttft_ms.push(ms_between(c.arrival_ns, first));
+            if c.output_tokens > 1 {
+                self.tpot_ms
+                    .push(ms_between(first, c.last_token_ns) / (c.output_tokens - 1) as f64);
+            }
+        }
+    }
+
+    /// The last completion, nanoseconds from the start.
+    pub fn end_ns(&self) -> u64 {
+        self.end_ns
+    }
+
+    /// Seconds from the start to the last completion.
+    pub fn duration_s(&self) -> f64 {
+        self.end_ns as f64 / 1e9
+    }
+
+    /// Worker-seconds: as set, or every worker for the whole duration.
+    pub fn worker_seconds(&self) -> f64 {
+        self.worker_seconds
+            .unwrap_or(self.num_workers as f64 * self.duration_s())
+    }
+
+    /// TTFT of each completed request, ms, in the order added.
+    pub fn ttft_ms(&self) -> &[f64] {
+        &self.ttft_ms
+    }
+
+    /// E2E latency of each completed request, ms, in the order added.
+    pub fn e2e_ms(&self) -> &[f64] {
+        &self.e2e_ms
+    }
+
+    /// The report.
+    pub fn build(&self) -> Report {
+        let duration_s = self.duration_s();
+        let per_s = |x: f64| if duration_s > 0.0 { x / duration_s } else { 0.0 };
+        let ratio = |(a, b): (u64, u64)| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let (input, output) = (self.input_tokens, self.output_tokens);
+        let mut r = Report::default();
+        r.push("policy", Value::Text(self.policy.clone()));
+        r.count("num_workers", self.num_workers);
+        r.count("num_requests", self.num_requests);
+        if let Some(arrived) = self.arrived {
+            r.count("arrived_requests", arrived);
+        }
+        r.count("completed_requests", self.completed);
+        r.count("rejected_requests", self.rejected);
+        if let Some(unfinished) = self.unfinished {
+            r.count("unfinished_requests", unfinished);
+        }
+        r.count("total_input_tokens", input);
+        r.count("total_output_tokens", output);
+        r.float("duration_ms", self.end_ns as f64 / 1e6);
+        r.float("request_throughput_rps", per_s(self.completed as f64));
+        r.float("input_throughput_tok_s", per_s(input as f64));
+        r.float("output_throughput_tok_s", per_s(output as f64));
+        r.float("total_throughput_tok_s", per_s((input + output) as f64));
+        r.latency(Latency::Ttft, &Summary::exact(&mut self.ttft_ms.clone()));
+        r.latency(Latency::Itl, &self.itl);
+        r.latency(Latency::Tpot, &Summary::exact(&mut self.tpot_ms.clone()));
+        r.latency(Latency::E2e, &Summary::exact(&mut self.e2e_ms.clone()));
+        r.float("prefix_cache_reused_ratio", ratio(self.prefix_cache_tokens));
+        r.float(
+            "router_predicted_overlap_ratio",
+            ratio(self.router_overlap_blocks),
+        );
+        if let Some(rate) = self.router_mean_kv_hit_rate {
+            r.float("router_mean_kv_hit_rate", rate);
+        }
+        let worker_seconds = self.worker_seconds();
+        if let Some(e) = &self.engine {
+            r.count("preemptions", e.preemptions);
+            r.count("router_queued_requests", e.router_queued);
+            r.count("router_expired_requests", e.router_expired);
+            r.count("kv_events_published", e.kv_events_published);
+            r.count("kv_events_lost", self.kv_events_lost);
+            r.count("kv_events_refused", e.kv_events_refused);
+            r.count("engine_steps", e.engine_steps);
+            r.float("worker_seconds", worker_seconds);
+            r.float("busy_worker_seconds", e.busy_worker_seconds);
+        } else {
+            r.count("kv_events_lost", self.kv_events_lost);
+            r.float("worker_seconds", worker_seconds);
+        }
+        if let Some(d) = &self.disaggregation {
+            let busy = self.engine.map_or(0.0, |e| e.busy_worker_seconds);
+            r.count("num_prefill_workers", d.prefill_workers);
+            r.count("num_decode_workers", d.decode_workers);
+            r.float("prefill_worker_seconds", d.prefill_workers as f64 * duration_s);
+            r.float("decode_worker_seconds", d.decode_workers as f64 * duration_s);
+            r.float("prefill_busy_worker_seconds", d.prefill_busy_worker_seconds);
+            r.float("decode_busy_worker_seconds", busy - d.prefill_busy_worker_seconds);
+            r.count("disaggregated_requests", d.disaggregated_requests);
+            r.count("kv_transfers", d.kv_transfers);
+            r.count("kv_transfer_blocks", d.kv_transfer_blocks);
+            r.count("kv_transfer_hit_blocks", d.kv_transfer_hit_blocks);
+            r.count("kv_transfer_bytes", d.kv_transfer_bytes);
+            r.float("kv_transfer_seconds", d.kv_transfer_nanos as f64 / 1e9);
+            r.float(
+                "mean_kv_transfer_ms",
+                ratio((d.kv_transfer_nanos, d.kv_transfers)) / 1e6,
+            );
+            r.count("kv_import_waits", d.kv_import_waits);
+            r.float("kv_import_wait_seconds", d.kv_import_wait_nanos as f64 / 1e9);
+        }
+        r.float(
+            "gpu_hours",
+            worker_seconds * f64::from(self.gpus_per_worker) / 3600.0,
+        );
+        r
     }
 }
 

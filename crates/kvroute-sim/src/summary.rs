@@ -1,156 +1,119 @@
-//! From a finished run to its report: counts, throughputs, latency summaries, cache figures.
+//! From a finished run to its report: the run's counts into the [`ReportBuilder`] (where every
+//! report formula lives), then the planner's keys.
 
 use crate::RunResult;
 use crate::cluster::Run;
 use crate::config::{PlannerSetup, SimConfig, Topology};
 use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
-use crate::report::{Latency, Outcome, Report, RequestRecord, Value};
-use crate::stats::Summary;
+use crate::report::{
+    Completion, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
+    ms_between,
+};
 use crate::workload::Workload;
-
-fn ms(nanos: u64) -> f64 {
-    nanos as f64 / 1e6
-}
 
 /// The run's result.
 pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -> RunResult {
-    let (mut ttft, mut e2e, mut tpot) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut input_tokens, mut output_tokens, mut end) = (0u64, 0u64, 0u64);
+    let t = &run.totals;
+    let counters = run.router.metrics().counters;
+    let mut b = ReportBuilder::new(
+        config.router.policy.name(),
+        config.workers() as u64,
+        config.gpus_per_worker,
+        workload.requests.len() as u64,
+    );
+    b.arrived = Some(t.arrived);
+    b.rejected = run.rejected();
+    b.itl = t.itl.summary();
+    b.prefix_cache_tokens = (t.hit_tokens, t.query_tokens);
+    b.router_overlap_blocks = (counters.overlap_blocks, counters.prompt_blocks);
+    b.kv_events_lost = t.kv_events_lost;
+    b.engine = Some(EngineCounts {
+        preemptions: t.preemptions,
+        router_queued: counters.queued,
+        router_expired: counters.expired,
+        kv_events_published: t.kv_events_published,
+        kv_events_refused: t.kv_events_refused,
+        engine_steps: t.steps,
+        busy_worker_seconds: t.busy_nanos as f64 / 1e9,
+    });
     let (mut hit_rate_sum, mut hit_rate_n) = (0.0, 0u64);
     let mut records = Vec::new();
     let bs = workload.block_size;
     for (i, (s, r)) in run.reqs.iter().zip(&workload.requests).enumerate() {
         let Some(arrived) = s.arrived else { continue };
+        let arrived = arrived.as_nanos();
         let prompt_blocks = r.prompt_tokens / bs;
         if s.routed.is_some() && prompt_blocks > 0 {
             hit_rate_sum += f64::from(s.overlap_blocks) / f64::from(prompt_blocks);
             hit_rate_n += 1;
         }
-        let ttft_ms = s.first_token.map(|t| ms(t.as_nanos() - arrived.as_nanos()));
-        let e2e_ms = s.finished.map(|t| ms(t.as_nanos() - arrived.as_nanos()));
         if let Some(finished) = s.finished {
-            input_tokens += u64::from(r.prompt_tokens);
-            output_tokens += u64::from(s.output_tokens);
-            end = end.max(finished.as_nanos());
-            ttft.extend(ttft_ms);
-            e2e.extend(e2e_ms);
-            if let Some(first) = s.first_token
-                && s.output_tokens > 1
-            {
-                tpot.push(ms(s.last_token.as_nanos() - first.as_nanos()) / f64::from(s.output_tokens - 1));
-            }
+            b.complete(&Completion {
+                arrival_ns: arrived,
+                first_token_ns: s.first_token.map(|t| t.as_nanos()),
+                last_token_ns: s.last_token.as_nanos(),
+                finished_ns: finished.as_nanos(),
+                input_tokens: u64::from(r.prompt_tokens),
+                output_tokens: u64::from(s.output_tokens),
+            });
         }
         if config.keep_requests {
             records.push(RequestRecord {
                 id: i as u64,
                 outcome: s.outcome(),
-                arrival_ms: ms(arrived.as_nanos()),
-                routed_ms: s.routed.map(|t| ms(t.as_nanos())),
+                arrival_ms: ms_between(0, arrived),
+                routed_ms: s.routed.map(|t| ms_between(0, t.as_nanos())),
                 worker: s.worker.map(u64::from),
                 input_tokens: r.prompt_tokens,
                 output_tokens: s.output_tokens,
                 prompt_blocks,
                 predicted_overlap_blocks: s.overlap_blocks,
-                ttft_ms,
-                e2e_latency_ms: e2e_ms,
+                ttft_ms: s.first_token.map(|t| ms_between(arrived, t.as_nanos())),
+                e2e_latency_ms: s.finished.map(|t| ms_between(arrived, t.as_nanos())),
             });
         }
     }
-    let t = &run.totals;
-    let counters = run.router.metrics().counters;
-    let unfinished = run
-        .reqs
-        .iter()
-        .filter(|s| s.arrived.is_some() && s.outcome() == Outcome::Unfinished)
-        .count();
-    let duration_s = end as f64 / 1e9;
-    let per_s = |x: f64| if duration_s > 0.0 { x / duration_s } else { 0.0 };
-    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-
-    let mut report = Report::default();
-    report.push("policy", Value::Text(config.router.policy.name().to_owned()));
-    report.count("num_workers", config.workers() as u64);
-    report.count("num_requests", workload.requests.len() as u64);
-    report.count("arrived_requests", t.arrived);
-    report.count("completed_requests", t.completed);
-    report.count("rejected_requests", run.rejected());
-    report.count("unfinished_requests", unfinished as u64);
-    report.count("total_input_tokens", input_tokens);
-    report.count("total_output_tokens", output_tokens);
-    report.float("duration_ms", end as f64 / 1e6);
-    report.float("request_throughput_rps", per_s(t.completed as f64));
-    report.float("input_throughput_tok_s", per_s(input_tokens as f64));
-    report.float("output_throughput_tok_s", per_s(output_tokens as f64));
-    report.float(
-        "total_throughput_tok_s",
-        per_s((input_tokens + output_tokens) as f64),
-    );
-    report.latency(Latency::Ttft, &Summary::exact(&mut ttft.clone()));
-    report.latency(Latency::Itl, &t.itl.summary());
-    report.latency(Latency::Tpot, &Summary::exact(&mut tpot));
-    report.latency(Latency::E2e, &Summary::exact(&mut e2e.clone()));
-    report.float("prefix_cache_reused_ratio", ratio(t.hit_tokens, t.query_tokens));
-    report.float(
-        "router_predicted_overlap_ratio",
-        ratio(counters.overlap_blocks, counters.prompt_blocks),
-    );
-    report.float(
-        "router_mean_kv_hit_rate",
-        if hit_rate_n == 0 {
-            0.0
-        } else {
-            hit_rate_sum / hit_rate_n as f64
-        },
-    );
-    report.count("preemptions", t.preemptions);
-    report.count("router_queued_requests", counters.queued);
-    report.count("router_expired_requests", counters.expired);
-    report.count("kv_events_published", t.kv_events_published);
-    report.count("kv_events_lost", t.kv_events_lost);
-    report.count("kv_events_refused", t.kv_events_refused);
-    report.count("engine_steps", t.steps);
-    // With a planner, workers are counted from provisioning (startup included) to removal.
-    let worker_seconds = if run.planner.is_some() {
-        run.workers
+    b.unfinished = Some(
+        run.reqs
             .iter()
-            .map(|w| {
-                let until = w.removed_at.map_or(end, |t| t.as_nanos().min(end));
-                until.saturating_sub(w.provisioned_at.as_nanos()) as f64 / 1e9
-            })
-            .sum()
-    } else {
-        config.workers() as f64 * duration_s
-    };
-    report.float("worker_seconds", worker_seconds);
-    report.float("busy_worker_seconds", t.busy_nanos as f64 / 1e9);
-    if let Topology::Disaggregated { prefill, decode } = config.topology {
-        let prefill_busy = t.prefill_busy_nanos as f64 / 1e9;
-        report.count("num_prefill_workers", prefill as u64);
-        report.count("num_decode_workers", decode as u64);
-        report.float("prefill_worker_seconds", prefill as f64 * duration_s);
-        report.float("decode_worker_seconds", decode as f64 * duration_s);
-        report.float("prefill_busy_worker_seconds", prefill_busy);
-        report.float(
-            "decode_busy_worker_seconds",
-            t.busy_nanos as f64 / 1e9 - prefill_busy,
-        );
-        report.count("disaggregated_requests", counters.disaggregated);
-        report.count("kv_transfers", t.kv_transfers);
-        report.count("kv_transfer_blocks", t.kv_transfer_blocks);
-        report.count("kv_transfer_hit_blocks", t.kv_transfer_hit_blocks);
-        report.count("kv_transfer_bytes", t.kv_transfer_bytes);
-        report.float("kv_transfer_seconds", t.kv_transfer_nanos as f64 / 1e9);
-        report.float(
-            "mean_kv_transfer_ms",
-            ratio(t.kv_transfer_nanos, t.kv_transfers) / 1e6,
-        );
-        report.count("kv_import_waits", t.kv_import_waits);
-        report.float("kv_import_wait_seconds", t.kv_import_wait_nanos as f64 / 1e9);
-    }
-    report.float(
-        "gpu_hours",
-        worker_seconds * f64::from(config.gpus_per_worker) / 3600.0,
+            .filter(|s| s.arrived.is_some() && s.outcome() == Outcome::Unfinished)
+            .count() as u64,
     );
+    b.router_mean_kv_hit_rate = Some(if hit_rate_n == 0 {
+        0.0
+    } else {
+        hit_rate_sum / hit_rate_n as f64
+    });
+    // With a planner, workers are counted from provisioning (startup included) to removal.
+    if run.planner.is_some() {
+        let end = b.end_ns();
+        b.worker_seconds = Some(
+            run.workers
+                .iter()
+                .map(|w| {
+                    let until = w.removed_at.map_or(end, |t| t.as_nanos().min(end));
+                    until.saturating_sub(w.provisioned_at.as_nanos()) as f64 / 1e9
+                })
+                .sum(),
+        );
+    }
+    if let Topology::Disaggregated { prefill, decode } = config.topology {
+        b.disaggregation = Some(Disaggregation {
+            prefill_workers: prefill as u64,
+            decode_workers: decode as u64,
+            prefill_busy_worker_seconds: t.prefill_busy_nanos as f64 / 1e9,
+            disaggregated_requests: counters.disaggregated,
+            kv_transfers: t.kv_transfers,
+            kv_transfer_blocks: t.kv_transfer_blocks,
+            kv_transfer_hit_blocks: t.kv_transfer_hit_blocks,
+            kv_transfer_bytes: t.kv_transfer_bytes,
+            kv_transfer_nanos: t.kv_transfer_nanos,
+            kv_import_waits: t.kv_import_waits,
+            kv_import_wait_nanos: t.kv_import_wait_nanos,
+        });
+    }
+    let mut report = b.build();
+    let (worker_seconds, duration_s) = (b.worker_seconds(), b.duration_s());
     let planner = config
         .planner
         .as_ref()
@@ -160,8 +123,8 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         report,
         requests: records,
         series: run.series,
-        ttft_ms: ttft,
-        e2e_ms: e2e,
+        ttft_ms: b.ttft_ms().to_vec(),
+        e2e_ms: b.e2e_ms().to_vec(),
         planner,
     }
 }
@@ -205,14 +168,15 @@ fn planner_run(
                 w.completed += 1;
                 let ttft = s
                     .first_token
-                    .map_or(0.0, |t| ms(t.as_nanos() - arrived.as_nanos()));
+                    .map_or(0.0, |t| ms_between(arrived.as_nanos(), t.as_nanos()));
                 sum.0 += ttft;
                 sum.1 += 1;
                 let mut itl_ok = true;
                 if let Some(first) = s.first_token
                     && s.output_tokens > 1
                 {
-                    let itl = ms(s.last_token.as_nanos() - first.as_nanos()) / f64::from(s.output_tokens - 1);
+                    let itl = ms_between(first.as_nanos(), s.last_token.as_nanos())
+                        / f64::from(s.output_tokens - 1);
                     sum.2 += itl;
                     sum.3 += 1;
                     itl_ok = itl <= itl_sla;

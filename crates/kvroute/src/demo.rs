@@ -19,7 +19,7 @@ use flate2::read::GzDecoder;
 use http_body_util::{BodyExt, Full};
 use kvroute_server::mock::{self, MockConfig};
 use kvroute_server::{Model, ServeConfig};
-use kvroute_sim::report::{Latency, Report, Value};
+use kvroute_sim::report::{Completion, Report, ReportBuilder};
 use kvroute_sim::stats::Summary;
 use kvroute_sim::trace::TokenRequest;
 use kvroute_sim::{SimConfig, Simulation};
@@ -146,7 +146,7 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         .get();
     drop(proxy);
     drop(mocks);
-    Ok(report(args, &measured, start, &snapshot, lost))
+    Ok(report(args, sim, &measured, start, &snapshot, lost))
 }
 
 /// Sends one streaming completion and measures it.
@@ -209,64 +209,42 @@ async fn send(
     Ok(m)
 }
 
-/// The replay's report keys, filled from the live measurements (times scaled by the speedup).
+/// The replay's report, from the live measurements (times scaled by the speedup) through the
+/// simulator's [`ReportBuilder`], the one home of the report's formulas.
 fn report(
     args: &DemoArgs,
+    sim: &SimConfig,
     measured: &[Measured],
     start: Instant,
     snapshot: &kvroute_core::router::RouterMetrics,
     lost: u64,
 ) -> Report {
-    let x = args.speedup;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3 * x;
-    let done: Vec<&Measured> = measured.iter().filter(|m| m.ok).collect();
-    let (mut ttft, mut e2e, mut tpot, mut itl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut input, mut output, mut cached, mut end) = (0u64, 0u64, 0u64, Duration::ZERO);
-    for m in &done {
-        input += m.prompt_tokens;
-        output += m.completion_tokens;
-        cached += m.cached_tokens;
-        let (Some(arrival), Some(finish)) = (m.arrival, m.end) else {
+    // Modeled nanoseconds from the start.
+    let ns = |t: Instant| ((t - start).as_nanos() as f64 * args.speedup) as u64;
+    let workers = (args.prefill + args.workers) as u64;
+    let mut b = ReportBuilder::new(&args.policy, workers, sim.gpus_per_worker, measured.len() as u64);
+    let (mut itl, mut cached, mut input) = (Vec::new(), 0, 0);
+    for m in measured {
+        let (true, Some(arrival), Some(end)) = (m.ok, m.arrival, m.end) else {
+            b.rejected += 1;
             continue;
         };
-        end = end.max(finish - start);
-        e2e.push(ms(finish - arrival));
-        if let Some(first) = m.first {
-            ttft.push(ms(first - arrival));
-            if let Some(last) = m.last_token
-                && m.completion_tokens > 1
-            {
-                tpot.push(ms(last - first) / (m.completion_tokens - 1) as f64);
-            }
-        }
-        itl.extend(m.gaps.iter().map(|&g| ms(g)));
+        b.complete(&Completion {
+            arrival_ns: ns(arrival),
+            first_token_ns: m.first.map(ns),
+            last_token_ns: m.last_token.map_or(ns(end), ns),
+            finished_ns: ns(end),
+            input_tokens: m.prompt_tokens,
+            output_tokens: m.completion_tokens,
+        });
+        itl.extend(m.gaps.iter().map(|g| g.as_secs_f64() * 1e3 * args.speedup));
+        cached += m.cached_tokens;
+        input += m.prompt_tokens;
     }
-    let duration_s = end.as_secs_f64() * x;
-    let per_s = |v: f64| if duration_s > 0.0 { v / duration_s } else { 0.0 };
-    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    b.itl = Summary::exact(&mut itl);
+    b.prefix_cache_tokens = (cached, input);
     let c = &snapshot.counters;
-    let mut r = Report::default();
-    r.push("policy", Value::Text(args.policy.clone()));
-    let workers = args.prefill + args.workers;
-    r.count("num_workers", workers as u64);
-    r.count("num_requests", measured.len() as u64);
-    r.count("completed_requests", done.len() as u64);
-    r.count("rejected_requests", (measured.len() - done.len()) as u64);
-    r.count("total_input_tokens", input);
-    r.count("total_output_tokens", output);
-    r.float("duration_ms", duration_s * 1e3);
-    r.float("request_throughput_rps", per_s(done.len() as f64));
-    r.float("output_throughput_tok_s", per_s(output as f64));
-    r.latency(Latency::Ttft, &Summary::exact(&mut ttft));
-    r.latency(Latency::Itl, &Summary::exact(&mut itl));
-    r.latency(Latency::Tpot, &Summary::exact(&mut tpot));
-    r.latency(Latency::E2e, &Summary::exact(&mut e2e));
-    r.float("prefix_cache_reused_ratio", ratio(cached, input));
-    r.float(
-        "router_predicted_overlap_ratio",
-        ratio(c.overlap_blocks, c.prompt_blocks),
-    );
-    r.count("kv_events_lost", lost);
-    r.float("gpu_hours", workers as f64 * duration_s / 3600.0);
-    r
+    b.router_overlap_blocks = (c.overlap_blocks, c.prompt_blocks);
+    b.kv_events_lost = lost;
+    b.build()
 }
