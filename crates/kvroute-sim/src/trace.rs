@@ -105,7 +105,7 @@ fn mooncake_rows(
         })?;
         let first = *first_ms.get_or_insert(row.timestamp);
         let ms = row.timestamp - first;
-        if !(ms >= 0.0) {
+        if ms < 0.0 {
             return Err(TraceError::Parse {
                 line: i + 1,
                 message: format!(

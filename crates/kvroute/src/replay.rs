@@ -316,7 +316,7 @@ impl<'a> Plan<'a> {
         for (i, name) in policies.iter().enumerate() {
             ensure!(!policies[..i].contains(name), "--policy names {name} twice");
             let mut config = base.clone();
-            config.router.policy = parse_policy(&name).with_context(|| format!("--policy {name}"))?;
+            config.router.policy = parse_policy(name).with_context(|| format!("--policy {name}"))?;
             let sim = Simulation::new(config)?;
             runs.push((name.clone(), sim));
         }

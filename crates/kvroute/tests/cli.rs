@@ -17,7 +17,7 @@ fn kvroute(args: &[&str]) -> Output {
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvroute-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
     dir
 }
 
@@ -211,8 +211,8 @@ fn config_files_name_unknown_keys_and_wrong_types() {
     let dir = scratch("config");
     let file = |name: &str, text: &str| {
         let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        path.to_str().unwrap().to_owned()
+        std::fs::write(&path, text).expect("a config file");
+        path.to_str().expect("a UTF-8 path").to_owned()
     };
     let unknown = file("unknown.toml", "workers = 4\nblock_size = 64\n");
     refused(&["replay", "--config", &unknown], &["line 2", "block_size"]);

@@ -9,7 +9,7 @@ use kvroute::serve::ServeArgs;
 
 fn file(name: &str, text: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("kvroute-config-{}-{name}.toml", std::process::id()));
-    std::fs::write(&path, text).unwrap();
+    std::fs::write(&path, text).expect("a config file");
     path
 }
 
