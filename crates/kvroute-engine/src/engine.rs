@@ -4,12 +4,12 @@ use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::Timestamp;
 
 use crate::config::{ConfigError, EngineConfig};
-use crate::events::KvEvent;
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
 use crate::scheduler::{Progress, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
+use kvroute_core::events::KvEvent;
 
 /// A simulated vLLM-like engine. See the crate docs.
 #[derive(Debug)]

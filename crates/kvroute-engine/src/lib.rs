@@ -60,7 +60,7 @@
 //! * `scheduler`: vLLM v1's scheduling loop.
 //! * [`timing`]: the [`TimingModel`] trait and the polynomial, roofline and table models.
 //! * [`spec`]: model and GPU descriptions for the roofline model.
-//! * [`events`]: KV events, as vLLM emits them.
+//! * KV events are `kvroute_core::events::KvEvent`, as vLLM emits them.
 //! * [`metrics`]: forward-pass composition and per-step load.
 //!
 //! **Architecture invariant:** after every step, applying the step's events to a router's
@@ -70,7 +70,6 @@
 
 pub mod config;
 mod engine;
-pub mod events;
 mod kv_pool;
 pub mod metrics;
 pub mod request;
@@ -78,10 +77,10 @@ mod scheduler;
 mod sequence;
 pub mod spec;
 pub mod timing;
+pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
 pub use engine::{Engine, Import, ResetError, StepOutput};
-pub use events::{BlockRemoved, BlockStored, KvEvent};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
     EngineRequest, FinishReason, Finished, Prompt, RequestError, TokenEmission, synthetic_output_token,
@@ -89,3 +88,4 @@ pub use request::{
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};
 pub use timing::{TimingConfig, TimingModel};
+pub use transfer::KvTransfer;

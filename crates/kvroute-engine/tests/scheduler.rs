@@ -6,20 +6,20 @@ mod common;
 use std::time::Duration;
 
 use common::{Harness, config, request, with};
+use kvroute_core::events::KvEvent;
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::{Timestamp, duration_from_secs_f64};
 use kvroute_engine::{
-    EngineRequest, FinishReason, KvEvent, Prompt, RequestError, StepOutput, external_hash,
-    synthetic_output_token,
+    EngineRequest, FinishReason, Prompt, RequestError, StepOutput, external_hash, synthetic_output_token,
 };
 
 fn ids(ids: &[u64]) -> Vec<RequestId> {
     ids.iter().map(|&i| RequestId(i)).collect()
 }
 
-/// Every `BlockStored` of `outs`, in order.
-fn stored(outs: &[StepOutput]) -> Vec<kvroute_engine::BlockStored> {
+/// Every `BlocksStored` of `outs`, in order.
+fn stored(outs: &[StepOutput]) -> Vec<kvroute_core::events::BlocksStored> {
     outs.iter()
         .flat_map(|o| &o.events)
         .filter_map(|e| match e {

@@ -44,14 +44,15 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::Duration;
 
+use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::KvEvent as IndexEvent;
+use kvroute_core::index::IndexEvent;
 use kvroute_core::router::{
     Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterError,
     WorkerRole, WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, RequestError, StepOutput};
+use kvroute_engine::{Engine, EngineRequest, Prompt, RequestError, StepOutput};
 use kvroute_planner::{
     Action, EngineLimits, Observation, PassSample, Planner, Pool, WorkerObservation, WorkerState,
 };

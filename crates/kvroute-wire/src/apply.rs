@@ -32,10 +32,10 @@
 use std::fmt;
 use std::num::NonZeroU32;
 
+use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::WorkerKey;
 use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock};
-use kvroute_engine::events::{BlockRemoved as EngineRemoved, BlockStored as EngineStored, KvEvent};
 
 use crate::event::{BlockStored, MEDIUM_GPU, WireEvent};
 
@@ -164,7 +164,7 @@ impl WireEvent {
             WireEvent::BlockRemoved(removed) => {
                 match other_tier(removed.medium.as_deref(), removed.group_idx, config) {
                     Some(reason) => skip(reason),
-                    None => whole(KvEvent::Removed(EngineRemoved {
+                    None => whole(KvEvent::Removed(BlocksRemoved {
                         block_hashes: removed.block_hashes.clone(),
                     })),
                 }
@@ -254,7 +254,7 @@ fn stored_blocks(stored: &BlockStored, config: &ApplyConfig<'_>) -> Conversion {
         .zip(&stored.block_hashes)
         .map(|(local, &external)| StoredBlock { local, external })
         .collect();
-    let event = KvEvent::Stored(EngineStored {
+    let event = KvEvent::Stored(BlocksStored {
         parent_block_hash: stored.parent_block_hash,
         blocks,
         token_ids: token_ids.to_vec(),

@@ -7,7 +7,7 @@ use crate::index::StoredBlock;
 
 /// One KV-cache event of one worker; see [`crate::index::PrefixIndex`] for the semantics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvEvent<'a> {
+pub enum IndexEvent<'a> {
     /// The worker now holds `blocks`, continuing the chain from its block `parent` (or from the
     /// root).
     Stored {

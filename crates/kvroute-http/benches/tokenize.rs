@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
-use kvroute_server::Model;
+use kvroute_http::Model;
 
 fn prompts() -> Vec<String> {
     (0..64)

@@ -53,22 +53,22 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
+use kvroute_core::events::KvEvent;
 use kvroute_core::ids::RequestId;
 use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, FinishReason, KvEvent, Prompt, RequestError, TimingConfig,
+    Engine, EngineConfig, EngineRequest, FinishReason, KvTransfer, Prompt, RequestError, TimingConfig,
     synthetic_output_token,
 };
-pub use kvroute_sim::KvTransfer;
 use kvroute_wire::{EventEncoding, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig, rank_endpoint};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::model::Model;
-use crate::net::{self, Shutdown};
-use crate::openai::{self, ApiError, Endpoint};
+use kvroute_http::model::Model;
+use kvroute_http::net::{self, Shutdown};
+use kvroute_http::openai::{self, ApiError, Endpoint};
 
 /// How to run mock workers.
 #[derive(Clone, Debug)]
@@ -211,15 +211,20 @@ impl MockWorker {
         format!("http://{}", self.addr)
     }
 
-    /// The proxy's configuration of this worker: its URL and event endpoints, defaults otherwise.
-    pub fn worker_config(&self) -> crate::config::WorkerConfig {
-        crate::config::WorkerConfig {
-            events: self.events_endpoint.clone(),
-            replay: self.replay_endpoint.clone(),
-            role: self.role.name().to_owned(),
-            dp_size: self.dp_size,
-            ..crate::config::WorkerConfig::new(self.url())
+    /// This worker as a router's `--worker` flag names it: its URL, event endpoints, role and
+    /// data-parallel ranks. The proxy and the mock meet only through such wire formats.
+    pub fn worker_flag(&self) -> String {
+        let mut flag = self.url();
+        if let (Some(events), Some(replay)) = (&self.events_endpoint, &self.replay_endpoint) {
+            flag.push_str(&format!(",events={events},replay={replay}"));
         }
+        if self.dp_size > 1 {
+            flag.push_str(&format!(",dp={}", self.dp_size));
+        }
+        if self.role != WorkerRole::Aggregated {
+            flag.push_str(&format!(",role={}", self.role.name()));
+        }
+        flag
     }
 
     /// The requests of the disaggregated flow it received, oldest first (the last
@@ -1019,7 +1024,10 @@ async fn generate(w: &Arc<Worker>, endpoint: Endpoint, req: Request) -> Response
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        (header(crate::disagg::REQUEST_ID), header("x-data-parallel-rank"))
+        (
+            header(kvroute_http::disagg::REQUEST_ID),
+            header("x-data-parallel-rank"),
+        )
     };
     let body = match http_body_util::Limited::new(req.into_body(), 64 << 20)
         .collect()

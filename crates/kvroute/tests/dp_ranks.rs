@@ -12,9 +12,10 @@ use axum::http::HeaderMap;
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use kvroute_server::mock::{self, MockConfig};
-use kvroute_server::net::HttpClient;
-use kvroute_server::{EngineKind, Model, ServeConfig, WorkerConfig};
+use kvroute_http::Model;
+use kvroute_http::net::HttpClient;
+use kvroute_mock::{self as mock, MockConfig};
+use kvroute_proxy::{EngineKind, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
 /// Generous: only reached when a test is failing.
@@ -66,8 +67,8 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
             }],
             ..ServeConfig::default()
         };
-        let proxy = kvroute_server::start(config, None).await.unwrap();
-        let client = kvroute_server::net::client(std::time::Duration::from_secs(2));
+        let proxy = kvroute_proxy::start(config, None).await.unwrap();
+        let client = kvroute_http::net::client(std::time::Duration::from_secs(2));
         let url = format!("{}/v1/completions", proxy.url());
         for i in 0..4 {
             let body = json!({"prompt": format!("request {i}"), "max_tokens": 2, "data_parallel_rank": 7});
@@ -123,20 +124,20 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
             health_interval_ms: 0,
             workers: vec![WorkerConfig {
                 engine,
-                ..mocks[0].worker_config()
+                ..WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()
             }],
             ..ServeConfig::default()
         };
         assert_eq!(config.workers[0].dp_size, 2);
-        let proxy = kvroute_server::start(config, Some(model)).await.unwrap();
-        let client = kvroute_server::net::client(std::time::Duration::from_secs(2));
+        let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();
+        let client = kvroute_http::net::client(std::time::Duration::from_secs(2));
         let url = format!("{}/v1/completions", proxy.url());
         // Until both ranks' subscribers have joined (PUB/SUB drops what comes before, and a
         // gap shows only with a later batch), run a new one-block request on each rank directly
         // and wait for the proxy to apply reports from both. The short wait only paces the
         // retries; what is checked is the proxy's state.
         let mock_url = format!("{}/v1/completions", mocks[0].url());
-        let joined = |shared: &kvroute_server::state::Shared| {
+        let joined = |shared: &kvroute_proxy::state::Shared| {
             let subscribers = shared.metrics.kv_subscribers.snapshots();
             (0..2).all(|r| {
                 subscribers
@@ -176,7 +177,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         );
         // The rank that ran it publishes its blocks on its own port; the router books them
         // under that rank.
-        let holds = |shared: &kvroute_server::state::Shared| {
+        let holds = |shared: &kvroute_proxy::state::Shared| {
             shared
                 .snapshot()
                 .workers

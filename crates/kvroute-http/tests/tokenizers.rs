@@ -3,7 +3,7 @@
 //! SentencePiece-style Llama-2). The fixtures and their expected ids are written by
 //! `tests/data/tokenizers/gen.py`.
 
-use kvroute_server::model::Model;
+use kvroute_http::model::Model;
 use serde_json::Value;
 
 const CASES: &str = include_str!("data/tokenizers/cases.json");

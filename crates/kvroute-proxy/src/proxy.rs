@@ -6,7 +6,7 @@
 //! the end, error, timeout or disconnect that frees the request.
 //!
 //! A request the router disaggregates (its decision names a prefill worker) takes two hops, in
-//! vLLM's disaggregated-prefill protocol ([`crate::disagg`]): a prefill-only request to the
+//! vLLM's disaggregated-prefill protocol ([`kvroute_http::disagg`]): a prefill-only request to the
 //! prefill worker, read whole, then the client's request with the prefill's
 //! `kv_transfer_params` to the decode worker, whose response streams back as above. The
 //! prefill's answer is the router's first token (the prefill worker's load is freed then, as
@@ -40,13 +40,13 @@ use serde_json::json;
 use tokio::time::Sleep;
 
 use crate::config::{ConfigError, EngineKind, ServeConfig, WorkerConfig};
-use crate::disagg;
 use crate::events::EventFeed;
 use crate::metrics::Metrics;
-use crate::model::Model;
-use crate::net::{self, HttpClient, Shutdown};
-use crate::openai::{self, ApiError, Endpoint};
 use crate::state::{RequestGuard, RouteError, Shared, Upstream};
+use kvroute_http::disagg;
+use kvroute_http::model::Model;
+use kvroute_http::net::{self, HttpClient, Shutdown};
+use kvroute_http::openai::{self, ApiError, Endpoint};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub enum ServeError {
     Config(#[from] ConfigError),
     /// The model did not load.
     #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
+    Model(#[from] kvroute_http::model::ModelError),
     /// The listener could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {

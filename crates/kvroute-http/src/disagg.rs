@@ -1,5 +1,5 @@
 //! The bodies of the disaggregated (prefill/decode) flow, in either engine's protocol
-//! ([`EngineKind`](crate::config::EngineKind), `disagg_protocol` in the configuration).
+//! ([`EngineKind`](crate::EngineKind), `disagg_protocol` in the configuration).
 //!
 //! **vLLM** (its disaggregated-prefill proxy's protocol, the NIXL connector's, which vLLM and
 //! the engines built on its KV connectors speak), two hops in turn:

@@ -14,8 +14,9 @@ use async_openai::types::chat::{
 };
 use async_openai::types::completions::{CreateCompletionRequest, CreateCompletionRequestArgs};
 use futures_util::StreamExt;
-use kvroute_server::mock::{self, MockConfig, MockWorker};
-use kvroute_server::{EngineKind, Model, ProxyHandle, ServeConfig};
+use kvroute_http::Model;
+use kvroute_mock::{self as mock, MockConfig, MockWorker};
+use kvroute_proxy::{EngineKind, ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
 /// Generous: only reached when a test is failing.
@@ -41,13 +42,16 @@ async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Clu
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
-        workers: mocks.iter().map(|m| m.worker_config()).collect(),
+        workers: mocks
+            .iter()
+            .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap())
+            .collect(),
         ..ServeConfig::default()
     };
     tweak(&mut config);
     // No pause for the subscribers to connect: batches they miss at first come back through
     // replay, which the tests below then exercise as well.
-    let proxy = kvroute_server::start(config, Some(model)).await.unwrap();
+    let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();
     Cluster {
         http: reqwest_lite::Http::new(proxy.url()),
         proxy,
@@ -126,7 +130,7 @@ impl Cluster {
 mod reqwest_lite {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
-    use kvroute_server::net::{HttpClient, client};
+    use kvroute_http::net::{HttpClient, client};
 
     pub struct Http {
         base: String,
@@ -656,7 +660,7 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
         ids
     };
     assert_eq!(ids(&hop1), ids(&hop2));
-    let remote_decode = kvroute_server::disagg::remote_decode_params();
+    let remote_decode = kvroute_http::disagg::remote_decode_params();
     for h in &hop1 {
         assert_eq!(h.body["max_tokens"], 1, "{}", h.body);
         assert_eq!(h.body["stream"], false, "{}", h.body);

@@ -3,9 +3,9 @@
 //! and never panic.
 
 use axum::http::StatusCode;
-use kvroute_server::Model;
-use kvroute_server::disagg;
-use kvroute_server::openai::{self, Endpoint};
+use kvroute_http::Model;
+use kvroute_http::disagg;
+use kvroute_http::openai::{self, Endpoint};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 

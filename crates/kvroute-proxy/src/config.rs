@@ -8,6 +8,7 @@ use std::time::Duration;
 use kvroute_core::router::{
     BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
 };
+pub use kvroute_http::EngineKind;
 use serde::{Deserialize, Serialize};
 
 /// Why a configuration was refused.
@@ -34,41 +35,6 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
     ConfigError::Invalid {
         field: field.into(),
         message: message.into(),
-    }
-}
-
-/// An engine family, for what OpenAI's API leaves open: how a request names the data-parallel
-/// rank that is to serve it (a worker's `engine`), and how prefill and decode workers hand a
-/// request's KV over (the fleet's `disagg_protocol`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    /// vLLM: the `X-data-parallel-rank` header; two hops with `kv_transfer_params`.
-    #[default]
-    Vllm,
-    /// SGLang: a `data_parallel_rank` field in the body; bootstrap host, port and room sent to
-    /// both workers at once (as SGLang's gateway does both).
-    Sglang,
-}
-
-impl EngineKind {
-    /// The name in configuration and flags.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-        }
-    }
-}
-
-impl std::str::FromStr for EngineKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        [Self::Vllm, Self::Sglang]
-            .into_iter()
-            .find(|e| e.name() == s)
-            .ok_or_else(|| format!("{s:?}: vllm or sglang"))
     }
 }
 

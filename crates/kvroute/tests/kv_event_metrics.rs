@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_core::ids::ExternalBlockHash;
-use kvroute_server::net::{HttpClient, client};
-use kvroute_server::state::Shared;
-use kvroute_server::{ProxyHandle, ServeConfig, WorkerConfig};
+use kvroute_http::net::{HttpClient, client};
+use kvroute_proxy::state::Shared;
+use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
 
@@ -122,7 +122,7 @@ async fn subscriber_counters_are_exported_per_worker() {
         workers: vec![worker(&replayed), worker(&lossy)],
         ..ServeConfig::default()
     };
-    let proxy = kvroute_server::start(config, None).await.unwrap();
+    let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let id = |publisher: &EventPublisher| {
         proxy
             .shared
@@ -244,7 +244,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
         }],
         ..ServeConfig::default()
     };
-    let proxy = kvroute_server::start(config, None).await.unwrap();
+    let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let http = client(Duration::from_secs(2));
     let cached = |shared: &Shared, rank: u32| {
         shared

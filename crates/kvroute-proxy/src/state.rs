@@ -594,7 +594,7 @@ impl Shared {
         let now = self.now();
         let _ = inner
             .router
-            .handle_kv_event(now, key, kvroute_core::router::KvEvent::Cleared);
+            .handle_kv_event(now, key, kvroute_core::router::IndexEvent::Cleared);
     }
 
     fn apply_batch(&self, key: WorkerKey, batch: &EventBatch) {
