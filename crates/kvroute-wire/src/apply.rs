@@ -4,7 +4,7 @@
 //! hashes each stored block's `token_ids` itself with [`BlockHasher`] (the event's LoRA name and
 //! the worker's cache namespace as salt), so that a prompt's blocks, hashed the same way, find
 //! them; the engine's hashes become the blocks' external ids, which later removals name. The
-//! conversion produces the engine crate's owned [`KvEvent`], the simulated engine's own event
+//! conversion produces the owned [`KvEvent`] of `kvroute_core::events`, the simulated engine's event
 //! type, which lends itself to [`PrefixIndex::apply_event`], the one place events change an
 //! index: wire events and simulated ones reach the index by the same path.
 //!
