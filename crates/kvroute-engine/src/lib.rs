@@ -54,6 +54,8 @@
 //! # Layout
 //!
 //! * [`config`]: [`EngineConfig`], validated once.
+//! * [`host`]: [`EngineHost`], the engine with its pass in flight and its imports, as every
+//!   driver runs it.
 //! * [`request`]: requests in, per-request results out.
 //! * `sequence`: one request's state and the engine's external block hashes.
 //! * `kv_pool`: blocks, reference counts, the free list (eviction order) and the prefix cache.
@@ -70,6 +72,7 @@
 
 pub mod config;
 mod engine;
+pub mod host;
 mod kv_pool;
 pub mod metrics;
 pub mod request;
@@ -81,6 +84,7 @@ pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
 pub use engine::{Engine, Import, ResetError, StepOutput};
+pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
     EngineRequest, FinishReason, Finished, Prompt, RequestError, TokenEmission, synthetic_output_token,

@@ -75,8 +75,10 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    /// The request's state, or why it cannot be accepted under `config`.
-    pub fn new(request: EngineRequest, config: &EngineConfig) -> Result<Self, RequestError> {
+    /// The output `request` may generate under `config` (its `output_len`, capped by
+    /// `max_model_len`), or why it can never run there: the one admission rule of requests and
+    /// imports alike, checked before any state changes.
+    pub fn admissible(request: &EngineRequest, config: &EngineConfig) -> Result<u32, RequestError> {
         let id = request.id;
         let bs = config.block_size;
         let prompt_len = request.prompt.len();
@@ -101,6 +103,17 @@ impl Sequence {
                 total_blocks: config.num_blocks,
             });
         }
+        Ok(max_output)
+    }
+
+    /// The request's state, or why it cannot be accepted under `config`.
+    pub fn new(request: EngineRequest, config: &EngineConfig) -> Result<Self, RequestError> {
+        let id = request.id;
+        let bs = config.block_size;
+        let prompt_len = request.prompt.len();
+        let max_output = Self::admissible(&request, config)?;
+        let peak_tokens = u64::from(prompt_len) + u64::from(max_output.saturating_sub(1));
+        let blocks_needed = peak_tokens.div_ceil(u64::from(bs));
         let salt = HashSalt {
             lora_name: request.lora_name.as_deref(),
             namespace: request.cache_namespace.as_deref(),
