@@ -17,7 +17,7 @@
 //! ```
 //! use kvroute_core::ids::RequestId;
 //! use kvroute_core::time::Timestamp;
-//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, TimingConfig};
+//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, EnginePrompt, TimingConfig};
 //!
 //! let config = EngineConfig {
 //!     block_size: 4,
@@ -34,7 +34,7 @@
 //! let mut engine = Engine::new(config).unwrap();
 //! let request = EngineRequest {
 //!     id: RequestId(1),
-//!     prompt: Prompt::Tokens((0..10).collect()),
+//!     prompt: EnginePrompt::Tokens((0..10).collect()),
 //!     output_len: 3,
 //!     lora_name: None,
 //!     cache_namespace: None,
@@ -87,7 +87,7 @@ pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
-    EngineRequest, FinishReason, Finished, Prompt, RequestError, TokenEmission, synthetic_output_token,
+    EngineRequest, FinishReason, Finished, EnginePrompt, RequestError, TokenEmission, synthetic_output_token,
 };
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};

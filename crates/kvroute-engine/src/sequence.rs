@@ -23,7 +23,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::EngineConfig;
 use crate::kv_pool::BlockId;
-use crate::request::{EngineRequest, FinishReason, Prompt, RequestError, synthetic_output_token};
+use crate::request::{EngineRequest, FinishReason, EnginePrompt, RequestError, synthetic_output_token};
 
 /// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
 pub const EXTERNAL_ROOT: u64 = 0x6b76_726f_7574_6521;
@@ -120,8 +120,8 @@ impl Sequence {
         };
         let hasher = BlockHasher::new(bs as usize, &salt);
         let (tokens, given, token_ids_known) = match request.prompt {
-            Prompt::Tokens(tokens) => (tokens, Vec::new(), true),
-            Prompt::Blocks { hashes, len } => {
+            EnginePrompt::Tokens(tokens) => (tokens, Vec::new(), true),
+            EnginePrompt::Blocks { hashes, len } => {
                 let blocks = hashes.len();
                 if blocks as u64 != u64::from(len / bs) {
                     return Err(RequestError::BlockCountMismatch {

@@ -58,7 +58,7 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, FinishReason, KvTransfer, Prompt, RequestError, TimingConfig,
+    Engine, EngineConfig, EngineRequest, FinishReason, KvTransfer, EnginePrompt, RequestError, TimingConfig,
     synthetic_output_token,
 };
 use kvroute_wire::{EventEncoding, WireEvent};
@@ -670,7 +670,7 @@ impl Driver {
     fn request(id: RequestId, job: &Job) -> EngineRequest {
         EngineRequest {
             id,
-            prompt: Prompt::Tokens(job.prompt.clone()),
+            prompt: EnginePrompt::Tokens(job.prompt.clone()),
             output_len: job.output_len,
             lora_name: None,
             cache_namespace: job.cache_salt.clone(),
