@@ -20,7 +20,7 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::timing::{RooflineConfig, RooflineEfficiency};
 use kvroute_engine::{
-    Engine, EngineConfig, EngineRequest, GpuSpec, ModelSpec, EnginePrompt, StepOutput, TimingConfig,
+    Engine, EngineConfig, EnginePrompt, EngineRequest, GpuSpec, ModelSpec, StepOutput, TimingConfig,
 };
 
 const RUNNING: u32 = 256;

@@ -118,7 +118,11 @@ impl EngineHost {
 
     /// Admits an import under the rule of the module docs: refused (never fits), started, or
     /// waiting in order.
-    pub fn import(&mut self, now: Timestamp, request: EngineRequest) -> Result<ImportAdmission, RequestError> {
+    pub fn import(
+        &mut self,
+        now: Timestamp,
+        request: EngineRequest,
+    ) -> Result<ImportAdmission, RequestError> {
         self.engine.check_import(&request)?;
         if !self.waiting.is_empty() {
             self.waiting.push_back(request);

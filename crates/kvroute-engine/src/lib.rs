@@ -87,7 +87,7 @@ pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
-    EngineRequest, FinishReason, Finished, EnginePrompt, RequestError, TokenEmission, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, Finished, RequestError, TokenEmission, synthetic_output_token,
 };
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};

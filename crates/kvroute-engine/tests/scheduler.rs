@@ -11,7 +11,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::{Timestamp, duration_from_secs_f64};
 use kvroute_engine::{
-    EngineRequest, FinishReason, EnginePrompt, RequestError, StepOutput, external_hash, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, RequestError, StepOutput, external_hash,
+    synthetic_output_token,
 };
 
 fn ids(ids: &[u64]) -> Vec<RequestId> {

@@ -13,7 +13,7 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EngineRequest, EnginePrompt, TimingConfig};
+use kvroute_engine::{Engine, EngineConfig, EnginePrompt, EngineRequest, TimingConfig};
 use kvroute_wire::{Applied, ApplyConfig, BlockStored, EventBatch, EventEncoding, SkipReason, WireEvent};
 
 const W: WorkerKey = WorkerKey::new(WorkerId(1), DpRank(0));

@@ -8,7 +8,9 @@ use std::collections::BTreeSet;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EngineRequest, EnginePrompt, RequestError, StepOutput, TimingConfig};
+use kvroute_engine::{
+    Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
+};
 
 /// A small engine: blocks of 4 tokens, 64 blocks, 8 sequences, 32 tokens per pass.
 pub fn config() -> EngineConfig {
