@@ -311,3 +311,6 @@ pub(crate) async fn drive(
         }
     }
 }
+
+#[cfg(test)]
+mod script;
