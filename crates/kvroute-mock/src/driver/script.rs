@@ -28,7 +28,9 @@ struct Line {
 }
 
 fn script() -> Vec<Line> {
-    let lines = SCRIPT.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#'));
+    let lines = SCRIPT
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'));
     lines
         .enumerate()
         .map(|(i, l)| {
@@ -113,9 +115,20 @@ fn simulated(lines: &[Line]) -> String {
     let mut next = 0;
     loop {
         let end = host.in_flight().map(|o| o.end);
-        let wake = if end.is_none() { host.engine().next_wakeup() } else { None };
-        let candidates = [lines.get(next).map(|l| l.at), end, host.next_landing().map(|l| l.0), wake];
-        let Some(now) = candidates.into_iter().flatten().min() else { break };
+        let wake = if end.is_none() {
+            host.engine().next_wakeup()
+        } else {
+            None
+        };
+        let candidates = [
+            lines.get(next).map(|l| l.at),
+            end,
+            host.next_landing().map(|l| l.0),
+            wake,
+        ];
+        let Some(now) = candidates.into_iter().flatten().min() else {
+            break;
+        };
         while let Some(line) = lines.get(next).filter(|l| l.at <= now) {
             let refused = if line.import {
                 match host.import(now, request(next, line)) {
@@ -226,5 +239,11 @@ async fn the_simulator_and_the_mock_make_the_same_decisions() {
     let simulated = simulated(&lines);
     let live = live(&lines).await;
     assert_eq!(simulated, live, "the two drivers disagree");
-    expect_test::expect![[r#""#]].assert_eq(&simulated);
+    expect_test::expect![[r#"
+        refused: never
+        waits: 2
+        done: c, a, after, wait
+        kv: +15 +2 +1 -5 -2 +1 +6
+    "#]]
+    .assert_eq(&simulated);
 }
