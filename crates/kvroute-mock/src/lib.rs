@@ -5,11 +5,11 @@
 //! `/v1/chat/completions` (streaming or not, with `usage` and
 //! `prompt_tokens_details.cached_tokens`), `/v1/models`, `/health` and a vLLM-like `/metrics`.
 //! The engine's KV events go out in vLLM's wire format on a ZMQ PUB socket with a replay socket
-//! ([`kvroute_zmq::EventPublisher`]). Prompts are tokenized with the same [`Model`] as the proxy,
+//! ([`kvroute_zmq::EventPublisher`]). Prompts are tokenized with the same [`Model`](kvroute_http::model::Model) as the proxy,
 //! so the blocks the proxy hashes are the blocks the engine caches.
 //!
-//! The driver loop: take requests as they arrive ([`Engine::add_request`] at the arrival time);
-//! when the engine has work, run one pass ([`Engine::step`]), sleep until the pass ends (taking
+//! The driver loop: take requests as they arrive ([`Engine::add_request`](kvroute_engine::Engine::add_request) at the arrival time);
+//! when the engine has work, run one pass ([`Engine::step`](kvroute_engine::Engine::step)), sleep until the pass ends (taking
 //! new requests meanwhile), then deliver its tokens, first tokens and completions and publish its
 //! events. The engine has no cancellation, so a request whose client left runs to its end and
 //! its tokens are dropped.
@@ -24,13 +24,14 @@
 //!   (`do_remote_prefill: true`, its engine id, the prompt's block indices, its host and port,
 //!   the request's `X-Request-Id`);
 //! * a request whose `kv_transfer_params.do_remote_prefill` is true is imported
-//!   ([`Engine::import_request`]: the prompt's blocks it holds are hits, the rest are reserved;
-//!   an import that finds no free blocks waits, in order, for a pass to free some), its KV lands
-//!   after the transfer time of the blocks it lacks ([`KvTransfer::duration`], the simulator's
-//!   link model), then [`Engine::complete_import`] caches the prompt and the request decodes
+//!   by the rule of [`kvroute_engine::host`], the simulator's too: one that can never fit is
+//!   refused, one that finds no free blocks waits, in order, for a pass to free some; the
+//!   prompt's blocks it holds are hits, the rest are reserved), its KV lands
+//!   after the transfer time of the blocks it lacks ([`KvTransfer::duration`](kvroute_engine::KvTransfer::duration), the simulator's
+//!   link model), then [`Engine::complete_import`](kvroute_engine::Engine::complete_import) caches the prompt and the request decodes
 //!   from the token the prefill worker sampled. Its `cached_tokens` are the prompt blocks it
-//!   already held. Imports start and land between passes, so their KV events follow the
-//!   pass's in the engine's order.
+//!   already held. KV events of an import started during a pass follow the pass's, in the
+//!   engine's order; transfers land between passes.
 //!
 //! They speak SGLang's bootstrap protocol too, where the role decides the side, since both
 //! workers get the same body: a request with `bootstrap_room` (and `bootstrap_host`) on a
