@@ -11,7 +11,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::{Timestamp, duration_from_secs_f64};
 use kvroute_engine::{
-    EngineRequest, FinishReason, Prompt, RequestError, StepOutput, external_hash, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, RequestError, StepOutput, external_hash,
+    synthetic_output_token,
 };
 
 fn ids(ids: &[u64]) -> Vec<RequestId> {
@@ -302,7 +303,7 @@ fn requests_that_cannot_fit_the_whole_cache_and_malformed_ones_are_rejected() {
         Err(RequestError::EmptyPrompt(RequestId(3)))
     );
     let blocks = EngineRequest {
-        prompt: Prompt::Blocks {
+        prompt: EnginePrompt::Blocks {
             hashes: Vec::new(),
             len: 4,
         },
@@ -405,7 +406,7 @@ fn prompts_given_as_block_hashes_share_the_cache_with_token_prompts() {
     let tokens: Vec<u32> = (0..10).collect();
     let hashes = BlockHasher::new(4, &HashSalt::NONE).local_hashes(&tokens);
     let by_hash = EngineRequest {
-        prompt: Prompt::Blocks {
+        prompt: EnginePrompt::Blocks {
             hashes: hashes.clone(),
             len: 10,
         },

@@ -23,7 +23,7 @@ use kvroute_core::index::IndexError;
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, WorkerSpec,
 };
-use kvroute_core::time::Timestamp;
+use kvroute_core::time::{TimeScale, Timestamp};
 use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
 use kvroute_zmq::SubscriberEvent;
 use serde::Serialize;
@@ -159,7 +159,7 @@ impl Shared {
     }
 
     fn now(&self) -> Timestamp {
-        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        TimeScale::REAL.timestamp(self.epoch.elapsed())
     }
 
     /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
