@@ -27,6 +27,7 @@ use crate::flow::{Forwarder, Generation};
 use crate::metrics::Metrics;
 use kvroute_http::model::Model;
 use kvroute_http::net::{self, Shutdown};
+use kvroute_http::openai::types::ModelList;
 use kvroute_http::openai::{self, ApiError, Endpoint};
 
 /// Why the proxy could not start.
@@ -288,11 +289,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Outcome {
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": app.shared.config.model_name, "object": "model", "created": 0, "owned_by": "kvroute"}],
-    }))
-    .into_response()
+    axum::Json(ModelList::one(app.shared.config.model_name.clone(), "kvroute")).into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
