@@ -5,7 +5,8 @@
 //! This is an edge crate: it owns sockets and Tokio tasks. It holds what both ends must agree
 //! on, so that it is written once:
 //!
-//! * [`openai`]: request parsing (prompt forms, limits) and the OpenAI error shape.
+//! * [`openai`]: request parsing (prompt forms, limits), the OpenAI error shape, and the typed
+//!   response shapes ([`openai::types`]).
 //! * [`model`]: the tokenizer and chat template of a local model directory, or the built-in tiny
 //!   model.
 //! * [`disagg`]: the request bodies of the prefill/decode protocols (vLLM's `kv_transfer_params`,

@@ -1,14 +1,17 @@
 //! The OpenAI request side both the proxy and the mock workers read: which endpoint, whether it
-//! streams, and the prompt as token ids; and the OpenAI error shape for bad input.
+//! streams, and the prompt as token ids; the OpenAI error shape for bad input; and the
+//! response shapes, typed once ([`types`]).
 //!
 //! Bodies are read as loose JSON (unknown fields are the engine's business and pass through the
 //! proxy untouched); only the fields needed here are checked, each with a message naming it.
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::model::Model;
+
+pub mod types;
 
 /// The two generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,13 +80,15 @@ impl ApiError {
     }
 
     /// The JSON body.
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
+    pub fn body(&self) -> types::ErrorResponse {
+        types::ErrorResponse {
+            error: types::ErrorBody {
+                message: self.message.clone(),
+                kind: self.kind.to_owned(),
+                param: self.param.map(str::to_owned),
+                code: Some(self.code.to_owned()),
+            },
+        }
     }
 }
 

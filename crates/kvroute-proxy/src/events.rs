@@ -6,18 +6,24 @@
 //! subscriber through the rank's replay socket; what it cannot fill arrives as `GapLost`, and
 //! that rank's cache view is cleared (never route on blocks that may be gone). While a
 //! subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
+//!
+//! Reports are converted (and hashed) outside the router's lock, then applied through the
+//! driver's one door to the router ([`Shared`]); a worker out of the router takes none.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
+use kvroute_core::index::IndexError;
+use kvroute_core::router::{IndexEvent, RouterError};
+use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
 use tokio::sync::mpsc;
 
 use kvroute_zmq::{SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
 
 use crate::config::WorkerConfig;
+use crate::driver::Shared;
 use crate::metrics::KvSubscriberCounters;
-use crate::state::Shared;
 
 /// The feed: a channel into the router, and the subscribers that write to it (one task per
 /// rank of each worker).
@@ -54,7 +60,8 @@ impl EventFeed {
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
-                shared.apply_feed(event);
+                apply_report(&shared, event);
+                shared.notify();
             }
         });
         Self {
@@ -141,5 +148,94 @@ impl Drop for EventFeed {
         for (_, tasks) in subs.drain() {
             tasks.iter().for_each(tokio::task::JoinHandle::abort);
         }
+    }
+}
+
+/// Applies what the subscriber of one rank's stream reported. A batch applies to the rank it
+/// names (the engine's publisher fills it in), else to the stream's; a restart or lost batches
+/// clear the stream's rank.
+fn apply_report(shared: &Shared, event: SubscriberEvent) {
+    let incident = |kind: &str| {
+        shared
+            .metrics
+            .kv_stream_incidents
+            .with_label_values(&[kind])
+            .inc();
+    };
+    match event {
+        SubscriberEvent::Batch { worker, batch } => apply_batch(shared, batch.worker_key(worker), &batch),
+        SubscriberEvent::Restarted { worker } => {
+            incident("restarted");
+            clear(shared, worker);
+        }
+        SubscriberEvent::GapLost { worker, missing } => {
+            tracing::warn!(
+                worker = worker.worker.0,
+                rank = worker.dp_rank.0,
+                missing = missing.end.saturating_sub(missing.start),
+                "KV events lost; clearing the rank's cache view"
+            );
+            incident("gap_lost");
+            clear(shared, worker);
+        }
+        SubscriberEvent::Error { worker, error } => {
+            tracing::debug!(
+                worker = worker.worker.0,
+                rank = worker.dp_rank.0,
+                error,
+                "KV event stream error"
+            );
+            incident("error");
+        }
+    }
+}
+
+fn clear(shared: &Shared, key: WorkerKey) {
+    shared.with_router(|router, now, registry| {
+        if registry.get(key.worker).is_some() {
+            let _ = router.handle_kv_event(now, key, IndexEvent::Cleared);
+        }
+    });
+}
+
+fn apply_batch(shared: &Shared, key: WorkerKey, batch: &EventBatch) {
+    let config = ApplyConfig {
+        block_size: std::num::NonZeroU32::new(shared.config.block_size).unwrap_or(std::num::NonZeroU32::MIN),
+        namespace: None,
+        group_idx: 0,
+    };
+    // Convert (and hash) outside the lock.
+    let converted: Vec<_> = batch
+        .events
+        .iter()
+        .map(|e| (event_type(e), e.to_kv_event(&config)))
+        .collect();
+    let counter = &shared.metrics.kv_events;
+    shared.with_router(|router, now, registry| {
+        if !registry.in_router(key.worker) {
+            return;
+        }
+        for (kind, conversion) in converted {
+            if conversion.skipped.is_some() {
+                counter.with_label_values(&[kind, "skipped"]).inc();
+            }
+            let Some(event) = conversion.event else { continue };
+            let status = match router.handle_kv_event(now, key, event.as_index_event()) {
+                Ok(()) => "ok",
+                Err(RouterError::Index(IndexError::UnknownParent { .. })) => "parent_block_not_found",
+                Err(RouterError::Index(IndexError::UnknownWorker(_))) => "block_not_found",
+                Err(_) => "invalid_block",
+            };
+            counter.with_label_values(&[kind, status]).inc();
+        }
+    });
+}
+
+fn event_type(e: &WireEvent) -> &'static str {
+    match e {
+        WireEvent::BlockStored(_) => "stored",
+        WireEvent::BlockRemoved(_) => "removed",
+        WireEvent::AllBlocksCleared => "cleared",
+        WireEvent::Unknown { .. } => "unknown",
     }
 }

@@ -137,7 +137,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         // and wait for the proxy to apply reports from both. The short wait only paces the
         // retries; what is checked is the proxy's state.
         let mock_url = format!("{}/v1/completions", mocks[0].url());
-        let joined = |shared: &kvroute_proxy::state::Shared| {
+        let joined = |shared: &kvroute_proxy::Shared| {
             let subscribers = shared.metrics.kv_subscribers.snapshots();
             (0..2).all(|r| {
                 subscribers
@@ -177,7 +177,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         );
         // The rank that ran it publishes its blocks on its own port; the router books them
         // under that rank.
-        let holds = |shared: &kvroute_proxy::state::Shared| {
+        let holds = |shared: &kvroute_proxy::Shared| {
             shared
                 .snapshot()
                 .workers

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_openai::Client;
 use async_openai::config::OpenAIConfig;
@@ -15,7 +15,9 @@ use async_openai::types::chat::{
 use async_openai::types::completions::{CreateCompletionRequest, CreateCompletionRequestArgs};
 use futures_util::StreamExt;
 use kvroute_http::Model;
+use kvroute_http::openai::types::{Completion, ErrorBody, ErrorResponse, ModelList};
 use kvroute_mock::{self as mock, MockConfig, MockWorker};
+use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{EngineKind, ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
@@ -37,14 +39,28 @@ async fn cluster(n: usize, speedup: f64, tweak: impl FnOnce(&mut ServeConfig)) -
 }
 
 async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
+    let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
+    fronting(Vec::new(), mocks, tweak).await
+}
+
+/// A proxy in front of `workers` (stubs), then `mocks`, with `tweak` applied to its
+/// configuration.
+async fn fronting(
+    workers: Vec<WorkerConfig>,
+    mocks: Vec<MockWorker>,
+    tweak: impl FnOnce(&mut ServeConfig),
+) -> Cluster {
     let model = Arc::new(Model::tiny().unwrap());
-    let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
-        workers: mocks
-            .iter()
-            .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap())
+        workers: workers
+            .into_iter()
+            .chain(
+                mocks
+                    .iter()
+                    .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap()),
+            )
             .collect(),
         ..ServeConfig::default()
     };
@@ -68,34 +84,39 @@ impl Cluster {
         )
     }
 
-    /// Waits until the router books no request, then checks its invariants.
+    /// Waits until the router books no request, then checks its invariants. Woken by each
+    /// change the proxy reports (a request ending among them), not by a timer.
     async fn assert_drained(&self) {
-        let t0 = Instant::now();
-        loop {
-            let m = self.proxy.shared.snapshot();
+        let idle = |s: &kvroute_proxy::Shared| {
+            let m = s.snapshot();
             let booked: u64 = m.workers.iter().map(|w| u64::from(w.load.requests)).sum();
-            if m.active_now == 0 && m.queued_now == 0 && booked == 0 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "load leaked: {} active, {} queued",
-                m.active_now,
-                m.queued_now
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            m.active_now == 0 && m.queued_now == 0 && booked == 0
+        };
+        let drained = self.proxy.shared.wait_until(PATIENCE, idle).await;
+        let m = self.proxy.shared.snapshot();
+        assert!(
+            drained,
+            "load leaked: {} active, {} queued",
+            m.active_now, m.queued_now
+        );
         self.proxy.shared.check_invariants().unwrap();
     }
 
-    /// A raw `/v1/completions` request that must succeed; its JSON answer.
-    async fn complete(&self, body: Value) -> Value {
+    /// Waits until worker `id` is in `state`, as the proxy's registry reports it.
+    async fn wait_for_state(&self, id: usize, state: StateName) {
+        let reached = |s: &kvroute_proxy::Shared| s.worker_statuses()[id].state == state;
+        let arrived = self.proxy.shared.wait_until(PATIENCE, reached).await;
+        assert!(arrived, "worker {id} never became {state:?}");
+    }
+
+    /// A raw `/v1/completions` request that must succeed; its answer.
+    async fn complete(&self, body: Value) -> Completion {
         let (status, _, out) = self
             .http
             .request("POST", "/v1/completions", serde_json::to_vec(&body).unwrap())
             .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-        serde_json::from_slice(&out).unwrap()
+        completion(&out)
     }
 
     /// Waits until the router's index holds at least `blocks` blocks of worker `only` (or of
@@ -171,6 +192,84 @@ mod reqwest_lite {
             String::from_utf8(self.request("GET", path, Vec::new()).await.2).unwrap()
         }
     }
+}
+
+/// An upstream stub that holds each generation request until the test lets it answer: the
+/// test learns of each arrival (its body), and each permit it releases lets one request
+/// answer, with a short completion. Its `/health` passes.
+struct Held {
+    url: String,
+    arrivals: tokio::sync::mpsc::UnboundedReceiver<Value>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Held {
+    async fn start() -> Self {
+        use axum::routing::{get, post};
+        use kvroute_http::openai::types::{CompletionChoice, FinishReason, Object, Usage};
+        let (tx, arrivals) = tokio::sync::mpsc::unbounded_channel();
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let gate = Arc::clone(&release);
+        let answer = move |body: bytes::Bytes| async move {
+            tx.send(serde_json::from_slice(&body).unwrap()).unwrap();
+            gate.acquire().await.unwrap().forget();
+            axum::Json(Completion {
+                id: "cmpl-held".into(),
+                object: Object::TextCompletion,
+                created: 0,
+                model: "tiny".into(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text: "ok".into(),
+                    logprobs: None,
+                    finish_reason: Some(FinishReason::Stop),
+                }],
+                usage: Some(Usage::new(1, 1, 0)),
+                kv_transfer_params: None,
+            })
+        };
+        let routes = axum::Router::new()
+            .route("/v1/completions", post(answer))
+            .route("/health", get(|| async { "ok" }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
+        Self {
+            url,
+            arrivals,
+            release,
+        }
+    }
+
+    /// The body of the next request to arrive.
+    async fn arrived(&mut self) -> Value {
+        tokio::time::timeout(PATIENCE, self.arrivals.recv())
+            .await
+            .expect("no request arrived")
+            .unwrap()
+    }
+
+    /// Lets `n` held (or future) requests answer.
+    fn release(&self, n: usize) {
+        self.release.add_permits(n);
+    }
+}
+
+/// A completion response body.
+fn completion(body: &[u8]) -> Completion {
+    serde_json::from_slice(body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
+}
+
+/// The completion tokens of a completion response body.
+fn completion_tokens(body: &[u8]) -> u32 {
+    completion(body).usage.unwrap().completion_tokens
+}
+
+/// An OpenAI error response body's error.
+fn error(body: &[u8]) -> ErrorBody {
+    serde_json::from_slice::<ErrorResponse>(body)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
+        .error
 }
 
 /// A metric's value from a Prometheus text exposition (the sum over matching lines).
@@ -254,8 +353,8 @@ async fn chat_and_completions_streaming_and_not() {
     assert_eq!((usage.prompt_tokens, usage.completion_tokens), (16, 5));
     assert_eq!(stream_completion(&client, completion).await.len(), 5);
 
-    let models: Value = serde_json::from_str(&c.http.get("/v1/models").await).unwrap();
-    assert_eq!(models["data"][0]["id"], "tiny");
+    let models: ModelList = serde_json::from_str(&c.http.get("/v1/models").await).unwrap();
+    assert_eq!(models, ModelList::one("tiny", "kvroute"));
 
     let metrics = c.http.get("/metrics").await;
     assert_eq!(
@@ -386,8 +485,11 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
             .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     }
+    // Out of routing by a failed connect or by failed health checks, whichever comes first.
+    c.wait_for_state(busy, StateName::Unhealthy).await;
     let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
     assert_eq!(workers["workers"][busy]["routable"], false);
+    assert_eq!(workers["workers"][busy]["state"], "unhealthy");
     c.assert_drained().await;
 }
 
@@ -424,9 +526,9 @@ async fn a_dropped_event_batch_is_recovered_through_replay() {
     );
     // And the prompt now routes as a full hit.
     let (_, _, out) = c.http.request("POST", "/v1/completions", body(&prompt)).await;
-    let out: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(
-        out["usage"]["prompt_tokens_details"]["cached_tokens"], 304,
+        completion(&out).usage.unwrap().cached_tokens(),
+        304,
         "19 of 20 blocks: the last token is always computed"
     );
     c.assert_drained().await;
@@ -434,41 +536,52 @@ async fn a_dropped_event_batch_is_recovered_through_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_returns_503_and_nothing_leaks() {
-    // One worker that counts as busy past 2 requests, and no queue.
-    let c = cluster(1, 1.0, |config| {
-        config.workers[0].max_requests = 2;
+    // One worker that counts as busy past 2 requests, and no queue. It holds its requests until
+    // the test releases them, so that the fourth request meets three in flight.
+    let mut held = Held::start().await;
+    let worker = WorkerConfig {
+        max_requests: 2,
+        ..WorkerConfig::new(held.url.clone())
+    };
+    let c = fronting(vec![worker], Vec::new(), |config| {
         config.busy_requests_fraction = Some(1.0);
         config.queue_capacity = 0;
+        // Only reached if the test is failing.
+        config.request_timeout_ms = PATIENCE.as_millis() as u64;
     })
     .await;
     let body = serde_json::to_vec(&json!({"prompt": "slow", "max_tokens": 30})).unwrap();
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
+    let mut in_flight = Vec::new();
+    for _ in 0..3 {
         let http = reqwest_lite::Http::new(c.proxy.url());
         let body = body.clone();
-        tasks.push(tokio::spawn(async move {
+        in_flight.push(tokio::spawn(async move {
             http.request("POST", "/v1/completions", body).await
         }));
+        held.arrived().await;
     }
-    let (mut ok, mut rejected) = (0, 0);
-    for t in tasks {
-        let (status, retry, body) = t.await.unwrap();
-        match status {
-            200 => ok += 1,
-            503 => {
-                rejected += 1;
-                assert_eq!(retry.as_deref(), Some("1"));
-                let err: Value = serde_json::from_slice(&body).unwrap();
-                assert_eq!(err["error"]["code"], "overloaded");
-            }
-            other => panic!("unexpected status {other}"),
-        }
+    let (status, retry, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(retry.as_deref(), Some("1"));
+    assert_eq!(error(&out).code.as_deref(), Some("overloaded"));
+    held.release(3);
+    for t in in_flight {
+        let (status, _, out) = t.await.unwrap();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
     }
-    assert!(ok >= 3 && rejected >= 1, "{ok} served, {rejected} rejected");
+    c.assert_drained().await;
+    // Capacity is back.
+    held.release(1);
+    let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
     let metrics = c.http.get("/metrics").await;
     assert_eq!(
         metric(&metrics, "dynamo_frontend_requests_total", "status=\"rejected\""),
-        f64::from(rejected)
+        1.0
+    );
+    assert_eq!(
+        metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
+        4.0
     );
     c.assert_drained().await;
 }
@@ -501,25 +614,26 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     for (path, body, status, param) in cases {
         let (got, _, out) = c.http.request("POST", path, body.to_vec()).await;
         assert_eq!(got, *status, "{}", String::from_utf8_lossy(body));
-        let err: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(err["error"]["param"], *param, "{err}");
-        assert!(err["error"]["message"].as_str().unwrap().len() > 5);
+        let err = error(&out);
+        assert_eq!(err.param.as_deref(), Some(*param), "{err:?}");
+        assert!(err.message.len() > 5);
     }
     let long = serde_json::to_vec(&json!({"prompt": "y".repeat(60)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", long).await;
     assert_eq!(got, 400);
-    let err: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(err["error"]["code"], "context_length_exceeded");
+    assert_eq!(error(&out).code.as_deref(), Some("context_length_exceeded"));
     let huge = serde_json::to_vec(&json!({"prompt": "z".repeat(2000)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", huge).await;
     assert_eq!(got, 413);
-    let err: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(err["error"]["code"], "body_too_large");
+    assert_eq!(error(&out).code.as_deref(), Some("body_too_large"));
     let (got, _, _) = c.http.request("GET", "/v1/nothing", Vec::new()).await;
     assert_eq!(got, 404);
     // Admin: drain the only worker; requests then find no worker (503), and removal works.
     let (got, _, _) = c.http.request("POST", "/admin/workers/0/drain", Vec::new()).await;
     assert_eq!(got, 200);
+    // Nothing in flight: the drain is complete at once.
+    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    assert_eq!(workers["workers"][0]["state"], "drained", "{workers}");
     let (got, _, out) = c
         .http
         .request("POST", "/v1/completions", br#"{"prompt": "x"}"#.to_vec())
@@ -561,8 +675,7 @@ async fn positional_events_from_older_engines_feed_the_router_too() {
     assert_eq!(status, 200);
     c.wait_for_cached_blocks(None, 30).await;
     let (_, _, out) = c.http.request("POST", "/v1/completions", body).await;
-    let out: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 464);
+    assert_eq!(completion(&out).usage.unwrap().cached_tokens(), 464);
     c.assert_drained().await;
 }
 
@@ -646,10 +759,11 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
         .complete(json!({"prompt": prompt, "max_tokens": 3, "min_tokens": 3}))
         .await;
     assert_eq!(
-        out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
+        out.usage.unwrap().cached_tokens(),
+        320,
         "the decode worker held all 20 blocks: nothing crossed the link"
     );
-    assert!(out.get("kv_transfer_params").is_none() || out["kv_transfer_params"].is_null());
+    assert!(out.kv_transfer_params.is_none());
 
     // What the workers saw: 5 requests, each hop 1 then hop 2 under one request id.
     let (hop1, hop2) = c.kv_requests();
@@ -730,8 +844,7 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
         // more, to the decode worker alone, which prefills itself.
         let (status, _, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
         assert_eq!(status, 200, "{protocol:?}: {}", String::from_utf8_lossy(&out));
-        let out: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(out["usage"]["completion_tokens"], 4, "{protocol:?}: {out}");
+        assert_eq!(completion_tokens(&out), 4, "{protocol:?}");
         c.assert_drained().await;
         let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
         assert_eq!(status, 200, "{protocol:?}: {}", String::from_utf8_lossy(&out));
@@ -768,7 +881,7 @@ async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
         let out = c
             .complete(json!({"prompt": format!("request {i} of a pair"), "max_tokens": 3}))
             .await;
-        assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
+        assert_eq!(out.usage.unwrap().completion_tokens, 3);
     }
     let metrics = c.http.get("/metrics").await;
     let retries = metric(&metrics, "kvroute_upstream_retries_total", "");
@@ -792,15 +905,10 @@ async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
         serde_json::to_vec(&json!({"prompt": "to two dead prefill workers", "max_tokens": 4})).unwrap();
     let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&out));
-    let err: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(err["error"]["code"], "prefill_failed", "{err}");
-    assert_eq!(err["error"]["type"], "upstream_error");
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("prefill worker")
-    );
+    let err = error(&out);
+    assert_eq!(err.code.as_deref(), Some("prefill_failed"), "{err:?}");
+    assert_eq!(err.kind, "upstream_error");
+    assert!(err.message.contains("prefill worker"), "{err:?}");
     let metrics = c.http.get("/metrics").await;
     assert_eq!(metric(&metrics, "kvroute_disaggregated_requests_total", ""), 2.0);
     assert_eq!(metric(&metrics, "kvroute_upstream_retries_total", ""), 1.0);
@@ -809,23 +917,32 @@ async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_during_the_prefill_hop_frees_its_load() {
-    // Slow engines: a 2,000-token prefill takes long enough to leave during it.
-    let c = disagg_cluster(1, 1, 0.05, |_| {}).await;
-    let prompt: String = (0..2000)
-        .map(|i| char::from(b'a' + (i * 13 % 26) as u8))
-        .collect();
-    let body = serde_json::to_vec(&json!({"prompt": prompt, "max_tokens": 4, "stream": true})).unwrap();
+    // The prefill worker is a stub that holds hop 1 until the test is done: the client leaves
+    // while it is held.
+    let mut held = Held::start().await;
+    let prefill = WorkerConfig {
+        role: "prefill".to_owned(),
+        ..WorkerConfig::new(held.url.clone())
+    };
+    let mut mc = MockConfig::new(1);
+    mc.engine.speedup = 20.0;
+    let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
+    let c = fronting(vec![prefill], mocks, |config| {
+        config.decider = "always".to_owned();
+        config.workers[1].role = "decode".to_owned();
+        config.request_timeout_ms = PATIENCE.as_millis() as u64;
+    })
+    .await;
+    let body = serde_json::to_vec(&json!({"prompt": "leave me", "max_tokens": 4, "stream": true})).unwrap();
     let http = reqwest_lite::Http::new(c.proxy.url());
     let task = tokio::spawn(async move { http.request("POST", "/v1/completions", body).await });
-    let t0 = Instant::now();
-    while c.kv_requests().0.is_empty() {
-        assert!(t0.elapsed() < Duration::from_secs(5), "hop 1 never came");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let hop1 = held.arrived().await;
+    assert_eq!(hop1["kv_transfer_params"]["do_remote_decode"], true, "{hop1}");
     assert_eq!(c.proxy.shared.snapshot().active_now, 1);
     task.abort();
     c.assert_drained().await;
     assert!(c.kv_requests().1.is_empty(), "the client left before hop 2");
+    held.release(1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -844,8 +961,7 @@ async fn deciders_choose_which_requests_take_the_prefill_hop() {
             let body = serde_json::to_vec(&json!({"prompt": p, "max_tokens": 3})).unwrap();
             let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
             assert_eq!(status, 200, "{decider}: {}", String::from_utf8_lossy(&out));
-            let out: Value = serde_json::from_slice(&out).unwrap();
-            assert_eq!(out["usage"]["completion_tokens"], 3);
+            assert_eq!(completion_tokens(&out), 3);
         }
         let metrics = c.http.get("/metrics").await;
         assert_eq!(
@@ -905,12 +1021,12 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
         let body = serde_json::to_vec(&json!({"prompt": long, "max_tokens": 4, "stream": true})).unwrap();
         let (got, _, out) = c.http.request("POST", "/v1/completions", body).await;
         assert_eq!(got, status, "{code}: {}", String::from_utf8_lossy(&out));
-        let err: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(err["error"]["code"], code, "{err}");
-        let message = err["error"]["message"].as_str().unwrap();
+        let err = error(&out);
+        assert_eq!(err.code.as_deref(), Some(code), "{err:?}");
         assert!(
-            message.contains("prefill worker") && message.contains(says),
-            "{message}"
+            err.message.contains("prefill worker") && err.message.contains(says),
+            "{}",
+            err.message
         );
         assert!(c.kv_requests().1.is_empty(), "{code}: no hop 2");
         c.assert_drained().await;
@@ -947,8 +1063,7 @@ async fn an_import_waits_for_free_blocks_on_a_full_decode_worker() {
     for t in tasks {
         let (status, _, out) = t.await.unwrap();
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-        let out: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(out["usage"]["completion_tokens"], 40);
+        assert_eq!(completion_tokens(&out), 40);
     }
     assert_eq!(c.mock_metric("kvroute_mock_kv_imports_total").await, 2.0);
     assert_eq!(
@@ -985,12 +1100,12 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
     assert_eq!(stream_completion(&client, completion).await.len(), 5);
     // The decode worker's import stored the prompt; a repeat's import finds every block there.
     c.wait_for_cached_blocks(Some(2), 20).await;
-    let out = c.complete(json!({"prompt": prompt, "max_tokens": 3})).await;
-    assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
-    assert_eq!(
-        out["usage"]["prompt_tokens_details"]["cached_tokens"], 320,
-        "{out}"
-    );
+    let usage = c
+        .complete(json!({"prompt": prompt, "max_tokens": 3}))
+        .await
+        .usage
+        .unwrap();
+    assert_eq!((usage.completion_tokens, usage.cached_tokens()), (3, 320));
 
     // Each request went to one prefill and one decode worker with the same body: the same
     // room (below 2^63), the prefill worker's host and its bootstrap port (or null), the

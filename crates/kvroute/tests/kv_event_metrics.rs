@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_core::ids::ExternalBlockHash;
 use kvroute_http::net::{HttpClient, client};
-use kvroute_proxy::state::Shared;
+use kvroute_proxy::Shared;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
