@@ -34,6 +34,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod events;
 pub mod hash;
 pub mod ids;
 pub mod index;

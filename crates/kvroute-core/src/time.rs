@@ -96,3 +96,76 @@ mod tests {
         assert_eq!(Timestamp(7).saturating_since(Timestamp(9)), Duration::ZERO);
     }
 }
+
+/// The one mapping between a live driver's wall clock and engine time, and the speedup that
+/// shortens modeled spans.
+///
+/// Engine time runs with the wall clock: a [`Timestamp`] is the wall time elapsed since the
+/// driver's epoch, in nanoseconds (saturating). The speedup divides modeled spans (a forward
+/// pass, a KV transfer), so a sped-up engine does a modeled second's work in `1 / speedup` wall
+/// seconds. Sans-IO like the rest of the core: it converts the spans a driver measured, it reads
+/// no clock. The simulator uses it too, for the modeled spans only.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimeScale {
+    speedup: f64,
+}
+
+impl TimeScale {
+    /// No speedup: modeled spans are wall spans.
+    pub const REAL: TimeScale = TimeScale { speedup: 1.0 };
+
+    /// Modeled spans divided by `speedup`, or `None` unless it is finite and above zero.
+    pub fn new(speedup: f64) -> Option<Self> {
+        (speedup.is_finite() && speedup > 0.0).then_some(Self { speedup })
+    }
+
+    /// The speedup factor.
+    pub fn speedup(self) -> f64 {
+        self.speedup
+    }
+
+    /// The engine time at `elapsed` wall time after the driver's epoch.
+    pub fn timestamp(self, elapsed: Duration) -> Timestamp {
+        Timestamp(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// The wall time after the driver's epoch at which engine time reaches `t`.
+    pub fn elapsed(self, t: Timestamp) -> Duration {
+        Duration::from_nanos(t.0)
+    }
+
+    /// A span the model puts at `secs` seconds, sped up and rounded to the nanosecond (see
+    /// [`duration_from_secs_f64`]).
+    pub fn modeled_secs(self, secs: f64) -> Duration {
+        duration_from_secs_f64(secs / self.speedup)
+    }
+
+    /// A modeled span, sped up (unchanged without speedup).
+    pub fn modeled(self, span: Duration) -> Duration {
+        if self.speedup == 1.0 {
+            span
+        } else {
+            self.modeled_secs(span.as_secs_f64())
+        }
+    }
+}
+
+#[cfg(test)]
+mod scale_tests {
+    use super::*;
+
+    #[test]
+    fn a_time_scale_maps_wall_time_and_shortens_modeled_spans() {
+        assert_eq!(TimeScale::new(0.0), None);
+        assert_eq!(TimeScale::new(f64::NAN), None);
+        let s = TimeScale::new(4.0).unwrap();
+        let t = s.timestamp(Duration::from_millis(3));
+        assert_eq!(t, Timestamp::from_millis(3));
+        assert_eq!(s.elapsed(t), Duration::from_millis(3));
+        assert_eq!(s.modeled(Duration::from_millis(8)), Duration::from_millis(2));
+        assert_eq!(s.modeled_secs(1.0), Duration::from_millis(250));
+        let d = Duration::from_nanos(123_456_789);
+        assert_eq!(TimeScale::REAL.modeled(d), d);
+        assert_eq!(TimeScale::REAL.timestamp(Duration::MAX), Timestamp(u64::MAX));
+    }
+}

@@ -35,6 +35,119 @@ const FORBIDDEN: &[&str] = &[
     "async-std",
 ];
 
+/// Every workspace crate, with the workspace crates it may depend on (normal dependencies). The
+/// layers run one way: core crates, then the simulator and the planner, then the services (the
+/// proxy and the mock, which share only `kvroute-http` and meet through wire formats), then the
+/// CLI. A new crate or a new edge between workspace crates must be added here, deliberately.
+const ALLOWED_EDGES: &[(&str, &[&str])] = &[
+    ("kvroute-core", &[]),
+    ("kvroute-engine", &["kvroute-core"]),
+    ("kvroute-planner", &["kvroute-core"]),
+    ("kvroute-wire", &["kvroute-core"]),
+    (
+        "kvroute-sim",
+        &["kvroute-core", "kvroute-engine", "kvroute-planner"],
+    ),
+    ("kvroute-zmq", &["kvroute-core", "kvroute-wire"]),
+    ("kvroute-http", &[]),
+    (
+        "kvroute-proxy",
+        &["kvroute-core", "kvroute-http", "kvroute-wire", "kvroute-zmq"],
+    ),
+    (
+        "kvroute-mock",
+        &[
+            "kvroute-core",
+            "kvroute-engine",
+            "kvroute-http",
+            "kvroute-wire",
+            "kvroute-zmq",
+        ],
+    ),
+    (
+        "kvroute",
+        &[
+            "kvroute-core",
+            "kvroute-http",
+            "kvroute-mock",
+            "kvroute-planner",
+            "kvroute-proxy",
+            "kvroute-sim",
+            "kvroute-wire",
+        ],
+    ),
+];
+
+/// Crate pairs that must not reach each other, not even in tests: through the first crate's
+/// dependencies of any kind (dev-dependencies included) and their normal dependencies, what
+/// `cargo tree` and a test build of the first crate contain. The proxy knows engines only
+/// through their wire formats.
+const NEVER_REACHES: &[(&str, &str)] = &[
+    ("kvroute-proxy", "kvroute-mock"),
+    ("kvroute-proxy", "kvroute-engine"),
+    ("kvroute-proxy", "kvroute-sim"),
+    ("kvroute-mock", "kvroute-proxy"),
+];
+
+/// The edges between workspace members, as `(from, to, kind)` with kind `None` for a normal
+/// dependency and `Some("dev")` or `Some("build")` otherwise.
+fn member_edges(metadata: &Value) -> Vec<(String, String, Option<String>)> {
+    let names: BTreeMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .expect("metadata has packages")
+        .iter()
+        .map(|p| (p["id"].as_str().expect("id"), p["name"].as_str().expect("name")))
+        .collect();
+    let members: BTreeSet<&str> = metadata["workspace_members"]
+        .as_array()
+        .expect("metadata has workspace_members")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let mut edges = Vec::new();
+    for node in metadata["resolve"]["nodes"].as_array().expect("resolve nodes") {
+        let from = node["id"].as_str().expect("node id");
+        if !members.contains(from) {
+            continue;
+        }
+        for dep in node["deps"].as_array().expect("deps") {
+            let to = dep["pkg"].as_str().expect("pkg");
+            if !members.contains(to) {
+                continue;
+            }
+            for kind in dep["dep_kinds"].as_array().expect("dep_kinds") {
+                edges.push((
+                    names[from].to_owned(),
+                    names[to].to_owned(),
+                    kind["kind"].as_str().map(str::to_owned),
+                ));
+            }
+        }
+    }
+    edges
+}
+
+/// The normal edges between workspace crates that [`ALLOWED_EDGES`] does not allow, and the
+/// members it has no row for.
+fn edge_violations(edges: &[(String, String, Option<String>)], members: &[String]) -> Vec<String> {
+    let table: BTreeMap<&str, &[&str]> = ALLOWED_EDGES.iter().copied().collect();
+    let mut bad: Vec<String> = members
+        .iter()
+        .filter(|m| !table.contains_key(m.as_str()))
+        .map(|m| format!("{m} has no row in ALLOWED_EDGES"))
+        .collect();
+    for (from, to, kind) in edges {
+        if kind.is_none()
+            && !table
+                .get(from.as_str())
+                .is_some_and(|allowed| allowed.contains(&to.as_str()))
+        {
+            bad.push(format!("{from} -> {to}"));
+        }
+    }
+    bad
+}
+
 /// One core crate reaching a forbidden crate, with the chain of package names that gets there.
 #[derive(Debug, PartialEq, Eq)]
 struct Violation {
@@ -119,6 +232,8 @@ fn violations(metadata: &Value, core: &[&str], forbidden: &[&str]) -> Result<Vec
     Ok(found)
 }
 
+// A test of the build, not core code: it runs the cargo that runs it.
+#[allow(clippy::disallowed_methods)]
 fn cargo_metadata() -> Value {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
@@ -146,6 +261,85 @@ fn core_crates_reach_no_io_stack() {
         "core crates must stay sans-IO, but these dependency paths reach a forbidden crate:\n  {}",
         report.join("\n  ")
     );
+}
+
+#[test]
+fn workspace_edges_follow_the_layers() {
+    let metadata = cargo_metadata();
+    let edges = member_edges(&metadata);
+    let members: Vec<String> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| {
+            metadata["workspace_members"]
+                .as_array()
+                .unwrap()
+                .contains(&p["id"])
+        })
+        .map(|p| p["name"].as_str().unwrap().to_owned())
+        .collect();
+    // Not vacuous: the real graph has the edges the layers are made of.
+    assert!(
+        edges
+            .iter()
+            .any(|(f, t, k)| f == "kvroute-sim" && t == "kvroute-engine" && k.is_none())
+    );
+    assert!(
+        edges
+            .iter()
+            .any(|(f, t, k)| f == "kvroute-proxy" && t == "kvroute-http" && k.is_none())
+    );
+    let bad = edge_violations(&edges, &members);
+    assert!(
+        bad.is_empty(),
+        "workspace edges outside ALLOWED_EDGES:\n  {}",
+        bad.join("\n  ")
+    );
+}
+
+#[test]
+fn an_edge_outside_the_table_is_reported() {
+    let members = vec![
+        "kvroute-proxy".to_owned(),
+        "kvroute-engine".to_owned(),
+        "kvroute-new".to_owned(),
+    ];
+    let edges = vec![
+        ("kvroute-proxy".to_owned(), "kvroute-engine".to_owned(), None),
+        // A dev-dependency edge is not a layering edge.
+        (
+            "kvroute-engine".to_owned(),
+            "kvroute-proxy".to_owned(),
+            Some("dev".to_owned()),
+        ),
+    ];
+    assert_eq!(
+        edge_violations(&edges, &members),
+        [
+            "kvroute-new has no row in ALLOWED_EDGES",
+            "kvroute-proxy -> kvroute-engine"
+        ]
+    );
+}
+
+#[test]
+fn the_proxy_never_reaches_the_engine_or_the_mock() {
+    let metadata = cargo_metadata();
+    let edges = member_edges(&metadata);
+    for &(from, to) in NEVER_REACHES {
+        // Breadth-first: any kind of edge from the crate itself, normal edges after that.
+        let mut seen = BTreeSet::from([from.to_owned()]);
+        let mut queue = VecDeque::from([from.to_owned()]);
+        while let Some(at) = queue.pop_front() {
+            assert_ne!(at, to, "{from} reaches {to}");
+            for (f, t, kind) in &edges {
+                if *f == at && (at == from || kind.is_none()) && seen.insert(t.clone()) {
+                    queue.push_back(t.clone());
+                }
+            }
+        }
+    }
 }
 
 #[test]

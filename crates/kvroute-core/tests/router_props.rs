@@ -12,8 +12,8 @@
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    Booking, BusyThresholds, CacheMode, Decider, KvEvent, LoadChange, PolicyConfig, PrefillLoadHint, Prompt,
-    RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncEvent, WorkerLoad, WorkerRole,
+    Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncEvent, WorkerLoad, WorkerRole,
     WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
@@ -236,13 +236,13 @@ impl Run {
                 drop(r.handle_kv_event(
                     now,
                     worker,
-                    KvEvent::Stored {
+                    IndexEvent::Stored {
                         parent: None,
                         blocks: &blocks,
                     },
                 ));
             }
-            Op::Cleared(w) => drop(r.handle_kv_event(now, worker(*w), KvEvent::Cleared)),
+            Op::Cleared(w) => drop(r.handle_kv_event(now, worker(*w), IndexEvent::Cleared)),
             Op::Drain(w) => drop(r.handle_worker_draining(now, worker(*w))),
             Op::Remove(w) => drop(r.handle_worker_removed(now, worker(*w))),
             Op::Replica(w, p, cached) => {

@@ -47,7 +47,7 @@ use kvroute_core::ids::{
     DpRank, ExternalBlockHash, LocalBlockHash, RequestId, SequenceHash, WorkerId, WorkerKey,
 };
 use kvroute_core::router::{
-    Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, KvEvent,
+    Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, IndexEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
     RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SyncEvent,
     WorkerRole, WorkerSpec, cost, stored_blocks,
@@ -419,14 +419,14 @@ impl Harness {
         let worker = worker_key(args[0]);
         let now = self.now;
         let result = match command {
-            "clear" => self.router().handle_kv_event(now, worker, KvEvent::Cleared),
+            "clear" => self.router().handle_kv_event(now, worker, IndexEvent::Cleared),
             "cache" => {
                 let (locals, chain) = self.prompts.hashes(args[1]);
                 let blocks = stored_blocks(&locals, &chain);
                 self.router().handle_kv_event(
                     now,
                     worker,
-                    KvEvent::Stored {
+                    IndexEvent::Stored {
                         parent: None,
                         blocks: &blocks,
                     },
@@ -437,7 +437,7 @@ impl Harness {
                 let from: usize = options(&args[2..]).get("from").map_or(0, |f| num("from", f));
                 let blocks: Vec<ExternalBlockHash> = chain[from..].iter().map(|&s| s.into()).collect();
                 self.router()
-                    .handle_kv_event(now, worker, KvEvent::Removed { blocks: &blocks })
+                    .handle_kv_event(now, worker, IndexEvent::Removed { blocks: &blocks })
             }
         };
         fmt_result(result, |()| "ok".to_owned())

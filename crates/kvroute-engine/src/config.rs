@@ -4,6 +4,7 @@
 //! Nothing has a default: a caller states every knob (the CLI will fill them from a TOML file
 //! with [`EngineConfig::from_toml_str`]).
 
+use kvroute_core::time::TimeScale;
 use serde::Deserialize;
 
 use crate::spec::{SpecError, parse_toml};
@@ -80,6 +81,11 @@ impl EngineConfig {
         let config: Self = parse_toml(text, "engine config").map_err(ConfigError::Parse)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The mapping of the engine's modeled spans to its time ([`EngineConfig::speedup`]).
+    pub fn time_scale(&self) -> Result<TimeScale, ConfigError> {
+        TimeScale::new(self.speedup).ok_or(ConfigError::Speedup(self.speedup))
     }
 
     /// Checks every field; [`Engine::new`](crate::Engine::new) calls this.

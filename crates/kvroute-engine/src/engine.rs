@@ -4,12 +4,12 @@ use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::Timestamp;
 
 use crate::config::{ConfigError, EngineConfig};
-use crate::events::KvEvent;
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
 use crate::scheduler::{Progress, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
+use kvroute_core::events::KvEvent;
 
 /// A simulated vLLM-like engine. See the crate docs.
 #[derive(Debug)]
@@ -79,7 +79,7 @@ impl Engine {
     /// An idle engine with an empty cache, or why `config` is unusable.
     pub fn new(config: EngineConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let timer = StepTimer::new(config.timing.build()?, config.speedup);
+        let timer = StepTimer::new(config.timing.build()?, config.time_scale()?);
         Ok(Self {
             scheduler: Scheduler::new(&config),
             timer,
@@ -141,6 +141,19 @@ impl Engine {
                 blocks_free: self.scheduler.pool.total() - self.scheduler.pool.active(),
             }),
         }
+    }
+
+    /// Whether [`Engine::import_request`] could ever take `request`: `Ok` if it fits the empty
+    /// cache and the engine's limits (it may still have to wait for free blocks), else why it
+    /// never will. Changes nothing.
+    pub fn check_import(&self, request: &EngineRequest) -> Result<(), RequestError> {
+        if self.scheduler.seqs.contains_key(&request.id) {
+            return Err(RequestError::DuplicateId(request.id));
+        }
+        if Sequence::admissible(request, &self.config)? < 2 {
+            return Err(RequestError::NothingToDecode(request.id));
+        }
+        Ok(())
     }
 
     /// The KV of imported request `id` landed at `now`: its prompt counts as computed (no

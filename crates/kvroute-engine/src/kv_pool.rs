@@ -8,7 +8,7 @@
 //!   it, so a later request with the same prefix reuses it. A cached block stays cached when
 //!   freed; it can be hit until it is reused for something else.
 //! * The free list is in eviction order. Freed blocks join its tail; allocation takes from its
-//!   head and, if the block taken was cached, evicts it (a [`BlockRemoved`] event). Requests free
+//!   head and, if the block taken was cached, evicts it (a [`BlocksRemoved`] event). Requests free
 //!   their blocks tail first, so within a request the tail is evicted before the prefix, and
 //!   across requests the least recently freed block goes first.
 //! * A hit on a free cached block takes it off the free list.
@@ -27,7 +27,7 @@ use std::collections::hash_map::Entry;
 use kvroute_core::ids::ExternalBlockHash;
 use kvroute_core::key_hasher::KeyMap;
 
-use crate::events::{BlockRemoved, KvEvent};
+use kvroute_core::events::{BlocksRemoved, KvEvent};
 
 /// A block's index in the pool.
 pub(crate) type BlockId = u32;
@@ -324,7 +324,7 @@ impl BlockPool {
         Ok(count)
     }
 
-    /// Drops `block`'s cached hash, if any, with a [`BlockRemoved`] event.
+    /// Drops `block`'s cached hash, if any, with a [`BlocksRemoved`] event.
     fn evict(&mut self, block: BlockId) {
         if let Some(hash) = self.blocks[block as usize].hash.take() {
             self.num_cached -= 1;
@@ -332,7 +332,7 @@ impl BlockPool {
             // the same to a subscriber, and a simulated fleet evicts millions of blocks).
             match self.events.last_mut() {
                 Some(KvEvent::Removed(removed)) => removed.block_hashes.push(hash),
-                _ => self.events.push(KvEvent::Removed(BlockRemoved {
+                _ => self.events.push(KvEvent::Removed(BlocksRemoved {
                     block_hashes: vec![hash],
                 })),
             }

@@ -17,7 +17,7 @@
 //! ```
 //! use kvroute_core::ids::RequestId;
 //! use kvroute_core::time::Timestamp;
-//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, TimingConfig};
+//! use kvroute_engine::{Engine, EngineConfig, EngineRequest, EnginePrompt, TimingConfig};
 //!
 //! let config = EngineConfig {
 //!     block_size: 4,
@@ -34,7 +34,7 @@
 //! let mut engine = Engine::new(config).unwrap();
 //! let request = EngineRequest {
 //!     id: RequestId(1),
-//!     prompt: Prompt::Tokens((0..10).collect()),
+//!     prompt: EnginePrompt::Tokens((0..10).collect()),
 //!     output_len: 3,
 //!     lora_name: None,
 //!     cache_namespace: None,
@@ -54,13 +54,15 @@
 //! # Layout
 //!
 //! * [`config`]: [`EngineConfig`], validated once.
+//! * [`host`]: [`EngineHost`], the engine with its pass in flight and its imports, as every
+//!   driver runs it.
 //! * [`request`]: requests in, per-request results out.
 //! * `sequence`: one request's state and the engine's external block hashes.
 //! * `kv_pool`: blocks, reference counts, the free list (eviction order) and the prefix cache.
 //! * `scheduler`: vLLM v1's scheduling loop.
 //! * [`timing`]: the [`TimingModel`] trait and the polynomial, roofline and table models.
 //! * [`spec`]: model and GPU descriptions for the roofline model.
-//! * [`events`]: KV events, as vLLM emits them.
+//! * KV events are `kvroute_core::events::KvEvent`, as vLLM emits them.
 //! * [`metrics`]: forward-pass composition and per-step load.
 //!
 //! **Architecture invariant:** after every step, applying the step's events to a router's
@@ -70,7 +72,7 @@
 
 pub mod config;
 mod engine;
-pub mod events;
+pub mod host;
 mod kv_pool;
 pub mod metrics;
 pub mod request;
@@ -78,14 +80,16 @@ mod scheduler;
 mod sequence;
 pub mod spec;
 pub mod timing;
+pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
 pub use engine::{Engine, Import, ResetError, StepOutput};
-pub use events::{BlockRemoved, BlockStored, KvEvent};
+pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
-    EngineRequest, FinishReason, Finished, Prompt, RequestError, TokenEmission, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, Finished, RequestError, TokenEmission, synthetic_output_token,
 };
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};
 pub use timing::{TimingConfig, TimingModel};
+pub use transfer::KvTransfer;

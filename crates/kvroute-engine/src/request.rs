@@ -13,7 +13,7 @@ pub struct EngineRequest {
     /// The caller's name for the request; unique among the engine's live requests.
     pub id: RequestId,
     /// The prompt.
-    pub prompt: Prompt,
+    pub prompt: EnginePrompt,
     /// Tokens the request will generate (cut at `max_model_len`). Zero is allowed: the prompt is
     /// computed and cached, and the request finishes without emitting a token.
     pub output_len: u32,
@@ -25,7 +25,7 @@ pub struct EngineRequest {
 
 /// A prompt: token ids, or the local hashes of its full blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Prompt {
+pub enum EnginePrompt {
     /// The prompt's token ids.
     Tokens(Vec<u32>),
     /// A prompt known only by the local hashes of its full blocks, as trace files give it
@@ -40,12 +40,12 @@ pub enum Prompt {
     },
 }
 
-impl Prompt {
+impl EnginePrompt {
     /// Prompt length in tokens.
     pub fn len(&self) -> u32 {
         match self {
-            Prompt::Tokens(tokens) => u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            Prompt::Blocks { len, .. } => *len,
+            EnginePrompt::Tokens(tokens) => u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            EnginePrompt::Blocks { len, .. } => *len,
         }
     }
 

@@ -26,7 +26,7 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::index::StoredBlock;
 
 use crate::config::EngineConfig;
-use crate::events::{BlockStored, KvEvent};
+use kvroute_core::events::{BlocksStored, KvEvent};
 use kvroute_core::key_hasher::KeyMap;
 
 use crate::kv_pool::{BlockId, BlockPool};
@@ -343,7 +343,7 @@ impl Scheduler {
     }
 
     /// Offers `id`'s blocks that are full once `tokens` tokens have KV to the prefix cache, and
-    /// records a [`BlockStored`] event for every run of blocks newly cached. A block that is
+    /// records a [`BlocksStored`] event for every run of blocks newly cached. A block that is
     /// already cached is swapped for the cached copy (see [`BlockPool::cache`]).
     fn offer_full_blocks(&mut self, id: RequestId, tokens: u32) {
         if !self.limits.prefix_caching {
@@ -356,10 +356,10 @@ impl Scheduler {
         let full = (tokens / limits.block_size) as usize;
         let start = (seq.num_cached_blocks as usize).min(full);
         pool.warm(&seq.externals[start..full]);
-        let mut run: Option<BlockStored> = None;
+        let mut run: Option<BlocksStored> = None;
         for b in seq.num_cached_blocks as usize..full {
             if pool.cache(&mut seq.blocks[b], seq.externals[b]) {
-                let stored = run.get_or_insert_with(|| BlockStored {
+                let stored = run.get_or_insert_with(|| BlocksStored {
                     parent_block_hash: b.checked_sub(1).map(|p| seq.externals[p]),
                     blocks: Vec::with_capacity(full - b),
                     token_ids: Vec::new(),

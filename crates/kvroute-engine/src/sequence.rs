@@ -23,7 +23,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::EngineConfig;
 use crate::kv_pool::BlockId;
-use crate::request::{EngineRequest, FinishReason, Prompt, RequestError, synthetic_output_token};
+use crate::request::{EnginePrompt, EngineRequest, FinishReason, RequestError, synthetic_output_token};
 
 /// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
 pub const EXTERNAL_ROOT: u64 = 0x6b76_726f_7574_6521;
@@ -75,8 +75,10 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    /// The request's state, or why it cannot be accepted under `config`.
-    pub fn new(request: EngineRequest, config: &EngineConfig) -> Result<Self, RequestError> {
+    /// The output `request` may generate under `config` (its `output_len`, capped by
+    /// `max_model_len`), or why it can never run there: the one admission rule of requests and
+    /// imports alike, checked before any state changes.
+    pub fn admissible(request: &EngineRequest, config: &EngineConfig) -> Result<u32, RequestError> {
         let id = request.id;
         let bs = config.block_size;
         let prompt_len = request.prompt.len();
@@ -101,14 +103,25 @@ impl Sequence {
                 total_blocks: config.num_blocks,
             });
         }
+        Ok(max_output)
+    }
+
+    /// The request's state, or why it cannot be accepted under `config`.
+    pub fn new(request: EngineRequest, config: &EngineConfig) -> Result<Self, RequestError> {
+        let id = request.id;
+        let bs = config.block_size;
+        let prompt_len = request.prompt.len();
+        let max_output = Self::admissible(&request, config)?;
+        let peak_tokens = u64::from(prompt_len) + u64::from(max_output.saturating_sub(1));
+        let blocks_needed = peak_tokens.div_ceil(u64::from(bs));
         let salt = HashSalt {
             lora_name: request.lora_name.as_deref(),
             namespace: request.cache_namespace.as_deref(),
         };
         let hasher = BlockHasher::new(bs as usize, &salt);
         let (tokens, given, token_ids_known) = match request.prompt {
-            Prompt::Tokens(tokens) => (tokens, Vec::new(), true),
-            Prompt::Blocks { hashes, len } => {
+            EnginePrompt::Tokens(tokens) => (tokens, Vec::new(), true),
+            EnginePrompt::Blocks { hashes, len } => {
                 let blocks = hashes.len();
                 if blocks as u64 != u64::from(len / bs) {
                     return Err(RequestError::BlockCountMismatch {

@@ -5,8 +5,9 @@
 mod common;
 
 use common::{Harness, config, request, with};
+use kvroute_core::events::KvEvent;
 use kvroute_core::ids::RequestId;
-use kvroute_engine::{Engine, KvEvent, RequestError};
+use kvroute_engine::{Engine, RequestError};
 
 /// Applies events returned outside a step to the harness's index and checks everything.
 fn apply(h: &mut Harness, events: &[KvEvent]) {

@@ -215,7 +215,7 @@ fn a_long_contended_run_keeps_every_invariant() {
         .log
         .iter()
         .flat_map(|o| &o.events)
-        .filter(|e| matches!(e, kvroute_engine::KvEvent::Removed(_)))
+        .filter(|e| matches!(e, kvroute_core::events::KvEvent::Removed(_)))
         .count();
     assert!(
         preemptions > 0 && hits > 0 && removed > 0,

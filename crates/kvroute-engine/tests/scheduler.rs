@@ -6,11 +6,12 @@ mod common;
 use std::time::Duration;
 
 use common::{Harness, config, request, with};
+use kvroute_core::events::KvEvent;
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
 use kvroute_core::time::{Timestamp, duration_from_secs_f64};
 use kvroute_engine::{
-    EngineRequest, FinishReason, KvEvent, Prompt, RequestError, StepOutput, external_hash,
+    EnginePrompt, EngineRequest, FinishReason, RequestError, StepOutput, external_hash,
     synthetic_output_token,
 };
 
@@ -18,8 +19,8 @@ fn ids(ids: &[u64]) -> Vec<RequestId> {
     ids.iter().map(|&i| RequestId(i)).collect()
 }
 
-/// Every `BlockStored` of `outs`, in order.
-fn stored(outs: &[StepOutput]) -> Vec<kvroute_engine::BlockStored> {
+/// Every `BlocksStored` of `outs`, in order.
+fn stored(outs: &[StepOutput]) -> Vec<kvroute_core::events::BlocksStored> {
     outs.iter()
         .flat_map(|o| &o.events)
         .filter_map(|e| match e {
@@ -302,7 +303,7 @@ fn requests_that_cannot_fit_the_whole_cache_and_malformed_ones_are_rejected() {
         Err(RequestError::EmptyPrompt(RequestId(3)))
     );
     let blocks = EngineRequest {
-        prompt: Prompt::Blocks {
+        prompt: EnginePrompt::Blocks {
             hashes: Vec::new(),
             len: 4,
         },
@@ -405,7 +406,7 @@ fn prompts_given_as_block_hashes_share_the_cache_with_token_prompts() {
     let tokens: Vec<u32> = (0..10).collect();
     let hashes = BlockHasher::new(4, &HashSalt::NONE).local_hashes(&tokens);
     let by_hash = EngineRequest {
-        prompt: Prompt::Blocks {
+        prompt: EnginePrompt::Blocks {
             hashes: hashes.clone(),
             len: 10,
         },

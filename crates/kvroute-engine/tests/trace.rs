@@ -10,8 +10,9 @@ use std::fmt::Write;
 
 use common::{Harness, request, with};
 use expect_test::{Expect, expect};
+use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
-use kvroute_engine::{EngineConfig, EngineRequest, KvEvent, StepOutput};
+use kvroute_engine::{EngineConfig, EngineRequest, StepOutput};
 
 /// Short names for external hashes, in order of first appearance.
 #[derive(Default)]

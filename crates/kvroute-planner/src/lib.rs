@@ -3,7 +3,7 @@
 //!
 //! Sans-IO like the core: [`Planner::tick`] takes the time and an [`Observation`] (traffic
 //! since the previous tick, every provisioned worker with its forward passes and load) and
-//! returns a [`TickOutput`]: an optional [`Decision`] (actions, each pool's change with its
+//! returns a [`TickOutput`]: an optional [`ScalingDecision`] (actions, each pool's change with its
 //! typed [`Reason`] and a human text) and a [`TickRecord`] of what the tick saw and estimated.
 //! The caller runs the actions: the simulator today, a live fleet later. Nothing here reads a
 //! clock, a file or entropy; the same observations give the same decisions.
@@ -39,6 +39,6 @@ pub use config::{EngineLimits, Mode, PlannerConfig, Pool, PredictorConfig, Sla};
 pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use planner::{
-    Action, Change, Decision, Hold, Metric, Observation, Planner, PoolStatus, Reason, ThroughputRecord,
-    TickOutput, TickRecord, Traffic, WorkerObservation, WorkerState, fit_budget,
+    Action, Change, Hold, Metric, Observation, Planner, PoolStatus, Reason, ScalingDecision,
+    ThroughputRecord, TickOutput, TickRecord, Traffic, WorkerObservation, WorkerState, fit_budget,
 };

@@ -266,7 +266,7 @@ pub enum Action {
 
 /// A scaling decision: changes with their reasons, and the actions that carry them out.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Decision {
+pub struct ScalingDecision {
     /// When, seconds since the start.
     pub at_s: f64,
     /// Per pool, with the reason.
@@ -355,7 +355,7 @@ pub struct TickRecord {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TickOutput {
     /// The decision, if any.
-    pub decision: Option<Decision>,
+    pub decision: Option<ScalingDecision>,
     /// What the tick saw and estimated.
     pub record: TickRecord,
 }
@@ -845,7 +845,7 @@ impl Planner {
         mut changes: Vec<Change>,
         obs: &Observation,
         counts: &Counts,
-    ) -> Option<Decision> {
+    ) -> Option<ScalingDecision> {
         let budget = self.config.max_gpu_budget;
         let gpus = |p: Pool| self.config.gpus(p);
         // GPUs of pools this planner does not scale.
@@ -943,7 +943,7 @@ impl Planner {
         if deferred {
             text.push_str(" (adds wait until draining workers free their GPUs)");
         }
-        Some(Decision {
+        Some(ScalingDecision {
             at_s,
             changes,
             actions,

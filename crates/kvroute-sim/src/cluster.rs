@@ -44,14 +44,17 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::Duration;
 
+use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::KvEvent as IndexEvent;
+use kvroute_core::index::IndexEvent;
 use kvroute_core::router::{
     Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterError,
     WorkerRole, WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineRequest, KvEvent, Prompt, RequestError, StepOutput};
+use kvroute_engine::{
+    Engine, EngineHost, EnginePrompt, EngineRequest, ImportAdmission, ImportStart, StartedImport, StepOutput,
+};
 use kvroute_planner::{
     Action, EngineLimits, Observation, PassSample, Planner, Pool, WorkerObservation, WorkerState,
 };
@@ -134,15 +137,11 @@ type Key = (Timestamp, Timestamp, u8, u64);
 
 /// One simulated worker.
 #[derive(Debug)]
-pub(crate) struct Worker {
+pub(crate) struct SimWorker {
     key: WorkerKey,
     pub(crate) role: WorkerRole,
-    engine: Engine,
-    /// Disaggregated requests whose prompt blocks this (decode) engine could not reserve yet,
-    /// in arrival order.
-    pending_imports: VecDeque<u32>,
-    /// The pass in flight, delivered at its end.
-    in_flight: Option<StepOutput>,
+    /// Its engine, with the pass in flight and the imports (waiting, or on the link).
+    host: EngineHost,
     /// Whether a `Step` event is pending.
     scheduled: bool,
     /// KV use after the last pass.
@@ -165,7 +164,7 @@ pub(crate) struct Worker {
     queued_prefill_tokens: u64,
 }
 
-impl Worker {
+impl SimWorker {
     /// Worker `i` of `role` with its engine, provisioned at `now`.
     fn new(config: &SimConfig, i: usize, role: WorkerRole, now: Timestamp) -> Result<Self, SimError> {
         let engine = Engine::new(kvroute_engine::EngineConfig {
@@ -175,9 +174,7 @@ impl Worker {
         Ok(Self {
             key: WorkerKey::new(WorkerId(i as u64), DpRank(0)),
             role,
-            engine,
-            pending_imports: VecDeque::new(),
-            in_flight: None,
+            host: EngineHost::new(engine, config.transfer),
             scheduled: false,
             kv_use: 0.0,
             generation: 0,
@@ -246,7 +243,7 @@ pub(crate) struct Run<'w> {
     config: &'w SimConfig,
     workload: &'w Workload,
     pub(crate) router: Router,
-    pub(crate) workers: Vec<Worker>,
+    pub(crate) workers: Vec<SimWorker>,
     heap: BinaryHeap<Reverse<(Key, Event)>>,
     seq: u64,
     /// The key of the event being handled (open arrivals come before heap events at the same
@@ -282,7 +279,7 @@ impl<'w> Run<'w> {
                 Topology::Disaggregated { prefill, .. } if i < prefill => WorkerRole::Prefill,
                 Topology::Disaggregated { .. } => WorkerRole::Decode,
             };
-            let worker = Worker::new(config, i, role, Timestamp::ZERO)?;
+            let worker = SimWorker::new(config, i, role, Timestamp::ZERO)?;
             router.handle_worker_added(Timestamp::ZERO, worker.spec(config))?;
             workers.push(worker);
         }
@@ -550,7 +547,7 @@ impl<'w> Run<'w> {
         self.reqs[i].queued_on = Some(w as u32);
         self.workers[w].queued_prefill_tokens += u64::from(self.workload.requests[i].prompt_tokens);
         let worker = &mut self.workers[w];
-        if worker.engine.add_request(self.now, request).is_err() {
+        if worker.host.add(self.now, request).is_err() {
             return self.reject_in_engine(i);
         }
         self.wake(w);
@@ -577,59 +574,53 @@ impl<'w> Run<'w> {
         }
     }
 
-    /// Disaggregated request `i` finished its prefill: its decode engine reserves the prompt's
-    /// blocks and the transfer starts, or it waits for blocks behind earlier imports.
+    /// Disaggregated request `i` finished its prefill: its decode engine admits the import
+    /// ([`EngineHost::import`]): the transfer starts, or it waits for blocks behind earlier
+    /// imports, or it is turned away if it can never fit.
     fn begin_import(&mut self, i: usize) -> Result<(), SimError> {
         self.reqs[i].in_prefill = false;
         let w = self.reqs[i].worker.expect("a routed request has a worker") as usize;
-        if self.workers[w].pending_imports.is_empty() && self.start_import(w, i)? {
-            return Ok(());
+        if self.workers[w].host.num_waiting_imports() == 0 {
+            self.materialize(w)?;
         }
-        if !self.reqs[i].rejected {
-            self.workers[w].pending_imports.push_back(i as u32);
-            self.totals.kv_import_waits += 1;
+        let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        match self.workers[w].host.import(self.now, request) {
+            Ok(ImportAdmission::Started(import)) => self.import_started(w, import),
+            Ok(ImportAdmission::Waiting) => {
+                self.totals.kv_import_waits += 1;
+                Ok(())
+            }
+            Err(_) => self.reject_in_engine(i),
         }
+    }
+
+    /// An import to engine `w` started: its KV lands after the transfer.
+    fn import_started(&mut self, w: usize, import: StartedImport) -> Result<(), SimError> {
+        let bs = self.config.engine.block_size;
+        let t = &mut self.totals;
+        t.kv_transfers += 1;
+        t.kv_transfer_blocks += u64::from(import.transfer_blocks);
+        t.kv_transfer_hit_blocks += u64::from(import.hit_blocks);
+        t.kv_transfer_bytes += self.config.transfer.bytes(import.transfer_blocks, bs);
+        t.kv_transfer_nanos += import.transfer_time.as_nanos() as u64;
+        self.publish(w, import.events)?;
+        self.push(import.lands, Event::TransferDone(import.id.0 as u32));
         Ok(())
     }
 
-    /// Starts the transfer of request `i` to decode engine `w`. False if its blocks are not
-    /// free now; a request the engine refuses is turned away (and true is returned).
-    fn start_import(&mut self, w: usize, i: usize) -> Result<bool, SimError> {
-        self.materialize(w)?;
-        let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
-        match self.workers[w].engine.import_request(self.now, request) {
-            Ok(import) => {
-                let bs = self.config.engine.block_size;
-                let link = &self.config.transfer;
-                let took = link.duration(import.transfer_blocks, bs);
-                let t = &mut self.totals;
-                t.kv_transfers += 1;
-                t.kv_transfer_blocks += u64::from(import.transfer_blocks);
-                t.kv_transfer_hit_blocks += u64::from(import.hit_blocks);
-                t.kv_transfer_bytes += link.bytes(import.transfer_blocks, bs);
-                t.kv_transfer_nanos += took.as_nanos() as u64;
-                self.publish_after_pass(w, import.events)?;
-                self.push(self.now + took, Event::TransferDone(i as u32));
-                Ok(true)
-            }
-            Err(RequestError::NoBlocksForImport { .. }) => Ok(false),
-            Err(_) => {
-                self.reject_in_engine(i)?;
-                Ok(true)
-            }
-        }
-    }
-
-    /// Starts the pending imports of engine `w` that fit now, in order.
+    /// Starts the waiting imports of engine `w` that fit now, in order.
     fn retry_imports(&mut self, w: usize) -> Result<(), SimError> {
-        while let Some(&i) = self.workers[w].pending_imports.front() {
-            if !self.start_import(w, i as usize)? {
-                break;
+        for start in self.workers[w].host.start_waiting_imports(self.now) {
+            match start {
+                ImportStart::Started(import) => {
+                    let i = import.id.0 as usize;
+                    self.import_started(w, import)?;
+                    // The prefill's first token was the request's last event before the wait.
+                    let since = self.reqs[i].last_token;
+                    self.totals.kv_import_wait_nanos += self.now.saturating_since(since).as_nanos() as u64;
+                }
+                ImportStart::Refused(id, _) => self.reject_in_engine(id.0 as usize)?,
             }
-            self.workers[w].pending_imports.pop_front();
-            // The prefill's first token was the request's last event before the wait.
-            let since = self.reqs[i as usize].last_token;
-            self.totals.kv_import_wait_nanos += self.now.saturating_since(since).as_nanos() as u64;
         }
         Ok(())
     }
@@ -639,25 +630,13 @@ impl<'w> Run<'w> {
         let w = self.reqs[i].worker.expect("a transferred request has a worker") as usize;
         self.materialize(w)?;
         let events = self.workers[w]
-            .engine
-            .complete_import(self.now, RequestId(i as u64))
+            .host
+            .land(self.now, RequestId(i as u64))
             .map_err(|e| SimError::Invariant(format!("completing the transfer of {i}: {e}")))?;
         self.totals.kv_transfers_done += 1;
-        self.publish_after_pass(w, events)?;
+        self.publish(w, events)?;
         self.wake(w);
         Ok(())
-    }
-
-    /// Publishes KV events engine `w` returned outside a pass: after the pass in flight (whose
-    /// events the engine produced earlier), or now.
-    fn publish_after_pass(&mut self, w: usize, events: Vec<KvEvent>) -> Result<(), SimError> {
-        match &mut self.workers[w].in_flight {
-            Some(out) => {
-                out.events.extend(events);
-                Ok(())
-            }
-            None => self.publish(w, events),
-        }
     }
 
     /// Routes or records what the router reported.
@@ -700,7 +679,7 @@ impl<'w> Run<'w> {
         if let Some(start) = self.workers[w].stretch_start.take() {
             let passes = self.workers[w].stretch_ends.len();
             self.apply_stretch(w, start, passes);
-        } else if let Some(out) = self.workers[w].in_flight.take() {
+        } else if let Some(out) = self.workers[w].host.finish_pass() {
             self.deliver_step(w, out)?;
         }
         self.retry_imports(w)?;
@@ -708,10 +687,8 @@ impl<'w> Run<'w> {
             return Ok(());
         }
         let worker = &mut self.workers[w];
-        match worker.engine.step(self.now) {
-            Some(out) => {
-                let end = out.end;
-                worker.in_flight = Some(out);
+        match worker.host.step(self.now) {
+            Some(end) => {
                 let generation = worker.generation;
                 self.push(end, Event::Step(w as u32, generation));
             }
@@ -728,21 +705,21 @@ impl<'w> Run<'w> {
     fn begin_stretch(&mut self, w: usize) -> bool {
         let now = self.now;
         let worker = &mut self.workers[w];
-        if !worker.pending_imports.is_empty() {
+        if worker.host.num_waiting_imports() > 0 {
             return false;
         }
-        let passes = worker.engine.decode_horizon();
+        let passes = worker.host.engine().decode_horizon();
         if passes < 2 {
             return false;
         }
         // The passes change no block, so the KV use they report is the current one; a value
         // not yet shown (blocks imported since the last pass) waits for a real pass.
-        if kv_use(worker.engine.kv_blocks()).to_bits() != worker.kv_use.to_bits() {
+        if kv_use(worker.host.engine().kv_blocks()).to_bits() != worker.kv_use.to_bits() {
             return false;
         }
         let ends = &mut worker.stretch_ends;
         ends.clear();
-        worker.engine.decode_pass_ends(now, passes, ends);
+        worker.host.engine().decode_pass_ends(now, passes, ends);
         let (end, pushed) = (ends[ends.len() - 1], ends[ends.len() - 2]);
         worker.stretch_start = Some(now);
         let generation = worker.generation;
@@ -772,12 +749,11 @@ impl<'w> Run<'w> {
         let next_end = ends[done];
         self.apply_stretch(w, start, done);
         let worker = &mut self.workers[w];
-        let out = worker
-            .engine
+        worker
+            .host
             .step(last)
-            .filter(|out| out.end == next_end)
+            .filter(|&end| end == next_end)
             .ok_or_else(|| SimError::Invariant(format!("worker {w}: a skipped pass changed")))?;
-        worker.in_flight = Some(out);
         worker.generation += 1;
         let generation = worker.generation;
         self.push_from(next_end, last, Event::Step(w as u32, generation));
@@ -801,8 +777,11 @@ impl<'w> Run<'w> {
         let ends = &worker.stretch_ends[..passes];
         let end = ends[passes - 1];
         let last_start = if passes >= 2 { ends[passes - 2] } else { start };
-        worker.engine.skip_decode_passes(passes as u32, last_start, end);
-        debug_assert_eq!(worker.engine.check_invariants(), Ok(()));
+        worker
+            .host
+            .engine_mut()
+            .skip_decode_passes(passes as u32, last_start, end);
+        debug_assert_eq!(worker.host.engine().check_invariants(), Ok(()));
         totals.steps += passes as u64;
         let busy = end.as_nanos() - start.as_nanos();
         totals.busy_nanos += busy;
@@ -810,7 +789,7 @@ impl<'w> Run<'w> {
             totals.prefill_busy_nanos += busy;
         }
         let mut with_first_token = 0;
-        for id in worker.engine.running_requests() {
+        for id in worker.host.engine().running_requests() {
             let s = &mut reqs[id.0 as usize];
             if s.first_token.is_some() {
                 totals.itl.add(ends[0].saturating_since(s.last_token));
@@ -996,7 +975,7 @@ impl<'w> Run<'w> {
         series.time_s.push(self.now.as_secs_f64());
         let mut waiting = 0;
         for (i, w) in self.workers.iter().enumerate() {
-            let (running, queued) = (w.engine.num_running(), w.engine.num_waiting());
+            let (running, queued) = (w.host.engine().num_running(), w.host.engine().num_waiting());
             waiting += queued as u32;
             series.worker_requests[i].push((running + queued) as u32);
             series.worker_kv_use[i].push(w.kv_use);
@@ -1060,8 +1039,8 @@ impl<'w> Run<'w> {
                 },
                 passes: std::mem::take(&mut w.passes),
                 queued_prefill_tokens: w.queued_prefill_tokens,
-                decode_seqs: w.engine.num_running() as u32,
-                kv_tokens: u64::from(w.engine.kv_blocks().0) * bs,
+                decode_seqs: w.host.engine().num_running() as u32,
+                kv_tokens: u64::from(w.host.engine().kv_blocks().0) * bs,
             })
             .collect();
         let out = p.planner.tick(now, &Observation { traffic, workers });
@@ -1094,7 +1073,7 @@ impl<'w> Run<'w> {
             Pool::Decode => WorkerRole::Decode,
         };
         let i = self.workers.len();
-        let mut worker = Worker::new(self.config, i, role, self.now)?;
+        let mut worker = SimWorker::new(self.config, i, role, self.now)?;
         worker.life = Life::Starting;
         worker.ready_at = None;
         self.workers.push(worker);
@@ -1134,14 +1113,7 @@ impl<'w> Run<'w> {
     /// Removes draining worker `w` from the router if nothing runs or is headed there.
     fn try_retire(&mut self, w: usize) -> Result<(), SimError> {
         let worker = &self.workers[w];
-        let engine = &worker.engine;
-        if engine.num_running() > 0
-            || engine.num_waiting() > 0
-            || engine.num_importing() > 0
-            || !worker.pending_imports.is_empty()
-            || worker.in_flight.is_some()
-            || worker.stretch_start.is_some()
-        {
+        if !worker.host.is_idle() || worker.stretch_start.is_some() {
             return Ok(());
         }
         // A disaggregated request still prefilling elsewhere will import here.
@@ -1218,14 +1190,15 @@ impl<'w> Run<'w> {
         }
         self.router.check_invariants().map_err(SimError::Invariant)?;
         for w in &self.workers {
-            w.engine
+            w.host
+                .engine()
                 .check_invariants()
                 .map_err(|e| SimError::Invariant(format!("{}: {e}", w.key)))?;
             if w.life == Life::Removed {
                 continue;
             }
             if self.config.events.loss == 0.0 && self.channel.is_empty() {
-                let engine_blocks = w.engine.cached_blocks().count();
+                let engine_blocks = w.host.engine().cached_blocks().count();
                 let index_blocks = self.router.index().block_count(w.key);
                 if engine_blocks != index_blocks {
                     return fail(format!(
@@ -1252,7 +1225,7 @@ fn kv_use((active, total): (u32, u32)) -> f32 {
 fn engine_request(id: RequestId, r: &crate::workload::SimRequest) -> EngineRequest {
     EngineRequest {
         id,
-        prompt: Prompt::Blocks {
+        prompt: EnginePrompt::Blocks {
             hashes: r.locals.to_vec(),
             len: r.prompt_tokens,
         },

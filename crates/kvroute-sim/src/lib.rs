@@ -54,8 +54,10 @@ pub mod trace;
 pub mod workload;
 
 pub use cluster::Progress;
-pub use config::{ArrivalMode, EventChannel, KvTransfer, PlannerSetup, SimConfig, Topology};
+pub use config::{ArrivalMode, EventChannel, PlannerSetup, SimConfig, Topology};
 pub use error::SimError;
+/// The prefill-to-decode KV link, the engine crate's (the mock workers price imports with it too).
+pub use kvroute_engine::KvTransfer;
 pub use planned::{PlannerRun, SlaWindow};
 pub use report::{Completion, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
 pub use workload::{Arrival, SimRequest, Workload};

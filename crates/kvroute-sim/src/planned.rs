@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use kvroute_core::time::Timestamp;
-use kvroute_planner::{Decision, Planner, PlannerConfig, Pool, TickRecord, Traffic};
+use kvroute_planner::{Planner, PlannerConfig, Pool, ScalingDecision, TickRecord, Traffic};
 use serde::Serialize;
 
 /// The planner's state during a run.
@@ -21,7 +21,7 @@ pub(crate) struct PlannerState {
     /// Traffic since the previous tick.
     pub(crate) traffic: Traffic,
     pub(crate) last_tick: Timestamp,
-    pub(crate) decisions: Vec<Decision>,
+    pub(crate) decisions: Vec<ScalingDecision>,
     pub(crate) ticks: Vec<TickRecord>,
     pub(crate) startup: Duration,
     /// KV events that reached the router after their worker was removed (dropped).
@@ -93,7 +93,7 @@ pub struct PlannerRun {
     /// SLA attainment per window.
     pub windows: Vec<SlaWindow>,
     /// Every decision, with its reasons.
-    pub decisions: Vec<Decision>,
+    pub decisions: Vec<ScalingDecision>,
     /// Every tick: replicas, estimates, observed and predicted load.
     pub ticks: Vec<TickRecord>,
     /// Every worker's life.

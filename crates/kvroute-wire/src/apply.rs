@@ -4,7 +4,7 @@
 //! hashes each stored block's `token_ids` itself with [`BlockHasher`] (the event's LoRA name and
 //! the worker's cache namespace as salt), so that a prompt's blocks, hashed the same way, find
 //! them; the engine's hashes become the blocks' external ids, which later removals name. The
-//! conversion produces the engine crate's owned [`KvEvent`], the simulated engine's own event
+//! conversion produces the owned [`KvEvent`] of `kvroute_core::events`, the simulated engine's event
 //! type, which lends itself to [`PrefixIndex::apply_event`], the one place events change an
 //! index: wire events and simulated ones reach the index by the same path.
 //!
@@ -32,10 +32,10 @@
 use std::fmt;
 use std::num::NonZeroU32;
 
+use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::WorkerKey;
 use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock};
-use kvroute_engine::events::{BlockRemoved as EngineRemoved, BlockStored as EngineStored, KvEvent};
 
 use crate::event::{BlockStored, MEDIUM_GPU, WireEvent};
 
@@ -164,7 +164,7 @@ impl WireEvent {
             WireEvent::BlockRemoved(removed) => {
                 match other_tier(removed.medium.as_deref(), removed.group_idx, config) {
                     Some(reason) => skip(reason),
-                    None => whole(KvEvent::Removed(EngineRemoved {
+                    None => whole(KvEvent::Removed(BlocksRemoved {
                         block_hashes: removed.block_hashes.clone(),
                     })),
                 }
@@ -254,7 +254,7 @@ fn stored_blocks(stored: &BlockStored, config: &ApplyConfig<'_>) -> Conversion {
         .zip(&stored.block_hashes)
         .map(|(local, &external)| StoredBlock { local, external })
         .collect();
-    let event = KvEvent::Stored(EngineStored {
+    let event = KvEvent::Stored(BlocksStored {
         parent_block_hash: stored.parent_block_hash,
         blocks,
         token_ids: token_ids.to_vec(),

@@ -5,8 +5,8 @@
 //! layout: a batch decoded from any revision's bytes compares equal to the same batch decoded
 //! from another's.
 
+use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerKey};
-use kvroute_engine::events::{BlockRemoved as EngineRemoved, BlockStored as EngineStored, KvEvent};
 
 use crate::error::{DecodeError, EncodeError, PayloadError};
 use crate::frames::RawBatch;
@@ -139,7 +139,7 @@ impl From<&KvEvent> for WireEvent {
     fn from(event: &KvEvent) -> Self {
         match event {
             KvEvent::Stored(stored) => WireEvent::BlockStored(BlockStored::from(stored)),
-            KvEvent::Removed(EngineRemoved { block_hashes }) => WireEvent::BlockRemoved(BlockRemoved {
+            KvEvent::Removed(BlocksRemoved { block_hashes }) => WireEvent::BlockRemoved(BlockRemoved {
                 block_hashes: block_hashes.clone(),
                 medium: Some(MEDIUM_GPU.to_owned()),
                 group_idx: None,
@@ -149,8 +149,8 @@ impl From<&KvEvent> for WireEvent {
     }
 }
 
-impl From<&EngineStored> for BlockStored {
-    fn from(stored: &EngineStored) -> Self {
+impl From<&BlocksStored> for BlockStored {
+    fn from(stored: &BlocksStored) -> Self {
         BlockStored {
             block_hashes: stored.block_hashes(),
             parent_block_hash: stored.parent_block_hash,

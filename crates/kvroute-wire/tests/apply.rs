@@ -13,7 +13,7 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, TimingConfig};
+use kvroute_engine::{Engine, EngineConfig, EnginePrompt, EngineRequest, TimingConfig};
 use kvroute_wire::{Applied, ApplyConfig, BlockStored, EventBatch, EventEncoding, SkipReason, WireEvent};
 
 const W: WorkerKey = WorkerKey::new(WorkerId(1), DpRank(0));
@@ -246,7 +246,7 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
     for (i, (tokens, lora)) in prompts.iter().enumerate() {
         let request = EngineRequest {
             id: RequestId(i as u64),
-            prompt: Prompt::Tokens(tokens.clone()),
+            prompt: EnginePrompt::Tokens(tokens.clone()),
             output_len: 3 + i as u32 % 4,
             lora_name: lora.map(str::to_owned),
             cache_namespace: None,

@@ -17,8 +17,9 @@ use bytes::Bytes;
 use clap::Args;
 use flate2::read::GzDecoder;
 use http_body_util::{BodyExt, Full};
-use kvroute_server::mock::{self, MockConfig};
-use kvroute_server::{Model, ServeConfig};
+use kvroute_http::Model;
+use kvroute_mock::{self as mock, MockConfig};
+use kvroute_proxy::{ServeConfig, WorkerConfig};
 use kvroute_sim::report::{Completion, Report, ReportBuilder};
 use kvroute_sim::stats::Summary;
 use kvroute_sim::trace::TokenRequest;
@@ -42,7 +43,7 @@ pub struct DemoArgs {
     pub prefill: usize,
     /// The prefill/decode protocol the live proxy speaks to the mocks: vllm or sglang.
     #[arg(long, default_value = "vllm")]
-    pub disagg_protocol: kvroute_server::EngineKind,
+    pub disagg_protocol: kvroute_proxy::EngineKind,
     /// Routing policy.
     #[arg(long, default_value = "kv")]
     pub policy: String,
@@ -105,6 +106,10 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
     mc.engine = sim.engine.clone();
     mc.engine.speedup = sim.engine.speedup * args.speedup;
     let mocks = mock::start(&mc, Arc::clone(&model)).await?;
+    let workers = mocks
+        .iter()
+        .map(|m| WorkerConfig::parse_flag(&m.worker_flag()))
+        .collect::<Result<Vec<_>, _>>()?;
     let config = ServeConfig {
         listen: "127.0.0.1:0".into(),
         policy: args.policy.clone(),
@@ -113,13 +118,13 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         max_prompt_tokens: 1 << 21,
         health_interval_ms: 1000,
         disagg_protocol: args.disagg_protocol,
-        workers: mocks.iter().map(|m| m.worker_config()).collect(),
+        workers,
         ..ServeConfig::default()
     };
-    let proxy = kvroute_server::start(config, Some(model)).await?;
+    let proxy = kvroute_proxy::start(config, Some(model)).await?;
     // Let the event subscribers connect (they would recover through replay anyway).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let client = kvroute_server::net::client(Duration::from_secs(5));
+    let client = kvroute_http::net::client(Duration::from_secs(5));
     let url: Arc<str> = format!("{}/v1/completions", proxy.url()).into();
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
@@ -151,7 +156,7 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
 
 /// Sends one streaming completion and measures it.
 async fn send(
-    client: &kvroute_server::net::HttpClient,
+    client: &kvroute_http::net::HttpClient,
     url: &str,
     r: &TokenRequest,
 ) -> anyhow::Result<Measured> {

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail, ensure};
 use clap::Args;
-use kvroute_server::mock::{self, MockConfig};
-use kvroute_server::{Model, ServeConfig, WorkerConfig};
+use kvroute_http::Model;
+use kvroute_mock::{self as mock, MockConfig};
+use kvroute_proxy::{ServeConfig, WorkerConfig};
 use kvroute_wire::EventEncoding;
 use serde::{Deserialize, Serialize};
 
@@ -67,7 +68,7 @@ pub struct ServeOptions {
     /// kv_transfer_params) or `sglang` (bootstrap host, port and room, to both at once).
     /// Default vllm.
     #[arg(long)]
-    pub disagg_protocol: Option<kvroute_server::EngineKind>,
+    pub disagg_protocol: Option<kvroute_proxy::EngineKind>,
     /// Cache view: events, predict or approximate. Default events.
     #[arg(long)]
     pub cache: Option<String>,
@@ -122,7 +123,7 @@ impl ServeArgs {
         let config: ServeConfig = toml::Value::Table(crate::config::to_table(&options)?).try_into()?;
         // The server names a field by its key, which is also the flag.
         config.validate().map_err(|e| match e {
-            kvroute_server::config::ConfigError::Invalid { field, message } => {
+            kvroute_proxy::config::ConfigError::Invalid { field, message } => {
                 anyhow::anyhow!("--{field}: {message}")
             }
             other => other.into(),
@@ -158,7 +159,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("no workers yet: add them with --worker or POST /admin/workers");
     }
     runtime(config.threads)?.block_on(async move {
-        let proxy = kvroute_server::start(config, None).await?;
+        let proxy = kvroute_proxy::start(config, None).await?;
         eprintln!("kvroute serve: listening on {}", proxy.url());
         proxy.stopped().await;
         Ok(())
@@ -303,16 +304,7 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
         let workers = mock::start(&config, model).await?;
         let mut flags = Vec::new();
         for w in &workers {
-            let mut flag = w.url();
-            if let (Some(e), Some(r)) = (&w.events_endpoint, &w.replay_endpoint) {
-                flag.push_str(&format!(",events={e},replay={r}"));
-            }
-            if w.dp_size > 1 {
-                flag.push_str(&format!(",dp={}", w.dp_size));
-            }
-            if w.role != kvroute_core::router::WorkerRole::Aggregated {
-                flag.push_str(&format!(",role={}", w.role));
-            }
+            let flag = w.worker_flag();
             eprintln!("mock worker: {flag}");
             flags.push(format!("--worker {flag}"));
         }

@@ -1,13 +1,15 @@
-//! A worker's KV-cache event, as the index takes it. Engines' own event types (the simulated
-//! engine's, the wire decoder's) lend themselves out as this view; [`super::PrefixIndex::apply_event`]
-//! is the one place an event changes the index.
+//! A worker's KV-cache event, as the index takes it: a borrowed view. The owned event,
+//! [`crate::events::KvEvent`], lends itself out as this view
+//! ([`crate::events::KvEvent::as_index_event`]), and so can callers that hold blocks in slices
+//! (the op-stream benchmark, tests); [`super::PrefixIndex::apply_event`] is the one place an
+//! event changes the index.
 
 use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash};
 use crate::index::StoredBlock;
 
 /// One KV-cache event of one worker; see [`crate::index::PrefixIndex`] for the semantics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvEvent<'a> {
+pub enum IndexEvent<'a> {
     /// The worker now holds `blocks`, continuing the chain from its block `parent` (or from the
     /// root).
     Stored {

@@ -47,7 +47,7 @@ use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use ext_map::{ExtMap, Probe};
 
-pub use event::{KvEvent, stored_blocks};
+pub use event::{IndexEvent, stored_blocks};
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -421,11 +421,11 @@ impl PrefixIndex {
     }
 
     /// Applies one event of `worker`: the one place an engine's event changes the index.
-    pub fn apply_event(&mut self, worker: WorkerKey, event: KvEvent<'_>) -> Result<(), IndexError> {
+    pub fn apply_event(&mut self, worker: WorkerKey, event: IndexEvent<'_>) -> Result<(), IndexError> {
         match event {
-            KvEvent::Stored { parent, blocks } => self.apply_stored(worker, parent, blocks),
-            KvEvent::Removed { blocks } => self.apply_removed(worker, blocks).map(drop),
-            KvEvent::Cleared => self.clear_worker(worker),
+            IndexEvent::Stored { parent, blocks } => self.apply_stored(worker, parent, blocks),
+            IndexEvent::Removed { blocks } => self.apply_removed(worker, blocks).map(drop),
+            IndexEvent::Cleared => self.clear_worker(worker),
         }
     }
 

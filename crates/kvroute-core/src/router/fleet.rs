@@ -22,13 +22,13 @@ pub(crate) type RequestKey = (RouterId, RequestId);
 
 /// One worker.
 #[derive(Clone, Debug)]
-pub(crate) struct WorkerState {
+pub(crate) struct FleetWorker {
     pub(crate) spec: WorkerSpec,
     pub(crate) draining: bool,
     load: LoadState,
 }
 
-impl WorkerState {
+impl FleetWorker {
     pub(crate) fn load(&self) -> WorkerLoad {
         self.load.snapshot()
     }
@@ -58,7 +58,7 @@ pub(crate) enum FleetError {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Fleet {
     /// Ordered by key.
-    workers: Vec<WorkerState>,
+    workers: Vec<FleetWorker>,
     slot_of: HashMap<WorkerKey, usize, BuildKeyHasher>,
     requests: HashMap<RequestKey, Active, BuildKeyHasher>,
     by_age: BTreeSet<(Timestamp, RequestKey)>,
@@ -69,11 +69,11 @@ impl Fleet {
     // ---- workers ----
 
     /// Every worker, ordered by key.
-    pub(crate) fn workers(&self) -> &[WorkerState] {
+    pub(crate) fn workers(&self) -> &[FleetWorker] {
         &self.workers
     }
 
-    pub(crate) fn get(&self, key: WorkerKey) -> Option<&WorkerState> {
+    pub(crate) fn get(&self, key: WorkerKey) -> Option<&FleetWorker> {
         self.slot_of.get(&key).map(|&slot| &self.workers[slot])
     }
 
@@ -89,7 +89,7 @@ impl Fleet {
         };
         self.workers.insert(
             at,
-            WorkerState {
+            FleetWorker {
                 spec,
                 draining: false,
                 load: LoadState::default(),

@@ -72,7 +72,7 @@ mod worker;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-pub use crate::index::{KvEvent, stored_blocks};
+pub use crate::index::{IndexEvent, stored_blocks};
 pub use busy::BusyThresholds;
 pub use config::{CacheMode, ConfigError, RouterConfig};
 pub use cost::{CostParams, cost};
@@ -275,7 +275,7 @@ impl Router {
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
-        event: KvEvent<'_>,
+        event: IndexEvent<'_>,
     ) -> Result<(), RouterError> {
         self.advance(now);
         if matches!(self.config.cache, CacheMode::Approximate(_)) {

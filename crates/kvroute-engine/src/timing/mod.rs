@@ -2,7 +2,7 @@
 //!
 //! A model sees the pass's composition ([`ForwardPass`]) and returns seconds. The engine divides
 //! that by the configured speedup factor, rounds it to a [`Duration`] of whole nanoseconds once
-//! ([`duration_from_secs_f64`]) and floors it at [`MIN_STEP`], so simulated time always moves
+//! ([`duration_from_secs_f64`](kvroute_core::time::duration_from_secs_f64)) and floors it at [`MIN_STEP`], so simulated time always moves
 //! forward.
 //!
 //! * [`Polynomial`]: Dynamo's mocker default, a fit of unknown provenance (uncalibrated), kept so
@@ -17,7 +17,7 @@ mod table;
 use std::fmt;
 use std::time::Duration;
 
-use kvroute_core::time::duration_from_secs_f64;
+use kvroute_core::time::TimeScale;
 use serde::Deserialize;
 
 pub use polynomial::Polynomial;
@@ -84,13 +84,13 @@ impl TimingConfig {
 #[derive(Debug)]
 pub(crate) struct StepTimer {
     model: Box<dyn TimingModel>,
-    speedup: f64,
+    scale: TimeScale,
 }
 
 impl StepTimer {
     /// Wraps `model`; `speedup` was validated by the engine's configuration.
-    pub(crate) fn new(model: Box<dyn TimingModel>, speedup: f64) -> Self {
-        Self { model, speedup }
+    pub(crate) fn new(model: Box<dyn TimingModel>, scale: TimeScale) -> Self {
+        Self { model, scale }
     }
 
     /// The duration of the pass, sped up, rounded and floored at [`MIN_STEP`].
@@ -100,7 +100,7 @@ impl StepTimer {
     }
 
     pub(crate) fn duration(&self, pass: &ForwardPass) -> Duration {
-        duration_from_secs_f64(self.model.pass_secs(pass) / self.speedup).max(MIN_STEP)
+        self.scale.modeled_secs(self.model.pass_secs(pass)).max(MIN_STEP)
     }
 }
 

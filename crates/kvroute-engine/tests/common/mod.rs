@@ -8,7 +8,9 @@ use std::collections::BTreeSet;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EngineRequest, Prompt, RequestError, StepOutput, TimingConfig};
+use kvroute_engine::{
+    Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
+};
 
 /// A small engine: blocks of 4 tokens, 64 blocks, 8 sequences, 32 tokens per pass.
 pub fn config() -> EngineConfig {
@@ -37,7 +39,7 @@ pub fn with(change: impl FnOnce(&mut EngineConfig)) -> EngineConfig {
 pub fn request(id: u64, tokens: impl IntoIterator<Item = u32>, output_len: u32) -> EngineRequest {
     EngineRequest {
         id: RequestId(id),
-        prompt: Prompt::Tokens(tokens.into_iter().collect()),
+        prompt: EnginePrompt::Tokens(tokens.into_iter().collect()),
         output_len,
         lora_name: None,
         cache_namespace: None,

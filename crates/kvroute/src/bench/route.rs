@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    KvEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec, stored_blocks,
+    IndexEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec,
+    stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use serde::Serialize;
@@ -151,7 +152,7 @@ fn setup(workers: usize, corpus: &Corpus, rng: &mut Tokens) -> anyhow::Result<(R
             router.handle_kv_event(
                 Timestamp::ZERO,
                 worker(w),
-                KvEvent::Stored {
+                IndexEvent::Stored {
                     parent: None,
                     blocks: &blocks,
                 },

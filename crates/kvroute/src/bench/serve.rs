@@ -78,7 +78,7 @@ pub struct ServeBenchArgs {
     /// Run a spawned proxy disaggregated in this protocol (vllm or sglang): the first upstream
     /// is its prefill worker, the others decode, and every request takes the prefill path.
     #[arg(long)]
-    pub disagg: Option<kvroute_server::EngineKind>,
+    pub disagg: Option<kvroute_proxy::EngineKind>,
 }
 
 /// One case's figures.

@@ -1,0 +1,337 @@
+//! The HTTP handlers: OpenAI-compatible generation, models, and the shared state of a worker.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Frame;
+use kvroute_core::router::WorkerRole;
+use kvroute_http::model::Model;
+use kvroute_http::openai::{self, ApiError, Endpoint};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::driver::{Job, JobUpdate};
+use crate::metrics::Stats;
+use crate::openai as openai_json;
+use crate::openai::Shape;
+use crate::parse::{KvRole, kv_role, pick_rank, transfer_params};
+use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
+use crate::start::{SEEN_KEPT, SeenKvRequest};
+
+/// The shared state of one mock worker's HTTP server.
+pub(crate) struct Server {
+    /// The engine id it names in `kv_transfer_params`.
+    pub(crate) engine_id: String,
+    /// Its role: which side of an SGLang pair it takes.
+    pub(crate) role: WorkerRole,
+    /// The bootstrap rooms of the workers started with it.
+    pub(crate) rooms: Arc<Rooms>,
+    pub(crate) addr: SocketAddr,
+    pub(crate) block_size: u32,
+    pub(crate) seen: Mutex<std::collections::VecDeque<SeenKvRequest>>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) model_name: String,
+    pub(crate) max_model_len: u32,
+    pub(crate) default_max_tokens: u32,
+    /// Each rank's engine task and counters.
+    pub(crate) ranks: Vec<Rank>,
+    /// The rank of the next request that names none.
+    pub(crate) next_rank: std::sync::atomic::AtomicU64,
+    pub(crate) next_id: std::sync::atomic::AtomicU64,
+}
+
+/// One data-parallel rank of a mock worker: its engine task's queue and its counters.
+pub(crate) struct Rank {
+    pub(crate) jobs: mpsc::UnboundedSender<Job>,
+    pub(crate) stats: Arc<Mutex<Stats>>,
+}
+
+pub(crate) async fn completions(State(w): State<Arc<Server>>, req: Request) -> Response {
+    generate(&w, Endpoint::Completions, req).await
+}
+
+pub(crate) async fn chat(State(w): State<Arc<Server>>, req: Request) -> Response {
+    generate(&w, Endpoint::Chat, req).await
+}
+
+/// A request taken apart: its headers of note and its body.
+struct Incoming {
+    request_id: Option<String>,
+    rank_header: Option<String>,
+    body: Bytes,
+}
+
+fn header(req: &Request, name: &str) -> Option<String> {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+async fn read(req: Request) -> Result<Incoming, ApiError> {
+    let request_id = header(&req, kvroute_http::disagg::REQUEST_ID);
+    let rank_header = header(&req, "x-data-parallel-rank");
+    let body = http_body_util::Limited::new(req.into_body(), 64 << 20)
+        .collect()
+        .await
+        .map_err(|e| ApiError::bad_request("body", format!("reading the body: {e}")))?
+        .to_bytes();
+    Ok(Incoming {
+        request_id,
+        rank_header,
+        body,
+    })
+}
+
+/// The engine stopped: the worker is being killed.
+fn stopped() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        "stopped",
+        "the engine stopped",
+    )
+}
+
+async fn generate(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Response {
+    match submit(w, endpoint, req).await {
+        Ok(s) if s.stream => stream(w, s),
+        Ok(s) => respond(w, s).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A request sent to its rank's engine: what answering it needs.
+struct Submitted {
+    rx: mpsc::UnboundedReceiver<JobUpdate>,
+    shape: Shape,
+    stream: bool,
+    include_usage: bool,
+    transfer_params: Option<Value>,
+}
+
+/// Parses a request, takes its side of a disaggregated flow and sends it to its rank's engine.
+async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Submitted, ApiError> {
+    let incoming = read(req).await?;
+    let parsed = openai::parse(endpoint, &incoming.body, &w.model, w.max_model_len as usize)?;
+    // `parse` accepted it: a JSON object.
+    let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
+    let role = kv_role(&value, w.role)?;
+    let rank = &w.ranks[pick_rank(w, incoming.rank_header.as_deref(), &value)?];
+    let prompt_tokens = parsed.tokens.len() as u32;
+    let job = engine_job(&parsed, role, w.default_max_tokens);
+    rank.count(prompt_tokens, role);
+    if role != KvRole::Local {
+        w.record_seen(value, role, incoming.request_id.clone());
+    }
+    // SGLang's decode side starts when its room's KV is ready.
+    if let KvRole::BootstrapDecode(room) = role
+        && !w.rooms.wait(room, BOOTSTRAP_TIMEOUT).await
+    {
+        return Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "kv_transfer_failed",
+            format!("no prefilled KV arrived for bootstrap_room {room}"),
+        ));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // SGLang's prefill side marks its room when the engine is done with it, whether or not
+    // anyone still reads the answer.
+    if let Some(room) = role.prefilled_room() {
+        rx = w.rooms.watch(room, rx);
+    }
+    let transfer_params = (role == KvRole::RemoteDecode)
+        .then(|| transfer_params(w, prompt_tokens, incoming.request_id.as_deref()));
+    rank.jobs.send(job(tx)).map_err(|_| stopped())?;
+    let n = w.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let shape = Shape::new(
+        endpoint,
+        n,
+        parsed.model.unwrap_or_else(|| w.model_name.clone()),
+        prompt_tokens,
+        parsed.max_tokens,
+    );
+    Ok(Submitted {
+        rx,
+        shape,
+        stream: parsed.stream,
+        include_usage: parsed.include_usage,
+        transfer_params,
+    })
+}
+
+/// The job of a parsed request, once given its channel.
+fn engine_job(
+    parsed: &openai::Parsed,
+    role: KvRole,
+    default_max_tokens: u32,
+) -> impl FnOnce(mpsc::UnboundedSender<JobUpdate>) -> Job {
+    let mut output_len = parsed.max_tokens.unwrap_or(default_max_tokens);
+    if role.prefills() {
+        // A prefill for a remote decode samples the first token only.
+        output_len = output_len.min(1);
+    }
+    // The engine imports only what leaves something to decode; a request of one token decodes
+    // (recomputes) here.
+    let import = role.imports() && output_len >= 2;
+    let (prompt, cache_salt) = (parsed.tokens.clone(), parsed.cache_salt.clone());
+    move |tx| Job {
+        prompt,
+        output_len,
+        cache_salt,
+        import,
+        tx,
+    }
+}
+
+impl Rank {
+    /// Counts a request's prompt, and whether it is prefilled for a remote decode.
+    fn count(&self, prompt_tokens: u32, role: KvRole) {
+        let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        s.prompt_tokens += u64::from(prompt_tokens);
+        if role.prefills() {
+            s.remote_decode_requests += 1;
+        }
+    }
+}
+
+impl Server {
+    /// Keeps a request of the disaggregated flow, without its prompt, for [`SeenKvRequest`].
+    fn record_seen(&self, mut body: Value, role: KvRole, request_id: Option<String>) {
+        if let Value::Object(obj) = &mut body {
+            obj.remove("prompt");
+            obj.remove("messages");
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() == SEEN_KEPT {
+            seen.pop_front();
+        }
+        seen.push_back(SeenKvRequest {
+            request_id,
+            remote_decode: role.prefills(),
+            body,
+        });
+    }
+}
+
+/// A streamed answer: SSE chunks as the engine reports.
+fn stream(w: &Arc<Server>, s: Submitted) -> Response {
+    let worker = Arc::clone(w);
+    let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(64);
+    let Submitted {
+        mut rx,
+        shape,
+        include_usage,
+        ..
+    } = s;
+    tokio::spawn(async move {
+        let mut cached = 0;
+        let mut first = true;
+        while let Some(p) = rx.recv().await {
+            let chunk = match p {
+                JobUpdate::Cached(c) => {
+                    cached = c;
+                    continue;
+                }
+                JobUpdate::Tokens(tokens) => {
+                    let c = shape.chunk(&worker.text(&tokens), None, first);
+                    first = false;
+                    c
+                }
+                JobUpdate::Done {
+                    completion_tokens,
+                    length,
+                } => {
+                    let last = shape.last_chunks(completion_tokens, length, cached, first, include_usage);
+                    let _ = frames_tx.send(Bytes::from(last)).await;
+                    return;
+                }
+                JobUpdate::Refused(message) => shape.error_chunk(&message),
+            };
+            if frames_tx.send(Bytes::from(chunk)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let body = ChannelBody {
+        rx: frames_rx,
+        complete: false,
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::new(body))
+        .unwrap_or_default()
+}
+
+/// A whole answer, when the engine is done.
+async fn respond(w: &Arc<Server>, mut s: Submitted) -> Response {
+    let mut cached = 0;
+    let mut tokens = Vec::new();
+    while let Some(p) = s.rx.recv().await {
+        match p {
+            JobUpdate::Cached(c) => cached = c,
+            JobUpdate::Tokens(t) => tokens.extend(t),
+            JobUpdate::Done {
+                completion_tokens,
+                length,
+            } => {
+                let text = w.text(&tokens);
+                let mut full = s.shape.full(&text, completion_tokens, length, cached);
+                if let Some(params) = s.transfer_params {
+                    full["kv_transfer_params"] = params;
+                }
+                return axum::Json(full).into_response();
+            }
+            JobUpdate::Refused(message) => return ApiError::bad_request("prompt", message).into_response(),
+        }
+    }
+    stopped().into_response()
+}
+
+/// A response body fed by a channel of SSE chunks. If the channel closes before the final
+/// chunk (the engine stopped: the worker was killed), the body fails, so the connection breaks
+/// off instead of ending like a complete response.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+    complete: bool,
+}
+
+/// The engine stopped in the middle of a response.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine stopped mid-response")]
+struct EngineStopped;
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = EngineStopped;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.rx.poll_recv(cx).map(|chunk| match chunk {
+            Some(b) => {
+                if b.ends_with(DONE) {
+                    self.complete = true;
+                }
+                Some(Ok(Frame::data(b)))
+            }
+            None if self.complete => None,
+            None => Some(Err(EngineStopped)),
+        })
+    }
+}
+
+pub(crate) async fn models(State(w): State<Arc<Server>>) -> Response {
+    axum::Json(openai_json::model_list(&w.model_name)).into_response()
+}

@@ -1,0 +1,559 @@
+//! `kvroute serve`'s configuration: a TOML file (unknown keys rejected, kebab-case keys that are
+//! the CLI's flag names) that flags override, validated once by [`ServeConfig::validate`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_core::router::{
+    BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
+};
+pub use kvroute_http::EngineKind;
+use serde::{Deserialize, Serialize};
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A field has a value outside its range or vocabulary.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The router refused its part of the configuration.
+    #[error("router: {0}")]
+    Router(#[from] kvroute_core::router::ConfigError),
+    /// The TOML did not parse (unknown keys included).
+    #[error("{0}")]
+    Parse(String),
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// One worker: an OpenAI-compatible engine endpoint and, optionally, its KV-event sockets.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct WorkerConfig {
+    /// Base URL of the worker's OpenAI API, e.g. `http://10.0.0.5:8000` (plain HTTP).
+    pub url: String,
+    /// The worker's KV-event PUB endpoint, e.g. `tcp://10.0.0.5:5557`. None: no events (the
+    /// router sees this worker's cache only through its own decisions, if the cache mode
+    /// predicts).
+    #[serde(default)]
+    pub events: Option<String>,
+    /// The worker's replay ROUTER endpoint, for filling sequence gaps.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// The topic of its events (vLLM's default is empty).
+    #[serde(default)]
+    pub topic: String,
+    /// Tokens per KV block; must equal the router's block size (checked). Default: the router's.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Data-parallel ranks behind the URL; each is a cache of its own, selected as the
+    /// worker's `engine` reads it. Default 1.
+    #[serde(default = "one", rename = "dp")]
+    pub dp_size: u32,
+    /// `agg` (prefill and decode), `prefill` (prefills for decode workers: the first hop of a
+    /// disaggregated request) or `decode` (decodes, with the prompt's KV from a prefill worker
+    /// when the decider says so, else computed locally). Default `agg`.
+    #[serde(default = "agg")]
+    pub role: String,
+    /// KV-cache capacity in blocks (for busy thresholds and capacity-aware policies). Default
+    /// 16,384.
+    #[serde(default = "default_capacity", rename = "capacity")]
+    pub capacity_blocks: u64,
+    /// Concurrent requests the engine runs (vLLM `max_num_seqs`). Default 256.
+    #[serde(default = "default_max_requests")]
+    pub max_requests: u64,
+    /// A `prefill` worker's bootstrap server port, in SGLang's protocol (`disagg-protocol =
+    /// "sglang"`; SGLang's `--disaggregation-bootstrap-port`). None sends `null`: the engine's
+    /// default port.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// The engine: `vllm` or `sglang` (how a request names its data-parallel rank). Default
+    /// `vllm`.
+    #[serde(default)]
+    pub engine: EngineKind,
+}
+
+fn one() -> u32 {
+    1
+}
+fn agg() -> String {
+    "agg".to_owned()
+}
+fn default_capacity() -> u64 {
+    16_384
+}
+fn default_max_requests() -> u64 {
+    256
+}
+
+impl WorkerConfig {
+    /// A worker at `url` with every other field at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            events: None,
+            replay: None,
+            topic: String::new(),
+            block_size: None,
+            dp_size: 1,
+            role: agg(),
+            capacity_blocks: default_capacity(),
+            max_requests: default_max_requests(),
+            bootstrap_port: None,
+            engine: EngineKind::Vllm,
+        }
+    }
+
+    /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
+    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]`: the
+    /// keys of a `[[worker]]` table.
+    pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
+        fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| invalid("--worker", format!("{k}={v} is not a whole number")))?;
+            T::try_from(n).map_err(|_| {
+                let ty = std::any::type_name::<T>();
+                invalid("--worker", format!("{k}={v} is past the largest {k} ({ty})"))
+            })
+        }
+        let mut parts = s.split(',');
+        let mut w = Self::new(parts.next().unwrap_or_default().trim());
+        for part in parts {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| invalid("--worker", format!("{part:?} is not key=value")))?;
+            match k.trim() {
+                "events" => w.events = Some(v.to_owned()),
+                "replay" => w.replay = Some(v.to_owned()),
+                "topic" => w.topic = v.to_owned(),
+                "dp" => w.dp_size = num(k, v)?,
+                "block-size" => w.block_size = Some(num(k, v)?),
+                "role" => w.role = v.to_owned(),
+                "capacity" => w.capacity_blocks = num(k, v)?,
+                "max-requests" => w.max_requests = num(k, v)?,
+                "engine" => {
+                    w.engine = v
+                        .parse()
+                        .map_err(|e| invalid("--worker", format!("engine={e}")))?
+                }
+                "bootstrap-port" => w.bootstrap_port = Some(num(k, v)?),
+                other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
+            }
+        }
+        Ok(w)
+    }
+
+    /// Checks the worker against the router's block size and the fleet's disaggregation
+    /// protocol.
+    pub fn validate(&self, router_block_size: u32, protocol: EngineKind) -> Result<(), ConfigError> {
+        let f = |name: &str| format!("worker {}: {name}", self.url);
+        let uri: hyper::Uri = self.url.parse().map_err(|_| invalid(f("url"), "is not a URL"))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(invalid(f("url"), "must be http://host:port"));
+        }
+        if self.dp_size == 0 || self.dp_size > 1024 {
+            return Err(invalid(f("dp"), "must be 1 to 1024"));
+        }
+        if let Some(bs) = self.block_size
+            && bs != router_block_size
+        {
+            return Err(invalid(
+                f("block-size"),
+                format!("{bs} differs from the router's block size {router_block_size}"),
+            ));
+        }
+        if role_of(&self.role).is_none() {
+            return Err(invalid(
+                f("role"),
+                format!("{:?}: agg, prefill or decode", self.role),
+            ));
+        }
+        if self.capacity_blocks == 0 || self.max_requests == 0 {
+            return Err(invalid(f("capacity/max-requests"), "must be at least 1"));
+        }
+        if self.replay.is_some() && self.events.is_none() {
+            return Err(invalid(f("replay"), "needs an events endpoint"));
+        }
+        // Rank r publishes on the endpoint's port plus r: that port must exist.
+        if self.dp_size > 1 {
+            for (field, endpoint) in [("events", &self.events), ("replay", &self.replay)] {
+                if let Some(endpoint) = endpoint
+                    && let Err(e) = kvroute_zmq::rank_endpoint(endpoint, self.dp_size - 1)
+                {
+                    return Err(invalid(f(field), e.to_string()));
+                }
+            }
+        }
+        if self.bootstrap_port.is_some() {
+            if self.role() != WorkerRole::Prefill {
+                return Err(invalid(f("bootstrap-port"), "only a prefill worker has one"));
+            }
+            if protocol != EngineKind::Sglang {
+                return Err(invalid(
+                    f("bootstrap-port"),
+                    "is SGLang's: set disagg-protocol = \"sglang\"",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The role the router books this worker under (a role [`WorkerConfig::validate`] refused
+    /// counts as `agg`).
+    pub fn role(&self) -> WorkerRole {
+        role_of(&self.role).unwrap_or(WorkerRole::Aggregated)
+    }
+}
+
+/// The core's role named `name` (`agg`, `prefill`, `decode`), by the core's own names.
+fn role_of(name: &str) -> Option<WorkerRole> {
+    [WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode]
+        .into_iter()
+        .find(|r| r.name() == name)
+}
+
+/// Everything `kvroute serve` needs. Every field has a default, so a file names only what it
+/// changes.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct ServeConfig {
+    /// Where to listen. Default `127.0.0.1:8000`.
+    pub listen: String,
+    /// The model name served (`/v1/models`). Default `tiny`.
+    pub model_name: String,
+    /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat). Default:
+    /// the built-in tiny model.
+    pub model_dir: Option<PathBuf>,
+    /// Routing policy name (`kv`, `dynamo`, `sglang-cache-aware`, `round-robin`, ...). Default
+    /// `kv`.
+    pub policy: String,
+    /// Tokens per KV block, as the engines use. Default 16 (vLLM's default).
+    pub block_size: u32,
+    /// Router seed. Default 0.
+    pub seed: u64,
+    /// Whether a request routed to a `decode` worker has its prefill on a `prefill` worker
+    /// first (the two-hop flow): `always`, `never`, or a number N: when more than N prompt
+    /// tokens are not cached on the chosen decode worker (the core's prefix-threshold
+    /// decider; the vocabulary of `kvroute replay --decider`). Default `always`.
+    pub decider: String,
+    /// How prefill and decode workers hand a request's KV over: `vllm` (two hops with
+    /// `kv_transfer_params`) or `sglang` (bootstrap host, port and room, sent to both at once).
+    /// Default `vllm`.
+    pub disagg_protocol: EngineKind,
+    /// Where the router's cache view comes from: `events`, `predict` (events plus its own
+    /// recent decisions) or `approximate` (its decisions only). Default `events`.
+    pub cache: String,
+    /// Requests that may wait when every worker is busy; past it, 503 with `Retry-After`.
+    /// Default 1,024.
+    pub queue_capacity: usize,
+    /// How long a request may wait in the queue before a 503. Default 30,000 ms.
+    pub queue_timeout_ms: u64,
+    /// A worker is busy when its requests exceed this fraction of its `max_requests`. Default:
+    /// never busy.
+    pub busy_requests_fraction: Option<f64>,
+    /// Largest request body, bytes (413 past it). Default 4 MiB.
+    pub max_body_bytes: usize,
+    /// Most prompt tokens (400 past it). Default 131,072.
+    pub max_prompt_tokens: usize,
+    /// Longest silence from a worker while a request runs (before its headers or between two
+    /// chunks) before the request fails with 504. Default 600,000 ms.
+    pub request_timeout_ms: u64,
+    /// TCP connect timeout to a worker. Default 2,000 ms.
+    pub connect_timeout_ms: u64,
+    /// How often workers' `/health` is checked; 0 turns checks off. Default 5,000 ms.
+    pub health_interval_ms: u64,
+    /// Timeout of one health check. Default 1,000 ms.
+    pub health_timeout_ms: u64,
+    /// Failed health checks in a row that take a worker out of routing. Default 3. (A request
+    /// that cannot connect to a worker takes it out at once.)
+    pub health_failure_threshold: u32,
+    /// Passing health checks in a row that bring an unhealthy worker back. Default 2.
+    pub health_success_threshold: u32,
+    /// Runtime worker threads (0: one per core). Default 0.
+    pub threads: usize,
+    /// The workers (`[[worker]]` tables; the CLI's `--worker`).
+    #[serde(rename = "worker")]
+    pub workers: Vec<WorkerConfig>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".to_owned(),
+            model_name: "tiny".to_owned(),
+            model_dir: None,
+            policy: "kv".to_owned(),
+            block_size: 16,
+            seed: 0,
+            decider: "always".to_owned(),
+            disagg_protocol: EngineKind::Vllm,
+            cache: "events".to_owned(),
+            queue_capacity: 1024,
+            queue_timeout_ms: 30_000,
+            busy_requests_fraction: None,
+            max_body_bytes: 4 << 20,
+            max_prompt_tokens: 131_072,
+            request_timeout_ms: 600_000,
+            connect_timeout_ms: 2_000,
+            health_interval_ms: 5_000,
+            health_timeout_ms: 1_000,
+            health_failure_threshold: 3,
+            health_success_threshold: 2,
+            threads: 0,
+            workers: Vec::new(),
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Parses a TOML file's text; unknown keys are errors.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))
+    }
+
+    /// Checks every field once, and returns the router configuration it implies.
+    pub fn validate(&self) -> Result<RouterConfig, ConfigError> {
+        self.listen_addr()?;
+        if self.model_name.is_empty() {
+            return Err(invalid("model-name", "must not be empty"));
+        }
+        if self.max_body_bytes == 0 || self.max_prompt_tokens == 0 {
+            return Err(invalid("max-body-bytes/max-prompt-tokens", "must be at least 1"));
+        }
+        if self.request_timeout_ms == 0 || self.connect_timeout_ms == 0 || self.queue_timeout_ms == 0 {
+            return Err(invalid(
+                "request-timeout-ms/connect-timeout-ms/queue-timeout-ms",
+                "must be at least 1 ms",
+            ));
+        }
+        if self.health_interval_ms > 0 && self.health_timeout_ms == 0 {
+            return Err(invalid("health-timeout-ms", "must be at least 1 ms"));
+        }
+        if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
+            return Err(invalid(
+                "health-failure-threshold/health-success-threshold",
+                "must be at least 1",
+            ));
+        }
+        let policy = PolicyConfig::from_name(&self.policy).map_err(|e| invalid("policy", e.to_string()))?;
+        let cache = match self.cache.as_str() {
+            "events" => CacheMode::Events,
+            "predict" => CacheMode::EventsWithPrediction(RecentConfig::PREDICT_ON_ROUTE),
+            "approximate" => CacheMode::Approximate(RecentConfig::PREDICT_ON_ROUTE),
+            other => {
+                return Err(invalid(
+                    "cache",
+                    format!("{other:?}: events, predict or approximate"),
+                ));
+            }
+        };
+        let decider = Decider::from_name(&self.decider).map_err(|e| invalid("decider", e.to_string()))?;
+        let router = RouterConfig {
+            block_size: self.block_size,
+            seed: self.seed,
+            decider,
+            policy,
+            cache,
+            busy: BusyThresholds {
+                requests_fraction: self.busy_requests_fraction,
+                ..BusyThresholds::default()
+            },
+            queue: QueueConfig {
+                capacity: self.queue_capacity,
+                ..QueueConfig::default()
+            },
+            ..RouterConfig::default()
+        };
+        router.validate()?;
+        for w in &self.workers {
+            w.validate(self.block_size, self.disagg_protocol)?;
+        }
+        Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
+        Ok(router)
+    }
+
+    /// Checks that a fleet of these roles can serve: some worker decodes (`agg` or `decode`),
+    /// and `prefill` workers come with `decode` workers (the core sends prefills only for
+    /// requests decoded on a `decode` worker). An empty fleet passes (workers may come through
+    /// the admin API).
+    pub fn validate_fleet(roles: impl IntoIterator<Item = WorkerRole>) -> Result<(), ConfigError> {
+        let (mut agg, mut prefill, mut decode) = (0, 0, 0);
+        for role in roles {
+            match role {
+                WorkerRole::Aggregated => agg += 1,
+                WorkerRole::Prefill => prefill += 1,
+                WorkerRole::Decode => decode += 1,
+            }
+        }
+        if prefill > 0 && decode == 0 {
+            let message = if agg == 0 {
+                "a fleet of only prefill workers cannot serve: add decode (or agg) workers"
+            } else {
+                "prefill workers serve only decode workers, and this fleet has none (role = \"decode\")"
+            };
+            return Err(invalid("worker", message));
+        }
+        Ok(())
+    }
+
+    /// The listen address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        if let Some((_, port)) = self.listen.rsplit_once(':')
+            && port.parse::<u16>().is_err()
+        {
+            return Err(invalid(
+                "listen",
+                format!("{:?}: port {port:?} is not 0 to 65535", self.listen),
+            ));
+        }
+        self.listen
+            .parse()
+            .map_err(|e| invalid("listen", format!("{:?}: {e} (HOST:PORT)", self.listen)))
+    }
+
+    pub(crate) fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_reject_unknown_keys_and_flags_parse() {
+        let c = ServeConfig::from_toml_str(
+            "policy = \"round-robin\"\n[[worker]]\nurl = \"http://127.0.0.1:1\"\ndp = 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.workers[0].dp_size, 2);
+        assert!(c.validate().is_ok());
+        assert!(ServeConfig::from_toml_str("polcy = \"kv\"").is_err());
+        assert!(ServeConfig::from_toml_str("[[worker]]\nurl = \"http://a\"\nport = 1\n").is_err());
+        let w = WorkerConfig::parse_flag("http://h:1,events=tcp://h:2,replay=tcp://h:3,dp=2").unwrap();
+        assert_eq!(w.events.as_deref(), Some("tcp://h:2"));
+        assert_eq!(w.dp_size, 2);
+        assert_eq!(w.engine, EngineKind::Vllm);
+        let w = WorkerConfig::parse_flag("http://h:1,dp=4,engine=sglang").unwrap();
+        assert_eq!(w.engine, EngineKind::Sglang);
+        let w = WorkerConfig::parse_flag("http://h:1,dp=4,events=tcp://h:5557,replay=tcp://h:5561").unwrap();
+        assert!(w.validate(16, EngineKind::Vllm).is_ok());
+        assert!(WorkerConfig::parse_flag("http://h:1,engine=trt").is_err());
+        for e in [EngineKind::Vllm, EngineKind::Sglang] {
+            assert_eq!(e.name().parse::<EngineKind>(), Ok(e));
+        }
+        let c =
+            ServeConfig::from_toml_str("[[worker]]\nurl = \"http://h:1\"\nengine = \"sglang\"\n").unwrap();
+        assert_eq!(c.workers[0].engine, EngineKind::Sglang);
+        assert!(ServeConfig::from_toml_str("[[worker]]\nurl = \"http://h:1\"\nengine = \"trt\"\n").is_err());
+        assert!(WorkerConfig::parse_flag("http://h:1,bogus=1").is_err());
+        for bad in [
+            "ftp://h:1",
+            "http://h:1,dp=0",
+            "http://h:1,dp=2,events=ipc:///tmp/kv",
+            "http://h:1,dp=2,events=tcp://h:65535",
+            "http://h:1,block-size=64",
+            "http://h:1,role=prefil",
+        ] {
+            let w = WorkerConfig::parse_flag(bad).unwrap();
+            assert!(w.validate(16, EngineKind::Vllm).is_err(), "{bad}");
+        }
+        let bad = ServeConfig {
+            policy: "nope".into(),
+            ..ServeConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn roles_fleets_and_deciders() {
+        for (flag, role) in [
+            ("http://h:1", WorkerRole::Aggregated),
+            ("http://h:1,role=agg", WorkerRole::Aggregated),
+            ("http://h:1,role=prefill", WorkerRole::Prefill),
+            ("http://h:1,role=decode", WorkerRole::Decode),
+        ] {
+            let w = WorkerConfig::parse_flag(flag).unwrap();
+            assert!(w.validate(16, EngineKind::Vllm).is_ok(), "{flag}");
+            assert_eq!(w.role(), role, "{flag}");
+        }
+        // (roles, decider, accepted)
+        let cases: &[(&[&str], &str, bool)] = &[
+            (&[], "always", true),
+            (&["agg", "agg"], "always", true),
+            (&["prefill", "decode"], "always", true),
+            (&["prefill", "decode", "agg"], "never", true),
+            (&["decode"], "512", true),
+            (&["prefill"], "always", false),
+            (&["prefill", "prefill"], "always", false),
+            (&["prefill", "agg"], "always", false),
+            (&["prefill", "decode"], "sometimes", false),
+            (&["prefill", "decode"], "-3", false),
+        ];
+        for (roles, decider, accepted) in cases {
+            let workers = roles
+                .iter()
+                .enumerate()
+                .map(|(i, r)| WorkerConfig {
+                    role: (*r).to_owned(),
+                    ..WorkerConfig::new(format!("http://127.0.0.1:{}", 1 + i))
+                })
+                .collect();
+            let c = ServeConfig {
+                workers,
+                decider: (*decider).to_owned(),
+                ..ServeConfig::default()
+            };
+            assert_eq!(
+                c.validate().is_ok(),
+                *accepted,
+                "{roles:?} {decider}: {:?}",
+                c.validate()
+            );
+        }
+        let c = ServeConfig::from_toml_str(
+            "decider = \"256\"\n[[worker]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             [[worker]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+        )
+        .unwrap();
+        let router = c.validate().unwrap();
+        assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
+        assert_eq!(c.disagg_protocol, EngineKind::Vllm);
+        assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
+    }
+
+    #[test]
+    fn sglang_bootstrap_ports() {
+        let c = ServeConfig::from_toml_str(
+            "disagg-protocol = \"sglang\"\n[[worker]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n\
+             bootstrap-port = 8998\n[[worker]]\nurl = \"http://h:2\"\nrole = \"decode\"\n",
+        )
+        .unwrap();
+        assert!(c.validate().is_ok());
+        assert_eq!(c.disagg_protocol, EngineKind::Sglang);
+        assert_eq!(c.workers[0].bootstrap_port, Some(8998));
+        let err = ServeConfig::from_toml_str("disagg-protocol = \"nixl\"").unwrap_err();
+        assert!(err.to_string().contains("unknown variant"), "{err}");
+        let w = WorkerConfig::parse_flag("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
+        assert_eq!(w.bootstrap_port, Some(8998));
+        assert!(w.validate(16, EngineKind::Sglang).is_ok());
+        let err = w.validate(16, EngineKind::Vllm).unwrap_err();
+        assert!(err.to_string().contains("disagg-protocol"), "{err}");
+        let w = WorkerConfig::parse_flag("http://h:1,role=decode,bootstrap-port=8998").unwrap();
+        assert!(w.validate(16, EngineKind::Sglang).is_err());
+        assert!(WorkerConfig::parse_flag("http://h:1,bootstrap-port=70000").is_err());
+    }
+}

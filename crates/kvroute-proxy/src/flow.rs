@@ -1,0 +1,378 @@
+//! A generation request's way to its workers, once parsed: routed by the router core, then
+//! sent in one of three flows, each its own function:
+//!
+//! * [`aggregated`]: one worker prefills and decodes; its response streams back.
+//! * [`vllm_two_hops`]: vLLM's disaggregated prefill ([`kvroute_http::disagg`]): a
+//!   prefill-only request to the prefill worker, read whole, then the client's request with the
+//!   prefill's `kv_transfer_params` to the decode worker, whose response streams back. The
+//!   prefill's answer is the router's first token (the prefill worker's load is freed then, as
+//!   the simulator does on the prefill engine's first token); the client's time to first token
+//!   is measured to hop 2's first chunk.
+//! * [`sglang_pair`]: SGLang's bootstrap protocol: one body with the bootstrap fields, sent to
+//!   the prefill and the decode worker at once; the decode worker's response streams back.
+//!
+//! A worker that cannot be reached (either worker of a disaggregated request) is taken out of
+//! routing and the request routed once more; any other failure (non-2xx prefill, a broken
+//! response, a timeout, or a second connect failure) ends the request with an OpenAI-shaped
+//! 502 (504 on timeout). The response that streams back goes through an [`Observed`] body
+//! that reports its chunks and its end to the request's guard.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use kvroute_http::disagg;
+use kvroute_http::net::HttpClient;
+use kvroute_http::openai::{self, ApiError, Endpoint};
+
+use crate::config::{EngineKind, ServeConfig};
+use crate::driver::{RequestGuard, RouteError, Shared, Target, Upstream};
+use crate::observed::Observed;
+use crate::worker::WorkerEvent;
+
+/// What the flows need: the router driver, the pooled client, and this proxy's instance tag.
+#[derive(Debug)]
+pub struct Forwarder {
+    /// The router driver.
+    pub shared: Arc<Shared>,
+    /// The pooled upstream client.
+    pub client: HttpClient,
+    /// This proxy's instance tag (its start time), which makes the request ids of the
+    /// disaggregated flows unique across restarts.
+    pub instance: u64,
+}
+
+/// A generation request to forward: its endpoint, what parsing found, and its body.
+#[derive(Debug)]
+pub struct Generation<'a> {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// The parsed request.
+    pub parsed: &'a openai::Parsed,
+    /// The client's body, forwarded unchanged (but for what a flow adds).
+    pub body: Bytes,
+}
+
+/// How sending to a worker failed: before it was reached (the worker is out of routing and the
+/// request may be routed again), or after.
+#[derive(Debug)]
+pub enum HopError {
+    /// The worker could not be reached.
+    Connect(ApiError),
+    /// Anything else.
+    Failed(ApiError),
+}
+
+/// The largest prefill response read (one token, and the KV's block ids).
+const MAX_PREFILL_RESPONSE: usize = 16 << 20;
+
+/// The 503 of a request the router could not take.
+pub fn route_error(e: RouteError) -> ApiError {
+    let (code, message) = match e {
+        RouteError::NoWorker => ("no_worker", "no worker is available"),
+        RouteError::QueueFull => ("overloaded", "every worker is busy and the queue is full"),
+        RouteError::QueueTimeout => ("queue_timeout", "the request waited too long for a worker"),
+    };
+    ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            code,
+            message,
+        )
+    }
+}
+
+impl Forwarder {
+    /// The `X-Request-Id` both sides of the router's request `id` carry.
+    fn request_id(&self, id: kvroute_core::ids::RequestId) -> String {
+        format!("kvroute-{:x}-{}", self.instance, id.0)
+    }
+
+    /// Routes `request` and sends it in its flow; the response streams back observed. A
+    /// connect failure on the first attempt routes it once more (the guard, dropped either
+    /// way, frees its load; so does a client leaving).
+    pub async fn forward(
+        self: &Arc<Self>,
+        request: &Generation<'_>,
+        t0: Instant,
+    ) -> Result<Response, ApiError> {
+        let shared = &self.shared;
+        let timeout = ServeConfig::ms(shared.config.request_timeout_ms);
+        for attempt in 0..2 {
+            let (mut guard, target, _) = shared
+                .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
+                .await
+                .map_err(route_error)?;
+            if attempt == 0 {
+                shared
+                    .metrics
+                    .overhead_total
+                    .observe(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            match self.send_in_flow(request, &target, &mut guard, timeout).await {
+                Ok(response) => return Ok(observe(response, guard, request.parsed.stream, timeout)),
+                Err(HopError::Connect(_)) if attempt == 0 => shared.metrics.upstream_retries.inc(),
+                Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
+            }
+        }
+        Err(route_error(RouteError::NoWorker))
+    }
+
+    /// Sends a routed request in the flow its target and the fleet's protocol call for.
+    async fn send_in_flow(
+        self: &Arc<Self>,
+        request: &Generation<'_>,
+        target: &Target,
+        guard: &mut RequestGuard,
+        timeout: Duration,
+    ) -> Result<hyper::Response<Incoming>, HopError> {
+        match (&target.prefill, self.shared.config.disagg_protocol) {
+            (None, _) => aggregated(self, request, &target.decode, timeout).await,
+            (Some(prefill), EngineKind::Vllm) => {
+                vllm_two_hops(self, request, prefill, &target.decode, guard, timeout).await
+            }
+            (Some(prefill), EngineKind::Sglang) => {
+                sglang_pair(self, request, prefill, &target.decode, guard, timeout).await
+            }
+        }
+    }
+}
+
+/// The worker's response, passed back with its status and content type, its body observed.
+fn observe(
+    response: hyper::Response<Incoming>,
+    guard: RequestGuard,
+    streaming: bool,
+    timeout: Duration,
+) -> Response {
+    let (parts, incoming) = response.into_parts();
+    let mut out = Response::new(Body::new(Observed::new(incoming, guard, streaming, timeout)));
+    *out.status_mut() = parts.status;
+    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    }
+    out
+}
+
+/// The aggregated flow: the client's body to the one worker.
+pub async fn aggregated(
+    fwd: &Forwarder,
+    request: &Generation<'_>,
+    worker: &Upstream,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    send(fwd, worker, request.endpoint, request.body.clone(), None, timeout).await
+}
+
+/// vLLM's two hops: the prefill-only request to `prefill`, then the client's request with the
+/// `kv_transfer_params` of its answer to `decode`.
+pub async fn vllm_two_hops(
+    fwd: &Arc<Forwarder>,
+    request: &Generation<'_>,
+    prefill: &Upstream,
+    decode: &Upstream,
+    guard: &mut RequestGuard,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    let request_id = fwd.request_id(guard.id());
+    let bad_body = |e| HopError::Failed(ApiError::bad_request("body", e));
+    let hop1 = disagg::prefill_body(&request.body).map_err(bad_body)?;
+    let hop1 = upstream_request(prefill, request.endpoint, Bytes::from(hop1), Some(&request_id))
+        .map_err(HopError::Failed)?;
+    let answer = prefill_exchange(Arc::clone(fwd), prefill.clone(), hop1, timeout).await?;
+    guard.prefill_done();
+    let hop2 = disagg::decode_body(&request.body, disagg::kv_transfer_params(&answer)).map_err(bad_body)?;
+    send(
+        fwd,
+        decode,
+        request.endpoint,
+        Bytes::from(hop2),
+        Some(&request_id),
+        timeout,
+    )
+    .await
+}
+
+/// SGLang's pair: one body with the bootstrap fields to `prefill` and `decode` at once. The
+/// decode worker's response is the client's. Whichever comes first decides: the prefill
+/// worker's answer (it prefilled; the router frees its share, and the decode worker's headers
+/// are awaited), a failed prefill (the decode request is dropped, which cancels it), or the
+/// decode worker's headers (a streaming decode answers before its KV arrives; the prefill
+/// worker's answer is then read and dropped in the background, and its failure only logged:
+/// the decode stream fails or times out on its own), or a failed decode request (the prefill
+/// request is dropped with it).
+pub async fn sglang_pair(
+    fwd: &Arc<Forwarder>,
+    request: &Generation<'_>,
+    prefill: &Upstream,
+    decode: &Upstream,
+    guard: &mut RequestGuard,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    let request_id = fwd.request_id(guard.id());
+    let room = disagg::bootstrap_room(fwd.instance, guard.id().0);
+    let host = disagg::host_of(&prefill.base);
+    let both = disagg::bootstrap_body(&request.body, &host, prefill.bootstrap_port, room)
+        .map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
+    let both = Bytes::from(both);
+    let to_prefill = upstream_request(prefill, request.endpoint, both.clone(), Some(&request_id))
+        .map_err(HopError::Failed)?;
+    let mut prefill_side = Box::pin(prefill_exchange(
+        Arc::clone(fwd),
+        prefill.clone(),
+        to_prefill,
+        timeout,
+    ));
+    let decode_side = send(fwd, decode, request.endpoint, both, Some(&request_id), timeout);
+    tokio::pin!(decode_side);
+    tokio::select! {
+        answer = &mut prefill_side => {
+            answer?;
+            guard.prefill_done();
+            decode_side.await
+        }
+        response = &mut decode_side => {
+            // A failed decode side drops the prefill side too (its KV would wait for nobody).
+            if response.is_ok() {
+                let worker = prefill.worker;
+                tokio::spawn(async move {
+                    if let Err(HopError::Connect(e) | HopError::Failed(e)) = prefill_side.await {
+                        tracing::warn!(worker = worker.0, error = %e.message, "the prefill side of an SGLang pair failed");
+                    }
+                });
+            }
+            response
+        }
+    }
+}
+
+/// A POST of `body` to `upstream`'s `endpoint`, naming its data-parallel rank as its engine
+/// reads it (vLLM's header, SGLang's body field) and, for the requests of a disaggregated one,
+/// their shared request id.
+fn upstream_request(
+    upstream: &Upstream,
+    endpoint: Endpoint,
+    mut body: Bytes,
+    request_id: Option<&str>,
+) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    let mut builder = hyper::Request::post(format!("{}{}", upstream.base, endpoint.path()))
+        .header(header::CONTENT_TYPE, "application/json");
+    if upstream.dp {
+        match upstream.engine {
+            EngineKind::Vllm => builder = builder.header("x-data-parallel-rank", upstream.dp_rank),
+            EngineKind::Sglang => {
+                body = disagg::with_field(&body, "data_parallel_rank", upstream.dp_rank.into())
+                    .map(Bytes::from)
+                    .map_err(|e| ApiError::bad_request("body", e))?;
+            }
+        }
+    }
+    if let Some(id) = request_id {
+        builder = builder.header(disagg::REQUEST_ID, id);
+    }
+    builder.body(Full::new(body)).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "bad_worker_url",
+            e.to_string(),
+        )
+    })
+}
+
+/// Sends `body` to the worker that answers the client and returns its response once its
+/// headers arrive (within `timeout`). A connect failure takes the worker out of routing.
+async fn send(
+    fwd: &Forwarder,
+    upstream: &Upstream,
+    endpoint: Endpoint,
+    body: Bytes,
+    request_id: Option<&str>,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>, HopError> {
+    let request = upstream_request(upstream, endpoint, body, request_id).map_err(HopError::Failed)?;
+    match tokio::time::timeout(timeout, fwd.client.request(request)).await {
+        Err(_) => Err(HopError::Failed(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "timeout",
+            "the worker did not answer in time",
+        ))),
+        Ok(Err(e)) if e.is_connect() => {
+            tracing::warn!(worker = upstream.worker.0, error = %e, "worker unreachable; out of routing");
+            fwd.shared.worker_event(upstream.worker, WorkerEvent::Unreachable);
+            Err(HopError::Connect(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "upstream_failed",
+                format!("the worker {} cannot be reached: {e}", upstream.base),
+            )))
+        }
+        Ok(Err(e)) => Err(HopError::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_failed",
+            format!("the worker failed: {e}"),
+        ))),
+        Ok(Ok(response)) => Ok(response),
+    }
+}
+
+/// Sends a prefill request and reads its answer whole within `timeout`; a non-2xx answer is an
+/// error naming the worker. A connect failure also takes the worker out of routing (health
+/// checks bring it back). Owns what it uses, so it can finish in the background.
+async fn prefill_exchange(
+    fwd: Arc<Forwarder>,
+    prefill: Upstream,
+    request: hyper::Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Result<Bytes, HopError> {
+    let failed = |message: String| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "prefill_failed",
+            format!("the prefill worker {}: {message}", prefill.base),
+        )
+    };
+    let exchange = async {
+        let response = fwd.client.request(request).await.map_err(|e| {
+            let error = failed(format!("request failed: {e}"));
+            if e.is_connect() {
+                tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
+                fwd.shared.worker_event(prefill.worker, WorkerEvent::Unreachable);
+                HopError::Connect(error)
+            } else {
+                HopError::Failed(error)
+            }
+        })?;
+        let status = response.status();
+        let bytes = Limited::new(response.into_body(), MAX_PREFILL_RESPONSE)
+            .collect()
+            .await
+            .map_err(|e| HopError::Failed(failed(format!("reading the response: {e}"))))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&bytes);
+            let text: String = text.chars().take(300).collect();
+            return Err(HopError::Failed(failed(format!("answered {status}: {text}"))));
+        }
+        Ok(bytes)
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(HopError::Failed(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "prefill_timeout",
+            format!("the prefill worker {} did not answer in time", prefill.base),
+        ))),
+    }
+}
