@@ -141,9 +141,9 @@ pub struct Parsed {
     pub model: Option<String>,
     /// vLLM's `cache_salt`, which namespaces the prefix cache.
     pub cache_salt: Option<String>,
-    /// The first of [`INTERNAL_FIELDS`] the body sets (not null): the proxy refuses such a
-    /// request ([`engine_body`]); an engine reads it.
-    pub internal_field: Option<&'static str>,
+    /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`]); an
+    /// engine reads them.
+    pub internal_fields: Vec<&'static str>,
 }
 
 /// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
@@ -226,10 +226,11 @@ pub fn parse_with(
     if tokens.len() > max_prompt_tokens {
         return Err(too_long(tokens.len(), max_prompt_tokens));
     }
-    let internal_field = INTERNAL_FIELDS
+    let internal_fields = INTERNAL_FIELDS
         .iter()
         .copied()
-        .find(|f| obj.get(*f).is_some_and(|v| !v.is_null()));
+        .filter(|f| obj.contains_key(*f))
+        .collect();
     Ok(Parsed {
         stream,
         include_usage,
@@ -240,7 +241,7 @@ pub fn parse_with(
         max_tokens,
         model: model_name,
         cache_salt,
-        internal_field,
+        internal_fields,
     })
 }
 
@@ -276,31 +277,32 @@ pub fn engine_tokens(
 /// The body the proxy sends the engine for a client's `body` (parsed as `parsed`), or `None`
 /// when it is the client's as it came:
 ///
-/// * a request that sets one of [`INTERNAL_FIELDS`] is refused with a 400 naming it (refused
-///   rather than silently stripped: a client that sent it meant something by it, and should
-///   learn at once that it is not honoured here);
+/// * [`INTERNAL_FIELDS`] are stripped. Stripped rather than refused: they mean nothing to the
+///   client's request (text comes back either way), only to the flows kvroute runs, which set
+///   their own (as they already replace a client's bootstrap fields and rank); a client built
+///   for another gateway keeps working, and a hostile one steers nothing. Each strip is logged.
 /// * a completion's text prompt is replaced by the token ids the router routed on (Dynamo's
 ///   design): the engine adds nothing to token ids, so routing and engine cannot disagree on
 ///   the prompt's blocks. The answer is the same text. Not with `echo`, whose answer would show
 ///   the decoded ids instead of the client's text: that request keeps its text.
 pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiError> {
-    if let Some(field) = parsed.internal_field {
-        return Err(ApiError {
-            code: "unsupported_parameter",
-            ..ApiError::bad_request(
-                field,
-                format!("`{field}` is set by kvroute for the flows it runs; a client may not send it"),
-            )
-        });
-    }
-    if !matches!(parsed.prompt, Prompt::Text(_)) || parsed.echo {
+    let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
+    if parsed.internal_fields.is_empty() && !replace_prompt {
         return Ok(None);
     }
     let mut obj = match serde_json::from_slice(body) {
         Ok(Value::Object(obj)) => obj,
         _ => return Err(ApiError::bad_request("body", "the body must be a JSON object")),
     };
-    obj.insert("prompt".to_owned(), Value::from(parsed.tokens.clone()));
+    if !parsed.internal_fields.is_empty() {
+        tracing::info!(fields = ?parsed.internal_fields, "stripped internal fields from a client's request");
+        for field in &parsed.internal_fields {
+            obj.remove(*field);
+        }
+    }
+    if replace_prompt {
+        obj.insert("prompt".to_owned(), Value::from(parsed.tokens.clone()));
+    }
     serde_json::to_vec(&obj)
         .map(Some)
         .map_err(|e| ApiError::bad_request("body", e.to_string()))
@@ -316,9 +318,16 @@ enum Rule {
     /// A string or a list of strings.
     Stop,
     /// A number in `min..=max` (`min` excluded when `open_min`).
-    Number { min: f64, max: f64, open_min: bool },
+    Number {
+        min: f64,
+        max: f64,
+        open_min: bool,
+    },
     /// An integer in `min..=max`.
-    Integer { min: i64, max: i64 },
+    Integer {
+        min: i64,
+        max: i64,
+    },
 }
 
 /// The standard request fields checked by type and range, with vLLM's bounds where it has
@@ -329,37 +338,114 @@ const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
     ("model", Rule::String, None),
     (
         "temperature",
-        Rule::Number { min: 0.0, max: f64::MAX, open_min: false },
+        Rule::Number {
+            min: 0.0,
+            max: f64::MAX,
+            open_min: false,
+        },
         None,
     ),
-    ("top_p", Rule::Number { min: 0.0, max: 1.0, open_min: true }, None),
-    ("min_p", Rule::Number { min: 0.0, max: 1.0, open_min: false }, None),
-    ("top_k", Rule::Integer { min: -1, max: i64::MAX }, None),
+    (
+        "top_p",
+        Rule::Number {
+            min: 0.0,
+            max: 1.0,
+            open_min: true,
+        },
+        None,
+    ),
+    (
+        "min_p",
+        Rule::Number {
+            min: 0.0,
+            max: 1.0,
+            open_min: false,
+        },
+        None,
+    ),
+    (
+        "top_k",
+        Rule::Integer {
+            min: -1,
+            max: i64::MAX,
+        },
+        None,
+    ),
     (
         "presence_penalty",
-        Rule::Number { min: -2.0, max: 2.0, open_min: false },
+        Rule::Number {
+            min: -2.0,
+            max: 2.0,
+            open_min: false,
+        },
         None,
     ),
     (
         "frequency_penalty",
-        Rule::Number { min: -2.0, max: 2.0, open_min: false },
+        Rule::Number {
+            min: -2.0,
+            max: 2.0,
+            open_min: false,
+        },
         None,
     ),
     (
         "repetition_penalty",
-        Rule::Number { min: 0.0, max: f64::MAX, open_min: true },
+        Rule::Number {
+            min: 0.0,
+            max: f64::MAX,
+            open_min: true,
+        },
         None,
     ),
-    ("max_tokens", Rule::Integer { min: 0, max: u32::MAX as i64 }, None),
+    (
+        "max_tokens",
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
+        None,
+    ),
     (
         "max_completion_tokens",
-        Rule::Integer { min: 0, max: u32::MAX as i64 },
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
         None,
     ),
-    ("min_tokens", Rule::Integer { min: 0, max: u32::MAX as i64 }, None),
-    ("n", Rule::Integer { min: 1, max: i64::MAX }, None),
-    ("best_of", Rule::Integer { min: 1, max: i64::MAX }, None),
-    ("seed", Rule::Integer { min: i64::MIN, max: i64::MAX }, None),
+    (
+        "min_tokens",
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
+        None,
+    ),
+    (
+        "n",
+        Rule::Integer {
+            min: 1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    (
+        "best_of",
+        Rule::Integer {
+            min: 1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    (
+        "seed",
+        Rule::Integer {
+            min: i64::MIN,
+            max: i64::MAX,
+        },
+        None,
+    ),
     ("stop", Rule::Stop, None),
     ("logit_bias", Rule::Object, None),
     ("user", Rule::String, None),
@@ -367,9 +453,20 @@ const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
     ("add_special_tokens", Rule::Bool, None),
     ("echo", Rule::Bool, Some(Endpoint::Completions)),
     ("suffix", Rule::String, Some(Endpoint::Completions)),
-    ("logprobs", Rule::Integer { min: 0, max: i64::MAX }, Some(Endpoint::Completions)),
+    (
+        "logprobs",
+        Rule::Integer {
+            min: 0,
+            max: i64::MAX,
+        },
+        Some(Endpoint::Completions),
+    ),
     ("logprobs", Rule::Bool, Some(Endpoint::Chat)),
-    ("top_logprobs", Rule::Integer { min: 0, max: 20 }, Some(Endpoint::Chat)),
+    (
+        "top_logprobs",
+        Rule::Integer { min: 0, max: 20 },
+        Some(Endpoint::Chat),
+    ),
     ("add_generation_prompt", Rule::Bool, Some(Endpoint::Chat)),
     ("continue_final_message", Rule::Bool, Some(Endpoint::Chat)),
 ];
@@ -408,9 +505,9 @@ pub fn validate_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(
             Rule::Integer { min, max } => match value.as_i64() {
                 Some(x) if (min..=max).contains(&x) => None,
                 _ if value.as_u64().is_some() && max == i64::MAX => None,
-                _ if value.is_i64() || value.is_u64() => Some(format!(
-                    "must be an integer from {min} to {max}, not {value}"
-                )),
+                _ if value.is_i64() || value.is_u64() => {
+                    Some(format!("must be an integer from {min} to {max}, not {value}"))
+                }
                 _ => Some("must be an integer".to_owned()),
             },
         };
@@ -624,7 +721,11 @@ mod tests {
             (Completions, r#""max_tokens": "10""#, Some("max_tokens")),
             (Completions, r#""max_tokens": 1.5"#, Some("max_tokens")),
             (Completions, r#""max_tokens": 10"#, None),
-            (Chat, r#""max_completion_tokens": -1"#, Some("max_completion_tokens")),
+            (
+                Chat,
+                r#""max_completion_tokens": -1"#,
+                Some("max_completion_tokens"),
+            ),
             (Completions, r#""n": 0"#, Some("n")),
             (Completions, r#""n": "1""#, Some("n")),
             (Completions, r#""stream": 1"#, Some("stream")),
@@ -636,19 +737,39 @@ mod tests {
             (Completions, r#""seed": "x""#, Some("seed")),
             (Completions, r#""seed": -7"#, None),
             (Completions, r#""presence_penalty": 3"#, Some("presence_penalty")),
-            (Completions, r#""frequency_penalty": -2.5"#, Some("frequency_penalty")),
+            (
+                Completions,
+                r#""frequency_penalty": -2.5"#,
+                Some("frequency_penalty"),
+            ),
             (Completions, r#""frequency_penalty": -2"#, None),
-            (Completions, r#""repetition_penalty": 0"#, Some("repetition_penalty")),
+            (
+                Completions,
+                r#""repetition_penalty": 0"#,
+                Some("repetition_penalty"),
+            ),
             (Completions, r#""logprobs": true"#, Some("logprobs")),
             (Completions, r#""logprobs": 5"#, None),
             (Chat, r#""logprobs": 5"#, Some("logprobs")),
-            (Chat, r#""logprobs": true, "top_logprobs": 21"#, Some("top_logprobs")),
+            (
+                Chat,
+                r#""logprobs": true, "top_logprobs": 21"#,
+                Some("top_logprobs"),
+            ),
             (Chat, r#""logprobs": true, "top_logprobs": 3"#, None),
             (Completions, r#""echo": "yes""#, Some("echo")),
             (Completions, r#""logit_bias": [1]"#, Some("logit_bias")),
             (Completions, r#""user": 7"#, Some("user")),
-            (Completions, r#""add_special_tokens": "no""#, Some("add_special_tokens")),
-            (Chat, r#""add_generation_prompt": 1"#, Some("add_generation_prompt")),
+            (
+                Completions,
+                r#""add_special_tokens": "no""#,
+                Some("add_special_tokens"),
+            ),
+            (
+                Chat,
+                r#""add_generation_prompt": 1"#,
+                Some("add_generation_prompt"),
+            ),
             (Completions, r#""model": 5"#, Some("model")),
             (Completions, r#""some_engine_field": "anything""#, None),
         ];
@@ -709,8 +830,16 @@ mod tests {
                 &[104, 105],
             ),
             (Chat, chat.into(), &[256, 258]),
-            (Chat, format!(r#"{chat}, "add_special_tokens": false"#), &[256, 258]),
-            (Chat, format!(r#"{chat}, "add_special_tokens": true"#), &[256, 256, 258]),
+            (
+                Chat,
+                format!(r#"{chat}, "add_special_tokens": false"#),
+                &[256, 258],
+            ),
+            (
+                Chat,
+                format!(r#"{chat}, "add_special_tokens": true"#),
+                &[256, 256, 258],
+            ),
         ];
         for (endpoint, fields, first) in cases {
             let body = format!("{{{fields}}}");
@@ -723,7 +852,7 @@ mod tests {
     }
 
     /// What the proxy forwards: a text completion as its token ids (with its BOS), anything
-    /// else as it came; a client's internal fields refused by name (null ones are nothing).
+    /// else as it came; a client's internal fields stripped.
     #[test]
     fn the_engine_gets_kvroutes_tokens_and_no_clients_internal_fields() {
         use Endpoint::{Chat, Completions};
@@ -744,19 +873,23 @@ mod tests {
             (Completions, r#"{"prompt": [1, 2]}"#),
             (Chat, r#"{"messages": [{"role": "user", "content": "hi"}]}"#),
             (Completions, r#"{"prompt": "hi", "echo": true}"#),
-            (Completions, r#"{"prompt": [1, 2], "kv_transfer_params": null}"#),
         ] {
             assert_eq!(body_for(endpoint, body).unwrap(), None, "{body}");
         }
         for field in INTERNAL_FIELDS {
             for endpoint in [Completions, Chat] {
                 let body = format!(
-                    r#"{{"prompt": "hi", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {{"remote_host": "10.6.6.6"}}}}"#
+                    r#"{{"prompt": [1], "messages": [{{"role": "user", "content": "hi"}}], "{field}": {{"remote_host": "10.6.6.6"}}, "seed": 1}}"#
                 );
-                let err = body_for(endpoint, &body).unwrap_err();
-                assert_eq!(err.status, StatusCode::BAD_REQUEST, "{body}");
-                assert_eq!(err.param, Some(*field), "{body}");
+                let sent = body_for(endpoint, &body).unwrap().unwrap();
+                assert_eq!(sent.get(*field), None, "{body}");
+                assert_eq!(sent["seed"], 1, "the rest is kept: {body}");
             }
         }
+        let sent = body_for(Completions, r#"{"prompt": "hi", "kv_transfer_params": null}"#);
+        assert_eq!(
+            sent.unwrap().unwrap(),
+            serde_json::json!({"prompt": [256, 104, 105]})
+        );
     }
 }

@@ -30,7 +30,11 @@ fn encode_matches_the_reference_implementation() {
         for case in cases {
             let text = case["text"].as_str().unwrap();
             let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
-            assert_eq!(model.encode(text, SpecialTokens::Omit).unwrap(), expected, "{name}: {text:?}");
+            assert_eq!(
+                model.encode(text, SpecialTokens::Omit).unwrap(),
+                expected,
+                "{name}: {text:?}"
+            );
         }
     }
 }
@@ -45,7 +49,11 @@ fn byte_level_tokenizers_decode_back_to_the_text() {
             if text.contains("<|") {
                 continue; // special tokens are skipped when decoding
             }
-            assert_eq!(model.decode(&model.encode(text, SpecialTokens::Omit).unwrap()), text, "{name}");
+            assert_eq!(
+                model.decode(&model.encode(text, SpecialTokens::Omit).unwrap()),
+                text,
+                "{name}"
+            );
         }
     }
 }
