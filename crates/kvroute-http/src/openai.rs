@@ -147,14 +147,16 @@ pub struct Parsed {
 }
 
 /// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
-/// `kv_transfer_params` (a client's could make an engine import KV from a host it names),
-/// SGLang's bootstrap fields, and SGLang's `data_parallel_rank` (the router picks the rank).
+/// `kv_transfer_params` (a client's could make an engine import KV from a host it names) and
+/// SGLang's bootstrap fields (a client's could make an SGLang engine pull KV from a host it
+/// names). Not SGLang's `data_parallel_rank`: vLLM reads no such field (it passes untouched, as
+/// `tests/dp_ranks.rs` checks), and the flow to an SGLang worker of several ranks replaces a
+/// client's with the router's.
 pub const INTERNAL_FIELDS: &[&str] = &[
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
-    "data_parallel_rank",
 ];
 
 /// Parses a request body for `endpoint`, tokenizing as the engine does ([`engine_tokens`])

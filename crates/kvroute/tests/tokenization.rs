@@ -369,8 +369,8 @@ async fn internal_fields_are_stripped_and_ill_typed_fields_refused() {
         "remote_host": "10.6.6.6", "remote_port": 5600,
     });
     let chat = json!([{"role": "user", "content": "hi"}]);
-    // Each would reach the mock as a remote prefill, a bootstrap decode waiting for its room,
-    // or a rank it does not have (a 400), were it not stripped.
+    // Each would reach the mock as a remote prefill or a bootstrap decode waiting for its room,
+    // were it not stripped.
     let stripped = [
         (
             Endpoint::Completions,
@@ -383,10 +383,6 @@ async fn internal_fields_are_stripped_and_ill_typed_fields_refused() {
         (
             Endpoint::Completions,
             json!({"prompt": [1, 2], "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7}),
-        ),
-        (
-            Endpoint::Completions,
-            json!({"prompt": "hi", "data_parallel_rank": 3}),
         ),
         (
             Endpoint::Completions,
