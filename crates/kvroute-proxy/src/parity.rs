@@ -135,8 +135,13 @@ pub async fn check(
     Ok(Parity::Match)
 }
 
-/// Runs [`check`] and logs what it found: a mismatch loudly (a warning naming the worker, the
-/// prompt kind and where the tokens part), an unsupported worker or a failed check as such.
+/// How many times [`check_and_warn`] asks a worker that cannot be reached (a worker is often
+/// added before it listens), the waits between doubling from half a second.
+const ATTEMPTS: u32 = 6;
+
+/// Runs [`check`] (again while the worker cannot be reached, up to [`ATTEMPTS`] times) and logs
+/// what it found: a mismatch loudly (a warning naming the worker, the prompt kind and where the
+/// tokens part), an unsupported worker or a failed check as such.
 pub async fn check_and_warn(
     client: HttpClient,
     base: String,
@@ -144,7 +149,16 @@ pub async fn check_and_warn(
     model: std::sync::Arc<Model>,
     timeout: Duration,
 ) -> Result<Parity, ParityError> {
-    let result = check(&client, &base, &model_name, &model, timeout).await;
+    let mut wait = Duration::from_millis(500);
+    let mut result = check(&client, &base, &model_name, &model, timeout).await;
+    for _ in 1..ATTEMPTS {
+        if !matches!(result, Err(ParityError::Request { .. })) {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+        wait *= 2;
+        result = check(&client, &base, &model_name, &model, timeout).await;
+    }
     match &result {
         Ok(Parity::Match) => tracing::info!(worker = %base, "tokenization matches the worker's /tokenize"),
         Ok(Parity::Mismatch {
