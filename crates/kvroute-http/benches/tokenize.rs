@@ -8,6 +8,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
 use kvroute_http::Model;
+use kvroute_http::model::SpecialTokens;
 
 fn prompts() -> Vec<String> {
     (0..64)
@@ -40,7 +41,11 @@ fn main() {
         group.bench_function(*name, |b| {
             b.iter(|| {
                 for prompt in &prompts {
-                    black_box(model.encode(black_box(prompt)).expect("prompts encode"));
+                    black_box(
+                        model
+                            .encode(black_box(prompt), SpecialTokens::Omit)
+                            .expect("prompts encode"),
+                    );
                 }
             })
         });
@@ -51,7 +56,11 @@ fn main() {
         let mut rounds = 0u32;
         while start.elapsed().as_secs_f64() < 1.0 {
             for prompt in &prompts {
-                black_box(model.encode(black_box(prompt)).expect("prompts encode"));
+                black_box(
+                    model
+                        .encode(black_box(prompt), SpecialTokens::Omit)
+                        .expect("prompts encode"),
+                );
             }
             rounds += 1;
         }

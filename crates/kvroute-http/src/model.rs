@@ -3,6 +3,18 @@
 //!
 //! The proxy and the mock workers tokenize with the same [`Model`], so a prompt's blocks hash the
 //! same on both sides and cached prefixes match.
+//!
+//! **Special tokens.** [`Model::encode`] adds what `tokenizer.json`'s post-processor adds (a
+//! BOS, for Llama-style models) when asked for [`SpecialTokens::Add`], as Hugging Face's
+//! `encode(text, add_special_tokens=True)` does; that is what vLLM calls for a text completion
+//! (its `add_special_tokens` defaults to true there, false for chat). `tokenizer_config.json`'s
+//! `add_bos_token` and `add_eos_token` are NOT applied: the fast tokenizer of the generic class
+//! (`PreTrainedTokenizerFast`) ignores them as we do, and a real vLLM 0.32 run added BOS with
+//! `"add_bos_token": false` in the config; but some classes (`LlamaTokenizerFast`) rewrite their
+//! post-processor from them. When the config's settings disagree with the post-processor,
+//! loading logs a warning and [`Model::warnings`] names it; the proxy's check against each
+//! worker's `/tokenize` then tells which rule the engine follows, and completions carry the
+//! proxy's token ids to the engine, so routing and engine see the same tokens either way.
 
 use std::path::Path;
 
@@ -45,16 +57,36 @@ pub enum ModelError {
 #[error("{0}")]
 pub struct PromptError(pub String);
 
+/// Whether encoding adds the special tokens of the tokenizer's post-processor (vLLM's
+/// `add_special_tokens`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecialTokens {
+    /// Add them (a BOS, for Llama-style tokenizers).
+    Add,
+    /// Add none: the text's own tokens only.
+    Omit,
+}
+
+impl SpecialTokens {
+    /// From a request's `add_special_tokens`.
+    pub fn from_flag(add: bool) -> Self {
+        if add { Self::Add } else { Self::Omit }
+    }
+}
+
 /// A model's tokenizer and chat template.
 pub struct Model {
     tokenizer: PipelineTokenizer,
-    /// No special tokens added, and none of the file's truncation or padding: the router hashes
+    /// Special tokens added, and none of the file's truncation or padding: the router hashes
     /// the prompt the engine will see.
-    options: EncodeOptions,
+    add: EncodeOptions,
+    /// As `add`, with no special tokens added.
+    omit: EncodeOptions,
     vocab_size: u32,
     chat: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
+    warnings: Vec<String>,
 }
 
 impl std::fmt::Debug for Model {
@@ -103,18 +135,24 @@ impl Model {
         tokenizers::canonicalize_value(&mut value).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let tokenizer =
             tokenizers::from_json(&value.to_string()).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let omit = EncodeOptions {
+            add_special_tokens: false,
+            encode_special_tokens: false,
+            padding: Override::Off,
+            truncation: Override::Off,
+        };
         let mut model = Self {
             tokenizer,
-            options: EncodeOptions {
-                add_special_tokens: false,
-                encode_special_tokens: false,
-                padding: Override::Off,
-                truncation: Override::Off,
+            add: EncodeOptions {
+                add_special_tokens: true,
+                ..omit.clone()
             },
+            omit,
             vocab_size,
             chat: None,
             bos_token: String::new(),
             eos_token: String::new(),
+            warnings: Vec::new(),
         };
         let Some(config_json) = config_json else {
             return Ok(model);
@@ -123,6 +161,10 @@ impl Model {
             serde_json::from_str(config_json).map_err(|e| ModelError::Config(e.to_string()))?;
         model.bos_token = special_token(&config["bos_token"]);
         model.eos_token = special_token(&config["eos_token"]);
+        model.warnings = model.config_disagreements(&config);
+        for warning in &model.warnings {
+            tracing::warn!("{warning}");
+        }
         let template = match &config["chat_template"] {
             Json::Null => None,
             Json::String(s) => Some(s.clone()),
@@ -149,14 +191,62 @@ impl Model {
         Ok(model)
     }
 
-    /// The token ids of `text`: special tokens written in the text are recognized, none are
-    /// added around it.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+    /// The token ids of `text`: special tokens written in the text are recognized; those of
+    /// the post-processor (a BOS) are added around it if `special` says so.
+    pub fn encode(&self, text: &str, special: SpecialTokens) -> Result<Vec<u32>, PromptError> {
+        let options = match special {
+            SpecialTokens::Add => &self.add,
+            SpecialTokens::Omit => &self.omit,
+        };
         let mut tokens = Vec::with_capacity(text.len() / 3 + 1);
         self.tokenizer
-            .encode_into(text, &self.options, &mut tokens)
+            .encode_into(text, options, &mut tokens)
             .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))?;
         Ok(tokens.into_iter().map(PipelineToken::id).collect())
+    }
+
+    /// What loading found questionable: `tokenizer_config.json`'s `add_bos_token` or
+    /// `add_eos_token` disagreeing with what `tokenizer.json`'s post-processor adds (which is
+    /// what this model follows; see the module's documentation).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// The disagreements [`Model::warnings`] lists.
+    fn config_disagreements(&self, config: &Json) -> Vec<String> {
+        let probe = "a";
+        let (Ok(with), Ok(without)) = (
+            self.encode(probe, SpecialTokens::Add),
+            self.encode(probe, SpecialTokens::Omit),
+        ) else {
+            return Vec::new();
+        };
+        let added = |token: &str, at_start: bool| {
+            let id = self.tokenizer.get_added_vocabulary().token_to_id(token);
+            let extra = with.len() > without.len();
+            let edge = if at_start { with.first() } else { with.last() };
+            id.is_some() && extra && edge.copied() == id
+        };
+        let class = config["tokenizer_class"].as_str().unwrap_or("unnamed");
+        let mut out = Vec::new();
+        for (key, token, at_start) in [
+            ("add_bos_token", &self.bos_token, true),
+            ("add_eos_token", &self.eos_token, false),
+        ] {
+            let Some(setting) = config[key].as_bool() else {
+                continue;
+            };
+            let adds = added(token, at_start);
+            if setting != adds {
+                out.push(format!(
+                    "tokenizer_config.json says {key}: {setting} but tokenizer.json's post-processor {} \
+                     {token:?}; kvroute follows tokenizer.json (as the generic fast tokenizer does); \
+                     a {class} engine may follow the config: check the workers' /tokenize",
+                    if adds { "adds" } else { "does not add" },
+                ));
+            }
+        }
+        out
     }
 
     /// Renders `messages` (OpenAI chat messages, content already flattened to strings) with the
@@ -233,18 +323,25 @@ mod tests {
     #[test]
     fn tiny_model_tokenizes_bytes_and_renders_chat() {
         let model = Model::tiny().unwrap();
+        let omit = SpecialTokens::Omit;
         assert_eq!(
-            model.encode("ab").unwrap(),
+            model.encode("ab", omit).unwrap(),
             vec![u32::from(b'a'), u32::from(b'b')]
         );
-        assert_eq!(model.encode("é").unwrap().len(), 2);
+        assert_eq!(
+            model.encode("ab", SpecialTokens::Add).unwrap(),
+            vec![u32::from(b'a'), u32::from(b'b')],
+            "no post-processor: nothing to add"
+        );
+        assert_eq!(model.encode("é", omit).unwrap().len(), 2);
         let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
         let text = model.render_chat(&messages, true).unwrap();
         assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        let ids = model.encode(&text).unwrap();
+        let ids = model.encode(&text, omit).unwrap();
         assert_eq!(ids[0], 257, "special tokens are recognized in the text");
         assert_eq!(model.decode(&[u32::from(b'h'), u32::from(b'i')]), "hi");
         assert_eq!(model.eos_token_id(), Some(258));
         assert_eq!(model.vocab_size(), 259);
+        assert!(model.warnings().is_empty());
     }
 }

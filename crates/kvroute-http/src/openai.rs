@@ -7,9 +7,9 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use crate::model::Model;
+use crate::model::{Model, SpecialTokens};
 
 pub mod types;
 
@@ -104,6 +104,22 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A prompt as the request gives it, before tokenization.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// A completion's text.
+    Text(String),
+    /// A completion's token ids: the engine takes them as they are (no special token added).
+    TokenIds(Vec<u32>),
+    /// A chat conversation, each message's content flattened to a string.
+    Chat {
+        /// The messages (OpenAI's shape, content as a string).
+        messages: Value,
+        /// `add_generation_prompt` (true unless the request says otherwise).
+        add_generation_prompt: bool,
+    },
+}
+
 /// What the proxy and the mocks need of a generation request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Parsed {
@@ -113,32 +129,66 @@ pub struct Parsed {
     pub include_usage: bool,
     /// The prompt's token ids (chat: the rendered conversation's).
     pub tokens: Vec<u32>,
+    /// The prompt as the request gave it.
+    pub prompt: Prompt,
+    /// The request's `add_special_tokens`, if it named one.
+    pub add_special_tokens: Option<bool>,
+    /// Whether a completion asks for its prompt back (`echo`).
+    pub echo: bool,
     /// `max_tokens` (or `max_completion_tokens`), if given.
     pub max_tokens: Option<u32>,
     /// The model named.
     pub model: Option<String>,
     /// vLLM's `cache_salt`, which namespaces the prefix cache.
     pub cache_salt: Option<String>,
+    /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`]); an
+    /// engine reads them.
+    pub internal_fields: Vec<&'static str>,
 }
 
-/// Parses a request body for `endpoint`, tokenizing with `model`. Prompts longer than
-/// `max_prompt_tokens` are refused.
+/// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
+/// `kv_transfer_params` (a client's could make an engine import KV from a host it names) and
+/// SGLang's bootstrap fields (a client's could make an SGLang engine pull KV from a host it
+/// names). Not SGLang's `data_parallel_rank`: vLLM reads no such field (it passes untouched, as
+/// `tests/dp_ranks.rs` checks), and the flow to an SGLang worker of several ranks replaces a
+/// client's with the router's.
+pub const INTERNAL_FIELDS: &[&str] = &[
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// Parses a request body for `endpoint`, tokenizing as the engine does ([`engine_tokens`])
+/// with `model`. Prompts longer than `max_prompt_tokens` are refused.
 pub fn parse(
     endpoint: Endpoint,
     body: &[u8],
     model: &Model,
     max_prompt_tokens: usize,
 ) -> Result<Parsed, ApiError> {
+    parse_with(endpoint, body, max_prompt_tokens, |prompt, special| {
+        engine_tokens(model, prompt, special, max_prompt_tokens)
+    })
+}
+
+/// Parses a request body for `endpoint` and tokenizes its prompt with `tokenize` (given the
+/// prompt and the request's `add_special_tokens`). Every field is checked first
+/// ([`validate_fields`]); prompts longer than `max_prompt_tokens` are refused.
+pub fn parse_with(
+    endpoint: Endpoint,
+    body: &[u8],
+    max_prompt_tokens: usize,
+    tokenize: impl FnOnce(&Prompt, Option<bool>) -> Result<Vec<u32>, ApiError>,
+) -> Result<Parsed, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("body", format!("the body is not valid JSON: {e}")))?;
     let Value::Object(obj) = &value else {
         return Err(ApiError::bad_request("body", "the body must be a JSON object"));
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::bad_request("stream", "`stream` must be a boolean")),
-    };
+    validate_fields(endpoint, obj)?;
+    let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
+    let stream = flag("stream").unwrap_or(false);
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -150,16 +200,12 @@ pub fn parse(
             ApiError::bad_request("max_tokens", "`max_tokens` must be a non-negative integer")
         })?),
     };
-    if let Some(n) = obj.get("n")
+    if let Some(n) = obj.get("n").filter(|n| !n.is_null())
         && n.as_u64() != Some(1)
     {
         return Err(ApiError::bad_request("n", "only n = 1 is supported"));
     }
-    let model_name = match obj.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(ApiError::bad_request("model", "`model` must be a string")),
-    };
+    let model_name = obj.get("model").and_then(Value::as_str).map(str::to_owned);
     let cache_salt = match obj.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
@@ -170,29 +216,308 @@ pub fn parse(
             ));
         }
     };
-    let tokens = match endpoint {
-        Endpoint::Completions => completion_prompt(obj.get("prompt"), model, max_prompt_tokens)?,
-        Endpoint::Chat => chat_prompt(
-            obj.get("messages"),
-            obj.get("add_generation_prompt"),
-            model,
-            max_prompt_tokens,
-        )?,
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(obj.get("prompt"), max_prompt_tokens)?,
+        Endpoint::Chat => chat_prompt(obj.get("messages"), flag("add_generation_prompt"))?,
     };
+    let add_special_tokens = flag("add_special_tokens");
+    let tokens = tokenize(&prompt, add_special_tokens)?;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("prompt", "the prompt is empty"));
     }
     if tokens.len() > max_prompt_tokens {
         return Err(too_long(tokens.len(), max_prompt_tokens));
     }
+    let internal_fields = INTERNAL_FIELDS
+        .iter()
+        .copied()
+        .filter(|f| obj.contains_key(*f))
+        .collect();
     Ok(Parsed {
         stream,
         include_usage,
         tokens,
+        prompt,
+        add_special_tokens,
+        echo: flag("echo").unwrap_or(false),
         max_tokens,
         model: model_name,
         cache_salt,
+        internal_fields,
     })
+}
+
+/// The token ids an engine serving `model` runs for `prompt`, by vLLM's rule: a completion's
+/// text is tokenized with the tokenizer's special tokens (a BOS) unless the request's
+/// `add_special_tokens` is false; a chat's rendered conversation without them (the template
+/// brings its own) unless it is true; token ids are taken as they are.
+pub fn engine_tokens(
+    model: &Model,
+    prompt: &Prompt,
+    add_special_tokens: Option<bool>,
+    max_prompt_tokens: usize,
+) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        Prompt::Text(text) => {
+            let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(true));
+            encode_text(model, text, special, max_prompt_tokens, "prompt")
+        }
+        Prompt::TokenIds(ids) => Ok(ids.clone()),
+        Prompt::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            let text = model
+                .render_chat(messages, *add_generation_prompt)
+                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
+            let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(false));
+            encode_text(model, &text, special, max_prompt_tokens, "messages")
+        }
+    }
+}
+
+/// The body the proxy sends the engine for a client's `body` (parsed as `parsed`), or `None`
+/// when it is the client's as it came:
+///
+/// * [`INTERNAL_FIELDS`] are stripped. Stripped rather than refused: they mean nothing to the
+///   client's request (text comes back either way), only to the flows kvroute runs, which set
+///   their own (as they already replace a client's bootstrap fields and rank); a client built
+///   for another gateway keeps working, and a hostile one steers nothing. Each strip is logged.
+/// * a completion's text prompt is replaced by the token ids the router routed on (Dynamo's
+///   design): the engine adds nothing to token ids, so routing and engine cannot disagree on
+///   the prompt's blocks. The answer is the same text. Not with `echo`, whose answer would show
+///   the decoded ids instead of the client's text: that request keeps its text.
+pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiError> {
+    let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
+    if parsed.internal_fields.is_empty() && !replace_prompt {
+        return Ok(None);
+    }
+    let mut obj = match serde_json::from_slice(body) {
+        Ok(Value::Object(obj)) => obj,
+        _ => return Err(ApiError::bad_request("body", "the body must be a JSON object")),
+    };
+    if !parsed.internal_fields.is_empty() {
+        tracing::info!(fields = ?parsed.internal_fields, "stripped internal fields from a client's request");
+        for field in &parsed.internal_fields {
+            obj.remove(*field);
+        }
+    }
+    if replace_prompt {
+        obj.insert("prompt".to_owned(), Value::from(parsed.tokens.clone()));
+    }
+    serde_json::to_vec(&obj)
+        .map(Some)
+        .map_err(|e| ApiError::bad_request("body", e.to_string()))
+}
+
+/// How a standard sampling field may be given ([`FIELD_RULES`]). `null` is always accepted,
+/// as leaving the field out.
+#[derive(Clone, Copy, Debug)]
+enum Rule {
+    Bool,
+    String,
+    Object,
+    /// A string or a list of strings.
+    Stop,
+    /// A number in `min..=max` (`min` excluded when `open_min`).
+    Number {
+        min: f64,
+        max: f64,
+        open_min: bool,
+    },
+    /// An integer in `min..=max`.
+    Integer {
+        min: i64,
+        max: i64,
+    },
+}
+
+/// The standard request fields checked by type and range, with vLLM's bounds where it has
+/// them (so nothing an engine accepts is refused): `(name, rule, endpoint or None for both)`.
+const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
+    ("stream", Rule::Bool, None),
+    ("stream_options", Rule::Object, None),
+    ("model", Rule::String, None),
+    (
+        "temperature",
+        Rule::Number {
+            min: 0.0,
+            max: f64::MAX,
+            open_min: false,
+        },
+        None,
+    ),
+    (
+        "top_p",
+        Rule::Number {
+            min: 0.0,
+            max: 1.0,
+            open_min: true,
+        },
+        None,
+    ),
+    (
+        "min_p",
+        Rule::Number {
+            min: 0.0,
+            max: 1.0,
+            open_min: false,
+        },
+        None,
+    ),
+    (
+        "top_k",
+        Rule::Integer {
+            min: -1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    (
+        "presence_penalty",
+        Rule::Number {
+            min: -2.0,
+            max: 2.0,
+            open_min: false,
+        },
+        None,
+    ),
+    (
+        "frequency_penalty",
+        Rule::Number {
+            min: -2.0,
+            max: 2.0,
+            open_min: false,
+        },
+        None,
+    ),
+    (
+        "repetition_penalty",
+        Rule::Number {
+            min: 0.0,
+            max: f64::MAX,
+            open_min: true,
+        },
+        None,
+    ),
+    (
+        "max_tokens",
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
+        None,
+    ),
+    (
+        "max_completion_tokens",
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
+        None,
+    ),
+    (
+        "min_tokens",
+        Rule::Integer {
+            min: 0,
+            max: u32::MAX as i64,
+        },
+        None,
+    ),
+    (
+        "n",
+        Rule::Integer {
+            min: 1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    (
+        "best_of",
+        Rule::Integer {
+            min: 1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    (
+        "seed",
+        Rule::Integer {
+            min: i64::MIN,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    ("stop", Rule::Stop, None),
+    ("logit_bias", Rule::Object, None),
+    ("user", Rule::String, None),
+    ("ignore_eos", Rule::Bool, None),
+    ("add_special_tokens", Rule::Bool, None),
+    ("echo", Rule::Bool, Some(Endpoint::Completions)),
+    ("suffix", Rule::String, Some(Endpoint::Completions)),
+    (
+        "logprobs",
+        Rule::Integer {
+            min: 0,
+            max: i64::MAX,
+        },
+        Some(Endpoint::Completions),
+    ),
+    ("logprobs", Rule::Bool, Some(Endpoint::Chat)),
+    (
+        "top_logprobs",
+        Rule::Integer { min: 0, max: 20 },
+        Some(Endpoint::Chat),
+    ),
+    ("add_generation_prompt", Rule::Bool, Some(Endpoint::Chat)),
+    ("continue_final_message", Rule::Bool, Some(Endpoint::Chat)),
+];
+
+/// Checks the standard fields of a request to `endpoint` by type and range: a 400 in OpenAI's
+/// shape naming the first field at fault. Fields not listed are the engine's business.
+pub fn validate_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiError> {
+    for &(name, rule, only) in FIELD_RULES {
+        if only.is_some_and(|e| e != endpoint) {
+            continue;
+        }
+        let Some(value) = obj.get(name).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let problem = match rule {
+            Rule::Bool => (!value.is_boolean()).then(|| "must be a boolean".to_owned()),
+            Rule::String => (!value.is_string()).then(|| "must be a string".to_owned()),
+            Rule::Object => (!value.is_object()).then(|| "must be an object".to_owned()),
+            Rule::Stop => match value {
+                Value::String(_) => None,
+                Value::Array(items) if items.iter().all(Value::is_string) => None,
+                _ => Some("must be a string or a list of strings".to_owned()),
+            },
+            Rule::Number { min, max, open_min } => match value.as_f64() {
+                None => Some("must be a number".to_owned()),
+                Some(x) if x < min || (open_min && x == min) || x > max => {
+                    let low = if open_min { "greater than" } else { "at least" };
+                    Some(if max == f64::MAX {
+                        format!("must be {low} {min}, not {x}")
+                    } else {
+                        format!("must be {low} {min} and at most {max}, not {x}")
+                    })
+                }
+                Some(_) => None,
+            },
+            Rule::Integer { min, max } => match value.as_i64() {
+                Some(x) if (min..=max).contains(&x) => None,
+                _ if value.as_u64().is_some() && max == i64::MAX => None,
+                _ if value.is_i64() || value.is_u64() => {
+                    Some(format!("must be an integer from {min} to {max}, not {value}"))
+                }
+                _ => Some("must be an integer".to_owned()),
+            },
+        };
+        if let Some(problem) = problem {
+            return Err(ApiError::bad_request(name, format!("`{name}` {problem}")));
+        }
+    }
+    Ok(())
 }
 
 fn too_long(tokens: usize, max: usize) -> ApiError {
@@ -205,9 +530,12 @@ fn too_long(tokens: usize, max: usize) -> ApiError {
     }
 }
 
-fn encode(
+/// The token ids of `text` (`special` tokens added or not); text so long it could not fit in
+/// `max_prompt_tokens` is refused before any work, naming `param`.
+pub fn encode_text(
     model: &Model,
     text: &str,
+    special: SpecialTokens,
     max_prompt_tokens: usize,
     param: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
@@ -217,21 +545,21 @@ fn encode(
         return Err(too_long(text.len(), max_prompt_tokens));
     }
     model
-        .encode(text)
+        .encode(text, special)
         .map_err(|e| ApiError::bad_request(param, e.to_string()))
 }
 
-fn completion_prompt(prompt: Option<&Value>, model: &Model, max: usize) -> Result<Vec<u32>, ApiError> {
+fn completion_prompt(prompt: Option<&Value>, max: usize) -> Result<Prompt, ApiError> {
     let bad = |m: &str| ApiError::bad_request("prompt", m.to_owned());
     match prompt {
         None | Some(Value::Null) => Err(bad("`prompt` is required")),
-        Some(Value::String(s)) => encode(model, s, max, "prompt"),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(items)) => match items.first() {
             None => Err(bad("`prompt` is empty")),
-            Some(Value::Number(_)) => token_ids(items, max),
+            Some(Value::Number(_)) => token_ids(items, max).map(Prompt::TokenIds),
             Some(first) if items.len() == 1 => match first {
-                Value::String(s) => encode(model, s, max, "prompt"),
-                Value::Array(ids) => token_ids(ids, max),
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                Value::Array(ids) => token_ids(ids, max).map(Prompt::TokenIds),
                 _ => Err(bad(
                     "`prompt` must be a string, a list of token ids, or a list of one of those",
                 )),
@@ -259,12 +587,7 @@ fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-fn chat_prompt(
-    messages: Option<&Value>,
-    add_generation_prompt: Option<&Value>,
-    model: &Model,
-    max: usize,
-) -> Result<Vec<u32>, ApiError> {
+fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
     let bad = |m: String| ApiError::bad_request("messages", m);
     let Some(Value::Array(messages)) = messages else {
         return Err(bad("`messages` must be a list of messages".to_owned()));
@@ -310,11 +633,10 @@ fn chat_prompt(
         obj.insert("content".to_owned(), Value::String(content));
         flat.push(Value::Object(obj));
     }
-    let add = add_generation_prompt.and_then(Value::as_bool).unwrap_or(true);
-    let text = model
-        .render_chat(&Value::Array(flat), add)
-        .map_err(|e| bad(e.to_string()))?;
-    encode(model, &text, max, "messages")
+    Ok(Prompt::Chat {
+        messages: Value::Array(flat),
+        add_generation_prompt: add_generation_prompt.unwrap_or(true),
+    })
 }
 
 #[cfg(test)]
@@ -378,5 +700,198 @@ mod tests {
         let long = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(101));
         let err = parse(Endpoint::Completions, long.as_bytes(), &model, 100).unwrap_err();
         assert_eq!(err.code, "context_length_exceeded");
+    }
+
+    /// The standard fields by type and range: `(endpoint, extra fields, the param refused or
+    /// None for accepted)`.
+    #[test]
+    fn sampling_fields_are_checked_by_type_and_range() {
+        use Endpoint::{Chat, Completions};
+        let model = Model::tiny().unwrap();
+        let cases: &[(Endpoint, &str, Option<&str>)] = &[
+            (Completions, r#""temperature": "hot""#, Some("temperature")),
+            (Completions, r#""temperature": -0.5"#, Some("temperature")),
+            (Completions, r#""temperature": 0"#, None),
+            (Completions, r#""temperature": 1.7"#, None),
+            (Completions, r#""temperature": null"#, None),
+            (Completions, r#""top_p": 0"#, Some("top_p")),
+            (Completions, r#""top_p": 1.5"#, Some("top_p")),
+            (Completions, r#""top_p": 0.9"#, None),
+            (Completions, r#""top_k": -2"#, Some("top_k")),
+            (Completions, r#""top_k": 40"#, None),
+            (Completions, r#""min_p": 2"#, Some("min_p")),
+            (Completions, r#""max_tokens": "10""#, Some("max_tokens")),
+            (Completions, r#""max_tokens": 1.5"#, Some("max_tokens")),
+            (Completions, r#""max_tokens": 10"#, None),
+            (
+                Chat,
+                r#""max_completion_tokens": -1"#,
+                Some("max_completion_tokens"),
+            ),
+            (Completions, r#""n": 0"#, Some("n")),
+            (Completions, r#""n": "1""#, Some("n")),
+            (Completions, r#""stream": 1"#, Some("stream")),
+            (Completions, r#""stream_options": true"#, Some("stream_options")),
+            (Completions, r#""stop": 5"#, Some("stop")),
+            (Completions, r#""stop": ["a", 5]"#, Some("stop")),
+            (Completions, r#""stop": ["a", "b"]"#, None),
+            (Completions, r#""stop": "\n""#, None),
+            (Completions, r#""seed": "x""#, Some("seed")),
+            (Completions, r#""seed": -7"#, None),
+            (Completions, r#""presence_penalty": 3"#, Some("presence_penalty")),
+            (
+                Completions,
+                r#""frequency_penalty": -2.5"#,
+                Some("frequency_penalty"),
+            ),
+            (Completions, r#""frequency_penalty": -2"#, None),
+            (
+                Completions,
+                r#""repetition_penalty": 0"#,
+                Some("repetition_penalty"),
+            ),
+            (Completions, r#""logprobs": true"#, Some("logprobs")),
+            (Completions, r#""logprobs": 5"#, None),
+            (Chat, r#""logprobs": 5"#, Some("logprobs")),
+            (
+                Chat,
+                r#""logprobs": true, "top_logprobs": 21"#,
+                Some("top_logprobs"),
+            ),
+            (Chat, r#""logprobs": true, "top_logprobs": 3"#, None),
+            (Completions, r#""echo": "yes""#, Some("echo")),
+            (Completions, r#""logit_bias": [1]"#, Some("logit_bias")),
+            (Completions, r#""user": 7"#, Some("user")),
+            (
+                Completions,
+                r#""add_special_tokens": "no""#,
+                Some("add_special_tokens"),
+            ),
+            (
+                Chat,
+                r#""add_generation_prompt": 1"#,
+                Some("add_generation_prompt"),
+            ),
+            (Completions, r#""model": 5"#, Some("model")),
+            (Completions, r#""some_engine_field": "anything""#, None),
+        ];
+        for (endpoint, fields, refused) in cases {
+            let prompt = match endpoint {
+                Completions => r#""prompt": "hi""#,
+                Chat => r#""messages": [{"role": "user", "content": "hi"}]"#,
+            };
+            let body = format!("{{{prompt}, {fields}}}");
+            match (parse(*endpoint, body.as_bytes(), &model, 100), refused) {
+                (Ok(_), None) => {}
+                (Err(e), Some(param)) => {
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+                    assert_eq!(e.kind, "invalid_request_error", "{body}");
+                    assert_eq!(e.param, Some(*param), "{body}: {}", e.message);
+                    assert!(e.message.contains(param), "{body}: {}", e.message);
+                }
+                (Ok(_), Some(param)) => panic!("{body}: accepted, {param} should be refused"),
+                (Err(e), None) => panic!("{body}: refused: {}", e.message),
+            }
+        }
+    }
+
+    fn bos_model() -> Model {
+        Model::from_json(
+            include_str!("../tests/data/bos-model/tokenizer.json"),
+            Some(include_str!("../tests/data/bos-model/tokenizer_config.json")),
+        )
+        .unwrap()
+    }
+
+    /// vLLM's rule on a tokenizer whose post-processor adds BOS (256): a completion's text gets
+    /// it unless `add_special_tokens` is false; a chat gets the template's one BOS unless
+    /// `add_special_tokens` is true (then two); token ids are taken as they are.
+    #[test]
+    fn tokens_follow_the_engines_rule_per_endpoint() {
+        use Endpoint::{Chat, Completions};
+        let model = bos_model();
+        let chat = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        // (endpoint, body fields, the first tokens expected)
+        let cases: &[(Endpoint, String, &[u32])] = &[
+            (Completions, r#""prompt": "hi""#.into(), &[256, 104, 105]),
+            (Completions, r#""prompt": ["hi"]"#.into(), &[256, 104, 105]),
+            (
+                Completions,
+                r#""prompt": "hi", "add_special_tokens": false"#.into(),
+                &[104, 105],
+            ),
+            (
+                Completions,
+                r#""prompt": "hi", "add_special_tokens": true"#.into(),
+                &[256, 104, 105],
+            ),
+            (Completions, r#""prompt": [104, 105]"#.into(), &[104, 105]),
+            (
+                Completions,
+                r#""prompt": [104, 105], "add_special_tokens": true"#.into(),
+                &[104, 105],
+            ),
+            (Chat, chat.into(), &[256, 258]),
+            (
+                Chat,
+                format!(r#"{chat}, "add_special_tokens": false"#),
+                &[256, 258],
+            ),
+            (
+                Chat,
+                format!(r#"{chat}, "add_special_tokens": true"#),
+                &[256, 256, 258],
+            ),
+        ];
+        for (endpoint, fields, first) in cases {
+            let body = format!("{{{fields}}}");
+            let parsed = parse(*endpoint, body.as_bytes(), &model, 1000).unwrap();
+            assert_eq!(&parsed.tokens[..first.len()], *first, "{body}");
+            if *endpoint == Completions {
+                assert_eq!(parsed.tokens.len(), first.len(), "{body}");
+            }
+        }
+    }
+
+    /// What the proxy forwards: a text completion as its token ids (with its BOS), anything
+    /// else as it came; a client's internal fields stripped.
+    #[test]
+    fn the_engine_gets_kvroutes_tokens_and_no_clients_internal_fields() {
+        use Endpoint::{Chat, Completions};
+        let model = bos_model();
+        let body_for = |endpoint, body: &str| {
+            let parsed = parse(endpoint, body.as_bytes(), &model, 1000).unwrap();
+            engine_body(&parsed, body.as_bytes())
+                .map(|b| b.map(|b| serde_json::from_slice::<Value>(&b).unwrap()))
+        };
+        let text = r#"{"prompt": "hi", "max_tokens": 3, "temperature": 0}"#;
+        let sent = body_for(Completions, text).unwrap().unwrap();
+        assert_eq!(
+            sent,
+            serde_json::json!({"prompt": [256, 104, 105], "max_tokens": 3, "temperature": 0})
+        );
+        // As they came: token ids, chat, echo (its answer shows the client's text).
+        for (endpoint, body) in [
+            (Completions, r#"{"prompt": [1, 2]}"#),
+            (Chat, r#"{"messages": [{"role": "user", "content": "hi"}]}"#),
+            (Completions, r#"{"prompt": "hi", "echo": true}"#),
+        ] {
+            assert_eq!(body_for(endpoint, body).unwrap(), None, "{body}");
+        }
+        for field in INTERNAL_FIELDS {
+            for endpoint in [Completions, Chat] {
+                let body = format!(
+                    r#"{{"prompt": [1], "messages": [{{"role": "user", "content": "hi"}}], "{field}": {{"remote_host": "10.6.6.6"}}, "seed": 1}}"#
+                );
+                let sent = body_for(endpoint, &body).unwrap().unwrap();
+                assert_eq!(sent.get(*field), None, "{body}");
+                assert_eq!(sent["seed"], 1, "the rest is kept: {body}");
+            }
+        }
+        let sent = body_for(Completions, r#"{"prompt": "hi", "kv_transfer_params": null}"#);
+        assert_eq!(
+            sent.unwrap().unwrap(),
+            serde_json::json!({"prompt": [256, 104, 105]})
+        );
     }
 }

@@ -56,6 +56,13 @@ fn field() -> impl Strategy<Value = String> {
         Just("kv_transfer_params"),
         Just("bootstrap_room"),
         Just("temperature"),
+        Just("top_p"),
+        Just("stop"),
+        Just("seed"),
+        Just("logprobs"),
+        Just("echo"),
+        Just("add_special_tokens"),
+        Just("data_parallel_rank"),
     ]
     .prop_map(str::to_owned)
 }
@@ -100,6 +107,15 @@ fn check(model: &Model, body: &[u8]) -> Result<(), TestCaseError> {
             Ok(parsed) => {
                 prop_assert!(!parsed.tokens.is_empty());
                 prop_assert!(parsed.tokens.len() <= MAX_PROMPT_TOKENS);
+                // What the proxy forwards: an object again, or a 400 naming the field.
+                match openai::engine_body(&parsed, body) {
+                    Ok(Some(rewritten)) => prop_assert!(matches!(
+                        serde_json::from_slice::<Value>(&rewritten),
+                        Ok(Value::Object(_))
+                    )),
+                    Ok(None) => {}
+                    Err(e) => prop_assert!(e.param.is_some(), "{}", e.message),
+                }
             }
             Err(e) => {
                 prop_assert_eq!(e.status, StatusCode::BAD_REQUEST, "{}", e.message);

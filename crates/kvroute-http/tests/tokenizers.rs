@@ -3,7 +3,7 @@
 //! SentencePiece-style Llama-2). The fixtures and their expected ids are written by
 //! `tests/data/tokenizers/gen.py`.
 
-use kvroute_http::model::Model;
+use kvroute_http::model::{Model, SpecialTokens};
 use serde_json::Value;
 
 const CASES: &str = include_str!("data/tokenizers/cases.json");
@@ -30,7 +30,11 @@ fn encode_matches_the_reference_implementation() {
         for case in cases {
             let text = case["text"].as_str().unwrap();
             let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
-            assert_eq!(model.encode(text).unwrap(), expected, "{name}: {text:?}");
+            assert_eq!(
+                model.encode(text, SpecialTokens::Omit).unwrap(),
+                expected,
+                "{name}: {text:?}"
+            );
         }
     }
 }
@@ -45,7 +49,11 @@ fn byte_level_tokenizers_decode_back_to_the_text() {
             if text.contains("<|") {
                 continue; // special tokens are skipped when decoding
             }
-            assert_eq!(model.decode(&model.encode(text).unwrap()), text, "{name}");
+            assert_eq!(
+                model.decode(&model.encode(text, SpecialTokens::Omit).unwrap()),
+                text,
+                "{name}"
+            );
         }
     }
 }
@@ -68,4 +76,38 @@ fn a_tokenizer_that_is_not_json_is_an_error() {
     assert!(err.to_string().starts_with("tokenizer.json"), "{err}");
     let err = Model::from_json(r#"{"model": {"type": "Nope"}}"#, None).unwrap_err();
     assert!(err.to_string().starts_with("tokenizer.json"), "{err}");
+}
+
+/// The BOS model (`tests/data/bos-model`, shaped like the tokenizer real vLLM runs were made
+/// with): its post-processor adds BOS, as Hugging Face's `tokenizers` does when asked to add
+/// special tokens (`cases.json`, written by it), and only then.
+#[test]
+fn the_post_processors_bos_is_added_only_when_asked() {
+    let model = Model::from_json(
+        include_str!("data/bos-model/tokenizer.json"),
+        Some(include_str!("data/bos-model/tokenizer_config.json")),
+    )
+    .unwrap();
+    let cases: Value = serde_json::from_str(include_str!("data/bos-model/cases.json")).unwrap();
+    let cases = cases["cases"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        for (key, special) in [
+            ("with_special", SpecialTokens::Add),
+            ("without_special", SpecialTokens::Omit),
+        ] {
+            let expected: Vec<u32> = serde_json::from_value(case[key].clone()).unwrap();
+            assert_eq!(model.encode(text, special).unwrap(), expected, "{key}: {text:?}");
+        }
+    }
+    // The config's `"add_bos_token": false` disagrees with the post-processor: named, and the
+    // post-processor followed.
+    assert_eq!(model.warnings().len(), 1, "{:?}", model.warnings());
+    assert!(model.warnings()[0].contains("add_bos_token: false"));
+    // The template brings its own BOS: a chat prompt tokenized without special tokens has one.
+    let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let text = model.render_chat(&messages, true).unwrap();
+    let ids = model.encode(&text, SpecialTokens::Omit).unwrap();
+    assert_eq!(&ids[..2], &[256, 258], "one BOS, then the header");
 }

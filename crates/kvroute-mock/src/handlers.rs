@@ -20,7 +20,7 @@ use crate::driver::{Job, JobUpdate};
 use crate::metrics::Stats;
 use crate::openai as openai_json;
 use crate::openai::Shape;
-use crate::parse::{KvRole, kv_role, pick_rank, transfer_params};
+use crate::parse::{KvRole, kv_role, pick_rank, transfer_params, vllm_tokens};
 use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
 use crate::start::{SEEN_KEPT, SeenKvRequest};
 
@@ -119,7 +119,7 @@ struct Submitted {
 /// Parses a request, takes its side of a disaggregated flow and sends it to its rank's engine.
 async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Submitted, ApiError> {
     let incoming = read(req).await?;
-    let parsed = openai::parse(endpoint, &incoming.body, &w.model, w.max_model_len as usize)?;
+    let parsed = w.parse(endpoint, &incoming.body)?;
     // `parse` accepted it: a JSON object.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
     let role = kv_role(&value, w.role)?;
@@ -203,6 +203,14 @@ impl Rank {
 }
 
 impl Server {
+    /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does.
+    fn parse(&self, endpoint: Endpoint, body: &[u8]) -> Result<openai::Parsed, ApiError> {
+        let max = self.max_model_len as usize;
+        openai::parse_with(endpoint, body, max, |prompt, special| {
+            vllm_tokens(&self.model, prompt, special, max)
+        })
+    }
+
     /// Keeps a request of the disaggregated flow, without its prompt, for [`SeenKvRequest`].
     fn record_seen(&self, mut body: Value, role: KvRole, request_id: Option<String>) {
         if let Value::Object(obj) = &mut body {
@@ -329,6 +337,34 @@ impl hyper::body::Body for ChannelBody {
             None if self.complete => None,
             None => Some(Err(EngineStopped)),
         })
+    }
+}
+
+/// vLLM's `POST /tokenize`: a completion's `prompt` (a string) or a chat's `messages`
+/// (`TokenizeCompletionRequest`, `TokenizeChatRequest`), tokenized as a generation request of
+/// that kind would be; answers `{"count", "max_model_len", "tokens", "token_strs": null}`.
+pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Response {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => return ApiError::bad_request("body", "the body must be a JSON object").into_response(),
+    };
+    let endpoint = if value.get("messages").is_some() {
+        Endpoint::Chat
+    } else {
+        if !value.get("prompt").is_some_and(Value::is_string) {
+            return ApiError::bad_request("prompt", "`prompt` must be a string").into_response();
+        }
+        Endpoint::Completions
+    };
+    match w.parse(endpoint, &body) {
+        Ok(parsed) => axum::Json(serde_json::json!({
+            "count": parsed.tokens.len(),
+            "max_model_len": w.max_model_len,
+            "tokens": parsed.tokens,
+            "token_strs": null,
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
     }
 }
 

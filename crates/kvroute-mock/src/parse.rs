@@ -1,10 +1,56 @@
-//! A request's part in the engine: its side of a disaggregated flow and its rank.
+//! A request's part in the engine: its prompt's tokens, its side of a disaggregated flow and its
+//! rank.
 
 use kvroute_core::router::WorkerRole;
-use kvroute_http::openai::ApiError;
+use kvroute_http::model::{Model, SpecialTokens};
+use kvroute_http::openai::{ApiError, Prompt, encode_text};
 use serde_json::{Value, json};
 
 use crate::handlers::Server;
+
+/// The tokens the engine runs for `prompt`, written from vLLM's serving code rather than taken
+/// from kvroute's (the mock stands for the engine; a test of kvroute against it must be able to
+/// fail). vLLM's request models default `add_special_tokens` to true for a completion
+/// (`CompletionRequest`, `TokenizeCompletionRequest`) and to false for a chat, whose template
+/// brings its special tokens (`ChatCompletionRequest`, `TokenizeChatRequest`); text goes through
+/// the tokenizer's `encode(text, add_special_tokens=...)`, which adds what its post-processor
+/// adds (a BOS); a prompt of token ids is used as it is.
+pub(crate) fn vllm_tokens(
+    model: &Model,
+    prompt: &Prompt,
+    add_special_tokens: Option<bool>,
+    max_model_len: usize,
+) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        Prompt::TokenIds(ids) => Ok(ids.clone()),
+        Prompt::Text(text) => {
+            let add = add_special_tokens.unwrap_or(true);
+            encode_text(
+                model,
+                text,
+                SpecialTokens::from_flag(add),
+                max_model_len,
+                "prompt",
+            )
+        }
+        Prompt::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            let rendered = model
+                .render_chat(messages, *add_generation_prompt)
+                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
+            let add = add_special_tokens.unwrap_or(false);
+            encode_text(
+                model,
+                &rendered,
+                SpecialTokens::from_flag(add),
+                max_model_len,
+                "messages",
+            )
+        }
+    }
+}
 
 /// What a request asks of the disaggregated flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

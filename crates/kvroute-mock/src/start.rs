@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::config::{MockConfig, MockError};
 use crate::driver::{Outbox, drive};
-use crate::handlers::{Rank, Server, chat, completions, models};
+use crate::handlers::{Rank, Server, chat, completions, models, tokenize};
 use crate::metrics::{Stats, metrics};
 use crate::rooms::Rooms;
 
@@ -194,6 +194,7 @@ async fn start_one(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
         .with_state(Arc::clone(&worker));

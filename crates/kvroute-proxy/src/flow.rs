@@ -54,7 +54,7 @@ pub struct Generation<'a> {
     pub endpoint: Endpoint,
     /// The parsed request.
     pub parsed: &'a openai::Parsed,
-    /// The client's body, forwarded unchanged (but for what a flow adds).
+    /// The body to forward: the client's, as [`openai::engine_body`] made it (and a flow adds to).
     pub body: Bytes,
 }
 

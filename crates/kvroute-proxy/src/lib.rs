@@ -21,6 +21,7 @@
 //!   bootstrap pair; and the observed response body.
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
+//! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
 
 pub mod config;
 pub mod driver;
@@ -29,6 +30,7 @@ pub mod flow;
 pub mod health;
 pub mod metrics;
 pub mod observed;
+pub mod parity;
 pub mod proxy;
 pub mod registry;
 pub mod worker;

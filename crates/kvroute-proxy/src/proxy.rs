@@ -170,6 +170,15 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
 fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
     let id = app.shared.add_worker(config.clone())?;
     app.feed.subscribe(id, &config);
+    // TOKENIZATION PARITY: the one call site. Today it only logs (a mismatch loudly); its
+    // `Parity` result is for the worker's misconfigured state.
+    tokio::spawn(crate::parity::check_and_warn(
+        app.forwarder.client.clone(),
+        config.url,
+        app.shared.config.model_name.clone(),
+        Arc::clone(&app.model),
+        ServeConfig::ms(app.shared.config.connect_timeout_ms.max(1000)),
+    ));
     Ok(id)
 }
 
@@ -277,6 +286,11 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Outcome {
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
+    // Internal fields stripped; a text completion sent as the token ids it is routed on.
+    let body = match openai::engine_body(&parsed, &body) {
+        Ok(rewritten) => rewritten.map_or(body, Bytes::from),
+        Err(e) => return Outcome::Failed(kind, e),
+    };
     let generation = Generation {
         endpoint,
         parsed: &parsed,

@@ -1,0 +1,424 @@
+//! Tokenization as the engine does it, end to end: a proxy and mock workers that load a model
+//! whose tokenizer's post-processor adds BOS (`kvroute-http/tests/data/bos-model`, shaped like
+//! the one real vLLM runs were made with). The mock follows vLLM's rule (a text completion gets
+//! BOS, a chat gets the template's one); the proxy must predict the cached tokens the engine
+//! then reports, for text completions, chat and token ids.
+
+// Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_http::Model;
+use kvroute_http::model::SpecialTokens;
+use kvroute_http::net::{HttpClient, client};
+use kvroute_http::openai::Endpoint;
+use kvroute_http::openai::types::{ChatCompletion, Completion, ErrorResponse, Usage};
+use kvroute_mock::{self as mock, MockConfig, MockWorker};
+use kvroute_proxy::parity::{self, Parity};
+use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
+use serde_json::{Value, json};
+
+/// Generous: only reached when a test is failing.
+const PATIENCE: Duration = Duration::from_secs(30);
+/// The mock engine's and the proxy's block size.
+const BLOCK: u32 = 16;
+const BOS: u32 = 256;
+
+const BOS_TOKENIZER: &str = include_str!("../../kvroute-http/tests/data/bos-model/tokenizer.json");
+const BOS_CONFIG: &str = include_str!("../../kvroute-http/tests/data/bos-model/tokenizer_config.json");
+
+fn bos_model() -> Arc<Model> {
+    Arc::new(Model::from_json(BOS_TOKENIZER, Some(BOS_CONFIG)).unwrap())
+}
+
+/// The BOS model with no post-processor: the same chat template, but a text completion gets
+/// no BOS (an engine that follows `"add_bos_token": false`).
+fn bos_model_without_post_processor() -> Arc<Model> {
+    let mut json: Value = serde_json::from_str(BOS_TOKENIZER).unwrap();
+    json["post_processor"] = Value::Null;
+    Arc::new(Model::from_json(&json.to_string(), Some(BOS_CONFIG)).unwrap())
+}
+
+struct Cluster {
+    proxy: ProxyHandle,
+    mocks: Vec<MockWorker>,
+    http: HttpClient,
+}
+
+/// `n` mock workers loading `engine_model`, and a proxy in front of them loading `our_model`.
+async fn cluster(n: usize, engine_model: Arc<Model>, our_model: Arc<Model>) -> Cluster {
+    let mut mc = MockConfig::new(n);
+    mc.engine.speedup = 20.0;
+    let mocks = mock::start(&mc, engine_model).await.unwrap();
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        health_interval_ms: 200,
+        workers: mocks
+            .iter()
+            .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap())
+            .collect(),
+        ..ServeConfig::default()
+    };
+    let proxy = kvroute_proxy::start(config, Some(our_model)).await.unwrap();
+    Cluster {
+        proxy,
+        mocks,
+        http: client(Duration::from_secs(2)),
+    }
+}
+
+/// POSTs `body` to `url` + `path`: the status and the body.
+async fn post(http: &HttpClient, url: &str, path: &str, body: &Value) -> (u16, Vec<u8>) {
+    let req = hyper::Request::post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    (
+        status,
+        resp.into_body().collect().await.unwrap().to_bytes().to_vec(),
+    )
+}
+
+/// A metric's value from a Prometheus text exposition (the sum over matching lines).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split([' ', '{']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+impl Cluster {
+    /// A request through the proxy that must succeed: its usage.
+    async fn usage(&self, endpoint: Endpoint, body: &Value) -> Usage {
+        let (status, out) = post(&self.http, &self.proxy.url(), endpoint.path(), body).await;
+        let text = String::from_utf8_lossy(&out);
+        assert_eq!(status, 200, "{text}");
+        match endpoint {
+            Endpoint::Completions => {
+                let c: Completion = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{e}: {text}"));
+                assert!(!c.choices[0].text.is_empty(), "the client gets text: {text}");
+                c.usage.unwrap()
+            }
+            Endpoint::Chat => {
+                let c: ChatCompletion =
+                    serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{e}: {text}"));
+                c.usage.unwrap()
+            }
+        }
+    }
+
+    /// The sum of the router's predicted hit rates (overlap blocks / prompt blocks, one
+    /// observation per routed request).
+    async fn hit_rate_sum(&self) -> f64 {
+        let req = hyper::Request::get(format!("{}/metrics", self.proxy.url()))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let body = self
+            .http
+            .request(req)
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        let text = String::from_utf8(body.to_bytes().to_vec()).unwrap();
+        metric(&text, "dynamo_component_router_kv_hit_rate_sum")
+    }
+
+    /// Blocks the router's index holds, over all workers.
+    fn indexed_blocks(&self) -> u64 {
+        self.proxy
+            .shared
+            .snapshot()
+            .workers
+            .iter()
+            .map(|w| w.cached_blocks)
+            .sum()
+    }
+
+    /// Sends `body` twice: the second time the router must predict, in tokens, the cached
+    /// prefix the engine reports. Returns (prompt tokens, cached tokens reported).
+    async fn predicted_equals_reported(&self, endpoint: Endpoint, body: &Value) -> (u32, u32) {
+        let before = self.indexed_blocks();
+        let first = self.usage(endpoint, body).await;
+        assert_eq!(first.cached_tokens(), 0, "a new prompt: {body}");
+        assert_ne!(
+            first.prompt_tokens % BLOCK,
+            0,
+            "the test wants a partial last block"
+        );
+        let full_blocks = first.prompt_tokens / BLOCK;
+        // The first request's stored blocks reached the router.
+        let stored = self
+            .proxy
+            .shared
+            .wait_for_kv(PATIENCE, |_| {
+                self.indexed_blocks() >= before + u64::from(full_blocks)
+            })
+            .await;
+        assert!(stored, "the stored events never arrived");
+        let rates = self.hit_rate_sum().await;
+        let again = self.usage(endpoint, body).await;
+        assert_eq!(again.prompt_tokens, first.prompt_tokens);
+        let rate = self.hit_rate_sum().await - rates;
+        let predicted = (rate * f64::from(full_blocks)).round() as u32 * BLOCK;
+        let reported = again.cached_tokens();
+        assert_eq!(
+            predicted, reported,
+            "predicted cached tokens vs the engine's usage.prompt_tokens_details.cached_tokens: {body}"
+        );
+        assert_eq!(
+            reported,
+            full_blocks * BLOCK,
+            "every full block was a hit: {body}"
+        );
+        (first.prompt_tokens, reported)
+    }
+}
+
+/// The failure ended: a text completion on a tokenizer that adds BOS hit no cache, because the
+/// engine tokenized with BOS and kvroute without. Now the engine's reported cached tokens equal
+/// the proxy's prediction for text completions (sent to the engine as kvroute's token ids),
+/// chat (rendered alike) and token ids (taken as they are).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_cached_tokens_equal_the_engines_for_completions_chat_and_token_ids() {
+    let c = cluster(2, bos_model(), bos_model()).await;
+    let text: String = (0..200).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let (prompt_tokens, _) = c
+        .predicted_equals_reported(
+            Endpoint::Completions,
+            &json!({"model": "tiny", "prompt": text, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(prompt_tokens, 201, "the engine's BOS and one token per byte");
+
+    let chat = json!({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Tell me about the quick brown fox and the lazy dog, at length."},
+        {"role": "assistant", "content": "The fox is quick and brown; the dog is lazy."},
+        {"role": "user", "content": "And then?"},
+    ]});
+    c.predicted_equals_reported(Endpoint::Chat, &chat).await;
+
+    let ids: Vec<u32> = (0..203).map(|i| 1 + (i * 13 % 250)).collect();
+    let (prompt_tokens, _) = c
+        .predicted_equals_reported(
+            Endpoint::Completions,
+            &json!({"model": "tiny", "prompt": ids, "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(prompt_tokens, 203, "nothing is added to token ids");
+
+    // A completion asking for no special tokens: no BOS, predicted alike.
+    let text: String = (0..150).map(|i| char::from(b'a' + (i * 11 % 26) as u8)).collect();
+    let (prompt_tokens, _) = c
+        .predicted_equals_reported(
+            Endpoint::Completions,
+            &json!({"model": "tiny", "prompt": text, "max_tokens": 2, "add_special_tokens": false}),
+        )
+        .await;
+    assert_eq!(prompt_tokens, 150);
+}
+
+/// The mock tokenizes as vLLM 0.32 did on this tokenizer (`vllm-cpu/README.md`): a text
+/// completion gets BOS, a chat the template's one BOS and no second; `add_special_tokens`
+/// turns either way; `/tokenize` answers vLLM's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_tokenizes_as_vllm_does() {
+    let model = bos_model();
+    let mocks = mock::start(&MockConfig::new(1), Arc::clone(&model))
+        .await
+        .unwrap();
+    let url = mocks[0].url();
+    let http = client(Duration::from_secs(2));
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let rendered = model.render_chat(&messages, true).unwrap();
+    let chat_ids = model.encode(&rendered, SpecialTokens::Omit).unwrap();
+    assert_eq!(&chat_ids[..2], &[BOS, 258]);
+    // (path, body, the prompt's tokens)
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "hello"}),
+            vec![BOS, 104, 101, 108, 108, 111],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hello", "add_special_tokens": false}),
+            vec![104, 101, 108, 108, 111],
+        ),
+        ("/v1/completions", json!({"prompt": [104, 105]}), vec![104, 105]),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages}),
+            chat_ids.clone(),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "add_special_tokens": true}),
+            [vec![BOS], chat_ids.clone()].concat(),
+        ),
+        (
+            "/tokenize",
+            json!({"model": "tiny", "prompt": "hello"}),
+            vec![BOS, 104, 101, 108, 108, 111],
+        ),
+        (
+            "/tokenize",
+            json!({"model": "tiny", "messages": messages}),
+            chat_ids.clone(),
+        ),
+        (
+            "/tokenize",
+            json!({"model": "tiny", "messages": messages, "add_generation_prompt": false}),
+            model
+                .encode(&model.render_chat(&messages, false).unwrap(), SpecialTokens::Omit)
+                .unwrap(),
+        ),
+    ];
+    for (path, mut body, tokens) in cases {
+        if path != "/tokenize" {
+            body["max_tokens"] = json!(1);
+        }
+        let (status, out) = post(&http, &url, path, &body).await;
+        assert_eq!(status, 200, "{path} {body}: {}", String::from_utf8_lossy(&out));
+        let answer: Value = serde_json::from_slice(&out).unwrap();
+        if path == "/tokenize" {
+            assert_eq!(answer["tokens"], json!(tokens), "{body}");
+            assert_eq!(answer["count"], json!(tokens.len()), "{body}");
+            assert_eq!(
+                answer["max_model_len"],
+                json!(MockConfig::default_engine().max_model_len)
+            );
+        } else {
+            assert_eq!(
+                answer["usage"]["prompt_tokens"],
+                json!(tokens.len()),
+                "{path} {body}"
+            );
+        }
+    }
+}
+
+/// The parity check: a worker that tokenizes as kvroute does matches; one with another
+/// tokenizer mismatches at the chat probe's first token; one that adds no BOS to a text (but
+/// renders chat alike) mismatches at the completion probe; a worker without `/tokenize` is
+/// unsupported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parity_check_tells_a_worker_that_tokenizes_otherwise() {
+    let ours = bos_model();
+    let http = client(Duration::from_secs(2));
+    let timeout = Duration::from_secs(5);
+    let check = |url: String| {
+        let (http, ours) = (http.clone(), Arc::clone(&ours));
+        async move { parity::check(&http, &url, "tiny", &ours, timeout).await.unwrap() }
+    };
+    let alike = mock::start(&MockConfig::new(1), bos_model()).await.unwrap();
+    assert_eq!(check(alike[0].url()).await, Parity::Match);
+
+    let other = mock::start(&MockConfig::new(1), Arc::new(Model::tiny().unwrap()))
+        .await
+        .unwrap();
+    match check(other[0].url()).await {
+        Parity::Mismatch {
+            endpoint: Endpoint::Chat,
+            position: 0,
+            ..
+        } => {}
+        other => panic!("another tokenizer and template: {other:?}"),
+    }
+
+    let no_bos = mock::start(&MockConfig::new(1), bos_model_without_post_processor())
+        .await
+        .unwrap();
+    let probe = "The quick brown fox jumps over the lazy dog.".len();
+    assert_eq!(
+        check(no_bos[0].url()).await,
+        Parity::Mismatch {
+            endpoint: Endpoint::Completions,
+            position: 0,
+            ours: probe + 1,
+            theirs: probe,
+        }
+    );
+
+    // A stub that serves generation but no /tokenize.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let routes = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
+    assert_eq!(check(url).await, Parity::Unsupported);
+}
+
+/// Internal fields from a client never reach an engine: a client's `kv_transfer_params` (which
+/// could make an engine import KV from a host it names) and the other fields the proxy writes
+/// are stripped, and the request served as an ordinary one; a sampling field of the wrong type
+/// is refused with a 400 in OpenAI's shape naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_fields_are_stripped_and_ill_typed_fields_refused() {
+    let c = cluster(1, bos_model(), bos_model()).await;
+    let hostile = json!({
+        "do_remote_prefill": true, "remote_engine_id": "evil", "remote_block_ids": [0],
+        "remote_host": "10.6.6.6", "remote_port": 5600,
+    });
+    let chat = json!([{"role": "user", "content": "hi"}]);
+    // Each would reach the mock as a remote prefill or a bootstrap decode waiting for its room,
+    // were it not stripped.
+    let stripped = [
+        (
+            Endpoint::Completions,
+            json!({"prompt": "hi", "kv_transfer_params": hostile}),
+        ),
+        (
+            Endpoint::Chat,
+            json!({"messages": chat, "kv_transfer_params": hostile}),
+        ),
+        (
+            Endpoint::Completions,
+            json!({"prompt": [1, 2], "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7}),
+        ),
+        (
+            Endpoint::Completions,
+            json!({"prompt": "hi", "kv_transfer_params": null}),
+        ),
+    ];
+    for (endpoint, mut body) in stripped {
+        body["max_tokens"] = json!(1);
+        let usage = c.usage(endpoint, &body).await;
+        assert!(usage.prompt_tokens > 0);
+    }
+    assert!(
+        c.mocks[0].seen_kv_requests().is_empty(),
+        "no engine saw a disaggregated request"
+    );
+    // (endpoint, body, the field named)
+    let refused = [
+        (
+            Endpoint::Completions,
+            json!({"prompt": "hi", "temperature": "hot"}),
+            "temperature",
+        ),
+        (Endpoint::Chat, json!({"messages": chat, "top_p": 7}), "top_p"),
+        (
+            Endpoint::Completions,
+            json!({"prompt": "hi", "stop": [1]}),
+            "stop",
+        ),
+    ];
+    for (endpoint, body, field) in refused {
+        let (status, out) = post(&c.http, &c.proxy.url(), endpoint.path(), &body).await;
+        assert_eq!(status, 400, "{body}");
+        let error: ErrorResponse =
+            serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
+        assert_eq!(error.error.param.as_deref(), Some(field), "{body}");
+        assert_eq!(error.error.kind, "invalid_request_error");
+        assert!(error.error.message.contains(field), "{}", error.error.message);
+    }
+}
