@@ -49,6 +49,7 @@ mod openai;
 mod parse;
 mod rooms;
 mod start;
+mod vllm;
 
 pub use config::{MockConfig, MockError};
 pub use rooms::BOOTSTRAP_TIMEOUT;

@@ -563,7 +563,7 @@ async fn overload_returns_503_and_nothing_leaks() {
     let (status, retry, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&out));
     assert_eq!(retry.as_deref(), Some("1"));
-    assert_eq!(error(&out).code.as_deref(), Some("overloaded"));
+    assert_eq!(error(&out).code_name(), Some("overloaded"));
     held.release(3);
     for t in in_flight {
         let (status, _, out) = t.await.unwrap();
@@ -621,11 +621,11 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     let long = serde_json::to_vec(&json!({"prompt": "y".repeat(60)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", long).await;
     assert_eq!(got, 400);
-    assert_eq!(error(&out).code.as_deref(), Some("context_length_exceeded"));
+    assert_eq!(error(&out).code_name(), Some("context_length_exceeded"));
     let huge = serde_json::to_vec(&json!({"prompt": "z".repeat(2000)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", huge).await;
     assert_eq!(got, 413);
-    assert_eq!(error(&out).code.as_deref(), Some("body_too_large"));
+    assert_eq!(error(&out).code_name(), Some("body_too_large"));
     let (got, _, _) = c.http.request("GET", "/v1/nothing", Vec::new()).await;
     assert_eq!(got, 404);
     // Admin: drain the only worker; requests then find no worker (503), and removal works.
@@ -906,7 +906,7 @@ async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
     let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&out));
     let err = error(&out);
-    assert_eq!(err.code.as_deref(), Some("prefill_failed"), "{err:?}");
+    assert_eq!(err.code_name(), Some("prefill_failed"), "{err:?}");
     assert_eq!(err.kind, "upstream_error");
     assert!(err.message.contains("prefill worker"), "{err:?}");
     let metrics = c.http.get("/metrics").await;
@@ -1022,7 +1022,7 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
         let (got, _, out) = c.http.request("POST", "/v1/completions", body).await;
         assert_eq!(got, status, "{code}: {}", String::from_utf8_lossy(&out));
         let err = error(&out);
-        assert_eq!(err.code.as_deref(), Some(code), "{err:?}");
+        assert_eq!(err.code_name(), Some(code), "{err:?}");
         assert!(
             err.message.contains("prefill worker") && err.message.contains(says),
             "{}",
