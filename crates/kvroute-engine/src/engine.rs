@@ -6,7 +6,7 @@ use kvroute_core::time::Timestamp;
 use crate::config::{ConfigError, EngineConfig};
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
-use crate::scheduler::{Progress, Schedule, Scheduler};
+use crate::scheduler::{PassResults, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
 use kvroute_core::events::KvEvent;
@@ -316,7 +316,7 @@ impl Engine {
         start: Timestamp,
         end: Timestamp,
         schedule: Schedule,
-        progress: Progress,
+        progress: PassResults,
         mut metrics: StepMetrics,
     ) -> StepOutput {
         let s = &self.scheduler;

@@ -81,9 +81,10 @@ impl Schedule {
     }
 }
 
-/// What [`Scheduler::commit`] produced for one pass.
+/// What one pass produced, as [`Scheduler::commit`] found it: tokens emitted, first tokens,
+/// requests finished.
 #[derive(Debug, Default)]
-pub(crate) struct Progress {
+pub(crate) struct PassResults {
     pub emitted: Vec<TokenEmission>,
     pub first_token: Vec<RequestId>,
     pub finished: Vec<Finished>,
@@ -385,8 +386,8 @@ impl Scheduler {
 
     /// Advances every request of `schedule` by its tokens: samples the next token where all
     /// known tokens are computed, and retires finished requests, freeing their blocks.
-    pub fn commit(&mut self, schedule: &Schedule) -> Progress {
-        let mut progress = Progress::default();
+    pub fn commit(&mut self, schedule: &Schedule) -> PassResults {
+        let mut progress = PassResults::default();
         for chunk in &schedule.chunks {
             let seq = self.seqs.get_mut(&chunk.id).expect("scheduled requests are live");
             seq.num_computed += chunk.new_tokens;

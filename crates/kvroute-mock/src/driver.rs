@@ -33,7 +33,10 @@ pub(crate) enum JobUpdate {
     /// Output tokens.
     Tokens(Vec<u32>),
     /// It finished.
-    Done { completion_tokens: u32, length: bool },
+    Done {
+        completion_tokens: u32,
+        reason: FinishReason,
+    },
     /// The engine refused it.
     Refused(String),
 }
@@ -200,7 +203,7 @@ impl Driver {
             if let Some(l) = self.live.remove(&f.request) {
                 let _ = l.tx.send(JobUpdate::Done {
                     completion_tokens: f.output_tokens,
-                    length: f.reason == FinishReason::Length,
+                    reason: f.reason,
                 });
             }
         }

@@ -250,11 +250,11 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
                 }
                 JobUpdate::Done {
                     completion_tokens,
-                    length,
+                    reason,
                 } => {
                     let end = Ending {
                         completion_tokens,
-                        length,
+                        reason,
                         cached,
                     };
                     let last = shape.last_chunks(end, first, include_usage);
@@ -289,11 +289,11 @@ async fn respond(w: &Arc<Server>, mut s: Submitted) -> Response {
             JobUpdate::Tokens(t) => tokens.extend(t),
             JobUpdate::Done {
                 completion_tokens,
-                length,
+                reason,
             } => {
                 let end = Ending {
                     completion_tokens,
-                    length,
+                    reason,
                     cached,
                 };
                 return s.shape.full(w.text(&tokens), end, s.transfer_params);

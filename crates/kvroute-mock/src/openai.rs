@@ -11,6 +11,7 @@ use kvroute_http::openai::types::{
     Completion, CompletionChoice, Delta, ErrorResponse, FinishReason, ModelList, Object, Role, Usage,
     sse_event,
 };
+use kvroute_engine::FinishReason as EngineFinish;
 use serde_json::Value;
 
 use crate::handlers::Server;
@@ -42,8 +43,8 @@ impl Server {
 pub(crate) struct Ending {
     /// Tokens generated.
     pub(crate) completion_tokens: u32,
-    /// The engine stopped it at its length limit.
-    pub(crate) length: bool,
+    /// Why the engine ended it.
+    pub(crate) reason: EngineFinish,
     /// Prompt tokens found in the prefix cache.
     pub(crate) cached: u32,
 }
@@ -104,7 +105,9 @@ impl Shape {
     }
 
     fn finish_reason(&self, end: Ending) -> FinishReason {
-        if end.length || self.max_tokens == Some(end.completion_tokens) {
+        // The engine ends a request at its `max_tokens` as at its natural end: OpenAI calls
+        // the first `length`.
+        if end.reason == EngineFinish::Length || self.max_tokens == Some(end.completion_tokens) {
             FinishReason::Length
         } else {
             FinishReason::Stop
