@@ -169,6 +169,14 @@ impl Engine {
         Ok(self.scheduler.pool.take_events())
     }
 
+    /// Aborts live request `id` (its client left): it leaves the engine at once, wherever it
+    /// was, and its blocks are freed; blocks it cached stay cached (no KV event). A pass
+    /// already returned keeps what it reported of the request. False if `id` is not live (it
+    /// finished, or never came).
+    pub fn abort_request(&mut self, id: RequestId) -> bool {
+        self.scheduler.abort(id)
+    }
+
     /// Requests whose KV is being transferred in ([`Engine::import_request`] without
     /// [`Engine::complete_import`] yet).
     pub fn num_importing(&self) -> usize {

@@ -429,6 +429,21 @@ impl Scheduler {
         self.running.retain(|id| seqs.contains_key(id));
     }
 
+    /// Drops live request `id` wherever it is (waiting, running, importing or imported) and
+    /// frees its blocks; those already cached stay in the prefix cache, as in vLLM. False if
+    /// `id` is not live.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        self.pool.release(&seq.blocks);
+        self.waiting.retain(|&r| r != id);
+        self.running.retain(|&r| r != id);
+        self.importing.remove(&id);
+        self.imported.retain(|&r| r != id);
+        true
+    }
+
     /// How many live requests hold each block.
     pub fn holders(&self) -> Vec<u32> {
         let mut holders = vec![0u32; self.pool.total() as usize];

@@ -183,6 +183,49 @@ impl Driver {
         }
     }
 
+    /// Aborts the requests whose handler is gone (its client disconnected), as vLLM aborts a
+    /// request whose client left: they leave the engine and free their blocks.
+    fn abort_abandoned(&mut self) {
+        let abandoned: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.tx.is_closed())
+            .map(|(&id, _)| id)
+            .chain(
+                self.waiting
+                    .iter()
+                    .filter(|(_, job)| job.tx.is_closed())
+                    .map(|(&id, _)| id),
+            )
+            .collect();
+        if abandoned.is_empty() {
+            return;
+        }
+        for &id in &abandoned {
+            self.live.remove(&id);
+            self.waiting.remove(&id);
+            self.host.abort(id);
+        }
+        // Gauges first: a reader that sees the count sees the engine without them.
+        self.update_gauges();
+        self.stats().aborted += abandoned.len() as u64;
+    }
+
+    /// The engine's occupancy, for `/metrics`.
+    fn update_gauges(&self) {
+        let engine = self.host.engine();
+        let (active, total) = engine.kv_blocks();
+        let (running, waiting) = (engine.num_running() as u64, engine.num_waiting() as u64);
+        let mut s = self.stats();
+        s.running = running;
+        s.waiting = waiting;
+        s.kv_usage = if total == 0 {
+            0.0
+        } else {
+            f64::from(active) / f64::from(total)
+        };
+    }
+
     /// A pass's effects, at its end.
     fn deliver(&mut self, out: &StepOutput) {
         for &(id, cached) in &out.prefix_hits {
@@ -208,17 +251,8 @@ impl Driver {
             }
         }
         self.publish(&out.events);
-        let engine = self.host.engine();
-        let (active, total) = engine.kv_blocks();
-        let (running, waiting) = (engine.num_running() as u64, engine.num_waiting() as u64);
+        self.update_gauges();
         let mut s = self.stats();
-        s.running = running;
-        s.waiting = waiting;
-        s.kv_usage = if total == 0 {
-            0.0
-        } else {
-            f64::from(active) / f64::from(total)
-        };
         s.hit_tokens += out.metrics.prefix_cache_hit_tokens;
         s.query_tokens += out.metrics.prefix_cache_query_tokens;
         s.generation_tokens += out.emitted.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
@@ -268,6 +302,7 @@ pub(crate) async fn drive(
         out,
     };
     loop {
+        d.abort_abandoned();
         d.between_passes(d.now() + TICK);
         let Some(next) = d.next_due() else {
             match jobs.recv().await {

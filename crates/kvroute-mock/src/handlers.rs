@@ -237,7 +237,14 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
     tokio::spawn(async move {
         let mut cached = 0;
         let mut first = true;
-        while let Some(p) = rx.recv().await {
+        loop {
+            // A client that disconnects drops the body: stop reading the engine, whose task
+            // then aborts the request.
+            let p = tokio::select! {
+                p = rx.recv() => p,
+                () = frames_tx.closed() => return,
+            };
+            let Some(p) = p else { return };
             let chunk = match p {
                 JobUpdate::Cached(c) => {
                     cached = c;
