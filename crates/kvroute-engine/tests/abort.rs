@@ -37,7 +37,10 @@ fn an_aborted_request_leaves_wherever_it_is_and_frees_its_blocks() {
     assert_eq!(h.engine.cached_blocks().collect::<Vec<_>>(), cached_before);
     h.add(request(3, 0..16, 2)).unwrap();
     let out = h.step().unwrap();
-    assert_eq!(out.metrics.prefix_cache_hit_tokens, 12, "3 of 4 blocks (the last is computed)");
+    assert_eq!(
+        out.metrics.prefix_cache_hit_tokens, 12,
+        "3 of 4 blocks (the last is computed)"
+    );
     h.run();
     // Not live any more: finished, aborted, or never there.
     for id in [1, 3, 99] {
@@ -55,7 +58,10 @@ fn an_aborted_import_waits_no_more_and_never_lands() {
     let now = Timestamp::ZERO;
     let first = host.import(now, request(1, 0..32, 4)).unwrap();
     assert!(matches!(first, ImportAdmission::Started(_)), "{first:?}");
-    assert_eq!(host.import(now, request(2, 100..132, 4)).unwrap(), ImportAdmission::Waiting);
+    assert_eq!(
+        host.import(now, request(2, 100..132, 4)).unwrap(),
+        ImportAdmission::Waiting
+    );
     // The waiting one leaves the queue; the one on the link leaves the engine and its transfer.
     assert!(host.abort(RequestId(2)));
     assert_eq!(host.num_waiting_imports(), 0);

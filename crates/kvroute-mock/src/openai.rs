@@ -5,13 +5,13 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::{IntoResponse, Response};
+use kvroute_engine::FinishReason as EngineFinish;
 use kvroute_http::openai::Endpoint;
 use kvroute_http::openai::types::{
     CachedTokensReport, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChunkChoice,
     Completion, CompletionChoice, Delta, ErrorResponse, FinishReason, ModelList, Object, Role, Usage,
     sse_event,
 };
-use kvroute_engine::FinishReason as EngineFinish;
 use serde_json::Value;
 
 use crate::handlers::Server;

@@ -66,8 +66,14 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
 }
 
 /// Checks that `max_tokens` output tokens fit in the context after `prompt_tokens`.
-pub(crate) fn check_length(max_tokens: Option<u32>, prompt_tokens: usize, max_model_len: u32) -> Result<(), Refusal> {
-    let Some(max_tokens) = max_tokens else { return Ok(()) };
+pub(crate) fn check_length(
+    max_tokens: Option<u32>,
+    prompt_tokens: usize,
+    max_model_len: u32,
+) -> Result<(), Refusal> {
+    let Some(max_tokens) = max_tokens else {
+        return Ok(());
+    };
     if prompt_tokens as u64 + u64::from(max_tokens) <= u64::from(max_model_len) {
         return Ok(());
     }
@@ -95,7 +101,10 @@ mod tests {
 
     #[test]
     fn an_unknown_model_is_vllms_404() {
-        assert_eq!(check_body(&json!({"model": "tiny", "prompt": "a"}), "tiny"), Ok(()));
+        assert_eq!(
+            check_body(&json!({"model": "tiny", "prompt": "a"}), "tiny"),
+            Ok(())
+        );
         assert_eq!(check_body(&json!({"prompt": "a"}), "tiny"), Ok(()));
         let r = check_body(&json!({"model": "gpt-9", "prompt": "a"}), "tiny").unwrap_err();
         assert_eq!(r.status, StatusCode::NOT_FOUND);

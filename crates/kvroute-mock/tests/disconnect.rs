@@ -22,7 +22,14 @@ async fn metric(http: &HttpClient, worker: &MockWorker, name: &str) -> f64 {
     let request = hyper::Request::get(format!("{}/metrics", worker.url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    let body = http.request(request).await.unwrap().into_body().collect().await.unwrap();
+    let body = http
+        .request(request)
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
     let text = String::from_utf8(body.to_bytes().to_vec()).unwrap();
     let series = format!("{name}{{engine=\"0\",model_name=\"tiny\"}} ");
     text.lines()
@@ -52,7 +59,10 @@ async fn a_client_leaving_mid_stream_aborts_its_request() {
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: ") {
-        let n = tokio::time::timeout(PATIENCE, tcp.read(&mut buf)).await.unwrap().unwrap();
+        let n = tokio::time::timeout(PATIENCE, tcp.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
     }

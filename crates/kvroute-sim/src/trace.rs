@@ -264,7 +264,13 @@ fn parse_datetime_ns(s: &str) -> Option<u64> {
     let mut t = hms.split(':').map(|p| p.parse::<u64>().ok());
     let (h, min, sec) = (t.next()??, t.next()??, t.next()??);
     // Out of range is not a time (and would overflow below).
-    if !(0..=9999).contains(&y) || !(1..=12).contains(&m) || !(1..=31).contains(&day) || h > 23 || min > 59 || sec > 60 {
+    if !(0..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+        || h > 23
+        || min > 59
+        || sec > 60
+    {
         return None;
     }
     let frac_ns = if frac.is_empty() {

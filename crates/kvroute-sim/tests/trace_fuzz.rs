@@ -59,9 +59,24 @@ fn azure_line() -> impl Strategy<Value = String> {
         Just("x".to_owned()),
     ];
     let stamp = prop_oneof![
-        (2020i64..2030, 1i64..13, 1i64..29, 0u64..24, 0u64..60, 0u64..60, "[0-9]{0,12}")
+        (
+            2020i64..2030,
+            1i64..13,
+            1i64..29,
+            0u64..24,
+            0u64..60,
+            0u64..60,
+            "[0-9]{0,12}"
+        )
             .prop_map(|(y, mo, d, h, mi, s, f)| format!("{y}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{f}")),
-        (any::<i64>(), any::<i64>(), any::<i64>(), any::<u64>(), any::<u64>(), any::<u64>())
+        (
+            any::<i64>(),
+            any::<i64>(),
+            any::<i64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>()
+        )
             .prop_map(|(y, mo, d, h, mi, s)| format!("{y}-{mo}-{d}T{h}:{mi}:{s}")),
         "[0-9T:. -]{0,30}",
         "\\PC{0,20}",
@@ -81,7 +96,10 @@ fn azure_line() -> impl Strategy<Value = String> {
 fn check_refusal(e: &TraceError, lines: usize) -> Result<(), TestCaseError> {
     match e {
         TraceError::Parse { line, message } => {
-            prop_assert!((1..=lines.max(1)).contains(line), "line {line} of {lines}: {message}");
+            prop_assert!(
+                (1..=lines.max(1)).contains(line),
+                "line {line} of {lines}: {message}"
+            );
             prop_assert!(!message.is_empty());
         }
         TraceError::Io(_) => {}

@@ -420,7 +420,10 @@ mod tests {
         let bare = r#"{"prompt_tokens":16,"completion_tokens":5,"total_tokens":21}"#;
         assert_eq!(json(&Usage::vllm(16, 5, 0, CachedTokensReport::Omitted)), bare);
         assert_eq!(json(&Usage::vllm(16, 5, 8, CachedTokensReport::Omitted)), bare);
-        assert_eq!(json(&Usage::vllm(16, 5, 0, CachedTokensReport::WhenNonZero)), bare);
+        assert_eq!(
+            json(&Usage::vllm(16, 5, 0, CachedTokensReport::WhenNonZero)),
+            bare
+        );
         let cached = Usage::vllm(16, 5, 8, CachedTokensReport::WhenNonZero);
         assert_eq!(
             json(&cached),
