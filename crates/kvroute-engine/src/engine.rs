@@ -6,7 +6,7 @@ use kvroute_core::time::Timestamp;
 use crate::config::{ConfigError, EngineConfig};
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
-use crate::scheduler::{Progress, Schedule, Scheduler};
+use crate::scheduler::{PassResults, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
 use kvroute_core::events::KvEvent;
@@ -169,6 +169,14 @@ impl Engine {
         Ok(self.scheduler.pool.take_events())
     }
 
+    /// Aborts live request `id` (its client left): it leaves the engine at once, wherever it
+    /// was, and its blocks are freed; blocks it cached stay cached (no KV event). A pass
+    /// already returned keeps what it reported of the request. False if `id` is not live (it
+    /// finished, or never came).
+    pub fn abort_request(&mut self, id: RequestId) -> bool {
+        self.scheduler.abort(id)
+    }
+
     /// Requests whose KV is being transferred in ([`Engine::import_request`] without
     /// [`Engine::complete_import`] yet).
     pub fn num_importing(&self) -> usize {
@@ -316,7 +324,7 @@ impl Engine {
         start: Timestamp,
         end: Timestamp,
         schedule: Schedule,
-        progress: Progress,
+        progress: PassResults,
         mut metrics: StepMetrics,
     ) -> StepOutput {
         let s = &self.scheduler;

@@ -170,6 +170,18 @@ impl EngineHost {
         })
     }
 
+    /// Aborts request `id` (its client left) wherever it is: an import waiting for blocks
+    /// leaves the queue, one on the link will not land, a request in the engine leaves it
+    /// ([`Engine::abort_request`]). False if the host does not hold it.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        self.transfers.retain(|&(_, r)| r != id);
+        self.engine.abort_request(id)
+    }
+
     /// The link this host's imports cross.
     pub fn link(&self) -> &KvTransfer {
         &self.link

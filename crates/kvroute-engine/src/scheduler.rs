@@ -81,9 +81,10 @@ impl Schedule {
     }
 }
 
-/// What [`Scheduler::commit`] produced for one pass.
+/// What one pass produced, as [`Scheduler::commit`] found it: tokens emitted, first tokens,
+/// requests finished.
 #[derive(Debug, Default)]
-pub(crate) struct Progress {
+pub(crate) struct PassResults {
     pub emitted: Vec<TokenEmission>,
     pub first_token: Vec<RequestId>,
     pub finished: Vec<Finished>,
@@ -385,8 +386,8 @@ impl Scheduler {
 
     /// Advances every request of `schedule` by its tokens: samples the next token where all
     /// known tokens are computed, and retires finished requests, freeing their blocks.
-    pub fn commit(&mut self, schedule: &Schedule) -> Progress {
-        let mut progress = Progress::default();
+    pub fn commit(&mut self, schedule: &Schedule) -> PassResults {
+        let mut progress = PassResults::default();
         for chunk in &schedule.chunks {
             let seq = self.seqs.get_mut(&chunk.id).expect("scheduled requests are live");
             seq.num_computed += chunk.new_tokens;
@@ -426,6 +427,21 @@ impl Scheduler {
         }
         let seqs = &self.seqs;
         self.running.retain(|id| seqs.contains_key(id));
+    }
+
+    /// Drops live request `id` wherever it is (waiting, running, importing or imported) and
+    /// frees its blocks; those already cached stay in the prefix cache, as in vLLM. False if
+    /// `id` is not live.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        self.pool.release(&seq.blocks);
+        self.waiting.retain(|&r| r != id);
+        self.running.retain(|&r| r != id);
+        self.importing.remove(&id);
+        self.imported.retain(|&r| r != id);
+        true
     }
 
     /// How many live requests hold each block.

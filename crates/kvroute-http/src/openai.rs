@@ -86,7 +86,7 @@ impl ApiError {
                 message: self.message.clone(),
                 kind: self.kind.to_owned(),
                 param: self.param.map(str::to_owned),
-                code: Some(self.code.to_owned()),
+                code: Some(types::ErrorCode::Name(self.code.to_owned())),
             },
         }
     }

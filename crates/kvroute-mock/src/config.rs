@@ -4,6 +4,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use kvroute_core::router::WorkerRole;
 use kvroute_engine::{EngineConfig, KvTransfer, TimingConfig};
+use kvroute_http::openai::types::CachedTokensReport;
 use kvroute_wire::EventEncoding;
 
 /// How to run mock workers.
@@ -41,6 +42,10 @@ pub struct MockConfig {
     pub default_max_tokens: u32,
     /// The model name served.
     pub model_name: String,
+    /// Whether usage reports cached prompt tokens (vLLM's `--enable-prompt-tokens-details`).
+    /// Default [`CachedTokensReport::Reported`], as a vLLM started with that flag: routing
+    /// by cache is what kvroute tests, and this is how an engine says what it found cached.
+    pub cached_tokens: CachedTokensReport,
 }
 
 impl MockConfig {
@@ -60,6 +65,7 @@ impl MockConfig {
             engine: Self::default_engine(),
             default_max_tokens: 16,
             model_name: "tiny".to_owned(),
+            cached_tokens: CachedTokensReport::Reported,
         }
     }
 

@@ -33,7 +33,10 @@ pub(crate) enum JobUpdate {
     /// Output tokens.
     Tokens(Vec<u32>),
     /// It finished.
-    Done { completion_tokens: u32, length: bool },
+    Done {
+        completion_tokens: u32,
+        reason: FinishReason,
+    },
     /// The engine refused it.
     Refused(String),
 }
@@ -180,6 +183,49 @@ impl Driver {
         }
     }
 
+    /// Aborts the requests whose handler is gone (its client disconnected), as vLLM aborts a
+    /// request whose client left: they leave the engine and free their blocks.
+    fn abort_abandoned(&mut self) {
+        let abandoned: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.tx.is_closed())
+            .map(|(&id, _)| id)
+            .chain(
+                self.waiting
+                    .iter()
+                    .filter(|(_, job)| job.tx.is_closed())
+                    .map(|(&id, _)| id),
+            )
+            .collect();
+        if abandoned.is_empty() {
+            return;
+        }
+        for &id in &abandoned {
+            self.live.remove(&id);
+            self.waiting.remove(&id);
+            self.host.abort(id);
+        }
+        // Gauges first: a reader that sees the count sees the engine without them.
+        self.update_gauges();
+        self.stats().aborted += abandoned.len() as u64;
+    }
+
+    /// The engine's occupancy, for `/metrics`.
+    fn update_gauges(&self) {
+        let engine = self.host.engine();
+        let (active, total) = engine.kv_blocks();
+        let (running, waiting) = (engine.num_running() as u64, engine.num_waiting() as u64);
+        let mut s = self.stats();
+        s.running = running;
+        s.waiting = waiting;
+        s.kv_usage = if total == 0 {
+            0.0
+        } else {
+            f64::from(active) / f64::from(total)
+        };
+    }
+
     /// A pass's effects, at its end.
     fn deliver(&mut self, out: &StepOutput) {
         for &(id, cached) in &out.prefix_hits {
@@ -200,22 +246,13 @@ impl Driver {
             if let Some(l) = self.live.remove(&f.request) {
                 let _ = l.tx.send(JobUpdate::Done {
                     completion_tokens: f.output_tokens,
-                    length: f.reason == FinishReason::Length,
+                    reason: f.reason,
                 });
             }
         }
         self.publish(&out.events);
-        let engine = self.host.engine();
-        let (active, total) = engine.kv_blocks();
-        let (running, waiting) = (engine.num_running() as u64, engine.num_waiting() as u64);
+        self.update_gauges();
         let mut s = self.stats();
-        s.running = running;
-        s.waiting = waiting;
-        s.kv_usage = if total == 0 {
-            0.0
-        } else {
-            f64::from(active) / f64::from(total)
-        };
         s.hit_tokens += out.metrics.prefix_cache_hit_tokens;
         s.query_tokens += out.metrics.prefix_cache_query_tokens;
         s.generation_tokens += out.emitted.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
@@ -265,6 +302,7 @@ pub(crate) async fn drive(
         out,
     };
     loop {
+        d.abort_abandoned();
         d.between_passes(d.now() + TICK);
         let Some(next) = d.next_due() else {
             match jobs.recv().await {

@@ -12,17 +12,19 @@ use http_body_util::BodyExt;
 use hyper::body::Frame;
 use kvroute_core::router::WorkerRole;
 use kvroute_http::model::Model;
+use kvroute_http::openai::types::CachedTokensReport;
 use kvroute_http::openai::{self, ApiError, Endpoint};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::driver::{Job, JobUpdate};
 use crate::metrics::Stats;
-use crate::openai as openai_json;
-use crate::openai::Shape;
+use crate::openai as responses;
+use crate::openai::{Ending, Shape};
 use crate::parse::{KvRole, kv_role, pick_rank, transfer_params, vllm_tokens};
 use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
 use crate::start::{SEEN_KEPT, SeenKvRequest};
+use crate::vllm::{self, Refusal};
 
 /// The shared state of one mock worker's HTTP server.
 pub(crate) struct Server {
@@ -39,6 +41,10 @@ pub(crate) struct Server {
     pub(crate) model_name: String,
     pub(crate) max_model_len: u32,
     pub(crate) default_max_tokens: u32,
+    /// Whether usage reports cached prompt tokens ([`MockConfig::cached_tokens`]).
+    ///
+    /// [`MockConfig::cached_tokens`]: crate::MockConfig::cached_tokens
+    pub(crate) cached_tokens: CachedTokensReport,
     /// Each rank's engine task and counters.
     pub(crate) ranks: Vec<Rank>,
     /// The rank of the next request that names none.
@@ -74,7 +80,7 @@ fn header(req: &Request, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-async fn read(req: Request) -> Result<Incoming, ApiError> {
+async fn read(req: Request) -> Result<Incoming, Refusal> {
     let request_id = header(&req, kvroute_http::disagg::REQUEST_ID);
     let rank_header = header(&req, "x-data-parallel-rank");
     let body = http_body_util::Limited::new(req.into_body(), 64 << 20)
@@ -90,13 +96,8 @@ async fn read(req: Request) -> Result<Incoming, ApiError> {
 }
 
 /// The engine stopped: the worker is being killed.
-fn stopped() -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "service_unavailable",
-        "stopped",
-        "the engine stopped",
-    )
+fn stopped() -> Refusal {
+    Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped", None)
 }
 
 async fn generate(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Response {
@@ -117,11 +118,13 @@ struct Submitted {
 }
 
 /// Parses a request, takes its side of a disaggregated flow and sends it to its rank's engine.
-async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Submitted, ApiError> {
+async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Submitted, Refusal> {
     let incoming = read(req).await?;
-    let parsed = w.parse(endpoint, &incoming.body)?;
-    // `parse` accepted it: a JSON object.
+    // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
+    vllm::check_body(&value, &w.model_name)?;
+    let parsed = w.parse(endpoint, &incoming.body)?;
+    vllm::check_length(parsed.max_tokens, parsed.tokens.len(), w.max_model_len)?;
     let role = kv_role(&value, w.role)?;
     let rank = &w.ranks[pick_rank(w, incoming.rank_header.as_deref(), &value)?];
     let prompt_tokens = parsed.tokens.len() as u32;
@@ -134,11 +137,10 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
     if let KvRole::BootstrapDecode(room) = role
         && !w.rooms.wait(room, BOOTSTRAP_TIMEOUT).await
     {
-        return Err(ApiError::new(
+        return Err(Refusal::new(
             StatusCode::GATEWAY_TIMEOUT,
-            "upstream_error",
-            "kv_transfer_failed",
             format!("no prefilled KV arrived for bootstrap_room {room}"),
+            Some("bootstrap_room"),
         ));
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -157,6 +159,7 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
         parsed.model.unwrap_or_else(|| w.model_name.clone()),
         prompt_tokens,
         parsed.max_tokens,
+        w.cached_tokens,
     );
     Ok(Submitted {
         rx,
@@ -242,7 +245,14 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
     tokio::spawn(async move {
         let mut cached = 0;
         let mut first = true;
-        while let Some(p) = rx.recv().await {
+        loop {
+            // A client that disconnects drops the body: stop reading the engine, whose task
+            // then aborts the request.
+            let p = tokio::select! {
+                p = rx.recv() => p,
+                () = frames_tx.closed() => return,
+            };
+            let Some(p) = p else { return };
             let chunk = match p {
                 JobUpdate::Cached(c) => {
                     cached = c;
@@ -255,9 +265,14 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
                 }
                 JobUpdate::Done {
                     completion_tokens,
-                    length,
+                    reason,
                 } => {
-                    let last = shape.last_chunks(completion_tokens, length, cached, first, include_usage);
+                    let end = Ending {
+                        completion_tokens,
+                        reason,
+                        cached,
+                    };
+                    let last = shape.last_chunks(end, first, include_usage);
                     let _ = frames_tx.send(Bytes::from(last)).await;
                     return;
                 }
@@ -289,16 +304,18 @@ async fn respond(w: &Arc<Server>, mut s: Submitted) -> Response {
             JobUpdate::Tokens(t) => tokens.extend(t),
             JobUpdate::Done {
                 completion_tokens,
-                length,
+                reason,
             } => {
-                let text = w.text(&tokens);
-                let mut full = s.shape.full(&text, completion_tokens, length, cached);
-                if let Some(params) = s.transfer_params {
-                    full["kv_transfer_params"] = params;
-                }
-                return axum::Json(full).into_response();
+                let end = Ending {
+                    completion_tokens,
+                    reason,
+                    cached,
+                };
+                return s.shape.full(w.text(&tokens), end, s.transfer_params);
             }
-            JobUpdate::Refused(message) => return ApiError::bad_request("prompt", message).into_response(),
+            JobUpdate::Refused(message) => {
+                return Refusal::new(StatusCode::BAD_REQUEST, message, Some("prompt")).into_response();
+            }
         }
     }
     stopped().into_response()
@@ -344,30 +361,31 @@ impl hyper::body::Body for ChannelBody {
 /// (`TokenizeCompletionRequest`, `TokenizeChatRequest`), tokenized as a generation request of
 /// that kind would be; answers `{"count", "max_model_len", "tokens", "token_strs": null}`.
 pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Response {
+    let refuse = |param, message| Refusal::from(ApiError::bad_request(param, message)).into_response();
     let value: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
-        _ => return ApiError::bad_request("body", "the body must be a JSON object").into_response(),
+        _ => return refuse("body", "the body must be a JSON object"),
     };
     let endpoint = if value.get("messages").is_some() {
         Endpoint::Chat
     } else {
         if !value.get("prompt").is_some_and(Value::is_string) {
-            return ApiError::bad_request("prompt", "`prompt` must be a string").into_response();
+            return refuse("prompt", "`prompt` must be a string");
         }
         Endpoint::Completions
     };
     match w.parse(endpoint, &body) {
-        Ok(parsed) => axum::Json(serde_json::json!({
-            "count": parsed.tokens.len(),
-            "max_model_len": w.max_model_len,
-            "tokens": parsed.tokens,
-            "token_strs": null,
-        }))
+        Ok(parsed) => axum::Json(kvroute_http::openai::types::Tokenized {
+            count: parsed.tokens.len(),
+            max_model_len: w.max_model_len,
+            tokens: parsed.tokens,
+            token_strs: None,
+        })
         .into_response(),
-        Err(e) => e.into_response(),
+        Err(e) => Refusal::from(e).into_response(),
     }
 }
 
 pub(crate) async fn models(State(w): State<Arc<Server>>) -> Response {
-    axum::Json(openai_json::model_list(&w.model_name)).into_response()
+    axum::Json(responses::model_list(&w.model_name)).into_response()
 }

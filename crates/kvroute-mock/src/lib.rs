@@ -11,8 +11,14 @@
 //! The driver loop: take requests as they arrive ([`Engine::add_request`](kvroute_engine::Engine::add_request) at the arrival time);
 //! when the engine has work, run one pass ([`Engine::step`](kvroute_engine::Engine::step)), sleep until the pass ends (taking
 //! new requests meanwhile), then deliver its tokens, first tokens and completions and publish its
-//! events. The engine has no cancellation, so a request whose client left runs to its end and
-//! its tokens are dropped.
+//! events. A request whose client left is aborted in the engine, as vLLM does
+//! ([`EngineHost::abort`](kvroute_engine::EngineHost::abort)): its blocks are freed, what it
+//! cached stays cached, and `kvroute_mock_requests_aborted_total` counts it.
+//!
+//! Errors come in vLLM's shape (`{"error": {..., "code": <status>}}`): an unknown `model` is a
+//! 404, `max_tokens` below 1 or beyond the context left after the prompt a 400, with vLLM's
+//! messages. `usage.prompt_tokens_details.cached_tokens` follows vLLM under
+//! `--enable-prompt-tokens-details` (left out when zero; [`MockConfig::cached_tokens`]).
 //!
 //! # Prefill/decode
 //!
@@ -49,6 +55,7 @@ mod openai;
 mod parse;
 mod rooms;
 mod start;
+mod vllm;
 
 pub use config::{MockConfig, MockError};
 pub use rooms::BOOTSTRAP_TIMEOUT;

@@ -20,6 +20,8 @@ pub(crate) struct Stats {
     pub(crate) prompt_tokens: u64,
     pub(crate) generation_tokens: u64,
     pub(crate) finished: u64,
+    /// Requests aborted because their client left.
+    pub(crate) aborted: u64,
     /// Requests prefilled for a remote decode (vLLM's hop 1, SGLang's prefill side).
     pub(crate) remote_decode_requests: u64,
     /// Imports whose KV landed (vLLM's hop 2, SGLang's decode side).
@@ -84,6 +86,11 @@ const METRICS: &[(&str, &str, Value)] = &[
         "vllm:request_success_total",
         "Requests finished.",
         Value::Counter(|s| s.finished),
+    ),
+    (
+        "kvroute_mock_requests_aborted_total",
+        "Requests aborted because their client disconnected.",
+        Value::Counter(|s| s.aborted),
     ),
     (
         "kvroute_mock_remote_decode_requests_total",

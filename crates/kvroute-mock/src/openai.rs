@@ -1,16 +1,24 @@
-//! The JSON of OpenAI responses, all of it: completions, chat completions, their stream
-//! chunks, errors in a stream and the model list.
+//! The OpenAI responses of one request, built from the shared types of
+//! [`kvroute_http::openai::types`]: completions, chat completions, their stream chunks, the
+//! usage (vLLM's rule for `prompt_tokens_details`), errors in a stream and the model list.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::response::{IntoResponse, Response};
+use kvroute_engine::FinishReason as EngineFinish;
 use kvroute_http::openai::Endpoint;
-use serde_json::{Value, json};
+use kvroute_http::openai::types::{
+    CachedTokensReport, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChunkChoice,
+    Completion, CompletionChoice, Delta, ErrorResponse, FinishReason, ModelList, Object, Role, Usage,
+    sse_event,
+};
+use serde_json::Value;
 
 use crate::handlers::Server;
 
 /// The model list of `/v1/models`.
-pub(crate) fn model_list(model_name: &str) -> Value {
-    json!({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvroute-mock"}]})
+pub(crate) fn model_list(model_name: &str) -> ModelList {
+    ModelList::one(model_name, "kvroute-mock")
 }
 
 impl Server {
@@ -30,6 +38,17 @@ impl Server {
     }
 }
 
+/// How a generation ended, as the engine said.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ending {
+    /// Tokens generated.
+    pub(crate) completion_tokens: u32,
+    /// Why the engine ended it.
+    pub(crate) reason: EngineFinish,
+    /// Prompt tokens found in the prefix cache.
+    pub(crate) cached: u32,
+}
+
 /// The response shapes of one request.
 pub(crate) struct Shape {
     endpoint: Endpoint,
@@ -38,16 +57,19 @@ pub(crate) struct Shape {
     model: String,
     prompt_tokens: u32,
     max_tokens: Option<u32>,
+    report: CachedTokensReport,
 }
 
 impl Shape {
-    /// The shapes of request `n` (numbering the worker's responses) to `endpoint`.
+    /// The shapes of request `n` (numbering the worker's responses) to `endpoint`, reporting
+    /// cached tokens under `report`.
     pub(crate) fn new(
         endpoint: Endpoint,
         n: u64,
         model: String,
         prompt_tokens: u32,
         max_tokens: Option<u32>,
+        report: CachedTokensReport,
     ) -> Self {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -63,96 +85,144 @@ impl Shape {
             model,
             prompt_tokens,
             max_tokens,
+            report,
         }
     }
 
     /// The stream's end: the finishing chunk, the usage chunk if asked for, and `[DONE]`.
-    pub(crate) fn last_chunks(
-        &self,
-        completion_tokens: u32,
-        length: bool,
-        cached: u32,
-        first: bool,
-        include_usage: bool,
-    ) -> String {
-        let finish = self.finish_reason(completion_tokens, length);
-        let mut out = self.chunk("", Some(finish), first);
+    pub(crate) fn last_chunks(&self, end: Ending, first: bool, include_usage: bool) -> String {
+        let mut out = self.chunk("", Some(self.finish_reason(end)), first);
         if include_usage {
-            out.push_str(&self.usage_chunk(completion_tokens, cached));
+            out.push_str(&self.usage_chunk(end));
         }
         out.push_str("data: [DONE]\n\n");
         out
     }
 
-    /// An error in the middle of a stream: the engine refused the request.
+    /// An error in the middle of a stream: the engine refused the request (vLLM's shape).
     pub(crate) fn error_chunk(&self, message: &str) -> String {
-        let err = json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": "refused"}});
-        format!("data: {err}\n\n")
+        sse_event(&ErrorResponse::vllm(400, message, None))
     }
 
-    fn finish_reason(&self, completion_tokens: u32, length: bool) -> &'static str {
-        if length || self.max_tokens == Some(completion_tokens) {
-            "length"
+    fn finish_reason(&self, end: Ending) -> FinishReason {
+        // The engine ends a request at its `max_tokens` as at its natural end: OpenAI calls
+        // the first `length`.
+        if end.reason == EngineFinish::Length || self.max_tokens == Some(end.completion_tokens) {
+            FinishReason::Length
         } else {
-            "stop"
+            FinishReason::Stop
         }
     }
 
-    fn usage(&self, completion_tokens: u32, cached: u32) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        })
+    fn usage(&self, end: Ending) -> Usage {
+        Usage::vllm(self.prompt_tokens, end.completion_tokens, end.cached, self.report)
     }
 
-    /// One SSE event with `text`.
-    pub(crate) fn chunk(&self, text: &str, finish: Option<&str>, first: bool) -> String {
-        let choice = match self.endpoint {
-            Endpoint::Completions => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
-            }
+    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: Object::TextCompletion,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            kv_transfer_params: None,
+        }
+    }
+
+    fn chat_chunk(&self, choices: Vec<ChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: Object::ChatCompletionChunk,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    /// One SSE event with `text`; a chat's first chunk names the role, its finishing chunk
+    /// adds nothing.
+    pub(crate) fn chunk(&self, text: &str, finish_reason: Option<FinishReason>, first: bool) -> String {
+        match self.endpoint {
+            Endpoint::Completions => sse_event(&self.completion(
+                vec![CompletionChoice {
+                    index: 0,
+                    text: text.to_owned(),
+                    logprobs: None,
+                    finish_reason,
+                }],
+                None,
+            )),
             Endpoint::Chat => {
-                let delta = match (first, finish) {
-                    (true, _) => json!({"role": "assistant", "content": text}),
-                    (false, Some(_)) => json!({}),
-                    (false, None) => json!({"content": text}),
+                let delta = match (first, finish_reason) {
+                    (true, _) => Delta {
+                        role: Some(Role::Assistant),
+                        content: Some(text.to_owned()),
+                    },
+                    (false, Some(_)) => Delta::default(),
+                    (false, None) => Delta {
+                        role: None,
+                        content: Some(text.to_owned()),
+                    },
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                sse_event(&self.chat_chunk(
+                    vec![ChunkChoice {
+                        index: 0,
+                        delta,
+                        logprobs: None,
+                        finish_reason,
+                    }],
+                    None,
+                ))
             }
-        };
-        let object = match self.endpoint {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
-        };
-        let v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
-        format!("data: {v}\n\n")
+        }
     }
 
-    fn usage_chunk(&self, completion_tokens: u32, cached: u32) -> String {
-        let object = match self.endpoint {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
-        };
-        let v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [], "usage": self.usage(completion_tokens, cached)});
-        format!("data: {v}\n\n")
+    fn usage_chunk(&self, end: Ending) -> String {
+        let usage = Some(self.usage(end));
+        match self.endpoint {
+            Endpoint::Completions => sse_event(&self.completion(Vec::new(), usage)),
+            Endpoint::Chat => sse_event(&self.chat_chunk(Vec::new(), usage)),
+        }
     }
 
-    pub(crate) fn full(&self, text: &str, completion_tokens: u32, length: bool, cached: u32) -> Value {
-        let finish = self.finish_reason(completion_tokens, length);
-        let (object, choice) = match self.endpoint {
-            Endpoint::Completions => (
-                "text_completion",
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
-            ),
-            Endpoint::Chat => (
-                "chat.completion",
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
-            ),
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [choice], "usage": self.usage(completion_tokens, cached)})
+    /// The whole answer `text`, with the decode worker's `kv_transfer_params` if any.
+    pub(crate) fn full(&self, text: String, end: Ending, kv_transfer_params: Option<Value>) -> Response {
+        let finish_reason = Some(self.finish_reason(end));
+        let usage = Some(self.usage(end));
+        match self.endpoint {
+            Endpoint::Completions => axum::Json(Completion {
+                kv_transfer_params,
+                ..self.completion(
+                    vec![CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: None,
+                        finish_reason,
+                    }],
+                    usage,
+                )
+            })
+            .into_response(),
+            Endpoint::Chat => axum::Json(ChatCompletion {
+                id: self.id.clone(),
+                object: Object::ChatCompletion,
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![ChatChoice {
+                    index: 0,
+                    message: ChatMessage {
+                        role: Role::Assistant,
+                        content: Some(text),
+                    },
+                    logprobs: None,
+                    finish_reason,
+                }],
+                usage,
+                kv_transfer_params,
+            })
+            .into_response(),
+        }
     }
 }

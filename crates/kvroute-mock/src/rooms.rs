@@ -140,7 +140,7 @@ mod tests {
         tx.send(JobUpdate::Tokens(vec![1])).unwrap();
         tx.send(JobUpdate::Done {
             completion_tokens: 1,
-            length: true,
+            reason: kvroute_engine::FinishReason::Length,
         })
         .unwrap();
         assert!(rooms.wait(5, std::time::Duration::from_secs(5)).await);

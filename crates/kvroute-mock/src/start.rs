@@ -186,6 +186,7 @@ async fn start_one(
         model_name: config.model_name.clone(),
         max_model_len: config.engine.max_model_len,
         default_max_tokens: config.default_max_tokens,
+        cached_tokens: config.cached_tokens,
         ranks,
         next_rank: std::sync::atomic::AtomicU64::new(0),
         next_id: std::sync::atomic::AtomicU64::new(0),

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvroute_http::model::Model;
 use kvroute_http::net::HttpClient;
+use kvroute_http::openai::types::Tokenized;
 use kvroute_http::openai::{self, Endpoint};
 use serde_json::{Value, json};
 
@@ -233,10 +234,9 @@ async fn ask(
     if !status.is_success() {
         return Err(bad(String::from_utf8_lossy(&bytes).chars().take(300).collect()));
     }
-    let answer: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
-    serde_json::from_value(answer["tokens"].clone())
-        .map(Some)
-        .map_err(|e| bad(format!("no list of token ids in `tokens`: {e}")))
+    serde_json::from_slice::<Tokenized>(&bytes)
+        .map(|answer| Some(answer.tokens))
+        .map_err(|e| bad(format!("not vLLM's /tokenize answer: {e}")))
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ pub use error::SimError;
 /// The prefill-to-decode KV link, the engine crate's (the mock workers price imports with it too).
 pub use kvroute_engine::KvTransfer;
 pub use planned::{PlannerRun, SlaWindow};
-pub use report::{Completion, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
+pub use report::{CompletedRequest, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
 pub use workload::{Arrival, SimRequest, Workload};
 
 /// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),

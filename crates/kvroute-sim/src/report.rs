@@ -137,7 +137,7 @@ impl Report {
 
 /// One completed request: times in nanoseconds from the run's start, and its tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Completion {
+pub struct CompletedRequest {
     /// Arrival.
     pub arrival_ns: u64,
     /// First output token, if one was seen.
@@ -261,7 +261,7 @@ impl ReportBuilder {
     }
 
     /// Adds a completed request.
-    pub fn complete(&mut self, c: &Completion) {
+    pub fn complete(&mut self, c: &CompletedRequest) {
         self.completed += 1;
         self.input_tokens += c.input_tokens;
         self.output_tokens += c.output_tokens;

@@ -6,7 +6,7 @@ use crate::cluster::Run;
 use crate::config::{PlannerSetup, SimConfig, Topology};
 use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
 use crate::report::{
-    Completion, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
+    CompletedRequest, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
     ms_between,
 };
 use crate::workload::Workload;
@@ -48,7 +48,7 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
             hit_rate_n += 1;
         }
         if let Some(finished) = s.finished {
-            b.complete(&Completion {
+            b.complete(&CompletedRequest {
                 arrival_ns: arrived,
                 first_token_ns: s.first_token.map(|t| t.as_nanos()),
                 last_token_ns: s.last_token.as_nanos(),

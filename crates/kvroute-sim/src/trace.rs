@@ -263,6 +263,16 @@ fn parse_datetime_ns(s: &str) -> Option<u64> {
     let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
     let mut t = hms.split(':').map(|p| p.parse::<u64>().ok());
     let (h, min, sec) = (t.next()??, t.next()??, t.next()??);
+    // Out of range is not a time (and would overflow below).
+    if !(0..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+        || h > 23
+        || min > 59
+        || sec > 60
+    {
+        return None;
+    }
     let frac_ns = if frac.is_empty() {
         0
     } else {
@@ -278,7 +288,10 @@ fn parse_datetime_ns(s: &str) -> Option<u64> {
     let doy = (153 * mp + 2) / 5 + day - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = u64::try_from(era * 146_097 + doe - 719_468).ok()?;
-    Some(((days * 86_400 + h * 3600 + min * 60 + sec) * 1_000_000_000) + frac_ns)
+    // Past 2554 the nanoseconds do not fit a u64.
+    (days * 86_400 + h * 3600 + min * 60 + sec)
+        .checked_mul(1_000_000_000)?
+        .checked_add(frac_ns)
 }
 
 #[cfg(test)]

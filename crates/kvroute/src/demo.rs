@@ -20,7 +20,7 @@ use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_mock::{self as mock, MockConfig};
 use kvroute_proxy::{ServeConfig, WorkerConfig};
-use kvroute_sim::report::{Completion, Report, ReportBuilder};
+use kvroute_sim::report::{CompletedRequest, Report, ReportBuilder};
 use kvroute_sim::stats::Summary;
 use kvroute_sim::trace::TokenRequest;
 use kvroute_sim::{SimConfig, Simulation};
@@ -234,7 +234,7 @@ fn report(
             b.rejected += 1;
             continue;
         };
-        b.complete(&Completion {
+        b.complete(&CompletedRequest {
             arrival_ns: ns(arrival),
             first_token_ns: m.first.map(ns),
             last_token_ns: m.last_token.map_or(ns(end), ns),

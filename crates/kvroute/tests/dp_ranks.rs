@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_http::net::HttpClient;
+use kvroute_http::openai::types::{Completion, CompletionChoice, FinishReason, Object};
 use kvroute_mock::{self as mock, MockConfig};
 use kvroute_proxy::{EngineKind, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
@@ -40,8 +41,20 @@ async fn recording_upstream() -> (String, Seen) {
                     seen.lock()
                         .unwrap()
                         .push((rank, serde_json::from_slice(&body).unwrap()));
-                    axum::Json(json!({"id": "c", "object": "text_completion", "choices": [
-                    {"index": 0, "text": "ok", "finish_reason": "stop"}]}))
+                    axum::Json(Completion {
+                        id: "c".into(),
+                        object: Object::TextCompletion,
+                        created: 0,
+                        model: "tiny".into(),
+                        choices: vec![CompletionChoice {
+                            index: 0,
+                            text: "ok".into(),
+                            logprobs: None,
+                            finish_reason: Some(FinishReason::Stop),
+                        }],
+                        usage: None,
+                        kv_transfer_params: None,
+                    })
                 },
             ),
         )
@@ -170,11 +183,8 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         // 320 bytes: 20 full blocks of the byte-level tiny tokenizer.
         let prompt: String = (0..320).map(|i| char::from(b'a' + (i * 5 % 26) as u8)).collect();
         let body = json!({"prompt": prompt, "max_tokens": 3});
-        let first = post_json(&client, &url, &body, None).await;
-        assert_eq!(
-            first["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
-            "{first}"
-        );
+        let first = completion(post_json(&client, &url, &body, None).await);
+        assert_eq!(first.usage.as_ref().unwrap().cached_tokens(), 0, "{first:?}");
         // The rank that ran it publishes its blocks on its own port; the router books them
         // under that rank.
         let holds = |shared: &kvroute_proxy::Shared| {
@@ -190,11 +200,12 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
             "{engine:?}: no rank's events arrived"
         );
         let holder = holds(&proxy.shared).unwrap();
-        let again = post_json(&client, &url, &body, None).await;
+        let again = completion(post_json(&client, &url, &body, None).await);
         // All 20 blocks but the last, which the engine computes again for the first token.
         assert_eq!(
-            again["usage"]["prompt_tokens_details"]["cached_tokens"], 304,
-            "{engine:?}: the repeat went back to rank {holder}: {again}"
+            again.usage.as_ref().unwrap().cached_tokens(),
+            304,
+            "{engine:?}: the repeat went back to rank {holder}: {again:?}"
         );
         // The mock's per-rank counters agree: both requests ran on the holding rank.
         let after = get_text(&client, &format!("{}/metrics", mocks[0].url())).await;
@@ -203,6 +214,11 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         assert_eq!(ran(1 - holder), 0.0, "{engine:?}: {after}");
         proxy.stop();
     }
+}
+
+/// `value` as a completion.
+fn completion(value: Value) -> Completion {
+    serde_json::from_value(value).unwrap()
 }
 
 /// GETs `url`'s body as text.

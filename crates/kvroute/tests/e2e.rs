@@ -563,7 +563,7 @@ async fn overload_returns_503_and_nothing_leaks() {
     let (status, retry, out) = c.http.request("POST", "/v1/completions", body.clone()).await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&out));
     assert_eq!(retry.as_deref(), Some("1"));
-    assert_eq!(error(&out).code.as_deref(), Some("overloaded"));
+    assert_eq!(error(&out).code_name(), Some("overloaded"));
     held.release(3);
     for t in in_flight {
         let (status, _, out) = t.await.unwrap();
@@ -621,11 +621,11 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     let long = serde_json::to_vec(&json!({"prompt": "y".repeat(60)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", long).await;
     assert_eq!(got, 400);
-    assert_eq!(error(&out).code.as_deref(), Some("context_length_exceeded"));
+    assert_eq!(error(&out).code_name(), Some("context_length_exceeded"));
     let huge = serde_json::to_vec(&json!({"prompt": "z".repeat(2000)})).unwrap();
     let (got, _, out) = c.http.request("POST", "/v1/completions", huge).await;
     assert_eq!(got, 413);
-    assert_eq!(error(&out).code.as_deref(), Some("body_too_large"));
+    assert_eq!(error(&out).code_name(), Some("body_too_large"));
     let (got, _, _) = c.http.request("GET", "/v1/nothing", Vec::new()).await;
     assert_eq!(got, 404);
     // Admin: drain the only worker; requests then find no worker (503), and removal works.
@@ -835,7 +835,13 @@ async fn disaggregated_fleet_serves_chat_and_completions_through_two_hops() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
     for protocol in [EngineKind::Vllm, EngineKind::Sglang] {
-        let c = disagg_cluster(1, 1, 20.0, |config| config.disagg_protocol = protocol).await;
+        // No health checks: the dead worker leaves routing by the failed connect, not by a
+        // prober that may or may not have run before the request.
+        let c = disagg_cluster(1, 1, 20.0, |config| {
+            config.disagg_protocol = protocol;
+            config.health_interval_ms = 0;
+        })
+        .await;
         c.mocks[0].kill();
         let body =
             serde_json::to_vec(&json!({"prompt": "to a dead prefill worker", "max_tokens": 4})).unwrap();
@@ -875,7 +881,13 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
 async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
     // One prefill and two decode workers, one of them dead: whichever decode worker a request
     // is first paired with, it is answered, and a pair sent to the dead one is re-routed once.
-    let c = disagg_cluster(1, 2, 20.0, |config| config.disagg_protocol = EngineKind::Sglang).await;
+    // No health checks: whether the dead worker is routed to depends on the policy alone, not
+    // on whether a prober ran first.
+    let c = disagg_cluster(1, 2, 20.0, |config| {
+        config.disagg_protocol = EngineKind::Sglang;
+        config.health_interval_ms = 0;
+    })
+    .await;
     c.mocks[2].kill();
     for i in 0..4 {
         let out = c
@@ -898,7 +910,12 @@ async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
 async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
     // Two prefill workers, both dead, and a decider that always disaggregates: the retry meets
     // the second dead worker, and the request ends with a 502 naming it.
-    let c = disagg_cluster(2, 1, 20.0, |config| config.decider = "always".to_owned()).await;
+    // No health checks: a prober that ran first would take both out before the request.
+    let c = disagg_cluster(2, 1, 20.0, |config| {
+        config.decider = "always".to_owned();
+        config.health_interval_ms = 0;
+    })
+    .await;
     c.mocks[0].kill();
     c.mocks[1].kill();
     let body =
@@ -906,7 +923,7 @@ async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
     let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&out));
     let err = error(&out);
-    assert_eq!(err.code.as_deref(), Some("prefill_failed"), "{err:?}");
+    assert_eq!(err.code_name(), Some("prefill_failed"), "{err:?}");
     assert_eq!(err.kind, "upstream_error");
     assert!(err.message.contains("prefill worker"), "{err:?}");
     let metrics = c.http.get("/metrics").await;
@@ -990,39 +1007,64 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
     let long: String = (0..1500)
         .map(|i| char::from(b'a' + (i * 11 % 26) as u8))
         .collect();
-    // (engine max_model_len, engine speedup, proxy request timeout ms, status, error code, in
-    // the message)
+    /// The prefill worker of a case.
+    enum Prefill {
+        /// A mock whose context (1,000 tokens) the prompt exceeds: it answers 400.
+        Refusing,
+        /// A stub that holds hop 1 until the case is over: the request times out, whatever
+        /// the machine's speed.
+        Held,
+    }
+    // (prefill worker, proxy request timeout ms, status, error code, in the message)
     let cases = [
-        // The prefill worker refuses the prompt (400): a 502 naming its answer.
         (
-            1000,
-            20.0,
+            Prefill::Refusing,
             600_000,
             502,
             "prefill_failed",
             "answered 400 Bad Request",
         ),
-        // The prefill worker is too slow for the request timeout.
         (
-            131_072,
-            0.01,
+            Prefill::Held,
             100,
             504,
             "prefill_timeout",
             "did not answer in time",
         ),
     ];
-    for (max_model_len, speedup, timeout_ms, status, code, says) in cases {
-        let mut mc = MockConfig::new(1);
-        mc.prefill_workers = 1;
-        mc.engine.speedup = speedup;
-        mc.engine.max_model_len = max_model_len;
-        let c = cluster_of(mc, |config| config.request_timeout_ms = timeout_ms).await;
+    for (prefill, timeout_ms, status, code, says) in cases {
+        let mut held = None;
+        let c = match prefill {
+            Prefill::Refusing => {
+                let mut mc = MockConfig::new(1);
+                mc.prefill_workers = 1;
+                mc.engine.speedup = 20.0;
+                mc.engine.max_model_len = 1000;
+                cluster_of(mc, |config| config.request_timeout_ms = timeout_ms).await
+            }
+            Prefill::Held => {
+                let stub = Held::start().await;
+                let prefill = WorkerConfig {
+                    role: "prefill".to_owned(),
+                    ..WorkerConfig::new(stub.url.clone())
+                };
+                held = Some(stub);
+                let mut mc = MockConfig::new(1);
+                mc.engine.speedup = 20.0;
+                let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
+                fronting(vec![prefill], mocks, |config| {
+                    config.decider = "always".to_owned();
+                    config.workers[1].role = "decode".to_owned();
+                    config.request_timeout_ms = timeout_ms;
+                })
+                .await
+            }
+        };
         let body = serde_json::to_vec(&json!({"prompt": long, "max_tokens": 4, "stream": true})).unwrap();
         let (got, _, out) = c.http.request("POST", "/v1/completions", body).await;
         assert_eq!(got, status, "{code}: {}", String::from_utf8_lossy(&out));
         let err = error(&out);
-        assert_eq!(err.code.as_deref(), Some(code), "{err:?}");
+        assert_eq!(err.code_name(), Some(code), "{err:?}");
         assert!(
             err.message.contains("prefill worker") && err.message.contains(says),
             "{}",
@@ -1035,6 +1077,11 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
             workers["workers"][0]["routable"], true,
             "{code}: a prefill worker that answered stays in routing"
         );
+        if let Some(mut held) = held {
+            let hop1 = held.arrived().await;
+            assert_eq!(hop1["kv_transfer_params"]["do_remote_decode"], true, "{hop1}");
+            held.release(1);
+        }
     }
 }
 

@@ -74,9 +74,26 @@ impl Scrape {
     }
 }
 
-/// Scrapes until `done` holds of a scrape (the counters may trail the events by a moment),
-/// publishing an empty batch on `nudge` before each try if given (PUB/SUB loses what is sent
-/// before the subscription arrives).
+/// At most this long between two scrapes of [`scrape_until`]: some counters (`gaps_recovered`)
+/// move just after the report they follow, and a removed worker's series go when its
+/// subscriber's task ends; neither wakes [`Shared::wait_until`]. A poll, not a guess: the
+/// condition is checked again until [`PATIENCE`].
+const POLL: Duration = Duration::from_millis(50);
+
+/// Waits for the proxy's next change (a report applied, a worker added or removed), or at most
+/// `pace`.
+async fn next_change(shared: &Shared, pace: Duration) {
+    let mut first = true;
+    // The first check is the state now, not a change: wait for the next one.
+    shared
+        .wait_until(pace, |_| !std::mem::replace(&mut first, false))
+        .await;
+}
+
+/// Scrapes until `done` holds of a scrape (deadline [`PATIENCE`]), again after each change the
+/// proxy reports, or after [`POLL`] at the latest. With `nudge` publishers, an empty batch is
+/// published on each before every scrape: PUB/SUB loses what is sent before the subscription
+/// arrives, and only a later batch shows a subscriber that it joined.
 async fn scrape_until(
     http: &HttpClient,
     proxy: &ProxyHandle,
@@ -89,12 +106,12 @@ async fn scrape_until(
         for publisher in nudge {
             publisher.publish(Vec::new(), None, 0.0).unwrap();
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
         let scrape = Scrape::take(http, proxy).await;
         if done(&scrape) {
             return scrape;
         }
         assert!(t0.elapsed() < PATIENCE, "never: {what}\n{}", scrape.0);
+        next_change(&proxy.shared, POLL).await;
     }
 }
 
@@ -135,13 +152,22 @@ async fn subscriber_counters_are_exported_per_worker() {
     let (r, l) = (id(&replayed), id(&lossy));
     let http = client(Duration::from_secs(2));
 
-    // Joined: every batch published so far was handed on or reported lost.
+    // Joined: a batch was handed on. (Publishing until then; a condition that stays true.)
+    let joined = |s: &Scrape, w: u64| {
+        s.get("dynamo_component_router_kv_zmq_ingress_batches_total", w)
+            .is_some_and(|handed| handed > 0)
+    };
+    scrape_until(&http, &proxy, &[&replayed, &lossy], "both joined", |s| {
+        joined(s, r) && joined(s, l)
+    })
+    .await;
+    // Settled, with nothing more published: every batch was handed on or reported lost.
     let accounted = |s: &Scrape, w: u64, p: &EventPublisher| {
         s.get("kvroute_kv_events_batches_lost_total", w)
             .zip(s.get("dynamo_component_router_kv_zmq_ingress_batches_total", w))
-            .is_some_and(|(lost, handed)| handed > 0 && lost + handed == p.next_seq())
+            .is_some_and(|(lost, handed)| lost + handed == p.next_seq())
     };
-    let before = scrape_until(&http, &proxy, &[&replayed, &lossy], "both joined", |s| {
+    let before = scrape_until(&http, &proxy, &[], "every batch accounted for", |s| {
         accounted(s, r, &replayed) && accounted(s, l, &lossy)
     })
     .await;

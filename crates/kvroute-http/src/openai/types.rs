@@ -274,8 +274,85 @@ pub struct ErrorBody {
     pub kind: String,
     /// The field at fault, if one is.
     pub param: Option<String>,
-    /// A short machine-readable code.
-    pub code: Option<String>,
+    /// A short machine-readable code: a name (OpenAI, the proxy) or vLLM's HTTP status.
+    pub code: Option<ErrorCode>,
+}
+
+impl ErrorBody {
+    /// The code when it is a name (OpenAI's, the proxy's), not a number.
+    pub fn code_name(&self) -> Option<&str> {
+        match &self.code {
+            Some(ErrorCode::Name(name)) => Some(name),
+            Some(ErrorCode::Status(_)) | None => None,
+        }
+    }
+}
+
+/// [`ErrorBody::code`]: OpenAI and the proxy send a name (`"overloaded"`), vLLM the response's
+/// HTTP status as a number (`404`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ErrorCode {
+    /// vLLM's: the HTTP status.
+    Status(u16),
+    /// OpenAI's: a name.
+    Name(String),
+}
+
+// ---- What vLLM sends: its usage rule and its error shape ----
+
+/// Whether a server reports cached prompt tokens in `usage`: vLLM does only when started with
+/// `--enable-prompt-tokens-details` (off by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CachedTokensReport {
+    /// vLLM's default: no `prompt_tokens_details`.
+    #[default]
+    Omitted,
+    /// `--enable-prompt-tokens-details`: `prompt_tokens_details.cached_tokens` on every
+    /// response, zero included (vLLM 0.32 writes it whenever the engine counted cached tokens,
+    /// which it always does; seen on a real engine: `"cached_tokens": 0` on a miss).
+    Reported,
+}
+
+impl Usage {
+    /// The usage vLLM reports under `report`: as [`Usage::new`], with `prompt_tokens_details`
+    /// when `report` asks for it.
+    pub fn vllm(
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        cached_tokens: u32,
+        report: CachedTokensReport,
+    ) -> Self {
+        let reported = report == CachedTokensReport::Reported;
+        Self {
+            prompt_tokens_details: reported.then_some(PromptTokensDetails {
+                cached_tokens: Some(cached_tokens),
+            }),
+            ..Self::new(prompt_tokens, completion_tokens, cached_tokens)
+        }
+    }
+}
+
+impl ErrorResponse {
+    /// vLLM's error for HTTP `status`: `type` names the status's error class
+    /// (`BadRequestError`, `NotFoundError`, ...), `code` is the status itself.
+    pub fn vllm(status: u16, message: impl Into<String>, param: Option<&str>) -> Self {
+        let kind = match status {
+            400 => "BadRequestError",
+            404 => "NotFoundError",
+            501 => "NotImplementedError",
+            503 => "ServiceUnavailableError",
+            _ => "InternalServerError",
+        };
+        Self {
+            error: ErrorBody {
+                message: message.into(),
+                kind: kind.to_owned(),
+                param: param.map(str::to_owned),
+                code: Some(ErrorCode::Status(status)),
+            },
+        }
+    }
 }
 
 /// The SSE event that carries `chunk`.
@@ -290,6 +367,20 @@ pub fn sse_data(text: &str) -> impl Iterator<Item = &str> {
         .filter_map(|event| event.trim().strip_prefix("data:"))
         .map(str::trim)
         .filter(|data| *data != "[DONE]")
+}
+
+/// vLLM's answer to `POST /tokenize` (`TokenizeResponse`): the prompt's token ids as a
+/// generation request of that kind would have them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tokenized {
+    /// How many tokens.
+    pub count: usize,
+    /// The engine's context length.
+    pub max_model_len: u32,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// Their strings, when asked for (`return_token_strs`); `null` otherwise.
+    pub token_strs: Option<Vec<String>>,
 }
 
 #[cfg(test)]
@@ -336,6 +427,41 @@ mod tests {
         round_trip::<ErrorResponse>(
             r#"{"error":{"message":"no","type":"invalid_request_error","param":null,"code":"refused"}}"#,
         );
+    }
+
+    #[test]
+    fn vllm_usage_reports_cached_tokens_when_enabled_zero_included() {
+        let json = |u: &Usage| serde_json::to_string(u).unwrap();
+        let bare = r#"{"prompt_tokens":16,"completion_tokens":5,"total_tokens":21}"#;
+        assert_eq!(json(&Usage::vllm(16, 5, 0, CachedTokensReport::Omitted)), bare);
+        assert_eq!(json(&Usage::vllm(16, 5, 8, CachedTokensReport::Omitted)), bare);
+        assert_eq!(
+            json(&Usage::vllm(16, 5, 0, CachedTokensReport::Reported)),
+            r#"{"prompt_tokens":16,"completion_tokens":5,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":0}}"#
+        );
+        let cached = Usage::vllm(16, 5, 8, CachedTokensReport::Reported);
+        assert_eq!(
+            json(&cached),
+            r#"{"prompt_tokens":16,"completion_tokens":5,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":8}}"#
+        );
+        assert_eq!(cached.cached_tokens(), 8);
+    }
+
+    #[test]
+    fn vllm_errors_carry_the_status_as_code() {
+        // vLLM's answer to an unknown model, byte for byte.
+        let vllm = r#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":"model","code":404}}"#;
+        let parsed: ErrorResponse = round_trip(vllm);
+        assert_eq!(
+            parsed,
+            ErrorResponse::vllm(404, "The model `x` does not exist.", Some("model"))
+        );
+        assert_eq!(parsed.error.code_name(), None);
+        let named: ErrorResponse = round_trip(
+            r#"{"error":{"message":"busy","type":"service_unavailable","param":null,"code":"overloaded"}}"#,
+        );
+        assert_eq!(named.error.code_name(), Some("overloaded"));
+        assert_eq!(ErrorResponse::vllm(400, "m", None).error.kind, "BadRequestError");
     }
 
     #[test]
