@@ -1,6 +1,7 @@
 //! The health prober: checks every worker's `/health` each `health_interval_ms` and reports
 //! each answer to the worker's state machine ([`crate::worker`]), which decides what a streak
-//! of them means.
+//! of them means. A worker back from failing, or misconfigured and answering, gets the
+//! registration checks again ([`crate::checks`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,12 @@ pub async fn run(shared: Arc<Shared>, client: HttpClient) {
     loop {
         tokio::time::sleep(interval).await;
         for (id, base) in shared.worker_urls() {
-            shared.worker_event(id, probe(&client, &base, timeout).await);
+            let event = probe(&client, &base, timeout).await;
+            let before = shared.worker_state(id);
+            let after = shared.worker_event(id, event);
+            if crate::checks::due(before, after, event == WorkerEvent::CheckPassed) {
+                crate::checks::spawn(&shared, &client, id);
+            }
         }
     }
 }
