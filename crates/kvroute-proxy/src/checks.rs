@@ -108,7 +108,13 @@ pub async fn served_model(
         .body(Full::new(Bytes::new()))
         .ok()?;
     let exchange = async {
-        let response = client.request(request).await.ok()?;
+        let response = match client.request(request).await {
+            Ok(response) => response,
+            Err(e) => {
+                tracing::warn!(base, error = %e, "the worker does not answer; its model is checked when it comes back");
+                return None;
+            }
+        };
         if !response.status().is_success() {
             tracing::warn!(base, status = %response.status(), "the worker's /v1/models did not answer 2xx; its model is not checked");
             return None;
@@ -126,7 +132,16 @@ pub async fn served_model(
             }
         }
     };
-    tokio::time::timeout(timeout, exchange).await.ok().flatten()
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(verdict) => verdict,
+        Err(_) => {
+            tracing::warn!(
+                base,
+                "the worker's /v1/models did not answer in time; its model is not checked"
+            );
+            None
+        }
+    }
 }
 
 /// Whether `list` has `model`.

@@ -181,7 +181,7 @@ impl Shared {
         let predicted = predicted_cached_tokens(&decision, tokens.len(), self.config.block_size);
         self.metrics.record_prediction(decision.worker, predicted);
         let mut guard = guard;
-        guard.routed = (decision.worker, predicted);
+        guard.routed = Some((decision.worker, predicted));
         self.metrics.router_requests.inc();
         if decision.prefill.is_some() {
             self.metrics.disaggregated_requests.inc();
@@ -590,8 +590,9 @@ fn predicted_cached_tokens(decision: &Decision, prompt_tokens: usize, block_size
 pub struct RequestGuard {
     shared: Arc<Shared>,
     id: RequestId,
-    /// The worker rank it was routed to, and the prompt tokens predicted cached there.
-    routed: (WorkerKey, u64),
+    /// The worker rank it was routed to, and the prompt tokens predicted cached there (`None`
+    /// while it waits in the queue).
+    routed: Option<(WorkerKey, u64)>,
     started: Instant,
     first_token: bool,
     prefill_reported: bool,
@@ -612,7 +613,7 @@ impl RequestGuard {
         Self {
             shared: Arc::clone(shared),
             id,
-            routed: (WorkerKey::new(WorkerId(u64::MAX), DpRank(0)), 0),
+            routed: None,
             started,
             first_token: false,
             prefill_reported: false,
@@ -627,8 +628,8 @@ impl RequestGuard {
     }
 
     /// The worker rank the request was routed to (its decode worker), and the prompt tokens
-    /// predicted cached there.
-    pub fn routed(&self) -> (WorkerKey, u64) {
+    /// predicted cached there; `None` before it is routed.
+    pub fn routed(&self) -> Option<(WorkerKey, u64)> {
         self.routed
     }
 

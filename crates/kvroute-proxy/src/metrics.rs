@@ -669,8 +669,8 @@ impl Metrics {
             .set(i64::from(misconfigured));
     }
 
-    /// Creates worker `id`'s per-rank series at zero, so that they exist from the start and
-    /// stay (at their last count) while the worker is out of routing.
+    /// Creates worker `id`'s series at zero, so that they exist from the start and stay (at
+    /// their last count) while the worker is out of routing.
     pub fn add_worker(&self, id: WorkerId, ranks: u32, base: &str) {
         for rank in 0..ranks {
             let [id, rank] = rank_labels(WorkerKey::new(id, DpRank(rank)));
@@ -686,9 +686,13 @@ impl Metrics {
                     .with_label_values(&[labels[0], labels[1], report.label()]);
             }
         }
-        self.worker_up
-            .with_label_values(&[id.0.to_string().as_str(), base])
-            .set(0);
+        let worker = id.0.to_string();
+        self.worker_up.with_label_values(&[worker.as_str(), base]).set(0);
+        for check in crate::checks::Check::ALL {
+            self.worker_misconfigured
+                .with_label_values(&[worker.as_str(), check.name()])
+                .set(0);
+        }
     }
 
     /// Removes every series of worker `id` (removed by an operator): it is gone, not idle.

@@ -76,7 +76,9 @@ pub fn debug_headers(report: &Report, guard: &RequestGuard, headers: &mut Header
     if !report.debug_headers {
         return;
     }
-    let (key, predicted) = guard.routed();
+    let Some((key, predicted)) = guard.routed() else {
+        return;
+    };
     headers.insert(WORKER_HEADER, HeaderValue::from(key.worker.0));
     headers.insert(DP_RANK_HEADER, HeaderValue::from(key.dp_rank.0));
     headers.insert(PREDICTED_HEADER, HeaderValue::from(predicted));
@@ -146,12 +148,9 @@ impl Observed {
             RequestOutcome::UpstreamError
         };
         if let Some(guard) = self.end(outcome) {
-            if ok {
+            if let (true, Some((key, _))) = (ok, guard.routed()) {
                 let report = self.scan.cached_report();
-                guard
-                    .shared()
-                    .metrics
-                    .record_cached_report(guard.routed().0, report);
+                guard.shared().metrics.record_cached_report(key, report);
             }
             guard.finish();
         }

@@ -448,3 +448,37 @@ async fn not_found() -> Response {
     )
     .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_asks_for_usage_keeping_the_clients_other_stream_options() {
+        // (client body, forwarded body)
+        let table = [
+            (
+                json!({"stream": true}),
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            ),
+            (
+                json!({"stream": true, "stream_options": null}),
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            ),
+            (
+                json!({"stream": true, "stream_options": {"continuous_usage_stats": false}}),
+                json!({"stream": true, "stream_options": {"continuous_usage_stats": false, "include_usage": true}}),
+            ),
+        ];
+        for (body, want) in table {
+            let out = with_usage_requested(&serde_json::to_vec(&body).unwrap()).unwrap();
+            assert_eq!(
+                serde_json::from_slice::<serde_json::Value>(&out).unwrap(),
+                want,
+                "{body}"
+            );
+        }
+        assert!(with_usage_requested(b"[1]").is_none());
+        assert!(with_usage_requested(br#"{"stream_options": 3}"#).is_none());
+    }
+}

@@ -767,3 +767,25 @@ impl Remote {
         String::from_utf8_lossy(&body).into_owned()
     }
 }
+
+#[test]
+fn a_worker_nobody_serves_is_said_in_the_log() {
+    // A port nobody listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let worker = format!("http://127.0.0.1:{port}");
+    let serve = Child::spawn(&[
+        "serve",
+        "--approximate-tokenizer",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &worker,
+    ]);
+    let line = serve.wait_for(|l| l.contains("does not answer").then(|| l.to_owned()));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains(&worker), "the line names the worker: {line}");
+}
