@@ -134,6 +134,7 @@ pub fn parse(
     let Value::Object(obj) = &value else {
         return Err(ApiError::bad_request("body", "the body must be a JSON object"));
     };
+    check_sampling_fields(obj)?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -193,6 +194,102 @@ pub fn parse(
         model: model_name,
         cache_salt,
     })
+}
+
+/// The type and range of a sampling field, as vLLM checks them (its request models and
+/// `SamplingParams._verify_args`). `null` is always accepted (OpenAI's "not given").
+#[derive(Clone, Copy, Debug)]
+enum FieldRule {
+    /// A number within `min..=max`.
+    Number { min: f64, max: f64 },
+    /// A number above `min` and at most `max`.
+    NumberAbove { min: f64, max: f64 },
+    /// A whole number of at least `min`.
+    Integer { min: i64 },
+    /// `true` or `false`.
+    Bool,
+    /// A string.
+    Text,
+    /// A string or a list of strings.
+    Texts,
+}
+
+/// The sampling fields checked before a request is routed, each with its rule.
+const SAMPLING_FIELDS: &[(&str, FieldRule)] = &[
+    (
+        "temperature",
+        FieldRule::Number {
+            min: 0.0,
+            max: f64::MAX,
+        },
+    ),
+    ("top_p", FieldRule::NumberAbove { min: 0.0, max: 1.0 }),
+    ("min_p", FieldRule::Number { min: 0.0, max: 1.0 }),
+    ("top_k", FieldRule::Integer { min: -1 }),
+    ("presence_penalty", FieldRule::Number { min: -2.0, max: 2.0 }),
+    ("frequency_penalty", FieldRule::Number { min: -2.0, max: 2.0 }),
+    (
+        "repetition_penalty",
+        FieldRule::NumberAbove {
+            min: 0.0,
+            max: f64::MAX,
+        },
+    ),
+    ("seed", FieldRule::Integer { min: i64::MIN }),
+    ("min_tokens", FieldRule::Integer { min: 0 }),
+    ("top_logprobs", FieldRule::Integer { min: 0 }),
+    ("stop", FieldRule::Texts),
+    ("ignore_eos", FieldRule::Bool),
+    ("skip_special_tokens", FieldRule::Bool),
+    ("echo", FieldRule::Bool),
+    ("user", FieldRule::Text),
+];
+
+/// A 400 in OpenAI's shape naming the first sampling field of the wrong type or range.
+fn check_sampling_fields(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for &(field, rule) in SAMPLING_FIELDS {
+        let Some(value) = obj.get(field).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let number = value.as_f64();
+        let (ok, expected) = match rule {
+            FieldRule::Number { min, max } => (
+                number.is_some_and(|n| (min..=max).contains(&n)),
+                match max {
+                    f64::MAX => format!("a number of at least {min}"),
+                    _ => format!("a number from {min} to {max}"),
+                },
+            ),
+            FieldRule::NumberAbove { min, max } => (
+                number.is_some_and(|n| n > min && n <= max),
+                match max {
+                    f64::MAX => format!("a number above {min}"),
+                    _ => format!("a number above {min} and at most {max}"),
+                },
+            ),
+            FieldRule::Integer { min } => (
+                value.as_i64().is_some_and(|n| n >= min),
+                if min == i64::MIN {
+                    "an integer".to_owned()
+                } else {
+                    format!("an integer of at least {min}")
+                },
+            ),
+            FieldRule::Bool => (value.is_boolean(), "a boolean".to_owned()),
+            FieldRule::Text => (value.is_string(), "a string".to_owned()),
+            FieldRule::Texts => (
+                value.is_string() || value.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+                "a string or a list of strings".to_owned(),
+            ),
+        };
+        if !ok {
+            return Err(ApiError::bad_request(
+                field,
+                format!("`{field}` must be {expected}, not {value}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn too_long(tokens: usize, max: usize) -> ApiError {
@@ -320,6 +417,52 @@ fn chat_prompt(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sampling_fields_of_the_wrong_type_or_range_are_refused_by_name() {
+        use serde_json::json;
+        let model = Model::tiny().unwrap();
+        // (field, value, accepted)
+        let table = [
+            ("temperature", json!("hot"), false),
+            ("temperature", json!(-0.5), false),
+            ("temperature", json!(0.7), true),
+            ("temperature", json!(null), true),
+            ("top_p", json!(0), false),
+            ("top_p", json!(1), true),
+            ("top_p", json!(1.5), false),
+            ("top_k", json!(-1), true),
+            ("top_k", json!(2.5), false),
+            ("presence_penalty", json!(2.5), false),
+            ("frequency_penalty", json!(-2), true),
+            ("repetition_penalty", json!(0), false),
+            ("seed", json!(-7), true),
+            ("seed", json!("7"), false),
+            ("min_tokens", json!(-1), false),
+            ("stop", json!(["a", "b"]), true),
+            ("stop", json!(["a", 1]), false),
+            ("stop", json!("."), true),
+            ("echo", json!(1), false),
+            ("user", json!(3), false),
+        ];
+        for (field, value, accepted) in table {
+            let body = json!({"prompt": "hi", field: value});
+            let got = parse(
+                Endpoint::Completions,
+                &serde_json::to_vec(&body).unwrap(),
+                &model,
+                100,
+            );
+            match got {
+                Ok(_) => assert!(accepted, "{field} = {value} was accepted"),
+                Err(e) => {
+                    assert!(!accepted, "{field} = {value}: {}", e.message);
+                    assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some(field)));
+                    assert!(e.message.contains(field), "{}", e.message);
+                }
+            }
+        }
+    }
 
     #[test]
     fn prompts_in_every_form_and_bad_input_named() {

@@ -789,3 +789,17 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains(&worker), "the line names the worker: {line}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sampling_field_of_the_wrong_type_is_a_400_in_openais_shape() {
+    let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |_| {}).await;
+    for (field, value) in [("temperature", json!("hot")), ("top_p", json!(3))] {
+        let mut body = json!({"model": "tiny", "prompt": "hi"});
+        body[field] = value;
+        let (status, _, body) = p.call("POST", "/v1/completions", Some(body)).await;
+        assert_eq!(status, 400, "{body}");
+        let error = serde_json::from_str::<ErrorResponse>(&body).unwrap().error;
+        assert_eq!(error.param.as_deref(), Some(field), "{body}");
+        assert_eq!(error.kind, "invalid_request_error");
+    }
+}
