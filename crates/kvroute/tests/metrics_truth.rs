@@ -803,3 +803,42 @@ async fn a_sampling_field_of_the_wrong_type_is_a_400_in_openais_shape() {
         assert_eq!(error.kind, "invalid_request_error");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misconfigured_worker_returns_once_its_checks_pass() {
+    use axum::routing::get;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // A worker whose served model the test switches; its /health passes.
+    let serves_tiny = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&serves_tiny);
+    let routes = axum::Router::new()
+        .route(
+            "/v1/models",
+            get(move || {
+                let name = if flag.load(Ordering::SeqCst) {
+                    "tiny"
+                } else {
+                    "other"
+                };
+                async move { axum::Json(kvroute_http::openai::types::ModelList::one(name, "stub")) }
+            }),
+        )
+        .route("/health", get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
+    let p = proxy(vec![WorkerConfig::new(url)], Vec::new(), |c| {
+        c.health_interval_ms = 50
+    })
+    .await;
+    p.wait_for_state(0, StateName::Misconfigured).await;
+    serves_tiny.store(true, Ordering::SeqCst);
+    // Its next passing health check runs the checks again.
+    p.wait_for_state(0, StateName::Ready).await;
+    assert!(p.proxy.shared.worker_statuses()[0].misconfigured.is_empty());
+    let text = p.metrics().await;
+    assert_eq!(
+        metric(&text, "kvroute_worker_misconfigured", "check=\"model\""),
+        0.0
+    );
+}
