@@ -280,7 +280,8 @@ impl Scheduler {
         let bs = self.limits.block_size;
         if self.limits.prefix_caching {
             // At most len − 1 tokens come from the cache: the last one is always computed.
-            let max_hit_blocks = ((seq.len() - 1) / bs) as usize;
+            let max_hit_blocks =
+                kvroute_core::router::max_cached_blocks(u64::from(seq.len()), u64::from(bs)) as usize;
             self.pool.lookup(&seq.externals, max_hit_blocks, hits);
         }
         let context = hits.len() as u32 * bs;

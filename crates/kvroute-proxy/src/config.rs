@@ -38,6 +38,15 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
     }
 }
 
+/// Where `kvroute serve` takes its tokenizer from ([`ServeConfig::tokenizer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerSource<'a> {
+    /// The model directory's `tokenizer.json`.
+    Dir(&'a std::path::Path),
+    /// The built-in tiny byte-level tokenizer.
+    BuiltIn,
+}
+
 /// One worker: an OpenAI-compatible engine endpoint and, optionally, its KV-event sockets.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -234,9 +243,17 @@ pub struct ServeConfig {
     pub listen: String,
     /// The model name served (`/v1/models`). Default `tiny`.
     pub model_name: String,
-    /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat). Default:
-    /// the built-in tiny model.
+    /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat): the
+    /// engines' tokenizer. Required, unless `approximate_tokenizer` is set.
     pub model_dir: Option<PathBuf>,
+    /// Without `model_dir`, tokenize with the built-in tiny byte-level tokenizer: exact for
+    /// mock workers started without a model directory, approximate (few or no cache hits)
+    /// for any real engine. Default false: `kvroute serve` refuses to start without a
+    /// tokenizer.
+    pub approximate_tokenizer: bool,
+    /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens` to
+    /// each response (debugging and end-to-end checks). Default false.
+    pub debug_headers: bool,
     /// Routing policy name (`kv`, `dynamo`, `sglang-cache-aware`, `round-robin`, ...). Default
     /// `kv`.
     pub policy: String,
@@ -295,6 +312,8 @@ impl Default for ServeConfig {
             listen: "127.0.0.1:8000".to_owned(),
             model_name: "tiny".to_owned(),
             model_dir: None,
+            approximate_tokenizer: false,
+            debug_headers: false,
             policy: "kv".to_owned(),
             block_size: 16,
             seed: 0,
@@ -383,6 +402,22 @@ impl ServeConfig {
         }
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         Ok(router)
+    }
+
+    /// Where the tokenizer comes from: `model_dir`, or the built-in one when
+    /// `approximate_tokenizer` asks for it; an error naming both otherwise (routing on a
+    /// tokenizer that is not the engines' finds no cached prefix).
+    pub fn tokenizer(&self) -> Result<TokenizerSource<'_>, ConfigError> {
+        match (&self.model_dir, self.approximate_tokenizer) {
+            (Some(dir), _) => Ok(TokenizerSource::Dir(dir)),
+            (None, true) => Ok(TokenizerSource::BuiltIn),
+            (None, false) => Err(invalid(
+                "model-dir",
+                "is required: the engines' tokenizer (tokenizer.json), without which no prompt \
+                 finds its cached prefix; or --approximate-tokenizer for the built-in tiny \
+                 tokenizer (that of mock workers started without --model-dir)",
+            )),
+        }
     }
 
     /// Checks that a fleet of these roles can serve: some worker decodes (`agg` or `decode`),

@@ -21,10 +21,12 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, WorkerSpec,
+    max_cached_blocks,
 };
 use kvroute_core::time::{TimeScale, Timestamp};
 use tokio::sync::oneshot;
 
+use crate::checks::{self, Check, Verdict};
 use crate::config::{ServeConfig, WorkerConfig};
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Transition, WorkerStatus};
@@ -176,6 +178,10 @@ impl Shared {
             }
             Admission::Refused(e) => return Err(e),
         };
+        let predicted = predicted_cached_tokens(&decision, tokens.len(), self.config.block_size);
+        self.metrics.record_prediction(decision.worker, predicted);
+        let mut guard = guard;
+        guard.routed = Some((decision.worker, predicted));
         self.metrics.router_requests.inc();
         if decision.prefill.is_some() {
             self.metrics.disaggregated_requests.inc();
@@ -301,7 +307,9 @@ impl Shared {
             .validate(self.config.block_size, self.config.disagg_protocol)
             .map_err(|e| e.to_string())?;
         let mut inner = self.lock();
+        let (ranks, base) = (config.dp_size, config.url.trim_end_matches('/').to_owned());
         let id = inner.registry.add(config);
+        self.metrics.add_worker(id, ranks, &base);
         self.enter(&mut inner, id);
         self.set_up_gauge(&inner, id, WorkerState::ADDED);
         drop(inner);
@@ -370,7 +378,14 @@ impl Shared {
             }
             (from, to) => tracing::debug!(worker = id.0, ?from, ?to, "worker state"),
         }
-        self.set_up_gauge(inner, id, t.to);
+        match (t.to, inner.registry.get(id)) {
+            // Removed: its series go with it (they stay, at zero if need be, until then).
+            (WorkerState::Gone, Some(w)) => {
+                let role = w.config.role().name();
+                self.metrics.remove_worker(id, t.ranks, &w.base, role);
+            }
+            _ => self.set_up_gauge(inner, id, t.to),
+        }
     }
 
     /// Puts worker `id`'s ranks in the router, with an empty cache view.
@@ -395,14 +410,53 @@ impl Shared {
         }
     }
 
-    /// `kvroute_worker_up`: 1 while the worker takes new requests. (A removed worker's base
-    /// is gone with it: its series is left at 0 under its last URL by the transition before.)
+    /// `kvroute_worker_up`: 1 while the worker takes new requests.
     fn set_up_gauge(&self, inner: &Inner, id: WorkerId, state: WorkerState) {
         if let Some(w) = inner.registry.get(id) {
             self.metrics
                 .worker_up
                 .with_label_values(&[id.0.to_string().as_str(), w.base.as_str()])
                 .set(i64::from(state.routable()));
+        }
+    }
+
+    /// A registration check's verdict on worker `id` ([`crate::checks`]): its reason is kept
+    /// or cleared, said once in the log and in `kvroute_worker_misconfigured` when it changes,
+    /// and the worker is misconfigured (out of routing) while any reason stands.
+    pub fn report_check(&self, id: WorkerId, check: Check, verdict: Verdict) {
+        let mut inner = self.lock();
+        let Some(change) = inner.registry.set_verdict(id, check, verdict) else {
+            return;
+        };
+        match &change {
+            Some(reason) => tracing::warn!(
+                worker = id.0,
+                check = check.name(),
+                reason = reason.as_str(),
+                "worker misconfigured; out of routing"
+            ),
+            None => tracing::info!(worker = id.0, check = check.name(), "worker check passes again"),
+        }
+        self.metrics.set_misconfigured(id, check.name(), change.is_some());
+        let misconfigured = inner.registry.get(id).is_some_and(|w| !w.problems.is_empty());
+        let event = if misconfigured {
+            WorkerEvent::ChecksFailed
+        } else {
+            WorkerEvent::ChecksPassed
+        };
+        if let Some(t) = inner.registry.apply(id, event) {
+            self.effect(&mut inner, id, t);
+        }
+        drop(inner);
+        self.notify();
+    }
+
+    /// Worker `id`'s KV events carry blocks of `block_size` tokens: judged against the
+    /// router's ([`Check::BlockSize`]) when it changes.
+    pub fn observe_event_block_size(&self, id: WorkerId, block_size: u32) {
+        if self.lock().registry.note_event_block_size(id, block_size) {
+            let verdict = checks::block_size_verdict(block_size, self.config.block_size);
+            self.report_check(id, Check::BlockSize, verdict);
         }
     }
 
@@ -466,6 +520,7 @@ impl Shared {
                     config: w.config.clone(),
                     state: w.state.name(),
                     routable: w.state.routable(),
+                    misconfigured: w.problems.clone(),
                     active_requests: active,
                     cached_blocks: cached,
                 }
@@ -480,8 +535,18 @@ impl Shared {
 
     /// The router's metrics snapshot (the gauges are refreshed from it too).
     pub fn snapshot(&self) -> kvroute_core::router::RouterMetrics {
-        let snapshot = self.lock().router.metrics();
-        self.metrics.refresh(&snapshot);
+        let inner = self.lock();
+        let snapshot = inner.router.metrics();
+        let registered: Vec<(WorkerKey, &'static str)> = inner
+            .registry
+            .iter()
+            .flat_map(|(id, w)| {
+                let role = w.config.role().name();
+                (0..w.config.dp_size).map(move |rank| (WorkerKey::new(id, DpRank(rank)), role))
+            })
+            .collect();
+        drop(inner);
+        self.metrics.refresh(&snapshot, &registered);
         snapshot
     }
 
@@ -512,10 +577,22 @@ impl Inner {
     }
 }
 
+/// The prompt tokens an engine should report cached for `decision`'s prompt of
+/// `prompt_tokens` tokens: the router's overlap on the chosen worker in tokens, within the
+/// engine's hit ceiling ([`max_cached_blocks`]).
+fn predicted_cached_tokens(decision: &Decision, prompt_tokens: usize, block_size: u32) -> u64 {
+    let block_size = u64::from(block_size);
+    let blocks = u64::from(decision.overlap_blocks).min(max_cached_blocks(prompt_tokens as u64, block_size));
+    blocks * block_size
+}
+
 /// Owns one routed (or queued) request's load; see the module docs.
 pub struct RequestGuard {
     shared: Arc<Shared>,
     id: RequestId,
+    /// The worker rank it was routed to, and the prompt tokens predicted cached there (`None`
+    /// while it waits in the queue).
+    routed: Option<(WorkerKey, u64)>,
     started: Instant,
     first_token: bool,
     prefill_reported: bool,
@@ -536,6 +613,7 @@ impl RequestGuard {
         Self {
             shared: Arc::clone(shared),
             id,
+            routed: None,
             started,
             first_token: false,
             prefill_reported: false,
@@ -547,6 +625,17 @@ impl RequestGuard {
     /// The router's id of the request.
     pub fn id(&self) -> RequestId {
         self.id
+    }
+
+    /// The worker rank the request was routed to (its decode worker), and the prompt tokens
+    /// predicted cached there; `None` before it is routed.
+    pub fn routed(&self) -> Option<(WorkerKey, u64)> {
+        self.routed
+    }
+
+    /// The driver the request belongs to.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// A disaggregated request's prefill worker answered (its first token is out, the prompt's

@@ -204,6 +204,13 @@ fn apply_batch(shared: &Shared, key: WorkerKey, batch: &EventBatch) {
         namespace: None,
         group_idx: 0,
     };
+    // A block size other than the router's makes the worker misconfigured (checks.rs).
+    if let Some(block_size) = batch.events.iter().find_map(|e| match e {
+        WireEvent::BlockStored(b) => Some(b.block_size),
+        _ => None,
+    }) {
+        shared.observe_event_block_size(key.worker, block_size);
+    }
     // Convert (and hash) outside the lock.
     let converted: Vec<_> = batch
         .events

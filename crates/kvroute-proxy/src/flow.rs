@@ -32,7 +32,7 @@ use kvroute_http::openai::{self, ApiError, Endpoint};
 
 use crate::config::{EngineKind, ServeConfig};
 use crate::driver::{RequestGuard, RouteError, Shared, Target, Upstream};
-use crate::observed::Observed;
+use crate::observed::{self, Observed, Report};
 use crate::worker::WorkerEvent;
 
 /// What the flows need: the router driver, the pooled client, and this proxy's instance tag.
@@ -56,6 +56,8 @@ pub struct Generation<'a> {
     pub parsed: &'a openai::Parsed,
     /// The body to forward: the client's, as [`openai::engine_body`] made it (and a flow adds to).
     pub body: Bytes,
+    /// What the response's observed body reports under.
+    pub report: Report,
 }
 
 /// How sending to a worker failed: before it was reached (the worker is out of routing and the
@@ -117,7 +119,7 @@ impl Forwarder {
                     .observe(t0.elapsed().as_secs_f64() * 1e3);
             }
             match self.send_in_flow(request, &target, &mut guard, timeout).await {
-                Ok(response) => return Ok(observe(response, guard, request.parsed.stream, timeout)),
+                Ok(response) => return Ok(observe(response, guard, request.report, timeout)),
                 Err(HopError::Connect(_)) if attempt == 0 => shared.metrics.upstream_retries.inc(),
                 Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
             }
@@ -145,16 +147,21 @@ impl Forwarder {
     }
 }
 
-/// The worker's response, passed back with its status and content type, its body observed.
+/// The worker's response, passed back with its status and content type (and the debug
+/// headers, if configured), its body observed.
 fn observe(
     response: hyper::Response<Incoming>,
     guard: RequestGuard,
-    streaming: bool,
+    report: Report,
     timeout: Duration,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
-    let mut out = Response::new(Body::new(Observed::new(incoming, guard, streaming, timeout)));
+    let mut headers = axum::http::HeaderMap::new();
+    observed::debug_headers(&report, &guard, &mut headers);
+    let body = Observed::new(incoming, guard, report, parts.status, timeout);
+    let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
+    out.headers_mut().extend(headers);
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
         out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
     }

@@ -1,6 +1,7 @@
 //! The health prober: checks every worker's `/health` each `health_interval_ms` and reports
 //! each answer to the worker's state machine ([`crate::worker`]), which decides what a streak
-//! of them means.
+//! of them means. A worker back from failing, or misconfigured and answering, gets the
+//! registration checks again ([`crate::checks`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,18 +10,25 @@ use bytes::Bytes;
 use http_body_util::Full;
 use kvroute_http::net::HttpClient;
 
+use crate::checks::Checker;
 use crate::config::ServeConfig;
 use crate::driver::Shared;
 use crate::worker::WorkerEvent;
 
 /// Probes every worker, forever.
-pub async fn run(shared: Arc<Shared>, client: HttpClient) {
+pub async fn run(shared: Arc<Shared>, checker: Checker) {
+    let client = &checker.client;
     let interval = ServeConfig::ms(shared.config.health_interval_ms);
     let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
     loop {
         tokio::time::sleep(interval).await;
         for (id, base) in shared.worker_urls() {
-            shared.worker_event(id, probe(&client, &base, timeout).await);
+            let event = probe(client, &base, timeout).await;
+            let before = shared.worker_state(id);
+            let after = shared.worker_event(id, event);
+            if crate::checks::due(before, after, event == WorkerEvent::CheckPassed) {
+                checker.spawn(&shared, id);
+            }
         }
     }
 }

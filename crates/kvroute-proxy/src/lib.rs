@@ -15,6 +15,7 @@
 //! * [`worker`]: a worker's states and the pure transition function between them.
 //! * [`registry`]: the workers the proxy knows, their configuration and state.
 //! * [`health`]: the health prober.
+//! * [`checks`]: registration checks (served model, block size) that mark a worker misconfigured.
 //! * [`events`]: the KV-event intake: one ZMQ subscriber per worker rank, applied to the router.
 //! * [`proxy`]: the HTTP front: start-up, the routes, the admin API and `/metrics`.
 //! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
@@ -23,6 +24,7 @@
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
 
+pub mod checks;
 pub mod config;
 pub mod driver;
 pub mod events;

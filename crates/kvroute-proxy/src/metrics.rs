@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvroute_core::ids::WorkerKey;
+use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_core::router::RouterMetrics;
 use kvroute_zmq::{CounterSnapshot, SubscriberCounters};
 use prometheus::core::{Collector, Desc};
@@ -24,8 +24,11 @@ use prometheus::{
 #[derive(Clone, Debug)]
 pub struct Metrics {
     registry: Registry,
-    /// Requests by endpoint, type (`stream` / `unary`) and status.
+    /// Requests by endpoint, type (`stream` / `unary`) and status (`success`, `error`,
+    /// `rejected`), counted when the request ends: a stream that breaks off is an error.
     pub requests: IntCounterVec,
+    /// Requests by endpoint, type and [`RequestOutcome`], counted when the request ends.
+    pub outcomes: IntCounterVec,
     /// Requests the router routed.
     pub router_requests: IntCounter,
     /// Time to first token (streaming requests).
@@ -57,8 +60,19 @@ pub struct Metrics {
     pub worker_requests: IntGaugeVec,
     /// Per worker: blocks the router's index says it holds.
     pub worker_cached_blocks: IntGaugeVec,
-    /// Per worker: 1 when it takes requests (healthy, not draining).
+    /// Per worker: 1 when it takes requests (healthy, not draining, not misconfigured).
     pub worker_up: IntGaugeVec,
+    /// Per worker and check: 1 while that registration check finds it misconfigured.
+    pub worker_misconfigured: IntGaugeVec,
+    /// Per worker rank: prompt tokens predicted cached at routing (the router's overlap on
+    /// the chosen worker, in tokens, within the engine's hit ceiling).
+    pub predicted_cached_tokens: IntCounterVec,
+    /// Per worker rank: prompt tokens the engine reported cached
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    pub reported_cached_tokens: IntCounterVec,
+    /// Per worker rank: completed responses by what their usage said of cached tokens
+    /// ([`CachedReport`]).
+    pub cached_token_reports: IntCounterVec,
     /// Upstream attempts that failed to connect and were retried on another worker.
     pub upstream_retries: IntCounter,
     /// Requests routed with a prefill worker (the two-hop prefill/decode flow).
@@ -69,6 +83,111 @@ pub struct Metrics {
     pub active_requests: IntGauge,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
+}
+
+/// Whether a request streams, as the metrics label it (`unary` until it is parsed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    /// One JSON body.
+    Unary,
+    /// Server-sent events.
+    Stream,
+}
+
+impl RequestKind {
+    /// The `request_type` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unary => "unary",
+            Self::Stream => "stream",
+        }
+    }
+}
+
+/// How a generation request ended, by cause: the `outcome` label of
+/// `kvroute_requests_outcome_total`. Known only when the response has ended (or was given up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// The worker answered 2xx and its response reached its end.
+    Ok,
+    /// The client left before the response ended.
+    ClientCancelled,
+    /// The worker answered an error (non-2xx, an error event in a stream, a failed prefill
+    /// hop) or could not be reached.
+    UpstreamError,
+    /// The worker's response broke off after it had begun (connection reset mid-stream).
+    UpstreamReset,
+    /// The worker did not answer in time, or went silent mid-stream.
+    Timeout,
+    /// The proxy turned the request away (no worker, queue full or timed out): a 503.
+    Rejected,
+    /// The request itself was refused (bad body, unknown model, too long): a 4xx.
+    BadRequest,
+}
+
+impl RequestOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 7] = [
+        Self::Ok,
+        Self::ClientCancelled,
+        Self::UpstreamError,
+        Self::UpstreamReset,
+        Self::Timeout,
+        Self::Rejected,
+        Self::BadRequest,
+    ];
+
+    /// The `outcome` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::ClientCancelled => "client_cancelled",
+            Self::UpstreamError => "upstream_error",
+            Self::UpstreamReset => "upstream_reset",
+            Self::Timeout => "timeout",
+            Self::Rejected => "rejected",
+            Self::BadRequest => "bad_request",
+        }
+    }
+
+    /// The `status` label of `dynamo_frontend_requests_total`.
+    fn status(self) -> &'static str {
+        match self {
+            Self::Ok => "success",
+            Self::Rejected => "rejected",
+            _ => "error",
+        }
+    }
+}
+
+/// What a completed response's usage said of its cached prompt tokens. vLLM fills
+/// `prompt_tokens_details.cached_tokens` only when started with
+/// `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an absent field is
+/// "0 or not reported", kept apart from a reported number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CachedReport {
+    /// The engine reported this many cached prompt tokens.
+    Reported(u64),
+    /// The usage had no `cached_tokens` (0 cached, or the engine does not report it).
+    Absent,
+    /// The response carried no usage.
+    NoUsage,
+}
+
+impl CachedReport {
+    /// The `report` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Reported(_) => "reported",
+            Self::Absent => "absent",
+            Self::NoUsage => "no_usage",
+        }
+    }
+}
+
+/// The labels of a per-rank series: worker id and data-parallel rank.
+fn rank_labels(key: WorkerKey) -> [String; 2] {
+    [key.worker.0.to_string(), key.dp_rank.0.to_string()]
 }
 
 /// Reads one counter of a snapshot.
@@ -236,9 +355,45 @@ impl Collector for SubscriberCollector {
     }
 }
 
-fn hist(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
-        .expect("static metric options are valid")
+/// Makes each metric and registers it at once, so that none is made and left out.
+struct Registrar(Registry);
+
+impl Registrar {
+    fn add<C: Collector + Clone + 'static>(&self, collector: C) -> C {
+        self.0
+            .register(Box::new(collector.clone()))
+            .expect("metric names are unique");
+        collector
+    }
+
+    fn add_boxed(&self, collector: impl Collector + 'static) {
+        self.0
+            .register(Box::new(collector))
+            .expect("metric names are unique");
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.add(IntCounter::new(name, help).expect("static metric options are valid"))
+    }
+
+    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels).expect("static metric options are valid"))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::new(name, help).expect("static metric options are valid"))
+    }
+
+    fn gauges(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels).expect("static metric options are valid"))
+    }
+
+    fn hist(&self, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+        self.add(
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .expect("static metric options are valid"),
+        )
+    }
 }
 
 fn ms_buckets() -> Vec<f64> {
@@ -253,169 +408,354 @@ fn s_buckets() -> Vec<f64> {
     ]
 }
 
-impl Metrics {
-    /// Registers every metric in a fresh registry.
-    pub fn new() -> Self {
-        let registry = Registry::new();
-        let worker_labels = &["worker_id", "dp_rank", "worker_type"];
-        let gauge = |name: &str, help: &str| {
-            IntGaugeVec::new(Opts::new(name, help), worker_labels).expect("static metric options are valid")
-        };
-        let m = Self {
-            requests: IntCounterVec::new(
-                Opts::new("dynamo_frontend_requests_total", "Requests by endpoint, type and status."),
+/// The labels of the router's per-worker gauges.
+const WORKER_LABELS: &[&str] = &["worker_id", "dp_rank", "worker_type"];
+/// The labels of the per-rank counters.
+const RANK_LABELS: &[&str] = &["worker_id", "dp_rank"];
+
+/// The request path's metrics: counts by outcome, latencies, prompt sizes.
+struct RequestMetrics {
+    requests: IntCounterVec,
+    outcomes: IntCounterVec,
+    router_requests: IntCounter,
+    ttft: Histogram,
+    itl: Histogram,
+    input_tokens: Histogram,
+    kv_hit_rate: Histogram,
+    upstream_retries: IntCounter,
+    disaggregated_requests: IntCounter,
+}
+
+impl RequestMetrics {
+    fn new(r: &Registrar) -> Self {
+        Self {
+            requests: r.counters(
+                "dynamo_frontend_requests_total",
+                "Requests by endpoint, type and status, counted when they end.",
                 &["endpoint", "request_type", "status"],
-            )
-            .expect("static metric options are valid"),
-            router_requests: IntCounter::new(
+            ),
+            outcomes: r.counters(
+                "kvroute_requests_outcome_total",
+                "Requests by endpoint, type and outcome (ok, client_cancelled, upstream_error, \
+                 upstream_reset, timeout, rejected, bad_request), counted when they end.",
+                &["endpoint", "request_type", "outcome"],
+            ),
+            router_requests: r.counter(
                 "dynamo_component_router_requests_total",
                 "Requests the router routed.",
-            )
-            .expect("static metric options are valid"),
-            ttft: hist(
+            ),
+            ttft: r.hist(
                 "dynamo_component_router_time_to_first_token_seconds",
                 "Time to first streamed token, seconds.",
                 s_buckets(),
             ),
-            itl: hist(
+            itl: r.hist(
                 "dynamo_component_router_inter_token_latency_seconds",
                 "Time between streamed chunks, seconds.",
                 s_buckets(),
             ),
-            input_tokens: hist(
+            input_tokens: r.hist(
                 "dynamo_component_router_input_sequence_tokens",
                 "Prompt tokens per request.",
                 prometheus::exponential_buckets(16.0, 2.0, 14).expect("static buckets are valid"),
             ),
-            kv_hit_rate: hist(
+            kv_hit_rate: r.hist(
                 "dynamo_component_router_kv_hit_rate",
                 "Predicted KV hit rate: prompt blocks cached on the chosen worker over prompt blocks.",
                 (0..=20).map(|i| f64::from(i) / 20.0).collect(),
             ),
-            overhead_block_hashing: hist(
+            upstream_retries: r.counter(
+                "kvroute_upstream_retries_total",
+                "Upstream connect failures retried on another worker.",
+            ),
+            disaggregated_requests: r.counter(
+                "kvroute_disaggregated_requests_total",
+                "Requests routed with a prefill worker: prefilled there, then decoded on a decode worker.",
+            ),
+        }
+    }
+}
+
+/// The router's own overheads, ms.
+struct Overheads {
+    block_hashing: Histogram,
+    scheduling: Histogram,
+    total: Histogram,
+    tokenize: Histogram,
+}
+
+impl Overheads {
+    fn new(r: &Registrar) -> Self {
+        Self {
+            block_hashing: r.hist(
                 "dynamo_router_overhead_block_hashing_ms",
                 "Local block hashing of the prompt, ms.",
                 ms_buckets(),
             ),
-            overhead_scheduling: hist(
+            scheduling: r.hist(
                 "dynamo_router_overhead_scheduling_ms",
                 "The router core's decision: sequence hashing, index lookup, selection, booking; ms.",
                 ms_buckets(),
             ),
-            overhead_total: hist(
+            total: r.hist(
                 "dynamo_router_overhead_total_ms",
                 "Tokenization, hashing and the decision, ms.",
                 ms_buckets(),
             ),
-            overhead_tokenize: hist(
+            tokenize: r.hist(
                 "kvroute_router_overhead_tokenize_ms",
                 "Chat rendering and tokenization, ms.",
                 ms_buckets(),
             ),
-            queue_pending: IntGaugeVec::new(
-                Opts::new(
-                    "dynamo_frontend_router_queue_pending_requests",
-                    "Requests waiting in the router's queue.",
-                ),
-                &["worker_type"],
-            )
-            .expect("static metric options are valid"),
-            kv_events: IntCounterVec::new(
-                Opts::new(
-                    "dynamo_component_kv_cache_events_applied",
-                    "KV events by type and status (ok, parent_block_not_found, block_not_found, invalid_block, skipped).",
-                ),
-                &["event_type", "status"],
-            )
-            .expect("static metric options are valid"),
-            worker_decode_blocks: gauge(
+        }
+    }
+}
+
+/// Per-worker series: the router's books, membership, checks, and predicted against
+/// reported cached tokens.
+struct WorkerMetrics {
+    decode_blocks: IntGaugeVec,
+    prefill_tokens: IntGaugeVec,
+    requests: IntGaugeVec,
+    cached_blocks: IntGaugeVec,
+    up: IntGaugeVec,
+    misconfigured: IntGaugeVec,
+    predicted_cached_tokens: IntCounterVec,
+    reported_cached_tokens: IntCounterVec,
+    cached_token_reports: IntCounterVec,
+}
+
+impl WorkerMetrics {
+    fn new(r: &Registrar) -> Self {
+        Self {
+            decode_blocks: r.gauges(
                 "dynamo_frontend_worker_active_decode_blocks",
                 "Active decode blocks the router books per worker.",
+                WORKER_LABELS,
             ),
-            worker_prefill_tokens: gauge(
+            prefill_tokens: r.gauges(
                 "dynamo_frontend_worker_active_prefill_tokens",
                 "Active prefill tokens the router books per worker.",
+                WORKER_LABELS,
             ),
-            worker_requests: gauge("kvroute_worker_active_requests", "Requests the router books per worker."),
-            worker_cached_blocks: gauge(
+            requests: r.gauges(
+                "kvroute_worker_active_requests",
+                "Requests the router books per worker.",
+                WORKER_LABELS,
+            ),
+            cached_blocks: r.gauges(
                 "kvroute_worker_cached_blocks",
                 "Blocks the router's KV index says each worker holds.",
+                WORKER_LABELS,
             ),
-            worker_up: IntGaugeVec::new(
-                Opts::new("kvroute_worker_up", "1 when the worker takes requests (healthy, not draining)."),
+            up: r.gauges(
+                "kvroute_worker_up",
+                "1 when the worker takes requests (healthy, not draining, not misconfigured).",
                 &["worker_id", "url"],
-            )
-            .expect("static metric options are valid"),
-            upstream_retries: IntCounter::new(
-                "kvroute_upstream_retries_total",
-                "Upstream connect failures retried on another worker.",
-            )
-            .expect("static metric options are valid"),
-            disaggregated_requests: IntCounter::new(
-                "kvroute_disaggregated_requests_total",
-                "Requests routed with a prefill worker: prefilled there, then decoded on a decode worker.",
-            )
-            .expect("static metric options are valid"),
-            kv_stream_incidents: IntCounterVec::new(
-                Opts::new(
-                    "kvroute_kv_event_stream_incidents_total",
-                    "KV-event stream incidents by kind (gap_recovered, gap_lost, restarted, error).",
-                ),
-                &["kind"],
-            )
-            .expect("static metric options are valid"),
-            active_requests: IntGauge::new("kvroute_router_active_requests", "Requests booked in the router.")
-                .expect("static metric options are valid"),
-            kv_subscribers: KvSubscriberCounters::default(),
-            registry,
-        };
-        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(m.requests.clone()),
-            Box::new(m.router_requests.clone()),
-            Box::new(m.ttft.clone()),
-            Box::new(m.itl.clone()),
-            Box::new(m.input_tokens.clone()),
-            Box::new(m.kv_hit_rate.clone()),
-            Box::new(m.overhead_block_hashing.clone()),
-            Box::new(m.overhead_scheduling.clone()),
-            Box::new(m.overhead_total.clone()),
-            Box::new(m.overhead_tokenize.clone()),
-            Box::new(m.queue_pending.clone()),
-            Box::new(m.kv_events.clone()),
-            Box::new(m.worker_decode_blocks.clone()),
-            Box::new(m.worker_prefill_tokens.clone()),
-            Box::new(m.worker_requests.clone()),
-            Box::new(m.worker_cached_blocks.clone()),
-            Box::new(m.worker_up.clone()),
-            Box::new(m.upstream_retries.clone()),
-            Box::new(m.disaggregated_requests.clone()),
-            Box::new(m.kv_stream_incidents.clone()),
-            Box::new(m.active_requests.clone()),
-            Box::new(SubscriberCollector::new(m.kv_subscribers.clone())),
-        ];
-        for c in collectors {
-            m.registry.register(c).expect("metric names are unique");
+            ),
+            misconfigured: r.gauges(
+                "kvroute_worker_misconfigured",
+                "1 while a registration check (model, block_size) finds the worker misconfigured.",
+                &["worker_id", "check"],
+            ),
+            predicted_cached_tokens: r.counters(
+                "kvroute_worker_predicted_cached_tokens_total",
+                "Prompt tokens predicted cached on the chosen worker at routing.",
+                RANK_LABELS,
+            ),
+            reported_cached_tokens: r.counters(
+                "kvroute_worker_reported_cached_tokens_total",
+                "Prompt tokens the worker reported cached (usage.prompt_tokens_details.cached_tokens).",
+                RANK_LABELS,
+            ),
+            cached_token_reports: r.counters(
+                "kvroute_worker_cached_token_reports_total",
+                "Completed responses by what their usage said of cached tokens: reported, \
+                 absent (0, or not reported by the engine), no_usage.",
+                &["worker_id", "dp_rank", "report"],
+            ),
         }
-        m
+    }
+}
+
+impl Metrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Self {
+        let r = Registrar(Registry::new());
+        let request = RequestMetrics::new(&r);
+        let overhead = Overheads::new(&r);
+        let worker = WorkerMetrics::new(&r);
+        let kv_subscribers = KvSubscriberCounters::default();
+        r.add_boxed(SubscriberCollector::new(kv_subscribers.clone()));
+        Self {
+            requests: request.requests,
+            outcomes: request.outcomes,
+            router_requests: request.router_requests,
+            ttft: request.ttft,
+            itl: request.itl,
+            input_tokens: request.input_tokens,
+            kv_hit_rate: request.kv_hit_rate,
+            upstream_retries: request.upstream_retries,
+            disaggregated_requests: request.disaggregated_requests,
+            overhead_block_hashing: overhead.block_hashing,
+            overhead_scheduling: overhead.scheduling,
+            overhead_total: overhead.total,
+            overhead_tokenize: overhead.tokenize,
+            worker_decode_blocks: worker.decode_blocks,
+            worker_prefill_tokens: worker.prefill_tokens,
+            worker_requests: worker.requests,
+            worker_cached_blocks: worker.cached_blocks,
+            worker_up: worker.up,
+            worker_misconfigured: worker.misconfigured,
+            predicted_cached_tokens: worker.predicted_cached_tokens,
+            reported_cached_tokens: worker.reported_cached_tokens,
+            cached_token_reports: worker.cached_token_reports,
+            queue_pending: r.gauges(
+                "dynamo_frontend_router_queue_pending_requests",
+                "Requests waiting in the router's queue.",
+                &["worker_type"],
+            ),
+            kv_events: r.counters(
+                "dynamo_component_kv_cache_events_applied",
+                "KV events by type and status (ok, parent_block_not_found, block_not_found, invalid_block, skipped).",
+                &["event_type", "status"],
+            ),
+            kv_stream_incidents: r.counters(
+                "kvroute_kv_event_stream_incidents_total",
+                "KV-event stream incidents by kind (gap_recovered, gap_lost, restarted, error).",
+                &["kind"],
+            ),
+            active_requests: r.gauge("kvroute_router_active_requests", "Requests booked in the router."),
+            kv_subscribers,
+            registry: r.0,
+        }
     }
 
-    /// Refreshes the gauges from a router snapshot.
-    pub fn refresh(&self, snapshot: &RouterMetrics) {
-        self.queue_pending
-            .with_label_values(&["decode"])
-            .set(snapshot.queued_now as i64);
-        self.active_requests.set(snapshot.active_now as i64);
-        for gauge in [
+    /// Counts a generation request that ended with `outcome`.
+    pub fn record_outcome(&self, endpoint: &str, kind: RequestKind, outcome: RequestOutcome) {
+        self.outcomes
+            .with_label_values(&[endpoint, kind.label(), outcome.label()])
+            .inc();
+        self.requests
+            .with_label_values(&[endpoint, kind.label(), outcome.status()])
+            .inc();
+    }
+
+    /// Counts `tokens` predicted cached on `key` for a request routed there.
+    pub fn record_prediction(&self, key: WorkerKey, tokens: u64) {
+        let labels = rank_labels(key);
+        self.predicted_cached_tokens
+            .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
+            .inc_by(tokens);
+    }
+
+    /// Counts what a completed response from `key` reported of its cached tokens.
+    pub fn record_cached_report(&self, key: WorkerKey, report: CachedReport) {
+        let [id, rank] = rank_labels(key);
+        self.cached_token_reports
+            .with_label_values(&[id.as_str(), rank.as_str(), report.label()])
+            .inc();
+        if let CachedReport::Reported(tokens) = report {
+            self.reported_cached_tokens
+                .with_label_values(&[id.as_str(), rank.as_str()])
+                .inc_by(tokens);
+        }
+    }
+
+    /// Sets worker `id`'s misconfiguration gauge for `check`.
+    pub fn set_misconfigured(&self, id: WorkerId, check: &str, misconfigured: bool) {
+        self.worker_misconfigured
+            .with_label_values(&[id.0.to_string().as_str(), check])
+            .set(i64::from(misconfigured));
+    }
+
+    /// Creates worker `id`'s series at zero, so that they exist from the start and stay (at
+    /// their last count) while the worker is out of routing.
+    pub fn add_worker(&self, id: WorkerId, ranks: u32, base: &str) {
+        for rank in 0..ranks {
+            let [id, rank] = rank_labels(WorkerKey::new(id, DpRank(rank)));
+            let labels = [id.as_str(), rank.as_str()];
+            self.predicted_cached_tokens.with_label_values(&labels);
+            self.reported_cached_tokens.with_label_values(&labels);
+            for report in [
+                CachedReport::Reported(0),
+                CachedReport::Absent,
+                CachedReport::NoUsage,
+            ] {
+                self.cached_token_reports
+                    .with_label_values(&[labels[0], labels[1], report.label()]);
+            }
+        }
+        let worker = id.0.to_string();
+        self.worker_up.with_label_values(&[worker.as_str(), base]).set(0);
+        for check in crate::checks::Check::ALL {
+            self.worker_misconfigured
+                .with_label_values(&[worker.as_str(), check.name()])
+                .set(0);
+        }
+    }
+
+    /// Removes every series of worker `id` (removed by an operator): it is gone, not idle.
+    pub fn remove_worker(&self, id: WorkerId, ranks: u32, base: &str, role: &str) {
+        let worker = id.0.to_string();
+        let _ = self.worker_up.remove_label_values(&[worker.as_str(), base]);
+        for check in crate::checks::Check::ALL {
+            let _ = self
+                .worker_misconfigured
+                .remove_label_values(&[worker.as_str(), check.name()]);
+        }
+        for rank in 0..ranks {
+            let rank = rank.to_string();
+            let labels = [worker.as_str(), rank.as_str()];
+            let _ = self.predicted_cached_tokens.remove_label_values(&labels);
+            let _ = self.reported_cached_tokens.remove_label_values(&labels);
+            for report in [
+                CachedReport::Reported(0),
+                CachedReport::Absent,
+                CachedReport::NoUsage,
+            ] {
+                let _ =
+                    self.cached_token_reports
+                        .remove_label_values(&[labels[0], labels[1], report.label()]);
+            }
+            for gauge in self.router_gauges() {
+                let _ = gauge.remove_label_values(&[labels[0], labels[1], role]);
+            }
+        }
+    }
+
+    /// The per-worker gauges refreshed from the router's snapshot.
+    fn router_gauges(&self) -> [&IntGaugeVec; 4] {
+        [
             &self.worker_decode_blocks,
             &self.worker_prefill_tokens,
             &self.worker_requests,
             &self.worker_cached_blocks,
-        ] {
+        ]
+    }
+
+    /// Refreshes the gauges from a router snapshot. Every rank of `registered` (its key and
+    /// role name) has a series: at the router's numbers while it is in the router, at zero
+    /// while it is out of routing (unhealthy, drained, misconfigured), so that a worker's
+    /// series end only when it is removed.
+    pub fn refresh(&self, snapshot: &RouterMetrics, registered: &[(WorkerKey, &'static str)]) {
+        self.queue_pending
+            .with_label_values(&["decode"])
+            .set(snapshot.queued_now as i64);
+        self.active_requests.set(snapshot.active_now as i64);
+        for gauge in self.router_gauges() {
             gauge.reset();
         }
+        for &(key, role) in registered {
+            let [id, rank] = rank_labels(key);
+            for gauge in self.router_gauges() {
+                gauge
+                    .with_label_values(&[id.as_str(), rank.as_str(), role])
+                    .set(0);
+            }
+        }
         for w in &snapshot.workers {
-            let id = w.spec.key.worker.0.to_string();
-            let rank = w.spec.key.dp_rank.0.to_string();
+            let [id, rank] = rank_labels(w.spec.key);
             let labels = [id.as_str(), rank.as_str(), w.spec.role.name()];
             let set = |g: &IntGaugeVec, v: u64| {
                 g.with_label_values(&labels)

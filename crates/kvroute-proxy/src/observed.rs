@@ -1,37 +1,166 @@
-//! The worker's response on its way back to the client: passed through unchanged while it
-//! reports its chunks (the first is prefill done and the time to first token; the gaps between
-//! streamed ones are inter-token latencies) and its end, error, idle timeout or the client
-//! leaving, each of which frees the request.
+//! The worker's response on its way back to the client: passed through while it reports its
+//! chunks (the first is prefill done and the time to first token; the gaps between streamed
+//! ones are inter-token latencies) and its end, error, idle timeout or the client leaving, each
+//! of which frees the request and is counted once as the request's [`RequestOutcome`].
+//!
+//! On its way it reads the engine's usage (the last `usage` of a stream, the body's of a unary
+//! answer) for the cached prompt tokens the engine reports, counted per worker beside the
+//! tokens the router predicted ([`CachedReport`]). A stream whose usage chunk the proxy asked
+//! for itself ([`Shape::Stream`] with `strip_usage`) has that chunk taken out, so the client
+//! gets what it asked for.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use bytes::Bytes;
 use hyper::body::{Frame, Incoming, SizeHint};
+use kvroute_http::openai::Endpoint;
+use kvroute_http::openai::types::Usage;
+use serde_json::Value;
 use tokio::time::Sleep;
 
 use crate::driver::RequestGuard;
+use crate::metrics::{CachedReport, RequestKind, RequestOutcome};
 
-/// The worker's response body, passed through unchanged while it reports to the request's guard.
+/// How the response is read for its usage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// One JSON body, read whole (up to [`MAX_SCANNED`]) for its `usage`.
+    Unary,
+    /// Server-sent events, scanned event by event for the last `usage`.
+    Stream {
+        /// The proxy added `stream_options.include_usage` itself: the usage-only chunk is
+        /// taken out of what the client gets.
+        strip_usage: bool,
+    },
+}
+
+/// What a request's observed body reports under: its endpoint, its shape, and whether the
+/// response names the chosen worker in debug headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Report {
+    /// The endpoint (its path is the metrics' label).
+    pub endpoint: Endpoint,
+    /// How the body is read.
+    pub shape: Shape,
+    /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens`.
+    pub debug_headers: bool,
+}
+
+impl Report {
+    /// The metrics' `request_type`.
+    pub fn kind(&self) -> RequestKind {
+        match self.shape {
+            Shape::Unary => RequestKind::Unary,
+            Shape::Stream { .. } => RequestKind::Stream,
+        }
+    }
+
+    fn streaming(&self) -> bool {
+        matches!(self.shape, Shape::Stream { .. })
+    }
+}
+
+/// The debug headers' names.
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+/// The chosen worker's data-parallel rank.
+pub const DP_RANK_HEADER: &str = "x-kvroute-dp-rank";
+/// The prompt tokens the router predicted cached on the chosen worker.
+pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
+
+/// Adds the debug headers naming `guard`'s worker and prediction to `headers`, if `report`
+/// asks for them.
+pub fn debug_headers(report: &Report, guard: &RequestGuard, headers: &mut HeaderMap) {
+    if !report.debug_headers {
+        return;
+    }
+    let Some((key, predicted)) = guard.routed() else {
+        return;
+    };
+    headers.insert(WORKER_HEADER, HeaderValue::from(key.worker.0));
+    headers.insert(DP_RANK_HEADER, HeaderValue::from(key.dp_rank.0));
+    headers.insert(PREDICTED_HEADER, HeaderValue::from(predicted));
+}
+
+/// The most bytes of a unary body, or of one server-sent event, read for its usage; past it
+/// the body passes through unread and its usage counts as not seen.
+pub const MAX_SCANNED: usize = 8 << 20;
+
+/// The worker's response body, passed through while it reports to the request's guard and
+/// the metrics.
 pub struct Observed {
     inner: Incoming,
     guard: Option<RequestGuard>,
-    streaming: bool,
+    report: Report,
+    status: StatusCode,
+    scan: Scan,
+    /// Bytes still to hand out before the end (what a stripped stream held back).
+    tail: Option<Bytes>,
     idle: Pin<Box<Sleep>>,
     timeout: Duration,
 }
 
 impl Observed {
-    /// Observes `inner` for `guard`; a streamed body silent for `timeout` fails.
-    pub fn new(inner: Incoming, guard: RequestGuard, streaming: bool, timeout: Duration) -> Self {
+    /// Observes `inner`, a response of `status`, for `guard`; a streamed body silent for
+    /// `timeout` fails.
+    pub fn new(
+        inner: Incoming,
+        guard: RequestGuard,
+        report: Report,
+        status: StatusCode,
+        timeout: Duration,
+    ) -> Self {
+        let scan = match report.shape {
+            _ if !status.is_success() => Scan::Off,
+            Shape::Unary => Scan::Unary(Vec::new()),
+            Shape::Stream { strip_usage } => Scan::Stream(SseScan::new(strip_usage)),
+        };
         Self {
             inner,
             guard: Some(guard),
-            streaming,
+            report,
+            status,
+            scan,
+            tail: None,
             idle: Box::pin(tokio::time::sleep(timeout)),
             timeout,
         }
+    }
+
+    /// Ends the request with `outcome`, counted once; its load is freed (cancelled, unless
+    /// [`Self::completed`] finishes it).
+    fn end(&mut self, outcome: RequestOutcome) -> Option<RequestGuard> {
+        let guard = self.guard.take()?;
+        let metrics = &guard.shared().metrics;
+        metrics.record_outcome(self.report.endpoint.path(), self.report.kind(), outcome);
+        Some(guard)
+    }
+
+    /// The body reached its end: `ok` if the worker answered 2xx without an error event (its
+    /// usage is counted then), `upstream_error` otherwise; the request is finished.
+    fn completed(&mut self) {
+        let ok = self.status.is_success() && !self.scan.error_event();
+        let outcome = if ok {
+            RequestOutcome::Ok
+        } else {
+            RequestOutcome::UpstreamError
+        };
+        if let Some(guard) = self.end(outcome) {
+            if let (true, Some((key, _))) = (ok, guard.routed()) {
+                let report = self.scan.cached_report();
+                guard.shared().metrics.record_cached_report(key, report);
+            }
+            guard.finish();
+        }
+    }
+}
+
+impl Drop for Observed {
+    fn drop(&mut self) {
+        // Not ended: the client left (the guard, dropped, cancels the request).
+        self.end(RequestOutcome::ClientCancelled);
     }
 }
 
@@ -55,44 +184,319 @@ impl hyper::body::Body for Observed {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, StreamError>>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if frame.is_data()
-                    && let Some(guard) = &mut this.guard
-                {
-                    guard.chunk(this.streaming);
-                    if this.streaming {
-                        let deadline = tokio::time::Instant::now() + this.timeout;
-                        this.idle.as_mut().reset(deadline);
+        loop {
+            if this.guard.is_none() {
+                // Ended: what was held back, then the end.
+                return Poll::Ready(this.tail.take().map(|b| Ok(Frame::data(b))));
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            let streaming = this.report.streaming();
+                            if let Some(guard) = &mut this.guard {
+                                guard.chunk(streaming);
+                            }
+                            if streaming {
+                                let deadline = tokio::time::Instant::now() + this.timeout;
+                                this.idle.as_mut().reset(deadline);
+                            }
+                            let mut out = this.scan.feed(data);
+                            if this.inner.is_end_stream() {
+                                // The last bytes (a sized body): end now, so that the request
+                                // is counted before the client has all of it.
+                                if let Some(tail) = this.scan.finish().filter(|b| !b.is_empty()) {
+                                    out = [out, tail].concat().into();
+                                }
+                                this.completed();
+                            }
+                            if out.is_empty() {
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        Err(other) => other,
+                    };
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.end(RequestOutcome::UpstreamReset);
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+                Poll::Ready(None) => {
+                    this.tail = this.scan.finish().filter(|b| !b.is_empty());
+                    this.completed();
+                }
+                Poll::Pending => {
+                    if this.idle.as_mut().poll(cx).is_ready() {
+                        this.end(RequestOutcome::Timeout);
+                        return Poll::Ready(Some(Err(StreamError::Timeout)));
                     }
+                    return Poll::Pending;
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.guard.take();
-                Poll::Ready(Some(Err(e.into())))
-            }
-            Poll::Ready(None) => {
-                if let Some(guard) = this.guard.take() {
-                    guard.finish();
-                }
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if this.guard.is_some() && this.idle.as_mut().poll(cx).is_ready() {
-                    this.guard.take();
-                    return Poll::Ready(Some(Err(StreamError::Timeout)));
-                }
-                Poll::Pending
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.guard.is_none() && self.inner.is_end_stream()
+        self.guard.is_none() && self.tail.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.scan {
+            // A stripped stream may be shorter than the worker's.
+            Scan::Stream(SseScan {
+                strip_usage: true, ..
+            }) => SizeHint::default(),
+            _ => self.inner.size_hint(),
+        }
+    }
+}
+
+/// What is read of a body for its usage.
+enum Scan {
+    /// Nothing (an error answer, or a body too large to read).
+    Off,
+    /// A unary body, gathered whole.
+    Unary(Vec<u8>),
+    /// A stream, event by event.
+    Stream(SseScan),
+}
+
+impl Scan {
+    /// Takes a frame's bytes; returns what goes to the client.
+    fn feed(&mut self, data: Bytes) -> Bytes {
+        match self {
+            Self::Off => data,
+            Self::Unary(buf) => {
+                if buf.len() + data.len() > MAX_SCANNED {
+                    *self = Self::Off;
+                } else {
+                    buf.extend_from_slice(&data);
+                }
+                data
+            }
+            Self::Stream(sse) => sse.feed(data),
+        }
+    }
+
+    /// The body ended: what is left to hand out.
+    fn finish(&mut self) -> Option<Bytes> {
+        match self {
+            Self::Stream(sse) => sse.finish(),
+            Self::Off | Self::Unary(_) => None,
+        }
+    }
+
+    /// Whether a stream carried an error event.
+    fn error_event(&self) -> bool {
+        matches!(self, Self::Stream(sse) if sse.error_event)
+    }
+
+    /// What the body said of its cached tokens.
+    fn cached_report(&self) -> CachedReport {
+        let usage = match self {
+            Self::Off => None,
+            Self::Unary(buf) => serde_json::from_slice::<Value>(buf)
+                .ok()
+                .and_then(|v| usage_of(&v)),
+            Self::Stream(sse) => sse.usage.clone(),
+        };
+        cached_report(usage.as_ref())
+    }
+}
+
+/// `usage` of a response or chunk, if it has one.
+fn usage_of(v: &Value) -> Option<Usage> {
+    match v.get("usage") {
+        Some(u) if u.is_object() => serde_json::from_value(u.clone()).ok(),
+        _ => None,
+    }
+}
+
+/// What `usage` says of cached prompt tokens.
+pub fn cached_report(usage: Option<&Usage>) -> CachedReport {
+    match usage {
+        None => CachedReport::NoUsage,
+        Some(u) => match u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens) {
+            Some(tokens) => CachedReport::Reported(u64::from(tokens)),
+            None => CachedReport::Absent,
+        },
+    }
+}
+
+/// Reads a stream of server-sent events (`data: <json>\n\n`) for its last usage and its
+/// error events, and takes out the usage-only chunk when asked to. Without stripping, frames
+/// pass on as they came; with it, only whole events pass (the proxy holds back a partial one
+/// until its end arrives).
+struct SseScan {
+    strip_usage: bool,
+    /// The start of an event whose end has not arrived.
+    partial: Vec<u8>,
+    /// The last usage seen.
+    usage: Option<Usage>,
+    /// An event of the form `data: {"error": ...}` passed.
+    error_event: bool,
+    /// An event grew past [`MAX_SCANNED`]: the rest passes unread.
+    overflowed: bool,
+}
+
+impl SseScan {
+    fn new(strip_usage: bool) -> Self {
+        Self {
+            strip_usage,
+            partial: Vec::new(),
+            usage: None,
+            error_event: false,
+            overflowed: false,
+        }
+    }
+
+    fn feed(&mut self, data: Bytes) -> Bytes {
+        if self.overflowed {
+            return data;
+        }
+        self.partial.extend_from_slice(&data);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while let Some(len) = find(&self.partial[start..], b"\n\n") {
+            let end = start + len + 2;
+            let keep = self.inspect(start, end);
+            if self.strip_usage && keep {
+                out.extend_from_slice(&self.partial[start..end]);
+            }
+            start = end;
+        }
+        self.partial.drain(..start);
+        if self.partial.len() > MAX_SCANNED {
+            self.overflowed = true;
+            if self.strip_usage {
+                out.append(&mut self.partial);
+            }
+            self.partial = Vec::new();
+        }
+        if self.strip_usage { Bytes::from(out) } else { data }
+    }
+
+    /// Reads the event at `partial[start..end]`; whether it goes on to the client.
+    fn inspect(&mut self, start: usize, end: usize) -> bool {
+        let event = &self.partial[start..end];
+        let Ok(text) = std::str::from_utf8(event) else {
+            return true;
+        };
+        let mut keep = true;
+        for line in text.lines() {
+            let Some(payload) = line.strip_prefix("data:").map(str::trim_start) else {
+                continue;
+            };
+            if !payload.starts_with('{') || !(payload.contains("\"usage\"") || payload.contains("\"error\""))
+            {
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(payload) else {
+                continue;
+            };
+            if v.get("error").is_some_and(|e| !e.is_null()) {
+                self.error_event = true;
+            }
+            if let Some(usage) = usage_of(&v) {
+                self.usage = Some(usage);
+                let no_choices = v
+                    .get("choices")
+                    .and_then(Value::as_array)
+                    .is_none_or(Vec::is_empty);
+                if no_choices && self.strip_usage {
+                    keep = false;
+                }
+            }
+        }
+        keep
+    }
+
+    fn finish(&mut self) -> Option<Bytes> {
+        let rest = std::mem::take(&mut self.partial);
+        (self.strip_usage && !self.overflowed).then(|| Bytes::from(rest))
+    }
+}
+
+/// Where `needle` starts in `haystack`.
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    const USAGE: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"total_tokens\":42,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    /// Feeds `frames` to a scan; what the client got, and the scan.
+    fn run(strip: bool, frames: &[&str]) -> (String, SseScan) {
+        let mut scan = SseScan::new(strip);
+        let mut out = Vec::new();
+        for f in frames {
+            out.extend_from_slice(&scan.feed(Bytes::from(f.to_string())));
+        }
+        if let Some(rest) = scan.finish() {
+            out.extend_from_slice(&rest);
+        }
+        (String::from_utf8(out).unwrap(), scan)
+    }
+
+    #[test]
+    fn the_usage_chunk_is_read_and_taken_out_only_when_the_proxy_asked_for_it() {
+        let whole = format!("{CHUNK}{USAGE}{DONE}");
+        // Each split of the stream into two frames, events cut anywhere.
+        for cut in 0..=whole.len() {
+            let frames = [&whole[..cut], &whole[cut..]];
+            let (out, scan) = run(true, &frames);
+            assert_eq!(out, format!("{CHUNK}{DONE}"), "cut at {cut}");
+            assert_eq!(cached_report(scan.usage.as_ref()), CachedReport::Reported(32));
+            let (out, scan) = run(false, &frames);
+            assert_eq!(out, whole, "cut at {cut}");
+            assert_eq!(cached_report(scan.usage.as_ref()), CachedReport::Reported(32));
+        }
+    }
+
+    #[test]
+    fn usage_reports_keep_absent_apart_from_zero_and_from_no_usage() {
+        let absent = USAGE.replace(",\"prompt_tokens_details\":{\"cached_tokens\":32}", "");
+        let null = USAGE.replace("{\"cached_tokens\":32}", "null");
+        let zero = USAGE.replace("32", "0");
+        // (stream, report)
+        let table: &[(String, CachedReport)] = &[
+            (format!("{CHUNK}{USAGE}{DONE}"), CachedReport::Reported(32)),
+            (format!("{CHUNK}{zero}{DONE}"), CachedReport::Reported(0)),
+            (format!("{CHUNK}{absent}{DONE}"), CachedReport::Absent),
+            (format!("{CHUNK}{null}{DONE}"), CachedReport::Absent),
+            (format!("{CHUNK}{DONE}"), CachedReport::NoUsage),
+        ];
+        for (stream, want) in table {
+            let (_, scan) = run(false, &[stream]);
+            assert_eq!(cached_report(scan.usage.as_ref()), *want, "{stream}");
+        }
+    }
+
+    #[test]
+    fn an_error_event_is_seen() {
+        let error =
+            "data: {\"error\":{\"message\":\"no\",\"type\":\"x\",\"param\":null,\"code\":\"refused\"}}\n\n";
+        let (_, scan) = run(false, &[CHUNK, error, DONE]);
+        assert!(scan.error_event);
+        let (_, scan) = run(false, &[CHUNK, DONE]);
+        assert!(!scan.error_event);
+    }
+
+    #[test]
+    fn a_unary_body_is_read_for_its_usage() {
+        let body = "{\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"total_tokens\":42,\"prompt_tokens_details\":{\"cached_tokens\":16}}}";
+        let mut scan = Scan::Unary(Vec::new());
+        let (a, b) = body.split_at(30);
+        assert_eq!(scan.feed(Bytes::from(a)), a);
+        assert_eq!(scan.feed(Bytes::from(b)), b);
+        assert_eq!(scan.cached_report(), CachedReport::Reported(16));
+        assert_eq!(Scan::Unary(b"{}".to_vec()).cached_report(), CachedReport::NoUsage);
     }
 }

@@ -136,30 +136,18 @@ pub async fn check(
     Ok(Parity::Match)
 }
 
-/// How many times [`check_and_warn`] asks a worker that cannot be reached (a worker is often
-/// added before it listens), the waits between doubling from half a second.
-const ATTEMPTS: u32 = 6;
-
-/// Runs [`check`] (again while the worker cannot be reached, up to [`ATTEMPTS`] times) and logs
-/// what it found: a mismatch loudly (a warning naming the worker, the prompt kind and where the
-/// tokens part), an unsupported worker or a failed check as such.
-pub async fn check_and_warn(
-    client: HttpClient,
-    base: String,
-    model_name: String,
-    model: std::sync::Arc<Model>,
+/// Runs [`check`] and logs what it found: a mismatch loudly (a warning naming the worker, the
+/// prompt kind and where the tokens part), an unsupported worker or a failed check as such. A
+/// worker that cannot be reached yet is asked again by the registration checks
+/// ([`crate::checks`]) when its health checks pass.
+pub async fn check_and_log(
+    client: &HttpClient,
+    base: &str,
+    model_name: &str,
+    model: &Model,
     timeout: Duration,
 ) -> Result<Parity, ParityError> {
-    let mut wait = Duration::from_millis(500);
-    let mut result = check(&client, &base, &model_name, &model, timeout).await;
-    for _ in 1..ATTEMPTS {
-        if !matches!(result, Err(ParityError::Request { .. })) {
-            break;
-        }
-        tokio::time::sleep(wait).await;
-        wait *= 2;
-        result = check(&client, &base, &model_name, &model, timeout).await;
-    }
+    let result = check(client, base, model_name, model, timeout).await;
     match &result {
         Ok(Parity::Match) => tracing::info!(worker = %base, "tokenization matches the worker's /tokenize"),
         Ok(Parity::Mismatch {
@@ -184,6 +172,26 @@ pub async fn check_and_warn(
         Err(e) => tracing::warn!(worker = %base, error = %e, "tokenization parity check failed"),
     }
     result
+}
+
+/// The registration check's verdict on what [`check`] found: a mismatch makes the worker
+/// misconfigured; a worker without `/tokenize` passes (nothing to compare); a check that could
+/// not be made gives no verdict.
+pub fn verdict(found: Result<Parity, ParityError>) -> Option<Result<(), String>> {
+    match found {
+        Ok(Parity::Match | Parity::Unsupported) => Some(Ok(())),
+        Ok(Parity::Mismatch {
+            endpoint,
+            position,
+            ours,
+            theirs,
+        }) => Some(Err(format!(
+            "it tokenizes {} prompts otherwise: the tokens part at position {position} \
+             (kvroute {ours} tokens, the worker {theirs}); give kvroute the worker's model directory",
+            endpoint.path()
+        ))),
+        Err(_) => None,
+    }
 }
 
 /// The first position at which `a` and `b` differ, if they do.

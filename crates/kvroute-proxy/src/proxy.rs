@@ -3,7 +3,8 @@
 //! [`start`] binds, adds the configured workers, and starts their KV-event subscribers
 //! ([`crate::events`]), the health prober ([`crate::health`]) and the router's timers. A
 //! generation request is read (bounded), parsed and tokenized here, then forwarded in its flow
-//! ([`crate::flow`]); its [`Outcome`] is counted by endpoint, type and status. The rest are
+//! ([`crate::flow`]); its outcome is counted by endpoint, type and cause when it ends (here if
+//! the proxy answers it, by the observed body if a worker does). The rest are
 //! `/v1/models`, `/health`, `/metrics` and the admin API over the worker registry.
 
 use std::net::SocketAddr;
@@ -20,12 +21,15 @@ use kvroute_core::ids::WorkerId;
 use kvroute_core::router::Router;
 use serde_json::json;
 
-use crate::config::{ConfigError, ServeConfig, WorkerConfig};
+use crate::config::{ConfigError, ServeConfig, TokenizerSource, WorkerConfig};
 use crate::driver::Shared;
 use crate::events::EventFeed;
 use crate::flow::{Forwarder, Generation};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RequestKind, RequestOutcome};
+use crate::observed::{Report, Shape};
 use kvroute_http::model::Model;
+
+use crate::checks::Checker;
 use kvroute_http::net::{self, Shutdown};
 use kvroute_http::openai::types::ModelList;
 use kvroute_http::openai::{self, ApiError, Endpoint};
@@ -58,6 +62,7 @@ struct App {
     model: Arc<Model>,
     forwarder: Arc<Forwarder>,
     feed: EventFeed,
+    checker: Checker,
 }
 
 /// A running proxy.
@@ -112,9 +117,9 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let router = Router::new(router_config).map_err(ConfigError::from)?;
     let model = match model {
         Some(m) => m,
-        None => Arc::new(match &config.model_dir {
-            Some(dir) => Model::load(dir)?,
-            None => Model::tiny()?,
+        None => Arc::new(match config.tokenizer()? {
+            TokenizerSource::Dir(dir) => Model::load(dir)?,
+            TokenizerSource::BuiltIn => Model::tiny()?,
         }),
     };
     let addr = config.listen_addr()?;
@@ -134,6 +139,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     });
     let app = Arc::new(App {
         shared: Arc::clone(&shared),
+        checker: Checker {
+            client: client.clone(),
+            model: Arc::clone(&model),
+        },
         model,
         forwarder,
         feed,
@@ -145,12 +154,13 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
     if shared.config.health_interval_ms > 0 {
-        tasks.push(tokio::spawn(crate::health::run(Arc::clone(&shared), client)));
+        tasks.push(tokio::spawn(crate::health::run(Arc::clone(&shared), app.checker.clone())));
     }
     let routes = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_card))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/workers", get(list_workers).post(post_worker))
@@ -170,15 +180,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
 fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
     let id = app.shared.add_worker(config.clone())?;
     app.feed.subscribe(id, &config);
-    // TOKENIZATION PARITY: the one call site. Today it only logs (a mismatch loudly); its
-    // `Parity` result is for the worker's misconfigured state.
-    tokio::spawn(crate::parity::check_and_warn(
-        app.forwarder.client.clone(),
-        config.url,
-        app.shared.config.model_name.clone(),
-        Arc::clone(&app.model),
-        ServeConfig::ms(app.shared.config.connect_timeout_ms.max(1000)),
-    ));
+    app.checker.spawn(&app.shared, id);
     Ok(id)
 }
 
@@ -201,57 +203,90 @@ async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
     generate(&app, Endpoint::Chat, req).await
 }
 
-/// Whether a request streams, as the metrics label it (`unary` until it is parsed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RequestKind {
-    Unary,
-    Stream,
-}
-
-/// How a generation request ended.
+/// How a generation request ended, as far as the handler sees it.
 #[derive(Debug)]
 enum Outcome {
-    /// A worker answered (any status): its response streams back.
-    Answered(RequestKind, Response),
+    /// A worker answered (any status): its response streams back, and its observed body
+    /// counts the request's outcome when it ends ([`crate::observed`]).
+    Answered(Response),
     /// The proxy answered with an error: bad input, no worker, or a failed upstream.
     Failed(RequestKind, ApiError),
 }
 
-impl Outcome {
-    /// The metrics' `request_type` and `status` labels.
-    fn labels(&self) -> (&'static str, &'static str) {
-        let kind = |k: &RequestKind| match k {
-            RequestKind::Unary => "unary",
-            RequestKind::Stream => "stream",
-        };
-        match self {
-            Self::Answered(k, r) if r.status().is_success() => (kind(k), "success"),
-            Self::Answered(k, _) => (kind(k), "error"),
-            Self::Failed(k, e) if e.status == StatusCode::SERVICE_UNAVAILABLE => (kind(k), "rejected"),
-            Self::Failed(k, _) => (kind(k), "error"),
-        }
+/// The outcome of a request the proxy answered with `error`.
+fn failed_outcome(error: &ApiError) -> RequestOutcome {
+    match error.status {
+        StatusCode::SERVICE_UNAVAILABLE => RequestOutcome::Rejected,
+        StatusCode::GATEWAY_TIMEOUT => RequestOutcome::Timeout,
+        s if s.is_client_error() => RequestOutcome::BadRequest,
+        _ => RequestOutcome::UpstreamError,
     }
+}
 
-    fn into_response(self) -> Response {
-        match self {
-            Self::Answered(_, r) => r,
-            Self::Failed(_, e) => e.into_response(),
+/// A request not yet answered: counted as `client_cancelled` if its handler is dropped (the
+/// client left) before it is.
+struct Unanswered<'a> {
+    metrics: &'a Metrics,
+    endpoint: Endpoint,
+    kind: RequestKind,
+    answered: bool,
+}
+
+impl Unanswered<'_> {
+    fn record(&mut self, outcome: RequestOutcome) {
+        self.answered = true;
+        self.metrics
+            .record_outcome(self.endpoint.path(), self.kind, outcome);
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.record(RequestOutcome::ClientCancelled);
         }
     }
 }
 
 async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response {
-    let outcome = handle(app, endpoint, req).await;
-    let (request_type, status) = outcome.labels();
-    app.shared
-        .metrics
-        .requests
-        .with_label_values(&[endpoint.path(), request_type, status])
-        .inc();
-    outcome.into_response()
+    let mut unanswered = Unanswered {
+        metrics: &app.shared.metrics,
+        endpoint,
+        kind: RequestKind::Unary,
+        answered: false,
+    };
+    match handle(app, endpoint, req, &mut unanswered.kind).await {
+        Outcome::Answered(response) => {
+            unanswered.answered = true;
+            response
+        }
+        Outcome::Failed(kind, error) => {
+            unanswered.kind = kind;
+            unanswered.record(failed_outcome(&error));
+            error.into_response()
+        }
+    }
 }
 
-async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Outcome {
+/// The body to forward: the client's, but a stream whose client did not ask for usage asks
+/// for it (`stream_options.include_usage`), so that the engine's final usage chunk reports
+/// its cached tokens for every streamed request; the proxy takes that chunk out again
+/// ([`Shape::Stream`]). Without it, streamed requests (most traffic) would never report
+/// cached tokens. `None` if the body is forwarded as it is.
+fn with_usage_requested(body: &[u8]) -> Option<Bytes> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let obj = value.as_object_mut()?;
+    let options = obj.entry("stream_options").or_insert_with(|| json!({}));
+    if options.is_null() {
+        *options = json!({});
+    }
+    options
+        .as_object_mut()?
+        .insert("include_usage".to_owned(), serde_json::Value::Bool(true));
+    serde_json::to_vec(&value).ok().map(Bytes::from)
+}
+
+async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {
     let t0 = Instant::now();
     let config = &app.shared.config;
     let body = match Limited::new(req.into_body(), config.max_body_bytes)
@@ -282,6 +317,12 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Outcome {
     } else {
         RequestKind::Unary
     };
+    *kind_seen = kind;
+    if let Some(model) = &parsed.model
+        && *model != config.model_name
+    {
+        return Outcome::Failed(kind, model_not_found(model));
+    }
     app.shared
         .metrics
         .overhead_tokenize
@@ -291,19 +332,55 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Outcome {
         Ok(rewritten) => rewritten.map_or(body, Bytes::from),
         Err(e) => return Outcome::Failed(kind, e),
     };
+    let (shape, body) = match (parsed.stream, parsed.include_usage) {
+        (false, _) => (Shape::Unary, body),
+        (true, true) => (Shape::Stream { strip_usage: false }, body),
+        (true, false) => match with_usage_requested(&body) {
+            Some(asked) => (Shape::Stream { strip_usage: true }, asked),
+            None => (Shape::Stream { strip_usage: false }, body),
+        },
+    };
     let generation = Generation {
         endpoint,
         parsed: &parsed,
         body,
+        report: Report {
+            endpoint,
+            shape,
+            debug_headers: config.debug_headers,
+        },
     };
     match app.forwarder.forward(&generation, t0).await {
-        Ok(response) => Outcome::Answered(kind, response),
+        Ok(response) => Outcome::Answered(response),
         Err(e) => Outcome::Failed(kind, e),
     }
 }
 
+/// OpenAI's 404 for a model it does not serve.
+fn model_not_found(model: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "model_not_found",
+        format!("The model `{model}` does not exist or you do not have access to it."),
+    )
+}
+
 async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(ModelList::one(app.shared.config.model_name.clone(), "kvroute")).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model object, or OpenAI's 404.
+async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    let name = &app.shared.config.model_name;
+    if id != *name {
+        return model_not_found(&id).into_response();
+    }
+    let mut list = ModelList::one(name.clone(), "kvroute");
+    match list.data.pop() {
+        Some(card) => axum::Json(card).into_response(),
+        None => model_not_found(&id).into_response(),
+    }
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -382,4 +459,38 @@ async fn not_found() -> Response {
         "no such endpoint",
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_asks_for_usage_keeping_the_clients_other_stream_options() {
+        // (client body, forwarded body)
+        let table = [
+            (
+                json!({"stream": true}),
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            ),
+            (
+                json!({"stream": true, "stream_options": null}),
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            ),
+            (
+                json!({"stream": true, "stream_options": {"continuous_usage_stats": false}}),
+                json!({"stream": true, "stream_options": {"continuous_usage_stats": false, "include_usage": true}}),
+            ),
+        ];
+        for (body, want) in table {
+            let out = with_usage_requested(&serde_json::to_vec(&body).unwrap()).unwrap();
+            assert_eq!(
+                serde_json::from_slice::<serde_json::Value>(&out).unwrap(),
+                want,
+                "{body}"
+            );
+        }
+        assert!(with_usage_requested(b"[1]").is_none());
+        assert!(with_usage_requested(br#"{"stream_options": 3}"#).is_none());
+    }
 }

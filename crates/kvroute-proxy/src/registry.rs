@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use kvroute_core::ids::WorkerId;
 use serde::Serialize;
 
+use crate::checks::{Check, Verdict};
 use crate::config::WorkerConfig;
 use crate::worker::{HealthPolicy, StateName, WorkerEvent, WorkerState};
 
@@ -19,6 +20,10 @@ pub struct WorkerEntry {
     pub base: String,
     /// Where it is in its life.
     pub state: WorkerState,
+    /// The registration checks that find it misconfigured, with their reasons.
+    pub problems: BTreeMap<Check, String>,
+    /// The block size of its latest KV events (what [`Check::BlockSize`] last judged).
+    pub event_block_size: Option<u32>,
 }
 
 /// A worker as the admin API lists it.
@@ -33,6 +38,8 @@ pub struct WorkerStatus {
     pub state: StateName,
     /// Whether it takes new requests (its state is `ready`).
     pub routable: bool,
+    /// Why it is misconfigured, by check (empty when every check passes).
+    pub misconfigured: BTreeMap<Check, String>,
     /// Requests the router books on it (all ranks).
     pub active_requests: u64,
     /// Blocks the index says it holds (all ranks).
@@ -80,6 +87,8 @@ impl Registry {
                 config,
                 base,
                 state: WorkerState::ADDED,
+                problems: BTreeMap::new(),
+                event_block_size: None,
             },
         );
         id
@@ -95,6 +104,33 @@ impl Registry {
         entry.state = to;
         let ranks = entry.config.dp_size;
         Some(Transition { from, to, ranks })
+    }
+
+    /// Keeps `check`'s `verdict` on worker `id`: its reason, or none. `None` if there is no
+    /// such worker or the verdict is the one it had; else the new reason (`Some(None)`: the
+    /// check passes again).
+    pub fn set_verdict(&mut self, id: WorkerId, check: Check, verdict: Verdict) -> Option<Option<String>> {
+        let entry = self.workers.get_mut(&id)?;
+        let reason = verdict.err();
+        if entry.problems.get(&check) == reason.as_ref() {
+            return None;
+        }
+        match &reason {
+            Some(r) => entry.problems.insert(check, r.clone()),
+            None => entry.problems.remove(&check),
+        };
+        Some(reason)
+    }
+
+    /// Notes the block size of worker `id`'s latest KV events; whether it changed.
+    pub fn note_event_block_size(&mut self, id: WorkerId, block_size: u32) -> bool {
+        match self.workers.get_mut(&id) {
+            Some(entry) if entry.event_block_size != Some(block_size) => {
+                entry.event_block_size = Some(block_size);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Forgets worker `id` if it is [`WorkerState::Gone`].
@@ -151,5 +187,33 @@ mod tests {
         assert!(registry.get(a).is_none());
         assert!(registry.apply(a, WorkerEvent::CheckPassed).is_none());
         assert_ne!(registry.add(config), a);
+    }
+
+    #[test]
+    fn verdicts_are_kept_by_check_and_only_changes_are_reported() {
+        let mut registry = Registry::new(HealthPolicy {
+            failures: 3,
+            successes: 2,
+        });
+        let a = registry.add(WorkerConfig::parse_flag("http://127.0.0.1:1/").unwrap());
+        let bad = || Err("wrong".to_owned());
+        // (check, verdict, change reported, reasons after)
+        let script: &[(Check, Verdict, Option<Option<&str>>, usize)] = &[
+            (Check::Model, Ok(()), None, 0),
+            (Check::Model, bad(), Some(Some("wrong")), 1),
+            (Check::Model, bad(), None, 1),
+            (Check::BlockSize, bad(), Some(Some("wrong")), 2),
+            (Check::Model, Ok(()), Some(None), 1),
+            (Check::BlockSize, Ok(()), Some(None), 0),
+        ];
+        for (step, (check, verdict, change, reasons)) in script.iter().enumerate() {
+            let got = registry.set_verdict(a, *check, verdict.clone());
+            assert_eq!(got.as_ref().map(|r| r.as_deref()), *change, "step {step}");
+            assert_eq!(registry.get(a).unwrap().problems.len(), *reasons, "step {step}");
+        }
+        assert!(registry.note_event_block_size(a, 16));
+        assert!(!registry.note_event_block_size(a, 16));
+        assert!(registry.note_event_block_size(a, 32));
+        assert!(registry.set_verdict(WorkerId(99), Check::Model, Ok(())).is_none());
     }
 }

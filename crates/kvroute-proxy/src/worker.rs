@@ -1,13 +1,18 @@
 //! A worker's life as the proxy sees it: a closed set of states and one pure transition
-//! function, so that every rule of membership (health streaks, operator drains, removal) is
-//! a row of one table and can be tested as such.
+//! function, so that every rule of membership (health streaks, operator drains, registration
+//! checks, removal) is a row of one table and can be tested as such.
 //!
 //! ```text
 //!            3 failed checks in a row, or unreachable
 //!   Ready ─────────────────────────────────────────────▶ Unhealthy
 //!     ▲  ◀───────────────────────────────────────────────    │
 //!     │            2 passing checks in a row                 │
-//!     │ drain                                          drain │
+//!     │                                                      │
+//!     │   a registration check fails (Ready or Unhealthy)    │
+//!     │   ───────────────────────────▶ Misconfigured         │
+//!     │   ◀─────────────────────────── (out of routing)      │
+//!     │        every check passes                            │
+//!     │ drain                        drain (Misconfigured too)│
 //!     ▼                                                      ▼
 //!   Draining ── no request in flight, 3 failed checks, ──▶ Drained
 //!                or unreachable
@@ -19,6 +24,13 @@
 //! worker that is not up yet fails its first request's connect, which takes it out at once
 //! (`Unreachable`). The thresholds are the configuration's `health_failure_threshold` and
 //! `health_success_threshold` ([`HealthPolicy`]).
+//!
+//! **Misconfigured workers are out of routing.** The registration checks
+//! ([`crate::checks`]) run when a worker is added and when it comes back; one that fails
+//! (the worker does not serve the configured model, its KV blocks are not the router's size)
+//! means its answers would fail or the router's predictions for it would be wrong, so it takes
+//! no requests until every check passes again. Being misconfigured says nothing of health:
+//! failed health checks leave it misconfigured, passing ones run the checks again.
 
 use serde::Serialize;
 
@@ -36,6 +48,9 @@ pub enum WorkerState {
         /// Checks passed in a row.
         passed: u32,
     },
+    /// Out of routing because a registration check failed (the reasons are the registry's);
+    /// back to `Ready` once every check passes.
+    Misconfigured,
     /// Drained by an operator: keeps its running requests, takes no new ones.
     Draining {
         /// Checks failed in a row.
@@ -61,6 +76,10 @@ pub enum WorkerEvent {
     DrainRequested,
     /// The router books no request on it any more.
     Idle,
+    /// A registration check found it misconfigured.
+    ChecksFailed,
+    /// Every registration check passes (again).
+    ChecksPassed,
     /// An operator removed it.
     Removed,
 }
@@ -82,6 +101,8 @@ pub enum StateName {
     Ready,
     /// [`WorkerState::Unhealthy`].
     Unhealthy,
+    /// [`WorkerState::Misconfigured`].
+    Misconfigured,
     /// [`WorkerState::Draining`].
     Draining,
     /// [`WorkerState::Drained`].
@@ -106,6 +127,14 @@ impl WorkerState {
             (Ready { failed }, CheckFailed) => Ready { failed: failed + 1 },
             (Ready { .. } | Unhealthy { .. }, Unreachable) => Unhealthy { passed: 0 },
             (Ready { .. }, DrainRequested) => Draining { failed: 0 },
+            (Ready { .. } | Unhealthy { .. }, ChecksFailed) => Misconfigured,
+            (Ready { .. } | Unhealthy { .. } | Draining { .. } | Drained, ChecksPassed) => self,
+            (Misconfigured, ChecksPassed) => Ready { failed: 0 },
+            // A misconfigured worker has nothing in flight: its drain is complete at once.
+            (Misconfigured, DrainRequested) => Drained,
+            (Misconfigured, CheckPassed | CheckFailed | Unreachable | Idle | ChecksFailed) => Misconfigured,
+            // A drain is the operator's: it goes on whatever a check finds.
+            (Draining { .. } | Drained, ChecksFailed) => self,
             (Unhealthy { passed }, CheckPassed) if reached(passed, policy.successes) => Ready { failed: 0 },
             (Unhealthy { passed }, CheckPassed) => Unhealthy { passed: passed + 1 },
             (Unhealthy { .. }, CheckFailed) => Unhealthy { passed: 0 },
@@ -136,6 +165,7 @@ impl WorkerState {
         match self {
             Self::Ready { .. } => StateName::Ready,
             Self::Unhealthy { .. } => StateName::Unhealthy,
+            Self::Misconfigured => StateName::Misconfigured,
             Self::Draining { .. } => StateName::Draining,
             Self::Drained => StateName::Drained,
             Self::Gone => StateName::Gone,
@@ -187,6 +217,23 @@ mod tests {
             (Drained, DrainRequested, Drained),
             (Drained, Idle, Drained),
             (Drained, Removed, Gone),
+            (Ready { failed: 1 }, ChecksFailed, Misconfigured),
+            (Ready { failed: 1 }, ChecksPassed, Ready { failed: 1 }),
+            (Unhealthy { passed: 1 }, ChecksFailed, Misconfigured),
+            (Unhealthy { passed: 1 }, ChecksPassed, Unhealthy { passed: 1 }),
+            (Misconfigured, CheckPassed, Misconfigured),
+            (Misconfigured, CheckFailed, Misconfigured),
+            (Misconfigured, Unreachable, Misconfigured),
+            (Misconfigured, Idle, Misconfigured),
+            (Misconfigured, ChecksFailed, Misconfigured),
+            (Misconfigured, ChecksPassed, Ready { failed: 0 }),
+            (Misconfigured, DrainRequested, Drained),
+            (Misconfigured, Removed, Gone),
+            (Draining { failed: 1 }, ChecksFailed, Draining { failed: 1 }),
+            (Draining { failed: 1 }, ChecksPassed, Draining { failed: 1 }),
+            (Drained, ChecksFailed, Drained),
+            (Drained, ChecksPassed, Drained),
+            (Gone, ChecksFailed, Gone),
             (Gone, CheckPassed, Gone),
             (Gone, DrainRequested, Gone),
             (Gone, Removed, Gone),
@@ -218,6 +265,7 @@ mod tests {
         let table: &[(WorkerState, bool, bool, StateName)] = &[
             (Ready { failed: 2 }, true, true, StateName::Ready),
             (Unhealthy { passed: 1 }, false, false, StateName::Unhealthy),
+            (Misconfigured, false, false, StateName::Misconfigured),
             (Draining { failed: 0 }, true, false, StateName::Draining),
             (Drained, false, false, StateName::Drained),
             (Gone, false, false, StateName::Gone),

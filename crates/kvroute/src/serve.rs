@@ -45,10 +45,18 @@ pub struct ServeOptions {
     /// Model name served. Default `tiny`.
     #[arg(long)]
     pub model_name: Option<String>,
-    /// Local model directory (`tokenizer.json`, `tokenizer_config.json`). Default: the built-in
-    /// tiny byte-level model.
+    /// Local model directory (`tokenizer.json`, `tokenizer_config.json`): the engines'
+    /// tokenizer. Required unless --approximate-tokenizer.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
+    /// Without --model-dir, tokenize with the built-in tiny byte-level tokenizer: exact for
+    /// `kvroute mock` workers started without --model-dir, approximate for real engines.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub approximate_tokenizer: Option<bool>,
+    /// Name the chosen worker and the predicted cached tokens in response headers
+    /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub debug_headers: Option<bool>,
     /// Routing policy (kv, dynamo, sglang-cache-aware, llmd-weighted, least-loaded,
     /// power-of-two, round-robin, random). Default kv.
     #[arg(long)]
@@ -122,12 +130,14 @@ impl ServeArgs {
         let options = crate::config::layered(self.config.as_deref(), &self.options)?;
         let config: ServeConfig = toml::Value::Table(crate::config::to_table(&options)?).try_into()?;
         // The server names a field by its key, which is also the flag.
-        config.validate().map_err(|e| match e {
+        let flagged = |e| match e {
             kvroute_proxy::config::ConfigError::Invalid { field, message } => {
                 anyhow::anyhow!("--{field}: {message}")
             }
             other => other.into(),
-        })?;
+        };
+        config.validate().map_err(flagged)?;
+        config.tokenizer().map_err(flagged)?;
         Ok(config)
     }
 }
@@ -228,6 +238,40 @@ pub struct MockArgs {
     pub model_name: String,
 }
 
+/// The `kvroute serve` command that routes to mock workers of `block_size`-token blocks
+/// serving `model_name`, tokenizing as they do (`model_dir`, or the built-in tokenizer they
+/// use without one), at `workers` (their `--worker` flags).
+pub fn serve_command(
+    block_size: u32,
+    model_name: &str,
+    model_dir: Option<&std::path::Path>,
+    workers: &[String],
+) -> String {
+    let tokenizer = match model_dir {
+        Some(dir) => format!("--model-dir {}", shell_word(&dir.display().to_string())),
+        None => "--approximate-tokenizer".to_owned(),
+    };
+    let mut command = format!(
+        "kvroute serve --block-size {block_size} --model-name {} {tokenizer}",
+        shell_word(model_name)
+    );
+    for w in workers {
+        command.push_str(" --worker ");
+        command.push_str(&shell_word(w));
+    }
+    command
+}
+
+/// `word` as one word of a POSIX shell command (quoted when it needs to be).
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./:,=@+%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
 /// Parses `map` or `positional`.
 pub fn encoding(s: &str) -> anyhow::Result<EventEncoding> {
     Ok(match s {
@@ -306,13 +350,16 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
         for w in &workers {
             let flag = w.worker_flag();
             eprintln!("mock worker: {flag}");
-            flags.push(format!("--worker {flag}"));
+            flags.push(flag);
         }
-        eprintln!(
-            "route to them with:\n  kvroute serve --block-size {} {}",
+        let dir = args.model_dir.as_deref().map(std::path::absolute).transpose()?;
+        let command = serve_command(
             config.engine.block_size,
-            flags.join(" ")
+            &config.model_name,
+            dir.as_deref(),
+            &flags,
         );
+        eprintln!("route to them with:\n  {command}");
         if config.prefill_workers > 0 {
             eprintln!(
                 "(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)"

@@ -85,7 +85,7 @@ fn a_wrong_type_is_named() {
 fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
     let path = file(
         "serve",
-        "queue-capacity = 64\nblock-size = 32\n\
+        "queue-capacity = 64\nblock-size = 32\napproximate-tokenizer = true\n\
          [[worker]]\nurl = \"http://127.0.0.1:1\"\ndp = 2\nevents = \"tcp://127.0.0.1:5557\"\n\
          [[worker]]\nurl = \"http://127.0.0.1:2\"\nmax-requests = 8\n",
     );

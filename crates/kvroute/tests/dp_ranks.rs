@@ -78,6 +78,8 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
                 engine,
                 ..WorkerConfig::new(url)
             }],
+            // No model directory: the built-in tokenizer.
+            approximate_tokenizer: true,
             ..ServeConfig::default()
         };
         let proxy = kvroute_proxy::start(config, None).await.unwrap();

@@ -137,6 +137,8 @@ async fn subscriber_counters_are_exported_per_worker() {
         listen: "127.0.0.1:0".into(),
         health_interval_ms: 0,
         workers: vec![worker(&replayed), worker(&lossy)],
+        // No model directory: the built-in tokenizer.
+        approximate_tokenizer: true,
         ..ServeConfig::default()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
@@ -268,6 +270,8 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
             dp_size: 2,
             ..WorkerConfig::new("http://127.0.0.1:9")
         }],
+        // No model directory: the built-in tokenizer.
+        approximate_tokenizer: true,
         ..ServeConfig::default()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();

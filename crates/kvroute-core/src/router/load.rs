@@ -34,6 +34,15 @@ pub fn effective_prefill_tokens(prompt_tokens: u64, cached_tokens: u64) -> u64 {
     prompt_tokens - cached_tokens.min(prompt_tokens)
 }
 
+/// The most prompt blocks of `block_size` tokens an engine serves from its prefix cache for a
+/// prompt of `prompt_tokens` tokens: at most `prompt_tokens − 1` tokens come from the cache, as
+/// the last one is always computed (vLLM's `max_cache_hit_length = num_tokens − 1`), in whole
+/// blocks. The simulated engine's scheduler and the proxy's prediction of an engine's reported
+/// `cached_tokens` both call it.
+pub fn max_cached_blocks(prompt_tokens: u64, block_size: u64) -> u64 {
+    prompt_tokens.saturating_sub(1) / block_size.max(1)
+}
+
 /// A linear model of prefill time, for the optional expected duration of a prefill load hint:
 /// `fixed_overhead + effective_tokens / tokens_per_second` (Dynamo's linear prefill estimator).
 #[derive(Clone, Copy, Debug, PartialEq)]

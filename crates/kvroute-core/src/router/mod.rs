@@ -79,7 +79,7 @@ pub use cost::{CostParams, cost};
 pub use disagg::{Decider, UnknownDecider};
 pub use load::{
     ActiveDepth, DecodeProjection, PrefillLoadHint, PrefillModel, Projection, WorkerLoad,
-    effective_prefill_tokens, project,
+    effective_prefill_tokens, max_cached_blocks, project,
 };
 pub use metrics::{RouterCounters, RouterMetrics, WorkerMetrics};
 pub use output::{Decision, DropReason, Output, PrefillAssignment, RejectReason, RouteOutcome};
