@@ -91,6 +91,8 @@ pub struct Upstream {
     pub bootstrap_port: Option<u16>,
     /// How a request names its rank.
     pub engine: crate::config::EngineKind,
+    /// The worker's configured credential.
+    pub api_key: Option<String>,
 }
 
 /// Where a routed request goes.
@@ -508,6 +510,7 @@ impl Inner {
             base: w.map(|w| w.base.clone()).unwrap_or_default(),
             bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
             engine: w.map(|w| w.config.engine).unwrap_or_default(),
+            api_key: w.and_then(|w| w.config.api_key.clone()),
         }
     }
 }
