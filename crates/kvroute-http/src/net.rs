@@ -165,7 +165,12 @@ pub async fn serve(listener: TcpListener, app: axum::Router, shutdown: Shutdown)
 /// Serves `app` on `listener` over HTTP/1.1 (keep-alive, TCP_NODELAY) with `timeouts` until
 /// `shutdown`: on [`Shutdown::drain`] it stops accepting and returns once every connection has
 /// finished its request in flight; on [`Shutdown::stop`] it aborts every connection at once.
-pub async fn serve_with(listener: TcpListener, app: axum::Router, shutdown: Shutdown, timeouts: ConnTimeouts) {
+pub async fn serve_with(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: Shutdown,
+    timeouts: ConnTimeouts,
+) {
     let mut connections = JoinSet::new();
     let service = TowerToHyperService::new(app);
     let mut backoff = AcceptBackoff(AcceptBackoff::FIRST);
@@ -214,7 +219,9 @@ async fn connection(
 ) {
     let _ = stream.set_nodelay(true);
     let clock = Arc::new(ConnClock(Mutex::new((
-        ConnPhase::Reading { since: Instant::now() },
+        ConnPhase::Reading {
+            since: Instant::now(),
+        },
         None,
     ))));
     let io = TimedIo {
@@ -274,7 +281,9 @@ impl ConnClock {
     fn on_bytes(&self) {
         let mut clock = self.lock();
         if let ConnPhase::Idle { .. } = clock.0 {
-            clock.0 = ConnPhase::Reading { since: Instant::now() };
+            clock.0 = ConnPhase::Reading {
+                since: Instant::now(),
+            };
         }
     }
 
@@ -314,7 +323,9 @@ impl Drop for BusyGuard {
         let mut c = self.0.lock();
         c.0 = match c.0 {
             ConnPhase::Busy(n) if n > 1 => ConnPhase::Busy(n - 1),
-            _ => ConnPhase::Idle { since: Instant::now() },
+            _ => ConnPhase::Idle {
+                since: Instant::now(),
+            },
         };
         let waiting = match c.0 {
             ConnPhase::Idle { .. } => c.1.take(),
@@ -461,7 +472,10 @@ mod tests {
         })
         .await;
         let mut stream = TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
         let seen = until_closed(&mut stream).await;
         assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
         assert!(seen.ends_with("ok"), "answered in full before closing: {seen}");
@@ -476,7 +490,9 @@ mod tests {
         assert_eq!(b.next(), AcceptBackoff::FIRST);
         let emfile = io::Error::from_raw_os_error(24);
         assert!(!one_connections_error(&emfile), "descriptors exhausted backs off");
-        assert!(one_connections_error(&io::Error::from(io::ErrorKind::ConnectionAborted)));
+        assert!(one_connections_error(&io::Error::from(
+            io::ErrorKind::ConnectionAborted
+        )));
     }
 
     #[test]

@@ -515,7 +515,10 @@ fn socket_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
     if let Some((_, port)) = text.rsplit_once(':')
         && port.parse::<u16>().is_err()
     {
-        return Err(invalid(field, format!("{text:?}: port {port:?} is not 0 to 65535")));
+        return Err(invalid(
+            field,
+            format!("{text:?}: port {port:?} is not 0 to 65535"),
+        ));
     }
     text.parse()
         .map_err(|e| invalid(field, format!("{text:?}: {e} (HOST:PORT)")))
@@ -603,8 +606,10 @@ mod tests {
         let w = WorkerConfig::parse_flag("http://h:1,api-key=sk-1").unwrap();
         assert_eq!(w.api_key.as_deref(), Some("sk-1"));
         assert!(w.validate(16, EngineKind::Vllm).is_ok());
-        let c = ServeConfig::from_toml_str("api-key = [\"a\", \"b\"]\n[[worker]]\nurl = \"http://h:1\"\napi-key = \"k\"\n")
-            .unwrap();
+        let c = ServeConfig::from_toml_str(
+            "api-key = [\"a\", \"b\"]\n[[worker]]\nurl = \"http://h:1\"\napi-key = \"k\"\n",
+        )
+        .unwrap();
         assert_eq!(c.api_key, ["a", "b"]);
         assert_eq!(c.workers[0].api_key.as_deref(), Some("k"));
     }

@@ -44,7 +44,7 @@ pub enum RouteError {
 /// What the router made of a request.
 enum Admission {
     /// Sent to a worker.
-    Routed(Decision, Target),
+    Routed(Decision, Box<Target>),
     /// Waiting in the queue for its decision.
     Queued(oneshot::Receiver<Decision>),
     /// Not taken.
@@ -162,7 +162,7 @@ impl Shared {
         self.metrics.overhead_scheduling.observe(ms(t1.elapsed()));
         self.metrics.input_tokens.observe(tokens.len() as f64);
         let (decision, target, guard) = match admission {
-            Admission::Routed(decision, target) => (decision, target, RequestGuard::new(self, id, t0)),
+            Admission::Routed(decision, target) => (decision, *target, RequestGuard::new(self, id, t0)),
             Admission::Queued(rx) => {
                 // The guard owns the queued request: a timeout (or the handler going away)
                 // cancels it in the queue.
@@ -196,7 +196,7 @@ impl Shared {
         let now = self.now();
         match inner.router.handle_request(now, request) {
             Ok(RouteOutcome::Routed(d)) => {
-                let target = inner.target(&d);
+                let target = Box::new(inner.target(&d));
                 Admission::Routed(d, target)
             }
             Ok(RouteOutcome::Queued) => {

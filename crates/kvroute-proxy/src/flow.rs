@@ -187,8 +187,8 @@ pub async fn vllm_two_hops(
     let request_id = fwd.request_id(guard.id());
     let bad_body = |e| HopError::Failed(ApiError::bad_request("body", e));
     let hop1 = disagg::prefill_body(&request.body).map_err(bad_body)?;
-    let hop1 = upstream_request(prefill, request, Bytes::from(hop1), Some(&request_id))
-        .map_err(HopError::Failed)?;
+    let hop1 =
+        upstream_request(prefill, request, Bytes::from(hop1), Some(&request_id)).map_err(HopError::Failed)?;
     let answer = prefill_exchange(Arc::clone(fwd), prefill.clone(), hop1, timeout).await?;
     guard.prefill_done();
     let hop2 = disagg::decode_body(&request.body, disagg::kv_transfer_params(&answer)).map_err(bad_body)?;
@@ -225,8 +225,8 @@ pub async fn sglang_pair(
     let both = disagg::bootstrap_body(&request.body, &host, prefill.bootstrap_port, room)
         .map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
     let both = Bytes::from(both);
-    let to_prefill = upstream_request(prefill, request, both.clone(), Some(&request_id))
-        .map_err(HopError::Failed)?;
+    let to_prefill =
+        upstream_request(prefill, request, both.clone(), Some(&request_id)).map_err(HopError::Failed)?;
     let mut prefill_side = Box::pin(prefill_exchange(
         Arc::clone(fwd),
         prefill.clone(),

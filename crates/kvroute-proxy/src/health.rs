@@ -28,7 +28,10 @@ pub async fn run(shared: Arc<Shared>, client: HttpClient) {
 
 /// `builder` with the worker's configured credential, if it has one: every call to an engine
 /// goes through here (generation, health checks), so an engine behind `--api-key` answers.
-pub fn with_credential(builder: hyper::http::request::Builder, api_key: Option<&str>) -> hyper::http::request::Builder {
+pub fn with_credential(
+    builder: hyper::http::request::Builder,
+    api_key: Option<&str>,
+) -> hyper::http::request::Builder {
     match api_key {
         Some(key) => builder.header(hyper::header::AUTHORIZATION, format!("Bearer {key}")),
         None => builder,

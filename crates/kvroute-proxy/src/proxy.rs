@@ -25,11 +25,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use kvroute_core::router::WorkerRole;
-use tracing::Instrument;
 use kvroute_core::ids::WorkerId;
 use kvroute_core::router::Router;
+use kvroute_core::router::WorkerRole;
 use serde_json::json;
+use tracing::Instrument;
 
 use crate::config::{ConfigError, ServeConfig, WorkerConfig};
 use crate::driver::Shared;
@@ -413,7 +413,10 @@ async fn read_body(config: &ServeConfig, body: axum::body::Body, limit: usize) -
         )),
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "reading a request body failed");
-            Err(ApiError::bad_request("body", "the request body could not be read"))
+            Err(ApiError::bad_request(
+                "body",
+                "the request body could not be read",
+            ))
         }
         Err(_) => Err(ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
@@ -519,12 +522,13 @@ enum FleetChange<'a> {
 /// Whether a fleet of workers of `roles` can serve a request: some worker decodes, and prefill
 /// workers come with decode workers (the configuration's rule).
 fn servable(roles: &[WorkerRole]) -> bool {
-    roles.iter().any(|&r| r != WorkerRole::Prefill) && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
+    roles.iter().any(|&r| r != WorkerRole::Prefill)
+        && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
 }
 
 /// Refuses a change that would leave the fleet unable to serve (its members: the workers not
 /// drained or removed, healthy or not), unless it is `forced`.
-fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), Response> {
+fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
     let members: Vec<(WorkerId, WorkerRole)> = app
         .shared
         .worker_statuses()
@@ -535,7 +539,11 @@ fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), R
     let before: Vec<WorkerRole> = members.iter().map(|&(_, r)| r).collect();
     let after: Vec<WorkerRole> = match change {
         FleetChange::Add(config) => before.iter().copied().chain([config.role()]).collect(),
-        FleetChange::Leave(id) => members.iter().filter(|&&(m, _)| m != id).map(|&(_, r)| r).collect(),
+        FleetChange::Leave(id) => members
+            .iter()
+            .filter(|&&(m, _)| m != id)
+            .map(|&(_, r)| r)
+            .collect(),
     };
     let adding = matches!(change, FleetChange::Add(_));
     match fleet_refusal(&before, &after, adding) {
@@ -544,8 +552,7 @@ fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), R
             "invalid_request_error",
             "fleet_unservable",
             format!("refused: {reason}; repeat with ?force=true to do it anyway"),
-        )
-        .into_response()),
+        )),
         _ => Ok(()),
     }
 }
@@ -570,8 +577,10 @@ fn fleet_refusal(before: &[WorkerRole], after: &[WorkerRole], adding: bool) -> O
 
 /// Whether the admin request says `force=true` (or `force`, `force=1`).
 fn forced(uri: &Uri) -> bool {
-    uri.query()
-        .is_some_and(|q| q.split('&').any(|kv| matches!(kv, "force" | "force=true" | "force=1")))
+    uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
+    })
 }
 
 /// The largest body of an admin request.
@@ -589,7 +598,7 @@ async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response 
     };
     let _one_at_a_time = app.admin.lock().await;
     if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
-        return refused;
+        return refused.into_response();
     }
     match add_worker(&app, config) {
         Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
@@ -621,7 +630,7 @@ async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: 
         return unknown_worker(&id);
     };
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
-        return refused;
+        return refused.into_response();
     }
     match Some(w) {
         Some(w) if app.shared.drain_worker(w) => {
@@ -637,7 +646,7 @@ async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri:
         return unknown_worker(&id);
     };
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
-        return refused;
+        return refused.into_response();
     }
     match Some(w) {
         Some(w) if app.shared.remove_worker(w) => {
@@ -695,7 +704,11 @@ mod tests {
             let got = fleet_refusal(before, after, adding);
             assert_eq!(got.is_some(), refused, "{before:?} -> {after:?}: {got:?}");
         }
-        assert!(fleet_refusal(&[P, D], &[P], false).unwrap().contains("only prefill"));
+        assert!(
+            fleet_refusal(&[P, D], &[P], false)
+                .unwrap()
+                .contains("only prefill")
+        );
     }
 
     #[test]

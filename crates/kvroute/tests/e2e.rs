@@ -640,13 +640,19 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     }
     // Admin: draining the only worker would leave nothing to serve: refused (409, with the
     // reason) unless forced.
-    let (got, _, out) = c.admin.request("POST", "/admin/workers/0/drain", Vec::new()).await;
+    let (got, _, out) = c
+        .admin
+        .request("POST", "/admin/workers/0/drain", Vec::new())
+        .await;
     assert_eq!(got, 409, "{}", String::from_utf8_lossy(&out));
     let err = error(&out);
     assert_eq!(err.code.as_deref(), Some("fleet_unservable"), "{err:?}");
     assert!(err.message.contains("no worker"), "{}", err.message);
     let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
-    assert_eq!(workers["workers"][0]["state"], "ready", "refused means not applied");
+    assert_eq!(
+        workers["workers"][0]["state"], "ready",
+        "refused means not applied"
+    );
     // Forced: requests then find no worker (503), and removal works.
     let (got, _, _) = c
         .admin

@@ -73,9 +73,14 @@ impl Proc {
     /// The address after `marker` (`http://ADDR`) in its log.
     fn addr_after(&self, marker: &str) -> SocketAddr {
         let log = self.log();
-        let at = log.find(marker).unwrap_or_else(|| panic!("{marker:?} not in {log}")) + marker.len();
+        let at = log
+            .find(marker)
+            .unwrap_or_else(|| panic!("{marker:?} not in {log}"))
+            + marker.len();
         let rest = log[at..].trim_start().trim_start_matches("http://");
-        let end = rest.find(|c: char| c == ';' || c.is_whitespace()).unwrap_or(rest.len());
+        let end = rest
+            .find(|c: char| c == ';' || c.is_whitespace())
+            .unwrap_or(rest.len());
         rest[..end].parse().unwrap()
     }
 
@@ -109,7 +114,13 @@ fn serve(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
 }
 
 fn serve_behind(prefix: &[&str], args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
-    let mut all = vec!["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    let mut all = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
     all.extend_from_slice(args);
     let p = Proc::start(prefix, &all, "kvroute serve: listening on");
     let addr = p.addr_after("kvroute serve: listening on");
@@ -122,7 +133,17 @@ fn serve_behind(prefix: &[&str], args: &[&str]) -> (Proc, SocketAddr, SocketAddr
 fn mock(speedup: &str) -> (Proc, String) {
     let p = Proc::start(
         &[],
-        &["mock", "--workers", "1", "--port", "0", "--event-port", "0", "--speedup", speedup],
+        &[
+            "mock",
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--event-port",
+            "0",
+            "--speedup",
+            speedup,
+        ],
         "route to them with",
     );
     let log = p.log();
@@ -176,7 +197,9 @@ fn until_closed(stream: &mut TcpStream) -> String {
 }
 
 fn parse(raw: &str) -> Answer {
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no answer: {raw:?}"));
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no answer: {raw:?}"));
     let mut lines = head.lines();
     let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
     let headers = lines
@@ -230,6 +253,13 @@ fn nothing_under_admin_answers_on_the_inference_port() {
     let a = http(admin, "POST", "/admin/workers/0/drain", &[], "");
     assert_eq!(a.status, 409, "{}", a.body);
     assert_eq!(a.error_code(), "fleet_unservable");
+    // Errors are OpenAI-shaped, whatever the router's layer answered them.
+    let a = http(addr, "GET", "/v1/completions", &[], "");
+    assert_eq!(a.status, 405, "{}", a.body);
+    assert_eq!(a.error_code(), "method_not_allowed");
+    let a = http(addr, "POST", "/v1/completions", &[], "{not json");
+    assert_eq!(a.status, 400, "{}", a.body);
+    a.error_code();
     // Every answer names its request: the client's id, or one made for it.
     let a = http(addr, "GET", "/v1/models", &[("x-request-id", "abc-123")], "");
     assert_eq!(a.header("x-request-id"), Some("abc-123"));
@@ -250,9 +280,21 @@ fn an_admin_api_beyond_loopback_needs_a_token() {
     let a = http(admin, "GET", "/admin/workers", &[], "");
     assert_eq!(a.status, 401, "{}", a.body);
     assert_eq!(a.error_code(), "invalid_api_key");
-    let a = http(admin, "GET", "/admin/workers", &[("Authorization", "Bearer wrong")], "");
+    let a = http(
+        admin,
+        "GET",
+        "/admin/workers",
+        &[("Authorization", "Bearer wrong")],
+        "",
+    );
     assert_eq!(a.status, 401);
-    let a = http(admin, "GET", "/admin/workers", &[("Authorization", "Bearer t0ken")], "");
+    let a = http(
+        admin,
+        "GET",
+        "/admin/workers",
+        &[("Authorization", "Bearer t0ken")],
+        "",
+    );
     assert_eq!(a.status, 200, "{}", a.body);
 }
 
@@ -303,7 +345,10 @@ fn inference_api_keys_are_checked_and_health_is_exempt() {
 
 /// A stub engine: answers `/health` and a completion, or (with `answer` false) accepts and
 /// never answers a completion; it records each request's path and `Authorization`.
-fn stub_engine(answer: bool) -> (String, Arc<Mutex<Vec<(String, Option<String>)>>>) {
+/// What a stub engine was sent: each request's path and `Authorization`.
+type Calls = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
+fn stub_engine(answer: bool) -> (String, Calls) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -381,7 +426,13 @@ fn the_engines_credential_goes_on_every_call_to_it() {
     let worker = format!("{url},api-key=sek");
     let (_p, addr, admin) = serve(&["--worker", &worker, "--health-interval-ms", "50"]);
     let body = r#"{"prompt": "hello", "max_tokens": 1}"#;
-    let a = http(addr, "POST", "/v1/completions", &[("Authorization", "Bearer client")], body);
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer client")],
+        body,
+    );
     assert_eq!(a.status, 200, "{}", a.body);
     eventually("a health check", || {
         seen.lock().unwrap().iter().any(|(p, _)| p == "/health")
@@ -400,16 +451,32 @@ fn the_engines_credential_goes_on_every_call_to_it() {
     // Without a configured credential, the client's own goes on with its request.
     let (url, seen) = stub_engine(true);
     let (_p, addr, _) = serve(&["--worker", &url, "--health-interval-ms", "0"]);
-    let a = http(addr, "POST", "/v1/completions", &[("Authorization", "Bearer client")], body);
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer client")],
+        body,
+    );
     assert_eq!(a.status, 200, "{}", a.body);
     let calls = seen.lock().unwrap().clone();
-    assert_eq!(calls, [("/v1/completions".to_owned(), Some("Bearer client".to_owned()))]);
+    assert_eq!(
+        calls,
+        [("/v1/completions".to_owned(), Some("Bearer client".to_owned()))]
+    );
 }
 
 #[test]
 fn an_engine_that_accepts_and_never_answers_gets_a_504_and_its_load_is_freed() {
     let (url, _) = stub_engine(false);
-    let (_p, addr, admin) = serve(&["--worker", &url, "--health-interval-ms", "0", "--request-timeout-ms", "300"]);
+    let (_p, addr, admin) = serve(&[
+        "--worker",
+        &url,
+        "--health-interval-ms",
+        "0",
+        "--request-timeout-ms",
+        "300",
+    ]);
     let a = http(addr, "POST", "/v1/completions", &[], r#"{"prompt": "hello"}"#);
     assert_eq!(a.status, 504, "{}", a.body);
     assert_eq!(a.error_code(), "timeout");
@@ -467,7 +534,9 @@ fn open_descriptors(pid: u32) -> usize {
 
 #[test]
 fn at_descriptor_exhaustion_the_accept_loop_backs_off_and_recovers() {
-    if !std::path::Path::new("/proc/self/stat").exists() || Command::new("prlimit").arg("--version").output().is_err() {
+    if !std::path::Path::new("/proc/self/stat").exists()
+        || Command::new("prlimit").arg("--version").output().is_err()
+    {
         eprintln!("skipped: needs Linux's /proc and prlimit");
         return;
     }
@@ -475,11 +544,20 @@ fn at_descriptor_exhaustion_the_accept_loop_backs_off_and_recovers() {
     let limit = format!("--nofile={LIMIT}:{LIMIT}");
     let (p, addr, _) = serve_behind(
         &["prlimit", &limit],
-        &["--health-interval-ms", "0", "--header-read-timeout-ms", "600000", "--threads", "1"],
+        &[
+            "--health-interval-ms",
+            "0",
+            "--header-read-timeout-ms",
+            "600000",
+            "--threads",
+            "1",
+        ],
     );
     let pid = p.pid();
     // Hold more connections than the process has descriptors: the rest wait in the backlog.
-    let held: Vec<TcpStream> = (0..LIMIT + 16).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let held: Vec<TcpStream> = (0..LIMIT + 16)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
     eventually("descriptors exhausted", || open_descriptors(pid) >= LIMIT);
     // Over a window, the accept loop, failing, must not spin.
     let window = Duration::from_secs(2);
