@@ -21,6 +21,10 @@ pub struct ServeArgs {
     /// as `[[worker]]` tables); flags beat it.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Log format on stderr: `text`, or `json` (one object a line; a request's lines carry its
+    /// `request_id`, the `x-request-id` its answer names).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// The configuration (flags; `--config` keys under the same names).
     #[command(flatten)]
     pub options: ServeOptions,
@@ -168,20 +172,38 @@ pub fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     builder.enable_all().build().context("starting the runtime")
 }
 
+/// How log lines are written.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object a line, with the fields of the spans it is in (a request's id).
+    Json,
+}
+
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
 pub fn init_logging() {
+    init_logging_as(LogFormat::Text);
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging_as(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+    };
 }
 
 /// Runs `kvroute serve` until SIGTERM or Ctrl-C, then shuts down gracefully: stops accepting,
 /// lets streams in flight finish for up to `drain-timeout-ms`, and returns.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging();
+    init_logging_as(args.log_format);
     let config = args.to_config()?;
     let drain = std::time::Duration::from_millis(config.drain_timeout_ms);
     runtime(config.threads)?.block_on(async move {

@@ -586,3 +586,45 @@ fn at_descriptor_exhaustion_the_accept_loop_backs_off_and_recovers() {
     }
     assert!(p.log().contains("accept failed"), "{}", p.log());
 }
+
+#[test]
+fn json_logs_name_the_request_in_each_of_its_lines() {
+    // Nothing listens on port 1: the request's connect fails, which it logs (twice: it is
+    // routed once more, to the same worker, out of routing by then).
+    let (p, addr, _) = serve(&[
+        "--log-format",
+        "json",
+        "--worker",
+        "http://127.0.0.1:1",
+        "--health-interval-ms",
+        "0",
+    ]);
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("x-request-id", "rid-42")],
+        r#"{"prompt": "x"}"#,
+    );
+    assert_eq!(a.header("x-request-id"), Some("rid-42"));
+    assert!(a.status >= 500, "{}", a.body);
+    eventually("the request's log line", || p.log().contains("rid-42"));
+    let log = p.log();
+    let lines: Vec<Value> = log
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let unreachable: Vec<&Value> = lines
+        .iter()
+        .filter(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("unreachable"))
+        })
+        .collect();
+    assert!(!unreachable.is_empty(), "{log}");
+    for line in unreachable {
+        assert_eq!(line["span"]["request_id"], "rid-42", "{line}");
+    }
+}
