@@ -481,6 +481,44 @@ mod tests {
         assert!(seen.ends_with("ok"), "answered in full before closing: {seen}");
     }
 
+    #[tokio::test]
+    async fn a_request_in_flight_is_not_cut_by_either_timeout() {
+        // The handler answers only after both timeouts have passed several times over.
+        let (release, wait) = tokio::sync::oneshot::channel::<()>();
+        let wait = Arc::new(Mutex::new(Some(wait)));
+        let app = axum::Router::new().route(
+            "/",
+            axum::routing::get(move || {
+                let wait = wait.lock().unwrap().take();
+                async move {
+                    if let Some(wait) = wait {
+                        let _ = wait.await;
+                    }
+                    "late"
+                }
+            }),
+        );
+        let (listener, addr) = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let timeouts = ConnTimeouts {
+            header_read: Duration::from_millis(50),
+            idle: Duration::from_millis(50),
+        };
+        tokio::spawn(serve_with(listener, app, Shutdown::new(), timeouts));
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        // Let the deadlines pass (the handler holds the request meanwhile), then answer.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        release.send(()).unwrap();
+        let seen = until_closed(&mut stream).await;
+        assert!(
+            seen.starts_with("HTTP/1.1 200") && seen.ends_with("late"),
+            "{seen:?}"
+        );
+    }
+
     #[test]
     fn accept_back_off_doubles_to_a_second_and_resets() {
         let mut b = AcceptBackoff(AcceptBackoff::FIRST);
