@@ -628,3 +628,32 @@ fn json_logs_name_the_request_in_each_of_its_lines() {
         assert_eq!(line["span"]["request_id"], "rid-42", "{line}");
     }
 }
+
+#[test]
+fn a_stream_longer_than_the_drain_timeout_is_cut_and_the_process_still_exits() {
+    // A very slow engine: the stream would take minutes.
+    let (_mock, worker) = mock("0.01");
+    let (mut p, addr, _) = serve(&["--worker", &worker, "--drain-timeout-ms", "200"]);
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let body = r#"{"prompt": "a long stream", "max_tokens": 4000, "stream": true}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200", "the stream started");
+    let status = Command::new("kill")
+        .args(["-TERM", &p.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(p.wait_exit(), Some(0), "{}", p.log());
+    assert!(
+        !until_closed(&mut stream).contains("[DONE]"),
+        "cut at the drain timeout"
+    );
+    assert!(p.log().contains("drain timeout passed"), "{}", p.log());
+}
