@@ -632,12 +632,10 @@ async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: 
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
         return refused.into_response();
     }
-    match Some(w) {
-        Some(w) if app.shared.drain_worker(w) => {
-            axum::Json(json!({"id": w.0, "draining": true})).into_response()
-        }
-        _ => unknown_worker(&id),
+    if !app.shared.drain_worker(w) {
+        return unknown_worker(&id);
     }
+    axum::Json(json!({"id": w.0, "draining": true})).into_response()
 }
 
 async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
@@ -648,13 +646,11 @@ async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri:
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
         return refused.into_response();
     }
-    match Some(w) {
-        Some(w) if app.shared.remove_worker(w) => {
-            app.feed.unsubscribe(w);
-            axum::Json(json!({"id": w.0, "removed": true})).into_response()
-        }
-        _ => unknown_worker(&id),
+    if !app.shared.remove_worker(w) {
+        return unknown_worker(&id);
     }
+    app.feed.unsubscribe(w);
+    axum::Json(json!({"id": w.0, "removed": true})).into_response()
 }
 
 async fn method_not_allowed() -> Response {
