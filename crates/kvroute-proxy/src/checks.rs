@@ -104,30 +104,45 @@ impl Checker {
         let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
         let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
         let model_name = &shared.config.model_name;
+        let key = shared.worker_config(id).and_then(|c| c.api_key);
+        let worker = Worker {
+            base: &base,
+            api_key: key.as_deref(),
+        };
         match check {
-            Check::Model => served_model(&self.client, &base, model_name, timeout).await,
+            Check::Model => served_model(&self.client, worker, model_name, timeout).await,
             // Judged on the worker's events, not asked.
             Check::BlockSize => None,
             Check::Tokenization => {
-                let found = parity::check_and_log(&self.client, &base, model_name, &self.model, timeout).await;
+                let found = parity::check_and_log(&self.client, worker, model_name, &self.model, timeout).await;
                 parity::verdict(found)
             }
         }
     }
 }
 
+/// A worker as a check asks it: its base URL and its credential, if it has one.
+#[derive(Clone, Copy, Debug)]
+pub struct Worker<'a> {
+    /// `http://host:port`.
+    pub base: &'a str,
+    /// Sent as `Authorization: Bearer` ([`crate::health::with_credential`]).
+    pub api_key: Option<&'a str>,
+}
+
 /// The largest `/v1/models` answer read.
 const MAX_MODELS_RESPONSE: usize = 1 << 20;
 
-/// Whether the worker at `base` serves `model` by its `/v1/models`; `None` if it does not
-/// answer 2xx with a model list in `timeout` (no verdict).
+/// Whether `worker` serves `model` by its `/v1/models`; `None` if it does not answer 2xx with
+/// a model list in `timeout` (no verdict).
 pub async fn served_model(
     client: &HttpClient,
-    base: &str,
+    worker: Worker<'_>,
     model: &str,
     timeout: Duration,
 ) -> Option<Verdict> {
-    let request = hyper::Request::get(format!("{base}/v1/models"))
+    let base = worker.base;
+    let request = crate::health::with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
         .body(Full::new(Bytes::new()))
         .ok()?;
     let exchange = async {

@@ -92,6 +92,12 @@ pub struct WorkerConfig {
     /// `vllm`.
     #[serde(default)]
     pub engine: EngineKind,
+    /// A credential the engine wants (`vllm serve --api-key`): sent as `Authorization: Bearer`
+    /// on every call to it (generation, health checks). None: a client's own `Authorization`
+    /// is passed on with its generation requests, unless kvroute checks API keys itself.
+    /// Never listed by the admin API.
+    #[serde(default)]
+    pub api_key: Option<String>,
 }
 
 fn one() -> u32 {
@@ -122,12 +128,13 @@ impl WorkerConfig {
             max_requests: default_max_requests(),
             bootstrap_port: None,
             engine: EngineKind::Vllm,
+            api_key: None,
         }
     }
 
     /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
-    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]`: the
-    /// keys of a `[[worker]]` table.
+    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]
+    /// [,api-key=K]`: the keys of a `[[worker]]` table.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
             let n: u64 = v
@@ -159,6 +166,7 @@ impl WorkerConfig {
                         .map_err(|e| invalid("--worker", format!("engine={e}")))?
                 }
                 "bootstrap-port" => w.bootstrap_port = Some(num(k, v)?),
+                "api-key" => w.api_key = Some(v.to_owned()),
                 other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
             }
         }
@@ -192,6 +200,9 @@ impl WorkerConfig {
         }
         if self.capacity_blocks == 0 || self.max_requests == 0 {
             return Err(invalid(f("capacity/max-requests"), "must be at least 1"));
+        }
+        if self.api_key.as_deref().is_some_and(|k| !is_token(k)) {
+            return Err(invalid(f("api-key"), TOKEN_RULE));
         }
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));
@@ -227,6 +238,13 @@ impl WorkerConfig {
     }
 }
 
+/// What a credential may be: it travels in an HTTP header.
+const TOKEN_RULE: &str = "must be 1 to 4096 visible ASCII characters, without spaces";
+
+fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 4096 && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// The core's role named `name` (`agg`, `prefill`, `decode`), by the core's own names.
 fn role_of(name: &str) -> Option<WorkerRole> {
     [WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode]
@@ -241,6 +259,26 @@ fn role_of(name: &str) -> Option<WorkerRole> {
 pub struct ServeConfig {
     /// Where to listen. Default `127.0.0.1:8000`.
     pub listen: String,
+    /// Where the admin API (`/admin/...`) listens: its own listener, never the inference
+    /// port. Default `127.0.0.1:8100` (loopback).
+    pub admin_listen: String,
+    /// The bearer token the admin API requires (`Authorization: Bearer T`). Required when
+    /// `admin-listen` is beyond loopback. Default: none (loopback only).
+    pub admin_token: Option<String>,
+    /// API keys of the inference API (`Authorization: Bearer K`; several allowed). Empty: no
+    /// key needed. `/health` and `/metrics` need none. Default: none.
+    pub api_key: Vec<String>,
+    /// Longest a client may take to send a request's headers (from accept, or from the first
+    /// byte of a keep-alive connection's next request); past it the connection is closed.
+    /// Default 10,000 ms.
+    pub header_read_timeout_ms: u64,
+    /// Longest a client may take to send a request's body (408 past it). Default 30,000 ms.
+    pub body_read_timeout_ms: u64,
+    /// How long a keep-alive connection may wait idle for its next request. Default 60,000 ms.
+    pub idle_timeout_ms: u64,
+    /// On SIGTERM or Ctrl-C: how long streams in flight may take to finish before the process
+    /// exits anyway. Default 30,000 ms.
+    pub drain_timeout_ms: u64,
     /// The model name served (`/v1/models`). Default `tiny`.
     pub model_name: String,
     /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat): the
@@ -310,6 +348,13 @@ impl Default for ServeConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:8000".to_owned(),
+            admin_listen: "127.0.0.1:8100".to_owned(),
+            admin_token: None,
+            api_key: Vec::new(),
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            drain_timeout_ms: 30_000,
             model_name: "tiny".to_owned(),
             model_dir: None,
             approximate_tokenizer: false,
@@ -345,7 +390,40 @@ impl ServeConfig {
 
     /// Checks every field once, and returns the router configuration it implies.
     pub fn validate(&self) -> Result<RouterConfig, ConfigError> {
-        self.listen_addr()?;
+        let listen = self.listen_addr()?;
+        let admin = self.admin_listen_addr()?;
+        if admin == listen && admin.port() != 0 {
+            return Err(invalid(
+                "admin-listen",
+                "must differ from listen: the admin API has its own listener",
+            ));
+        }
+        match &self.admin_token {
+            Some(t) if !is_token(t) => return Err(invalid("admin-token", TOKEN_RULE)),
+            None if !admin.ip().is_loopback() => {
+                return Err(invalid(
+                    "admin-token",
+                    format!(
+                        "required when the admin API listens beyond loopback (admin-listen {admin}): \
+                         set --admin-token, or keep --admin-listen on 127.0.0.1"
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if self.api_key.iter().any(|k| !is_token(k)) {
+            return Err(invalid("api-key", TOKEN_RULE));
+        }
+        for (field, ms) in [
+            ("header-read-timeout-ms", self.header_read_timeout_ms),
+            ("body-read-timeout-ms", self.body_read_timeout_ms),
+            ("idle-timeout-ms", self.idle_timeout_ms),
+            ("drain-timeout-ms", self.drain_timeout_ms),
+        ] {
+            if ms == 0 {
+                return Err(invalid(field, "must be at least 1 ms"));
+            }
+        }
         if self.model_name.is_empty() {
             return Err(invalid("model-name", "must not be empty"));
         }
@@ -446,22 +524,39 @@ impl ServeConfig {
 
     /// The listen address.
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
-        if let Some((_, port)) = self.listen.rsplit_once(':')
-            && port.parse::<u16>().is_err()
-        {
-            return Err(invalid(
-                "listen",
-                format!("{:?}: port {port:?} is not 0 to 65535", self.listen),
-            ));
+        socket_addr("listen", &self.listen)
+    }
+
+    /// The admin API's listen address.
+    pub fn admin_listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        socket_addr("admin-listen", &self.admin_listen)
+    }
+
+    /// The server's timeouts of client connections.
+    pub fn conn_timeouts(&self) -> kvroute_http::net::ConnTimeouts {
+        kvroute_http::net::ConnTimeouts {
+            header_read: Self::ms(self.header_read_timeout_ms),
+            idle: Self::ms(self.idle_timeout_ms),
         }
-        self.listen
-            .parse()
-            .map_err(|e| invalid("listen", format!("{:?}: {e} (HOST:PORT)", self.listen)))
     }
 
     pub(crate) fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
     }
+}
+
+/// `text` as the address of `field`.
+fn socket_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
+    if let Some((_, port)) = text.rsplit_once(':')
+        && port.parse::<u16>().is_err()
+    {
+        return Err(invalid(
+            field,
+            format!("{text:?}: port {port:?} is not 0 to 65535"),
+        ));
+    }
+    text.parse()
+        .map_err(|e| invalid(field, format!("{text:?}: {e} (HOST:PORT)")))
 }
 
 #[cfg(test)]
@@ -511,6 +606,47 @@ mod tests {
             ..ServeConfig::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn the_admin_api_beyond_loopback_needs_a_token_and_timeouts_are_checked() {
+        let with = |f: &dyn Fn(&mut ServeConfig)| {
+            let mut c = ServeConfig::default();
+            f(&mut c);
+            c.validate().map(|_| ()).map_err(|e| e.to_string())
+        };
+        assert_eq!(with(&|_| {}), Ok(()));
+        let err = with(&|c| c.admin_listen = "0.0.0.0:8100".into()).unwrap_err();
+        assert!(err.starts_with("admin-token: required"), "{err}");
+        assert_eq!(
+            with(&|c| {
+                c.admin_listen = "0.0.0.0:8100".into();
+                c.admin_token = Some("s3cret".into());
+            }),
+            Ok(())
+        );
+        assert_eq!(with(&|c| c.admin_listen = "[::1]:8100".into()), Ok(()));
+        let err = with(&|c| c.admin_listen = "127.0.0.1:8000".into()).unwrap_err();
+        assert!(err.starts_with("admin-listen:"), "{err}");
+        let err = with(&|c| c.admin_token = Some("two words".into())).unwrap_err();
+        assert!(err.starts_with("admin-token:"), "{err}");
+        let err = with(&|c| c.api_key = vec![String::new()]).unwrap_err();
+        assert!(err.starts_with("api-key:"), "{err}");
+        let err = with(&|c| c.header_read_timeout_ms = 0).unwrap_err();
+        assert!(err.starts_with("header-read-timeout-ms:"), "{err}");
+        let err = with(&|c| c.admin_listen = "localhost".into()).unwrap_err();
+        assert!(err.starts_with("admin-listen:"), "{err}");
+        let d = ServeConfig::default();
+        assert!(d.header_read_timeout_ms <= 10_000, "well under a minute");
+        let w = WorkerConfig::parse_flag("http://h:1,api-key=sk-1").unwrap();
+        assert_eq!(w.api_key.as_deref(), Some("sk-1"));
+        assert!(w.validate(16, EngineKind::Vllm).is_ok());
+        let c = ServeConfig::from_toml_str(
+            "api-key = [\"a\", \"b\"]\n[[worker]]\nurl = \"http://h:1\"\napi-key = \"k\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.api_key, ["a", "b"]);
+        assert_eq!(c.workers[0].api_key.as_deref(), Some("k"));
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub enum RouteError {
 /// What the router made of a request.
 enum Admission {
     /// Sent to a worker.
-    Routed(Decision, Target),
+    Routed(Decision, Box<Target>),
     /// Waiting in the queue for its decision.
     Queued(oneshot::Receiver<Decision>),
     /// Not taken.
@@ -93,6 +93,8 @@ pub struct Upstream {
     pub bootstrap_port: Option<u16>,
     /// How a request names its rank.
     pub engine: crate::config::EngineKind,
+    /// The worker's configured credential.
+    pub api_key: Option<String>,
 }
 
 /// Where a routed request goes.
@@ -162,7 +164,7 @@ impl Shared {
         self.metrics.overhead_scheduling.observe(ms(t1.elapsed()));
         self.metrics.input_tokens.observe(tokens.len() as f64);
         let (decision, target, guard) = match admission {
-            Admission::Routed(decision, target) => (decision, target, RequestGuard::new(self, id, t0)),
+            Admission::Routed(decision, target) => (decision, *target, RequestGuard::new(self, id, t0)),
             Admission::Queued(rx) => {
                 // The guard owns the queued request: a timeout (or the handler going away)
                 // cancels it in the queue.
@@ -200,7 +202,7 @@ impl Shared {
         let now = self.now();
         match inner.router.handle_request(now, request) {
             Ok(RouteOutcome::Routed(d)) => {
-                let target = inner.target(&d);
+                let target = Box::new(inner.target(&d));
                 Admission::Routed(d, target)
             }
             Ok(RouteOutcome::Queued) => {
@@ -573,6 +575,7 @@ impl Inner {
             base: w.map(|w| w.base.clone()).unwrap_or_default(),
             bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
             engine: w.map(|w| w.config.engine).unwrap_or_default(),
+            api_key: w.and_then(|w| w.config.api_key.clone()),
         }
     }
 }

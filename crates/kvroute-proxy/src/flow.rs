@@ -58,6 +58,9 @@ pub struct Generation<'a> {
     pub body: Bytes,
     /// What the response's observed body reports under.
     pub report: Report,
+    /// The client's `Authorization`, passed on to workers that have no credential of their
+    /// own configured (None when it was kvroute's own API key).
+    pub authorization: Option<axum::http::HeaderValue>,
 }
 
 /// How sending to a worker failed: before it was reached (the worker is out of routing and the
@@ -175,7 +178,7 @@ pub async fn aggregated(
     worker: &Upstream,
     timeout: Duration,
 ) -> Result<hyper::Response<Incoming>, HopError> {
-    send(fwd, worker, request.endpoint, request.body.clone(), None, timeout).await
+    send(fwd, worker, request, request.body.clone(), None, timeout).await
 }
 
 /// vLLM's two hops: the prefill-only request to `prefill`, then the client's request with the
@@ -191,15 +194,15 @@ pub async fn vllm_two_hops(
     let request_id = fwd.request_id(guard.id());
     let bad_body = |e| HopError::Failed(ApiError::bad_request("body", e));
     let hop1 = disagg::prefill_body(&request.body).map_err(bad_body)?;
-    let hop1 = upstream_request(prefill, request.endpoint, Bytes::from(hop1), Some(&request_id))
-        .map_err(HopError::Failed)?;
+    let hop1 =
+        upstream_request(prefill, request, Bytes::from(hop1), Some(&request_id)).map_err(HopError::Failed)?;
     let answer = prefill_exchange(Arc::clone(fwd), prefill.clone(), hop1, timeout).await?;
     guard.prefill_done();
     let hop2 = disagg::decode_body(&request.body, disagg::kv_transfer_params(&answer)).map_err(bad_body)?;
     send(
         fwd,
         decode,
-        request.endpoint,
+        request,
         Bytes::from(hop2),
         Some(&request_id),
         timeout,
@@ -229,15 +232,15 @@ pub async fn sglang_pair(
     let both = disagg::bootstrap_body(&request.body, &host, prefill.bootstrap_port, room)
         .map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
     let both = Bytes::from(both);
-    let to_prefill = upstream_request(prefill, request.endpoint, both.clone(), Some(&request_id))
-        .map_err(HopError::Failed)?;
+    let to_prefill =
+        upstream_request(prefill, request, both.clone(), Some(&request_id)).map_err(HopError::Failed)?;
     let mut prefill_side = Box::pin(prefill_exchange(
         Arc::clone(fwd),
         prefill.clone(),
         to_prefill,
         timeout,
     ));
-    let decode_side = send(fwd, decode, request.endpoint, both, Some(&request_id), timeout);
+    let decode_side = send(fwd, decode, request, both, Some(&request_id), timeout);
     tokio::pin!(decode_side);
     tokio::select! {
         answer = &mut prefill_side => {
@@ -261,16 +264,21 @@ pub async fn sglang_pair(
 }
 
 /// A POST of `body` to `upstream`'s `endpoint`, naming its data-parallel rank as its engine
-/// reads it (vLLM's header, SGLang's body field) and, for the requests of a disaggregated one,
-/// their shared request id.
+/// reads it (vLLM's header, SGLang's body field), with the worker's credential (configured, or
+/// the client's) and, for the requests of a disaggregated one, their shared request id.
 fn upstream_request(
     upstream: &Upstream,
-    endpoint: Endpoint,
+    request: &Generation<'_>,
     mut body: Bytes,
     request_id: Option<&str>,
 ) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
-    let mut builder = hyper::Request::post(format!("{}{}", upstream.base, endpoint.path()))
+    let mut builder = hyper::Request::post(format!("{}{}", upstream.base, request.endpoint.path()))
         .header(header::CONTENT_TYPE, "application/json");
+    builder = match (&upstream.api_key, &request.authorization) {
+        (Some(key), _) => crate::health::with_credential(builder, Some(key)),
+        (None, Some(client)) => builder.header(header::AUTHORIZATION, client.clone()),
+        (None, None) => builder,
+    };
     if upstream.dp {
         match upstream.engine {
             EngineKind::Vllm => builder = builder.header("x-data-parallel-rank", upstream.dp_rank),
@@ -299,12 +307,12 @@ fn upstream_request(
 async fn send(
     fwd: &Forwarder,
     upstream: &Upstream,
-    endpoint: Endpoint,
+    generation: &Generation<'_>,
     body: Bytes,
     request_id: Option<&str>,
     timeout: Duration,
 ) -> Result<hyper::Response<Incoming>, HopError> {
-    let request = upstream_request(upstream, endpoint, body, request_id).map_err(HopError::Failed)?;
+    let request = upstream_request(upstream, generation, body, request_id).map_err(HopError::Failed)?;
     match tokio::time::timeout(timeout, fwd.client.request(request)).await {
         Err(_) => Err(HopError::Failed(ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,

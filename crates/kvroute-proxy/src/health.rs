@@ -23,7 +23,8 @@ pub async fn run(shared: Arc<Shared>, checker: Checker) {
     loop {
         tokio::time::sleep(interval).await;
         for (id, base) in shared.worker_urls() {
-            let event = probe(client, &base, timeout).await;
+            let key = shared.worker_config(id).and_then(|c| c.api_key);
+            let event = probe(client, &base, key.as_deref(), timeout).await;
             let before = shared.worker_state(id);
             let after = shared.worker_event(id, event);
             if crate::checks::due(before, after, event == WorkerEvent::CheckPassed) {
@@ -33,9 +34,23 @@ pub async fn run(shared: Arc<Shared>, checker: Checker) {
     }
 }
 
-/// One check of the worker at `base`: passed if it answers 2xx within `timeout`.
-pub async fn probe(client: &HttpClient, base: &str, timeout: Duration) -> WorkerEvent {
-    let Ok(request) = hyper::Request::get(format!("{base}/health")).body(Full::new(Bytes::new())) else {
+/// `builder` with the worker's configured credential, if it has one: every call to an engine
+/// goes through here (generation, health checks), so an engine behind `--api-key` answers.
+pub fn with_credential(
+    builder: hyper::http::request::Builder,
+    api_key: Option<&str>,
+) -> hyper::http::request::Builder {
+    match api_key {
+        Some(key) => builder.header(hyper::header::AUTHORIZATION, format!("Bearer {key}")),
+        None => builder,
+    }
+}
+
+/// One check of the worker at `base` (with its credential, if it has one): passed if it
+/// answers 2xx within `timeout`.
+pub async fn probe(client: &HttpClient, base: &str, api_key: Option<&str>, timeout: Duration) -> WorkerEvent {
+    let request = with_credential(hyper::Request::get(format!("{base}/health")), api_key);
+    let Ok(request) = request.body(Full::new(Bytes::new())) else {
         return WorkerEvent::CheckFailed;
     };
     match tokio::time::timeout(timeout, client.request(request)).await {

@@ -20,6 +20,8 @@ use kvroute_http::model::Model;
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::types::Tokenized;
 use kvroute_http::openai::{self, Endpoint};
+
+use crate::checks::Worker;
 use serde_json::{Value, json};
 
 /// The largest `/tokenize` answer read.
@@ -107,12 +109,12 @@ pub fn probes(model_name: &str) -> [(Endpoint, Value); 2] {
 /// mismatch is the answer; a 404 is [`Parity::Unsupported`].
 pub async fn check(
     client: &HttpClient,
-    base: &str,
+    worker: Worker<'_>,
     model_name: &str,
     model: &Model,
     timeout: Duration,
 ) -> Result<Parity, ParityError> {
-    let url = format!("{}/tokenize", base.trim_end_matches('/'));
+    let url = format!("{}/tokenize", worker.base.trim_end_matches('/'));
     for (endpoint, body) in probes(model_name) {
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let ours = openai::parse(endpoint, &bytes, model, usize::MAX >> 8)
@@ -121,7 +123,7 @@ pub async fn check(
                 message: e.message,
             })?
             .tokens;
-        let Some(theirs) = ask(client, &url, bytes, timeout).await? else {
+        let Some(theirs) = ask(client, &url, worker.api_key, bytes, timeout).await? else {
             return Ok(Parity::Unsupported);
         };
         if let Some(position) = first_difference(&ours, &theirs) {
@@ -142,12 +144,13 @@ pub async fn check(
 /// ([`crate::checks`]) when its health checks pass.
 pub async fn check_and_log(
     client: &HttpClient,
-    base: &str,
+    worker: Worker<'_>,
     model_name: &str,
     model: &Model,
     timeout: Duration,
 ) -> Result<Parity, ParityError> {
-    let result = check(client, base, model_name, model, timeout).await;
+    let result = check(client, worker, model_name, model, timeout).await;
+    let base = worker.base;
     match &result {
         Ok(Parity::Match) => tracing::info!(worker = %base, "tokenization matches the worker's /tokenize"),
         Ok(Parity::Mismatch {
@@ -203,10 +206,12 @@ fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
     }
 }
 
-/// POSTs `body` to `url` and reads the `tokens` of the answer; `None` on a 404.
+/// POSTs `body` to `url` (with the worker's credential) and reads the `tokens` of the answer; `None` on
+/// a 404.
 async fn ask(
     client: &HttpClient,
     url: &str,
+    api_key: Option<&str>,
     body: Vec<u8>,
     timeout: Duration,
 ) -> Result<Option<Vec<u32>>, ParityError> {
@@ -214,7 +219,7 @@ async fn ask(
         url: url.to_owned(),
         message,
     };
-    let request = hyper::Request::post(url)
+    let request = crate::health::with_credential(hyper::Request::post(url), api_key)
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| failed(e.to_string()))?;

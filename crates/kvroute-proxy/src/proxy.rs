@@ -4,22 +4,33 @@
 //! ([`crate::events`]), the health prober ([`crate::health`]) and the router's timers. A
 //! generation request is read (bounded), parsed and tokenized here, then forwarded in its flow
 //! ([`crate::flow`]); its outcome is counted by endpoint, type and cause when it ends (here if
-//! the proxy answers it, by the observed body if a worker does). The rest are
-//! `/v1/models`, `/health`, `/metrics` and the admin API over the worker registry.
+//! the proxy answers it, by the observed body if a worker does). The rest are `/v1/models`,
+//! `/health` and `/metrics`. The admin API over the worker registry has a listener of its own
+//! (loopback by default, a bearer token when it is not): nothing under `/admin` answers on the
+//! inference port. An admin change that would leave the fleet unable to serve is refused with
+//! 409 unless forced (`?force=true`).
+//!
+//! Every response carries an `x-request-id` (the client's, or one made here) that each log line
+//! of the request names; every error body is OpenAI's shape. With `api-key` set, `/v1/...` needs
+//! one of the keys as a bearer token (401 otherwise); `/health` and `/metrics` need none.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use kvroute_core::ids::WorkerId;
 use kvroute_core::router::Router;
+use kvroute_core::router::WorkerRole;
 use serde_json::json;
+use tracing::Instrument;
 
 use crate::config::{ConfigError, ServeConfig, TokenizerSource, WorkerConfig};
 use crate::driver::Shared;
@@ -27,6 +38,7 @@ use crate::events::EventFeed;
 use crate::flow::{Forwarder, Generation};
 use crate::metrics::{Metrics, RequestKind, RequestOutcome};
 use crate::observed::{Report, Shape};
+use crate::worker::StateName;
 use kvroute_http::model::Model;
 
 use crate::checks::Checker;
@@ -44,7 +56,7 @@ pub enum ServeError {
     /// The model did not load.
     #[error(transparent)]
     Model(#[from] kvroute_http::model::ModelError),
-    /// The listener could not be bound.
+    /// A listener could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
         /// The address.
@@ -63,15 +75,23 @@ struct App {
     forwarder: Arc<Forwarder>,
     feed: EventFeed,
     checker: Checker,
+    /// One admin change at a time: the fleet check and the change it allows are one step.
+    admin: tokio::sync::Mutex<()>,
+    /// The instance tag and counter of the request ids made here.
+    instance: u64,
+    next_request_id: AtomicU64,
 }
 
 /// A running proxy.
 pub struct ProxyHandle {
-    /// The address it listens on.
+    /// The address the inference API listens on.
     pub addr: SocketAddr,
+    /// The address the admin API listens on.
+    pub admin_addr: SocketAddr,
     /// The router driver (for tests and the demo: loads, invariants).
     pub shared: Arc<Shared>,
     shutdown: Shutdown,
+    servers: Vec<tokio::task::JoinHandle<()>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -79,6 +99,7 @@ impl std::fmt::Debug for ProxyHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProxyHandle")
             .field("addr", &self.addr)
+            .field("admin_addr", &self.admin_addr)
             .finish_non_exhaustive()
     }
 }
@@ -89,12 +110,33 @@ impl ProxyHandle {
         format!("http://{}", self.addr)
     }
 
-    /// Stops the proxy: the listener, every connection and the background tasks.
+    /// The admin API's base URL, `http://admin_addr`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin_addr)
+    }
+
+    /// Stops the proxy: the listeners, every connection and the background tasks.
     pub fn stop(&self) {
         self.shutdown.stop();
-        for t in &self.tasks {
+        for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
         }
+    }
+
+    /// Shuts down gracefully: stops accepting, lets every request in flight finish (streams
+    /// to their end) for up to `patience`, then stops. True if everything finished in time.
+    pub async fn drain(mut self, patience: Duration) -> bool {
+        self.shutdown.drain();
+        let servers = std::mem::take(&mut self.servers);
+        let finished = tokio::time::timeout(patience, async {
+            for server in servers {
+                let _ = server.await;
+            }
+        })
+        .await
+        .is_ok();
+        self.stop();
+        finished
     }
 
     /// Resolves when the proxy was stopped.
@@ -122,10 +164,14 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             TokenizerSource::BuiltIn => Model::tiny()?,
         }),
     };
-    let addr = config.listen_addr()?;
-    let (listener, addr) = net::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind { addr, source })?;
+    let bind = |addr| async move {
+        net::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })
+    };
+    let (listener, addr) = bind(config.listen_addr()?).await?;
+    let (admin_listener, admin_addr) = bind(config.admin_listen_addr()?).await?;
+    let timeouts = config.conn_timeouts();
     let client = net::client(ServeConfig::ms(config.connect_timeout_ms));
     let workers = config.workers.clone();
     let shared = Shared::new(router, config, Metrics::new());
@@ -144,8 +190,11 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             model: Arc::clone(&model),
         },
         model,
-        forwarder,
+        forwarder: Arc::clone(&forwarder),
         feed,
+        admin: tokio::sync::Mutex::new(()),
+        instance: forwarder.instance,
+        next_request_id: AtomicU64::new(0),
     });
     for w in workers {
         add_worker(&app, w).map_err(ServeError::Worker)?;
@@ -156,25 +205,126 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     if shared.config.health_interval_ms > 0 {
         tasks.push(tokio::spawn(crate::health::run(Arc::clone(&shared), app.checker.clone())));
     }
-    let routes = axum::Router::new()
+    let inference = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    let admin = axum::Router::new()
         .route("/admin/workers", get(list_workers).post(post_worker))
         .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
         .route("/admin/workers/{id}/drain", post(drain_worker))
-        .fallback(not_found)
-        .with_state(app);
-    tasks.push(tokio::spawn(net::serve(listener, routes, shutdown.clone())));
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), admin_auth));
+    let servers = vec![
+        tokio::spawn(net::serve_with(
+            listener,
+            with_common_layers(inference, &app),
+            shutdown.clone(),
+            timeouts,
+        )),
+        tokio::spawn(net::serve_with(
+            admin_listener,
+            with_common_layers(admin, &app),
+            shutdown.clone(),
+            timeouts,
+        )),
+    ];
+    tracing::info!(%addr, %admin_addr, "listening (admin API on its own listener)");
     Ok(ProxyHandle {
         addr,
+        admin_addr,
         shared,
         shutdown,
+        servers,
         tasks,
     })
+}
+
+/// What both listeners share: OpenAI-shaped 404 and 405, and the request id.
+fn with_common_layers(routes: axum::Router<Arc<App>>, app: &Arc<App>) -> axum::Router {
+    routes
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(Arc::clone(app), request_id))
+        .with_state(Arc::clone(app))
+}
+
+/// The header that names a request, in and out.
+const REQUEST_ID: &str = "x-request-id";
+
+/// Names the request (the client's `x-request-id` if it is a sane one, else one made here),
+/// runs it in a span carrying that id, so every log line of it names it, and sends the id back.
+async fn request_id(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let given = request
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned);
+    let id = given.unwrap_or_else(|| {
+        let n = app.next_request_id.fetch_add(1, Ordering::Relaxed);
+        format!("kvr-{:x}-{n}", app.instance)
+    });
+    let span = tracing::info_span!(
+        "request",
+        request_id = %id,
+        method = %request.method(),
+        path = %request.uri().path()
+    );
+    let mut response = next.run(request).instrument(span).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
+    response
+}
+
+/// The bearer token of `headers`, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Compares secrets in time that depends on their lengths only.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn unauthorized(message: &str) -> Response {
+    let mut response = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        message,
+    )
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// The inference API's keys: with `api-key` set, a request needs one of them.
+async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let keys = &app.shared.config.api_key;
+    if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
+        next.run(request).await
+    } else {
+        unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+    }
+}
+
+/// The admin API's token, when one is configured.
+async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    match &app.shared.config.admin_token {
+        Some(token) if !bearer(request.headers()).is_some_and(|t| same_secret(token, t)) => {
+            unauthorized("the admin API needs its token (Authorization: Bearer TOKEN)")
+        }
+        _ => next.run(request).await,
+    }
 }
 
 fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
@@ -255,7 +405,7 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
         kind: RequestKind::Unary,
         answered: false,
     };
-    match handle(app, endpoint, req, &mut unanswered.kind).await {
+    let mut response = match handle(app, endpoint, req, &mut unanswered.kind).await {
         Outcome::Answered(response) => {
             unanswered.answered = true;
             response
@@ -265,6 +415,44 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
             unanswered.record(failed_outcome(&error));
             error.into_response()
         }
+    };
+    if response.status() == StatusCode::REQUEST_TIMEOUT {
+        // The rest of the body may never come: do not wait for it on this connection.
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// Reads a request body whole: at most `limit` bytes, within the body read timeout; else an
+/// OpenAI-shaped 413 or 408.
+async fn read_body(config: &ServeConfig, body: axum::body::Body, limit: usize) -> Result<Bytes, ApiError> {
+    let collect = Limited::new(body, limit).collect();
+    match tokio::time::timeout(ServeConfig::ms(config.body_read_timeout_ms), collect).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body exceeds {limit} bytes"),
+        )),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request body failed");
+            Err(ApiError::bad_request(
+                "body",
+                "the request body could not be read",
+            ))
+        }
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} ms",
+                config.body_read_timeout_ms
+            ),
+        )),
     }
 }
 
@@ -289,24 +477,10 @@ fn with_usage_requested(body: &[u8]) -> Option<Bytes> {
 async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {
     let t0 = Instant::now();
     let config = &app.shared.config;
-    let body = match Limited::new(req.into_body(), config.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            let error = ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-                format!("the request body exceeds {} bytes", config.max_body_bytes),
-            );
-            return Outcome::Failed(RequestKind::Unary, error);
-        }
-        Err(e) => {
-            let error = ApiError::bad_request("body", format!("reading the body: {e}"));
-            return Outcome::Failed(RequestKind::Unary, error);
-        }
+    let authorization = req.headers().get(header::AUTHORIZATION).cloned();
+    let body = match read_body(config, req.into_body(), config.max_body_bytes).await {
+        Ok(body) => body,
+        Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
     let parsed = match openai::parse(endpoint, &body, &app.model, config.max_prompt_tokens) {
         Ok(parsed) => parsed,
@@ -340,6 +514,8 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
             None => (Shape::Stream { strip_usage: false }, body),
         },
     };
+    // The client's credential goes on to the engine, unless it was kvroute's own API key.
+    let authorization = authorization.filter(|_| config.api_key.is_empty());
     let generation = Generation {
         endpoint,
         parsed: &parsed,
@@ -349,6 +525,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
             shape,
             debug_headers: config.debug_headers,
         },
+        authorization,
     };
     match app.forwarder.forward(&generation, t0).await {
         Ok(response) => Outcome::Answered(response),
@@ -384,7 +561,13 @@ async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
-    if app.shared.any_routable() {
+    // Healthy when a request can be served: some worker in routing decodes.
+    let serving = app
+        .shared
+        .worker_statuses()
+        .iter()
+        .any(|w| w.routable && w.config.role() != WorkerRole::Prefill);
+    if serving {
         (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
     } else {
         ApiError::new(
@@ -408,14 +591,106 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn list_workers(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({"workers": app.shared.worker_statuses()})).into_response()
+    let mut workers = json!(app.shared.worker_statuses());
+    // Credentials are never listed.
+    for w in workers.as_array_mut().into_iter().flatten() {
+        if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
+            *key = json!("<redacted>");
+        }
+    }
+    axum::Json(json!({ "workers": workers })).into_response()
 }
 
-async fn post_worker(State(app): State<Arc<App>>, body: Bytes) -> Response {
+/// An admin change to the fleet, checked before it is applied.
+#[derive(Clone, Copy, Debug)]
+enum FleetChange<'a> {
+    /// A worker joins.
+    Add(&'a WorkerConfig),
+    /// A worker leaves routing (drained or removed).
+    Leave(WorkerId),
+}
+
+/// Whether a fleet of workers of `roles` can serve a request: some worker decodes, and prefill
+/// workers come with decode workers (the configuration's rule).
+fn servable(roles: &[WorkerRole]) -> bool {
+    roles.iter().any(|&r| r != WorkerRole::Prefill)
+        && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
+}
+
+/// Refuses a change that would leave the fleet unable to serve (its members: the workers not
+/// drained or removed, healthy or not), unless it is `forced`.
+fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
+    let members: Vec<(WorkerId, WorkerRole)> = app
+        .shared
+        .worker_statuses()
+        .into_iter()
+        .filter(|w| matches!(w.state, StateName::Ready | StateName::Unhealthy))
+        .map(|w| (WorkerId(w.id), w.config.role()))
+        .collect();
+    let before: Vec<WorkerRole> = members.iter().map(|&(_, r)| r).collect();
+    let after: Vec<WorkerRole> = match change {
+        FleetChange::Add(config) => before.iter().copied().chain([config.role()]).collect(),
+        FleetChange::Leave(id) => members
+            .iter()
+            .filter(|&&(m, _)| m != id)
+            .map(|&(_, r)| r)
+            .collect(),
+    };
+    let adding = matches!(change, FleetChange::Add(_));
+    match fleet_refusal(&before, &after, adding) {
+        Some(reason) if !forced => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "fleet_unservable",
+            format!("refused: {reason}; repeat with ?force=true to do it anyway"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Why a change from a fleet of roles `before` to one of `after` is refused, if it is: it makes
+/// a serving fleet unservable, or adds a worker to a fleet that still cannot serve after it.
+fn fleet_refusal(before: &[WorkerRole], after: &[WorkerRole], adding: bool) -> Option<String> {
+    if servable(after) || !(servable(before) || adding) {
+        return None;
+    }
+    Some(if after.is_empty() {
+        "it would leave no worker to serve requests".to_owned()
+    } else if after.iter().all(|&r| r == WorkerRole::Prefill) {
+        "it would leave only prefill workers, which cannot serve a request alone".to_owned()
+    } else {
+        match ServeConfig::validate_fleet(after.iter().copied()) {
+            Err(ConfigError::Invalid { message, .. }) => format!("it would leave a fleet where {message}"),
+            _ => "it would leave a fleet that cannot serve".to_owned(),
+        }
+    })
+}
+
+/// Whether the admin request says `force=true` (or `force`, `force=1`).
+fn forced(uri: &Uri) -> bool {
+    uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
+    })
+}
+
+/// The largest body of an admin request.
+const MAX_ADMIN_BODY: usize = 1 << 20;
+
+async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response {
+    let forced = forced(request.uri());
+    let body = match read_body(&app.shared.config, request.into_body(), MAX_ADMIN_BODY).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
     let config: WorkerConfig = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
     };
+    let _one_at_a_time = app.admin.lock().await;
+    if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
+        return refused.into_response();
+    }
     match add_worker(&app, config) {
         Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
         Err(e) => ApiError::bad_request("body", e).into_response(),
@@ -432,23 +707,51 @@ fn unknown_worker(id: &str) -> Response {
     .into_response()
 }
 
-async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    match id.parse().ok().map(WorkerId) {
-        Some(w) if app.shared.drain_worker(w) => {
-            axum::Json(json!({"id": w.0, "draining": true})).into_response()
-        }
-        _ => unknown_worker(&id),
-    }
+/// Worker `id` of an admin path, if it exists.
+fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
+    id.parse()
+        .ok()
+        .map(WorkerId)
+        .filter(|&w| app.shared.worker_state(w).is_some())
 }
 
-async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    match id.parse().ok().map(WorkerId) {
-        Some(w) if app.shared.remove_worker(w) => {
-            app.feed.unsubscribe(w);
-            axum::Json(json!({"id": w.0, "removed": true})).into_response()
-        }
-        _ => unknown_worker(&id),
+async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
+    let _one_at_a_time = app.admin.lock().await;
+    let Some(w) = known_worker(&app, &id) else {
+        return unknown_worker(&id);
+    };
+    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
+        return refused.into_response();
     }
+    if !app.shared.drain_worker(w) {
+        return unknown_worker(&id);
+    }
+    axum::Json(json!({"id": w.0, "draining": true})).into_response()
+}
+
+async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
+    let _one_at_a_time = app.admin.lock().await;
+    let Some(w) = known_worker(&app, &id) else {
+        return unknown_worker(&id);
+    };
+    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
+        return refused.into_response();
+    }
+    if !app.shared.remove_worker(w) {
+        return unknown_worker(&id);
+    }
+    app.feed.unsubscribe(w);
+    axum::Json(json!({"id": w.0, "removed": true})).into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        "this endpoint does not take that method",
+    )
+    .into_response()
 }
 
 async fn not_found() -> Response {
@@ -492,5 +795,60 @@ mod tests {
         }
         assert!(with_usage_requested(b"[1]").is_none());
         assert!(with_usage_requested(br#"{"stream_options": 3}"#).is_none());
+    }
+
+    #[test]
+    fn admin_changes_that_leave_the_fleet_unservable_are_refused() {
+        use WorkerRole::{Aggregated as A, Decode as D, Prefill as P};
+        // (before, after, adding, refused)
+        let cases: &[(&[WorkerRole], &[WorkerRole], bool, bool)] = &[
+            (&[A, A], &[A], false, false),
+            (&[A], &[], false, true),
+            (&[P, D], &[P], false, true),
+            (&[P, D, D], &[P, D], false, false),
+            (&[P, D, A], &[P, A], false, true),
+            (&[A], &[A, P], true, true),
+            (&[], &[P], true, true),
+            (&[], &[A], true, false),
+            (&[], &[D], true, false),
+            (&[P], &[P, D], true, false),
+            // Already unservable (forced there): taking workers out is not refused.
+            (&[P], &[], false, false),
+            (&[P, P], &[P], false, false),
+        ];
+        for &(before, after, adding, refused) in cases {
+            let got = fleet_refusal(before, after, adding);
+            assert_eq!(got.is_some(), refused, "{before:?} -> {after:?}: {got:?}");
+        }
+        assert!(
+            fleet_refusal(&[P, D], &[P], false)
+                .unwrap()
+                .contains("only prefill")
+        );
+    }
+
+    #[test]
+    fn bearer_tokens_and_secrets() {
+        let mut h = HeaderMap::new();
+        assert_eq!(bearer(&h), None);
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer  k1 "));
+        assert_eq!(bearer(&h), Some("k1"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k1"));
+        assert_eq!(bearer(&h), None);
+        assert!(same_secret("abc", "abc"));
+        assert!(!same_secret("abc", "abd"));
+        assert!(!same_secret("abc", "abcd"));
+    }
+
+    #[test]
+    fn force_is_read_from_the_query() {
+        for (uri, want) in [
+            ("/admin/workers/0", false),
+            ("/admin/workers/0?force=true", true),
+            ("/admin/workers/0?a=1&force", true),
+            ("/admin/workers/0?force=false", false),
+        ] {
+            assert_eq!(forced(&uri.parse().unwrap()), want, "{uri}");
+        }
     }
 }

@@ -112,6 +112,7 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         .collect::<Result<Vec<_>, _>>()?;
     let config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         policy: args.policy.clone(),
         block_size: sim.engine.block_size,
         max_body_bytes: 64 << 20,

@@ -21,6 +21,10 @@ pub struct ServeArgs {
     /// as `[[worker]]` tables); flags beat it.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Log format on stderr: `text`, or `json` (one object a line; a request's lines carry its
+    /// `request_id`, the `x-request-id` its answer names).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// The configuration (flags; `--config` keys under the same names).
     #[command(flatten)]
     pub options: ServeOptions,
@@ -35,10 +39,36 @@ pub struct ServeOptions {
     /// Listen address, `HOST:PORT`. Default 127.0.0.1:8000.
     #[arg(long)]
     pub listen: Option<String>,
+    /// The admin API's own listen address (`/admin/...` never answers on `--listen`). Beyond
+    /// loopback it needs `--admin-token`. Default 127.0.0.1:8100.
+    #[arg(long)]
+    pub admin_listen: Option<String>,
+    /// The bearer token the admin API requires (better in the `--config` file than on a
+    /// command line). Required when `--admin-listen` is beyond loopback. Default: none.
+    #[arg(long)]
+    pub admin_token: Option<String>,
+    /// An API key of the inference API (`Authorization: Bearer KEY`); repeat for several
+    /// (`api-key = [..]` in the file). `/health` and `/metrics` need none. Default: none
+    /// needed.
+    #[arg(long)]
+    pub api_key: Option<Vec<String>>,
+    /// Longest a client may take to send a request's headers, ms. Default 10,000.
+    #[arg(long)]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Longest a client may take to send a request's body (408 past it), ms. Default 30,000.
+    #[arg(long)]
+    pub body_read_timeout_ms: Option<u64>,
+    /// How long a keep-alive connection may wait idle for its next request, ms. Default 60,000.
+    #[arg(long)]
+    pub idle_timeout_ms: Option<u64>,
+    /// On SIGTERM or Ctrl-C, how long streams in flight may take to finish, ms. Default 30,000.
+    #[arg(long)]
+    pub drain_timeout_ms: Option<u64>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
     /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
-    /// [,bootstrap-port=N]` (`engine`: how a request names its data-parallel rank;
-    /// `bootstrap-port`: a prefill worker's SGLang bootstrap port). Repeat for several;
+    /// [,bootstrap-port=N][,api-key=K]` (`engine`: how a request names its data-parallel rank;
+    /// `bootstrap-port`: a prefill worker's SGLang bootstrap port; `api-key`: the engine's
+    /// `--api-key`, sent on every call to it). Repeat for several;
     /// replaces the file's `[[worker]]` tables, whose keys are the same.
     #[arg(long, value_parser = parse_worker)]
     pub worker: Option<Vec<WorkerConfig>>,
@@ -95,7 +125,8 @@ pub struct ServeOptions {
     /// Most prompt tokens. Default 131072.
     #[arg(long)]
     pub max_prompt_tokens: Option<usize>,
-    /// Longest silence from a worker while a request runs before a 504, ms. Default 600,000.
+    /// Longest silence from a worker while a request runs (before its first byte, or between
+    /// two chunks) before a 504, ms. Default 600,000.
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
     /// TCP connect timeout to a worker, ms. Default 2,000.
@@ -151,29 +182,82 @@ pub fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     builder.enable_all().build().context("starting the runtime")
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+/// How log lines are written.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object a line, with the fields of the spans it is in (a request's id).
+    Json,
 }
 
-/// Runs `kvroute serve` until the process is stopped.
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    init_logging_as(LogFormat::Text);
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging_as(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+    };
+}
+
+/// Runs `kvroute serve` until SIGTERM or Ctrl-C, then shuts down gracefully: stops accepting,
+/// lets streams in flight finish for up to `drain-timeout-ms`, and returns.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging();
+    init_logging_as(args.log_format);
     let config = args.to_config()?;
-    if config.workers.is_empty() {
-        eprintln!("no workers yet: add them with --worker or POST /admin/workers");
-    }
+    let drain = std::time::Duration::from_millis(config.drain_timeout_ms);
     runtime(config.threads)?.block_on(async move {
         let proxy = kvroute_proxy::start(config, None).await?;
-        eprintln!("kvroute serve: listening on {}", proxy.url());
-        proxy.stopped().await;
+        eprintln!(
+            "kvroute serve: listening on {}; admin API on {}",
+            proxy.url(),
+            proxy.admin_url()
+        );
+        if proxy.shared.worker_urls().is_empty() {
+            eprintln!(
+                "no workers yet: add them with --worker or POST {}/admin/workers",
+                proxy.admin_url()
+            );
+        }
+        tokio::select! {
+            () = proxy.stopped() => return Ok(()),
+            signal = stop_signal() => eprintln!("kvroute serve: {}; draining (up to {} ms)", signal?, drain.as_millis()),
+        }
+        if proxy.drain(drain).await {
+            eprintln!("kvroute serve: drained; exiting");
+        } else {
+            eprintln!("kvroute serve: the drain timeout passed with requests in flight; exiting");
+        }
         Ok(())
     })
+}
+
+/// Resolves on SIGTERM or Ctrl-C (SIGINT), naming which.
+async fn stop_signal() -> anyhow::Result<&'static str> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("listening for SIGTERM")?;
+        tokio::select! {
+            _ = term.recv() => Ok("SIGTERM"),
+            r = tokio::signal::ctrl_c() => r.map(|()| "Ctrl-C").context("listening for Ctrl-C"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await.context("listening for Ctrl-C")?;
+        Ok("Ctrl-C")
+    }
 }
 
 /// The options of `kvroute mock`.

@@ -71,6 +71,7 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
         let (url, seen) = recording_upstream().await;
         let config = ServeConfig {
             listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
             policy: "round-robin".into(),
             health_interval_ms: 0,
             workers: vec![WorkerConfig {
@@ -136,6 +137,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
         let config = ServeConfig {
             listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
             health_interval_ms: 0,
             workers: vec![WorkerConfig {
                 engine,

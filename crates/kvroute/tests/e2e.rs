@@ -28,6 +28,8 @@ struct Cluster {
     proxy: ProxyHandle,
     mocks: Vec<MockWorker>,
     http: reqwest_lite::Http,
+    /// The admin API, on its own listener.
+    admin: reqwest_lite::Http,
 }
 
 /// Starts `n` mock workers (engine `speedup`) and a proxy in front of them, with `tweak` applied
@@ -53,6 +55,7 @@ async fn fronting(
     let model = Arc::new(Model::tiny().unwrap());
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
         workers: workers
             .into_iter()
@@ -70,6 +73,7 @@ async fn fronting(
     let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();
     Cluster {
         http: reqwest_lite::Http::new(proxy.url()),
+        admin: reqwest_lite::Http::new(proxy.admin_url()),
         proxy,
         mocks,
     }
@@ -487,7 +491,7 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
     }
     // Out of routing by a failed connect or by failed health checks, whichever comes first.
     c.wait_for_state(busy, StateName::Unhealthy).await;
-    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
     assert_eq!(workers["workers"][busy]["routable"], false);
     assert_eq!(workers["workers"][busy]["state"], "unhealthy");
     c.assert_drained().await;
@@ -628,11 +632,35 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     assert_eq!(error(&out).code_name(), Some("body_too_large"));
     let (got, _, _) = c.http.request("GET", "/v1/nothing", Vec::new()).await;
     assert_eq!(got, 404);
-    // Admin: drain the only worker; requests then find no worker (503), and removal works.
-    let (got, _, _) = c.http.request("POST", "/admin/workers/0/drain", Vec::new()).await;
+    // The admin API is not on the inference port.
+    for (method, path) in [("GET", "/admin/workers"), ("POST", "/admin/workers/0/drain")] {
+        let (got, _, out) = c.http.request(method, path, Vec::new()).await;
+        assert_eq!(got, 404, "{method} {path} on the inference port");
+        assert_eq!(error(&out).code_name(), Some("not_found"));
+    }
+    // Admin: draining the only worker would leave nothing to serve: refused (409, with the
+    // reason) unless forced.
+    let (got, _, out) = c
+        .admin
+        .request("POST", "/admin/workers/0/drain", Vec::new())
+        .await;
+    assert_eq!(got, 409, "{}", String::from_utf8_lossy(&out));
+    let err = error(&out);
+    assert_eq!(err.code_name(), Some("fleet_unservable"), "{err:?}");
+    assert!(err.message.contains("no worker"), "{}", err.message);
+    let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
+    assert_eq!(
+        workers["workers"][0]["state"], "ready",
+        "refused means not applied"
+    );
+    // Forced: requests then find no worker (503), and removal works.
+    let (got, _, _) = c
+        .admin
+        .request("POST", "/admin/workers/0/drain?force=true", Vec::new())
+        .await;
     assert_eq!(got, 200);
     // Nothing in flight: the drain is complete at once.
-    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
     assert_eq!(workers["workers"][0]["state"], "drained", "{workers}");
     let (got, _, out) = c
         .http
@@ -641,13 +669,18 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
     assert_eq!(got, 503, "{}", String::from_utf8_lossy(&out));
     let (got, _, _) = c.http.request("GET", "/health", Vec::new()).await;
     assert_eq!(got, 503);
-    let (got, _, _) = c.http.request("DELETE", "/admin/workers/0", Vec::new()).await;
+    let (got, _, _) = c.admin.request("DELETE", "/admin/workers/0", Vec::new()).await;
     assert_eq!(got, 200);
-    let (got, _, _) = c.http.request("DELETE", "/admin/workers/0", Vec::new()).await;
+    let (got, _, _) = c.admin.request("DELETE", "/admin/workers/0", Vec::new()).await;
     assert_eq!(got, 404);
     let add = serde_json::to_vec(&json!({"url": c.mocks[0].url()})).unwrap();
-    let (got, _, out) = c.http.request("POST", "/admin/workers", add).await;
+    let (got, _, out) = c.admin.request("POST", "/admin/workers", add).await;
     assert_eq!(got, 201, "{}", String::from_utf8_lossy(&out));
+    // A prefill worker without decode workers would make every request fail: refused.
+    let prefill = serde_json::to_vec(&json!({"url": "http://127.0.0.1:1", "role": "prefill"})).unwrap();
+    let (got, _, out) = c.admin.request("POST", "/admin/workers", prefill).await;
+    assert_eq!(got, 409, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(error(&out).code_name(), Some("fleet_unservable"));
     let (got, _, _) = c
         .http
         .request(
@@ -658,7 +691,7 @@ async fn bad_input_gets_json_errors_naming_the_problem() {
         .await;
     assert_eq!(got, 200);
     let bad_worker = serde_json::to_vec(&json!({"url": "http://127.0.0.1:1", "colour": "red"})).unwrap();
-    let (got, _, _) = c.http.request("POST", "/admin/workers", bad_worker).await;
+    let (got, _, _) = c.admin.request("POST", "/admin/workers", bad_worker).await;
     assert_eq!(got, 400);
     c.assert_drained().await;
 }
@@ -865,7 +898,7 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
             metric(&metrics, "dynamo_frontend_requests_total", "status=\"success\""),
             2.0
         );
-        let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+        let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
         assert_eq!(
             workers["workers"][0]["routable"], false,
             "{protocol:?}: {workers}"
@@ -897,7 +930,7 @@ async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
     }
     let metrics = c.http.get("/metrics").await;
     let retries = metric(&metrics, "kvroute_upstream_retries_total", "");
-    let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+    let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
     let dead_routable = workers["workers"][2]["routable"].as_bool().unwrap();
     assert!(
         (retries == 1.0 && !dead_routable) || (retries == 0.0 && dead_routable),
@@ -1072,7 +1105,7 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
         );
         assert!(c.kv_requests().1.is_empty(), "{code}: no hop 2");
         c.assert_drained().await;
-        let workers: Value = serde_json::from_str(&c.http.get("/admin/workers").await).unwrap();
+        let workers: Value = serde_json::from_str(&c.admin.get("/admin/workers").await).unwrap();
         assert_eq!(
             workers["workers"][0]["routable"], true,
             "{code}: a prefill worker that answered stays in routing"

@@ -25,9 +25,15 @@ const PATIENCE: Duration = Duration::from_secs(10);
 
 /// `method path` on the proxy: the status and the body.
 async fn request(http: &HttpClient, proxy: &ProxyHandle, method: &str, path: &str) -> (u16, String) {
+    // The admin API has its own listener.
+    let base = if path.starts_with("/admin") {
+        proxy.admin_url()
+    } else {
+        proxy.url()
+    };
     let req = hyper::Request::builder()
         .method(method)
-        .uri(format!("{}{path}", proxy.url()))
+        .uri(format!("{base}{path}"))
         .body(Full::new(Bytes::new()))
         .unwrap();
     let resp = http.request(req).await.unwrap();
@@ -135,6 +141,7 @@ async fn subscriber_counters_are_exported_per_worker() {
     };
     let config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 0,
         workers: vec![worker(&replayed), worker(&lossy)],
         // No model directory: the built-in tokenizer.
@@ -263,6 +270,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     let (zero, one) = rank_publishers().await;
     let config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 0,
         workers: vec![WorkerConfig {
             // Rank 0's endpoint; rank 1 publishes on the next port.
