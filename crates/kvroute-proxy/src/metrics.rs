@@ -138,6 +138,17 @@ const SUBSCRIBER_COUNTERS: &[(&str, &str, CounterField)] = &[
         "Errors of a worker's live KV-event socket.",
         |c| c.socket_errors,
     ),
+    (
+        "kvroute_kv_events_reconnects_total",
+        "Times a worker's KV-event socket lost its publisher and connected again.",
+        |c| c.reconnects,
+    ),
+    (
+        "kvroute_kv_events_resyncs_total",
+        "Resyncs of a worker's KV events through its replay socket (after a (re)connection, \
+         or when it is back from failed health checks).",
+        |c| c.resyncs,
+    ),
 ];
 
 /// The running KV-event subscribers' counters by worker, exported from `/metrics`: each scrape
@@ -462,12 +473,14 @@ mod tests {
             decode_errors: 10,
             replay_failures: 11,
             socket_errors: 12,
+            reconnects: 13,
+            resyncs: 14,
         };
         let mut read: Vec<u64> = SUBSCRIBER_COUNTERS
             .iter()
             .map(|(_, _, field)| field(&snapshot))
             .collect();
         read.sort_unstable();
-        assert_eq!(read, (1..=12).collect::<Vec<_>>());
+        assert_eq!(read, (1..=14).collect::<Vec<_>>());
     }
 }
