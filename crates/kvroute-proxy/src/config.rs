@@ -335,6 +335,11 @@ pub struct ServeConfig {
     pub health_success_threshold: u32,
     /// Runtime worker threads (0: one per core). Default 0.
     pub threads: usize,
+    /// The most KV blocks the router's view keeps per worker rank; past it, the rank's oldest
+    /// blocks are evicted (counted in `kvroute_index_blocks_evicted_total`). Engines' own
+    /// removals keep a view within the engine's cache; this bounds memory when they are lost.
+    /// Default 1,048,576 (about 70 MiB per rank at its fullest).
+    pub max_blocks_per_worker: usize,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -364,6 +369,7 @@ impl Default for ServeConfig {
             health_failure_threshold: 3,
             health_success_threshold: 2,
             threads: 0,
+            max_blocks_per_worker: 1 << 20,
             workers: Vec::new(),
         }
     }
@@ -426,6 +432,10 @@ impl ServeConfig {
                 capacity: self.queue_capacity,
                 ..QueueConfig::default()
             },
+            max_blocks_per_worker: Some(
+                std::num::NonZeroUsize::new(self.max_blocks_per_worker)
+                    .ok_or_else(|| invalid("max-blocks-per-worker", "must be at least 1"))?,
+            ),
             ..RouterConfig::default()
         };
         router.validate()?;

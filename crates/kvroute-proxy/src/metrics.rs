@@ -67,6 +67,8 @@ pub struct Metrics {
     pub kv_stream_incidents: IntCounterVec,
     /// Requests active in the router now.
     pub active_requests: IntGauge,
+    /// Blocks the index evicted to keep a worker within `max-blocks-per-worker`.
+    pub index_blocks_evicted: IntCounter,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
 }
@@ -377,6 +379,11 @@ impl Metrics {
             .expect("static metric options are valid"),
             active_requests: IntGauge::new("kvroute_router_active_requests", "Requests booked in the router.")
                 .expect("static metric options are valid"),
+            index_blocks_evicted: IntCounter::new(
+                "kvroute_index_blocks_evicted_total",
+                "KV blocks the router's view evicted to keep a worker within max-blocks-per-worker.",
+            )
+            .expect("static metric options are valid"),
             kv_subscribers: KvSubscriberCounters::default(),
             registry,
         };
@@ -402,6 +409,7 @@ impl Metrics {
             Box::new(m.disaggregated_requests.clone()),
             Box::new(m.kv_stream_incidents.clone()),
             Box::new(m.active_requests.clone()),
+            Box::new(m.index_blocks_evicted.clone()),
             Box::new(SubscriberCollector::new(m.kv_subscribers.clone())),
         ];
         for c in collectors {
@@ -416,6 +424,11 @@ impl Metrics {
             .with_label_values(&["decode"])
             .set(snapshot.queued_now as i64);
         self.active_requests.set(snapshot.active_now as i64);
+        let evicted = snapshot.index.blocks_evicted;
+        if evicted > self.index_blocks_evicted.get() {
+            self.index_blocks_evicted
+                .inc_by(evicted - self.index_blocks_evicted.get());
+        }
         for gauge in [
             &self.worker_decode_blocks,
             &self.worker_prefill_tokens,

@@ -108,6 +108,10 @@ pub struct ServeOptions {
     /// Runtime worker threads (0: one per core). Default 0.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// The most KV blocks the router's view keeps per worker rank (the oldest evicted past
+    /// it). Default 1,048,576.
+    #[arg(long)]
+    pub max_blocks_per_worker: Option<usize>,
 }
 
 /// A `--worker` flag.

@@ -71,7 +71,13 @@ async fn restart(old: EventPublisher, buffer: usize) -> EventPublisher {
 
 /// A proxy following `publisher` as worker 0, health checks off.
 async fn proxy_for(publisher: &EventPublisher) -> ProxyHandle {
+    proxy_capped(publisher, ServeConfig::default().max_blocks_per_worker).await
+}
+
+/// [`proxy_for`], keeping at most `cap` blocks per worker.
+async fn proxy_capped(publisher: &EventPublisher, cap: usize) -> ProxyHandle {
     let config = ServeConfig {
+        max_blocks_per_worker: cap,
         listen: "127.0.0.1:0".into(),
         health_interval_ms: 0,
         workers: vec![WorkerConfig {
@@ -280,5 +286,25 @@ async fn a_health_flap_without_restart_keeps_the_view_and_replays_what_was_misse
     assert!(c.resyncs >= 2, "at startup and when back: {c:?}");
     assert_eq!(view(&proxy), ViewSummary::Live);
     proxy.shared.check_invariants().unwrap();
+    publisher.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_is_bounded_per_worker_and_evictions_are_counted() {
+    // An engine whose removals never arrive: the view stays within the cap, oldest out first.
+    let publisher = engine(10_000).await;
+    let proxy = proxy_capped(&publisher, 4).await;
+    join(&proxy, &publisher).await;
+    publish(&publisher, vec![stored(1, 3, None)]);
+    publish(&publisher, vec![stored(10, 3, None)]);
+    until(&proxy, "both chains applied", |p| {
+        p.shared.metrics.kv_events.with_label_values(&["stored", "ok"]).get() == 2
+    })
+    .await;
+    assert_eq!(cached(&proxy), 4);
+    proxy.shared.snapshot();
+    assert_eq!(proxy.shared.metrics.index_blocks_evicted.get(), 2);
+    let page = proxy.shared.metrics.render();
+    assert!(page.contains("kvroute_index_blocks_evicted_total 2"), "{page}");
     publisher.shutdown().await;
 }

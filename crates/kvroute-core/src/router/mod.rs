@@ -186,7 +186,10 @@ impl Router {
             rng: Rng::new(config.seed),
             policy: config.policy.build(),
             prefill_policy: config.prefill_policy.as_ref().unwrap_or(&config.policy).build(),
-            index: PrefixIndex::new(IndexConfig::default()),
+            index: PrefixIndex::new(IndexConfig {
+                max_blocks_per_worker: config.max_blocks_per_worker,
+                ..IndexConfig::default()
+            }),
             recent,
             fleet: Fleet::default(),
             queue: WaitQueue::new(config.queue),
