@@ -21,12 +21,23 @@ fn key(w: u64) -> WorkerKey {
 enum Op {
     /// A chain of `len` fresh blocks under the `parent`-th held block of worker `w` (in store
     /// order), or at the root.
-    Store { w: u64, parent: Option<prop::sample::Index>, len: usize },
+    Store {
+        w: u64,
+        parent: Option<prop::sample::Index>,
+        len: usize,
+    },
     /// Stores again the chain of the `which`-th store, if all its blocks are still held.
-    Reannounce { which: prop::sample::Index },
+    Reannounce {
+        which: prop::sample::Index,
+    },
     /// Removes the `which`-th held block of worker `w`.
-    Remove { w: u64, which: prop::sample::Index },
-    Clear { w: u64 },
+    Remove {
+        w: u64,
+        which: prop::sample::Index,
+    },
+    Clear {
+        w: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -54,7 +65,9 @@ impl Reference {
             }
         }
         while self.held.len() > cap {
-            let Some(oldest) = self.order.pop_front() else { break };
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
             if self.held.remove(&oldest) {
                 self.evicted += 1;
             }
@@ -87,7 +100,9 @@ fn run(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
             Op::Store { w, parent, len } => {
                 let r = &mut refs[*w as usize];
                 let held: Vec<u64> = r.order.iter().copied().filter(|b| r.held.contains(b)).collect();
-                let parent = parent.as_ref().and_then(|i| (!held.is_empty()).then(|| held[i.index(held.len())]));
+                let parent = parent
+                    .as_ref()
+                    .and_then(|i| (!held.is_empty()).then(|| held[i.index(held.len())]));
                 let blocks: Vec<StoredBlock> = (0..*len)
                     .map(|_| {
                         next += 1;
@@ -121,7 +136,11 @@ fn run(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
                     parent: parent.map(ExternalBlockHash),
                     blocks,
                 };
-                prop_assert_eq!(index.apply_event(key(*w), event), Ok(()), "a re-announcement is idempotent");
+                prop_assert_eq!(
+                    index.apply_event(key(*w), event),
+                    Ok(()),
+                    "a re-announcement is idempotent"
+                );
                 prop_assert_eq!(index.stats(), before, "a re-announcement changes nothing");
             }
             Op::Remove { w, which } => {
@@ -131,12 +150,20 @@ fn run(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
                 }
                 let held: Vec<u64> = r.held.iter().copied().collect();
                 let b = held[which.index(held.len())];
-                index.apply_event(key(*w), IndexEvent::Removed { blocks: &[ExternalBlockHash(b)] })
+                index
+                    .apply_event(
+                        key(*w),
+                        IndexEvent::Removed {
+                            blocks: &[ExternalBlockHash(b)],
+                        },
+                    )
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 r.held.remove(&b);
             }
             Op::Clear { w } => {
-                index.apply_event(key(*w), IndexEvent::Cleared).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                index
+                    .apply_event(key(*w), IndexEvent::Cleared)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 let r = &mut refs[*w as usize];
                 r.held.clear();
                 r.order.clear();
@@ -149,7 +176,10 @@ fn run(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
             let held: BTreeSet<u64> = index.held_blocks(key(w)).map(|e| e.0).collect();
             prop_assert_eq!(&held, &r.held, "worker {}", w);
         }
-        prop_assert_eq!(index.stats().blocks_evicted, refs.iter().map(|r| r.evicted).sum::<u64>());
+        prop_assert_eq!(
+            index.stats().blocks_evicted,
+            refs.iter().map(|r| r.evicted).sum::<u64>()
+        );
     }
     Ok(())
 }
@@ -195,7 +225,10 @@ fn without_a_cap_nothing_is_evicted_and_with_one_the_oldest_chain_goes_first() {
             // The first chain (stored first) went; the last two are whole.
             assert!((1..=4).all(|e| !index.holds(key(0), ExternalBlockHash(e))));
             let locals: Vec<LocalBlockHash> = (201..=204).map(LocalBlockHash).collect();
-            assert_eq!(index.find_matches(&locals, false).iter().collect::<Vec<_>>(), vec![(key(0), 4)]);
+            assert_eq!(
+                index.find_matches(&locals, false).iter().collect::<Vec<_>>(),
+                vec![(key(0), 4)]
+            );
         }
         index.check_invariants().unwrap();
     }

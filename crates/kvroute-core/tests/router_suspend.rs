@@ -30,10 +30,20 @@ fn a_suspended_worker_keeps_its_view_and_its_events_apply() {
             .unwrap();
     }
     let stored = blocks(0..3);
-    r.handle_kv_event(t, key(1), IndexEvent::Stored { parent: None, blocks: &stored })
-        .unwrap();
+    r.handle_kv_event(
+        t,
+        key(1),
+        IndexEvent::Stored {
+            parent: None,
+            blocks: &stored,
+        },
+    )
+    .unwrap();
     r.handle_worker_suspended(t, key(1)).unwrap();
-    assert!(r.metrics().workers.iter().all(|w| w.spec.key != key(1)), "out of the fleet");
+    assert!(
+        r.metrics().workers.iter().all(|w| w.spec.key != key(1)),
+        "out of the fleet"
+    );
     assert_eq!(r.index().block_count(key(1)), 3, "view kept");
     // Its events still apply while it is out.
     let more = blocks(3..5);
@@ -52,7 +62,10 @@ fn a_suspended_worker_keeps_its_view_and_its_events_apply() {
         locals: &locals,
         prompt_tokens: 5 * 16,
     };
-    match r.handle_request(t, &RouteRequest::new(RequestId(1), prompt)).unwrap() {
+    match r
+        .handle_request(t, &RouteRequest::new(RequestId(1), prompt))
+        .unwrap()
+    {
         RouteOutcome::Routed(d) => assert_eq!(d.worker, key(0)),
         other => panic!("{other:?}"),
     }
@@ -61,7 +74,10 @@ fn a_suspended_worker_keeps_its_view_and_its_events_apply() {
     r.handle_worker_added(t, WorkerSpec::new(key(1), WorkerRole::Aggregated, 1024))
         .unwrap();
     assert_eq!(r.index().block_count(key(1)), 5);
-    match r.handle_request(t, &RouteRequest::new(RequestId(2), prompt)).unwrap() {
+    match r
+        .handle_request(t, &RouteRequest::new(RequestId(2), prompt))
+        .unwrap()
+    {
         RouteOutcome::Routed(d) => assert_eq!((d.worker, d.overlap_blocks), (key(1), 5)),
         other => panic!("{other:?}"),
     }

@@ -210,7 +210,8 @@ impl WorkerConfig {
             return Err(invalid(f("events-mode"), "needs an events endpoint"));
         }
         if let Some(events) = &self.events {
-            check_event_endpoints(events, self.replay.as_deref(), &self.topic).map_err(|m| invalid(f("events"), m))?;
+            check_event_endpoints(events, self.replay.as_deref(), &self.topic)
+                .map_err(|m| invalid(f("events"), m))?;
         }
         // Rank r publishes on the endpoint's port plus r: that port must exist.
         if self.dp_size > 1 {
@@ -252,9 +253,9 @@ fn check_event_endpoints(events: &str, replay: Option<&str>, topic: &str) -> Res
         topic: topic.to_owned(),
         ..kvroute_zmq::SubscriberConfig::new(kvroute_core::ids::WorkerId(0), events)
     };
-    config.validate().map_err(|e| {
-        format!("{e} (a ZMQ endpoint: tcp://HOST:PORT or ipc://PATH)")
-    })?;
+    config
+        .validate()
+        .map_err(|e| format!("{e} (a ZMQ endpoint: tcp://HOST:PORT or ipc://PATH)"))?;
     for (name, endpoint) in [("events", Some(events)), ("replay", replay)] {
         if let Some(endpoint) = endpoint
             && kvroute_zmq::subscriber_mode(endpoint) == kvroute_zmq::SocketMode::Bind
@@ -628,21 +629,37 @@ mod event_endpoint_tests {
         // (flag, accepted, a word the error must contain)
         let cases: &[(&str, bool, &str)] = &[
             ("http://h:1,events=tcp://10.0.0.5:5557", true, ""),
-            ("http://h:1,events=tcp://engine.local:5557,replay=tcp://engine.local:5558", true, ""),
+            (
+                "http://h:1,events=tcp://engine.local:5557,replay=tcp://engine.local:5558",
+                true,
+                "",
+            ),
             ("http://h:1,events=ipc:///run/ev.sock", true, ""),
-            ("http://h:1,events=tcp://127.0.0.1:5557,events-mode=bind", true, ""),
+            (
+                "http://h:1,events=tcp://127.0.0.1:5557,events-mode=bind",
+                true,
+                "",
+            ),
             ("http://h:1,events=garbage", false, "ZMQ endpoint"),
             ("http://h:1,events=tcp://h", false, "ZMQ endpoint"),
-            ("http://h:1,events=tcp://h:1,replay=nonsense", false, "ZMQ endpoint"),
+            (
+                "http://h:1,events=tcp://h:1,replay=nonsense",
+                false,
+                "ZMQ endpoint",
+            ),
             ("http://h:1,events=tcp://*:5557", false, "every interface"),
             ("http://h:1,events=tcp://0.0.0.0:5557", false, "every interface"),
             ("http://h:1,events=tcp://[::]:5557", false, "every interface"),
-            ("http://h:1,events=tcp://h:1,replay=tcp://*:5558", false, "every interface"),
+            (
+                "http://h:1,events=tcp://h:1,replay=tcp://*:5558",
+                false,
+                "every interface",
+            ),
             ("http://h:1,events-mode=bind", false, "needs an events endpoint"),
         ];
         for &(flag, accepted, word) in cases {
-            let result = WorkerConfig::parse_flag(flag)
-                .and_then(|w| w.validate(16, EngineKind::Vllm).map(|()| w));
+            let result =
+                WorkerConfig::parse_flag(flag).and_then(|w| w.validate(16, EngineKind::Vllm).map(|()| w));
             match result {
                 Ok(_) => assert!(accepted, "{flag} was accepted"),
                 Err(e) => {

@@ -110,7 +110,10 @@ impl Views {
 
     /// Asks each of worker `id`'s subscribers to resync.
     pub(crate) fn resync(&self, id: WorkerId) {
-        for (_, (_, trigger)) in self.lock().range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX))) {
+        for (_, (_, trigger)) in self
+            .lock()
+            .range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
+        {
             if let Some(trigger) = trigger {
                 trigger.request();
             }
@@ -124,7 +127,9 @@ impl Views {
         }
         let views = self.lock();
         let (mut since, mut lost, mut ranks) = (u64::MAX, 0u64, Vec::new());
-        for (key, (state, _)) in views.range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX))) {
+        for (key, (state, _)) in
+            views.range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
+        {
             if let ViewState::RebuiltAfterGap {
                 since_unix_ms,
                 lost_batches,
@@ -307,7 +312,11 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
     };
     match event {
         SubscriberEvent::Batch { worker, batch } => {
-            if batch.events.iter().any(|e| matches!(e, WireEvent::AllBlocksCleared)) {
+            if batch
+                .events
+                .iter()
+                .any(|e| matches!(e, WireEvent::AllBlocksCleared))
+            {
                 // The engine emptied its cache: from here on the view is exact again.
                 shared.views.set(worker, ViewState::Live);
             }

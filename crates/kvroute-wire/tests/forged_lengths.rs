@@ -60,5 +60,8 @@ fn length_headers_claiming_4_gib_are_refused_without_allocating_it() {
         refused * 2 > forged_count,
         "only {refused} of {forged_count} forged payloads refused"
     );
-    assert!(forged_count > 100, "only {forged_count} headers forged: the fixtures are missing?");
+    assert!(
+        forged_count > 100,
+        "only {forged_count} headers forged: the fixtures are missing?"
+    );
 }

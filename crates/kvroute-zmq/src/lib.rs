@@ -158,7 +158,9 @@
 //!   topic): sequence numbers are per publisher, so a subscriber follows one engine. In bind
 //!   mode, give each worker its own port.
 //! * Snapshots of a worker's whole cache (a proposal upstream, not a protocol yet), CURVE
-//!   security, and a high-water-mark setting (the `zeromq` crate has none).
+//!   security, and a high-water-mark setting or message-size limit (the `zeromq` crate has
+//!   neither: it reserves the length a frame claims, so a bound SUB must listen only where
+//!   its engines are; `tests/zmtp_fuzz.rs`).
 #![forbid(unsafe_code)]
 
 mod error;

@@ -400,7 +400,9 @@ async fn sub_socket(topic: &str) -> Result<SubSocket, ZmqError> {
 }
 
 /// The next event of the socket's monitor; never, once the monitor has ended.
-async fn next_event(monitor: &mut Option<futures::channel::mpsc::Receiver<SocketEvent>>) -> Option<SocketEvent> {
+async fn next_event(
+    monitor: &mut Option<futures::channel::mpsc::Receiver<SocketEvent>>,
+) -> Option<SocketEvent> {
     match monitor {
         Some(events) => events.next().await,
         None => std::future::pending().await,

@@ -866,9 +866,17 @@ async fn a_publisher_back_after_a_long_outage_is_heard_from_within_the_reconnect
     };
     let late = back.elapsed();
     assert!(
-        matches!(heard, SubscriberEvent::Restarted { .. } | SubscriberEvent::Batch { .. } | SubscriberEvent::GapLost { .. }),
+        matches!(
+            heard,
+            SubscriberEvent::Restarted { .. }
+                | SubscriberEvent::Batch { .. }
+                | SubscriberEvent::GapLost { .. }
+        ),
         "{heard:?}"
     );
-    assert!(late < Duration::from_millis(3_000), "heard {late:?} after the publisher was back");
+    assert!(
+        late < Duration::from_millis(3_000),
+        "heard {late:?} after the publisher was back"
+    );
     assert!(handle.counters().snapshot().reconnects >= 1);
 }

@@ -14,7 +14,9 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use kvroute_core::ids::WorkerId;
-use kvroute_zmq::{EventPublisher, PublisherConfig, SocketMode, SubscriberConfig, SubscriberEvent, spawn_subscriber};
+use kvroute_zmq::{
+    EventPublisher, PublisherConfig, SocketMode, SubscriberConfig, SubscriberEvent, spawn_subscriber,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use tokio::sync::mpsc;
@@ -53,7 +55,11 @@ struct Frame {
 #[derive(Clone, Debug)]
 enum Input {
     Raw(Vec<u8>),
-    Zmtp { frames: Vec<Frame>, cut: Option<prop::sample::Index>, greet: bool },
+    Zmtp {
+        frames: Vec<Frame>,
+        cut: Option<prop::sample::Index>,
+        greet: bool,
+    },
 }
 
 fn frame() -> impl Strategy<Value = Frame> {

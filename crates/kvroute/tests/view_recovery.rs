@@ -124,10 +124,7 @@ fn incidents(proxy: &ProxyHandle, kind: &str) -> u64 {
 
 /// Waits until `done` holds of the proxy, checked after each change it reports.
 async fn until(proxy: &ProxyHandle, what: &str, done: impl Fn(&ProxyHandle) -> bool) {
-    let reached = proxy
-        .shared
-        .wait_for_kv(PATIENCE, |_| done(proxy))
-        .await;
+    let reached = proxy.shared.wait_for_kv(PATIENCE, |_| done(proxy)).await;
     assert!(
         reached,
         "never: {what} (cached {}, view {:?}, {:?})",
@@ -154,7 +151,11 @@ async fn join(proxy: &ProxyHandle, publisher: &EventPublisher) {
         {
             return;
         }
-        assert!(t0.elapsed() < PATIENCE, "the proxy never joined: {:?}", counters(proxy));
+        assert!(
+            t0.elapsed() < PATIENCE,
+            "the proxy never joined: {:?}",
+            counters(proxy)
+        );
     }
 }
 
@@ -199,9 +200,16 @@ async fn a_gap_inside_the_replay_buffer_is_replayed_and_the_view_is_complete() {
     publish(&publisher, vec![stored(4, 2, Some(3))]);
     publish(&publisher, vec![stored(6, 1, Some(5))]);
     publish(&publisher, vec![stored(7, 1, Some(6))]);
-    until(&proxy, "all 7 blocks, the 3 lost ones replayed", |p| cached(p) == 7).await;
+    until(&proxy, "all 7 blocks, the 3 lost ones replayed", |p| {
+        cached(p) == 7
+    })
+    .await;
     let c = counters(&proxy);
-    assert_eq!((c.gaps_detected, c.gaps_recovered, c.gaps_lost), (1, 1, 0), "{c:?}");
+    assert_eq!(
+        (c.gaps_detected, c.gaps_recovered, c.gaps_lost),
+        (1, 1, 0),
+        "{c:?}"
+    );
     assert_eq!(view(&proxy), ViewSummary::Live);
     assert_eq!(incidents(&proxy, "gap_lost"), 0);
     publisher.shutdown().await;
@@ -219,7 +227,10 @@ async fn a_gap_beyond_the_replay_buffer_clears_the_view_says_so_and_new_events_r
     // Five batches lost; the engine buffers only the last of them and the one that shows it.
     publisher.drop_next(5);
     for i in 0..5 {
-        publish(&publisher, vec![stored(10 + i, 1, Some(if i == 0 { 3 } else { 9 + i }))]);
+        publish(
+            &publisher,
+            vec![stored(10 + i, 1, Some(if i == 0 { 3 } else { 9 + i }))],
+        );
     }
     publish(&publisher, vec![stored(100, 2, None)]);
     until(&proxy, "the view cleared and rebuilt from what followed", |p| {
@@ -244,9 +255,20 @@ async fn a_gap_beyond_the_replay_buffer_clears_the_view_says_so_and_new_events_r
         .uri(format!("{}/admin/workers", proxy.url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    let body = http.request(req).await.unwrap().into_body().collect().await.unwrap().to_bytes();
+    let body = http
+        .request(req)
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
     let listing: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(listing["workers"][0]["view"]["state"], "rebuilt_after_gap", "{listing}");
+    assert_eq!(
+        listing["workers"][0]["view"]["state"], "rebuilt_after_gap",
+        "{listing}"
+    );
     assert_eq!(listing["workers"][0]["view"]["since_unix_ms"], since, "{listing}");
 
     // New events keep rebuilding it.
@@ -254,7 +276,10 @@ async fn a_gap_beyond_the_replay_buffer_clears_the_view_says_so_and_new_events_r
     until(&proxy, "the rebuilt view growing", |p| cached(p) == 5).await;
     // A cache reset makes the view exact again.
     publish(&publisher, vec![WireEvent::AllBlocksCleared]);
-    until(&proxy, "the view live again", |p| view(p) == ViewSummary::Live && cached(p) == 0).await;
+    until(&proxy, "the view live again", |p| {
+        view(p) == ViewSummary::Live && cached(p) == 0
+    })
+    .await;
     publisher.shutdown().await;
 }
 
@@ -280,7 +305,10 @@ async fn a_health_flap_without_restart_keeps_the_view_and_replays_what_was_misse
         proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
     }
     assert!(proxy.shared.any_routable());
-    until(&proxy, "the kept view and the 3 missed blocks", |p| cached(p) == 6).await;
+    until(&proxy, "the kept view and the 3 missed blocks", |p| {
+        cached(p) == 6
+    })
+    .await;
     let c = counters(&proxy);
     assert_eq!((c.restarts, c.gaps_lost), (0, 0), "{c:?}");
     assert!(c.resyncs >= 2, "at startup and when back: {c:?}");
@@ -298,7 +326,12 @@ async fn the_view_is_bounded_per_worker_and_evictions_are_counted() {
     publish(&publisher, vec![stored(1, 3, None)]);
     publish(&publisher, vec![stored(10, 3, None)]);
     until(&proxy, "both chains applied", |p| {
-        p.shared.metrics.kv_events.with_label_values(&["stored", "ok"]).get() == 2
+        p.shared
+            .metrics
+            .kv_events
+            .with_label_values(&["stored", "ok"])
+            .get()
+            == 2
     })
     .await;
     assert_eq!(cached(&proxy), 4);

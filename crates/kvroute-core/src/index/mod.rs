@@ -435,7 +435,10 @@ impl PrefixIndex {
         } = self;
         let (word, bit) = (slot / 64, 1u64 << (slot % 64));
         let capped = cap.is_some();
-        let Some(WorkerSlot { blocks: map, order, .. }) = &mut slots[slot] else {
+        let Some(WorkerSlot {
+            blocks: map, order, ..
+        }) = &mut slots[slot]
+        else {
             unreachable!("slot {slot} is registered in slot_of")
         };
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
