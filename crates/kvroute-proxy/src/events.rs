@@ -75,10 +75,13 @@ pub enum ViewSummary {
 
 /// Every subscribed rank's view state and resync trigger.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Views(Arc<Mutex<BTreeMap<WorkerKey, (ViewState, Option<ResyncTrigger>)>>>);
+pub(crate) struct Views(Arc<Mutex<ViewBook>>);
+
+/// Each rank's view state, and its subscriber's resync trigger once started.
+type ViewBook = BTreeMap<WorkerKey, (ViewState, Option<ResyncTrigger>)>;
 
 impl Views {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<WorkerKey, (ViewState, Option<ResyncTrigger>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ViewBook> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -749,16 +749,6 @@ async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
     assert!(!second.is_finished());
 }
 
-/// The next event that is not a batch of empty warm-up events.
-async fn next_non_batch(rx: &mut mpsc::Receiver<SubscriberEvent>) -> SubscriberEvent {
-    loop {
-        match next(rx).await {
-            SubscriberEvent::Batch { .. } => {}
-            other => return other,
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_is_seen_before_the_new_run_publishes_anything() {
     // An engine restarted in place on the same ports, idle since: the subscriber reconnects by

@@ -410,7 +410,7 @@ impl PrefixIndex {
             // Keep the first entry of each block still held (a block removed and stored again
             // is listed twice; its first place in line is kept).
             let mut seen: hashbrown::HashSet<u64, BuildKeyHasher> =
-                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher::default());
+                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher);
             let blocks = &s.blocks;
             s.order.retain(|&e| blocks.get(e).is_some() && seen.insert(e));
         }
