@@ -214,6 +214,9 @@ pub struct MockArgs {
     /// Publish no KV events.
     #[arg(long)]
     pub no_events: bool,
+    /// Batches each worker rank's replay socket keeps (vLLM's buffer_steps).
+    #[arg(long, default_value_t = 10_000)]
+    pub replay_buffer: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
@@ -295,6 +298,7 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     config.dp_size = args.dp;
     config.events = !args.no_events;
     config.encoding = encoding(&args.encoding)?;
+    config.replay_buffer_steps = args.replay_buffer;
     config.engine.speedup = args.speedup;
     config.engine.block_size = args.block_size;
     config.engine.num_blocks = args.num_blocks;

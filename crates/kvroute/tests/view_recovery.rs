@@ -341,3 +341,18 @@ async fn the_view_is_bounded_per_worker_and_evictions_are_counted() {
     assert!(page.contains("kvroute_index_blocks_evicted_total 2"), "{page}");
     publisher.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_startup_the_view_takes_what_the_engine_still_buffers_without_waiting() {
+    // The engine ran before the proxy came and publishes nothing after: its replay buffer is
+    // all the proxy can learn from, and it learns it at once.
+    let publisher = engine(10_000).await;
+    publish(&publisher, vec![stored(1, 3, None)]);
+    publish(&publisher, vec![stored(4, 2, Some(3))]);
+    let proxy = proxy_for(&publisher).await;
+    until(&proxy, "the buffered 5 blocks", |p| cached(p) == 5).await;
+    let c = counters(&proxy);
+    assert_eq!((c.emitted, c.replayed, c.gaps_lost), (2, 2, 0), "{c:?}");
+    assert_eq!(view(&proxy), ViewSummary::Live);
+    publisher.shutdown().await;
+}
