@@ -36,6 +36,9 @@ pub struct MockConfig {
     pub events: bool,
     /// How events are encoded.
     pub encoding: EventEncoding,
+    /// Batches each rank's replay socket can send again (vLLM's `buffer_steps`; asked for an
+    /// older one, it starts at the oldest it has, as vLLM does). Default 10,000.
+    pub replay_buffer_steps: usize,
     /// The engine of each worker (`speedup` divides modeled times).
     pub engine: EngineConfig,
     /// Output tokens of a request that names no `max_tokens`.
@@ -62,6 +65,7 @@ impl MockConfig {
             dp_size: 1,
             events: true,
             encoding: EventEncoding::Map,
+            replay_buffer_steps: kvroute_zmq::DEFAULT_BUFFER_STEPS,
             engine: Self::default_engine(),
             default_max_tokens: 16,
             model_name: "tiny".to_owned(),

@@ -248,6 +248,7 @@ async fn start_publishers(
                     EventPublisher::start(PublisherConfig {
                         replay_endpoint: Some(replay),
                         encoding: config.encoding,
+                        buffer_steps: config.replay_buffer_steps,
                         ..PublisherConfig::new(events)
                     })
                     .await

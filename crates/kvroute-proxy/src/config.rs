@@ -58,6 +58,12 @@ pub struct WorkerConfig {
     /// predicts).
     #[serde(default)]
     pub events: Option<String>,
+    /// Whether kvroute connects to `events` (the default: the engine binds, as vLLM does for
+    /// `tcp://*:P` and `ipc://` endpoints) or binds it (`bind`: the engine connects, as vLLM does
+    /// for a concrete `tcp://host:P`). A bound endpoint must name its interface: wildcards
+    /// (`*`, `0.0.0.0`, `::`) are refused, as they would listen on every interface.
+    #[serde(default)]
+    pub events_mode: Option<kvroute_zmq::SocketMode>,
     /// The worker's replay ROUTER endpoint, for filling sequence gaps.
     #[serde(default)]
     pub replay: Option<String>,
@@ -119,6 +125,7 @@ impl WorkerConfig {
         Self {
             url: url.into(),
             events: None,
+            events_mode: None,
             replay: None,
             topic: String::new(),
             block_size: None,
@@ -132,9 +139,9 @@ impl WorkerConfig {
         }
     }
 
-    /// Parses the flag form `URL[,events=EP][,replay=EP][,topic=T][,dp=N][,block-size=N]
-    /// [,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N][,engine=vllm|sglang]
-    /// [,api-key=K]`: the keys of a `[[worker]]` table.
+    /// Parses the flag form `URL[,events=EP][,events-mode=bind|connect][,replay=EP][,topic=T]
+    /// [,dp=N][,block-size=N][,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N]
+    /// [,engine=vllm|sglang][,api-key=K]`: the keys of a `[[worker]]` table.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
             let n: u64 = v
@@ -153,6 +160,18 @@ impl WorkerConfig {
                 .ok_or_else(|| invalid("--worker", format!("{part:?} is not key=value")))?;
             match k.trim() {
                 "events" => w.events = Some(v.to_owned()),
+                "events-mode" => {
+                    w.events_mode = Some(match v {
+                        "bind" => kvroute_zmq::SocketMode::Bind,
+                        "connect" => kvroute_zmq::SocketMode::Connect,
+                        other => {
+                            return Err(invalid(
+                                "--worker",
+                                format!("events-mode={other:?}: bind or connect"),
+                            ));
+                        }
+                    })
+                }
                 "replay" => w.replay = Some(v.to_owned()),
                 "topic" => w.topic = v.to_owned(),
                 "dp" => w.dp_size = num(k, v)?,
@@ -207,6 +226,13 @@ impl WorkerConfig {
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));
         }
+        if self.events_mode.is_some() && self.events.is_none() {
+            return Err(invalid(f("events-mode"), "needs an events endpoint"));
+        }
+        if let Some(events) = &self.events {
+            check_event_endpoints(events, self.replay.as_deref(), &self.topic)
+                .map_err(|m| invalid(f("events"), m))?;
+        }
         // Rank r publishes on the endpoint's port plus r: that port must exist.
         if self.dp_size > 1 {
             for (field, endpoint) in [("events", &self.events), ("replay", &self.replay)] {
@@ -243,6 +269,32 @@ const TOKEN_RULE: &str = "must be 1 to 4096 visible ASCII characters, without sp
 
 fn is_token(s: &str) -> bool {
     !s.is_empty() && s.len() <= 4096 && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// Checks a worker's KV-event endpoints: ZMQ endpoints (`tcp://host:port`, `ipc://path`), with
+/// no wildcard host, which would make kvroute listen on every interface (the events endpoint)
+/// or name nothing to connect to (the replay endpoint, which kvroute always connects to).
+fn check_event_endpoints(events: &str, replay: Option<&str>, topic: &str) -> Result<(), String> {
+    let config = kvroute_zmq::SubscriberConfig {
+        replay_endpoint: replay.map(str::to_owned),
+        topic: topic.to_owned(),
+        ..kvroute_zmq::SubscriberConfig::new(kvroute_core::ids::WorkerId(0), events)
+    };
+    config
+        .validate()
+        .map_err(|e| format!("{e} (a ZMQ endpoint: tcp://HOST:PORT or ipc://PATH)"))?;
+    for (name, endpoint) in [("events", Some(events)), ("replay", replay)] {
+        if let Some(endpoint) = endpoint
+            && kvroute_zmq::subscriber_mode(endpoint) == kvroute_zmq::SocketMode::Bind
+        {
+            return Err(format!(
+                "{name}={endpoint} has a wildcard host, which would listen on every interface; \
+                 name the engine's host to connect to, or, for an engine that connects to \
+                 kvroute, the interface to listen on with events-mode=bind"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The core's role named `name` (`agg`, `prefill`, `decode`), by the core's own names.
@@ -339,6 +391,11 @@ pub struct ServeConfig {
     pub health_success_threshold: u32,
     /// Runtime worker threads (0: one per core). Default 0.
     pub threads: usize,
+    /// The most KV blocks the router's view keeps per worker rank; past it, the rank's oldest
+    /// blocks are evicted (counted in `kvroute_index_blocks_evicted_total`). Engines' own
+    /// removals keep a view within the engine's cache; this bounds memory when they are lost.
+    /// Default 1,048,576 (about 70 MiB per rank at its fullest).
+    pub max_blocks_per_worker: usize,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -377,6 +434,7 @@ impl Default for ServeConfig {
             health_failure_threshold: 3,
             health_success_threshold: 2,
             threads: 0,
+            max_blocks_per_worker: 1 << 20,
             workers: Vec::new(),
         }
     }
@@ -472,6 +530,10 @@ impl ServeConfig {
                 capacity: self.queue_capacity,
                 ..QueueConfig::default()
             },
+            max_blocks_per_worker: Some(
+                std::num::NonZeroUsize::new(self.max_blocks_per_worker)
+                    .ok_or_else(|| invalid("max-blocks-per-worker", "must be at least 1"))?,
+            ),
             ..RouterConfig::default()
         };
         router.validate()?;
@@ -726,5 +788,64 @@ mod tests {
         let w = WorkerConfig::parse_flag("http://h:1,role=decode,bootstrap-port=8998").unwrap();
         assert!(w.validate(16, EngineKind::Sglang).is_err());
         assert!(WorkerConfig::parse_flag("http://h:1,bootstrap-port=70000").is_err());
+    }
+}
+
+#[cfg(test)]
+mod event_endpoint_tests {
+    use super::*;
+
+    #[test]
+    fn event_endpoints_must_parse_and_name_their_interface() {
+        // (flag, accepted, a word the error must contain)
+        let cases: &[(&str, bool, &str)] = &[
+            ("http://h:1,events=tcp://10.0.0.5:5557", true, ""),
+            (
+                "http://h:1,events=tcp://engine.local:5557,replay=tcp://engine.local:5558",
+                true,
+                "",
+            ),
+            ("http://h:1,events=ipc:///run/ev.sock", true, ""),
+            (
+                "http://h:1,events=tcp://127.0.0.1:5557,events-mode=bind",
+                true,
+                "",
+            ),
+            ("http://h:1,events=garbage", false, "ZMQ endpoint"),
+            ("http://h:1,events=tcp://h", false, "ZMQ endpoint"),
+            (
+                "http://h:1,events=tcp://h:1,replay=nonsense",
+                false,
+                "ZMQ endpoint",
+            ),
+            ("http://h:1,events=tcp://*:5557", false, "every interface"),
+            ("http://h:1,events=tcp://0.0.0.0:5557", false, "every interface"),
+            ("http://h:1,events=tcp://[::]:5557", false, "every interface"),
+            (
+                "http://h:1,events=tcp://h:1,replay=tcp://*:5558",
+                false,
+                "every interface",
+            ),
+            ("http://h:1,events-mode=bind", false, "needs an events endpoint"),
+        ];
+        for &(flag, accepted, word) in cases {
+            let result =
+                WorkerConfig::parse_flag(flag).and_then(|w| w.validate(16, EngineKind::Vllm).map(|()| w));
+            match result {
+                Ok(_) => assert!(accepted, "{flag} was accepted"),
+                Err(e) => {
+                    assert!(!accepted, "{flag}: {e}");
+                    assert!(e.to_string().contains(word), "{flag}: {e}");
+                }
+            }
+        }
+        assert!(WorkerConfig::parse_flag("http://h:1,events=tcp://h:1,events-mode=listen").is_err());
+        let w = WorkerConfig::parse_flag("http://h:1,events=tcp://127.0.0.1:5557,events-mode=bind").unwrap();
+        assert_eq!(w.events_mode, Some(kvroute_zmq::SocketMode::Bind));
+        let c = ServeConfig::from_toml_str(
+            "[[worker]]\nurl = \"http://h:1\"\nevents = \"tcp://127.0.0.1:5557\"\nevents-mode = \"bind\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.workers[0].events_mode, Some(kvroute_zmq::SocketMode::Bind));
     }
 }

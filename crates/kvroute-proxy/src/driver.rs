@@ -28,6 +28,7 @@ use tokio::sync::oneshot;
 
 use crate::checks::{self, Check, Verdict};
 use crate::config::{ServeConfig, WorkerConfig};
+use crate::events::Views;
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Transition, WorkerStatus};
 use crate::worker::{HealthPolicy, WorkerEvent, WorkerState};
@@ -70,6 +71,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// The configuration.
     pub config: ServeConfig,
+    /// Each worker rank's cache view: its state, and how to resync it.
+    pub(crate) views: Views,
 }
 
 impl std::fmt::Debug for Shared {
@@ -123,6 +126,7 @@ impl Shared {
             changes: tokio::sync::watch::Sender::new(0),
             metrics,
             config,
+            views: Views::default(),
         })
     }
 
@@ -345,19 +349,36 @@ impl Shared {
         Some(t.to)
     }
 
-    /// What worker `id`'s change of state means for the router: its ranks enter it (with an
-    /// empty cache view: a worker that failed lost its cache), drain, or leave it.
+    /// What worker `id`'s change of state means for the router: its ranks enter it, drain, or
+    /// leave it. A worker that fails its health checks leaves the fleet but keeps its cache
+    /// view, which its KV events go on updating (its cache may have survived: a restart shows
+    /// in its event stream and clears it); when it is back, its view is resynced through the
+    /// replay socket, which fetches what was missed and tells whether the engine restarted.
+    /// Any other exit forgets the view.
     fn effect(&self, inner: &mut Inner, id: WorkerId, t: Transition) {
         if t.from == t.to {
             return;
         }
         let now = self.now();
         match (t.from.in_router(), t.to.in_router()) {
-            (false, true) => self.enter(inner, id),
-            (true, false) => {
+            (false, true) => {
+                self.enter(inner, id);
+                if matches!(t.from, WorkerState::Unhealthy { .. }) {
+                    self.views.resync(id);
+                }
+            }
+            (_, false) => {
+                let suspend = matches!(t.to, WorkerState::Unhealthy { .. });
                 for rank in 0..t.ranks {
                     let key = WorkerKey::new(id, DpRank(rank));
-                    if let Ok(out) = inner.router.handle_worker_removed(now, key) {
+                    let out = if suspend {
+                        inner.router.handle_worker_suspended(now, key)
+                    } else {
+                        // Also forgets the view of a worker suspended before (an error for one
+                        // that was already removed, which is ignored).
+                        inner.router.handle_worker_removed(now, key)
+                    };
+                    if let Ok(out) = out {
                         self.dispatch(inner, out);
                     }
                 }
@@ -390,7 +411,8 @@ impl Shared {
         }
     }
 
-    /// Puts worker `id`'s ranks in the router, with an empty cache view.
+    /// Puts worker `id`'s ranks in the router, with an empty cache view (or the one kept while
+    /// it was unhealthy).
     fn enter(&self, inner: &mut Inner, id: WorkerId) {
         let Some(w) = inner.registry.get(id) else { return };
         let specs: Vec<WorkerSpec> = (0..w.config.dp_size)
@@ -519,6 +541,7 @@ impl Shared {
                 }
                 WorkerStatus {
                     id: id.0,
+                    view: self.views.summary(id, w.config.events.is_some()),
                     config: w.config.clone(),
                     state: w.state.name(),
                     routable: w.state.routable(),

@@ -4,13 +4,21 @@
 //! rank's own endpoints (vLLM's and SGLang's rule: the port plus the rank,
 //! [`kvroute_zmq::rank_endpoint`]), and its reports name the rank. Gaps are filled by the
 //! subscriber through the rank's replay socket; what it cannot fill arrives as `GapLost`, and
-//! that rank's cache view is cleared (never route on blocks that may be gone). While a
-//! subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
+//! that rank's cache view is cleared (never route on blocks that may be gone) and said to be
+//! [`ViewState::RebuiltAfterGap`] (a warning, `kvroute_kv_stream_incidents_total{kind=
+//! "gap_lost"}`, and the admin listing's `view`) until it is exact again: the engine restarted
+//! (its cache is empty, its new run replayed) or cleared its cache. Meanwhile it is rebuilt
+//! from the engine's new events (and, with `cache = "predict"`, the router's own decisions).
+//! While a subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
+//!
+//! A worker out of routing for failed health checks keeps its view and its events still
+//! apply; when it is back, [`Views::resync`] has its subscribers check the stream against the
+//! engine's replay buffer (see [`kvroute_zmq::ResyncTrigger`]).
 //!
 //! Reports are converted (and hashed) outside the router's lock, then applied through the
-//! driver's one door to the router ([`Shared`]); a worker out of the router takes none.
+//! driver's one door to the router ([`Shared`]); a drained or removed worker takes none.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
@@ -19,11 +27,147 @@ use kvroute_core::router::{IndexEvent, RouterError};
 use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
 use tokio::sync::mpsc;
 
-use kvroute_zmq::{SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
+use kvroute_zmq::{ResyncTrigger, SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
+use serde::Serialize;
 
 use crate::config::WorkerConfig;
 use crate::driver::Shared;
 use crate::metrics::KvSubscriberCounters;
+use crate::registry::Registry;
+use crate::worker::WorkerState;
+
+/// How far one rank's cache view can be trusted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ViewState {
+    /// Every batch of the engine's current run was applied, in order.
+    Live,
+    /// Batches were lost for good (a gap the replay could not cover, or no replay socket): the
+    /// view was cleared then, and holds only what arrived since.
+    RebuiltAfterGap {
+        /// When the view was cleared, in milliseconds since the Unix epoch.
+        since_unix_ms: u64,
+        /// Batches lost since the view was last exact.
+        lost_batches: u64,
+    },
+}
+
+/// A worker's view as the admin API lists it: `none` without KV events, else the least
+/// trusted of its ranks' states, with the ranks in that state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ViewSummary {
+    /// No KV events configured: the router sees the worker's cache only through its own
+    /// decisions, if the cache mode predicts.
+    None,
+    /// Every rank's view is [`ViewState::Live`].
+    Live,
+    /// Some ranks lost batches ([`ViewState::RebuiltAfterGap`]).
+    RebuiltAfterGap {
+        /// The earliest of those ranks' `since_unix_ms`.
+        since_unix_ms: u64,
+        /// Batches lost, summed over those ranks.
+        lost_batches: u64,
+        /// Those ranks.
+        ranks: Vec<u32>,
+    },
+}
+
+/// Every subscribed rank's view state and resync trigger.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Views(Arc<Mutex<ViewBook>>);
+
+/// Each rank's view state, and its subscriber's resync trigger once started.
+type ViewBook = BTreeMap<WorkerKey, (ViewState, Option<ResyncTrigger>)>;
+
+impl Views {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ViewBook> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set(&self, key: WorkerKey, state: ViewState) {
+        self.lock().entry(key).or_insert((ViewState::Live, None)).0 = state;
+    }
+
+    fn lost(&self, key: WorkerKey, batches: u64) {
+        let mut views = self.lock();
+        let entry = views.entry(key).or_insert((ViewState::Live, None));
+        entry.0 = match entry.0 {
+            ViewState::Live => ViewState::RebuiltAfterGap {
+                since_unix_ms: unix_ms(),
+                lost_batches: batches,
+            },
+            ViewState::RebuiltAfterGap {
+                since_unix_ms,
+                lost_batches,
+            } => ViewState::RebuiltAfterGap {
+                since_unix_ms,
+                lost_batches: lost_batches.saturating_add(batches),
+            },
+        };
+    }
+
+    fn forget(&self, worker: WorkerId) {
+        self.lock().retain(|key, _| key.worker != worker);
+    }
+
+    /// Asks each of worker `id`'s subscribers to resync.
+    pub(crate) fn resync(&self, id: WorkerId) {
+        for (_, (_, trigger)) in self
+            .lock()
+            .range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
+        {
+            if let Some(trigger) = trigger {
+                trigger.request();
+            }
+        }
+    }
+
+    /// Worker `id`'s view, for the admin API.
+    pub(crate) fn summary(&self, id: WorkerId, has_events: bool) -> ViewSummary {
+        if !has_events {
+            return ViewSummary::None;
+        }
+        let views = self.lock();
+        let (mut since, mut lost, mut ranks) = (u64::MAX, 0u64, Vec::new());
+        for (key, (state, _)) in
+            views.range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
+        {
+            if let ViewState::RebuiltAfterGap {
+                since_unix_ms,
+                lost_batches,
+            } = *state
+            {
+                since = since.min(since_unix_ms);
+                lost = lost.saturating_add(lost_batches);
+                ranks.push(key.dp_rank.0);
+            }
+        }
+        if ranks.is_empty() {
+            ViewSummary::Live
+        } else {
+            ViewSummary::RebuiltAfterGap {
+                since_unix_ms: since,
+                lost_batches: lost,
+                ranks,
+            }
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether worker `id`'s cache view is kept (so its events apply): while it is in the router,
+/// and while it is out for failing health checks.
+fn keeps_view(registry: &Registry, id: WorkerId) -> bool {
+    registry
+        .get(id)
+        .is_some_and(|w| w.state.in_router() || matches!(w.state, WorkerState::Unhealthy { .. }))
+}
 
 /// The feed: a channel into the router, and the subscribers that write to it (one task per
 /// rank of each worker).
@@ -31,6 +175,7 @@ pub struct EventFeed {
     tx: mpsc::Sender<SubscriberEvent>,
     subscribers: Mutex<HashMap<WorkerId, Vec<tokio::task::JoinHandle<()>>>>,
     exported: KvSubscriberCounters,
+    views: Views,
 }
 
 /// A subscriber's counters exported for as long as this lives (it lives in the subscriber's
@@ -57,6 +202,7 @@ impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
         let exported = shared.metrics.kv_subscribers.clone();
+        let views = shared.views.clone();
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
@@ -68,6 +214,7 @@ impl EventFeed {
             tx,
             subscribers: Mutex::new(HashMap::new()),
             exported,
+            views,
         }
     }
 
@@ -97,6 +244,7 @@ impl EventFeed {
                 rank: DpRank(rank),
                 replay_endpoint: replay,
                 topic: config.topic.clone(),
+                mode: config.events_mode,
                 ..SubscriberConfig::new(id, events)
             };
             tasks.push(self.spawn(sub));
@@ -113,6 +261,7 @@ impl EventFeed {
         let key = WorkerKey::new(sub.worker, sub.rank);
         let tx = self.tx.clone();
         let exported = self.exported.clone();
+        let views = self.views.clone();
         tokio::spawn(async move {
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
@@ -122,6 +271,7 @@ impl EventFeed {
                 }
             };
             let counters = Arc::clone(handle.counters());
+            views.lock().entry(key).or_insert((ViewState::Live, None)).1 = Some(handle.resync_trigger());
             exported.insert(key, Arc::clone(&counters));
             let export = Exported {
                 exported,
@@ -139,6 +289,7 @@ impl EventFeed {
         if let Some(tasks) = subs.remove(&id) {
             tasks.iter().for_each(tokio::task::JoinHandle::abort);
         }
+        self.views.forget(id);
     }
 }
 
@@ -163,20 +314,40 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
             .inc();
     };
     match event {
-        SubscriberEvent::Batch { worker, batch } => apply_batch(shared, batch.worker_key(worker), &batch),
+        SubscriberEvent::Batch { worker, batch } => {
+            if batch
+                .events
+                .iter()
+                .any(|e| matches!(e, WireEvent::AllBlocksCleared))
+            {
+                // The engine emptied its cache: from here on the view is exact again.
+                shared.views.set(worker, ViewState::Live);
+            }
+            apply_batch(shared, batch.worker_key(worker), &batch);
+        }
         SubscriberEvent::Restarted { worker } => {
+            tracing::info!(
+                worker = worker.worker.0,
+                rank = worker.dp_rank.0,
+                "KV-event publisher restarted; clearing the rank's cache view"
+            );
             incident("restarted");
             clear(shared, worker);
+            // A new engine has an empty cache: the view is exact again.
+            shared.views.set(worker, ViewState::Live);
         }
         SubscriberEvent::GapLost { worker, missing } => {
+            let lost = missing.end.saturating_sub(missing.start);
             tracing::warn!(
                 worker = worker.worker.0,
                 rank = worker.dp_rank.0,
-                missing = missing.end.saturating_sub(missing.start),
-                "KV events lost; clearing the rank's cache view"
+                missing = lost,
+                first = missing.start,
+                "KV events lost for good; clearing the rank's cache view, rebuilt from new events"
             );
             incident("gap_lost");
             clear(shared, worker);
+            shared.views.lost(worker, lost);
         }
         SubscriberEvent::Error { worker, error } => {
             tracing::debug!(
@@ -192,7 +363,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
 
 fn clear(shared: &Shared, key: WorkerKey) {
     shared.with_router(|router, now, registry| {
-        if registry.get(key.worker).is_some() {
+        if keeps_view(registry, key.worker) {
             let _ = router.handle_kv_event(now, key, IndexEvent::Cleared);
         }
     });
@@ -219,7 +390,7 @@ fn apply_batch(shared: &Shared, key: WorkerKey, batch: &EventBatch) {
         .collect();
     let counter = &shared.metrics.kv_events;
     shared.with_router(|router, now, registry| {
-        if !registry.in_router(key.worker) {
+        if !keeps_view(registry, key.worker) {
             return;
         }
         for (kind, conversion) in converted {

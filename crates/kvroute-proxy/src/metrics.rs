@@ -81,6 +81,8 @@ pub struct Metrics {
     pub kv_stream_incidents: IntCounterVec,
     /// Requests active in the router now.
     pub active_requests: IntGauge,
+    /// Blocks the index evicted to keep a worker within `max-blocks-per-worker`.
+    pub index_blocks_evicted: IntCounter,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
 }
@@ -256,6 +258,17 @@ const SUBSCRIBER_COUNTERS: &[(&str, &str, CounterField)] = &[
         "kvroute_kv_events_socket_errors_total",
         "Errors of a worker's live KV-event socket.",
         |c| c.socket_errors,
+    ),
+    (
+        "kvroute_kv_events_reconnects_total",
+        "Times a worker's KV-event socket lost its publisher and connected again.",
+        |c| c.reconnects,
+    ),
+    (
+        "kvroute_kv_events_resyncs_total",
+        "Resyncs of a worker's KV events through its replay socket (after a (re)connection, \
+         or when it is back from failed health checks).",
+        |c| c.resyncs,
     ),
 ];
 
@@ -626,6 +639,10 @@ impl Metrics {
                 &["kind"],
             ),
             active_requests: r.gauge("kvroute_router_active_requests", "Requests booked in the router."),
+            index_blocks_evicted: r.counter(
+                "kvroute_index_blocks_evicted_total",
+                "KV blocks the router's view evicted to keep a worker within max-blocks-per-worker.",
+            ),
             kv_subscribers,
             registry: r.0,
         }
@@ -743,6 +760,11 @@ impl Metrics {
             .with_label_values(&["decode"])
             .set(snapshot.queued_now as i64);
         self.active_requests.set(snapshot.active_now as i64);
+        let evicted = snapshot.index.blocks_evicted;
+        if evicted > self.index_blocks_evicted.get() {
+            self.index_blocks_evicted
+                .inc_by(evicted - self.index_blocks_evicted.get());
+        }
         for gauge in self.router_gauges() {
             gauge.reset();
         }
@@ -802,12 +824,14 @@ mod tests {
             decode_errors: 10,
             replay_failures: 11,
             socket_errors: 12,
+            reconnects: 13,
+            resyncs: 14,
         };
         let mut read: Vec<u64> = SUBSCRIBER_COUNTERS
             .iter()
             .map(|(_, _, field)| field(&snapshot))
             .collect();
         read.sort_unstable();
-        assert_eq!(read, (1..=12).collect::<Vec<_>>());
+        assert_eq!(read, (1..=14).collect::<Vec<_>>());
     }
 }

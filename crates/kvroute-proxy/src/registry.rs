@@ -44,6 +44,8 @@ pub struct WorkerStatus {
     pub active_requests: u64,
     /// Blocks the index says it holds (all ranks).
     pub cached_blocks: u64,
+    /// How far its cache view can be trusted (from its KV events).
+    pub view: crate::events::ViewSummary,
 }
 
 /// One worker's change of state.

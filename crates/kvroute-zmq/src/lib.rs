@@ -17,10 +17,11 @@
 //!     -> Result<SubscriberHandle, ZmqError>
 //! SubscriberHandle: worker(), mode(), endpoint() (bound, port resolved), counters()
 //!     -> &Arc<SubscriberCounters> (.snapshot() -> CounterSnapshot), is_finished(),
+//!     resync_trigger() -> ResyncTrigger (.request(): catch up through the replay socket now),
 //!     async shutdown(self) (waits until the socket is closed); dropping it stops the task.
 //! CounterSnapshot { received, emitted, replayed, duplicates, gaps_detected, gaps_recovered,
 //!                   gaps_lost, batches_lost, restarts, decode_errors, replay_failures,
-//!                   socket_errors }
+//!                   socket_errors, reconnects, resyncs }
 //! enum SubscriberEvent {
 //!     Batch { worker, batch: EventBatch },    // in sequence order, replayed ones included
 //!     Restarted { worker },                   // seq went back: clear the worker
@@ -108,6 +109,16 @@
 //! lost. That is also what makes a start race-free (PUB/SUB's "slow joiner": batches sent
 //! before the subscription reached the publisher come back through the replay).
 //!
+//! **Resync.** After each (re)connection (connect mode: once connected; bind mode: when a
+//! publisher connects) and on request ([`ResyncTrigger`], for a worker back from failed health
+//! checks), the subscriber replays without waiting for a live batch: from 0 if it has handed
+//! nothing on, else from the last batch it handed on, which must come back byte for byte. If it
+//! does not, the publisher is another run (restarted, with a new cache): `Restarted`, then the
+//! new run from 0. So a restarted engine's view is cleared and rebuilt before it publishes
+//! anything new, and batches sent while the link was down arrive without waiting for the next.
+//! A lost publisher is reconnected by a fresh socket, attempts at most [`RECONNECT_CAP`] (1 s)
+//! apart: the `zeromq` crate's own reconnection backs off to 30 s.
+//!
 //! # Decisions
 //!
 //! * **Pure-Rust ZeroMQ.** `zeromq` 0.7 (zmq.rs) has SUB (bind and connect, with reconnection
@@ -147,7 +158,9 @@
 //!   topic): sequence numbers are per publisher, so a subscriber follows one engine. In bind
 //!   mode, give each worker its own port.
 //! * Snapshots of a worker's whole cache (a proposal upstream, not a protocol yet), CURVE
-//!   security, and a high-water-mark setting (the `zeromq` crate has none).
+//!   security, and a high-water-mark setting or message-size limit (the `zeromq` crate has
+//!   neither: it reserves the length a frame claims, so a bound SUB must listen only where
+//!   its engines are; `tests/zmtp_fuzz.rs`).
 #![forbid(unsafe_code)]
 
 mod error;
@@ -159,6 +172,6 @@ pub use error::ZmqError;
 pub use mode::{SocketMode, publisher_mode, rank_endpoint, subscriber_mode};
 pub use publisher::{DEFAULT_BUFFER_STEPS, EventPublisher, PublisherConfig};
 pub use subscriber::{
-    CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, SubscriberConfig, SubscriberCounters, SubscriberEvent,
-    SubscriberHandle, spawn_subscriber,
+    CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, RECONNECT_CAP, ResyncTrigger, SubscriberConfig,
+    SubscriberCounters, SubscriberEvent, SubscriberHandle, spawn_subscriber,
 };

@@ -7,13 +7,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_wire::replay::{self, ReplayReply};
 use kvroute_wire::{EventBatch, RawBatch, ReplayStatus, SeqStatus, SeqTracker};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 use crate::error::ZmqError;
 use crate::mode::{SocketMode, bind_or_defer, normalize, subscriber_mode};
@@ -29,6 +32,14 @@ const ERROR_PAUSE: Duration = Duration::from_millis(10);
 /// After a connect that failed for good (not "refused", which the socket retries itself), the
 /// subscriber tries again after this long.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// The longest one connect attempt of the SUB socket may take (connect mode). The `zeromq`
+/// crate retries a refused connect with a back-off that doubles up to 30 s, and reconnects a
+/// lost peer the same way; a restarted engine would then be heard from up to 30 s late (seen
+/// with real vLLM: 4 to 15 s). Each attempt is cut off after this long and a fresh one started,
+/// and a lost peer is reconnected by a fresh socket, so attempts are never more than about this
+/// far apart (libzmq's `ZMQ_RECONNECT_IVL_MAX`, capped at 1 s).
+pub const RECONNECT_CAP: Duration = Duration::from_secs(1);
 
 /// One event stream (a worker's, or one data-parallel rank's of a worker whose ranks publish
 /// apart): where to listen and how to recover.
@@ -189,6 +200,8 @@ pub struct SubscriberCounters {
     decode_errors: AtomicU64,
     replay_failures: AtomicU64,
     socket_errors: AtomicU64,
+    reconnects: AtomicU64,
+    resyncs: AtomicU64,
 }
 
 /// A copy of [`SubscriberCounters`] at one moment.
@@ -218,6 +231,11 @@ pub struct CounterSnapshot {
     pub replay_failures: u64,
     /// Errors of the live socket (a publisher disconnecting, a failed connect).
     pub socket_errors: u64,
+    /// Times the live socket lost its publisher and connected again (connect mode).
+    pub reconnects: u64,
+    /// Resyncs through the replay socket: after each (re)connection, and on request
+    /// ([`ResyncTrigger`]).
+    pub resyncs: u64,
 }
 
 impl SubscriberCounters {
@@ -238,6 +256,8 @@ impl SubscriberCounters {
             decode_errors: get(&self.decode_errors),
             replay_failures: get(&self.replay_failures),
             socket_errors: get(&self.socket_errors),
+            reconnects: get(&self.reconnects),
+            resyncs: get(&self.resyncs),
         }
     }
 }
@@ -258,12 +278,35 @@ pub struct SubscriberHandle {
     mode: SocketMode,
     endpoint: String,
     counters: Arc<SubscriberCounters>,
+    resync: ResyncTrigger,
     /// Dropped to stop the task.
     stop: watch::Sender<()>,
     task: JoinHandle<()>,
 }
 
+/// Asks a running subscriber to catch up with its publisher now (see
+/// [`SubscriberHandle::resync_trigger`]). Cheap to clone; requests made while one is pending
+/// are merged.
+#[derive(Clone, Debug, Default)]
+pub struct ResyncTrigger(Arc<Notify>);
+
+impl ResyncTrigger {
+    /// Asks for a resync; returns at once.
+    pub fn request(&self) {
+        self.0.notify_one();
+    }
+}
+
 impl SubscriberHandle {
+    /// A trigger that makes the subscriber check, through the replay socket, that its stream is
+    /// still the publisher's current run and fetch what it missed: for a worker back from an
+    /// outage (failed health checks) whose publisher may have restarted, or sent batches nobody
+    /// received, without publishing anything since. The subscriber does the same by itself
+    /// after every (re)connection. Without a replay endpoint it does nothing.
+    pub fn resync_trigger(&self) -> ResyncTrigger {
+        self.resync.clone()
+    }
+
     /// The worker.
     pub fn worker(&self) -> WorkerId {
         self.worker
@@ -315,22 +358,20 @@ pub async fn spawn_subscriber(
     config.validate()?;
     let mode = config.effective_mode();
     let endpoint = normalize(&config.endpoint);
-    let mut options = SocketOptions::default();
-    options.no_connect_timeout();
-    let mut socket = SubSocket::with_options(options);
-    socket
-        .subscribe(&config.topic)
-        .await
-        .map_err(|e| ZmqError::socket(format!("subscribing to {:?}", config.topic), e))?;
+    let mut socket = sub_socket(&config.topic).await?;
     let (endpoint, connect_to) = bind_or_defer(&mut socket, mode, endpoint).await?;
     let counters = Arc::new(SubscriberCounters::default());
+    let resync = ResyncTrigger::default();
     let session = Session {
         worker: WorkerKey::new(config.worker, config.rank),
+        topic: config.topic,
         replay_endpoint: config.replay_endpoint.as_deref().map(normalize),
         replay_timeout: Duration::from_millis(config.replay_timeout_ms),
         tx,
         counters: Arc::clone(&counters),
         tracker: SeqTracker::new(),
+        last_applied: None,
+        resync: Arc::clone(&resync.0),
         dealer: None,
     };
     let (stop, stopped) = watch::channel(());
@@ -340,9 +381,41 @@ pub async fn spawn_subscriber(
         mode,
         endpoint,
         counters,
+        resync,
         stop,
         task,
     })
+}
+
+/// A SUB socket subscribed to `topic`, whose connect attempts give up after [`RECONNECT_CAP`].
+async fn sub_socket(topic: &str) -> Result<SubSocket, ZmqError> {
+    let mut options = SocketOptions::default();
+    options.connect_timeout(RECONNECT_CAP);
+    let mut socket = SubSocket::with_options(options);
+    socket
+        .subscribe(topic)
+        .await
+        .map_err(|e| ZmqError::socket(format!("subscribing to {topic:?}"), e))?;
+    Ok(socket)
+}
+
+/// The next event of the socket's monitor; never, once the monitor has ended.
+async fn next_event(
+    monitor: &mut Option<futures::channel::mpsc::Receiver<SocketEvent>>,
+) -> Option<SocketEvent> {
+    match monitor {
+        Some(events) => events.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A fingerprint of a batch's payload, to recognise it when it is replayed (a publisher
+/// replays the bytes it sent).
+fn fingerprint(payload: &[u8]) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    payload.hash(&mut h);
+    h.finish()
 }
 
 /// The receiver of the events is gone: the task ends.
@@ -354,16 +427,32 @@ enum ReplayEnd {
     Done,
     /// It failed; the rest of the gap is lost.
     Failed,
+    /// The publisher does not have the batch it was checked against (a resync): it restarted
+    /// (or moved past its buffer since).
+    OtherRun,
+}
+
+/// What arrived while the subscriber waits.
+enum Input {
+    Message(Result<ZmqMessage, zeromq::ZmqError>),
+    Socket(Option<SocketEvent>),
+    Resync,
 }
 
 /// The task's state.
 struct Session {
     worker: WorkerKey,
+    topic: String,
     replay_endpoint: Option<String>,
     replay_timeout: Duration,
     tx: mpsc::Sender<SubscriberEvent>,
     counters: Arc<SubscriberCounters>,
     tracker: SeqTracker,
+    /// The sequence number and payload fingerprint of the last batch handed on (or found
+    /// undecodable) since the publisher (re)started.
+    last_applied: Option<(u64, u64)>,
+    /// Set by [`ResyncTrigger::request`].
+    resync: Arc<Notify>,
     /// The replay connection, kept between replays; dropped after any failure so that no late
     /// reply of an abandoned replay can be read as part of the next one.
     dealer: Option<DealerSocket>,
@@ -380,44 +469,130 @@ impl Session {
     }
 
     async fn serve(&mut self, socket: &mut SubSocket, connect_to: Option<String>) {
-        if let Some(endpoint) = connect_to {
-            // "Connection refused" is retried inside `connect` (with backoff, no time limit);
-            // what comes back is an error that will not go away by itself.
-            while let Err(e) = socket.connect(&endpoint).await {
-                bump(&self.counters.socket_errors);
-                let error = format!("connecting to {endpoint}: {e}");
-                if self
-                    .send(SubscriberEvent::Error {
+        let mut monitor = Some(socket.monitor());
+        if let Some(endpoint) = &connect_to
+            && self.connect(socket, endpoint).await.is_err()
+        {
+            return;
+        }
+        // In connect mode the publisher is there now: fetch what it buffers (at startup, what
+        // it published before this subscriber came). In bind mode that happens when a
+        // publisher connects.
+        if connect_to.is_some() && self.resync().await.is_err() {
+            return;
+        }
+        loop {
+            let input = tokio::select! {
+                _ = self.tx.closed() => return,
+                received = socket.recv() => Input::Message(received),
+                event = next_event(&mut monitor) => Input::Socket(event),
+                () = self.resync.notified() => Input::Resync,
+            };
+            let step = match input {
+                Input::Message(Ok(message)) => self.live(message.into_vec()).await,
+                Input::Message(Err(_)) => {
+                    // A publisher disconnected; it is reconnected below (connect mode) or
+                    // accepted again (bind mode).
+                    bump(&self.counters.socket_errors);
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                    Ok(())
+                }
+                Input::Socket(Some(SocketEvent::Disconnected(_))) => match &connect_to {
+                    Some(endpoint) => self.reconnect(socket, &mut monitor, endpoint).await,
+                    None => Ok(()),
+                },
+                // A publisher connected to this bound socket: a new one, or one restarted.
+                Input::Socket(Some(SocketEvent::Accepted(..))) | Input::Resync => self.resync().await,
+                Input::Socket(Some(_)) => Ok(()),
+                Input::Socket(None) => {
+                    monitor = None;
+                    Ok(())
+                }
+            };
+            if step.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Connects `socket` to `endpoint`, retrying until it succeeds: attempts that time out
+    /// (nobody listening yet) at once, others after [`RECONNECT_PAUSE`], reported as errors.
+    async fn connect(&mut self, socket: &mut SubSocket, endpoint: &str) -> Result<(), Closed> {
+        loop {
+            match socket.connect(endpoint).await {
+                Ok(()) => return Ok(()),
+                Err(zeromq::ZmqError::ConnectTimeout(_)) => {}
+                Err(e) => {
+                    bump(&self.counters.socket_errors);
+                    let error = format!("connecting to {endpoint}: {e}");
+                    self.send(SubscriberEvent::Error {
                         worker: self.worker,
                         error,
                     })
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                tokio::time::sleep(RECONNECT_PAUSE).await;
-            }
-        }
-        loop {
-            let received = tokio::select! {
-                _ = self.tx.closed() => return,
-                received = socket.recv() => received,
-            };
-            match received {
-                Ok(message) => {
-                    if self.live(message.into_vec()).await.is_err() {
-                        return;
-                    }
-                }
-                Err(_) => {
-                    // A publisher disconnected; the socket reconnects (connect mode) or accepts
-                    // it again (bind mode) by itself.
-                    bump(&self.counters.socket_errors);
-                    tokio::time::sleep(ERROR_PAUSE).await;
+                    .await?;
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
                 }
             }
         }
+    }
+
+    /// The publisher went away (connect mode): a fresh socket connects again within about
+    /// [`RECONNECT_CAP`] of it being back (the old socket's own reconnection backs off to
+    /// 30 s), then catches up through the replay socket.
+    async fn reconnect(
+        &mut self,
+        socket: &mut SubSocket,
+        monitor: &mut Option<futures::channel::mpsc::Receiver<SocketEvent>>,
+        endpoint: &str,
+    ) -> Result<(), Closed> {
+        bump(&self.counters.reconnects);
+        let fresh = loop {
+            match sub_socket(&self.topic).await {
+                Ok(fresh) => break fresh,
+                Err(e) => {
+                    self.error(e.to_string()).await?;
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                }
+            }
+        };
+        let old = std::mem::replace(socket, fresh);
+        crate::publisher::close(old).await;
+        *monitor = Some(socket.monitor());
+        self.connect(socket, endpoint).await?;
+        self.resync().await
+    }
+
+    /// Catches up with the publisher through its replay socket, after a (re)connection or on
+    /// request. If batches were handed on, the replay starts at the last one, which must come
+    /// back byte for byte: otherwise the publisher is not the run those came from (it
+    /// restarted, or its buffer has moved past it), which is reported as a restart, and the new
+    /// run is replayed from 0. Batches it no longer buffers are reported lost. Does nothing
+    /// without a replay endpoint (the next live batch shows a gap or a restart).
+    async fn resync(&mut self) -> Result<(), Closed> {
+        let Some(endpoint) = self.replay_endpoint.clone() else {
+            return Ok(());
+        };
+        bump(&self.counters.resyncs);
+        // A resync follows an outage: a kept replay connection may lead to a process that is gone.
+        self.dealer = None;
+        let mut lost = false;
+        let check = self.last_applied;
+        let start = check.map_or(self.tracker.next_expected(), |(seq, _)| seq);
+        match self.replay(&endpoint, start, &mut lost, check).await? {
+            ReplayEnd::Done => {}
+            ReplayEnd::Failed => bump(&self.counters.replay_failures),
+            ReplayEnd::OtherRun => {
+                bump(&self.counters.restarts);
+                self.tracker = SeqTracker::new();
+                self.last_applied = None;
+                self.send(SubscriberEvent::Restarted { worker: self.worker })
+                    .await?;
+                if let ReplayEnd::Failed = self.replay(&endpoint, 0, &mut lost, None).await? {
+                    bump(&self.counters.replay_failures);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// One live message.
@@ -436,6 +611,7 @@ impl Session {
             SeqStatus::Gap { missing } => self.fill_gap(missing, &raw).await,
             SeqStatus::Restart { missing } => {
                 bump(&self.counters.restarts);
+                self.last_applied = None;
                 // The replay connection went to the old process.
                 self.dealer = None;
                 self.send(SubscriberEvent::Restarted { worker: self.worker })
@@ -459,7 +635,7 @@ impl Session {
         bump(&self.counters.gaps_detected);
         let mut lost = false;
         if let Some(endpoint) = self.replay_endpoint.clone()
-            && let ReplayEnd::Failed = self.replay(&endpoint, missing.start, &mut lost).await?
+            && let ReplayEnd::Failed = self.replay(&endpoint, missing.start, &mut lost, None).await?
         {
             bump(&self.counters.replay_failures);
         }
@@ -480,8 +656,16 @@ impl Session {
     }
 
     /// Asks for every buffered batch from `start` and hands on those the tracker takes. Sets
-    /// `lost` if the publisher no longer had some.
-    async fn replay(&mut self, endpoint: &str, start: u64, lost: &mut bool) -> Result<ReplayEnd, Closed> {
+    /// `lost` if the publisher no longer had some. With `check` (a sequence number and payload
+    /// fingerprint), the first reply must be that batch, else nothing is handed on and the
+    /// replay ends as [`ReplayEnd::OtherRun`].
+    async fn replay(
+        &mut self,
+        endpoint: &str,
+        start: u64,
+        lost: &mut bool,
+        mut check: Option<(u64, u64)>,
+    ) -> Result<ReplayEnd, Closed> {
         let limit = self.replay_timeout;
         let mut dealer = match self.dealer.take() {
             Some(dealer) => dealer,
@@ -510,6 +694,15 @@ impl Session {
                 Ok(Ok(message)) => message.into_vec(),
                 _ => return Ok(ReplayEnd::Failed),
             };
+            if let Some((seq, print)) = check.take() {
+                let same = matches!(replay::parse_reply(&frames),
+                    Ok(ReplayReply::Batch(raw)) if raw.seq == seq && fingerprint(raw.payload) == print);
+                if !same {
+                    // The rest of this replay's replies are not wanted: a fresh connection
+                    // never reads them.
+                    return Ok(ReplayEnd::OtherRun);
+                }
+            }
             match replay::parse_reply(&frames) {
                 Ok(ReplayReply::End) => {
                     self.dealer = Some(dealer);
@@ -531,6 +724,7 @@ impl Session {
 
     /// Decodes `raw` and hands it on (or reports it undecodable).
     async fn emit(&mut self, raw: &RawBatch<'_>, replayed: bool) -> Result<(), Closed> {
+        self.last_applied = Some((raw.seq, fingerprint(raw.payload)));
         match raw.decode() {
             Ok(batch) => {
                 bump(&self.counters.emitted);

@@ -748,3 +748,125 @@ async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
     );
     assert!(!second.is_finished());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_is_seen_before_the_new_run_publishes_anything() {
+    // An engine restarted in place on the same ports, idle since: the subscriber reconnects by
+    // itself and its resync finds that the publisher no longer has the last batch it received,
+    // so the view is cleared at once instead of at the new run's first batch.
+    let Joined {
+        publisher: first,
+        handle,
+        mut rx,
+        ..
+    } = joined(loopback(true), |_| {}).await;
+    publish_empty(&first, &mut rx, 5).await;
+    let (endpoint, replay) = (
+        first.endpoint().to_owned(),
+        first.replay_endpoint().expect("replay").to_owned(),
+    );
+    first.shutdown().await;
+    let second = EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(replay),
+        ..loopback(true).with_endpoint(endpoint)
+    })
+    .await
+    .expect("restart on the same ports");
+    assert!(
+        matches!(next(&mut rx).await, SubscriberEvent::Restarted { worker: STREAM }),
+        "the restart is reported with nothing published"
+    );
+    assert_eq!(second.next_seq(), 0);
+    let counters = handle.counters().snapshot();
+    assert_eq!((counters.restarts, counters.reconnects), (1, 1), "{counters:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_fetches_batches_missed_while_nothing_new_is_published() {
+    // A worker back from an outage: the batches it published meanwhile never reached the
+    // subscriber, and it publishes nothing after. A requested resync brings them.
+    let Joined {
+        publisher,
+        handle,
+        mut rx,
+        ..
+    } = joined(loopback(true), |_| {}).await;
+    let first = publish_dropping(&publisher, 3, 3);
+    handle.resync_trigger().request();
+    for i in 0..3 {
+        let batch = next_batch(&mut rx).await;
+        assert_eq!((batch.seq, batch.events), (first + i, events(i)));
+    }
+    let counters = handle.counters().snapshot();
+    assert_eq!((counters.restarts, counters.gaps_lost), (0, 0), "{counters:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_of_a_publisher_past_its_buffer_reports_the_loss() {
+    // More batches went by unseen than the publisher buffers: the last one received is gone
+    // from its buffer, so the stream is taken up again from what it has, the rest lost.
+    let Joined {
+        publisher,
+        handle,
+        mut rx,
+        ..
+    } = joined(
+        PublisherConfig {
+            buffer_steps: 4,
+            ..loopback(true)
+        },
+        |_| {},
+    )
+    .await;
+    let first = publish_dropping(&publisher, 10, 10);
+    handle.resync_trigger().request();
+    assert!(matches!(next(&mut rx).await, SubscriberEvent::Restarted { .. }));
+    match next(&mut rx).await {
+        SubscriberEvent::GapLost { missing, .. } => assert_eq!(missing, 0..first + 6),
+        other => panic!("expected the loss, got {other:?}"),
+    }
+    for i in 6..10 {
+        assert_eq!(next_batch(&mut rx).await.seq, first + i);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_back_after_a_long_outage_is_heard_from_within_the_reconnect_cap() {
+    // The `zeromq` crate's own reconnection doubles its delay (0.1, 0.3, 0.7, 1.5, 3.1, 6.3,
+    // 12.7 s after the loss): a publisher back after 7 s would be reached 5.7 s late. With the
+    // cap, attempts are at most about a second apart.
+    let port = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let start = || EventPublisher::start(PublisherConfig::new(endpoint.clone()));
+    let first = start().await.expect("first");
+    let (handle, mut rx) = spawn(SubscriberConfig::new(WORKER, endpoint.clone()), 1024).await;
+    join(&first, &mut rx).await;
+    first.shutdown().await;
+    // The outage: a fixed wait is what is being tested here, not a race.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let second = start().await.expect("second");
+    let back = tokio::time::Instant::now();
+    // Publish until the subscriber hears the new run (PUB drops what it sends unconnected).
+    let heard = loop {
+        second.publish(Vec::new(), None, 1.0).expect("publish");
+        if let Ok(Some(event)) = timeout(Duration::from_millis(20), rx.recv()).await {
+            break event;
+        }
+        assert!(back.elapsed() < PATIENCE, "never reconnected");
+    };
+    let late = back.elapsed();
+    assert!(
+        matches!(
+            heard,
+            SubscriberEvent::Restarted { .. }
+                | SubscriberEvent::Batch { .. }
+                | SubscriberEvent::GapLost { .. }
+        ),
+        "{heard:?}"
+    );
+    assert!(
+        late < Duration::from_millis(3_000),
+        "heard {late:?} after the publisher was back"
+    );
+    assert!(handle.counters().snapshot().reconnects >= 1);
+}

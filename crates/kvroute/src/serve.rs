@@ -147,6 +147,10 @@ pub struct ServeOptions {
     /// Runtime worker threads (0: one per core). Default 0.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// The most KV blocks the router's view keeps per worker rank (the oldest evicted past
+    /// it). Default 1,048,576.
+    #[arg(long)]
+    pub max_blocks_per_worker: Option<usize>,
 }
 
 /// A `--worker` flag.
@@ -304,6 +308,9 @@ pub struct MockArgs {
     /// Publish no KV events.
     #[arg(long)]
     pub no_events: bool,
+    /// Batches each worker rank's replay socket keeps (vLLM's buffer_steps).
+    #[arg(long, default_value_t = 10_000)]
+    pub replay_buffer: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
@@ -419,6 +426,7 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     config.dp_size = args.dp;
     config.events = !args.no_events;
     config.encoding = encoding(&args.encoding)?;
+    config.replay_buffer_steps = args.replay_buffer;
     config.engine.speedup = args.speedup;
     config.engine.block_size = args.block_size;
     config.engine.num_blocks = args.num_blocks;

@@ -44,6 +44,7 @@ async fn proxy(
 ) -> Proxy {
     let mut config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 0,
         workers: workers
             .into_iter()
@@ -82,7 +83,11 @@ impl Proxy {
         let body = body.map_or_else(Vec::new, |b| serde_json::to_vec(&b).unwrap());
         let request = hyper::Request::builder()
             .method(method)
-            .uri(format!("{}{path}", self.proxy.url()))
+            .uri(if path.starts_with("/admin") {
+                format!("{}{path}", self.proxy.admin_url())
+            } else {
+                format!("{}{path}", self.proxy.url())
+            })
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body)))
             .unwrap();
@@ -781,6 +786,8 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
         "serve",
         "--approximate-tokenizer",
         "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
         "127.0.0.1:0",
         "--worker",
         &worker,

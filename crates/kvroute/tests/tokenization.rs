@@ -56,6 +56,7 @@ async fn cluster(n: usize, engine_model: Arc<Model>, our_model: Arc<Model>) -> C
     let mocks = mock::start(&mc, engine_model).await.unwrap();
     let config = ServeConfig {
         listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
         workers: mocks
             .iter()

@@ -35,10 +35,23 @@
 //! Bad input never panics; it returns an [`IndexError`] and is counted in [`IndexStats`]. A
 //! store applies its blocks in order and stops at the first bad one; the error says how many
 //! were applied.
+//!
+//! # Bound
+//!
+//! With [`IndexConfig::max_blocks_per_worker`], a worker never holds more blocks than that: a
+//! store that takes it past the cap evicts its oldest blocks (in the order they were first
+//! stored, as if the engine had removed them) and counts them in
+//! [`IndexStats::blocks_evicted`]. An engine's own removals keep its view within its cache, so
+//! the cap only bites when removals were lost or an engine misbehaves; it bounds memory.
+//! The order is one queue of external hashes per worker, compacted when it holds twice as many
+//! entries as the worker holds blocks.
 
 mod event;
 mod ext_map;
 mod scores;
+
+use std::collections::VecDeque;
+use std::num::NonZeroUsize;
 
 use hashbrown::HashMap;
 use hashbrown::HashTable;
@@ -70,6 +83,8 @@ pub struct StoredBlock {
 pub struct IndexConfig {
     /// Blocks to reserve room for up front (a hint; the index grows as needed).
     pub expected_blocks: usize,
+    /// The most blocks one worker may hold; `None`: unbounded. See the module docs ("Bound").
+    pub max_blocks_per_worker: Option<NonZeroUsize>,
 }
 
 /// Why an operation on the index was refused.
@@ -135,6 +150,8 @@ pub struct IndexStats {
     pub conflicting_block: u64,
     /// Stores cut short with [`IndexError::DuplicatePrefix`].
     pub duplicate_prefix: u64,
+    /// Blocks dropped to keep a worker within [`IndexConfig::max_blocks_per_worker`].
+    pub blocks_evicted: u64,
 }
 
 /// How much memory the index uses.
@@ -193,6 +210,8 @@ impl Node {
 struct WorkerSlot {
     key: WorkerKey,
     blocks: ExtMap,
+    /// With a cap: the external hashes of the blocks stored, oldest first (some since removed).
+    order: VecDeque<u64>,
 }
 
 /// Which KV blocks each worker holds, for prefix-match lookups. See the module docs.
@@ -211,6 +230,8 @@ pub struct PrefixIndex {
     stats: IndexStats,
     /// Reused buffer of node ids for batched updates.
     scratch: Vec<NodeId>,
+    /// [`IndexConfig::max_blocks_per_worker`].
+    cap: Option<NonZeroUsize>,
 }
 
 #[inline]
@@ -233,6 +254,7 @@ impl PrefixIndex {
             slot_of: HashMap::default(),
             stats: IndexStats::default(),
             scratch: Vec::new(),
+            cap: config.max_blocks_per_worker,
         }
     }
 
@@ -251,6 +273,7 @@ impl PrefixIndex {
         self.slots[slot] = Some(WorkerSlot {
             key: worker,
             blocks: ExtMap::default(),
+            order: VecDeque::new(),
         });
         self.slot_of.insert(worker, slot as u32);
         self.ensure_mask_words(slot);
@@ -362,7 +385,35 @@ impl PrefixIndex {
             self.collect(deepest);
         }
         self.scratch = path;
+        if let Some(cap) = self.cap {
+            self.enforce_cap(slot, cap.get());
+        }
         result
+    }
+
+    /// Evicts `slot`'s oldest blocks until it holds at most `cap`, and compacts its order.
+    fn enforce_cap(&mut self, slot: usize, cap: usize) {
+        let mut evicted = 0u64;
+        while self.slot_ref(slot).blocks.len() > cap {
+            let Some(oldest) = self.slot_mut(slot).order.pop_front() else {
+                break;
+            };
+            if let Some(node) = self.slot_mut(slot).blocks.remove(oldest) {
+                self.clear_bit(node, slot);
+                self.collect(node);
+                evicted += 1;
+            }
+        }
+        self.stats.blocks_evicted += evicted;
+        let s = self.slot_mut(slot);
+        if s.order.len() > 2 * s.blocks.len() + 64 {
+            // Keep the first entry of each block still held (a block removed and stored again
+            // is listed twice; its first place in line is kept).
+            let mut seen: hashbrown::HashSet<u64, BuildKeyHasher> =
+                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher);
+            let blocks = &s.blocks;
+            s.order.retain(|&e| blocks.get(e).is_some() && seen.insert(e));
+        }
     }
 
     /// Marks `worker` (in `slot`) as holding `blocks`, whose tree nodes are `path`.
@@ -379,13 +430,17 @@ impl PrefixIndex {
             hi_words,
             slots,
             stats,
+            cap,
             ..
         } = self;
-        let map = match &mut slots[slot] {
-            Some(s) => &mut s.blocks,
-            None => unreachable!("slot {slot} is registered in slot_of"),
-        };
         let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+        let capped = cap.is_some();
+        let Some(WorkerSlot {
+            blocks: map, order, ..
+        }) = &mut slots[slot]
+        else {
+            unreachable!("slot {slot} is registered in slot_of")
+        };
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
             let mask = if word == 0 {
                 &mut nodes[node as usize].mask0
@@ -414,6 +469,9 @@ impl PrefixIndex {
                     map.insert_at(at, block.external.0, node);
                     *mask |= bit;
                     stats.blocks_stored += 1;
+                    if capped {
+                        order.push_back(block.external.0);
+                    }
                 }
             }
         }
@@ -460,6 +518,7 @@ impl PrefixIndex {
     /// `worker` now holds nothing.
     pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
+        self.slot_mut(slot).order.clear();
         let held: Vec<NodeId> = self.slot_mut(slot).blocks.drain_nodes().collect();
         for &node in &held {
             self.clear_bit(node, slot);

@@ -57,6 +57,9 @@ pub struct RouterConfig {
     /// Whether load changes are exported as replica events ([`super::Router::poll_sync_event`]).
     /// Default off.
     pub export_sync_events: bool,
+    /// The most blocks the index keeps per worker, evicting the oldest past it
+    /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
+    pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
 }
 
 impl Default for RouterConfig {
@@ -75,6 +78,7 @@ impl Default for RouterConfig {
             track_output_blocks: false,
             prefill_model: None,
             export_sync_events: false,
+            max_blocks_per_worker: None,
         }
     }
 }

@@ -15,6 +15,7 @@
 //!     [`Router::handle_cancelled`];
 //!   - cache: [`Router::handle_kv_event`];
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
+//!     [`Router::handle_worker_suspended`] (out of the fleet, cache view kept),
 //!     [`Router::handle_worker_removed`];
 //!   - replicas: [`Router::handle_sync_event`];
 //!   - time: [`Router::handle_tick`] (request expiry, cache-record expiry, queue re-check).
@@ -185,7 +186,10 @@ impl Router {
             rng: Rng::new(config.seed),
             policy: config.policy.build(),
             prefill_policy: config.prefill_policy.as_ref().unwrap_or(&config.policy).build(),
-            index: PrefixIndex::new(IndexConfig::default()),
+            index: PrefixIndex::new(IndexConfig {
+                max_blocks_per_worker: config.max_blocks_per_worker,
+                ..IndexConfig::default()
+            }),
             recent,
             fleet: Fleet::default(),
             queue: WaitQueue::new(config.queue),
@@ -288,7 +292,9 @@ impl Router {
         Ok(result?)
     }
 
-    /// Adds a worker, empty and idle; queued requests may now be released to it.
+    /// Adds a worker, idle, with an empty cache view (or, after
+    /// [`Router::handle_worker_suspended`], the view kept since); queued requests may now be
+    /// released to it.
     pub fn handle_worker_added(
         &mut self,
         now: Timestamp,
@@ -315,8 +321,31 @@ impl Router {
         }
     }
 
-    /// Removes a worker and forgets its cache; its active requests are dropped.
+    /// Removes a worker and forgets its cache; its active requests are dropped. A suspended
+    /// worker ([`Router::handle_worker_suspended`]) has only its cache left to forget.
     pub fn handle_worker_removed(
+        &mut self,
+        now: Timestamp,
+        worker: WorkerKey,
+    ) -> Result<Vec<Output>, RouterError> {
+        if self.fleet.get(worker).is_none() {
+            self.advance(now);
+            return match self.index.remove_worker(worker) {
+                Ok(()) => Ok(Vec::new()),
+                Err(_) => Err(RouterError::UnknownWorker(worker)),
+            };
+        }
+        let out = self.handle_worker_suspended(now, worker)?;
+        // The index knows every fleet worker, so this cannot fail.
+        let _ = self.index.remove_worker(worker);
+        Ok(out)
+    }
+
+    /// Takes a worker out of the fleet (its active requests are dropped) but keeps what the
+    /// index knows of its cache: its KV events still apply, and [`Router::handle_worker_added`]
+    /// with the same key brings it back with that view. For a worker that failed its health
+    /// checks, whose cache may well have survived (its event stream tells whether it did).
+    pub fn handle_worker_suspended(
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
@@ -326,8 +355,6 @@ impl Router {
             .fleet
             .remove_worker(worker)
             .ok_or(RouterError::UnknownWorker(worker))?;
-        // The index knows every fleet worker, so this cannot fail.
-        let _ = self.index.remove_worker(worker);
         if let Some(recent) = &mut self.recent {
             recent.remove_worker(worker);
         }
