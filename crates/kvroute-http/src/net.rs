@@ -33,6 +33,9 @@ use tokio::time::{Instant, Sleep};
 /// The upstream client: pooled keep-alive connections, TCP_NODELAY, a connect timeout.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// How long an idle pooled connection to an engine is kept: under vLLM's 5 s keep-alive.
+pub const POOL_IDLE: Duration = Duration::from_secs(4);
+
 /// A pooled client with TCP_NODELAY and `connect_timeout`.
 pub fn client(connect_timeout: Duration) -> HttpClient {
     let mut connector = HttpConnector::new();
@@ -40,7 +43,10 @@ pub fn client(connect_timeout: Duration) -> HttpClient {
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_keepalive(Some(Duration::from_secs(60)));
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        // Under the engines' own keep-alive: vLLM's server (uvicorn) closes an idle connection
+        // after 5 s, and a pooled connection reused just as the engine closes it fails its
+        // request. Closing ours first leaves the engine nothing to close under us.
+        .pool_idle_timeout(POOL_IDLE)
         .pool_max_idle_per_host(1024)
         .build(connector)
 }

@@ -722,7 +722,11 @@ mod tests {
             (Completions, r#""top_k": 40"#, None),
             (Completions, r#""top_k": 2.5"#, Some("top_k")),
             (Completions, r#""min_tokens": -1"#, Some("min_tokens")),
-            (Completions, r#""skip_special_tokens": 1"#, Some("skip_special_tokens")),
+            (
+                Completions,
+                r#""skip_special_tokens": 1"#,
+                Some("skip_special_tokens"),
+            ),
             (Completions, r#""min_p": 2"#, Some("min_p")),
             (Completions, r#""max_tokens": "10""#, Some("max_tokens")),
             (Completions, r#""max_tokens": 1.5"#, Some("max_tokens")),

@@ -114,7 +114,8 @@ impl Checker {
             // Judged on the worker's events, not asked.
             Check::BlockSize => None,
             Check::Tokenization => {
-                let found = parity::check_and_log(&self.client, worker, model_name, &self.model, timeout).await;
+                let found =
+                    parity::check_and_log(&self.client, worker, model_name, &self.model, timeout).await;
                 parity::verdict(found)
             }
         }
@@ -142,9 +143,10 @@ pub async fn served_model(
     timeout: Duration,
 ) -> Option<Verdict> {
     let base = worker.base;
-    let request = crate::health::with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
-        .body(Full::new(Bytes::new()))
-        .ok()?;
+    let request =
+        crate::health::with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
+            .body(Full::new(Bytes::new()))
+            .ok()?;
     let exchange = async {
         let response = match client.request(request).await {
             Ok(response) => response,
@@ -245,6 +247,6 @@ mod tests {
             );
         }
         let names: Vec<&str> = Check::ALL.iter().map(|c| c.name()).collect();
-        assert_eq!(names, ["model", "block_size"]);
+        assert_eq!(names, ["model", "block_size", "tokenization"]);
     }
 }

@@ -203,7 +203,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
     if shared.config.health_interval_ms > 0 {
-        tasks.push(tokio::spawn(crate::health::run(Arc::clone(&shared), app.checker.clone())));
+        tasks.push(tokio::spawn(crate::health::run(
+            Arc::clone(&shared),
+            app.checker.clone(),
+        )));
     }
     let inference = axum::Router::new()
         .route("/v1/completions", post(completions))

@@ -116,6 +116,7 @@ fn serve(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
 fn serve_behind(prefix: &[&str], args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     let mut all = vec![
         "serve",
+        "--approximate-tokenizer",
         "--listen",
         "127.0.0.1:0",
         "--admin-listen",
@@ -459,11 +460,17 @@ fn the_engines_credential_goes_on_every_call_to_it() {
         body,
     );
     assert_eq!(a.status, 200, "{}", a.body);
+    // The generation call carries the client's credential; the proxy's own calls (the
+    // registration checks: /v1/models, /tokenize) carry none, never a client's.
     let calls = seen.lock().unwrap().clone();
+    let generation: Vec<_> = calls.iter().filter(|(p, _)| p == "/v1/completions").collect();
     assert_eq!(
-        calls,
-        [("/v1/completions".to_owned(), Some("Bearer client".to_owned()))]
+        generation,
+        [&("/v1/completions".to_owned(), Some("Bearer client".to_owned()))]
     );
+    for (path, auth) in calls.iter().filter(|(p, _)| p != "/v1/completions") {
+        assert_eq!(auth, &None, "{path}");
+    }
 }
 
 #[test]

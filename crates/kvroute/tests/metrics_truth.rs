@@ -94,6 +94,12 @@ impl Proxy {
         self.http.request(request).await.unwrap()
     }
 
+    /// A completion of `prompt` (model `tiny`), read whole.
+    async fn complete(&self, prompt: &str) -> (u16, HeaderMap, String) {
+        let body = json!({"model": "tiny", "prompt": prompt});
+        self.call("POST", "/v1/completions", Some(body)).await
+    }
+
     /// A request read whole: status, headers, body.
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, HeaderMap, String) {
         let response = self.send(method, path, body).await;
@@ -315,13 +321,7 @@ async fn a_silent_stream_is_a_timeout_and_an_error_answer_an_upstream_error() {
     )
     .await;
     let p = proxy(vec![WorkerConfig::new(failing)], Vec::new(), |_| {}).await;
-    let (status, _, _) = p
-        .call(
-            "POST",
-            "/v1/completions",
-            Some(json!({"model": "tiny", "prompt": "hi"})),
-        )
-        .await;
+    let (status, _, _) = p.complete("hi").await;
     assert_eq!(status, 500);
     let text = p.metrics().await;
     assert_eq!(outcome(&text, "upstream_error"), 1.0, "{text}");
@@ -467,13 +467,7 @@ async fn predicted_and_reported_cached_tokens_agree_on_a_repeated_prompt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_headers_are_off_by_default() {
     let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |_| {}).await;
-    let (status, headers, _) = p
-        .call(
-            "POST",
-            "/v1/completions",
-            Some(json!({"model": "tiny", "prompt": "hi"})),
-        )
-        .await;
+    let (status, headers, _) = p.complete("hi").await;
     assert_eq!(status, 200);
     assert!(headers.get("x-kvroute-worker").is_none());
     assert!(headers.get("x-kvroute-predicted-cached-tokens").is_none());
@@ -482,13 +476,7 @@ async fn debug_headers_are_off_by_default() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_series_stay_at_zero_out_of_routing_and_go_when_it_is_removed() {
     let p = proxy(Vec::new(), mocks(MockConfig::new(2)).await, |_| {}).await;
-    let (status, _, _) = p
-        .call(
-            "POST",
-            "/v1/completions",
-            Some(json!({"model": "tiny", "prompt": "hi"})),
-        )
-        .await;
+    let (status, _, _) = p.complete("hi").await;
     assert_eq!(status, 200);
     let (status, _, _) = p.call("POST", "/admin/workers/1/drain", None).await;
     assert_eq!(status, 200);
@@ -546,13 +534,7 @@ async fn a_worker_serving_another_model_is_misconfigured_and_out_of_routing() {
         ),
         1.0
     );
-    let (status, _, _) = p
-        .call(
-            "POST",
-            "/v1/completions",
-            Some(json!({"model": "tiny", "prompt": "hi"})),
-        )
-        .await;
+    let (status, _, _) = p.complete("hi").await;
     assert_eq!(status, 503, "no worker serves the model");
 }
 
@@ -582,13 +564,7 @@ async fn a_worker_whose_events_have_another_block_size_is_misconfigured() {
         metric(&text, "kvroute_worker_misconfigured", "check=\"block_size\""),
         1.0
     );
-    let (status, _, _) = p
-        .call(
-            "POST",
-            "/v1/completions",
-            Some(json!({"model": "tiny", "prompt": "hi"})),
-        )
-        .await;
+    let (status, _, _) = p.complete("hi").await;
     assert_eq!(status, 503);
 }
 
@@ -706,11 +682,15 @@ async fn the_serve_command_mock_prints_works_as_printed() {
     });
     let words: Vec<&str> = command.split_whitespace().collect();
     assert_eq!(words[..2], ["kvroute", "serve"]);
-    // The printed command, on a free port.
+    // The printed command, on free ports.
     let mut args = words[1..].to_vec();
-    args.extend(["--listen", "127.0.0.1:0"]);
+    args.extend(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
     let serve = Child::spawn(&args);
-    let url = serve.wait_for(|l| l.split("listening on ").nth(1).map(str::to_owned));
+    // "kvroute serve: listening on URL; admin API on URL"
+    let url = serve.wait_for(|l| {
+        let rest = l.split("listening on ").nth(1)?;
+        Some(rest.split(';').next().unwrap_or(rest).trim().to_owned())
+    });
     let p = Remote {
         url,
         http: client(Duration::from_secs(5)),

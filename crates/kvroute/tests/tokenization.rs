@@ -319,7 +319,20 @@ async fn the_parity_check_tells_a_worker_that_tokenizes_otherwise() {
     let timeout = Duration::from_secs(5);
     let check = |url: String| {
         let (http, ours) = (http.clone(), Arc::clone(&ours));
-        async move { parity::check(&http, kvroute_proxy::checks::Worker { base: &url, api_key: None }, "tiny", &ours, timeout).await.unwrap() }
+        async move {
+            parity::check(
+                &http,
+                kvroute_proxy::checks::Worker {
+                    base: &url,
+                    api_key: None,
+                },
+                "tiny",
+                &ours,
+                timeout,
+            )
+            .await
+            .unwrap()
+        }
     };
     let alike = mock::start(&MockConfig::new(1), bos_model()).await.unwrap();
     assert_eq!(check(alike[0].url()).await, Parity::Match);

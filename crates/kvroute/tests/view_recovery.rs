@@ -80,6 +80,7 @@ async fn proxy_capped(publisher: &EventPublisher, cap: usize) -> ProxyHandle {
         max_blocks_per_worker: cap,
         listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
+        approximate_tokenizer: true,
         health_interval_ms: 0,
         workers: vec![WorkerConfig {
             events: Some(publisher.endpoint().to_owned()),
