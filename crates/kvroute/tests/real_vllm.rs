@@ -1,0 +1,391 @@
+//! Opt-in: `kvroute serve` in front of two real vLLM engines (vLLM 0.32's CPU build, a tiny
+//! Llama with random weights whose tokenizer adds BOS to a text prompt), as a user runs it.
+//! `scripts/real-vllm/setup.sh DIR` prepares DIR; the test runs when `KVROUTE_REAL_VLLM=DIR`
+//! and otherwise says it is skipped. It takes minutes (each engine starts in one to three).
+//!
+//! What it checks, every routed request included: the tokens kvroute predicts cached on the
+//! worker it chose equal the `cached_tokens` the engine reports, for text completions, chat and
+//! token-id prompts; a repeated prompt goes back to the same worker; after an engine restart
+//! and after a health flap (the engine stopped, then continued) the same holds without any
+//! manual step.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_http::net::{HttpClient, client};
+use serde_json::{Value, json};
+
+/// How long an engine may take to start on a loaded 2-core machine.
+const ENGINE_START: Duration = Duration::from_secs(600);
+/// How long kvroute may take to see a change of a worker's state.
+const PATIENCE: Duration = Duration::from_secs(60);
+const BLOCK: u32 = 32;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A real vLLM engine in its own process group (its engine core is a child process).
+struct Engine {
+    name: &'static str,
+    port: u16,
+    replay_port: u16,
+    events: String,
+    child: Option<Child>,
+}
+
+impl Engine {
+    fn new(name: &'static str, run: &Path) -> Self {
+        Self {
+            name,
+            port: free_port(),
+            replay_port: free_port(),
+            events: format!("ipc://{}/{name}.sock", run.display()),
+            child: None,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn worker_flag(&self) -> String {
+        format!(
+            "{},events={},replay=tcp://127.0.0.1:{}",
+            self.url(),
+            self.events,
+            self.replay_port
+        )
+    }
+
+    fn spawn(&mut self, dir: &Path, run: &Path) {
+        use std::os::unix::process::CommandExt;
+        let kv_events = json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": self.events,
+            "replay_endpoint": format!("tcp://127.0.0.1:{}", self.replay_port),
+            "topic": "kv-events",
+        });
+        let log = std::fs::File::create(run.join(format!("{}.log", self.name))).unwrap();
+        let child = Command::new(dir.join("venv/bin/python"))
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(dir.join("model"))
+            .args(["--served-model-name", "tiny", "--host", "127.0.0.1", "--port"])
+            .arg(self.port.to_string())
+            .args(["--dtype", "bfloat16", "--max-model-len", "2048", "--block-size"])
+            .arg(BLOCK.to_string())
+            .args([
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--kv-events-config",
+            ])
+            .arg(kv_events.to_string())
+            .envs([
+                ("HF_HUB_OFFLINE", "1"),
+                ("VLLM_NO_USAGE_STATS", "1"),
+                ("DO_NOT_TRACK", "1"),
+                ("VLLM_HOST_IP", "127.0.0.1"),
+                ("VLLM_CPU_KVCACHE_SPACE", "1"),
+                ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            ])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    /// Sends `signal` to the engine's whole process group.
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().unwrap().id();
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), "--".to_owned(), format!("-{pid}")])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {}", self.name);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Kvroute(Child);
+
+impl Drop for Kvroute {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Http(HttpClient);
+
+struct Reply {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: Value,
+}
+
+impl Http {
+    async fn call(&self, method: &str, url: &str, body: Option<&Value>) -> Option<Reply> {
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(
+                body.map(Value::to_string).unwrap_or_default(),
+            )))
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(120), self.0.request(req))
+            .await
+            .ok()?
+            .ok()?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Some(Reply {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    async fn wait_until(&self, what: &str, deadline: Duration, mut ok: impl AsyncFnMut(&Self) -> bool) {
+        let start = Instant::now();
+        while !ok(self).await {
+            assert!(start.elapsed() < deadline, "waited {deadline:?} for {what}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// A worker's entry in the admin listing.
+async fn worker_entry(http: &Http, admin: &str, url: &str) -> Option<Value> {
+    let reply = http.call("GET", &format!("{admin}/admin/workers"), None).await?;
+    let workers = reply.body["workers"].as_array()?;
+    workers.iter().find(|w| w["url"] == url).cloned()
+}
+
+/// What one routed request showed: the worker kvroute chose, the tokens it predicted cached
+/// there, and the tokens the engine reported cached.
+#[derive(Debug)]
+struct Seen {
+    worker: String,
+    predicted: u64,
+    reported: u64,
+}
+
+async fn send(http: &Http, base: &str, path: &str, body: &Value) -> Seen {
+    let reply = http
+        .call("POST", &format!("{base}{path}"), Some(body))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    let header = |name: &str| reply.headers.get(name).unwrap().to_str().unwrap().to_owned();
+    let seen = Seen {
+        worker: header("x-kvroute-worker"),
+        predicted: header("x-kvroute-predicted-cached-tokens").parse().unwrap(),
+        // vLLM 0.32 with --enable-prompt-tokens-details writes it, zero included.
+        reported: reply.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    };
+    eprintln!("{path}: {seen:?}");
+    assert_eq!(
+        seen.predicted, seen.reported,
+        "{path}: predicted cached tokens differ from the engine's: {seen:?}"
+    );
+    seen
+}
+
+/// Sends `body` until the second of two sends in a row hits: the first warms a worker, the
+/// second must go back to it with its cached prefix predicted exactly. KV events reach kvroute
+/// a moment after the engine answers, so a second send that finds nothing predicted and nothing
+/// reported (the router had not heard yet, and load sent it elsewhere) is tried again.
+async fn affinity(http: &Http, base: &str, path: &str, body: &Value) -> Seen {
+    let first = send(http, base, path, body).await;
+    let start = Instant::now();
+    loop {
+        let again = send(http, base, path, body).await;
+        if again.reported > 0 {
+            assert_eq!(
+                again.worker, first.worker,
+                "{path}: a repeated prompt changed worker"
+            );
+            return again;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "{path}: no cache hit on a repeated prompt"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn text(tag: &str) -> String {
+    format!("{tag}: the quick brown fox jumps over the lazy dog, again and again. ").repeat(4)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
+    let Some(dir) = std::env::var_os("KVROUTE_REAL_VLLM").map(PathBuf::from) else {
+        eprintln!(
+            "skipped: KVROUTE_REAL_VLLM is not set (run scripts/real-vllm/setup.sh DIR, then set it to DIR)"
+        );
+        return;
+    };
+    let run = std::env::temp_dir().join(format!("kvroute-real-vllm-{}", std::process::id()));
+    std::fs::create_dir_all(&run).unwrap();
+    let http = Http(client(Duration::from_secs(5)));
+    let mut engines = [Engine::new("a", &run), Engine::new("b", &run)];
+    for e in &mut engines {
+        e.spawn(&dir, &run);
+    }
+    for e in &engines {
+        let url = format!("{}/health", e.url());
+        http.wait_until(&format!("engine {} to start", e.name), ENGINE_START, async |h| {
+            h.call("GET", &url, None).await.is_some_and(|r| r.status == 200)
+        })
+        .await;
+    }
+
+    let (port, admin_port) = (free_port(), free_port());
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    serve
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
+        .arg("--model-dir")
+        .arg(dir.join("model"))
+        .args([
+            "--block-size",
+            &BLOCK.to_string(),
+            "--debug-headers",
+            "--health-interval-ms",
+            "500",
+        ]);
+    for e in &engines {
+        serve.args(["--worker", &e.worker_flag()]);
+    }
+    let _kvroute = Kvroute(
+        serve
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(run.join("kvroute.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    for e in &engines {
+        let url = e.url();
+        http.wait_until(&format!("worker {} ready", e.name), PATIENCE, async |h| {
+            worker_entry(h, &admin, &url)
+                .await
+                .is_some_and(|w| w["state"] == "ready")
+        })
+        .await;
+    }
+
+    // Text completions (the tokenizer adds BOS), chat (the template brings it), token ids.
+    let completion = |tag: &str| json!({"model": "tiny", "prompt": text(tag), "max_tokens": 2});
+    let chat = |tag: &str| json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": text(tag)}]});
+    let ids: Vec<u32> = (0..200).map(|i| 3 + (i * 7) % 250).collect();
+    let token_ids = json!({"model": "tiny", "prompt": ids, "max_tokens": 2});
+    let hit = affinity(&http, &base, "/v1/completions", &completion("text")).await;
+    assert!(hit.reported >= u64::from(BLOCK));
+    affinity(&http, &base, "/v1/chat/completions", &chat("chat")).await;
+    affinity(&http, &base, "/v1/completions", &token_ids).await;
+
+    eprintln!("-- an engine of each holds a prompt");
+    // A prompt cached on each engine, to find again after the restart and the flap.
+    let mut on = std::collections::BTreeMap::new();
+    for i in 0..16 {
+        if on.len() == engines.len() {
+            break;
+        }
+        let body = completion(&format!("probe {i}"));
+        let seen = affinity(&http, &base, "/v1/completions", &body).await;
+        on.entry(seen.worker).or_insert(body);
+    }
+    assert_eq!(on.len(), 2, "the router never used one of the engines");
+
+    eprintln!("-- engine a restarts");
+    // Engine a restarts: its cache is gone and its sequence starts again; kvroute must forget
+    // its view (or every prediction above would now be wrong) and learn the new one.
+    let a_url = engines[0].url();
+    engines[0].kill();
+    engines[0].spawn(&dir, &run);
+    http.wait_until("engine a to restart", ENGINE_START, async |h| {
+        h.call("GET", &format!("{a_url}/health"), None)
+            .await
+            .is_some_and(|r| r.status == 200)
+    })
+    .await;
+    http.wait_until("worker a ready again", PATIENCE, async |h| {
+        worker_entry(h, &admin, &a_url)
+            .await
+            .is_some_and(|w| w["state"] == "ready")
+    })
+    .await;
+    for body in on.values() {
+        send(&http, &base, "/v1/completions", body).await;
+    }
+    affinity(&http, &base, "/v1/completions", &completion("after restart")).await;
+
+    eprintln!("-- engine b flaps");
+    // Engine b stops long enough to fail its health checks, then goes on with its cache intact:
+    // kvroute must bring it back with its view, not an empty one.
+    let b_url = engines[1].url();
+    let b_id = worker_entry(&http, &admin, &b_url).await.unwrap()["id"].to_string();
+    engines[1].signal("STOP");
+    http.wait_until("worker b unhealthy", PATIENCE, async |h| {
+        worker_entry(h, &admin, &b_url)
+            .await
+            .is_some_and(|w| w["state"] == "unhealthy")
+    })
+    .await;
+    engines[1].signal("CONT");
+    http.wait_until("worker b ready again", PATIENCE, async |h| {
+        worker_entry(h, &admin, &b_url)
+            .await
+            .is_some_and(|w| w["state"] == "ready")
+    })
+    .await;
+    let b_prompt = on
+        .iter()
+        .find(|(worker, _)| **worker == b_id.trim_matches('"'))
+        .map(|(_, body)| body.clone());
+    if let Some(body) = b_prompt {
+        let seen = send(&http, &base, "/v1/completions", &body).await;
+        assert!(
+            seen.reported > 0,
+            "after the flap, b's cached prompt went elsewhere: {seen:?}"
+        );
+    }
+    affinity(&http, &base, "/v1/completions", &completion("after flap")).await;
+    let _ = std::fs::remove_dir_all(&run);
+}
