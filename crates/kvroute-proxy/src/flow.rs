@@ -327,15 +327,20 @@ async fn send(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
                 "upstream_failed",
-                format!("the worker {} cannot be reached: {e}", upstream.base),
+                "the worker cannot be reached",
             )))
         }
-        Ok(Err(e)) => Err(HopError::Failed(ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            "upstream_failed",
-            format!("the worker failed: {e}"),
-        ))),
+        Ok(Err(e)) => {
+            // The client learns that the worker failed; the log says how (hyper's words and the
+            // worker's address stay out of answers).
+            tracing::warn!(worker = upstream.worker.0, error = %e, "worker failed");
+            Err(HopError::Failed(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "upstream_failed",
+                "the worker failed",
+            )))
+        }
         Ok(Ok(response)) => Ok(response),
     }
 }
@@ -354,12 +359,13 @@ async fn prefill_exchange(
             StatusCode::BAD_GATEWAY,
             "upstream_error",
             "prefill_failed",
-            format!("the prefill worker {}: {message}", prefill.base),
+            format!("the prefill worker: {message}"),
         )
     };
     let exchange = async {
         let response = fwd.client.request(request).await.map_err(|e| {
-            let error = failed(format!("request failed: {e}"));
+            tracing::warn!(worker = prefill.worker.0, error = %e, "prefill request failed");
+            let error = failed("request failed".to_owned());
             if e.is_connect() {
                 tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
                 fwd.shared.worker_event(prefill.worker, WorkerEvent::Unreachable);
@@ -372,7 +378,10 @@ async fn prefill_exchange(
         let bytes = Limited::new(response.into_body(), MAX_PREFILL_RESPONSE)
             .collect()
             .await
-            .map_err(|e| HopError::Failed(failed(format!("reading the response: {e}"))))?
+            .map_err(|e| {
+                tracing::warn!(worker = prefill.worker.0, error = %e, "reading a prefill answer failed");
+                HopError::Failed(failed("reading its answer failed".to_owned()))
+            })?
             .to_bytes();
         if !status.is_success() {
             let text = String::from_utf8_lossy(&bytes);

@@ -664,3 +664,35 @@ fn a_stream_longer_than_the_drain_timeout_is_cut_and_the_process_still_exits() {
     );
     assert!(p.log().contains("drain timeout passed"), "{}", p.log());
 }
+
+#[test]
+fn an_engine_that_hangs_up_gets_a_502_that_shows_no_internals() {
+    // An engine that reads the request and closes the connection without an answer.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let mut reader = BufReader::new(stream);
+            let mut line = String::new();
+            // Until the blank line that ends the request head, then hang up.
+            while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                line.clear();
+            }
+        }
+    });
+    let (_p, addr, _) = serve(&["--worker", &url, "--health-interval-ms", "0"]);
+    let a = http(addr, "POST", "/v1/completions", &[], r#"{"prompt": "hello"}"#);
+    assert_eq!(a.status, 502, "{}", a.body);
+    assert_eq!(a.error_code(), "upstream_failed");
+    let body = a.body.to_lowercase();
+    for internal in [
+        "hyper",
+        "client error",
+        "sendrequest",
+        "connection closed",
+        url.as_str(),
+    ] {
+        assert!(!body.contains(internal), "{internal} in {}", a.body);
+    }
+}
