@@ -191,6 +191,16 @@ async fn worker_entry(http: &Http, admin: &str, url: &str) -> Option<Value> {
     workers.iter().find(|w| w["url"] == url).cloned()
 }
 
+/// Waits until kvroute's admin listing shows the worker at `url` in `state`.
+async fn wait_state(http: &Http, admin: &str, url: &str, state: &str) {
+    http.wait_until(&format!("worker {url} {state}"), PATIENCE, async |h| {
+        worker_entry(h, admin, url)
+            .await
+            .is_some_and(|w| w["state"] == state)
+    })
+    .await;
+}
+
 /// What one routed request showed: the worker kvroute chose, the tokens it predicted cached
 /// there, and the tokens the engine reported cached.
 #[derive(Debug)]
@@ -302,12 +312,7 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     let admin = format!("http://127.0.0.1:{admin_port}");
     for e in &engines {
         let url = e.url();
-        http.wait_until(&format!("worker {} ready", e.name), PATIENCE, async |h| {
-            worker_entry(h, &admin, &url)
-                .await
-                .is_some_and(|w| w["state"] == "ready")
-        })
-        .await;
+        wait_state(&http, &admin, &url, "ready").await;
     }
 
     // Text completions (the tokenizer adds BOS), chat (the template brings it), token ids.
@@ -345,12 +350,7 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
             .is_some_and(|r| r.status == 200)
     })
     .await;
-    http.wait_until("worker a ready again", PATIENCE, async |h| {
-        worker_entry(h, &admin, &a_url)
-            .await
-            .is_some_and(|w| w["state"] == "ready")
-    })
-    .await;
+    wait_state(&http, &admin, &a_url, "ready").await;
     for body in on.values() {
         send(&http, &base, "/v1/completions", body).await;
     }
@@ -362,19 +362,9 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     let b_url = engines[1].url();
     let b_id = worker_entry(&http, &admin, &b_url).await.unwrap()["id"].to_string();
     engines[1].signal("STOP");
-    http.wait_until("worker b unhealthy", PATIENCE, async |h| {
-        worker_entry(h, &admin, &b_url)
-            .await
-            .is_some_and(|w| w["state"] == "unhealthy")
-    })
-    .await;
+    wait_state(&http, &admin, &b_url, "unhealthy").await;
     engines[1].signal("CONT");
-    http.wait_until("worker b ready again", PATIENCE, async |h| {
-        worker_entry(h, &admin, &b_url)
-            .await
-            .is_some_and(|w| w["state"] == "ready")
-    })
-    .await;
+    wait_state(&http, &admin, &b_url, "ready").await;
     let b_prompt = on
         .iter()
         .find(|(worker, _)| **worker == b_id.trim_matches('"'))
