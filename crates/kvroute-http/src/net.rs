@@ -487,15 +487,22 @@ mod tests {
         assert!(seen.ends_with("ok"), "answered in full before closing: {seen}");
     }
 
-    #[tokio::test]
+    // Paused time: the clock moves only when every task waits, so the 50 ms deadlines cannot
+    // expire while the server is still reading the request on a loaded machine; the sleep below
+    // moves it past both of them, several times over, with the request held.
+    #[tokio::test(start_paused = true)]
     async fn a_request_in_flight_is_not_cut_by_either_timeout() {
         // The handler answers only after both timeouts have passed several times over.
         let (release, wait) = tokio::sync::oneshot::channel::<()>();
-        let wait = Arc::new(Mutex::new(Some(wait)));
+        let (arrived, arrived_rx) = tokio::sync::oneshot::channel::<()>();
+        let wait = Arc::new(Mutex::new(Some((wait, arrived))));
         let app = axum::Router::new().route(
             "/",
             axum::routing::get(move || {
-                let wait = wait.lock().unwrap().take();
+                let wait = wait.lock().unwrap().take().map(|(wait, arrived)| {
+                    let _ = arrived.send(());
+                    wait
+                });
                 async move {
                     if let Some(wait) = wait {
                         let _ = wait.await;
@@ -515,7 +522,9 @@ mod tests {
             .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .await
             .unwrap();
-        // Let the deadlines pass (the handler holds the request meanwhile), then answer.
+        // The handler holds the request (its arrival is the signal); then the clock passes both
+        // deadlines, and only then does it answer.
+        arrived_rx.await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         release.send(()).unwrap();
         let seen = until_closed(&mut stream).await;
