@@ -123,7 +123,7 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
     vllm::check_body(&value, &w.model_name)?;
-    let parsed = w.parse(endpoint, &incoming.body)?;
+    let parsed = w.parse(endpoint, &incoming.body, w.max_model_len as usize)?;
     vllm::check_length(parsed.max_tokens, parsed.tokens.len(), w.max_model_len)?;
     let role = kv_role(&value, w.role)?;
     let rank = &w.ranks[pick_rank(w, incoming.rank_header.as_deref(), &value)?];
@@ -206,9 +206,9 @@ impl Rank {
 }
 
 impl Server {
-    /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does.
-    fn parse(&self, endpoint: Endpoint, body: &[u8]) -> Result<openai::Parsed, ApiError> {
-        let max = self.max_model_len as usize;
+    /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does, refusing a prompt
+    /// past `max` tokens (a generation: the model's length; `/tokenize`: no limit, as vLLM's).
+    fn parse(&self, endpoint: Endpoint, body: &[u8], max: usize) -> Result<openai::Parsed, ApiError> {
         openai::parse_with(endpoint, body, max, |prompt, special| {
             vllm_tokens(&self.model, prompt, special, max)
         })
@@ -374,7 +374,8 @@ pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Respo
         }
         Endpoint::Completions
     };
-    match w.parse(endpoint, &body) {
+    // vLLM's /tokenize counts a prompt of any length (the body limit bounds it).
+    match w.parse(endpoint, &body, usize::MAX >> 8) {
         Ok(parsed) => axum::Json(kvroute_http::openai::types::Tokenized {
             count: parsed.tokens.len(),
             max_model_len: w.max_model_len,
