@@ -628,6 +628,22 @@ async fn random_drops_are_all_recovered_in_order() {
     assert!(after.gaps_detected - link.before.gaps_detected >= 1, "{after:?}");
 }
 
+/// Stops `first` and starts a new publisher on its live and replay ports, as an engine restarted
+/// in place: its sequence starts again at 0.
+async fn restart_in_place(first: EventPublisher) -> EventPublisher {
+    let (endpoint, replay) = (
+        first.endpoint().to_owned(),
+        first.replay_endpoint().expect("replay").to_owned(),
+    );
+    first.shutdown().await;
+    EventPublisher::start(PublisherConfig {
+        replay_endpoint: Some(replay),
+        ..loopback(true).with_endpoint(endpoint)
+    })
+    .await
+    .expect("restart on the same ports")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
     let Joined {
@@ -637,20 +653,9 @@ async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
         ..
     } = joined(loopback(true), |_| {}).await;
     publish_empty(&first, &mut rx, 300).await;
-    let (endpoint, replay) = (
-        first.endpoint().to_owned(),
-        first.replay_endpoint().expect("replay").to_owned(),
-    );
-    first.shutdown().await;
-
     // The same ports, as an engine restarted in place would have. The subscriber reconnects by
     // itself; what the new run published before it did comes back through the replay socket.
-    let second = EventPublisher::start(PublisherConfig {
-        replay_endpoint: Some(replay),
-        ..loopback(true).with_endpoint(endpoint)
-    })
-    .await
-    .expect("restart on the same ports");
+    let second = restart_in_place(first).await;
     let events = join(&second, &mut rx).await;
     assert!(
         matches!(events[0], SubscriberEvent::Restarted { worker: STREAM }),
@@ -761,17 +766,7 @@ async fn a_restart_is_seen_before_the_new_run_publishes_anything() {
         ..
     } = joined(loopback(true), |_| {}).await;
     publish_empty(&first, &mut rx, 5).await;
-    let (endpoint, replay) = (
-        first.endpoint().to_owned(),
-        first.replay_endpoint().expect("replay").to_owned(),
-    );
-    first.shutdown().await;
-    let second = EventPublisher::start(PublisherConfig {
-        replay_endpoint: Some(replay),
-        ..loopback(true).with_endpoint(endpoint)
-    })
-    .await
-    .expect("restart on the same ports");
+    let second = restart_in_place(first).await;
     assert!(
         matches!(next(&mut rx).await, SubscriberEvent::Restarted { worker: STREAM }),
         "the restart is reported with nothing published"
