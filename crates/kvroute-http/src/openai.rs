@@ -146,6 +146,14 @@ pub struct Parsed {
     pub internal_fields: Vec<&'static str>,
 }
 
+impl Parsed {
+    /// Whether the client's stream asked for no usage chunk, so that the proxy asks for one
+    /// ([`engine_body`]) and takes it out of the client's stream again.
+    pub fn usage_requested_for_client(&self) -> bool {
+        self.stream && !self.include_usage
+    }
+}
+
 /// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
 /// `kv_transfer_params` (a client's could make an engine import KV from a host it names) and
 /// SGLang's bootstrap fields (a client's could make an SGLang engine pull KV from a host it
@@ -287,9 +295,16 @@ pub fn engine_tokens(
 ///   design): the engine adds nothing to token ids, so routing and engine cannot disagree on
 ///   the prompt's blocks. The answer is the same text. Not with `echo`, whose answer would show
 ///   the decoded ids instead of the client's text: that request keeps its text.
+/// * a stream whose client did not ask for usage asks for it (`stream_options.include_usage`,
+///   the client's other stream options kept): vLLM reports a stream's cached tokens only in its
+///   final usage chunk, which the proxy then takes out of the client's stream
+///   ([`Parsed::usage_requested_for_client`]).
+///
+/// One parse and one serialization, whatever of the three applies.
 pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiError> {
     let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
-    if parsed.internal_fields.is_empty() && !replace_prompt {
+    let ask_usage = parsed.usage_requested_for_client();
+    if parsed.internal_fields.is_empty() && !replace_prompt && !ask_usage {
         return Ok(None);
     }
     let mut obj = match serde_json::from_slice(body) {
@@ -304,6 +319,18 @@ pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiE
     }
     if replace_prompt {
         obj.insert("prompt".to_owned(), Value::from(parsed.tokens.clone()));
+    }
+    if ask_usage {
+        let options = obj
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !options.is_object() {
+            // `null`: the field rules let nothing else through.
+            *options = Value::Object(Map::new());
+        }
+        if let Value::Object(options) = options {
+            options.insert("include_usage".to_owned(), Value::Bool(true));
+        }
     }
     serde_json::to_vec(&obj)
         .map(Some)
@@ -901,5 +928,45 @@ mod tests {
             sent.unwrap().unwrap(),
             serde_json::json!({"prompt": [256, 104, 105]})
         );
+    }
+
+    /// A stream whose client asked for no usage asks for it, keeping the client's other stream
+    /// options; one that asked, and a unary request, go as they came.
+    #[test]
+    fn a_stream_asks_for_usage_keeping_the_clients_other_stream_options() {
+        use serde_json::json;
+        let model = Model::tiny().unwrap();
+        let forwarded = |body: &Value| {
+            let bytes = serde_json::to_vec(body).unwrap();
+            let parsed = parse(Endpoint::Completions, &bytes, &model, 100).unwrap();
+            engine_body(&parsed, &bytes)
+                .unwrap()
+                .map(|b| serde_json::from_slice::<Value>(&b).unwrap())
+        };
+        // (client body, forwarded body)
+        let table = [
+            (
+                json!({"prompt": [1], "stream": true}),
+                Some(json!({"prompt": [1], "stream": true, "stream_options": {"include_usage": true}})),
+            ),
+            (
+                json!({"prompt": [1], "stream": true, "stream_options": null}),
+                Some(json!({"prompt": [1], "stream": true, "stream_options": {"include_usage": true}})),
+            ),
+            (
+                json!({"prompt": [1], "stream": true, "stream_options": {"continuous_usage_stats": false}}),
+                Some(
+                    json!({"prompt": [1], "stream": true, "stream_options": {"continuous_usage_stats": false, "include_usage": true}}),
+                ),
+            ),
+            (
+                json!({"prompt": [1], "stream": true, "stream_options": {"include_usage": true}}),
+                None,
+            ),
+            (json!({"prompt": [1], "stream": false}), None),
+        ];
+        for (body, want) in table {
+            assert_eq!(forwarded(&body), want, "{body}");
+        }
     }
 }

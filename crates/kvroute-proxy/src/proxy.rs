@@ -459,24 +459,6 @@ async fn read_body(config: &ServeConfig, body: axum::body::Body, limit: usize) -
     }
 }
 
-/// The body to forward: the client's, but a stream whose client did not ask for usage asks
-/// for it (`stream_options.include_usage`), so that the engine's final usage chunk reports
-/// its cached tokens for every streamed request; the proxy takes that chunk out again
-/// ([`Shape::Stream`]). Without it, streamed requests (most traffic) would never report
-/// cached tokens. `None` if the body is forwarded as it is.
-fn with_usage_requested(body: &[u8]) -> Option<Bytes> {
-    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let obj = value.as_object_mut()?;
-    let options = obj.entry("stream_options").or_insert_with(|| json!({}));
-    if options.is_null() {
-        *options = json!({});
-    }
-    options
-        .as_object_mut()?
-        .insert("include_usage".to_owned(), serde_json::Value::Bool(true));
-    serde_json::to_vec(&value).ok().map(Bytes::from)
-}
-
 async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {
     let t0 = Instant::now();
     let config = &app.shared.config;
@@ -509,12 +491,10 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         Ok(rewritten) => rewritten.map_or(body, Bytes::from),
         Err(e) => return Outcome::Failed(kind, e),
     };
-    let (shape, body) = match (parsed.stream, parsed.include_usage) {
-        (false, _) => (Shape::Unary, body),
-        (true, true) => (Shape::Stream { strip_usage: false }, body),
-        (true, false) => match with_usage_requested(&body) {
-            Some(asked) => (Shape::Stream { strip_usage: true }, asked),
-            None => (Shape::Stream { strip_usage: false }, body),
+    let shape = match parsed.stream {
+        false => Shape::Unary,
+        true => Shape::Stream {
+            strip_usage: parsed.usage_requested_for_client(),
         },
     };
     // The client's credential goes on to the engine, unless it was kvroute's own API key.
@@ -770,35 +750,6 @@ async fn not_found() -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_stream_asks_for_usage_keeping_the_clients_other_stream_options() {
-        // (client body, forwarded body)
-        let table = [
-            (
-                json!({"stream": true}),
-                json!({"stream": true, "stream_options": {"include_usage": true}}),
-            ),
-            (
-                json!({"stream": true, "stream_options": null}),
-                json!({"stream": true, "stream_options": {"include_usage": true}}),
-            ),
-            (
-                json!({"stream": true, "stream_options": {"continuous_usage_stats": false}}),
-                json!({"stream": true, "stream_options": {"continuous_usage_stats": false, "include_usage": true}}),
-            ),
-        ];
-        for (body, want) in table {
-            let out = with_usage_requested(&serde_json::to_vec(&body).unwrap()).unwrap();
-            assert_eq!(
-                serde_json::from_slice::<serde_json::Value>(&out).unwrap(),
-                want,
-                "{body}"
-            );
-        }
-        assert!(with_usage_requested(b"[1]").is_none());
-        assert!(with_usage_requested(br#"{"stream_options": 3}"#).is_none());
-    }
 
     #[test]
     fn admin_changes_that_leave_the_fleet_unservable_are_refused() {
