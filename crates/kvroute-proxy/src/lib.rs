@@ -17,13 +17,16 @@
 //! * [`health`]: the health prober.
 //! * [`checks`]: registration checks (served model, block size) that mark a worker misconfigured.
 //! * [`events`]: the KV-event intake: one ZMQ subscriber per worker rank, applied to the router.
-//! * [`proxy`]: the HTTP front: start-up, the routes, the admin API and `/metrics`.
+//! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
+//! * [`admin`]: the admin API on its own listener: token, listing, add/drain/remove with the
+//!   fleet checks.
 //! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
 //!   bootstrap pair; and the observed response body.
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
 
+pub mod admin;
 pub mod checks;
 pub mod config;
 pub mod driver;

@@ -5,10 +5,7 @@
 //! generation request is read (bounded), parsed and tokenized here, then forwarded in its flow
 //! ([`crate::flow`]); its outcome is counted by endpoint, type and cause when it ends (here if
 //! the proxy answers it, by the observed body if a worker does). The rest are `/v1/models`,
-//! `/health` and `/metrics`. The admin API over the worker registry has a listener of its own
-//! (loopback by default, a bearer token when it is not): nothing under `/admin` answers on the
-//! inference port. An admin change that would leave the fleet unable to serve is refused with
-//! 409 unless forced (`?force=true`).
+//! `/health` and `/metrics`. The admin API ([`crate::admin`]) is served on a listener of its own.
 //!
 //! Every response carries an `x-request-id` (the client's, or one made here) that each log line
 //! of the request names; every error body is OpenAI's shape. With `api-key` set, `/v1/...` needs
@@ -20,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -38,9 +35,9 @@ use crate::events::EventFeed;
 use crate::flow::{Forwarder, Generation};
 use crate::metrics::{Metrics, RequestKind, RequestOutcome};
 use crate::observed::{Report, Shape};
-use crate::worker::StateName;
 use kvroute_http::model::Model;
 
+use crate::admin::{bearer, same_secret, unauthorized};
 use crate::checks::Checker;
 use kvroute_http::net::{self, Shutdown};
 use kvroute_http::openai::types::ModelList;
@@ -69,14 +66,14 @@ pub enum ServeError {
     Worker(String),
 }
 
-struct App {
-    shared: Arc<Shared>,
+pub(crate) struct App {
+    pub(crate) shared: Arc<Shared>,
     model: Arc<Model>,
     forwarder: Arc<Forwarder>,
-    feed: EventFeed,
+    pub(crate) feed: EventFeed,
     checker: Checker,
     /// One admin change at a time: the fleet check and the change it allows are one step.
-    admin: tokio::sync::Mutex<()>,
+    pub(crate) admin: tokio::sync::Mutex<()>,
     /// The instance tag and counter of the request ids made here.
     instance: u64,
     next_request_id: AtomicU64,
@@ -216,11 +213,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         .route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth))
         .route("/health", get(health))
         .route("/metrics", get(metrics));
-    let admin = axum::Router::new()
-        .route("/admin/workers", get(list_workers).post(post_worker))
-        .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
-        .route("/admin/workers/{id}/drain", post(drain_worker))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), admin_auth));
+    let admin = crate::admin::routes(&app);
     let servers = vec![
         tokio::spawn(net::serve_with(
             listener,
@@ -284,32 +277,6 @@ async fn request_id(State(app): State<Arc<App>>, request: Request, next: Next) -
     response
 }
 
-/// The bearer token of `headers`, if any.
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-/// Compares secrets in time that depends on their lengths only.
-fn same_secret(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn unauthorized(message: &str) -> Response {
-    let mut response = ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "invalid_request_error",
-        "invalid_api_key",
-        message,
-    )
-    .into_response();
-    response
-        .headers_mut()
-        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    response
-}
-
 /// The inference API's keys: with `api-key` set, a request needs one of them.
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let keys = &app.shared.config.api_key;
@@ -320,17 +287,7 @@ async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Nex
     }
 }
 
-/// The admin API's token, when one is configured.
-async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    match &app.shared.config.admin_token {
-        Some(token) if !bearer(request.headers()).is_some_and(|t| same_secret(token, t)) => {
-            unauthorized("the admin API needs its token (Authorization: Bearer TOKEN)")
-        }
-        _ => next.run(request).await,
-    }
-}
-
-fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
+pub(crate) fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
     let id = app.shared.add_worker(config.clone())?;
     app.feed.subscribe(id, &config);
     app.checker.spawn(&app.shared, id);
@@ -430,7 +387,11 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
 
 /// Reads a request body whole: at most `limit` bytes, within the body read timeout; else an
 /// OpenAI-shaped 413 or 408.
-async fn read_body(config: &ServeConfig, body: axum::body::Body, limit: usize) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(
+    config: &ServeConfig,
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     let collect = Limited::new(body, limit).collect();
     match tokio::time::timeout(ServeConfig::ms(config.body_read_timeout_ms), collect).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
@@ -573,160 +534,6 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     response
 }
 
-async fn list_workers(State(app): State<Arc<App>>) -> Response {
-    let mut workers = json!(app.shared.worker_statuses());
-    // Credentials are never listed.
-    for w in workers.as_array_mut().into_iter().flatten() {
-        if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
-            *key = json!("<redacted>");
-        }
-    }
-    axum::Json(json!({ "workers": workers })).into_response()
-}
-
-/// An admin change to the fleet, checked before it is applied.
-#[derive(Clone, Copy, Debug)]
-enum FleetChange<'a> {
-    /// A worker joins.
-    Add(&'a WorkerConfig),
-    /// A worker leaves routing (drained or removed).
-    Leave(WorkerId),
-}
-
-/// Whether a fleet of workers of `roles` can serve a request: some worker decodes, and prefill
-/// workers come with decode workers (the configuration's rule).
-fn servable(roles: &[WorkerRole]) -> bool {
-    roles.iter().any(|&r| r != WorkerRole::Prefill)
-        && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
-}
-
-/// Refuses a change that would leave the fleet unable to serve (its members: the workers not
-/// drained or removed, healthy or not), unless it is `forced`.
-fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
-    let members: Vec<(WorkerId, WorkerRole)> = app
-        .shared
-        .worker_statuses()
-        .into_iter()
-        .filter(|w| matches!(w.state, StateName::Ready | StateName::Unhealthy))
-        .map(|w| (WorkerId(w.id), w.config.role()))
-        .collect();
-    let before: Vec<WorkerRole> = members.iter().map(|&(_, r)| r).collect();
-    let after: Vec<WorkerRole> = match change {
-        FleetChange::Add(config) => before.iter().copied().chain([config.role()]).collect(),
-        FleetChange::Leave(id) => members
-            .iter()
-            .filter(|&&(m, _)| m != id)
-            .map(|&(_, r)| r)
-            .collect(),
-    };
-    let adding = matches!(change, FleetChange::Add(_));
-    match fleet_refusal(&before, &after, adding) {
-        Some(reason) if !forced => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "fleet_unservable",
-            format!("refused: {reason}; repeat with ?force=true to do it anyway"),
-        )),
-        _ => Ok(()),
-    }
-}
-
-/// Why a change from a fleet of roles `before` to one of `after` is refused, if it is: it makes
-/// a serving fleet unservable, or adds a worker to a fleet that still cannot serve after it.
-fn fleet_refusal(before: &[WorkerRole], after: &[WorkerRole], adding: bool) -> Option<String> {
-    if servable(after) || !(servable(before) || adding) {
-        return None;
-    }
-    Some(if after.is_empty() {
-        "it would leave no worker to serve requests".to_owned()
-    } else if after.iter().all(|&r| r == WorkerRole::Prefill) {
-        "it would leave only prefill workers, which cannot serve a request alone".to_owned()
-    } else {
-        match ServeConfig::validate_fleet(after.iter().copied()) {
-            Err(ConfigError::Invalid { message, .. }) => format!("it would leave a fleet where {message}"),
-            _ => "it would leave a fleet that cannot serve".to_owned(),
-        }
-    })
-}
-
-/// Whether the admin request says `force=true` (or `force`, `force=1`).
-fn forced(uri: &Uri) -> bool {
-    uri.query().is_some_and(|q| {
-        q.split('&')
-            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
-    })
-}
-
-/// The largest body of an admin request.
-const MAX_ADMIN_BODY: usize = 1 << 20;
-
-async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response {
-    let forced = forced(request.uri());
-    let body = match read_body(&app.shared.config, request.into_body(), MAX_ADMIN_BODY).await {
-        Ok(body) => body,
-        Err(e) => return e.into_response(),
-    };
-    let config: WorkerConfig = match serde_json::from_slice(&body) {
-        Ok(c) => c,
-        Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
-    };
-    let _one_at_a_time = app.admin.lock().await;
-    if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
-        return refused.into_response();
-    }
-    match add_worker(&app, config) {
-        Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
-        Err(e) => ApiError::bad_request("body", e).into_response(),
-    }
-}
-
-fn unknown_worker(id: &str) -> Response {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "invalid_request_error",
-        "unknown_worker",
-        format!("no worker {id}"),
-    )
-    .into_response()
-}
-
-/// Worker `id` of an admin path, if it exists.
-fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
-    id.parse()
-        .ok()
-        .map(WorkerId)
-        .filter(|&w| app.shared.worker_state(w).is_some())
-}
-
-async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
-    let _one_at_a_time = app.admin.lock().await;
-    let Some(w) = known_worker(&app, &id) else {
-        return unknown_worker(&id);
-    };
-    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
-        return refused.into_response();
-    }
-    if !app.shared.drain_worker(w) {
-        return unknown_worker(&id);
-    }
-    axum::Json(json!({"id": w.0, "draining": true})).into_response()
-}
-
-async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
-    let _one_at_a_time = app.admin.lock().await;
-    let Some(w) = known_worker(&app, &id) else {
-        return unknown_worker(&id);
-    };
-    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
-        return refused.into_response();
-    }
-    if !app.shared.remove_worker(w) {
-        return unknown_worker(&id);
-    }
-    app.feed.unsubscribe(w);
-    axum::Json(json!({"id": w.0, "removed": true})).into_response()
-}
-
 async fn method_not_allowed() -> Response {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
@@ -745,64 +552,4 @@ async fn not_found() -> Response {
         "no such endpoint",
     )
     .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn admin_changes_that_leave_the_fleet_unservable_are_refused() {
-        use WorkerRole::{Aggregated as A, Decode as D, Prefill as P};
-        // (before, after, adding, refused)
-        let cases: &[(&[WorkerRole], &[WorkerRole], bool, bool)] = &[
-            (&[A, A], &[A], false, false),
-            (&[A], &[], false, true),
-            (&[P, D], &[P], false, true),
-            (&[P, D, D], &[P, D], false, false),
-            (&[P, D, A], &[P, A], false, true),
-            (&[A], &[A, P], true, true),
-            (&[], &[P], true, true),
-            (&[], &[A], true, false),
-            (&[], &[D], true, false),
-            (&[P], &[P, D], true, false),
-            // Already unservable (forced there): taking workers out is not refused.
-            (&[P], &[], false, false),
-            (&[P, P], &[P], false, false),
-        ];
-        for &(before, after, adding, refused) in cases {
-            let got = fleet_refusal(before, after, adding);
-            assert_eq!(got.is_some(), refused, "{before:?} -> {after:?}: {got:?}");
-        }
-        assert!(
-            fleet_refusal(&[P, D], &[P], false)
-                .unwrap()
-                .contains("only prefill")
-        );
-    }
-
-    #[test]
-    fn bearer_tokens_and_secrets() {
-        let mut h = HeaderMap::new();
-        assert_eq!(bearer(&h), None);
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer  k1 "));
-        assert_eq!(bearer(&h), Some("k1"));
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k1"));
-        assert_eq!(bearer(&h), None);
-        assert!(same_secret("abc", "abc"));
-        assert!(!same_secret("abc", "abd"));
-        assert!(!same_secret("abc", "abcd"));
-    }
-
-    #[test]
-    fn force_is_read_from_the_query() {
-        for (uri, want) in [
-            ("/admin/workers/0", false),
-            ("/admin/workers/0?force=true", true),
-            ("/admin/workers/0?a=1&force", true),
-            ("/admin/workers/0?force=false", false),
-        ] {
-            assert_eq!(forced(&uri.parse().unwrap()), want, "{uri}");
-        }
-    }
 }

@@ -1,0 +1,281 @@
+//! The admin API over the worker registry, on a listener of its own (loopback by default; a
+//! bearer token when it is bound beyond loopback): nothing under `/admin` answers on the
+//! inference port. It lists the workers (credentials redacted), adds, drains and removes them;
+//! a change that would leave the fleet unable to serve is refused with 409 unless forced
+//! (`?force=true`). The bearer-token checks here also guard the inference API's keys.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvroute_core::ids::WorkerId;
+use kvroute_core::router::WorkerRole;
+use kvroute_http::openai::ApiError;
+use serde_json::json;
+
+use crate::config::{ConfigError, ServeConfig, WorkerConfig};
+use crate::proxy::{App, add_worker, read_body};
+use crate::worker::StateName;
+
+/// The admin API's routes, behind its token.
+pub(crate) fn routes(app: &Arc<App>) -> axum::Router<Arc<App>> {
+    axum::Router::new()
+        .route("/admin/workers", get(list_workers).post(post_worker))
+        .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
+        .route("/admin/workers/{id}/drain", post(drain_worker))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(app), admin_auth))
+}
+
+/// The bearer token of `headers`, if any.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Compares secrets in time that depends on their lengths only.
+pub(crate) fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A 401 in OpenAI's shape that asks for a bearer token.
+pub(crate) fn unauthorized(message: &str) -> Response {
+    let mut response = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        message,
+    )
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// The admin API's token, when one is configured.
+async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    match &app.shared.config.admin_token {
+        Some(token) if !bearer(request.headers()).is_some_and(|t| same_secret(token, t)) => {
+            unauthorized("the admin API needs its token (Authorization: Bearer TOKEN)")
+        }
+        _ => next.run(request).await,
+    }
+}
+
+async fn list_workers(State(app): State<Arc<App>>) -> Response {
+    let mut workers = json!(app.shared.worker_statuses());
+    // Credentials are never listed.
+    for w in workers.as_array_mut().into_iter().flatten() {
+        if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
+            *key = json!("<redacted>");
+        }
+    }
+    axum::Json(json!({ "workers": workers })).into_response()
+}
+
+/// An admin change to the fleet, checked before it is applied.
+#[derive(Clone, Copy, Debug)]
+enum FleetChange<'a> {
+    /// A worker joins.
+    Add(&'a WorkerConfig),
+    /// A worker leaves routing (drained or removed).
+    Leave(WorkerId),
+}
+
+/// Whether a fleet of workers of `roles` can serve a request: some worker decodes, and prefill
+/// workers come with decode workers (the configuration's rule).
+fn servable(roles: &[WorkerRole]) -> bool {
+    roles.iter().any(|&r| r != WorkerRole::Prefill)
+        && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
+}
+
+/// Refuses a change that would leave the fleet unable to serve (its members: the workers not
+/// drained or removed, healthy or not), unless it is `forced`.
+fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
+    let members: Vec<(WorkerId, WorkerRole)> = app
+        .shared
+        .worker_statuses()
+        .into_iter()
+        .filter(|w| matches!(w.state, StateName::Ready | StateName::Unhealthy))
+        .map(|w| (WorkerId(w.id), w.config.role()))
+        .collect();
+    let before: Vec<WorkerRole> = members.iter().map(|&(_, r)| r).collect();
+    let after: Vec<WorkerRole> = match change {
+        FleetChange::Add(config) => before.iter().copied().chain([config.role()]).collect(),
+        FleetChange::Leave(id) => members
+            .iter()
+            .filter(|&&(m, _)| m != id)
+            .map(|&(_, r)| r)
+            .collect(),
+    };
+    let adding = matches!(change, FleetChange::Add(_));
+    match fleet_refusal(&before, &after, adding) {
+        Some(reason) if !forced => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "fleet_unservable",
+            format!("refused: {reason}; repeat with ?force=true to do it anyway"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Why a change from a fleet of roles `before` to one of `after` is refused, if it is: it makes
+/// a serving fleet unservable, or adds a worker to a fleet that still cannot serve after it.
+fn fleet_refusal(before: &[WorkerRole], after: &[WorkerRole], adding: bool) -> Option<String> {
+    if servable(after) || !(servable(before) || adding) {
+        return None;
+    }
+    Some(if after.is_empty() {
+        "it would leave no worker to serve requests".to_owned()
+    } else if after.iter().all(|&r| r == WorkerRole::Prefill) {
+        "it would leave only prefill workers, which cannot serve a request alone".to_owned()
+    } else {
+        match ServeConfig::validate_fleet(after.iter().copied()) {
+            Err(ConfigError::Invalid { message, .. }) => format!("it would leave a fleet where {message}"),
+            _ => "it would leave a fleet that cannot serve".to_owned(),
+        }
+    })
+}
+
+/// Whether the admin request says `force=true` (or `force`, `force=1`).
+fn forced(uri: &Uri) -> bool {
+    uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
+    })
+}
+
+/// The largest body of an admin request.
+const MAX_ADMIN_BODY: usize = 1 << 20;
+
+async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response {
+    let forced = forced(request.uri());
+    let body = match read_body(&app.shared.config, request.into_body(), MAX_ADMIN_BODY).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let config: WorkerConfig = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
+    };
+    let _one_at_a_time = app.admin.lock().await;
+    if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
+        return refused.into_response();
+    }
+    match add_worker(&app, config) {
+        Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
+        Err(e) => ApiError::bad_request("body", e).into_response(),
+    }
+}
+
+fn unknown_worker(id: &str) -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "unknown_worker",
+        format!("no worker {id}"),
+    )
+    .into_response()
+}
+
+/// Worker `id` of an admin path, if it exists.
+fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
+    id.parse()
+        .ok()
+        .map(WorkerId)
+        .filter(|&w| app.shared.worker_state(w).is_some())
+}
+
+async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
+    let _one_at_a_time = app.admin.lock().await;
+    let Some(w) = known_worker(&app, &id) else {
+        return unknown_worker(&id);
+    };
+    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
+        return refused.into_response();
+    }
+    if !app.shared.drain_worker(w) {
+        return unknown_worker(&id);
+    }
+    axum::Json(json!({"id": w.0, "draining": true})).into_response()
+}
+
+async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
+    let _one_at_a_time = app.admin.lock().await;
+    let Some(w) = known_worker(&app, &id) else {
+        return unknown_worker(&id);
+    };
+    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
+        return refused.into_response();
+    }
+    if !app.shared.remove_worker(w) {
+        return unknown_worker(&id);
+    }
+    app.feed.unsubscribe(w);
+    axum::Json(json!({"id": w.0, "removed": true})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_changes_that_leave_the_fleet_unservable_are_refused() {
+        use WorkerRole::{Aggregated as A, Decode as D, Prefill as P};
+        // (before, after, adding, refused)
+        let cases: &[(&[WorkerRole], &[WorkerRole], bool, bool)] = &[
+            (&[A, A], &[A], false, false),
+            (&[A], &[], false, true),
+            (&[P, D], &[P], false, true),
+            (&[P, D, D], &[P, D], false, false),
+            (&[P, D, A], &[P, A], false, true),
+            (&[A], &[A, P], true, true),
+            (&[], &[P], true, true),
+            (&[], &[A], true, false),
+            (&[], &[D], true, false),
+            (&[P], &[P, D], true, false),
+            // Already unservable (forced there): taking workers out is not refused.
+            (&[P], &[], false, false),
+            (&[P, P], &[P], false, false),
+        ];
+        for &(before, after, adding, refused) in cases {
+            let got = fleet_refusal(before, after, adding);
+            assert_eq!(got.is_some(), refused, "{before:?} -> {after:?}: {got:?}");
+        }
+        assert!(
+            fleet_refusal(&[P, D], &[P], false)
+                .unwrap()
+                .contains("only prefill")
+        );
+    }
+
+    #[test]
+    fn bearer_tokens_and_secrets() {
+        let mut h = HeaderMap::new();
+        assert_eq!(bearer(&h), None);
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer  k1 "));
+        assert_eq!(bearer(&h), Some("k1"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k1"));
+        assert_eq!(bearer(&h), None);
+        assert!(same_secret("abc", "abc"));
+        assert!(!same_secret("abc", "abd"));
+        assert!(!same_secret("abc", "abcd"));
+    }
+
+    #[test]
+    fn force_is_read_from_the_query() {
+        for (uri, want) in [
+            ("/admin/workers/0", false),
+            ("/admin/workers/0?force=true", true),
+            ("/admin/workers/0?a=1&force", true),
+            ("/admin/workers/0?force=false", false),
+        ] {
+            assert_eq!(forced(&uri.parse().unwrap()), want, "{uri}");
+        }
+    }
+}
