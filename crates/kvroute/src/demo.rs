@@ -47,6 +47,10 @@ pub struct DemoArgs {
     /// Routing policy.
     #[arg(long, default_value = "kv")]
     pub policy: String,
+    /// Log format on stderr: `text` (the demo's lines only), or `json` (every line a JSON log
+    /// event, the services' logs and the result table included).
+    #[arg(long, value_enum, default_value_t = crate::serve::LogFormat::Text)]
+    pub log_format: crate::serve::LogFormat,
 }
 
 /// One request's measurements, in wall-clock time.
@@ -80,21 +84,26 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     } else {
         format!("{} workers", args.workers)
     };
-    eprintln!(
-        "demo: {} requests of the example trace, {fleet}, policy {}, {}x speed",
-        requests.len(),
-        args.policy,
-        args.speedup
+    let format = args.log_format;
+    crate::serve::say(
+        format,
+        &format!(
+            "demo: {} requests of the example trace, {fleet}, policy {}, {}x speed",
+            requests.len(),
+            args.policy,
+            args.speedup
+        ),
     );
     let simulated = Simulation::new(sim.clone())?.run(&workload, &mut |_| {})?.report;
     let live = super::serve::runtime(0)?.block_on(live(&args, &sim, requests))?;
-    print!(
-        "{}",
-        kvroute_sim::report::table(&[
-            (format!("{} (simulated)", args.policy), simulated),
-            (format!("{} (live HTTP)", args.policy), live),
-        ])
-    );
+    let table = kvroute_sim::report::table(&[
+        (format!("{} (simulated)", args.policy), simulated),
+        (format!("{} (live HTTP)", args.policy), live),
+    ]);
+    match format {
+        crate::serve::LogFormat::Text => print!("{table}"),
+        crate::serve::LogFormat::Json => tracing::info!(%table, "demo: the result"),
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use kvroute::bench;
 use kvroute::config::count;
 use kvroute::opstream::OpStream;
+use kvroute::serve::{LogFormat, init_logging_as};
 
 /// The op-stream the index benchmark runs on when none is named: a file of the shared bench
 /// folder that sits beside a kvroute checkout.
@@ -114,11 +115,32 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    let format = cli.command.log_format();
+    if let Some(format) = format {
+        init_logging_as(format);
+    }
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Under JSON logs the error is a log line too.
+            match format {
+                Some(LogFormat::Json) => tracing::error!("error: {e:#}"),
+                _ => eprintln!("error: {e:#}"),
+            }
             std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+impl Command {
+    /// How the services log (`serve`, `mock`; `demo` only with `--log-format json`, its text
+    /// mode printing nothing but its own lines), if this command is one of them.
+    fn log_format(&self) -> Option<LogFormat> {
+        match self {
+            Self::Serve(args) => Some(args.log_format),
+            Self::Mock(args) => Some(args.log_format),
+            Self::Demo(args) => (args.log_format == LogFormat::Json).then_some(LogFormat::Json),
+            Self::Bench(_) | Self::Replay(_) => None,
         }
     }
 }

@@ -201,6 +201,15 @@ pub fn init_logging() {
     init_logging_as(LogFormat::Text);
 }
 
+/// A line for the person who started a command, on stderr: as it is with text logs; with JSON
+/// logs, one log event through `tracing` (the line its message), so that every line is JSON.
+pub fn say(format: LogFormat, line: &str) {
+    match format {
+        LogFormat::Text => eprintln!("{line}"),
+        LogFormat::Json => tracing::info!("{line}"),
+    }
+}
+
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
 pub fn init_logging_as(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -217,30 +226,37 @@ pub fn init_logging_as(format: LogFormat) {
 /// Runs `kvroute serve` until SIGTERM or Ctrl-C, then shuts down gracefully: stops accepting,
 /// lets streams in flight finish for up to `drain-timeout-ms`, and returns.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging_as(args.log_format);
+    let format = args.log_format;
     let config = args.to_config()?;
     let drain = std::time::Duration::from_millis(config.drain_timeout_ms);
     runtime(config.threads)?.block_on(async move {
         let proxy = kvroute_proxy::start(config, None).await?;
-        eprintln!(
-            "kvroute serve: listening on {}; admin API on {}",
-            proxy.url(),
-            proxy.admin_url()
-        );
+        let (url, admin_url) = (proxy.url(), proxy.admin_url());
+        match format {
+            LogFormat::Text => eprintln!("kvroute serve: listening on {url}; admin API on {admin_url}"),
+            LogFormat::Json => tracing::info!(
+                %url,
+                %admin_url,
+                "kvroute serve: listening on {url}; admin API on {admin_url}"
+            ),
+        }
         if proxy.shared.worker_urls().is_empty() {
-            eprintln!(
-                "no workers yet: add them with --worker or POST {}/admin/workers",
-                proxy.admin_url()
+            say(
+                format,
+                &format!("no workers yet: add them with --worker or POST {admin_url}/admin/workers"),
             );
         }
         tokio::select! {
             () = proxy.stopped() => return Ok(()),
-            signal = stop_signal() => eprintln!("kvroute serve: {}; draining (up to {} ms)", signal?, drain.as_millis()),
+            signal = stop_signal() => say(format, &format!("kvroute serve: {}; draining (up to {} ms)", signal?, drain.as_millis())),
         }
         if proxy.drain(drain).await {
-            eprintln!("kvroute serve: drained; exiting");
+            say(format, "kvroute serve: drained; exiting");
         } else {
-            eprintln!("kvroute serve: the drain timeout passed with requests in flight; exiting");
+            say(
+                format,
+                "kvroute serve: the drain timeout passed with requests in flight; exiting",
+            );
         }
         Ok(())
     })
@@ -327,6 +343,10 @@ pub struct MockArgs {
     /// Model name served.
     #[arg(long, default_value = "tiny")]
     pub model_name: String,
+    /// Log format on stderr: `text`, or `json` (one object a line; the `serve` command to copy
+    /// is then the `command` field of its line, each worker's flag a `worker` field).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 /// The `kvroute serve` command that routes to mock workers of `block_size`-token blocks
@@ -411,7 +431,6 @@ fn check_mock(args: &MockArgs) -> anyhow::Result<()> {
 
 /// Runs `kvroute mock` until the process is stopped.
 pub fn mock(args: MockArgs) -> anyhow::Result<()> {
-    init_logging();
     check_mock(&args)?;
     let mut config = MockConfig::new(args.workers);
     config.prefill_workers = args.prefill;
@@ -438,10 +457,14 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     });
     runtime(0)?.block_on(async move {
         let workers = mock::start(&config, model).await?;
+        let format = args.log_format;
         let mut flags = Vec::new();
         for w in &workers {
             let flag = w.worker_flag();
-            eprintln!("mock worker: {flag}");
+            match format {
+                LogFormat::Text => eprintln!("mock worker: {flag}"),
+                LogFormat::Json => tracing::info!(worker = %flag, "mock worker: {flag}"),
+            }
             flags.push(flag);
         }
         let dir = args.model_dir.as_deref().map(std::path::absolute).transpose()?;
@@ -451,10 +474,15 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
             dir.as_deref(),
             &flags,
         );
-        eprintln!("route to them with:\n  {command}");
+        // The command stays whole and copyable: a line of its own, or one JSON field.
+        match format {
+            LogFormat::Text => eprintln!("route to them with:\n  {command}"),
+            LogFormat::Json => tracing::info!(%command, "route to them with the command"),
+        }
         if config.prefill_workers > 0 {
-            eprintln!(
-                "(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)"
+            say(
+                format,
+                "(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)",
             );
         }
         std::future::pending::<()>().await;

@@ -6,6 +6,9 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/gauges.rs"]
+mod gauges;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -17,10 +20,13 @@ use serde_json::Value;
 /// Generous: reached only when a test fails.
 const PATIENCE: Duration = Duration::from_secs(30);
 
-/// A `kvroute` process whose stderr is collected; killed when dropped.
+/// A `kvroute` process whose stderr and stdout are collected; killed when dropped.
 struct Proc {
     child: Child,
     stderr: Arc<Mutex<String>>,
+    stdout: Arc<Mutex<String>>,
+    /// The threads that read its stderr and stdout, until each ends.
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Proc {
@@ -38,27 +44,41 @@ impl Proc {
         let mut child = command
             .args(args)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let stderr = Arc::new(Mutex::new(String::new()));
+        let (stderr, stdout) = (
+            Arc::new(Mutex::new(String::new())),
+            Arc::new(Mutex::new(String::new())),
+        );
         let (tx, rx) = std::sync::mpsc::channel();
-        let lines = BufReader::new(child.stderr.take().unwrap());
-        let sink = Arc::clone(&stderr);
-        let marker = ready.to_owned();
-        std::thread::spawn(move || {
-            for line in lines.lines().map_while(Result::ok) {
-                let mut s = sink.lock().unwrap();
-                s.push_str(&line);
-                s.push('\n');
-                drop(s);
-                if line.contains(&marker) {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        let mut p = Self { child, stderr };
+        let collect =
+            |pipe: Box<dyn Read + Send>, sink: &Arc<Mutex<String>>, tx: std::sync::mpsc::Sender<()>| {
+                let sink = Arc::clone(sink);
+                let marker = ready.to_owned();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                        let mut s = sink.lock().unwrap();
+                        s.push_str(&line);
+                        s.push('\n');
+                        drop(s);
+                        if line.contains(&marker) {
+                            let _ = tx.send(());
+                        }
+                    }
+                })
+            };
+        let readers = vec![
+            collect(Box::new(child.stderr.take().unwrap()), &stderr, tx.clone()),
+            collect(Box::new(child.stdout.take().unwrap()), &stdout, tx),
+        ];
+        let mut p = Self {
+            child,
+            stderr,
+            stdout,
+            readers,
+        };
         if rx.recv_timeout(PATIENCE).is_err() {
             let _ = p.child.kill();
             panic!("kvroute {args:?} never said {ready:?}:\n{}", p.log());
@@ -70,6 +90,14 @@ impl Proc {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// Everything it wrote, stdout then stderr, once it has exited and both pipes ended.
+    fn output_after_exit(&mut self) -> String {
+        for reader in self.readers.drain(..) {
+            reader.join().unwrap();
+        }
+        format!("{}{}", self.stdout.lock().unwrap(), self.log())
+    }
+
     /// The address after `marker` (`http://ADDR`) in its log.
     fn addr_after(&self, marker: &str) -> SocketAddr {
         let log = self.log();
@@ -79,7 +107,7 @@ impl Proc {
             + marker.len();
         let rest = log[at..].trim_start().trim_start_matches("http://");
         let end = rest
-            .find(|c: char| c == ';' || c.is_whitespace())
+            .find(|c: char| c == ';' || c == '"' || c.is_whitespace())
             .unwrap_or(rest.len());
         rest[..end].parse().unwrap()
     }
@@ -491,20 +519,26 @@ fn an_engine_that_accepts_and_never_answers_gets_a_504_and_its_load_is_freed() {
     assert_eq!(workers["workers"][0]["active_requests"], 0, "{workers}");
 }
 
-#[test]
-fn sigterm_lets_a_stream_in_flight_finish_then_the_process_exits() {
-    // A slow engine: the stream is in flight for seconds.
-    let (_mock, worker) = mock("0.2");
-    let (mut p, addr, _) = serve(&["--worker", &worker]);
+/// Polls `/metrics` at `addr` until its load gauges equal `in_flight` ([`gauges::mismatch`]).
+fn until_gauges_are(addr: SocketAddr, in_flight: &[(u64, u64)]) {
+    let mut wrong = None;
+    eventually("the gauges equal the requests in flight", || {
+        wrong = gauges::mismatch(&http(addr, "GET", "/metrics", &[], "").body, in_flight);
+        wrong.is_none()
+    });
+}
+
+/// Starts a streamed completion of `max_tokens` on its own connection and reads up to its first
+/// token; the connection and what it read.
+fn stream_started(addr: SocketAddr, prompt: &str, max_tokens: u32) -> (TcpStream, Vec<u8>) {
     let mut stream = TcpStream::connect(addr).unwrap();
-    let body = r#"{"prompt": "a stream in flight", "max_tokens": 40, "stream": true}"#;
+    let body = format!(r#"{{"prompt": "{prompt}", "max_tokens": {max_tokens}, "stream": true}}"#);
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).unwrap();
     stream.set_read_timeout(Some(PATIENCE)).unwrap();
-    // Wait for the first token.
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: {") {
@@ -512,16 +546,32 @@ fn sigterm_lets_a_stream_in_flight_finish_then_the_process_exits() {
         assert!(n > 0, "closed before the first token");
         seen.extend_from_slice(&buf[..n]);
     }
+    (stream, seen)
+}
+
+#[test]
+fn sigterm_lets_a_stream_in_flight_finish_then_the_process_exits() {
+    // A slow engine: the streams are in flight for seconds.
+    let (_mock, worker) = mock("0.2");
+    let (mut p, addr, _) = serve(&["--worker", &worker]);
+    let streams = [
+        stream_started(addr, "a stream in flight", 40),
+        stream_started(addr, "another stream in flight", 30),
+    ];
+    // Both booked on the one worker, as the gauges say.
+    until_gauges_are(addr, &[(0, 2)]);
     let status = Command::new("kill")
         .args(["-TERM", &p.pid().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    // The stream goes on to its end.
-    let rest = until_closed(&mut stream);
-    seen.extend_from_slice(rest.as_bytes());
-    let text = String::from_utf8_lossy(&seen);
-    assert!(text.contains("data: [DONE]"), "the stream was cut: {text}");
+    // Each stream goes on to its end.
+    for (mut stream, mut seen) in streams {
+        let rest = until_closed(&mut stream);
+        seen.extend_from_slice(rest.as_bytes());
+        let text = String::from_utf8_lossy(&seen);
+        assert!(text.contains("data: [DONE]"), "a stream was cut: {text}");
+    }
     assert_eq!(p.wait_exit(), Some(0), "{}", p.log());
     assert!(p.log().contains("SIGTERM"), "{}", p.log());
 }
@@ -592,6 +642,8 @@ fn at_descriptor_exhaustion_the_accept_loop_backs_off_and_recovers() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(p.log().contains("accept failed"), "{}", p.log());
+    // Nothing was booked by the connections it could not take.
+    until_gauges_are(addr, &[]);
 }
 
 #[test]
@@ -695,4 +747,138 @@ fn an_engine_that_hangs_up_gets_a_502_that_shows_no_internals() {
     ] {
         assert!(!body.contains(internal), "{internal} in {}", a.body);
     }
+}
+
+/// Each line of `text` as a JSON object; panics naming the first line that is not one.
+#[track_caller]
+fn json_lines(text: &str) -> Vec<Value> {
+    text.lines()
+        .map(|l| match serde_json::from_str::<Value>(l) {
+            Ok(v) if v.is_object() => v,
+            _ => panic!("not a JSON line: {l:?}\nin:\n{text}"),
+        })
+        .collect()
+}
+
+#[test]
+fn under_json_logs_every_line_of_mock_and_serve_is_json_and_the_command_still_works() {
+    let mock = Proc::start(
+        &[],
+        &[
+            "mock",
+            "--log-format",
+            "json",
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--event-port",
+            "0",
+            "--speedup",
+            "20",
+        ],
+        "route to them with",
+    );
+    // The command to copy is one field of one line: whole, as `kvroute serve ...`.
+    let lines = json_lines(&mock.log());
+    let command = lines
+        .iter()
+        .find_map(|v| v["fields"]["command"].as_str())
+        .unwrap_or_else(|| panic!("no command in {lines:?}"))
+        .to_owned();
+    let worker = lines.iter().find_map(|v| v["fields"]["worker"].as_str()).unwrap();
+    assert!(command.contains(worker), "{command} / {worker}");
+    let words: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(words[..2], ["kvroute", "serve"], "{command}");
+    let mut args = words[1..].to_vec();
+    args.extend([
+        "--log-format",
+        "json",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ]);
+    let mut serve = Proc::start(&[], &args, "kvroute serve: listening on");
+    let started = json_lines(&serve.log());
+    let listening = started
+        .iter()
+        .find(|v| v["fields"]["url"].is_string())
+        .unwrap_or_else(|| panic!("no url in {started:?}"));
+    let addr: SocketAddr = listening["fields"]["url"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    assert!(listening["fields"]["admin_url"].is_string(), "{listening}");
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        r#"{"prompt": "hello", "max_tokens": 2}"#,
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    // The issue's "done when", from outside against the command mock printed: no admin API on
+    // the inference port, OpenAI's 404 for an unknown model, a model's own route, a 400 in
+    // OpenAI's shape for a field of the wrong type.
+    let a = http(addr, "GET", "/admin/workers", &[], "");
+    assert_eq!(
+        (a.status, a.error_code().as_str()),
+        (404, "not_found"),
+        "{}",
+        a.body
+    );
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        r#"{"model": "nope", "prompt": "hi"}"#,
+    );
+    assert_eq!(
+        (a.status, a.error_code().as_str()),
+        (404, "model_not_found"),
+        "{}",
+        a.body
+    );
+    let a = http(addr, "GET", "/v1/models/tiny", &[], "");
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(serde_json::from_str::<Value>(&a.body).unwrap()["id"], "tiny");
+    assert_eq!(http(addr, "GET", "/v1/models/nope", &[], "").status, 404);
+    let a = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        r#"{"prompt": "hi", "temperature": "hot"}"#,
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    a.error_code();
+    let status = Command::new("kill")
+        .args(["-TERM", &serve.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(serve.wait_exit(), Some(0), "{}", serve.log());
+    // Start-up, requests, the drain and the exit: every line, on either stream, is JSON.
+    let all = json_lines(&serve.output_after_exit());
+    assert!(
+        all.iter().any(|v| v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("drained"))),
+        "{all:?}"
+    );
+    json_lines(&format!("{}{}", mock.stdout.lock().unwrap(), mock.log()));
+    // A refusal at start-up is a JSON line too.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--log-format", "json", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let refused = json_lines(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0]["level"], "ERROR", "{refused:?}");
+    assert!(out.stdout.is_empty());
 }
