@@ -4,6 +4,9 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/gauges.rs"]
+mod gauges;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +107,26 @@ impl Cluster {
             m.active_now, m.queued_now
         );
         self.proxy.shared.check_invariants().unwrap();
+        // And what an operator reads says so: every worker's booked requests, blocks and
+        // prefill tokens at zero.
+        let metrics = self.http.get("/metrics").await;
+        assert_eq!(gauges::idle_mismatch(&metrics), None);
+    }
+
+    /// Waits until the gauges of `/metrics` equal `in_flight` (worker id → requests in flight
+    /// there; [`gauges::mismatch`]), polled under a generous deadline.
+    async fn until_gauges_are(&self, in_flight: &[(u64, u64)]) {
+        let deadline = std::time::Instant::now() + PATIENCE;
+        loop {
+            let Some(wrong) = gauges::mismatch(&self.http.get("/metrics").await, in_flight) else {
+                return;
+            };
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the gauges never became {in_flight:?}: {wrong}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Waits until worker `id` is in `state`, as the proxy's registry reports it.
@@ -467,6 +490,18 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
     }
     let m = c.proxy.shared.snapshot();
     let busy = m.workers.iter().position(|w| w.load.requests == 1).unwrap();
+    let other = 1 - busy;
+    // A second stream, on the other worker, in flight when the first one's worker dies.
+    let mut bystander = client
+        .completions()
+        .create_stream(completion_request("a bystander's story", 300))
+        .await
+        .unwrap();
+    let mut bystander_text = String::new();
+    for choice in bystander.next().await.unwrap().unwrap().choices {
+        bystander_text.push_str(&choice.text);
+    }
+    c.until_gauges_are(&[(busy as u64, 1), (other as u64, 1)]).await;
     c.mocks[busy].kill();
     let mut ended_with_error = false;
     while let Some(chunk) = stream.next().await {
@@ -476,6 +511,14 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
         }
     }
     assert!(ended_with_error, "the stream broke off with an error");
+    // Only that request is gone from the books; the bystander is still booked where it runs.
+    c.until_gauges_are(&[(other as u64, 1)]).await;
+    while let Some(chunk) = bystander.next().await {
+        for choice in chunk.expect("the bystander's stream is unharmed").choices {
+            bystander_text.push_str(&choice.text);
+        }
+    }
+    assert!(!bystander_text.is_empty());
     c.assert_drained().await;
     // Connect failures retry on the other worker, and the health check takes the dead one out.
     for i in 0..4 {
