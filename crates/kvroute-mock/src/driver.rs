@@ -32,10 +32,12 @@ pub(crate) enum JobUpdate {
     Cached(u32),
     /// Output tokens.
     Tokens(Vec<u32>),
-    /// It finished.
+    /// It finished, with the output tokens of its last pass (not sent as `Tokens` before:
+    /// vLLM's stream carries the finish reason in the chunk of the last tokens).
     Done {
         completion_tokens: u32,
         reason: FinishReason,
+        last: Vec<u32>,
     },
     /// The engine refused it.
     Refused(String),
@@ -233,20 +235,31 @@ impl Driver {
                 let _ = l.tx.send(JobUpdate::Cached(cached));
             }
         }
+        let mut last = Vec::new();
         for e in &out.emitted {
             if let Some(l) = self.live.get_mut(&e.request) {
                 let tokens = (0..e.tokens)
                     .map(|k| synthetic_output_token(e.request, l.outputs + k))
                     .collect();
                 l.outputs += e.tokens;
-                let _ = l.tx.send(JobUpdate::Tokens(tokens));
+                if out.finished.iter().any(|f| f.request == e.request) {
+                    last.push((e.request, tokens));
+                } else {
+                    let _ = l.tx.send(JobUpdate::Tokens(tokens));
+                }
             }
         }
         for f in &out.finished {
             if let Some(l) = self.live.remove(&f.request) {
+                let tokens = last
+                    .iter()
+                    .position(|(id, _)| *id == f.request)
+                    .map(|i| last.swap_remove(i).1)
+                    .unwrap_or_default();
                 let _ = l.tx.send(JobUpdate::Done {
                     completion_tokens: f.output_tokens,
                     reason: f.reason,
+                    last: tokens,
                 });
             }
         }

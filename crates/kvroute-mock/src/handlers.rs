@@ -259,20 +259,21 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
                     continue;
                 }
                 JobUpdate::Tokens(tokens) => {
-                    let c = shape.chunk(&worker.text(&tokens), None, first);
+                    let c = shape.chunks(&worker.text(&tokens), None, first);
                     first = false;
                     c
                 }
                 JobUpdate::Done {
                     completion_tokens,
                     reason,
+                    last,
                 } => {
                     let end = Ending {
                         completion_tokens,
                         reason,
                         cached,
                     };
-                    let last = shape.last_chunks(end, first, include_usage);
+                    let last = shape.last_chunks(&worker.text(&last), end, first, include_usage);
                     let _ = frames_tx.send(Bytes::from(last)).await;
                     return;
                 }
@@ -305,7 +306,9 @@ async fn respond(w: &Arc<Server>, mut s: Submitted) -> Response {
             JobUpdate::Done {
                 completion_tokens,
                 reason,
+                last,
             } => {
+                tokens.extend(last);
                 let end = Ending {
                     completion_tokens,
                     reason,

@@ -89,9 +89,10 @@ impl Shape {
         }
     }
 
-    /// The stream's end: the finishing chunk, the usage chunk if asked for, and `[DONE]`.
-    pub(crate) fn last_chunks(&self, end: Ending, first: bool, include_usage: bool) -> String {
-        let mut out = self.chunk("", Some(self.finish_reason(end)), first);
+    /// The stream's end, as vLLM's OpenAI server sends it: the chunk of the last `text` with
+    /// the finish reason, the usage chunk (no choices) if asked for, and `[DONE]`.
+    pub(crate) fn last_chunks(&self, text: &str, end: Ending, first: bool, include_usage: bool) -> String {
+        let mut out = self.chunks(text, Some(self.finish_reason(end)), first);
         if include_usage {
             out.push_str(&self.usage_chunk(end));
         }
@@ -141,9 +142,10 @@ impl Shape {
         }
     }
 
-    /// One SSE event with `text`; a chat's first chunk names the role, its finishing chunk
-    /// adds nothing.
-    pub(crate) fn chunk(&self, text: &str, finish_reason: Option<FinishReason>, first: bool) -> String {
+    /// The SSE events of a pass's `text`, as vLLM's OpenAI server chunks them: one chunk with
+    /// the text (and `finish_reason` on the last); a chat's first pass is preceded by a chunk
+    /// that names the role with empty content.
+    pub(crate) fn chunks(&self, text: &str, finish_reason: Option<FinishReason>, first: bool) -> String {
         match self.endpoint {
             Endpoint::Completions => sse_event(&self.completion(
                 vec![CompletionChoice {
@@ -155,26 +157,28 @@ impl Shape {
                 None,
             )),
             Endpoint::Chat => {
-                let delta = match (first, finish_reason) {
-                    (true, _) => Delta {
-                        role: Some(Role::Assistant),
-                        content: Some(text.to_owned()),
-                    },
-                    (false, Some(_)) => Delta::default(),
-                    (false, None) => Delta {
-                        role: None,
-                        content: Some(text.to_owned()),
-                    },
+                let choice = |delta, finish_reason| ChunkChoice {
+                    index: 0,
+                    delta,
+                    logprobs: None,
+                    finish_reason,
                 };
-                sse_event(&self.chat_chunk(
-                    vec![ChunkChoice {
-                        index: 0,
-                        delta,
-                        logprobs: None,
-                        finish_reason,
-                    }],
-                    None,
-                ))
+                let mut out = String::new();
+                if first {
+                    let role = Delta {
+                        role: Some(Role::Assistant),
+                        content: Some(String::new()),
+                    };
+                    out.push_str(&sse_event(&self.chat_chunk(vec![choice(role, None)], None)));
+                }
+                let content = Delta {
+                    role: None,
+                    content: Some(text.to_owned()),
+                };
+                out.push_str(&sse_event(
+                    &self.chat_chunk(vec![choice(content, finish_reason)], None),
+                ));
+                out
             }
         }
     }

@@ -141,6 +141,7 @@ mod tests {
         tx.send(JobUpdate::Done {
             completion_tokens: 1,
             reason: kvroute_engine::FinishReason::Length,
+            last: Vec::new(),
         })
         .unwrap();
         assert!(rooms.wait(5, std::time::Duration::from_secs(5)).await);

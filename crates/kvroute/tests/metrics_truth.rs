@@ -829,3 +829,161 @@ async fn a_misconfigured_worker_returns_once_its_checks_pass() {
         0.0
     );
 }
+
+/// The `data:` events of an SSE body, each as JSON (`[DONE]` as the string "[DONE]").
+fn sse_events(body: &str) -> Vec<Value> {
+    body.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|_| Value::String(d.to_owned())))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_streams_chunk_for_chunk_as_vllm_does() {
+    let mut mc = MockConfig::new(1);
+    mc.engine.speedup = 20.0;
+    let workers = mocks(mc).await;
+    let http = client(Duration::from_secs(5));
+    let post = |path: &'static str, body: Value| {
+        let request = hyper::Request::post(format!("{}{path}", workers[0].url()))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+            .unwrap();
+        let http = http.clone();
+        async move {
+            let response = http.request(request).await.unwrap();
+            assert_eq!(response.status(), 200);
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            sse_events(&String::from_utf8_lossy(&body))
+        }
+    };
+    let usage = json!({"include_usage": true});
+    // Completions: one chunk per token, the finish reason in the last one's choice, then the
+    // usage chunk (no choices), then [DONE] (vLLM 0.32's serving_completion.py).
+    let events = post(
+        "/v1/completions",
+        json!({"prompt": "once upon", "max_tokens": 3, "stream": true, "stream_options": usage}),
+    )
+    .await;
+    assert_eq!(events.len(), 5, "{events:?}");
+    for (i, e) in events[..3].iter().enumerate() {
+        let choice = &e["choices"][0];
+        assert_eq!(choice["text"].as_str().unwrap().len(), 1, "{e}");
+        let finish = if i == 2 { json!("length") } else { Value::Null };
+        assert_eq!(choice["finish_reason"], finish, "{e}");
+        assert!(e["usage"].is_null(), "{e}");
+    }
+    assert_eq!(events[3]["choices"], json!([]), "{:?}", events[3]);
+    assert_eq!(events[3]["usage"]["completion_tokens"], 3);
+    assert_eq!(events[4], "[DONE]");
+    // Chat: first the role with empty content, then one chunk per token, the finish reason in
+    // the last, then usage and [DONE] (serving_chat.py); without include_usage, no usage.
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let events = post(
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 3, "stream": true, "stream_options": usage}),
+    )
+    .await;
+    assert_eq!(events.len(), 6, "{events:?}");
+    assert_eq!(
+        events[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert!(events[0]["choices"][0]["finish_reason"].is_null());
+    for (i, e) in events[1..4].iter().enumerate() {
+        let choice = &e["choices"][0];
+        assert_eq!(choice["delta"]["content"].as_str().unwrap().len(), 1, "{e}");
+        assert!(choice["delta"]["role"].is_null(), "{e}");
+        let finish = if i == 2 { json!("length") } else { Value::Null };
+        assert_eq!(choice["finish_reason"], finish, "{e}");
+    }
+    assert_eq!(events[4]["choices"], json!([]));
+    assert_eq!(events[4]["usage"]["completion_tokens"], 3);
+    assert_eq!(events[5], "[DONE]");
+    let events = post(
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 2, "stream": true}),
+    )
+    .await;
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert!(events.iter().all(|e| e.get("usage").is_none_or(Value::is_null)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_stream_shapes_count_as_ok_and_their_cached_tokens_are_read() {
+    const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"total_tokens\":42,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+    // (endpoint, the engine's chunks): vLLM 0.32's shape (the finish reason in the last content
+    // chunk; a chat's role first, with empty content) and the older one (a separate empty
+    // finishing chunk).
+    let cases: [(&str, &'static [&'static str]); 4] = [
+        (
+            "/v1/completions",
+            &[
+                "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"text\":\"b\",\"finish_reason\":\"length\"}]}\n\n",
+                USAGE,
+                DONE,
+            ],
+        ),
+        (
+            "/v1/completions",
+            &[
+                "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"text\":\"b\",\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n",
+                USAGE,
+                DONE,
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            &[
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"b\"},\"finish_reason\":\"length\"}]}\n\n",
+                USAGE,
+                DONE,
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            &[
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"a\"},\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"b\"},\"finish_reason\":null}]}\n\n",
+                "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\n",
+                USAGE,
+                DONE,
+            ],
+        ),
+    ];
+    for (path, chunks) in cases {
+        let url = raw_stub(200, "text/event-stream", chunks, Then::End).await;
+        let p = proxy(vec![WorkerConfig::new(url)], Vec::new(), |_| {}).await;
+        let body = if path == "/v1/completions" {
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": true})
+        } else {
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true})
+        };
+        let (status, _, out) = p.call("POST", path, Some(body)).await;
+        assert_eq!(status, 200, "{path}: {out}");
+        let events = sse_events(&out);
+        assert_eq!(events.last(), Some(&json!("[DONE]")), "{path}: {out}");
+        // The client did not ask for usage: the chunk the proxy asked for is taken out.
+        assert!(!out.contains("\"usage\""), "{path}: {out}");
+        assert_eq!(events.len(), chunks.len() - 1, "{path}: {out}");
+        p.wait_for_metric("kvroute_worker_reported_cached_tokens_total", "", 32.0)
+            .await;
+        let text = p.metrics().await;
+        assert_eq!(outcome(&text, "ok"), 1.0, "{path}: {text}");
+        assert_eq!(
+            metric(
+                &text,
+                "kvroute_worker_cached_token_reports_total",
+                "report=\"reported\""
+            ),
+            1.0,
+            "{path}"
+        );
+    }
+}
