@@ -230,6 +230,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.to_config()?;
     let drain = std::time::Duration::from_millis(config.drain_timeout_ms);
     runtime(config.threads)?.block_on(async move {
+        let stop = stop_signal()?;
         let proxy = kvroute_proxy::start(config, None).await?;
         let (url, admin_url) = (proxy.url(), proxy.admin_url());
         match format {
@@ -248,7 +249,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         tokio::select! {
             () = proxy.stopped() => return Ok(()),
-            signal = stop_signal() => say(format, &format!("kvroute serve: {}; draining (up to {} ms)", signal?, drain.as_millis())),
+            signal = stop => say(format, &format!("kvroute serve: {}; draining (up to {} ms)", signal?, drain.as_millis())),
         }
         if proxy.drain(drain).await {
             say(format, "kvroute serve: drained; exiting");
@@ -262,22 +263,26 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Resolves on SIGTERM or Ctrl-C (SIGINT), naming which.
-async fn stop_signal() -> anyhow::Result<&'static str> {
+/// Listens for SIGTERM from now on (so that one sent as soon as the proxy says it listens is
+/// not missed); the future resolves on it or on Ctrl-C (SIGINT), naming which.
+fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<&'static str>>> {
     #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("listening for SIGTERM")?;
-        tokio::select! {
-            _ = term.recv() => Ok("SIGTERM"),
-            r = tokio::signal::ctrl_c() => r.map(|()| "Ctrl-C").context("listening for Ctrl-C"),
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("listening for SIGTERM")?;
+    Ok(async move {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = term.recv() => Ok("SIGTERM"),
+                r = tokio::signal::ctrl_c() => r.map(|()| "Ctrl-C").context("listening for Ctrl-C"),
+            }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        tokio::signal::ctrl_c().await.context("listening for Ctrl-C")?;
-        Ok("Ctrl-C")
-    }
+        #[cfg(not(unix))]
+        {
+            tokio::signal::ctrl_c().await.context("listening for Ctrl-C")?;
+            Ok("Ctrl-C")
+        }
+    })
 }
 
 /// The options of `kvroute mock`.

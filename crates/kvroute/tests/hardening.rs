@@ -882,3 +882,20 @@ fn under_json_logs_every_line_of_mock_and_serve_is_json_and_the_command_still_wo
     assert_eq!(refused[0]["level"], "ERROR", "{refused:?}");
     assert!(out.stdout.is_empty());
 }
+
+#[test]
+fn under_json_logs_every_line_of_demo_is_json_its_table_included() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["demo", "--limit", "3", "--speedup", "50", "--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(out.stdout.is_empty(), "the table is a log line too");
+    let lines = json_lines(&stderr);
+    let table = lines
+        .iter()
+        .find_map(|v| v["fields"]["table"].as_str())
+        .unwrap_or_else(|| panic!("no table in {lines:?}"));
+    assert!(table.contains("(live HTTP)"), "{table}");
+}
