@@ -6,7 +6,7 @@
 //!
 //! The rest of the suite, by case: an engine killed mid-stream
 //! (`e2e.rs::killing_a_worker_mid_stream_ends_the_request_and_frees_its_load`), an engine
-//! restarted, gaps inside and beyond the replay buffer and a health flap for the view alone
+//! restart, gaps inside and beyond the replay buffer and a health flap for the view alone
 //! (`view_recovery.rs`), descriptor exhaustion and SIGTERM in a subprocess (`hardening.rs`).
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
@@ -46,6 +46,12 @@ struct Stub {
 
 impl Stub {
     async fn start() -> Self {
+        Self::start_at("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    /// A stub on `addr`: bound again once the address is free (after a stub there was killed,
+    /// its listener goes when its task sees the stop), within the patience.
+    async fn start_at(addr: std::net::SocketAddr) -> Self {
         use axum::http::StatusCode;
         use axum::routing::{get, post};
         let (tx, arrivals) = tokio::sync::mpsc::unbounded_channel();
@@ -80,7 +86,14 @@ impl Stub {
                 }
             }),
         );
-        let (listener, addr) = net::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let deadline = Instant::now() + PATIENCE;
+        let (listener, addr) = loop {
+            match net::bind(addr).await {
+                Ok(bound) => break bound,
+                Err(e) => assert!(Instant::now() < deadline, "{addr}: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         let shutdown = Shutdown::new();
         tokio::spawn(net::serve(listener, routes, shutdown.clone()));
         Self {
@@ -387,5 +400,121 @@ async fn a_gap_beyond_the_replay_buffer_fails_no_request_and_the_view_rebuilds()
         "the view was not rebuilt: {:?}",
         p.shared.worker_statuses()[0]
     );
+    until_gauges_are(&p, &[]).await;
+}
+
+/// `n` blocks stored under `parent`, named `first..first + n` by the engine.
+fn stored(first: u64, n: u64, parent: Option<u64>) -> kvroute_wire::WireEvent {
+    use kvroute_core::ids::ExternalBlockHash;
+    kvroute_wire::WireEvent::BlockStored(kvroute_wire::BlockStored {
+        block_hashes: (first..first + n).map(ExternalBlockHash).collect(),
+        parent_block_hash: parent.map(ExternalBlockHash),
+        token_ids: (0..n as u32 * 16).map(|t| t + first as u32 * 1000).collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        group_idx: None,
+    })
+}
+
+/// An engine's event publisher with a replay socket, on `endpoints` (free ports if `None`).
+async fn publisher(endpoints: Option<(String, String)>) -> kvroute_zmq::EventPublisher {
+    let (events, replay) = endpoints.unwrap_or(("tcp://127.0.0.1:0".into(), "tcp://127.0.0.1:0".into()));
+    kvroute_zmq::EventPublisher::start(kvroute_zmq::PublisherConfig {
+        replay_endpoint: Some(replay),
+        buffer_steps: 1000,
+        ..kvroute_zmq::PublisherConfig::new(events)
+    })
+    .await
+    .unwrap()
+}
+
+/// Publishes `events` (then empty batches, which PUB/SUB may drop before the subscription
+/// arrives) until worker 0's view holds `blocks` blocks.
+async fn until_view_holds(
+    proxy: &ProxyHandle,
+    publisher: &kvroute_zmq::EventPublisher,
+    events: Vec<kvroute_wire::WireEvent>,
+    blocks: u64,
+) {
+    publisher.publish(events, Some(0), 1.0).unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    let holds = |s: &kvroute_proxy::Shared| s.worker_statuses()[0].cached_blocks == blocks;
+    while !proxy.shared.wait_for_kv(Duration::from_millis(50), holds).await {
+        assert!(
+            Instant::now() < deadline,
+            "the view never held {blocks} blocks: {:?}",
+            proxy.shared.worker_statuses()[0]
+        );
+        // A later batch shows the subscriber what it missed, which it replays.
+        publisher.publish(Vec::new(), Some(0), 1.0).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_with_a_request_in_flight_fails_only_that_request_and_its_view_starts_over() {
+    let mut stub = Stub::start().await;
+    let events = publisher(None).await;
+    let others = mocks(1, |_| {}).await;
+    let engine = WorkerConfig {
+        events: Some(events.endpoint().to_owned()),
+        replay: events.replay_endpoint().map(str::to_owned),
+        ..WorkerConfig::new(stub.url.clone())
+    };
+    // Health checks slower than the restart: the proxy learns of it from the event stream.
+    let p = proxy(vec![engine], |c| {
+        c.health_interval_ms = 0;
+        c.approximate_tokenizer = true;
+    })
+    .await;
+    until_view_holds(&p, &events, vec![stored(1, 4, None)], 4).await;
+    let url = p.url();
+    let doomed = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let http = net::client(Duration::from_secs(5));
+            post(
+                &http,
+                &url,
+                "/v1/completions",
+                &json!({"prompt": "doomed", "max_tokens": 1}),
+            )
+            .await
+        }
+    });
+    stub.arrived().await;
+    p.shared.add_worker(flags(&others).remove(0)).unwrap();
+    until_gauges_are(&p, &[(0, 1)]).await;
+    // The engine restarts in place: its connections cut, its sequence from 0, its cache empty.
+    let addr: std::net::SocketAddr = stub.url.trim_start_matches("http://").parse().unwrap();
+    let endpoints = (
+        events.endpoint().to_owned(),
+        events.replay_endpoint().unwrap().to_owned(),
+    );
+    stub.shutdown.stop();
+    events.shutdown().await;
+    let (status, out) = doomed.await.unwrap();
+    assert!(status >= 500, "{status}: {out}");
+    let stub = Stub::start_at(addr).await;
+    let events = publisher(Some(endpoints)).await;
+    // Its new run's first blocks replace the old view, which is gone.
+    until_view_holds(&p, &events, vec![stored(100, 2, None)], 2).await;
+    let restarts = p
+        .shared
+        .metrics
+        .kv_stream_incidents
+        .with_label_values(&["restarted"])
+        .get();
+    assert!(restarts >= 1, "the restart was not seen");
+    until_gauges_are(&p, &[]).await;
+    // Nothing else is lost: later requests are served, on either worker.
+    stub.release.add_permits(4);
+    let http = net::client(Duration::from_secs(5));
+    for i in 0..4 {
+        let body = json!({"prompt": format!("after {i}"), "max_tokens": 2});
+        let (status, out) = post(&http, &url, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{out}");
+    }
     until_gauges_are(&p, &[]).await;
 }
