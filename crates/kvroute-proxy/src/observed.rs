@@ -100,6 +100,10 @@ pub struct Observed {
     tail: Option<Bytes>,
     idle: Pin<Box<Sleep>>,
     timeout: Duration,
+    /// The worker's failure, handed out one poll after it was seen: the server then flushes
+    /// what it already has (the head, the chunks before it) before it closes the connection,
+    /// so that the client sees the stream break off rather than no answer at all.
+    failed: Option<StreamError>,
 }
 
 impl Observed {
@@ -126,6 +130,7 @@ impl Observed {
             tail: None,
             idle: Box::pin(tokio::time::sleep(timeout)),
             timeout,
+            failed: None,
         }
     }
 
@@ -184,6 +189,9 @@ impl hyper::body::Body for Observed {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, StreamError>>> {
         let this = self.get_mut();
+        if let Some(e) = this.failed.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
         loop {
             if this.guard.is_none() {
                 // Ended: what was held back, then the end.
@@ -221,7 +229,9 @@ impl hyper::body::Body for Observed {
                 }
                 Poll::Ready(Some(Err(e))) => {
                     this.end(RequestOutcome::UpstreamReset);
-                    return Poll::Ready(Some(Err(e.into())));
+                    this.failed = Some(e.into());
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
                 Poll::Ready(None) => {
                     this.tail = this.scan.finish().filter(|b| !b.is_empty());
@@ -239,7 +249,7 @@ impl hyper::body::Body for Observed {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.guard.is_none() && self.tail.is_none() && self.inner.is_end_stream()
+        self.guard.is_none() && self.tail.is_none() && self.failed.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
