@@ -15,6 +15,7 @@ use kvroute_core::events::KvEvent;
 use kvroute_core::ids::RequestId;
 use kvroute_core::time::{TimeScale, Timestamp};
 use kvroute_engine::{
+    KvReportMode,
     EngineHost, EnginePrompt, EngineRequest, FinishReason, ImportAdmission, ImportStart, StartedImport,
     StepOutput, synthetic_output_token,
 };
@@ -48,6 +49,8 @@ pub(crate) struct Job {
     pub(crate) cache_salt: Option<String>,
     /// Its KV comes from a prefill worker ([`EngineHost::import`]).
     pub(crate) import: bool,
+    /// What the engine's KV events report of its prefix-cache hits (`vllm_xargs`).
+    pub(crate) kv_report: KvReportMode,
     pub(crate) tx: mpsc::UnboundedSender<JobUpdate>,
 }
 
@@ -103,6 +106,7 @@ impl Driver {
             output_len: job.output_len,
             lora_name: None,
             cache_namespace: job.cache_salt.clone(),
+            kv_report: job.kv_report,
         }
     }
 

@@ -18,6 +18,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::driver::{Job, JobUpdate};
+use kvroute_engine::KvReportMode;
 use crate::metrics::Stats;
 use crate::openai as responses;
 use crate::openai::{Ending, Shape};
@@ -185,11 +186,18 @@ fn engine_job(
     // (recomputes) here.
     let import = role.imports() && output_len >= 2;
     let (prompt, cache_salt) = (parsed.tokens.clone(), parsed.cache_salt.clone());
+    // vLLM reads `kv_cache_report_mode` from `vllm_xargs`; `full` re-announces the request's
+    // prefix-cache hits, anything else is its default.
+    let kv_report = match parsed.kv_cache_report {
+        Some(openai::KvCacheReport::Full) => KvReportMode::Full,
+        Some(openai::KvCacheReport::Incremental) | None => KvReportMode::Incremental,
+    };
     move |tx| Job {
         prompt,
         output_len,
         cache_salt,
         import,
+        kv_report,
         tx,
     }
 }
