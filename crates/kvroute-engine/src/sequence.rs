@@ -23,7 +23,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::EngineConfig;
 use crate::kv_pool::BlockId;
-use crate::request::{EnginePrompt, EngineRequest, FinishReason, KvReportMode, RequestError, synthetic_output_token};
+use crate::request::{
+    EnginePrompt, EngineRequest, FinishReason, KvReportMode, RequestError, synthetic_output_token,
+};
 
 /// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
 pub const EXTERNAL_ROOT: u64 = 0x6b76_726f_7574_6521;

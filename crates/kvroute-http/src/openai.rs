@@ -1059,8 +1059,8 @@ mod tests {
     /// stripped and its other keys go as they came.
     #[test]
     fn the_report_mode_is_the_proxys_and_the_clients_other_xargs_are_kept() {
-        use serde_json::json;
         use KvCacheReport::{Full, Incremental};
+        use serde_json::json;
         let model = Model::tiny().unwrap();
         let forwarded = |body: &Value, report| {
             let bytes = serde_json::to_vec(body).unwrap();
@@ -1089,7 +1089,11 @@ mod tests {
                     json!({"prompt": [1], "vllm_xargs": {"session_id": "s", "n": 2, "kv_cache_report_mode": "full"}}),
                 ),
             ),
-            (json!({"prompt": [1], "vllm_xargs": {"session_id": "s"}}), Incremental, None),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"session_id": "s"}}),
+                Incremental,
+                None,
+            ),
             // A client's own mode is the proxy's to set.
             (
                 json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full", "session_id": "s"}}),
@@ -1111,8 +1115,13 @@ mod tests {
             assert_eq!(forwarded(&body, report), want, "{body} {report:?}");
         }
         // vLLM refuses `vllm_xargs` that is not an object; so does the parser, naming it.
-        let err = parse(Endpoint::Completions, br#"{"prompt": [1], "vllm_xargs": "full"}"#, &model, 100)
-            .unwrap_err();
+        let err = parse(
+            Endpoint::Completions,
+            br#"{"prompt": [1], "vllm_xargs": "full"}"#,
+            &model,
+            100,
+        )
+        .unwrap_err();
         assert_eq!(err.param, Some("vllm_xargs"));
     }
 }

@@ -15,9 +15,8 @@ use kvroute_core::events::KvEvent;
 use kvroute_core::ids::RequestId;
 use kvroute_core::time::{TimeScale, Timestamp};
 use kvroute_engine::{
-    KvReportMode,
-    EngineHost, EnginePrompt, EngineRequest, FinishReason, ImportAdmission, ImportStart, StartedImport,
-    StepOutput, synthetic_output_token,
+    EngineHost, EnginePrompt, EngineRequest, FinishReason, ImportAdmission, ImportStart, KvReportMode,
+    StartedImport, StepOutput, synthetic_output_token,
 };
 use kvroute_wire::WireEvent;
 use kvroute_zmq::EventPublisher;

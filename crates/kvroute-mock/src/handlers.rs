@@ -18,7 +18,6 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::driver::{Job, JobUpdate};
-use kvroute_engine::KvReportMode;
 use crate::metrics::Stats;
 use crate::openai as responses;
 use crate::openai::{Ending, Shape};
@@ -26,6 +25,7 @@ use crate::parse::{KvRole, kv_role, pick_rank, transfer_params, vllm_tokens};
 use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
 use crate::start::{SEEN_KEPT, SeenKvRequest};
 use crate::vllm::{self, Refusal};
+use kvroute_engine::KvReportMode;
 
 /// The shared state of one mock worker's HTTP server.
 pub(crate) struct Server {

@@ -85,7 +85,9 @@ fn check_xargs(xargs: Option<&Value>) -> Result<(), Refusal> {
         if !ok {
             return Err(Refusal::new(
                 StatusCode::BAD_REQUEST,
-                format!("vllm_xargs.{key}: Input should be a valid string, number or list of them, got {value}"),
+                format!(
+                    "vllm_xargs.{key}: Input should be a valid string, number or list of them, got {value}"
+                ),
                 Some("vllm_xargs"),
             ));
         }
@@ -152,9 +154,17 @@ mod tests {
             json!({}),
             Value::Null,
         ] {
-            assert_eq!(check_body(&json!({"vllm_xargs": xargs}), "tiny"), Ok(()), "{xargs}");
+            assert_eq!(
+                check_body(&json!({"vllm_xargs": xargs}), "tiny"),
+                Ok(()),
+                "{xargs}"
+            );
         }
-        for xargs in [json!({"nested": {"a": 1}}), json!({"n": null}), json!({"l": [[1]]})] {
+        for xargs in [
+            json!({"nested": {"a": 1}}),
+            json!({"n": null}),
+            json!({"l": [[1]]}),
+        ] {
             let r = check_body(&json!({"vllm_xargs": xargs}), "tiny").unwrap_err();
             assert_eq!(r.status, StatusCode::BAD_REQUEST, "{xargs}");
             assert_eq!(r.body.error.param.as_deref(), Some("vllm_xargs"), "{xargs}");

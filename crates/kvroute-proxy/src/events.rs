@@ -39,7 +39,9 @@ use kvroute_http::openai::KvCacheReport;
 use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
 use tokio::sync::mpsc;
 
-use kvroute_zmq::{ReplayReports, ResyncTrigger, SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
+use kvroute_zmq::{
+    ReplayReports, ResyncTrigger, SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle,
+};
 use serde::Serialize;
 
 use crate::config::{EngineKind, Reannounce, WorkerConfig};
@@ -561,11 +563,26 @@ mod tests {
             (upstream(EngineKind::Vllm, Reannounce::Auto), long, Full),
             (upstream(EngineKind::Vllm, Reannounce::Off), long, Incremental),
             (upstream(EngineKind::Sglang, Reannounce::Auto), long, Incremental),
-            (upstream(EngineKind::Vllm, Reannounce::Auto), Duration::ZERO, Incremental),
-            (Upstream { dp_rank: 0, ..upstream(EngineKind::Vllm, Reannounce::Auto) }, long, Incremental),
+            (
+                upstream(EngineKind::Vllm, Reannounce::Auto),
+                Duration::ZERO,
+                Incremental,
+            ),
+            (
+                Upstream {
+                    dp_rank: 0,
+                    ..upstream(EngineKind::Vllm, Reannounce::Auto)
+                },
+                long,
+                Incremental,
+            ),
         ];
         for (upstream, window, wanted) in table {
-            assert_eq!(views.kv_cache_report(&upstream, window), wanted, "{upstream:?} {window:?}");
+            assert_eq!(
+                views.kv_cache_report(&upstream, window),
+                wanted,
+                "{upstream:?} {window:?}"
+            );
         }
         // Exact again (a restart, a cache reset): no more.
         views.exact(key);

@@ -135,7 +135,11 @@ impl Forwarder {
     /// `request` as the engines of `target` get it: internal fields stripped, a text
     /// completion as its token ids, and vLLM's KV-event report mode set to `full` while a
     /// chosen worker's cache view is being rebuilt ([`crate::events`]).
-    fn engine_request<'a>(&self, request: &Generation<'a>, target: &Target) -> Result<Generation<'a>, ApiError> {
+    fn engine_request<'a>(
+        &self,
+        request: &Generation<'a>,
+        target: &Target,
+    ) -> Result<Generation<'a>, ApiError> {
         let window = ServeConfig::ms(self.shared.config.reannounce_window_ms);
         let full = std::iter::once(&target.decode)
             .chain(&target.prefill)

@@ -650,8 +650,7 @@ impl Session {
         if self.replay_reports == ReplayReports::Off {
             return Ok(());
         }
-        self.send(SubscriberEvent::Replayed { worker: self.worker })
-            .await
+        self.send(SubscriberEvent::Replayed { worker: self.worker }).await
     }
 
     /// One live message.
