@@ -86,6 +86,7 @@ impl Saturated {
             output_len: 128 + (id.wrapping_mul(7919) % 896) as u32,
             lora_name: None,
             cache_namespace: None,
+            kv_report: kvroute_engine::KvReportMode::Incremental,
         };
         self.engine.add_request(self.now, request).expect("fits");
     }

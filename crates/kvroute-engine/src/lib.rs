@@ -38,6 +38,7 @@
 //!     output_len: 3,
 //!     lora_name: None,
 //!     cache_namespace: None,
+//!     kv_report: kvroute_engine::KvReportMode::Incremental,
 //! };
 //! engine.add_request(Timestamp::ZERO, request).unwrap();
 //! let mut tokens = 0;
@@ -87,7 +88,8 @@ pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use request::{
-    EnginePrompt, EngineRequest, FinishReason, Finished, RequestError, TokenEmission, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, Finished, KvReportMode, RequestError, TokenEmission,
+    synthetic_output_token,
 };
 pub use sequence::{EXTERNAL_ROOT, external_hash};
 pub use spec::{GpuSpec, ModelSpec, MoeSpec, SpecError};

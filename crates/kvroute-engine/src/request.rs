@@ -21,6 +21,23 @@ pub struct EngineRequest {
     pub lora_name: Option<String>,
     /// A cache namespace (vLLM's `cache_salt`, a tenant): it salts the block hashes.
     pub cache_namespace: Option<String>,
+    /// What its KV events report of its prefix-cache hits (vLLM's `kv_cache_report_mode`).
+    pub kv_report: KvReportMode,
+}
+
+/// What the engine's KV events report of a request's prefix-cache hits: vLLM's per-request
+/// `kv_cache_report_mode` (0.32, read from the request's `vllm_xargs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvReportMode {
+    /// Only blocks newly cached are announced: vLLM's default (`incremental`).
+    #[default]
+    Incremental,
+    /// Each time the request's prefix is looked up in the cache (when the scheduler tries to
+    /// admit it) and hits, the hit is announced again: one `Stored` event of every hit block,
+    /// from the root (no parent), with their tokens, before the blocks the request then caches
+    /// (vLLM's `KVCacheManager.get_computed_blocks` → `BlockPool.emit_cached_block_events`).
+    /// A request that waits is looked up, and re-announces, at each try.
+    Full,
 }
 
 /// A prompt: token ids, or the local hashes of its full blocks.

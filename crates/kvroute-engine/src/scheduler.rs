@@ -31,7 +31,7 @@ use kvroute_core::key_hasher::KeyMap;
 
 use crate::kv_pool::{BlockId, BlockPool};
 use crate::metrics::ForwardPass;
-use crate::request::{Finished, TokenEmission};
+use crate::request::{Finished, KvReportMode, TokenEmission};
 use crate::sequence::Sequence;
 
 /// The part of the configuration the scheduler reads.
@@ -248,7 +248,9 @@ impl Scheduler {
         let bs = self.limits.block_size;
         let mut hits = std::mem::take(&mut self.hits);
         hits.clear();
-        let Some((new_tokens, fresh)) = self.plan(&self.seqs[&id], budget, &mut hits) else {
+        let planned = self.plan(&self.seqs[&id], budget, &mut hits);
+        self.reannounce_hits(id, &hits);
+        let Some((new_tokens, fresh)) = planned else {
             self.hits = hits;
             return None;
         };
@@ -272,6 +274,14 @@ impl Scheduler {
             context,
             decode,
         })
+    }
+
+    /// With [`KvReportMode::Full`], announces request `id`'s prefix-cache hit `hits` again
+    /// ([`reannouncement`]).
+    fn reannounce_hits(&mut self, id: RequestId, hits: &[BlockId]) {
+        if let Some(stored) = reannouncement(&self.seqs[&id], hits.len(), self.limits.block_size) {
+            self.pool.push_event(KvEvent::Stored(stored));
+        }
     }
 
     /// Waiting request `seq`'s admission within `budget`: its cache hits (onto `hits`), the
@@ -306,6 +316,9 @@ impl Scheduler {
         if self.limits.prefix_caching {
             self.pool
                 .lookup(&seq.externals, (seq.len() / bs) as usize, &mut hits);
+        }
+        if let Some(stored) = reannouncement(&seq, hits.len(), bs) {
+            self.pool.push_event(KvEvent::Stored(stored));
         }
         let fresh = needed - hits.len() as u32;
         if !self.pool.can_allocate(fresh, &hits) {
@@ -455,4 +468,33 @@ impl Scheduler {
         }
         holders
     }
+}
+
+/// With [`KvReportMode::Full`], the announcement of `seq`'s prefix-cache hit of `hit_blocks`
+/// leading blocks, again, as vLLM 0.32 makes it when it looks a request's prefix up
+/// (`KVCacheManager.get_computed_blocks` → `BlockPool.emit_cached_block_events`): one `Stored`
+/// of every hit block from the root (no parent: a hit is a prefix), with their tokens, whether
+/// or not the request is then admitted. None for an empty hit or the default mode.
+fn reannouncement(seq: &Sequence, hit_blocks: usize, block_size: u32) -> Option<BlocksStored> {
+    if seq.kv_report != KvReportMode::Full || hit_blocks == 0 {
+        return None;
+    }
+    let mut token_ids = Vec::new();
+    if seq.token_ids_known {
+        for b in 0..hit_blocks {
+            token_ids.extend_from_slice(seq.block_tokens(b));
+        }
+    }
+    Some(BlocksStored {
+        parent_block_hash: None,
+        blocks: (0..hit_blocks)
+            .map(|b| StoredBlock {
+                local: seq.locals[b],
+                external: seq.externals[b],
+            })
+            .collect(),
+        token_ids,
+        block_size,
+        lora_name: seq.lora_name.clone(),
+    })
 }

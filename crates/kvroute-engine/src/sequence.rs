@@ -23,7 +23,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::EngineConfig;
 use crate::kv_pool::BlockId;
-use crate::request::{EnginePrompt, EngineRequest, FinishReason, RequestError, synthetic_output_token};
+use crate::request::{
+    EnginePrompt, EngineRequest, FinishReason, KvReportMode, RequestError, synthetic_output_token,
+};
 
 /// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
 pub const EXTERNAL_ROOT: u64 = 0x6b76_726f_7574_6521;
@@ -57,6 +59,8 @@ pub(crate) struct Sequence {
     /// Whether `tokens` holds the real prompt (false for block-hash prompts).
     pub token_ids_known: bool,
     pub lora_name: Option<String>,
+    /// What its KV events report of its prefix-cache hits.
+    pub kv_report: KvReportMode,
     hasher: BlockHasher,
     /// Prompt blocks whose local hash was given instead of tokens.
     given: Vec<LocalBlockHash>,
@@ -146,6 +150,7 @@ impl Sequence {
             offset,
             token_ids_known,
             lora_name: request.lora_name,
+            kv_report: request.kv_report,
             hasher,
             given,
             locals: Vec::with_capacity(blocks_needed as usize),

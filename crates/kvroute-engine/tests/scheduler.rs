@@ -517,3 +517,71 @@ fn the_speedup_factor_divides_step_times() {
         "{slow:?} {fast:?}"
     );
 }
+
+/// vLLM 0.32's `kv_cache_report_mode = "full"`: when a request's prefix is looked up and hits,
+/// the hit is announced again, one `Stored` of every hit block from the root with its tokens,
+/// before what the request then caches; an index that lost its view learns the hit back, and
+/// one that holds it is unchanged (the harness applies every event and checks agreement).
+#[test]
+fn a_full_report_request_reannounces_its_hit_from_the_root_before_its_new_blocks() {
+    let mut h = Harness::new(config());
+    // 3 full blocks of 4 tokens and one token more: all 3 blocks are cached.
+    let prompt: Vec<u32> = (100..113).collect();
+    h.add(request(1, prompt.clone(), 1)).unwrap();
+    h.run();
+    let hashes = externals(&prompt);
+    // Incremental (the default): a hit is not announced again.
+    h.add(request(2, prompt.clone(), 1)).unwrap();
+    assert!(stored(&h.run()).is_empty());
+    // Full, with 5 tokens more (a fourth block to cache): the 3 hit blocks from the root,
+    // then the new block under the last of them, in the same step.
+    let longer: Vec<u32> = (100..118).collect();
+    let full = EngineRequest {
+        kv_report: kvroute_engine::KvReportMode::Full,
+        ..request(3, longer.clone(), 1)
+    };
+    h.add(full).unwrap();
+    let out = h.step().unwrap();
+    assert_eq!(out.prefix_hits, vec![(RequestId(3), 12)]);
+    let events = stored(std::slice::from_ref(&out));
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0].parent_block_hash, None);
+    assert_eq!(
+        events[0].blocks.iter().map(|b| b.external).collect::<Vec<_>>(),
+        hashes[..3]
+    );
+    assert_eq!(events[0].token_ids, prompt[..12]);
+    assert_eq!(events[0].block_size, 4);
+    let longer_hashes = externals(&longer);
+    assert_eq!(events[1].parent_block_hash, Some(hashes[2]));
+    assert_eq!(
+        events[1].blocks.iter().map(|b| b.external).collect::<Vec<_>>(),
+        longer_hashes[3..4]
+    );
+    h.run();
+    // Full without a hit announces nothing more than what it caches.
+    let fresh = EngineRequest {
+        kv_report: kvroute_engine::KvReportMode::Full,
+        ..request(4, 500..509, 1)
+    };
+    h.add(fresh).unwrap();
+    let events = stored(&h.run());
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].blocks.len(), 2);
+
+    // A view that lost everything learns the hit back from one full-report request.
+    h.index.clear_worker(h.worker).unwrap();
+    let again = EngineRequest {
+        kv_report: kvroute_engine::KvReportMode::Full,
+        ..request(5, prompt.clone(), 1)
+    };
+    h.engine.add_request(h.now, again).unwrap();
+    let at = h.engine.next_wakeup().unwrap();
+    let out = h.engine.step(at).unwrap();
+    h.now = out.end;
+    for event in &out.events {
+        h.index.apply_event(h.worker, event.as_index_event()).unwrap();
+    }
+    let learned: std::collections::BTreeSet<_> = hashes[..3].iter().copied().collect();
+    assert_eq!(common::held(&h.index, h.worker), learned);
+}

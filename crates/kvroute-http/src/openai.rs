@@ -144,7 +144,50 @@ pub struct Parsed {
     /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`]); an
     /// engine reads them.
     pub internal_fields: Vec<&'static str>,
+    /// vLLM's KV-event report mode the request asks for (`vllm_xargs.kv_cache_report_mode`),
+    /// if it names one: the proxy strips it ([`engine_body`]) and sets its own; an engine
+    /// follows it.
+    pub kv_cache_report: Option<KvCacheReport>,
 }
+
+/// What vLLM's engine publishes of a request's prefix-cache hits, asked for per request in
+/// `vllm_xargs` ([`KV_CACHE_REPORT_MODE`]). vLLM (0.32, `Request.kv_cache_report_mode`) reads
+/// the key from the request's extra arguments, default `incremental`; any value but `full`
+/// means incremental.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheReport {
+    /// Only blocks newly cached are announced (`BlockStored`): vLLM's default.
+    #[default]
+    Incremental,
+    /// The blocks a request reuses from the prefix cache are announced again, as one
+    /// `BlockStored` of the whole hit from the root, each time the request's prefix is looked
+    /// up (`KVCacheManager.get_computed_blocks`).
+    Full,
+}
+
+impl KvCacheReport {
+    /// The value vLLM reads: `full` for [`KvCacheReport::Full`].
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Incremental => "incremental",
+            Self::Full => "full",
+        }
+    }
+
+    /// The mode `vllm_xargs` (a request's, if it has them) asks for, as vLLM reads it: `full`
+    /// is full, any other value (or none) incremental. `None` when the key is absent.
+    pub fn from_xargs(xargs: Option<&Value>) -> Option<Self> {
+        let value = xargs?.get(KV_CACHE_REPORT_MODE)?;
+        Some(match value.as_str() {
+            Some("full") => Self::Full,
+            _ => Self::Incremental,
+        })
+    }
+}
+
+/// The `vllm_xargs` key of vLLM's per-request KV-event report mode ([`KvCacheReport`]). The
+/// only `vllm_xargs` key the proxy reads or writes: the others are the client's business.
+pub const KV_CACHE_REPORT_MODE: &str = "kv_cache_report_mode";
 
 impl Parsed {
     /// Whether the client's stream asked for no usage chunk, so that the proxy asks for one
@@ -241,6 +284,7 @@ pub fn parse_with(
         .copied()
         .filter(|f| obj.contains_key(*f))
         .collect();
+    let kv_cache_report = KvCacheReport::from_xargs(obj.get("vllm_xargs"));
     Ok(Parsed {
         stream,
         include_usage,
@@ -252,6 +296,7 @@ pub fn parse_with(
         model: model_name,
         cache_salt,
         internal_fields,
+        kv_cache_report,
     })
 }
 
@@ -300,11 +345,18 @@ pub fn engine_tokens(
 ///   final usage chunk, which the proxy then takes out of the client's stream
 ///   ([`Parsed::usage_requested_for_client`]).
 ///
-/// One parse and one serialization, whatever of the three applies.
-pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiError> {
+/// * `report` is vLLM's KV-event report mode the proxy wants from the worker(s) it routed to
+///   (`Full` while their cache view is rebuilt): set as `vllm_xargs.kv_cache_report_mode`,
+///   merged into the client's `vllm_xargs`, whose other keys are kept. A client's own
+///   `kv_cache_report_mode` is the proxy's to set: stripped (and the `vllm_xargs` it leaves
+///   empty with it) when `report` is incremental.
+///
+/// One parse and one serialization, whatever of these applies.
+pub fn engine_body(parsed: &Parsed, body: &[u8], report: KvCacheReport) -> Result<Option<Vec<u8>>, ApiError> {
     let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
     let ask_usage = parsed.usage_requested_for_client();
-    if parsed.internal_fields.is_empty() && !replace_prompt && !ask_usage {
+    let set_report = report == KvCacheReport::Full || parsed.kv_cache_report.is_some();
+    if parsed.internal_fields.is_empty() && !replace_prompt && !ask_usage && !set_report {
         return Ok(None);
     }
     let mut obj = match serde_json::from_slice(body) {
@@ -319,6 +371,9 @@ pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiE
     }
     if replace_prompt {
         obj.insert("prompt".to_owned(), Value::from(parsed.tokens.clone()));
+    }
+    if set_report {
+        set_kv_cache_report(&mut obj, report);
     }
     if ask_usage {
         let options = obj
@@ -335,6 +390,33 @@ pub fn engine_body(parsed: &Parsed, body: &[u8]) -> Result<Option<Vec<u8>>, ApiE
     serde_json::to_vec(&obj)
         .map(Some)
         .map_err(|e| ApiError::bad_request("body", e.to_string()))
+}
+
+/// Sets `obj`'s `vllm_xargs.kv_cache_report_mode` to `report` (`Full`), or takes it out
+/// (`Incremental`, vLLM's default), keeping the client's other `vllm_xargs`.
+fn set_kv_cache_report(obj: &mut Map<String, Value>, report: KvCacheReport) {
+    match report {
+        KvCacheReport::Full => {
+            let xargs = obj
+                .entry("vllm_xargs")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !xargs.is_object() {
+                // `null`: the field rules let nothing else through.
+                *xargs = Value::Object(Map::new());
+            }
+            if let Value::Object(xargs) = xargs {
+                xargs.insert(KV_CACHE_REPORT_MODE.to_owned(), Value::from(report.as_str()));
+            }
+        }
+        KvCacheReport::Incremental => {
+            if let Some(Value::Object(xargs)) = obj.get_mut("vllm_xargs") {
+                xargs.remove(KV_CACHE_REPORT_MODE);
+                if xargs.is_empty() {
+                    obj.remove("vllm_xargs");
+                }
+            }
+        }
+    }
 }
 
 /// How a standard sampling field may be given ([`FIELD_RULES`]). `null` is always accepted,
@@ -364,6 +446,8 @@ enum Rule {
 const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
     ("stream", Rule::Bool, None),
     ("stream_options", Rule::Object, None),
+    // vLLM's extra arguments: an object (its values are the engine's to check).
+    ("vllm_xargs", Rule::Object, None),
     ("model", Rule::String, None),
     (
         "temperature",
@@ -896,7 +980,7 @@ mod tests {
         let model = bos_model();
         let body_for = |endpoint, body: &str| {
             let parsed = parse(endpoint, body.as_bytes(), &model, 1000).unwrap();
-            engine_body(&parsed, body.as_bytes())
+            engine_body(&parsed, body.as_bytes(), KvCacheReport::Incremental)
                 .map(|b| b.map(|b| serde_json::from_slice::<Value>(&b).unwrap()))
         };
         let text = r#"{"prompt": "hi", "max_tokens": 3, "temperature": 0}"#;
@@ -939,7 +1023,7 @@ mod tests {
         let forwarded = |body: &Value| {
             let bytes = serde_json::to_vec(body).unwrap();
             let parsed = parse(Endpoint::Completions, &bytes, &model, 100).unwrap();
-            engine_body(&parsed, &bytes)
+            engine_body(&parsed, &bytes, KvCacheReport::Incremental)
                 .unwrap()
                 .map(|b| serde_json::from_slice::<Value>(&b).unwrap())
         };
@@ -968,5 +1052,76 @@ mod tests {
         for (body, want) in table {
             assert_eq!(forwarded(&body), want, "{body}");
         }
+    }
+
+    /// While the proxy wants the engine to re-announce, `vllm_xargs.kv_cache_report_mode` is
+    /// `full`, merged into the client's own `vllm_xargs`; otherwise a client's own mode is
+    /// stripped and its other keys go as they came.
+    #[test]
+    fn the_report_mode_is_the_proxys_and_the_clients_other_xargs_are_kept() {
+        use KvCacheReport::{Full, Incremental};
+        use serde_json::json;
+        let model = Model::tiny().unwrap();
+        let forwarded = |body: &Value, report| {
+            let bytes = serde_json::to_vec(body).unwrap();
+            let parsed = parse(Endpoint::Completions, &bytes, &model, 100).unwrap();
+            engine_body(&parsed, &bytes, report)
+                .unwrap()
+                .map(|b| serde_json::from_slice::<Value>(&b).unwrap())
+        };
+        // (client body, report, forwarded body)
+        let table = [
+            (json!({"prompt": [1]}), Incremental, None),
+            (
+                json!({"prompt": [1]}),
+                Full,
+                Some(json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": null}),
+                Full,
+                Some(json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"session_id": "s", "n": 2}}),
+                Full,
+                Some(
+                    json!({"prompt": [1], "vllm_xargs": {"session_id": "s", "n": 2, "kv_cache_report_mode": "full"}}),
+                ),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"session_id": "s"}}),
+                Incremental,
+                None,
+            ),
+            // A client's own mode is the proxy's to set.
+            (
+                json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full", "session_id": "s"}}),
+                Incremental,
+                Some(json!({"prompt": [1], "vllm_xargs": {"session_id": "s"}})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}}),
+                Incremental,
+                Some(json!({"prompt": [1]})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "incremental"}}),
+                Full,
+                Some(json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}})),
+            ),
+        ];
+        for (body, report, want) in table {
+            assert_eq!(forwarded(&body, report), want, "{body} {report:?}");
+        }
+        // vLLM refuses `vllm_xargs` that is not an object; so does the parser, naming it.
+        let err = parse(
+            Endpoint::Completions,
+            br#"{"prompt": [1], "vllm_xargs": "full"}"#,
+            &model,
+            100,
+        )
+        .unwrap_err();
+        assert_eq!(err.param, Some("vllm_xargs"));
     }
 }

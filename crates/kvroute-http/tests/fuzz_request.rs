@@ -5,7 +5,7 @@
 use axum::http::StatusCode;
 use kvroute_http::Model;
 use kvroute_http::disagg;
-use kvroute_http::openai::{self, Endpoint};
+use kvroute_http::openai::{self, Endpoint, KvCacheReport};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -108,13 +108,15 @@ fn check(model: &Model, body: &[u8]) -> Result<(), TestCaseError> {
                 prop_assert!(!parsed.tokens.is_empty());
                 prop_assert!(parsed.tokens.len() <= MAX_PROMPT_TOKENS);
                 // What the proxy forwards: an object again, or a 400 naming the field.
-                match openai::engine_body(&parsed, body) {
-                    Ok(Some(rewritten)) => prop_assert!(matches!(
-                        serde_json::from_slice::<Value>(&rewritten),
-                        Ok(Value::Object(_))
-                    )),
-                    Ok(None) => {}
-                    Err(e) => prop_assert!(e.param.is_some(), "{}", e.message),
+                for report in [KvCacheReport::Incremental, KvCacheReport::Full] {
+                    match openai::engine_body(&parsed, body, report) {
+                        Ok(Some(rewritten)) => prop_assert!(matches!(
+                            serde_json::from_slice::<Value>(&rewritten),
+                            Ok(Value::Object(_))
+                        )),
+                        Ok(None) => {}
+                        Err(e) => prop_assert!(e.param.is_some(), "{}", e.message),
+                    }
                 }
             }
             Err(e) => {

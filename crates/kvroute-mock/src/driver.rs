@@ -15,8 +15,8 @@ use kvroute_core::events::KvEvent;
 use kvroute_core::ids::RequestId;
 use kvroute_core::time::{TimeScale, Timestamp};
 use kvroute_engine::{
-    EngineHost, EnginePrompt, EngineRequest, FinishReason, ImportAdmission, ImportStart, StartedImport,
-    StepOutput, synthetic_output_token,
+    EngineHost, EnginePrompt, EngineRequest, FinishReason, ImportAdmission, ImportStart, KvReportMode,
+    StartedImport, StepOutput, synthetic_output_token,
 };
 use kvroute_wire::WireEvent;
 use kvroute_zmq::EventPublisher;
@@ -50,6 +50,8 @@ pub(crate) struct Job {
     pub(crate) cache_salt: Option<String>,
     /// Its KV comes from a prefill worker ([`EngineHost::import`]).
     pub(crate) import: bool,
+    /// What the engine's KV events report of its prefix-cache hits (`vllm_xargs`).
+    pub(crate) kv_report: KvReportMode,
     pub(crate) tx: mpsc::UnboundedSender<JobUpdate>,
 }
 
@@ -105,6 +107,7 @@ impl Driver {
             output_len: job.output_len,
             lora_name: None,
             cache_namespace: job.cache_salt.clone(),
+            kv_report: job.kv_report,
         }
     }
 

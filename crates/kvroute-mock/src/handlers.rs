@@ -25,6 +25,7 @@ use crate::parse::{KvRole, kv_role, pick_rank, transfer_params, vllm_tokens};
 use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
 use crate::start::{SEEN_KEPT, SeenKvRequest};
 use crate::vllm::{self, Refusal};
+use kvroute_engine::KvReportMode;
 
 /// The shared state of one mock worker's HTTP server.
 pub(crate) struct Server {
@@ -185,11 +186,18 @@ fn engine_job(
     // (recomputes) here.
     let import = role.imports() && output_len >= 2;
     let (prompt, cache_salt) = (parsed.tokens.clone(), parsed.cache_salt.clone());
+    // vLLM reads `kv_cache_report_mode` from `vllm_xargs`; `full` re-announces the request's
+    // prefix-cache hits, anything else is its default.
+    let kv_report = match parsed.kv_cache_report {
+        Some(openai::KvCacheReport::Full) => KvReportMode::Full,
+        Some(openai::KvCacheReport::Incremental) | None => KvReportMode::Incremental,
+    };
     move |tx| Job {
         prompt,
         output_len,
         cache_salt,
         import,
+        kv_report,
         tx,
     }
 }

@@ -1,6 +1,7 @@
 //! What vLLM refuses before its engine sees a request, with vLLM's messages and error shape
 //! (`{"error": {"message", "type", "param", "code": <status>}}`): a model it does not serve
-//! (404), `max_tokens` below 1 or beyond the context left after the prompt (400). A refusal of
+//! (404), `max_tokens` below 1 or beyond the context left after the prompt, `vllm_xargs` values
+//! of the wrong type (400). A refusal of
 //! the shared request parser is answered in the same shape.
 
 use axum::http::StatusCode;
@@ -51,6 +52,7 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
             Some("model"),
         ));
     }
+    check_xargs(body.get("vllm_xargs"))?;
     let max_tokens = body
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
@@ -63,6 +65,34 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
         )),
         _ => Ok(()),
     }
+}
+
+/// Checks `vllm_xargs` as vLLM's request model types it (`dict[str, str | int | float |
+/// list[str | int | float]] | None`; a boolean passes as an integer): any key is accepted and
+/// kept in the request's extra arguments, which the engine reads by name (the mock reads
+/// `kv_cache_report_mode`), so an unknown key is ignored; a value of another type is a 400.
+/// (Not an object at all is left to the parser, which refuses it.)
+fn check_xargs(xargs: Option<&Value>) -> Result<(), Refusal> {
+    let Some(Value::Object(xargs)) = xargs else {
+        return Ok(());
+    };
+    let scalar = |v: &Value| matches!(v, Value::String(_) | Value::Number(_) | Value::Bool(_));
+    for (key, value) in xargs {
+        let ok = match value {
+            Value::Array(items) => items.iter().all(scalar),
+            other => scalar(other),
+        };
+        if !ok {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "vllm_xargs.{key}: Input should be a valid string, number or list of them, got {value}"
+                ),
+                Some("vllm_xargs"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that `max_tokens` output tokens fit in the context after `prompt_tokens`.
@@ -112,6 +142,33 @@ mod tests {
             answer(&r),
             json!({"error": {"message": "The model `gpt-9` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}})
         );
+    }
+
+    /// vLLM keeps any `vllm_xargs` key of a scalar or list value (an unknown one is ignored)
+    /// and refuses other values.
+    #[test]
+    fn vllm_xargs_take_any_key_of_a_scalar_or_list_value() {
+        for xargs in [
+            json!({"kv_cache_report_mode": "full"}),
+            json!({"some_extension": 3, "flag": true, "weights": [1, 2.5, "x"]}),
+            json!({}),
+            Value::Null,
+        ] {
+            assert_eq!(
+                check_body(&json!({"vllm_xargs": xargs}), "tiny"),
+                Ok(()),
+                "{xargs}"
+            );
+        }
+        for xargs in [
+            json!({"nested": {"a": 1}}),
+            json!({"n": null}),
+            json!({"l": [[1]]}),
+        ] {
+            let r = check_body(&json!({"vllm_xargs": xargs}), "tiny").unwrap_err();
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{xargs}");
+            assert_eq!(r.body.error.param.as_deref(), Some("vllm_xargs"), "{xargs}");
+        }
     }
 
     #[test]

@@ -104,6 +104,41 @@ pub struct WorkerConfig {
     /// Never listed by the admin API.
     #[serde(default)]
     pub api_key: Option<String>,
+    /// Whether the proxy asks this engine to re-announce the cached blocks a request reuses
+    /// while the worker's cache view is rebuilt ([`Reannounce`]). Default `auto`.
+    #[serde(default)]
+    pub reannounce: Reannounce,
+}
+
+/// Whether the proxy asks a worker's engine to re-announce the prefix-cache blocks each request
+/// reuses (vLLM's `"vllm_xargs": {"kv_cache_report_mode": "full"}`) while the worker's cache
+/// view is being rebuilt after events were lost for good, for at most `reannounce-window-ms`.
+///
+/// vLLM 0.32 keeps any `vllm_xargs` key in the request's `SamplingParams.extra_args` (checking
+/// only that integers fit 64 bits) and reads the ones it knows, so a vLLM without this feature
+/// ignores the key rather than refusing the request; an SGLang engine has no `vllm_xargs`.
+/// `off` is for an engine that refuses it anyway (a gateway with a strict schema in front, a
+/// fork).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reannounce {
+    /// Ask while the view is rebuilt, if the engine is vLLM (`engine = "vllm"`).
+    #[default]
+    Auto,
+    /// Never ask.
+    Off,
+}
+
+impl std::str::FromStr for Reannounce {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            other => Err(format!("{other:?}: auto or off")),
+        }
+    }
 }
 
 fn one() -> u32 {
@@ -136,12 +171,14 @@ impl WorkerConfig {
             bootstrap_port: None,
             engine: EngineKind::Vllm,
             api_key: None,
+            reannounce: Reannounce::Auto,
         }
     }
 
     /// Parses the flag form `URL[,events=EP][,events-mode=bind|connect][,replay=EP][,topic=T]
     /// [,dp=N][,block-size=N][,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N]
-    /// [,engine=vllm|sglang][,api-key=K]`: the keys of a `[[worker]]` table.
+    /// [,engine=vllm|sglang][,api-key=K][,reannounce=auto|off]`: the keys of a `[[worker]]`
+    /// table.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
             let n: u64 = v
@@ -186,6 +223,11 @@ impl WorkerConfig {
                 }
                 "bootstrap-port" => w.bootstrap_port = Some(num(k, v)?),
                 "api-key" => w.api_key = Some(v.to_owned()),
+                "reannounce" => {
+                    w.reannounce = v
+                        .parse()
+                        .map_err(|e| invalid("--worker", format!("reannounce={e}")))?
+                }
                 other => return Err(invalid("--worker", format!("unknown key {other:?}"))),
             }
         }
@@ -396,6 +438,11 @@ pub struct ServeConfig {
     /// removals keep a view within the engine's cache; this bounds memory when they are lost.
     /// Default 1,048,576 (about 70 MiB per rank at its fullest).
     pub max_blocks_per_worker: usize,
+    /// After a rank's view was cleared for lost events, how long requests routed to it ask its
+    /// engine to re-announce the cached blocks they reuse (worker key `reannounce`), unless the
+    /// view is exact again sooner. The hot prefixes come back with their first reuse; the
+    /// window bounds the extra events. Default 300,000 ms.
+    pub reannounce_window_ms: u64,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -435,6 +482,7 @@ impl Default for ServeConfig {
             health_success_threshold: 2,
             threads: 0,
             max_blocks_per_worker: 1 << 20,
+            reannounce_window_ms: 300_000,
             workers: Vec::new(),
         }
     }
@@ -477,6 +525,7 @@ impl ServeConfig {
             ("body-read-timeout-ms", self.body_read_timeout_ms),
             ("idle-timeout-ms", self.idle_timeout_ms),
             ("drain-timeout-ms", self.drain_timeout_ms),
+            ("reannounce-window-ms", self.reannounce_window_ms),
         ] {
             if ms == 0 {
                 return Err(invalid(field, "must be at least 1 ms"));

@@ -98,6 +98,8 @@ pub struct Upstream {
     pub engine: crate::config::EngineKind,
     /// The worker's configured credential.
     pub api_key: Option<String>,
+    /// Whether its engine may be asked to re-announce reused blocks.
+    pub reannounce: crate::config::Reannounce,
 }
 
 /// Where a routed request goes.
@@ -599,6 +601,7 @@ impl Inner {
             bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
             engine: w.map(|w| w.config.engine).unwrap_or_default(),
             api_key: w.and_then(|w| w.config.api_key.clone()),
+            reannounce: w.map(|w| w.config.reannounce).unwrap_or_default(),
         }
     }
 }

@@ -8,7 +8,17 @@
 //! [`ViewState::RebuiltAfterGap`] (a warning, `kvroute_kv_stream_incidents_total{kind=
 //! "gap_lost"}`, and the admin listing's `view`) until it is exact again: the engine restarted
 //! (its cache is empty, its new run replayed) or cleared its cache. Meanwhile it is rebuilt
-//! from the engine's new events (and, with `cache = "predict"`, the router's own decisions).
+//! from the engine's new events (and, with `cache = "predict"`, the router's own decisions),
+//! and, for `reannounce-window-ms` after it was cleared, from the engine's re-announcements: a
+//! request routed to the rank asks a vLLM engine (worker key `reannounce = "auto"`) for
+//! `"vllm_xargs": {"kv_cache_report_mode": "full"}` ([`Views::kv_cache_report`]), and the
+//! engine announces the cached blocks the request reuses again, as stored events from the
+//! root. A store of blocks the view holds changes nothing (the index keeps them where they
+//! are; `kvroute_index_blocks_stored_total` counts only blocks newly held).
+//!
+//! While a subscriber catches up through the replay socket (a resync, a gap fill), the rank's
+//! view is listed `replaying` (with the sequence number and endpoint asked), then `live` or
+//! `rebuilt_after_gap`.
 //! While a subscriber runs, its counters are exported from `/metrics` ([`KvSubscriberCounters`]).
 //!
 //! A worker out of routing for failed health checks keeps its view and its events still
@@ -20,18 +30,22 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_core::index::IndexError;
 use kvroute_core::router::{IndexEvent, RouterError};
+use kvroute_http::openai::KvCacheReport;
 use kvroute_wire::{ApplyConfig, EventBatch, WireEvent};
 use tokio::sync::mpsc;
 
-use kvroute_zmq::{ResyncTrigger, SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle};
+use kvroute_zmq::{
+    ReplayReports, ResyncTrigger, SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle,
+};
 use serde::Serialize;
 
-use crate::config::WorkerConfig;
-use crate::driver::Shared;
+use crate::config::{EngineKind, Reannounce, WorkerConfig};
+use crate::driver::{Shared, Upstream};
 use crate::metrics::KvSubscriberCounters;
 use crate::registry::Registry;
 use crate::worker::WorkerState;
@@ -60,6 +74,17 @@ pub enum ViewSummary {
     /// No KV events configured: the router sees the worker's cache only through its own
     /// decisions, if the cache mode predicts.
     None,
+    /// Some ranks are catching up through the engine's replay socket (after a reconnection,
+    /// when the worker is back from failed health checks, or to fill a gap): the view is
+    /// missing what the replay still brings. Then `live` or `rebuilt_after_gap`.
+    Replaying {
+        /// The earliest sequence number those ranks asked the replay for.
+        from_seq: u64,
+        /// The replay endpoint asked (of the first of those ranks).
+        endpoint: String,
+        /// Those ranks.
+        ranks: Vec<u32>,
+    },
     /// Every rank's view is [`ViewState::Live`].
     Live,
     /// Some ranks lost batches ([`ViewState::RebuiltAfterGap`]).
@@ -77,22 +102,52 @@ pub enum ViewSummary {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Views(Arc<Mutex<ViewBook>>);
 
-/// Each rank's view state, and its subscriber's resync trigger once started.
-type ViewBook = BTreeMap<WorkerKey, (ViewState, Option<ResyncTrigger>)>;
+/// Each rank's view.
+type ViewBook = BTreeMap<WorkerKey, RankView>;
+
+/// One rank's view: its state, when it was last cleared for lost batches, and its subscriber's
+/// resync trigger once started.
+#[derive(Debug)]
+struct RankView {
+    state: ViewState,
+    /// Set with [`ViewState::RebuiltAfterGap`]: when the view was last cleared (the start of
+    /// the re-announcement window).
+    cleared_at: Option<Instant>,
+    /// While a replay runs: the sequence number and endpoint it asked.
+    replaying: Option<(u64, String)>,
+    trigger: Option<ResyncTrigger>,
+}
+
+impl Default for RankView {
+    fn default() -> Self {
+        Self {
+            state: ViewState::Live,
+            cleared_at: None,
+            replaying: None,
+            trigger: None,
+        }
+    }
+}
 
 impl Views {
     fn lock(&self) -> std::sync::MutexGuard<'_, ViewBook> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set(&self, key: WorkerKey, state: ViewState) {
-        self.lock().entry(key).or_insert((ViewState::Live, None)).0 = state;
+    /// Rank `key`'s view is exact again.
+    fn exact(&self, key: WorkerKey) {
+        let mut views = self.lock();
+        let view = views.entry(key).or_default();
+        view.state = ViewState::Live;
+        view.cleared_at = None;
     }
 
     fn lost(&self, key: WorkerKey, batches: u64) {
         let mut views = self.lock();
-        let entry = views.entry(key).or_insert((ViewState::Live, None));
-        entry.0 = match entry.0 {
+        let entry = views.entry(key).or_default();
+        // Cleared again: the window starts again.
+        entry.cleared_at = Some(Instant::now());
+        entry.state = match entry.state {
             ViewState::Live => ViewState::RebuiltAfterGap {
                 since_unix_ms: unix_ms(),
                 lost_batches: batches,
@@ -107,19 +162,42 @@ impl Views {
         };
     }
 
+    /// Rank `key`'s replay from `from` (at `endpoint`) started, or (`None`) ended.
+    fn replaying(&self, key: WorkerKey, replay: Option<(u64, String)>) {
+        self.lock().entry(key).or_default().replaying = replay;
+    }
+
     fn forget(&self, worker: WorkerId) {
         self.lock().retain(|key, _| key.worker != worker);
     }
 
     /// Asks each of worker `id`'s subscribers to resync.
     pub(crate) fn resync(&self, id: WorkerId) {
-        for (_, (_, trigger)) in self
-            .lock()
-            .range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
-        {
-            if let Some(trigger) = trigger {
+        for view in self.lock().range(rank_keys(id)).map(|(_, v)| v) {
+            if let Some(trigger) = &view.trigger {
                 trigger.request();
             }
+        }
+    }
+
+    /// What a request routed to `upstream` asks of its engine's KV events: `Full` (re-announce
+    /// the cached blocks it reuses) while the rank's view is rebuilt after lost batches, for at
+    /// most `window` after it was cleared, if the worker's engine takes the request field
+    /// ([`Reannounce`]); else vLLM's default.
+    pub(crate) fn kv_cache_report(&self, upstream: &Upstream, window: Duration) -> KvCacheReport {
+        if upstream.reannounce != Reannounce::Auto || upstream.engine != EngineKind::Vllm {
+            return KvCacheReport::Incremental;
+        }
+        let key = WorkerKey::new(upstream.worker, DpRank(upstream.dp_rank));
+        let rebuilding = self
+            .lock()
+            .get(&key)
+            .and_then(|v| v.cleared_at)
+            .is_some_and(|at| at.elapsed() < window);
+        if rebuilding {
+            KvCacheReport::Full
+        } else {
+            KvCacheReport::Incremental
         }
     }
 
@@ -129,14 +207,27 @@ impl Views {
             return ViewSummary::None;
         }
         let views = self.lock();
+        let mut replaying: Option<(u64, String, Vec<u32>)> = None;
+        for (key, view) in views.range(rank_keys(id)) {
+            if let Some((from, endpoint)) = &view.replaying {
+                let r = replaying.get_or_insert_with(|| (*from, endpoint.clone(), Vec::new()));
+                r.0 = r.0.min(*from);
+                r.2.push(key.dp_rank.0);
+            }
+        }
+        if let Some((from_seq, endpoint, ranks)) = replaying {
+            return ViewSummary::Replaying {
+                from_seq,
+                endpoint,
+                ranks,
+            };
+        }
         let (mut since, mut lost, mut ranks) = (u64::MAX, 0u64, Vec::new());
-        for (key, (state, _)) in
-            views.range(WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX)))
-        {
+        for (key, view) in views.range(rank_keys(id)) {
             if let ViewState::RebuiltAfterGap {
                 since_unix_ms,
                 lost_batches,
-            } = *state
+            } = view.state
             {
                 since = since.min(since_unix_ms);
                 lost = lost.saturating_add(lost_batches);
@@ -153,6 +244,11 @@ impl Views {
             }
         }
     }
+}
+
+/// The keys of worker `id`'s ranks.
+fn rank_keys(id: WorkerId) -> std::ops::RangeInclusive<WorkerKey> {
+    WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX))
 }
 
 fn unix_ms() -> u64 {
@@ -245,6 +341,7 @@ impl EventFeed {
                 replay_endpoint: replay,
                 topic: config.topic.clone(),
                 mode: config.events_mode,
+                replay_reports: ReplayReports::On,
                 ..SubscriberConfig::new(id, events)
             };
             tasks.push(self.spawn(sub));
@@ -271,7 +368,7 @@ impl EventFeed {
                 }
             };
             let counters = Arc::clone(handle.counters());
-            views.lock().entry(key).or_insert((ViewState::Live, None)).1 = Some(handle.resync_trigger());
+            views.lock().entry(key).or_default().trigger = Some(handle.resync_trigger());
             exported.insert(key, Arc::clone(&counters));
             let export = Exported {
                 exported,
@@ -321,7 +418,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
                 .any(|e| matches!(e, WireEvent::AllBlocksCleared))
             {
                 // The engine emptied its cache: from here on the view is exact again.
-                shared.views.set(worker, ViewState::Live);
+                shared.views.exact(worker);
             }
             apply_batch(shared, batch.worker_key(worker), &batch);
         }
@@ -334,7 +431,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
             incident("restarted");
             clear(shared, worker);
             // A new engine has an empty cache: the view is exact again.
-            shared.views.set(worker, ViewState::Live);
+            shared.views.exact(worker);
         }
         SubscriberEvent::GapLost { worker, missing } => {
             let lost = missing.end.saturating_sub(missing.start);
@@ -349,6 +446,21 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
             clear(shared, worker);
             shared.views.lost(worker, lost);
         }
+        SubscriberEvent::Replaying {
+            worker,
+            from,
+            endpoint,
+        } => {
+            tracing::debug!(
+                worker = worker.worker.0,
+                rank = worker.dp_rank.0,
+                from,
+                endpoint,
+                "catching up through the replay socket"
+            );
+            shared.views.replaying(worker, Some((from, endpoint)));
+        }
+        SubscriberEvent::Replayed { worker } => shared.views.replaying(worker, None),
         SubscriberEvent::Error { worker, error } => {
             tracing::debug!(
                 worker = worker.worker.0,
@@ -415,5 +527,65 @@ fn event_type(e: &WireEvent) -> &'static str {
         WireEvent::BlockRemoved(_) => "removed",
         WireEvent::AllBlocksCleared => "cleared",
         WireEvent::Unknown { .. } => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream(engine: EngineKind, reannounce: Reannounce) -> Upstream {
+        Upstream {
+            worker: WorkerId(7),
+            dp_rank: 1,
+            dp: true,
+            base: "http://127.0.0.1:9".into(),
+            bootstrap_port: None,
+            engine,
+            api_key: None,
+            reannounce,
+        }
+    }
+
+    /// A rank's requests ask for re-announcements only while its view is rebuilt, within the
+    /// window, and only of a vLLM engine whose worker allows it; the other ranks never.
+    #[test]
+    fn reannouncements_are_asked_while_a_view_is_rebuilt_within_the_window_of_vllm_engines() {
+        use KvCacheReport::{Full, Incremental};
+        let views = Views::default();
+        let key = WorkerKey::new(WorkerId(7), DpRank(1));
+        let long = Duration::from_secs(300);
+        let vllm = upstream(EngineKind::Vllm, Reannounce::Auto);
+        assert_eq!(views.kv_cache_report(&vllm, long), Incremental, "live");
+        views.lost(key, 3);
+        // (upstream, window, wanted)
+        let table = [
+            (upstream(EngineKind::Vllm, Reannounce::Auto), long, Full),
+            (upstream(EngineKind::Vllm, Reannounce::Off), long, Incremental),
+            (upstream(EngineKind::Sglang, Reannounce::Auto), long, Incremental),
+            (
+                upstream(EngineKind::Vllm, Reannounce::Auto),
+                Duration::ZERO,
+                Incremental,
+            ),
+            (
+                Upstream {
+                    dp_rank: 0,
+                    ..upstream(EngineKind::Vllm, Reannounce::Auto)
+                },
+                long,
+                Incremental,
+            ),
+        ];
+        for (upstream, window, wanted) in table {
+            assert_eq!(
+                views.kv_cache_report(&upstream, window),
+                wanted,
+                "{upstream:?} {window:?}"
+            );
+        }
+        // Exact again (a restart, a cache reset): no more.
+        views.exact(key);
+        assert_eq!(views.kv_cache_report(&vllm, long), Incremental);
     }
 }

@@ -28,7 +28,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use kvroute_http::disagg;
 use kvroute_http::net::HttpClient;
-use kvroute_http::openai::{self, ApiError, Endpoint};
+use kvroute_http::openai::{self, ApiError, Endpoint, KvCacheReport};
 
 use crate::config::{EngineKind, ServeConfig};
 use crate::driver::{RequestGuard, RouteError, Shared, Target, Upstream};
@@ -54,7 +54,8 @@ pub struct Generation<'a> {
     pub endpoint: Endpoint,
     /// The parsed request.
     pub parsed: &'a openai::Parsed,
-    /// The body to forward: the client's, as [`openai::engine_body`] made it (and a flow adds to).
+    /// The client's body. Once routed, [`Forwarder::forward`] makes it the engine's
+    /// ([`openai::engine_body`], for the workers chosen), which a flow adds to.
     pub body: Bytes,
     /// What the response's observed body reports under.
     pub report: Report,
@@ -121,13 +122,42 @@ impl Forwarder {
                     .overhead_total
                     .observe(t0.elapsed().as_secs_f64() * 1e3);
             }
-            match self.send_in_flow(request, &target, &mut guard, timeout).await {
+            let routed = self.engine_request(request, &target)?;
+            match self.send_in_flow(&routed, &target, &mut guard, timeout).await {
                 Ok(response) => return Ok(observe(response, guard, request.report, timeout)),
                 Err(HopError::Connect(_)) if attempt == 0 => shared.metrics.upstream_retries.inc(),
                 Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
             }
         }
         Err(route_error(RouteError::NoWorker))
+    }
+
+    /// `request` as the engines of `target` get it: internal fields stripped, a text
+    /// completion as its token ids, and vLLM's KV-event report mode set to `full` while a
+    /// chosen worker's cache view is being rebuilt ([`crate::events`]).
+    fn engine_request<'a>(
+        &self,
+        request: &Generation<'a>,
+        target: &Target,
+    ) -> Result<Generation<'a>, ApiError> {
+        let window = ServeConfig::ms(self.shared.config.reannounce_window_ms);
+        let full = std::iter::once(&target.decode)
+            .chain(&target.prefill)
+            .any(|upstream| self.shared.views.kv_cache_report(upstream, window) == KvCacheReport::Full);
+        let report = if full {
+            KvCacheReport::Full
+        } else {
+            KvCacheReport::Incremental
+        };
+        let body = openai::engine_body(request.parsed, &request.body, report)?
+            .map_or_else(|| request.body.clone(), Bytes::from);
+        Ok(Generation {
+            endpoint: request.endpoint,
+            parsed: request.parsed,
+            body,
+            report: request.report,
+            authorization: request.authorization.clone(),
+        })
     }
 
     /// Sends a routed request in the flow its target and the fleet's protocol call for.

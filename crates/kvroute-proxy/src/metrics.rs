@@ -83,6 +83,9 @@ pub struct Metrics {
     pub active_requests: IntGauge,
     /// Blocks the index evicted to keep a worker within `max-blocks-per-worker`.
     pub index_blocks_evicted: IntCounter,
+    /// `kvroute_index_blocks_stored_total`: blocks newly held by the router's view (a store of
+    /// a block already held, as an engine's re-announcement of its reused blocks, adds none).
+    pub index_blocks_stored: IntCounter,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
 }
@@ -643,6 +646,10 @@ impl Metrics {
                 "kvroute_index_blocks_evicted_total",
                 "KV blocks the router's view evicted to keep a worker within max-blocks-per-worker.",
             ),
+            index_blocks_stored: r.counter(
+                "kvroute_index_blocks_stored_total",
+                "KV blocks newly held by the router's view (a stored event of blocks already held, as an engine's re-announcement, adds none).",
+            ),
             kv_subscribers,
             registry: r.0,
         }
@@ -764,6 +771,11 @@ impl Metrics {
         if evicted > self.index_blocks_evicted.get() {
             self.index_blocks_evicted
                 .inc_by(evicted - self.index_blocks_evicted.get());
+        }
+        let stored = snapshot.index.blocks_stored;
+        if stored > self.index_blocks_stored.get() {
+            self.index_blocks_stored
+                .inc_by(stored - self.index_blocks_stored.get());
         }
         for gauge in self.router_gauges() {
             gauge.reset();

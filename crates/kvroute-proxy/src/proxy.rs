@@ -447,11 +447,6 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
-    // Internal fields stripped; a text completion sent as the token ids it is routed on.
-    let body = match openai::engine_body(&parsed, &body) {
-        Ok(rewritten) => rewritten.map_or(body, Bytes::from),
-        Err(e) => return Outcome::Failed(kind, e),
-    };
     let shape = match parsed.stream {
         false => Shape::Unary,
         true => Shape::Stream {
@@ -460,6 +455,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     };
     // The client's credential goes on to the engine, unless it was kvroute's own API key.
     let authorization = authorization.filter(|_| config.api_key.is_empty());
+    // The client's body: made the engine's once routed (`Forwarder::forward`).
     let generation = Generation {
         endpoint,
         parsed: &parsed,

@@ -1232,6 +1232,7 @@ fn engine_request(id: RequestId, r: &crate::workload::SimRequest) -> EngineReque
         output_len: r.output_tokens,
         lora_name: None,
         cache_namespace: None,
+        kv_report: kvroute_engine::KvReportMode::Incremental,
     }
 }
 

@@ -250,6 +250,7 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
             output_len: 3 + i as u32 % 4,
             lora_name: lora.map(str::to_owned),
             cache_namespace: None,
+            kv_report: kvroute_engine::KvReportMode::Incremental,
         };
         engine.add_request(Timestamp::ZERO, request).unwrap();
     }

@@ -170,8 +170,8 @@ mod subscriber;
 
 pub use error::ZmqError;
 pub use mode::{SocketMode, publisher_mode, rank_endpoint, subscriber_mode};
-pub use publisher::{DEFAULT_BUFFER_STEPS, EventPublisher, PublisherConfig};
+pub use publisher::{DEFAULT_BUFFER_STEPS, EventPublisher, PublisherConfig, ReplayHold};
 pub use subscriber::{
-    CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, RECONNECT_CAP, ResyncTrigger, SubscriberConfig,
-    SubscriberCounters, SubscriberEvent, SubscriberHandle, spawn_subscriber,
+    CounterSnapshot, DEFAULT_REPLAY_TIMEOUT_MS, RECONNECT_CAP, ReplayReports, ResyncTrigger,
+    SubscriberConfig, SubscriberCounters, SubscriberEvent, SubscriberHandle, spawn_subscriber,
 };

@@ -116,6 +116,36 @@ struct State {
     ring: VecDeque<(u64, Bytes)>,
     /// Batches still to number and buffer but not send.
     drop_remaining: u64,
+    /// Set by [`EventPublisher::hold_replays`].
+    gate: Option<Gate>,
+}
+
+/// Replays held: each request is announced, then waits until the gate opens.
+#[derive(Clone, Debug)]
+struct Gate {
+    requested: mpsc::UnboundedSender<u64>,
+    open: watch::Receiver<bool>,
+}
+
+/// Fault injection ([`EventPublisher::hold_replays`]): replay requests are announced here and
+/// left unanswered until this is released or dropped.
+#[derive(Debug)]
+pub struct ReplayHold {
+    requested: mpsc::UnboundedReceiver<u64>,
+    open: watch::Sender<bool>,
+}
+
+impl ReplayHold {
+    /// The first sequence number of the next replay request that arrives (and waits); `None`
+    /// once the publisher is gone.
+    pub async fn requested(&mut self) -> Option<u64> {
+        self.requested.recv().await
+    }
+
+    /// Answers the requests waiting, and those to come.
+    pub fn release(self) {
+        self.open.send_replace(true);
+    }
 }
 
 /// A running publisher. Dropping it stops its tasks and closes its sockets.
@@ -147,6 +177,7 @@ impl EventPublisher {
             next_seq: 0,
             ring: VecDeque::new(),
             drop_remaining: 0,
+            gate: None,
         }));
         let (stop, stopped) = watch::channel(());
         let mut tasks = Vec::new();
@@ -242,6 +273,18 @@ impl EventPublisher {
     /// live, as if the PUB socket had dropped them.
     pub fn drop_next(&self, n: u64) {
         self.lock().drop_remaining = n;
+    }
+
+    /// Fault injection: from now on, replay requests wait unanswered, each announced through
+    /// the hold, until it is released (or dropped), as an engine slow to answer would.
+    pub fn hold_replays(&self) -> ReplayHold {
+        let (requested_tx, requested) = mpsc::unbounded_channel();
+        let (open, open_rx) = watch::channel(false);
+        self.lock().gate = Some(Gate {
+            requested: requested_tx,
+            open: open_rx,
+        });
+        ReplayHold { requested, open }
     }
 
     /// Stops the tasks and waits until the sockets are closed, so that the ports are free to
@@ -371,6 +414,16 @@ async fn replay_loop(router: &mut RouterSocket, state: &Mutex<State>, topic: &st
         let Ok(start) = replay::parse_request(request) else {
             continue;
         };
+        let gate = state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .gate
+            .clone();
+        if let Some(Gate { requested, mut open }) = gate {
+            // Nobody listening, or the hold gone: answered at once.
+            let _ = requested.send(start);
+            let _ = open.wait_for(|open| *open).await;
+        }
         let batches: Vec<(u64, Bytes)> = {
             let state = state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             state

@@ -72,6 +72,22 @@ pub struct SubscriberConfig {
     /// the gap is reported lost ([`SubscriberEvent::GapLost`]) and the stream goes on.
     #[serde(default = "default_replay_timeout_ms")]
     pub replay_timeout_ms: u64,
+    /// Whether a resync or gap fill through the replay socket is reported while it runs
+    /// ([`SubscriberEvent::Replaying`], then [`SubscriberEvent::Replayed`]). Default: not.
+    #[serde(default)]
+    pub replay_reports: ReplayReports,
+}
+
+/// Whether a subscriber reports its replays ([`SubscriberConfig::replay_reports`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayReports {
+    /// Only their batches, losses and restarts are reported.
+    #[default]
+    Off,
+    /// Each replay is bracketed by [`SubscriberEvent::Replaying`] and
+    /// [`SubscriberEvent::Replayed`].
+    On,
 }
 
 fn default_replay_timeout_ms() -> u64 {
@@ -90,6 +106,7 @@ impl SubscriberConfig {
             topic: String::new(),
             mode: None,
             replay_timeout_ms: DEFAULT_REPLAY_TIMEOUT_MS,
+            replay_reports: ReplayReports::Off,
         }
     }
 
@@ -173,6 +190,23 @@ pub enum SubscriberEvent {
         worker: WorkerKey,
         /// The sequence numbers lost.
         missing: Range<u64>,
+    },
+    /// With [`ReplayReports::On`]: the subscriber is catching up through the replay socket, from
+    /// sequence number `from` (after a (re)connection or on request, or to fill a gap). What
+    /// the replay brings follows (batches, a restart, losses), then [`SubscriberEvent::Replayed`].
+    Replaying {
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
+        /// The first sequence number asked for.
+        from: u64,
+        /// The replay endpoint asked.
+        endpoint: String,
+    },
+    /// With [`ReplayReports::On`]: the replay announced by [`SubscriberEvent::Replaying`] is
+    /// over, and everything it brought (or lost) was handed on.
+    Replayed {
+        /// The worker and the stream's rank.
+        worker: WorkerKey,
     },
     /// A message that could not be decoded (bad frames or payload), skipped; or, in connect
     /// mode, a connect that failed for a reason retrying at once would not fix (it is retried
@@ -373,6 +407,7 @@ pub async fn spawn_subscriber(
         last_applied: None,
         resync: Arc::clone(&resync.0),
         dealer: None,
+        replay_reports: config.replay_reports,
     };
     let (stop, stopped) = watch::channel(());
     let task = tokio::spawn(session.run(socket, connect_to, stopped));
@@ -456,6 +491,7 @@ struct Session {
     /// The replay connection, kept between replays; dropped after any failure so that no late
     /// reply of an abandoned replay can be read as part of the next one.
     dealer: Option<DealerSocket>,
+    replay_reports: ReplayReports,
 }
 
 impl Session {
@@ -578,6 +614,7 @@ impl Session {
         let mut lost = false;
         let check = self.last_applied;
         let start = check.map_or(self.tracker.next_expected(), |(seq, _)| seq);
+        self.replaying(start, &endpoint).await?;
         match self.replay(&endpoint, start, &mut lost, check).await? {
             ReplayEnd::Done => {}
             ReplayEnd::Failed => bump(&self.counters.replay_failures),
@@ -592,7 +629,28 @@ impl Session {
                 }
             }
         }
-        Ok(())
+        self.replayed().await
+    }
+
+    /// Reports that a replay from `from` starts (with [`ReplayReports::On`]).
+    async fn replaying(&self, from: u64, endpoint: &str) -> Result<(), Closed> {
+        if self.replay_reports == ReplayReports::Off {
+            return Ok(());
+        }
+        self.send(SubscriberEvent::Replaying {
+            worker: self.worker,
+            from,
+            endpoint: endpoint.to_owned(),
+        })
+        .await
+    }
+
+    /// Reports that the replay is over (with [`ReplayReports::On`]).
+    async fn replayed(&self) -> Result<(), Closed> {
+        if self.replay_reports == ReplayReports::Off {
+            return Ok(());
+        }
+        self.send(SubscriberEvent::Replayed { worker: self.worker }).await
     }
 
     /// One live message.
@@ -634,10 +692,12 @@ impl Session {
     async fn fill_gap(&mut self, missing: Range<u64>, held: &RawBatch<'_>) -> Result<(), Closed> {
         bump(&self.counters.gaps_detected);
         let mut lost = false;
-        if let Some(endpoint) = self.replay_endpoint.clone()
-            && let ReplayEnd::Failed = self.replay(&endpoint, missing.start, &mut lost, None).await?
-        {
-            bump(&self.counters.replay_failures);
+        let endpoint = self.replay_endpoint.clone();
+        if let Some(endpoint) = &endpoint {
+            self.replaying(missing.start, endpoint).await?;
+            if let ReplayEnd::Failed = self.replay(endpoint, missing.start, &mut lost, None).await? {
+                bump(&self.counters.replay_failures);
+            }
         }
         if self.tracker.next_expected() <= held.seq {
             // The replay did not reach `held`: what it did not bring is lost, `held` goes on.
@@ -651,6 +711,9 @@ impl Session {
         }
         if !lost {
             bump(&self.counters.gaps_recovered);
+        }
+        if endpoint.is_some() {
+            self.replayed().await?;
         }
         Ok(())
     }

@@ -66,9 +66,10 @@ pub struct ServeOptions {
     pub drain_timeout_ms: Option<u64>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
     /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
-    /// [,bootstrap-port=N][,api-key=K]` (`engine`: how a request names its data-parallel rank;
-    /// `bootstrap-port`: a prefill worker's SGLang bootstrap port; `api-key`: the engine's
-    /// `--api-key`, sent on every call to it). Repeat for several;
+    /// [,bootstrap-port=N][,api-key=K][,reannounce=auto|off]` (`engine`: how a request names its
+    /// data-parallel rank; `bootstrap-port`: a prefill worker's SGLang bootstrap port; `api-key`:
+    /// the engine's `--api-key`, sent on every call to it; `reannounce`: whether a vLLM engine is
+    /// asked to re-announce reused blocks while its view is rebuilt). Repeat for several;
     /// replaces the file's `[[worker]]` tables, whose keys are the same.
     #[arg(long, value_parser = parse_worker)]
     pub worker: Option<Vec<WorkerConfig>>,
@@ -151,6 +152,11 @@ pub struct ServeOptions {
     /// it). Default 1,048,576.
     #[arg(long)]
     pub max_blocks_per_worker: Option<usize>,
+    /// After a worker's view was cleared for lost KV events, how long requests routed to it ask
+    /// its engine to re-announce the cached blocks they reuse (worker key `reannounce`), ms.
+    /// Default 300,000.
+    #[arg(long)]
+    pub reannounce_window_ms: Option<u64>,
 }
 
 /// A `--worker` flag.

@@ -6,6 +6,10 @@
 //!
 //! Every wait is on an explicit signal: the proxy's admin listing or its subscriber counters
 //! reaching a state, checked after each KV-event report the proxy applies.
+//!
+//! The last test runs a mock worker (which follows vLLM 0.32's `kv_cache_report_mode`) behind
+//! the proxy: a view lost beyond the replay buffer is rebuilt from the engine's
+//! re-announcements, which the proxy asks for while the view is rebuilt.
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
@@ -357,4 +361,225 @@ async fn at_startup_the_view_takes_what_the_engine_still_buffers_without_waiting
     assert_eq!((c.emitted, c.replayed, c.gaps_lost), (2, 2, 0), "{c:?}");
     assert_eq!(view(&proxy), ViewSummary::Live);
     publisher.shutdown().await;
+}
+
+/// The admin listing's `view` of worker 0.
+async fn listed_view(proxy: &ProxyHandle) -> serde_json::Value {
+    let http = client(Duration::from_secs(2));
+    let req = hyper::Request::builder()
+        .uri(format!("{}/admin/workers", proxy.admin_url()))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let body = http
+        .request(req)
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
+    let listing: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    listing["workers"][0]["view"].clone()
+}
+
+/// While a resync or a gap fill waits on the engine's replay socket, the worker's view says
+/// `replaying`, from which sequence number and endpoint; then `live` when the replay covered
+/// what was missed, `rebuilt_after_gap` when it could not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_a_replay_runs_the_view_says_replaying_then_live_or_rebuilt() {
+    // The engine keeps its last 2 batches.
+    let publisher = engine(2).await;
+    let proxy = proxy_for(&publisher).await;
+    join(&proxy, &publisher).await;
+    publish(&publisher, vec![stored(1, 3, None)]);
+    until(&proxy, "the first 3 blocks", |p| cached(p) == 3).await;
+    let last = publisher.next_seq() - 1;
+    let endpoint = publisher.replay_endpoint().unwrap().to_owned();
+
+    // A health flap: a batch missed meanwhile; when the worker is back, its resync asks the
+    // replay from the last batch applied, which the engine holds back.
+    for _ in 0..3 {
+        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckFailed);
+    }
+    publisher.drop_next(1);
+    publish(&publisher, vec![stored(4, 2, Some(3))]);
+    let mut hold = publisher.hold_replays();
+    for _ in 0..2 {
+        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
+    }
+    let asked = tokio::time::timeout(PATIENCE, hold.requested()).await.unwrap();
+    assert_eq!(asked, Some(last));
+    let replaying = ViewSummary::Replaying {
+        from_seq: last,
+        endpoint: endpoint.clone(),
+        ranks: vec![0],
+    };
+    until(&proxy, "the resync listed as replaying", |p| view(p) == replaying).await;
+    let listed = listed_view(&proxy).await;
+    assert_eq!(listed["state"], "replaying", "{listed}");
+    assert_eq!(listed["from_seq"], last, "{listed}");
+    assert_eq!(listed["endpoint"], endpoint.as_str(), "{listed}");
+    hold.release();
+    until(&proxy, "live again, with the missed blocks", |p| {
+        view(p) == ViewSummary::Live && cached(p) == 5
+    })
+    .await;
+
+    // A gap beyond the buffer: the gap fill is listed as replaying from the first batch
+    // missing, then the view is rebuilt after the gap.
+    let first_missing = publisher.next_seq();
+    publisher.drop_next(3);
+    let mut hold = publisher.hold_replays();
+    for i in 0..4 {
+        publish(&publisher, vec![stored(10 + i, 1, None)]);
+    }
+    let asked = tokio::time::timeout(PATIENCE, hold.requested()).await.unwrap();
+    assert_eq!(asked, Some(first_missing));
+    until(
+        &proxy,
+        "the gap fill listed as replaying",
+        |p| matches!(view(p), ViewSummary::Replaying { from_seq, .. } if from_seq == first_missing),
+    )
+    .await;
+    assert_eq!(listed_view(&proxy).await["state"], "replaying");
+    hold.release();
+    until(&proxy, "rebuilt after the gap", |p| {
+        matches!(view(p), ViewSummary::RebuiltAfterGap { lost_batches: 2, .. })
+    })
+    .await;
+    assert_eq!(listed_view(&proxy).await["state"], "rebuilt_after_gap");
+    publisher.shutdown().await;
+}
+
+/// POSTs `body` to the proxy's `/v1/completions`: the predicted cached tokens of its debug
+/// header and the engine's reported `cached_tokens`.
+async fn predicted_and_reported(
+    http: &kvroute_http::net::HttpClient,
+    proxy: &ProxyHandle,
+    body: &serde_json::Value,
+) -> (u64, u64) {
+    let req = hyper::Request::post(format!("{}/v1/completions", proxy.url()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let predicted: u64 = resp.headers()["x-kvroute-predicted-cached-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let completion: kvroute_http::openai::types::Completion = serde_json::from_slice(&bytes).unwrap();
+    (predicted, u64::from(completion.usage.unwrap().cached_tokens()))
+}
+
+fn stored_ok(proxy: &ProxyHandle) -> u64 {
+    proxy
+        .shared
+        .metrics
+        .kv_events
+        .with_label_values(&["stored", "ok"])
+        .get()
+}
+
+fn newly_held(proxy: &ProxyHandle) -> u64 {
+    proxy.shared.snapshot();
+    proxy.shared.metrics.index_blocks_stored.get()
+}
+
+/// Issue 16: vLLM re-announces nothing it holds, so a view cleared after events were lost for
+/// good stayed blind to the engine's cached prefixes. Now, while the view is rebuilt, the proxy
+/// asks the engine (`"vllm_xargs": {"kv_cache_report_mode": "full"}`) to re-announce the blocks
+/// each request reuses: one request per prefix brings it back, and a repeat's predicted cached
+/// tokens equal the engine's reported ones. A re-announcement of blocks the view holds changes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_view_lost_beyond_the_replay_buffer_is_rebuilt_from_the_engines_reannouncements() {
+    let model = std::sync::Arc::new(kvroute_http::Model::tiny().unwrap());
+    let mut mc = kvroute_mock::MockConfig::new(1);
+    mc.engine.speedup = 20.0;
+    // The engine keeps only its last 2 batches for replay (each request of a new prompt
+    // publishes one; a repeat, none).
+    mc.replay_buffer_steps = 2;
+    let mocks = kvroute_mock::start(&mc, std::sync::Arc::clone(&model))
+        .await
+        .unwrap();
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
+        health_interval_ms: 0,
+        debug_headers: true,
+        workers: vec![WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()],
+        ..ServeConfig::default()
+    };
+    let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();
+    let http = client(Duration::from_secs(5));
+    // PUB/SUB drops what is sent before the subscription arrives: warm up with new prompts
+    // (one batch each) until the proxy hears one.
+    let prompt = |base: u32| -> Vec<u32> { (0..100).map(|i| 1 + (base + i * 7) % 250).collect() };
+    let request = |p: &[u32]| serde_json::json!({"prompt": p, "max_tokens": 2});
+    for warm in 200.. {
+        predicted_and_reported(&http, &proxy, &request(&prompt(warm))).await;
+        if proxy
+            .shared
+            .wait_for_kv(Duration::from_millis(500), |_| counters(&proxy).emitted > 0)
+            .await
+        {
+            break;
+        }
+        assert!(
+            warm < 220,
+            "the proxy never heard the engine: {:?}",
+            counters(&proxy)
+        );
+    }
+    let gaps_lost = incidents(&proxy, "gap_lost");
+    // Two prefixes of 100 token ids: 6 full blocks each, all 6 a hit on a repeat (96 tokens).
+    let prefixes = [prompt(0), prompt(3)];
+    for p in &prefixes {
+        let blocks = cached(&proxy);
+        assert_eq!(predicted_and_reported(&http, &proxy, &request(p)).await, (0, 0));
+        until(&proxy, "the prefix's 6 blocks stored", |x| {
+            cached(x) == blocks + 6
+        })
+        .await;
+    }
+    for p in &prefixes {
+        assert_eq!(predicted_and_reported(&http, &proxy, &request(p)).await, (96, 96));
+    }
+
+    // Three batches lost; the engine buffers only the last of them and the one that shows the
+    // gap: the view is cleared, and rebuilt from what follows.
+    mocks[0].drop_next_event_batches(3);
+    for base in [100, 101, 102, 103] {
+        predicted_and_reported(&http, &proxy, &request(&prompt(base))).await;
+    }
+    until(&proxy, "the gap lost and the view cleared", |p| {
+        incidents(p, "gap_lost") == gaps_lost + 1
+    })
+    .await;
+    assert!(matches!(view(&proxy), ViewSummary::RebuiltAfterGap { .. }));
+
+    for p in &prefixes {
+        // The view lost it; the engine still holds it, and re-announces it.
+        let blocks = cached(&proxy);
+        assert_eq!(predicted_and_reported(&http, &proxy, &request(p)).await, (0, 96));
+        until(&proxy, "the prefix's 6 blocks re-announced", |x| {
+            cached(x) == blocks + 6
+        })
+        .await;
+        // A repeat: predicted as the engine reports. Still rebuilding, it re-announces the
+        // same blocks again, which the view holds: it changes nothing, and the counters say so.
+        let (stored, held) = (stored_ok(&proxy), newly_held(&proxy));
+        assert_eq!(predicted_and_reported(&http, &proxy, &request(p)).await, (96, 96));
+        until(&proxy, "the second re-announcement applied", |x| {
+            stored_ok(x) > stored
+        })
+        .await;
+        assert_eq!(cached(&proxy), blocks + 6);
+        assert_eq!(newly_held(&proxy), held, "no block newly held");
+    }
+    proxy.shared.check_invariants().unwrap();
 }

@@ -43,6 +43,7 @@ pub fn request(id: u64, tokens: impl IntoIterator<Item = u32>, output_len: u32) 
         output_len,
         lora_name: None,
         cache_namespace: None,
+        kv_report: kvroute_engine::KvReportMode::Incremental,
     }
 }
 

@@ -105,6 +105,7 @@ fn request(i: usize, line: &Line) -> EngineRequest {
         output_len: line.output,
         lora_name: None,
         cache_namespace: None,
+        kv_report: kvroute_engine::KvReportMode::Incremental,
     }
 }
 
@@ -193,6 +194,7 @@ async fn live(lines: &[Line]) -> String {
             output_len: line.output,
             cache_salt: None,
             import: line.import,
+            kv_report: kvroute_engine::KvReportMode::Incremental,
             tx,
         };
         jobs.send(job).expect("running");
