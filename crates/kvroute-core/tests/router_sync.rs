@@ -373,3 +373,51 @@ proptest! {
         prop_assert_eq!(loads(&late), loads(&pair.routers[0]));
     }
 }
+
+/// Replicas of different ranks that see the same idle fleet at the same moment spread over the
+/// near-best workers with `kv`'s spread tolerance; without it, the argmin is rank-blind.
+#[test]
+fn replica_ranks_spread_concurrent_decisions_over_the_near_best() {
+    let pick = |rank: u32, spread: f64| {
+        let mut policy = PolicyConfig::from_name("kv").expect("kv");
+        if let PolicyConfig::Kv(c) = &mut policy {
+            c.spread_tolerance = spread;
+        }
+        let mut router = Router::new(RouterConfig {
+            block_size: BLOCK,
+            policy,
+            replica_rank: rank,
+            ..RouterConfig::default()
+        })
+        .expect("a valid config");
+        for id in 1..=4 {
+            let spec = WorkerSpec::new(WorkerKey::new(WorkerId(id), DpRank(0)), WorkerRole::Aggregated, 40);
+            router.handle_worker_added(Timestamp::ZERO, spec).expect("a new worker");
+        }
+        // A cached prefix a little cheaper on worker 4: still within 5 % of the others.
+        let t = tokens((0, 1, 1, 20));
+        let (mut locals, mut chain) = (Vec::new(), Vec::new());
+        BlockHasher::new(BLOCK as usize, &HashSalt::NONE).hash_prompt(&t, &mut locals, &mut chain);
+        let blocks = stored_blocks(&locals[..1], &chain[..1]);
+        let event = IndexEvent::Stored {
+            parent: None,
+            blocks: &blocks,
+        };
+        router
+            .handle_kv_event(Timestamp::ZERO, WorkerKey::new(WorkerId(4), DpRank(0)), event)
+            .expect("a store");
+        match router
+            .handle_request(Timestamp::ZERO, &RouteRequest::new(RequestId(1), Prompt::Tokens(&t)))
+            .expect("routed")
+        {
+            kvroute_core::router::RouteOutcome::Routed(d) => d.worker.worker.0,
+            other => panic!("{other:?}"),
+        }
+    };
+    // Ranked by cost then worker order: 4 (one block cached), then 1, 2, 3.
+    assert_eq!((1..=4).map(|r| pick(r, 0.05)).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert!((0..4).all(|r| pick(r, 0.0) == 4), "the argmin, whatever the rank");
+    assert_eq!(pick(0, 0.05), 4, "rank 0 is one router");
+    // Out of tolerance, the cheaper worker is the only near-best one.
+    assert_eq!(pick(2, 0.001), 4);
+}

@@ -57,6 +57,10 @@ pub struct RouterConfig {
     /// Replica sync: whether load changes are exported as replica events
     /// ([`super::Router::poll_sync_event`]), and the tombstone cap. Default off.
     pub sync: SyncConfig,
+    /// This router's rank among its replicas (0: alone, or the first), read by policies that
+    /// spread concurrent replicas' decisions ([`super::policy::CostPolicyConfig::spread_tolerance`]);
+    /// [`super::Router::set_replica_rank`] changes it as peers come and go. Default 0.
+    pub replica_rank: u32,
     /// The most blocks the index keeps per worker, evicting the oldest past it
     /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
     pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
@@ -78,6 +82,7 @@ impl Default for RouterConfig {
             track_output_blocks: false,
             prefill_model: None,
             sync: SyncConfig::default(),
+            replica_rank: 0,
             max_blocks_per_worker: None,
         }
     }

@@ -192,14 +192,18 @@ impl Router {
     /// A router with no workers.
     pub fn new(config: RouterConfig) -> Result<Self, ConfigError> {
         config.validate()?;
+        let mut policy = config.policy.build();
+        let mut prefill_policy = config.prefill_policy.as_ref().unwrap_or(&config.policy).build();
+        policy.set_replica_rank(config.replica_rank);
+        prefill_policy.set_replica_rank(config.replica_rank);
         let recent = match config.cache {
             CacheMode::Events => None,
             CacheMode::EventsWithPrediction(r) | CacheMode::Approximate(r) => Some(RecentChains::new(r)),
         };
         Ok(Self {
             rng: Rng::new(config.seed),
-            policy: config.policy.build(),
-            prefill_policy: config.prefill_policy.as_ref().unwrap_or(&config.policy).build(),
+            policy,
+            prefill_policy,
             index: PrefixIndex::new(IndexConfig {
                 max_blocks_per_worker: config.max_blocks_per_worker,
                 ..IndexConfig::default()
@@ -214,6 +218,14 @@ impl Router {
             scratch: Scratch::default(),
             config,
         })
+    }
+
+    /// Sets this router's rank among its replicas (see [`RouterConfig::replica_rank`]), e.g. its
+    /// place in the sorted ids of the live peers and itself.
+    pub fn set_replica_rank(&mut self, rank: u32) {
+        self.config.replica_rank = rank;
+        self.policy.set_replica_rank(rank);
+        self.prefill_policy.set_replica_rank(rank);
     }
 
     /// The configuration the router was built with.

@@ -86,6 +86,12 @@ pub trait Policy: fmt::Debug + Send {
         None
     }
 
+    /// This router is replica `rank` among its live peers (0: alone, or the first). Policies
+    /// that spread concurrent replicas' decisions read it (`kv`'s spread tolerance).
+    fn set_replica_rank(&mut self, rank: u32) {
+        let _ = rank;
+    }
+
     /// `worker` left the fleet.
     fn worker_removed(&mut self, worker: WorkerKey) {
         let _ = worker;
