@@ -391,8 +391,14 @@ fn replica_ranks_spread_concurrent_decisions_over_the_near_best() {
         })
         .expect("a valid config");
         for id in 1..=4 {
-            let spec = WorkerSpec::new(WorkerKey::new(WorkerId(id), DpRank(0)), WorkerRole::Aggregated, 40);
-            router.handle_worker_added(Timestamp::ZERO, spec).expect("a new worker");
+            let spec = WorkerSpec::new(
+                WorkerKey::new(WorkerId(id), DpRank(0)),
+                WorkerRole::Aggregated,
+                40,
+            );
+            router
+                .handle_worker_added(Timestamp::ZERO, spec)
+                .expect("a new worker");
         }
         // A cached prefix a little cheaper on worker 4: still within 5 % of the others.
         let t = tokens((0, 1, 1, 20));
@@ -407,7 +413,10 @@ fn replica_ranks_spread_concurrent_decisions_over_the_near_best() {
             .handle_kv_event(Timestamp::ZERO, WorkerKey::new(WorkerId(4), DpRank(0)), event)
             .expect("a store");
         match router
-            .handle_request(Timestamp::ZERO, &RouteRequest::new(RequestId(1), Prompt::Tokens(&t)))
+            .handle_request(
+                Timestamp::ZERO,
+                &RouteRequest::new(RequestId(1), Prompt::Tokens(&t)),
+            )
             .expect("routed")
         {
             kvroute_core::router::RouteOutcome::Routed(d) => d.worker.worker.0,
