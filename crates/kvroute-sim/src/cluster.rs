@@ -1,14 +1,24 @@
-//! The discrete-event loop: one virtual clock, one [`Router`], N [`Engine`]s.
+//! The discrete-event loop: one virtual clock, one [`Router`] (or several replicas), N
+//! [`Engine`]s.
 //!
-//! Sources of events, merged by time (ties: KV deliveries, then arrivals in workload order, then
-//! the heap in push order, then the router's deadline):
+//! Sources of events, merged by time (ties: KV deliveries, then replica-sync deliveries, then
+//! arrivals in workload order, then the heap in push order, then the routers' deadlines):
 //!
 //! * open-loop arrivals, a cursor over the workload sorted by arrival time;
 //! * a heap keyed by `(time, time pushed, class, tie-break)`: engine step ends (class 1, ties
 //!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
 //!   ties broken in push order);
 //! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
-//! * the router's own deadline ([`Router::next_deadline`]), while it has requests.
+//! * the replica-sync channel, a heap keyed by (delivery time, exporting replica, export
+//!   sequence): each event goes to every other replica;
+//! * each router's own deadline ([`Router::next_deadline`]), while requests are in flight (ties:
+//!   the lowest replica first).
+//!
+//! **Replicas** ([`crate::Replicas`]): each arrival goes to one replica (in turn, or at random);
+//! the request's first token, finish and cancellation go to that replica; KV events and fleet
+//! changes go to every replica. After every input a replica takes, its exported sync events are
+//! put on the sync channel (or lost, with the configured probability). One replica without sync
+//! is exactly the single-router run: no draws, no events.
 //!
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
@@ -48,8 +58,8 @@ use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::IndexEvent;
 use kvroute_core::router::{
-    Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterError,
-    WorkerRole, WorkerSpec,
+    Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterConfig,
+    RouterError, RouterId, SyncEvent, SyncMode, WorkerRole, WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
@@ -59,7 +69,7 @@ use kvroute_planner::{
     Action, EngineLimits, Observation, PassSample, Planner, Pool, WorkerObservation, WorkerState,
 };
 
-use crate::config::{ArrivalMode, SimConfig, Topology};
+use crate::config::{ArrivalMode, ReplicaSync, SimConfig, Spread, Topology};
 use crate::error::SimError;
 use crate::planned::PlannerState;
 use crate::report::{Outcome, TimeSeries};
@@ -117,6 +127,10 @@ pub(crate) struct ReqState {
     pub(crate) in_prefill: bool,
     /// The worker computing its prompt, until its first token (the planner's queued prefill).
     pub(crate) queued_on: Option<u32>,
+    /// The router replica that routed it.
+    pub(crate) replica: u32,
+    /// Whether it counts in its decode worker's in-flight requests (load imbalance).
+    pub(crate) counted: bool,
 }
 
 impl ReqState {
@@ -162,6 +176,12 @@ pub(crate) struct SimWorker {
     passes: Vec<PassSample>,
     /// Prompt tokens of requests sent here that have no first token yet.
     queued_prefill_tokens: u64,
+    /// Requests routed here (to decode) and not finished or turned away ...
+    in_flight: u32,
+    /// ... since this time ...
+    in_flight_since: Timestamp,
+    /// ... and their integral over time, request-nanoseconds (the load-imbalance figure).
+    pub(crate) in_flight_area: u128,
 }
 
 impl SimWorker {
@@ -187,6 +207,9 @@ impl SimWorker {
             removed_at: None,
             passes: Vec::new(),
             queued_prefill_tokens: 0,
+            in_flight: 0,
+            in_flight_since: now,
+            in_flight_area: 0,
         })
     }
 
@@ -196,6 +219,19 @@ impl SimWorker {
         spec.max_batched_tokens = u64::from(config.engine.max_num_batched_tokens);
         spec.max_requests = u64::from(config.engine.max_num_seqs);
         spec
+    }
+
+    /// Adds `delta` (+1 or -1) to the requests in flight here at `now`.
+    fn count_in_flight(&mut self, now: Timestamp, delta: i32) {
+        let span = u128::from(now.as_nanos().saturating_sub(self.in_flight_since.as_nanos()));
+        self.in_flight_area += span * u128::from(self.in_flight);
+        self.in_flight_since = now;
+        self.in_flight = self.in_flight.saturating_add_signed(delta);
+    }
+
+    /// Closes the in-flight integral at `end`.
+    pub(crate) fn close_in_flight(&mut self, end: Timestamp) {
+        self.count_in_flight(end, 0);
     }
 
     /// The planner's pool of this worker.
@@ -234,15 +270,54 @@ pub(crate) struct Totals {
     pub(crate) kv_events_lost: u64,
     pub(crate) kv_events_refused: u64,
     pub(crate) stale_lifecycle_events: u64,
+    pub(crate) sync_events_published: u64,
+    pub(crate) sync_events_lost: u64,
+    pub(crate) sync_events_refused: u64,
     pub(crate) end: Timestamp,
     pub(crate) itl: crate::stats::Sketch,
+}
+
+/// A replica-sync event on its way: delivery time, exporting replica, export sequence.
+#[derive(Debug)]
+struct InTransit {
+    key: (Timestamp, u32, u64),
+    event: SyncEvent,
+}
+
+impl PartialEq for InTransit {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+impl Eq for InTransit {}
+
+impl PartialOrd for InTransit {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for InTransit {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key.cmp(&other.key)
+    }
 }
 
 /// A run's state. Built by [`crate::Simulation::run`], consumed into a [`crate::RunResult`].
 pub(crate) struct Run<'w> {
     config: &'w SimConfig,
     workload: &'w Workload,
-    pub(crate) router: Router,
+    /// The router replicas (one without [`crate::Replicas`]).
+    pub(crate) routers: Vec<Router>,
+    /// Replica-sync events on their way.
+    sync: BinaryHeap<Reverse<InTransit>>,
+    sync_seq: u64,
+    /// Draws of the replica spread and of sync loss (apart from the simulator's own, so that one
+    /// router draws exactly as before).
+    spread_rng: Rng,
+    sync_rng: Rng,
+    next_replica: usize,
     pub(crate) workers: Vec<SimWorker>,
     heap: BinaryHeap<Reverse<(Key, Event)>>,
     seq: u64,
@@ -263,7 +338,8 @@ pub(crate) struct Run<'w> {
     pub(crate) totals: Totals,
     pub(crate) series: Option<TimeSeries>,
     window_hits: (u64, u64),
-    ticked_at: Option<Timestamp>,
+    /// Per replica: the deadline it was last ticked at.
+    ticked_at: Vec<Option<Timestamp>>,
     /// Whether pure-decode stretches are skipped (off with a planner).
     fast_forward: bool,
     pub(crate) planner: Option<PlannerState>,
@@ -271,7 +347,9 @@ pub(crate) struct Run<'w> {
 
 impl<'w> Run<'w> {
     pub(crate) fn new(config: &'w SimConfig, workload: &'w Workload) -> Result<Self, SimError> {
-        let mut router = Router::new(config.router.clone())?;
+        let mut routers = (0..config.replicas.count)
+            .map(|r| Router::new(replica_config(config, r)))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut workers = Vec::with_capacity(config.workers());
         for i in 0..config.workers() {
             let role = match config.topology {
@@ -280,7 +358,9 @@ impl<'w> Run<'w> {
                 Topology::Disaggregated { .. } => WorkerRole::Decode,
             };
             let worker = SimWorker::new(config, i, role, Timestamp::ZERO)?;
-            router.handle_worker_added(Timestamp::ZERO, worker.spec(config))?;
+            for router in &mut routers {
+                router.handle_worker_added(Timestamp::ZERO, worker.spec(config))?;
+            }
             workers.push(worker);
         }
         let planner = match &config.planner {
@@ -326,10 +406,16 @@ impl<'w> Run<'w> {
             worker_kv_use: vec![Vec::new(); config.workers()],
             ..TimeSeries::default()
         });
+        let replicas = routers.len();
         Ok(Self {
             config,
             workload,
-            router,
+            routers,
+            sync: BinaryHeap::new(),
+            sync_seq: 0,
+            spread_rng: Rng::new(config.seed ^ 0x5EED_0000_0000_0001),
+            sync_rng: Rng::new(config.seed ^ 0x5EED_0000_0000_0002),
+            next_replica: 0,
             workers,
             heap: BinaryHeap::new(),
             seq: 0,
@@ -347,7 +433,7 @@ impl<'w> Run<'w> {
             totals: Totals::default(),
             series,
             window_hits: (0, 0),
-            ticked_at: None,
+            ticked_at: vec![None; replicas],
             fast_forward: config.fast_forward && planner.is_none(),
             planner,
         })
@@ -406,12 +492,13 @@ impl<'w> Run<'w> {
             }
             self.now = at;
             self.current = match source.1 {
-                Source::Channel | Source::Open => (at, Timestamp::ZERO, 0, 0),
+                Source::Channel | Source::Sync | Source::Open => (at, Timestamp::ZERO, 0, 0),
                 Source::Heap => self.heap.peek().map_or((at, Timestamp::ZERO, 0, 0), |e| e.0.0),
-                Source::Router => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
+                Source::Router(_) => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
             };
             match source.1 {
                 Source::Channel => self.deliver_kv()?,
+                Source::Sync => self.deliver_sync()?,
                 Source::Open => {
                     let i = self.open[self.open_next];
                     self.open_next += 1;
@@ -429,10 +516,12 @@ impl<'w> Run<'w> {
                         }
                     }
                 }
-                Source::Router => {
-                    self.ticked_at = Some(at);
-                    let outputs = self.router.handle_tick(at);
+                Source::Router(r) => {
+                    let r = r as usize;
+                    self.ticked_at[r] = Some(at);
+                    let outputs = self.routers[r].handle_tick(at);
                     self.route_outputs(outputs)?;
+                    self.export_sync(r);
                 }
             }
             handled += 1;
@@ -445,6 +534,10 @@ impl<'w> Run<'w> {
             }
         }
         self.totals.end = self.now;
+        let end = self.now;
+        for w in &mut self.workers {
+            w.close_in_flight(end);
+        }
         Ok(())
     }
 
@@ -463,6 +556,7 @@ impl<'w> Run<'w> {
             }
         };
         consider(self.channel.front().map(|e| e.0), Source::Channel);
+        consider(self.sync.peek().map(|Reverse(e)| e.key.0), Source::Sync);
         consider(
             self.open
                 .get(self.open_next)
@@ -474,9 +568,14 @@ impl<'w> Run<'w> {
         );
         consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
         if self.in_flight_requests > 0 {
-            let deadline = self.router.next_deadline().map(|t| t.max(self.now));
-            // A tick that left its own deadline where it was waits for time to move on.
-            consider(deadline.filter(|&d| self.ticked_at != Some(d)), Source::Router);
+            for (r, router) in self.routers.iter().enumerate() {
+                let deadline = router.next_deadline().map(|t| t.max(self.now));
+                // A tick that left its own deadline where it was waits for time to move on.
+                consider(
+                    deadline.filter(|&d| self.ticked_at[r] != Some(d)),
+                    Source::Router(r as u32),
+                );
+            }
         }
         best
     }
@@ -498,7 +597,9 @@ impl<'w> Run<'w> {
                 prompt_tokens: u64::from(r.prompt_tokens),
             },
         );
-        match self.router.handle_request(self.now, &request)? {
+        let replica = self.pick_replica();
+        self.reqs[i].replica = replica as u32;
+        match self.routers[replica].handle_request(self.now, &request)? {
             RouteOutcome::Routed(decision) => self.start(decision)?,
             RouteOutcome::Queued => {}
             RouteOutcome::Rejected(_) => {
@@ -506,6 +607,61 @@ impl<'w> Run<'w> {
                 self.reqs[i].rejected = true;
                 self.done(i);
             }
+        }
+        self.export_sync(replica);
+        Ok(())
+    }
+
+    /// The replica the next arrival goes to.
+    fn pick_replica(&mut self) -> usize {
+        let n = self.routers.len();
+        if n == 1 {
+            return 0;
+        }
+        match self.config.replicas.spread {
+            Spread::RoundRobin => {
+                let r = self.next_replica;
+                self.next_replica = (r + 1) % n;
+                r
+            }
+            Spread::Random => self.spread_rng.below(n),
+        }
+    }
+
+    /// Puts replica `r`'s exported sync events on the channel, or loses them.
+    fn export_sync(&mut self, r: usize) {
+        let ReplicaSync::On { delay, loss } = self.config.replicas.sync else {
+            return;
+        };
+        while let Some(event) = self.routers[r].poll_sync_event() {
+            self.totals.sync_events_published += 1;
+            if loss > 0.0 && self.sync_rng.next_f64() < loss {
+                self.totals.sync_events_lost += 1;
+                continue;
+            }
+            let key = (self.now + delay, r as u32, self.sync_seq);
+            self.sync_seq += 1;
+            self.sync.push(Reverse(InTransit { key, event }));
+        }
+    }
+
+    /// Delivers the next sync event to every replica but its sender (each ignores its own
+    /// anyway), in replica order. A booking on a worker a replica no longer has is refused and
+    /// counted.
+    fn deliver_sync(&mut self) -> Result<(), SimError> {
+        let Some(Reverse(InTransit { key, event })) = self.sync.pop() else {
+            return Ok(());
+        };
+        for r in 0..self.routers.len() {
+            if r == key.1 as usize {
+                continue;
+            }
+            match self.routers[r].handle_sync_event(self.now, &event) {
+                Ok(outputs) => self.route_outputs(outputs)?,
+                Err(RouterError::UnknownWorker(_)) => self.totals.sync_events_refused += 1,
+                Err(e) => return Err(e.into()),
+            }
+            self.export_sync(r);
         }
         Ok(())
     }
@@ -519,6 +675,9 @@ impl<'w> Run<'w> {
         state.routed = Some(self.now);
         state.worker = Some(w as u32);
         state.overlap_blocks = decision.overlap_blocks;
+        state.counted = true;
+        self.workers[w].count_in_flight(self.now, 1);
+        let state = &mut self.reqs[i];
         if let Some(p) = &mut self.planner {
             // The hit rate that discounts prefill work is the one of the worker that prefills.
             let overlap = decision
@@ -560,9 +719,21 @@ impl<'w> Run<'w> {
         self.unqueue(i);
         self.reqs[i].rejected = true;
         self.reqs[i].in_prefill = false;
-        let outputs = self.router.handle_cancelled(self.now, RequestId(i as u64))?;
+        self.uncount(i);
+        let r = self.reqs[i].replica as usize;
+        let outputs = self.routers[r].handle_cancelled(self.now, RequestId(i as u64))?;
+        self.export_sync(r);
         self.done(i);
         self.route_outputs(outputs)
+    }
+
+    /// Request `i` no longer counts in its decode worker's in-flight requests.
+    fn uncount(&mut self, i: usize) {
+        if std::mem::take(&mut self.reqs[i].counted)
+            && let Some(w) = self.reqs[i].worker
+        {
+            self.workers[w as usize].count_in_flight(self.now, -1);
+        }
     }
 
     /// Schedules a pass of engine `w` now unless one is pending.
@@ -858,7 +1029,9 @@ impl<'w> Run<'w> {
                 p.traffic.ttft_sum_ms += now.saturating_since(arrived).as_secs_f64() * 1e3;
                 p.traffic.ttft_n += 1;
             }
-            let result = self.router.handle_first_token(now, id);
+            let r = self.reqs[id.0 as usize].replica as usize;
+            let result = self.routers[r].handle_first_token(now, id);
+            self.export_sync(r);
             let outputs = self.lifecycle(result)?;
             self.route_outputs(outputs)?;
         }
@@ -882,7 +1055,10 @@ impl<'w> Run<'w> {
                     p.traffic.itl_n += 1;
                 }
             }
-            let result = self.router.handle_finished(now, f.request);
+            self.uncount(i);
+            let r = self.reqs[i].replica as usize;
+            let result = self.routers[r].handle_finished(now, f.request);
+            self.export_sync(r);
             let outputs = self.lifecycle(result)?;
             self.done(i);
             self.route_outputs(outputs)?;
@@ -948,8 +1124,8 @@ impl<'w> Run<'w> {
         Ok(())
     }
 
-    /// Applies one KV event to the router's index. Refusals (an event whose parent was lost)
-    /// are counted: they are what a lossy channel does.
+    /// Applies one KV event to every replica's index. Refusals (an event whose parent was lost)
+    /// are counted, per replica: they are what a lossy channel does.
     fn apply_kv(&mut self, w: usize, event: IndexEvent<'_>) -> Result<(), SimError> {
         if self.workers[w].life == Life::Removed {
             if let Some(p) = &mut self.planner {
@@ -957,14 +1133,15 @@ impl<'w> Run<'w> {
             }
             return Ok(());
         }
-        match self.router.handle_kv_event(self.now, self.workers[w].key, event) {
-            Ok(()) => Ok(()),
-            Err(RouterError::Index(_)) => {
-                self.totals.kv_events_refused += 1;
-                Ok(())
+        let key = self.workers[w].key;
+        for router in &mut self.routers {
+            match router.handle_kv_event(self.now, key, event) {
+                Ok(()) => {}
+                Err(RouterError::Index(_)) => self.totals.kv_events_refused += 1,
+                Err(e) => return Err(e.into()),
             }
-            Err(e) => Err(e.into()),
         }
+        Ok(())
     }
 
     /// Records one sample of the time series and schedules the next while work remains.
@@ -980,7 +1157,7 @@ impl<'w> Run<'w> {
             series.worker_requests[i].push((running + queued) as u32);
             series.worker_kv_use[i].push(w.kv_use);
         }
-        let router_queued = self.router.metrics().queued_now as u32;
+        let router_queued: u32 = self.routers.iter().map(|r| r.metrics().queued_now as u32).sum();
         series.queued.push(waiting + router_queued);
         let (hits, queries) = std::mem::take(&mut self.window_hits);
         series.hit_rate.push(if queries == 0 {
@@ -1092,8 +1269,12 @@ impl<'w> Run<'w> {
         let spec = self.workers[w].spec(self.config);
         self.workers[w].life = Life::Ready;
         self.workers[w].ready_at = Some(self.now);
-        let outputs = self.router.handle_worker_added(self.now, spec)?;
-        self.route_outputs(outputs)
+        for r in 0..self.routers.len() {
+            let outputs = self.routers[r].handle_worker_added(self.now, spec)?;
+            self.route_outputs(outputs)?;
+            self.export_sync(r);
+        }
+        Ok(())
     }
 
     /// Worker `w` takes no new requests and leaves when idle.
@@ -1103,8 +1284,9 @@ impl<'w> Run<'w> {
                 "the planner removed worker {w}, which is not ready"
             )));
         }
-        self.router
-            .handle_worker_draining(self.now, self.workers[w].key)?;
+        for router in &mut self.routers {
+            router.handle_worker_draining(self.now, self.workers[w].key)?;
+        }
         self.workers[w].life = Life::Draining;
         self.workers[w].draining_at = Some(self.now);
         self.try_retire(w)
@@ -1125,10 +1307,14 @@ impl<'w> Run<'w> {
         {
             return Ok(());
         }
-        let outputs = self.router.handle_worker_removed(self.now, self.workers[w].key)?;
         self.workers[w].life = Life::Removed;
         self.workers[w].removed_at = Some(self.now);
-        self.route_outputs(outputs)
+        for r in 0..self.routers.len() {
+            let outputs = self.routers[r].handle_worker_removed(self.now, self.workers[w].key)?;
+            self.route_outputs(outputs)?;
+            self.export_sync(r);
+        }
+        Ok(())
     }
 
     /// Checks the end-of-run invariants.
@@ -1167,28 +1353,43 @@ impl<'w> Run<'w> {
                 self.totals.kv_transfers, self.totals.kv_transfers_done
             ));
         }
-        let metrics = self.router.metrics();
-        if metrics.counters.clock_went_back > 0 {
-            return fail(format!(
-                "the router saw time go back {} times",
-                metrics.counters.clock_went_back
-            ));
-        }
-        if unfinished == 0 {
-            if metrics.active_now != 0 || metrics.queued_now != 0 {
+        // Without lost sync events (and none still on the way), every replica holds every
+        // replica's bookings, so all must be gone; with losses, a replica keeps a peer's booking
+        // whose Freed was lost (until the request TTL), so only its own must be gone.
+        let sync_exact = self.totals.sync_events_lost == 0 && self.sync.is_empty();
+        for (r, router) in self.routers.iter().enumerate() {
+            let metrics = router.metrics();
+            if metrics.counters.clock_went_back > 0 {
                 return fail(format!(
-                    "router load not drained: {} active, {} queued",
-                    metrics.active_now, metrics.queued_now
+                    "router replica {r} saw time go back {} times",
+                    metrics.counters.clock_went_back
                 ));
             }
-            if let Some(w) = metrics.workers.iter().find(|w| !w.load.is_idle()) {
-                return fail(format!(
-                    "worker {} still has load booked: {:?}",
-                    w.spec.key, w.load
-                ));
+            if unfinished == 0 {
+                let own = router.sync_snapshot().len();
+                if own != 0 || metrics.queued_now != 0 {
+                    return fail(format!(
+                        "router replica {r}: own load not drained: {own} events of bookings, {} queued",
+                        metrics.queued_now
+                    ));
+                }
+                if sync_exact || self.config.replicas.sync == ReplicaSync::Off {
+                    if metrics.active_now != 0 {
+                        return fail(format!(
+                            "router replica {r}: load not drained: {} active",
+                            metrics.active_now
+                        ));
+                    }
+                    if let Some(w) = metrics.workers.iter().find(|w| !w.load.is_idle()) {
+                        return fail(format!(
+                            "router replica {r}: worker {} still has load booked: {:?}",
+                            w.spec.key, w.load
+                        ));
+                    }
+                }
             }
+            router.check_invariants().map_err(SimError::Invariant)?;
         }
-        self.router.check_invariants().map_err(SimError::Invariant)?;
         for w in &self.workers {
             w.host
                 .engine()
@@ -1199,12 +1400,14 @@ impl<'w> Run<'w> {
             }
             if self.config.events.loss == 0.0 && self.channel.is_empty() {
                 let engine_blocks = w.host.engine().cached_blocks().count();
-                let index_blocks = self.router.index().block_count(w.key);
-                if engine_blocks != index_blocks {
-                    return fail(format!(
-                        "{}: engine caches {engine_blocks} blocks, the router's index {index_blocks}",
-                        w.key
-                    ));
+                for (r, router) in self.routers.iter().enumerate() {
+                    let index_blocks = router.index().block_count(w.key);
+                    if engine_blocks != index_blocks {
+                        return fail(format!(
+                            "{}: engine caches {engine_blocks} blocks, router replica {r}'s index {index_blocks}",
+                            w.key
+                        ));
+                    }
                 }
             }
         }
@@ -1239,7 +1442,22 @@ fn engine_request(id: RequestId, r: &crate::workload::SimRequest) -> EngineReque
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
     Channel,
+    Sync,
     Open,
     Heap,
-    Router,
+    Router(u32),
+}
+
+/// Replica `r`'s router configuration: the base one with router id `router_id + r`, seed
+/// `seed + r`, replica rank `replica_rank + r`, and export on when replicas sync.
+fn replica_config(config: &SimConfig, r: usize) -> RouterConfig {
+    let base = &config.router;
+    let mut c = base.clone();
+    c.router_id = RouterId(base.router_id.0.wrapping_add(r as u64));
+    c.seed = base.seed.wrapping_add(r as u64);
+    c.replica_rank = base.replica_rank.wrapping_add(r as u32);
+    if config.replicas.sync != ReplicaSync::Off {
+        c.sync.mode = SyncMode::Export;
+    }
+    c
 }

@@ -29,6 +29,62 @@ pub struct EventChannel {
     pub loss: f64,
 }
 
+/// Several router replicas over one fleet ([`SimConfig::replicas`]).
+///
+/// Each replica is its own [`kvroute_core::router::Router`] (the same configuration, router id
+/// `router_id + r`, seed `seed + r` and replica rank `replica_rank + r`) with its own index, fed every engine's KV events (each
+/// replica subscribes to every engine). Client requests are spread over the replicas; a request's
+/// lifecycle (first token, finish) goes to the replica that routed it; fleet changes reach all.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Replicas {
+    /// Router replicas, at least 1. One replica is the plain single-router run.
+    pub count: usize,
+    /// Whether and how replicas share their bookings.
+    pub sync: ReplicaSync,
+    /// How client requests are spread over the replicas.
+    pub spread: Spread,
+}
+
+impl Default for Replicas {
+    /// One router, no sync, round-robin.
+    fn default() -> Self {
+        Self {
+            count: 1,
+            sync: ReplicaSync::Off,
+            spread: Spread::RoundRobin,
+        }
+    }
+}
+
+/// Replica sync in the simulator: the replicas' exported
+/// [`kvroute_core::router::SyncEvent`]s, carried to every other replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ReplicaSync {
+    /// Each replica knows only the requests it routed.
+    #[default]
+    Off,
+    /// Each replica exports its load changes; every other replica applies them `delay` later.
+    /// Each event is lost, for every peer, with probability `loss` (drawn from the simulation's
+    /// seed), as when a publisher's bounded queue overflows. Events that arrive at the same time
+    /// apply in (router id, export order).
+    On {
+        /// Delay from export to delivery.
+        delay: Duration,
+        /// Probability in `[0, 1]` that an event is lost.
+        loss: f64,
+    },
+}
+
+/// How client requests are spread over the replicas (a load balancer in front of them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Spread {
+    /// In turn, in arrival order.
+    #[default]
+    RoundRobin,
+    /// Uniformly at random (drawn from the simulation's seed).
+    Random,
+}
+
 /// The fleet's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Topology {
@@ -74,6 +130,8 @@ pub struct SimConfig {
     pub router: RouterConfig,
     /// The KV-event channel.
     pub events: EventChannel,
+    /// Router replicas over the fleet, and their sync. Default: one router.
+    pub replicas: Replicas,
     /// Arrival mode.
     pub arrivals: ArrivalMode,
     /// Seed of the simulator's own draws (event loss). The router has its own seed.
@@ -154,6 +212,7 @@ impl SimConfig {
             engine,
             router,
             events: EventChannel::default(),
+            replicas: Replicas::default(),
             arrivals: ArrivalMode::Open,
             seed: 0,
             sample_interval: Some(Duration::from_secs(1)),

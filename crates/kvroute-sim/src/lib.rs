@@ -2,10 +2,11 @@
 //! one virtual clock.
 //!
 //! A [`Simulation`] owns one [`kvroute_core::router::Router`] (the very type the live server
-//! drives, never a copy of its logic) and N [`kvroute_engine::Engine`]s. Arrivals go to the
-//! router; its decisions go to the engines; first tokens and completions go back to the router;
-//! the engines' KV events reach the router's index through a channel with a configurable lag and
-//! loss, so stale cache views can be studied.
+//! drives, never a copy of its logic), or several replicas of it ([`Replicas`], with or without
+//! replica sync), and N [`kvroute_engine::Engine`]s. Arrivals go to the router; its decisions go
+//! to the engines; first tokens and completions go back to the router; the engines' KV events
+//! reach the router's index through a channel with a configurable lag and loss, so stale cache
+//! views can be studied.
 //!
 //! ```
 //! use kvroute_sim::{SimConfig, Simulation, synthetic};
@@ -54,7 +55,9 @@ pub mod trace;
 pub mod workload;
 
 pub use cluster::Progress;
-pub use config::{ArrivalMode, EventChannel, PlannerSetup, SimConfig, Topology};
+pub use config::{
+    ArrivalMode, EventChannel, PlannerSetup, ReplicaSync, Replicas, SimConfig, Spread, Topology,
+};
 pub use error::SimError;
 /// The prefill-to-decode KV link, the engine crate's (the mock workers price imports with it too).
 pub use kvroute_engine::KvTransfer;
@@ -122,6 +125,19 @@ impl Simulation {
             return Err(SimError::Config(format!(
                 "event loss {} is not a probability",
                 config.events.loss
+            )));
+        }
+        if config.replicas.count == 0 || config.replicas.count > 1 << 16 {
+            return Err(SimError::Config(format!(
+                "{} router replicas (1 to 65,536)",
+                config.replicas.count
+            )));
+        }
+        if let config::ReplicaSync::On { loss, .. } = config.replicas.sync
+            && !(0.0..=1.0).contains(&loss)
+        {
+            return Err(SimError::Config(format!(
+                "sync event loss {loss} is not a probability"
             )));
         }
         if config.sample_interval.is_some_and(|d| d.is_zero()) {

@@ -401,6 +401,9 @@ const TABLE_ROWS: &[(&str, &str)] = &[
     ("p99_e2e_latency_ms", "E2E p99 ms"),
     ("prefix_cache_reused_ratio", "prefix reuse (engine)"),
     ("router_predicted_overlap_ratio", "predicted overlap (router)"),
+    ("load_imbalance", "load imbalance (max/mean)"),
+    ("router_replicas", "router replicas"),
+    ("sync_events_lost", "sync events lost"),
     ("preemptions", "preemptions"),
     ("kv_events_lost", "KV events lost"),
     ("kv_transfers", "KV transfers"),
@@ -421,8 +424,8 @@ pub fn table(reports: &[(String, Report)]) -> String {
     }
     out.push('\n');
     for (key, label) in TABLE_ROWS {
-        // The planner's rows appear only in runs with a planner.
-        let planner_row = key.starts_with("planner_") || key.starts_with("sla_");
+        // The planner's and the sync rows appear only in runs that have them.
+        let planner_row = key.starts_with("planner_") || key.starts_with("sla_") || key.starts_with("sync_");
         if planner_row && reports.iter().all(|(_, r)| r.get(key).is_none()) {
             continue;
         }

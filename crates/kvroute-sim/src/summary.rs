@@ -1,9 +1,11 @@
 //! From a finished run to its report: the run's counts into the [`ReportBuilder`] (where every
 //! report formula lives), then the planner's keys.
 
+use kvroute_core::router::RouterCounters;
+
 use crate::RunResult;
 use crate::cluster::Run;
-use crate::config::{PlannerSetup, SimConfig, Topology};
+use crate::config::{PlannerSetup, ReplicaSync, SimConfig, Topology};
 use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
 use crate::report::{
     CompletedRequest, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
@@ -14,7 +16,16 @@ use crate::workload::Workload;
 /// The run's result.
 pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -> RunResult {
     let t = &run.totals;
-    let counters = run.router.metrics().counters;
+    // The replicas' counters, summed (each counts its own decisions).
+    let mut counters = RouterCounters::default();
+    for router in &run.routers {
+        let c = router.metrics().counters;
+        counters.overlap_blocks += c.overlap_blocks;
+        counters.prompt_blocks += c.prompt_blocks;
+        counters.queued += c.queued;
+        counters.expired += c.expired;
+        counters.disaggregated += c.disaggregated;
+    }
     let mut b = ReportBuilder::new(
         config.router.policy.name(),
         config.workers() as u64,
@@ -113,6 +124,7 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         });
     }
     let mut report = b.build();
+    replica_keys(config, &run, &mut report);
     let (worker_seconds, duration_s) = (b.worker_seconds(), b.duration_s());
     let planner = config
         .planner
@@ -126,6 +138,36 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         ttft_ms: b.ttft_ms().to_vec(),
         e2e_ms: b.e2e_ms().to_vec(),
         planner,
+    }
+}
+
+/// The replicas' keys: how many, the load imbalance, and (with several) the sync traffic.
+///
+/// `load_imbalance` is max / mean over the workers that decode of each worker's time-averaged
+/// requests in flight (routed to it and not yet finished), over the whole run: 1 is an even
+/// spread, 2 means the busiest worker carried twice the average.
+fn replica_keys(config: &SimConfig, run: &Run<'_>, report: &mut Report) {
+    report.count("router_replicas", run.routers.len() as u64);
+    let areas: Vec<f64> = run
+        .workers
+        .iter()
+        .filter(|w| w.role.tracks_decode())
+        .map(|w| w.in_flight_area as f64)
+        .collect();
+    let mean = areas.iter().sum::<f64>() / areas.len().max(1) as f64;
+    let max = areas.iter().copied().fold(0.0, f64::max);
+    report.float("load_imbalance", if mean > 0.0 { max / mean } else { 1.0 });
+    if run.routers.len() > 1 || config.replicas.sync != ReplicaSync::Off {
+        let t = &run.totals;
+        report.count("sync_events_published", t.sync_events_published);
+        report.count("sync_events_lost", t.sync_events_lost);
+        report.count("sync_events_refused", t.sync_events_refused);
+        let stale: u64 = run
+            .routers
+            .iter()
+            .map(|r| r.metrics().counters.sync_stale_added)
+            .sum();
+        report.count("sync_stale_added", stale);
     }
 }
 

@@ -17,8 +17,8 @@ use kvroute_core::router::policy::CostPolicyConfig;
 use kvroute_core::router::{CacheMode, Decider, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
-    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, Report, RunResult, SimConfig, Simulation,
-    Workload,
+    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, ReplicaSync, Replicas, Report, RunResult,
+    SimConfig, Simulation, Spread, Workload,
 };
 use serde::{Deserialize, Serialize};
 
@@ -82,7 +82,9 @@ pub struct ReplayConfig {
     #[arg(long)]
     pub kv_model: Option<String>,
     /// Policies, comma-separated; each runs the identical workload. `kv:full` / `kv:staged`
-    /// (and `dynamo:...`) choose the decode projection. Default `kv`.
+    /// (and `dynamo:...`) choose the decode projection; `kv:temperature=0.1` samples instead of
+    /// taking the argmin; `kv:spread=0.05` spreads concurrent replicas over the near-best
+    /// workers. Default `kv`.
     #[arg(long, value_delimiter = ',')]
     pub policy: Option<Vec<String>>,
     /// Seed of the router and the simulator. Default 0.
@@ -121,6 +123,25 @@ pub struct ReplayConfig {
     /// Probability that a KV event is lost. Default 0.
     #[arg(long)]
     pub kv_loss: Option<f64>,
+    /// Router replicas over the fleet, each with its own index fed every engine's KV events;
+    /// client requests are spread over them (`--replica-spread`). Default 1.
+    #[arg(long)]
+    pub replicas: Option<usize>,
+    /// Replica sync: `off` (each replica knows only its own requests) or `on` (each applies the
+    /// others' bookings, `--sync-delay-ms` later). Default `off`.
+    #[arg(long)]
+    pub sync: Option<String>,
+    /// With `--sync on`: delay from a replica's load change to its peers applying it, ms.
+    /// Default 0.
+    #[arg(long)]
+    pub sync_delay_ms: Option<f64>,
+    /// With `--sync on`: probability that a sync event is lost (for every peer). Default 0.
+    #[arg(long)]
+    pub sync_loss: Option<f64>,
+    /// How requests are spread over the replicas: `round-robin` or `random` (seeded). Default
+    /// `round-robin`.
+    #[arg(long)]
+    pub replica_spread: Option<String>,
     /// Also use the router's record of its own decisions (TTL in seconds) as a cache view.
     #[arg(long)]
     pub predict_on_route_s: Option<f64>,
@@ -303,6 +324,14 @@ impl<'a> Plan<'a> {
             positive(flag, v)?;
         }
         non_negative("--kv-lag-ms", o.kv_lag_ms)?;
+        at_least_one("--replicas", o.replicas.map(|v| v as u64))?;
+        non_negative("--sync-delay-ms", o.sync_delay_ms)?;
+        if let Some(p) = o.sync_loss {
+            ensure!(
+                (0.0..=1.0).contains(&p),
+                "--sync-loss must be a probability (0 to 1), not {p}"
+            );
+        }
         if let Some(p) = o.kv_loss {
             ensure!(
                 (0.0..=1.0).contains(&p),
@@ -454,6 +483,7 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
         lag: Duration::try_from_secs_f64(o.kv_lag_ms.unwrap_or(0.0) / 1e3).context("--kv-lag-ms")?,
         loss: o.kv_loss.unwrap_or(0.0),
     };
+    config.replicas = replicas(o)?;
     if let Some(concurrency) = o.concurrency {
         config.arrivals = ArrivalMode::Closed { concurrency };
     }
@@ -472,6 +502,38 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
         config.sample_interval = None;
     }
     Ok(config)
+}
+
+/// The router replicas the options describe.
+fn replicas(o: &ReplayConfig) -> anyhow::Result<Replicas> {
+    let sync_on = match o.sync.as_deref() {
+        None | Some("off") => false,
+        Some("on") => true,
+        Some(other) => bail!("--sync {other:?}: off or on"),
+    };
+    ensure!(
+        sync_on || (o.sync_delay_ms.is_none() && o.sync_loss.is_none()),
+        "--sync-delay-ms and --sync-loss apply only with --sync on"
+    );
+    let sync = if sync_on {
+        ReplicaSync::On {
+            delay: Duration::try_from_secs_f64(o.sync_delay_ms.unwrap_or(0.0) / 1e3)
+                .context("--sync-delay-ms")?,
+            loss: o.sync_loss.unwrap_or(0.0),
+        }
+    } else {
+        ReplicaSync::Off
+    };
+    let spread = match o.replica_spread.as_deref() {
+        None | Some("round-robin") => Spread::RoundRobin,
+        Some("random") => Spread::Random,
+        Some(other) => bail!("--replica-spread {other:?}: round-robin or random"),
+    };
+    Ok(Replicas {
+        count: o.replicas.unwrap_or(1),
+        sync,
+        spread,
+    })
 }
 
 /// The KV link the options describe.
@@ -513,14 +575,24 @@ fn parse_decider(s: &str) -> anyhow::Result<Decider> {
 
 /// A policy spec: a name, then for the cost policies (`kv`, `dynamo`) optional `:`-separated
 /// overrides: `full` or `staged` (the decode projection), `scale=X` (`prefill_load_scale`),
-/// `credit=X` (`overlap_credit`). For example `kv:full` or `dynamo:staged:scale=2`.
+/// `credit=X` (`overlap_credit`), `temperature=X` (softmax sampling over the normalized costs
+/// instead of the argmin), `spread=X` (replicas: costs within the fraction X of the lowest are
+/// near-best, replica `r` takes the `r`-th). For example `kv:full` or `dynamo:staged:scale=2`.
 fn parse_policy(spec: &str) -> anyhow::Result<PolicyConfig> {
     let mut parts = spec.split(':');
     let name = parts.next().unwrap_or_default();
     let mut policy = PolicyConfig::from_name(name)?;
     for part in parts {
-        let (PolicyConfig::Kv(CostPolicyConfig { cost, .. })
-        | PolicyConfig::Dynamo(CostPolicyConfig { cost, .. })) = &mut policy
+        let (PolicyConfig::Kv(CostPolicyConfig {
+            cost,
+            temperature,
+            spread_tolerance,
+        })
+        | PolicyConfig::Dynamo(CostPolicyConfig {
+            cost,
+            temperature,
+            spread_tolerance,
+        })) = &mut policy
         else {
             bail!("{name} takes no options (in {spec:?})");
         };
@@ -533,7 +605,15 @@ fn parse_policy(spec: &str) -> anyhow::Result<PolicyConfig> {
             Some(("credit", v)) => {
                 cost.overlap_credit = v.parse().with_context(|| format!("credit in {spec:?}"))?
             }
-            _ => bail!("unknown option {part:?} in {spec:?} (full, staged, scale=X, credit=X)"),
+            Some(("temperature", v)) => {
+                *temperature = v.parse().with_context(|| format!("temperature in {spec:?}"))?
+            }
+            Some(("spread", v)) => {
+                *spread_tolerance = v.parse().with_context(|| format!("spread in {spec:?}"))?
+            }
+            _ => bail!(
+                "unknown option {part:?} in {spec:?} (full, staged, scale=X, credit=X, temperature=X, spread=X)"
+            ),
         }
     }
     Ok(policy)

@@ -79,6 +79,19 @@ fn speedups_and_limits_must_be_positive() {
     refused(&["replay", "--trace-block-size", "0"], &["--trace-block-size"]);
     refused(&["replay", "--kv-loss", "1.5"], &["--kv-loss"]);
     refused(&["replay", "--kv-lag-ms=-1"], &["--kv-lag-ms"]);
+    refused(&["replay", "--replicas", "0"], &["--replicas"]);
+    refused(&["replay", "--sync", "maybe"], &["--sync"]);
+    refused(&["replay", "--sync-loss", "0.1"], &["--sync-loss", "--sync on"]);
+    refused(
+        &["replay", "--sync", "on", "--sync-loss", "1.5"],
+        &["--sync-loss"],
+    );
+    refused(
+        &["replay", "--sync", "on", "--sync-delay-ms=-1"],
+        &["--sync-delay-ms"],
+    );
+    refused(&["replay", "--replica-spread", "sticky"], &["--replica-spread"]);
+    refused(&["replay", "--policy", "kv:spread=-1"], &["spread_tolerance"]);
     refused(&["replay", "--kv-transfer-gbps", "0"], &["--kv-transfer-gbps"]);
     refused(
         &["replay", "--kv-bytes-per-token", "0"],

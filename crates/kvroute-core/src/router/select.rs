@@ -31,6 +31,21 @@ fn argbest(values: impl IntoIterator<Item = f64>, rng: &mut Rng, better: impl Fn
     best.0
 }
 
+/// The `rank`-th (modulo their number) of the indices whose cost is at most
+/// `min + tolerance * |min|`, ordered by cost then index: replicas of different ranks that see the
+/// same costs take different near-best candidates. `costs` is non-empty; `near` is scratch.
+pub fn nth_near_best(costs: &[f64], tolerance: f64, rank: u32, near: &mut Vec<usize>) -> usize {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let limit = min + tolerance * min.abs();
+    near.clear();
+    near.extend((0..costs.len()).filter(|&i| costs[i] <= limit));
+    if near.is_empty() {
+        return 0;
+    }
+    near.sort_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(a.cmp(&b)));
+    near[rank as usize % near.len()]
+}
+
 /// Samples an index of `costs` (non-empty) with probability proportional to
 /// `exp(-normalized / temperature)`, where `normalized = (cost - min) / (max - min)`; uniform
 /// when all costs are equal (Dynamo's softmax selection). `temperature` is positive.
@@ -70,6 +85,18 @@ mod tests {
         assert_eq!(counts[0] + counts[2], 0);
         assert!(counts[1] > 1800 && counts[3] > 1800, "{counts:?}");
         assert_eq!(argmax([2.0, 1.0, 3.0, 1.0], &mut rng), 2);
+    }
+
+    #[test]
+    fn nth_near_best_ranks_the_near_ties_by_cost_then_index() {
+        let costs = [10.4, 10.0, 30.0, 10.0, 10.2];
+        let mut near = Vec::new();
+        let picks: Vec<usize> = (0..5)
+            .map(|r| nth_near_best(&costs, 0.05, r, &mut near))
+            .collect();
+        assert_eq!(picks, [1, 3, 4, 0, 1]);
+        assert_eq!(nth_near_best(&costs, 0.0, 1, &mut near), 3);
+        assert_eq!(nth_near_best(&[f64::NAN], 0.1, 3, &mut near), 0);
     }
 
     #[test]

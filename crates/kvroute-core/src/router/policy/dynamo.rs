@@ -19,4 +19,5 @@ use crate::router::cost::CostParams;
 pub(super) const DEFAULTS: CostPolicyConfig = CostPolicyConfig {
     cost: CostParams::DYNAMO,
     temperature: 0.0,
+    spread_tolerance: 0.0,
 };
