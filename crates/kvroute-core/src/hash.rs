@@ -20,6 +20,8 @@
 //! where an absent or empty string adds nothing, so an empty salt gives the unsalted hashes.
 //! This is the rule of Dynamo's `compute_salt_hash`, so salted hashes can be cross-checked too.
 
+use std::sync::Arc;
+
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::ids::{LocalBlockHash, SequenceHash};
@@ -121,6 +123,46 @@ impl BlockHasher {
             prev = Some(seq);
         }
     }
+
+    /// [`BlockHasher::hash_prompt`] with the sequence hashes written straight into one shared
+    /// allocation, the chain a router books: a long prompt's chain (64 KiB at 128K tokens in
+    /// 16-token blocks) is neither grown in a buffer nor copied out of one.
+    pub fn hash_prompt_shared(
+        &self,
+        tokens: &[u32],
+        locals: &mut Vec<LocalBlockHash>,
+    ) -> Arc<[SequenceHash]> {
+        locals.clear();
+        locals.reserve(tokens.len() / self.block_size);
+        let mut prev = None;
+        // `chunks_exact` mapped has an exact length, so the `Arc` is allocated once and filled in
+        // place; each chain step's latency overlaps the next block's local hash.
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|block| {
+                let local = self.local_hash(block);
+                let seq = next_sequence_hash(prev, local);
+                locals.push(local);
+                prev = Some(seq);
+                seq
+            })
+            .collect()
+    }
+}
+
+/// The sequence hashes of `locals`, starting from the root, written straight into one shared
+/// allocation (no copy from a buffer): the chain a router books.
+pub fn sequence_hashes_shared(locals: &[LocalBlockHash]) -> Arc<[SequenceHash]> {
+    let mut prev = None;
+    // A map over a slice has an exact length, so the `Arc` is allocated once and filled in place.
+    locals
+        .iter()
+        .map(|&local| {
+            let seq = next_sequence_hash(prev, local);
+            prev = Some(seq);
+            seq
+        })
+        .collect()
 }
 
 /// The sequence hashes of `locals` into `chain` (cleared first), starting from the root.
@@ -185,5 +227,17 @@ mod tests {
         let mut again = vec![SequenceHash(3)];
         sequence_hashes_into(&locals, &mut again);
         assert_eq!(again, chain);
+        // The shared forms: the same values, the stale buffer cleared.
+        let mut shared_locals = vec![LocalBlockHash(4)];
+        let shared = hasher.hash_prompt_shared(&tokens, &mut shared_locals);
+        assert_eq!(shared_locals, locals);
+        assert_eq!(&shared[..], &chain[..]);
+        assert_eq!(&sequence_hashes_shared(&locals)[..], &chain[..]);
+        assert!(
+            hasher
+                .hash_prompt_shared(&tokens[..15], &mut shared_locals)
+                .is_empty()
+        );
+        assert!(shared_locals.is_empty());
     }
 }

@@ -44,6 +44,8 @@ enum Command {
 enum BenchCommand {
     /// Apply a kv-opstream file to the prefix index on one thread, checking every lookup.
     Index(IndexArgs),
+    /// Write a kv-opstream at finer blocks: each block split into a chain of `--factor` blocks.
+    SplitOpstream(SplitArgs),
     /// Block hashing throughput beside memory-copy bandwidth.
     Hash(HashArgs),
     /// Routing decision latency (hashing included) for several fleet sizes and prompt lengths.
@@ -65,6 +67,19 @@ struct IndexArgs {
     /// Print up to this many mismatching lookups to stderr.
     #[arg(long, default_value_t = 5)]
     show_mismatches: usize,
+}
+
+#[derive(Args)]
+struct SplitArgs {
+    /// The kv-opstream file to split.
+    #[arg(long)]
+    opstream: PathBuf,
+    /// Blocks each block becomes (8 turns 512-token blocks into 64-token ones).
+    #[arg(long, value_parser = block_size)]
+    factor: usize,
+    /// Where to write the split stream (gzip'd JSON lines).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -148,6 +163,7 @@ impl Command {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Index(args)) => bench_index(args),
+        Command::Bench(BenchCommand::SplitOpstream(args)) => split_opstream(args),
         Command::Bench(BenchCommand::Hash(args)) => bench_hash(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
         Command::Bench(BenchCommand::Serve(args)) => kvroute::bench::serve::run(args),
@@ -190,6 +206,19 @@ fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
     if report.mismatches > 0 {
         bail!("{} lookups disagreed with the stream's expect", report.mismatches);
     }
+    Ok(())
+}
+
+fn split_opstream(args: SplitArgs) -> anyhow::Result<()> {
+    let factor = u32::try_from(args.factor).context("split factor")?;
+    let split = OpStream::read(&args.opstream)?.split(factor)?;
+    split.write(&args.out)?;
+    eprintln!(
+        "wrote {} ops at {}-token blocks to {}",
+        split.ops.len(),
+        split.header.block_size,
+        args.out.display()
+    );
     Ok(())
 }
 

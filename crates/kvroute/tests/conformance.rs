@@ -105,7 +105,12 @@ fn mini_fixture_exercises_the_cases_it_claims() {
 fn mini_fixture_keeps_the_producer_guarantees() {
     // Guarantee 1: ext hashes are the router chain of the locals. Guarantee 2 (a store's parent
     // is held) is what `apply_errors == 0` checks in `mini_fixture_conforms`.
-    let stream = OpStream::read(&mini_path()).unwrap();
+    assert_producer_guarantees(&OpStream::read(&mini_path()).unwrap());
+}
+
+/// Guarantee 1 of OPSTREAM.md: every ext hash is the router chain of its place's locals, and
+/// one ext never names two prefixes.
+fn assert_producer_guarantees(stream: &OpStream) {
     let mut path_of: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     for (i, op) in stream.ops.iter().enumerate() {
         let Op::Store {
@@ -133,6 +138,58 @@ fn mini_fixture_keeps_the_producer_guarantees() {
             prev = Some(seq);
         }
     }
+}
+
+#[test]
+fn split_streams_conform_and_keep_the_guarantees() {
+    // Splitting every block into a chain of `factor` blocks multiplies every expected depth by
+    // `factor`: the split stream must conform exactly, keep the producer guarantees, and survive
+    // a write and a read. The shared holes stream (middle removals, clears) too when present.
+    let mut sources = vec![("mini".to_owned(), OpStream::read(&mini_path()).unwrap())];
+    let holes = shared_bench_dir().join("conv_small_w4_c2048_holes.jsonl.gz");
+    if holes.is_file() {
+        sources.push(("holes".to_owned(), OpStream::read(&holes).unwrap()));
+    }
+    let dir = std::env::temp_dir().join(format!("kvroute-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, stream) in &sources {
+        for factor in [1u32, 3, 8] {
+            let split = stream.split(factor).unwrap();
+            let label = format!("{name} split {factor}");
+            assert_eq!(split.ops.len(), stream.ops.len(), "{label}");
+            assert_eq!(
+                split.header.block_size,
+                (stream.header.block_size / factor).max(1)
+            );
+            for (a, b) in stream.ops.iter().zip(&split.ops) {
+                if let (
+                    Op::Match {
+                        local: la,
+                        expect: ea,
+                    },
+                    Op::Match {
+                        local: lb,
+                        expect: eb,
+                    },
+                ) = (a, b)
+                {
+                    assert_eq!(lb.len(), la.len() * factor as usize, "{label}");
+                    let scaled: BTreeMap<u32, u32> = ea.iter().map(|(&w, &d)| (w, d * factor)).collect();
+                    assert_eq!(eb, &scaled, "{label}");
+                }
+            }
+            if let Some(failure) = check(&split, &label) {
+                panic!("{failure}");
+            }
+            assert_producer_guarantees(&split);
+            let path = dir.join(format!("{name}_{factor}.jsonl.gz"));
+            split.write(&path).unwrap();
+            let back = OpStream::read(&path).unwrap();
+            assert_eq!(back.ops, split.ops, "{label}: write and read back");
+            assert_eq!(back.header.workers, split.header.workers);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

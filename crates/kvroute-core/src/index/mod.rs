@@ -553,7 +553,8 @@ impl PrefixIndex {
             return;
         };
         if self.hi_words == 0 {
-            self.walk_one_word(node, rest, early_exit, out);
+            let active = self.nodes[node as usize].mask0;
+            self.walk_one_word(node, rest, 0, active, 1, early_exit, out);
             return;
         }
         let words = 1 + self.hi_words;
@@ -570,9 +571,16 @@ impl PrefixIndex {
             *word = self.mask_word(node, w);
         }
         let mut depth = 1u32;
-        for local in rest {
-            if active.iter().all(|&w| w == 0) {
+        for (i, local) in rest.iter().enumerate() {
+            let mut live = active.iter().enumerate().filter(|&(_, &w)| w != 0);
+            let Some((first, &word)) = live.next() else {
                 break;
+            };
+            if live.next().is_none() {
+                // One word of workers left (a long prompt past its shared prefix, the common
+                // case): the walk reads only that word from here on.
+                self.walk_one_word(node, &rest[i..], first, word, depth, early_exit, out);
+                return;
             }
             if early_exit && active.iter().map(|w| w.count_ones()).sum::<u32>() <= 1 {
                 break;
@@ -593,17 +601,20 @@ impl PrefixIndex {
         }
     }
 
-    /// The walk for indexes whose workers all fit in one mask word.
+    /// The walk once every worker still matching is in mask word `word`: `active` are those
+    /// workers, matched `depth` blocks deep at `node`; `rest` are the query's blocks after it.
     #[inline]
+    #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
     fn walk_one_word(
         &self,
         mut node: NodeId,
         rest: &[LocalBlockHash],
+        word: usize,
+        mut active: u64,
+        mut depth: u32,
         early_exit: bool,
         out: &mut OverlapScores,
     ) {
-        let mut active = self.nodes[node as usize].mask0;
-        let mut depth = 1u32;
         for local in rest {
             if active == 0 || (early_exit && active.count_ones() == 1) {
                 break;
@@ -611,13 +622,15 @@ impl PrefixIndex {
             let Some(next) = self.child(node, local.0) else {
                 break;
             };
-            let kept = active & self.nodes[next as usize].mask0;
-            self.emit(0, active & !kept, depth, out);
-            active = kept;
+            let kept = active & self.mask_word(next, word);
+            if kept != active {
+                self.emit(word, active & !kept, depth, out);
+                active = kept;
+            }
             depth += 1;
             node = next;
         }
-        self.emit(0, active, depth, out);
+        self.emit(word, active, depth, out);
     }
 
     /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.

@@ -101,7 +101,7 @@ use recent::RecentChains;
 use request::Prepared;
 use sync::{Mark, Tombstones};
 
-use crate::hash::{BlockHasher, HashSalt, sequence_hashes_into};
+use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
 use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
 use crate::time::Timestamp;
@@ -163,7 +163,6 @@ enum Blocked {
 #[derive(Clone, Debug, Default)]
 struct Scratch {
     locals: Vec<LocalBlockHash>,
-    chain: Vec<SequenceHash>,
     scores: OverlapScores,
     /// Overlap per worker slot.
     overlaps: Vec<u32>,
@@ -618,15 +617,16 @@ impl Router {
     /// Hashes `request`'s prompt: local hashes into `scratch.locals`, the chain into the result.
     fn prepare(&mut self, now: Timestamp, request: &RouteRequest<'_>) -> Result<Prepared, RouterError> {
         let block_size = self.config.block_size;
-        let Scratch { locals, chain, .. } = &mut self.scratch;
-        let prompt_tokens = match request.prompt {
+        let locals = &mut self.scratch.locals;
+        // The chain is hashed straight into the shared slice a booking keeps: no copy of it.
+        let (chain, prompt_tokens) = match request.prompt {
             Prompt::Tokens(tokens) => {
                 let salt = HashSalt {
                     lora_name: request.lora_name,
                     namespace: request.cache_salt,
                 };
-                BlockHasher::new(block_size as usize, &salt).hash_prompt(tokens, locals, chain);
-                tokens.len() as u64
+                let chain = BlockHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
+                (chain, tokens.len() as u64)
             }
             Prompt::Blocks {
                 locals: given,
@@ -641,15 +641,14 @@ impl Router {
                 }
                 locals.clear();
                 locals.extend_from_slice(given);
-                sequence_hashes_into(given, chain);
-                prompt_tokens
+                (sequence_hashes_shared(given), prompt_tokens)
             }
         };
         Ok(Prepared {
             id: request.id,
             arrived: now,
             prompt_tokens,
-            chain: Arc::from(chain.as_slice()),
+            chain,
             priority: request.priority,
             expected_output_tokens: request.expected_output_tokens,
         })
