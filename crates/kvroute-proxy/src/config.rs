@@ -396,6 +396,9 @@ pub struct ServeConfig {
     /// removals keep a view within the engine's cache; this bounds memory when they are lost.
     /// Default 1,048,576 (about 70 MiB per rank at its fullest).
     pub max_blocks_per_worker: usize,
+    /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
+    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
+    pub tokenizer_cache_bytes: usize,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -435,6 +438,7 @@ impl Default for ServeConfig {
             health_success_threshold: 2,
             threads: 0,
             max_blocks_per_worker: 1 << 20,
+            tokenizer_cache_bytes: 256 << 20,
             workers: Vec::new(),
         }
     }

@@ -151,6 +151,10 @@ pub struct ServeOptions {
     /// it). Default 1,048,576.
     #[arg(long)]
     pub max_blocks_per_worker: Option<usize>,
+    /// Bytes the cache of chat conversations' tokens may hold (a follow-up turn tokenizes
+    /// only its new text); 0 turns it off. Default 268435456 (256 MiB).
+    #[arg(long)]
+    pub tokenizer_cache_bytes: Option<usize>,
 }
 
 /// A `--worker` flag.
