@@ -1,6 +1,8 @@
 //! Where a big chat body's CPU goes in the proxy's parse path: JSON parse, the whole parse
 //! (field checks, flattening, template rendering, tokenization), rendering alone, tokenization
-//! alone, and the forwarded-body rewrite of a stream that asks for its usage chunk.
+//! alone, and the forwarded-body rewrite of a stream that asks for its usage chunk; then, with
+//! the conversation cache on, a cold body under the default prompt limit (131,072 tokens) and a
+//! follow-up turn of the same conversation.
 //!
 //! `cargo bench -p kvroute-http --bench chat` prints one JSON line per (model, body shape) with
 //! each stage's median over the rounds, in milliseconds.
@@ -106,12 +108,38 @@ fn main() {
             let rewrite_ms = time(rounds, || {
                 black_box(openai::engine_body(&parsed, black_box(&bytes)).expect("rewrites"));
             });
+            // The conversation cache on: a cold body under the default prompt limit (refused
+            // once over it), and a follow-up turn (the body plus one short message; each round
+            // a new one) after the body was seen.
+            model.chat_cache().set_limit(1 << 30);
+            let over_limit_ms = time(rounds, || {
+                model.chat_cache().set_limit(0);
+                model.chat_cache().set_limit(1 << 30);
+                black_box(openai::parse(Endpoint::Chat, black_box(&bytes), model, 131_072).ok());
+            });
+            openai::parse(Endpoint::Chat, &bytes, model, max).expect("the body parses");
+            let followups: Vec<Vec<u8>> = (0..rounds)
+                .map(|i| {
+                    let mut value: Value = serde_json::from_slice(&bytes).expect("JSON");
+                    let list = value["messages"].as_array_mut().expect("messages");
+                    list.push(json!({"role": "assistant", "content": format!("reply {i}")}));
+                    list.push(json!({"role": "user", "content": format!("and question {i}?")}));
+                    serde_json::to_vec(&value).expect("serializes")
+                })
+                .collect();
+            let mut next = followups.iter();
+            let followup_ms = time(rounds, || {
+                let body = next.next().expect("one per round");
+                black_box(openai::parse(Endpoint::Chat, black_box(body), model, max).expect("parses"));
+            });
+            model.chat_cache().set_limit(0);
             println!(
                 "{}",
                 json!({
                     "model": name, "body_bytes": bytes.len(), "messages": messages,
                     "tokens": parsed.tokens.len(), "json_ms": json_ms, "parse_ms": parse_ms,
                     "render_ms": render_ms, "encode_ms": encode_ms, "stream_rewrite_ms": rewrite_ms,
+                    "cached_cold_over_default_limit_ms": over_limit_ms, "cached_followup_parse_ms": followup_ms,
                 })
             );
         }
