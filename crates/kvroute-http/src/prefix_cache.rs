@@ -327,7 +327,7 @@ impl ChatCache {
             inner: Mutex::new(Inner::default()),
             limit: AtomicUsize::new(limit_bytes),
             live: Arc::new(AtomicUsize::new(0)),
-            seed: std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_65u64),
+            seed: std::collections::hash_map::RandomState::new().hash_one(0x006b_7672_6f75_7465_u64),
             counters: Counters::new(),
         }
     }

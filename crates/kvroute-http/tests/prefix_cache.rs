@@ -208,7 +208,7 @@ fn a_follow_up_turn_tokenizes_only_its_new_text() {
     let value = |name: &str| {
         families
             .iter()
-            .find(|f| f.get_name() == name)
+            .find(|f| f.name() == name)
             .map(|f| f.get_metric()[0].get_counter().get_value())
     };
     assert_eq!(value("kvroute_tokenizer_cache_hits_total"), Some(15.0));
