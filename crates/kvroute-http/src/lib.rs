@@ -9,6 +9,8 @@
 //!   response shapes ([`openai::types`]).
 //! * [`model`]: the tokenizer and chat template of a local model directory, or the built-in tiny
 //!   model.
+//! * [`prefix_cache`]: tokenize once per conversation: a bounded cache of rendered chat
+//!   prefixes' tokens, exact by the special-token cut rule it documents.
 //! * [`disagg`]: the request bodies of the prefill/decode protocols (vLLM's `kv_transfer_params`,
 //!   SGLang's bootstrap rooms).
 //! * [`EngineKind`]: the engine family, for what OpenAI's API leaves open.
@@ -18,6 +20,7 @@ pub mod disagg;
 pub mod model;
 pub mod net;
 pub mod openai;
+pub mod prefix_cache;
 
 pub use model::Model;
 

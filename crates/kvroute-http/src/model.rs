@@ -22,6 +22,8 @@ use minijinja::{Environment, ErrorKind, Value};
 use serde_json::Value as Json;
 use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
 
+use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup};
+
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
 /// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
 pub const TINY_TOKENIZER_JSON: &str = include_str!("../tests/data/tiny-model/tokenizer.json");
@@ -87,6 +89,12 @@ pub struct Model {
     bos_token: String,
     eos_token: String,
     warnings: Vec<String>,
+    /// `tokenizer.json`'s added tokens.
+    added: Vec<AddedToken>,
+    /// The added tokens a chat prompt may be cut before ([`crate::prefix_cache`]).
+    boundaries: Boundaries,
+    /// Chat prompts' tokens by rendered prefix; off until [`ChatCache::set_limit`].
+    chat_cache: ChatCache,
 }
 
 impl std::fmt::Debug for Model {
@@ -132,6 +140,7 @@ impl Model {
         let mut value: Json =
             serde_json::from_str(tokenizer_json).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let vocab_size = vocab_size(&value);
+        let added = added_tokens(&value);
         tokenizers::canonicalize_value(&mut value).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let tokenizer =
             tokenizers::from_json(&value.to_string()).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
@@ -153,6 +162,9 @@ impl Model {
             bos_token: String::new(),
             eos_token: String::new(),
             warnings: Vec::new(),
+            added,
+            boundaries: Boundaries::default(),
+            chat_cache: ChatCache::default(),
         };
         let Some(config_json) = config_json else {
             return Ok(model);
@@ -187,8 +199,61 @@ impl Model {
             env.add_template_owned("chat", template)
                 .map_err(|e| ModelError::Template(e.to_string()))?;
             model.chat = Some(env);
+            model.boundaries = Boundaries::new(&model.added, model.probe_render().as_deref());
         }
         Ok(model)
+    }
+
+    /// The chat template rendered on a few probe conversations (those it accepts), to learn
+    /// which added tokens it writes.
+    fn probe_render(&self) -> Option<String> {
+        let m = |role: &str| serde_json::json!({"role": role, "content": "x"});
+        let probes = [
+            serde_json::json!([m("system"), m("user"), m("assistant"), m("user")]),
+            serde_json::json!([m("user"), m("assistant"), m("user")]),
+        ];
+        let rendered: Vec<String> = probes
+            .iter()
+            .filter_map(|messages| self.render_chat(messages, true).ok())
+            .collect();
+        (!rendered.is_empty()).then(|| rendered.concat())
+    }
+
+    /// The conversation cache of chat prompts' tokens (off until given a limit).
+    pub fn chat_cache(&self) -> &ChatCache {
+        &self.chat_cache
+    }
+
+    /// The added tokens at which a rendered chat prompt may be cut.
+    pub fn chat_boundaries(&self) -> &Boundaries {
+        &self.boundaries
+    }
+
+    /// The token ids of a rendered chat prompt, as [`Model::encode`] gives them, through the
+    /// conversation cache when it is on (and no special tokens are to be added); past `limit`
+    /// tokens it may stop early with [`Encoded::TooLong`].
+    pub fn encode_chat(
+        &self,
+        text: &str,
+        special: SpecialTokens,
+        limit: usize,
+    ) -> Result<(Encoded, Lookup), PromptError> {
+        match special {
+            SpecialTokens::Omit => self.chat_cache.encode(&self.boundaries, text, limit, |t| {
+                self.encode(t, SpecialTokens::Omit)
+            }),
+            SpecialTokens::Add => {
+                let tokens = self.encode(text, special)?;
+                let lookup = Lookup {
+                    reused_tokens: 0,
+                    tokenized_bytes: text.len(),
+                };
+                Ok(match tokens.len() > limit {
+                    true => (Encoded::TooLong(tokens.len()), lookup),
+                    false => (Encoded::Tokens(tokens), lookup),
+                })
+            }
+        }
     }
 
     /// The token ids of `text`: special tokens written in the text are recognized; those of
@@ -301,6 +366,26 @@ fn vocab_size(tokenizer: &Json) -> u32 {
         .max()
         .map(|max| max + 1);
     u32::try_from(model.max(added).unwrap_or(0)).unwrap_or(u32::MAX)
+}
+
+/// `tokenizer.json`'s added tokens. A flag it does not give counts as set (which keeps the token
+/// from being a cut point).
+fn added_tokens(tokenizer: &Json) -> Vec<AddedToken> {
+    tokenizer["added_tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| {
+            let flag = |name: &str| t[name].as_bool().unwrap_or(true);
+            Some(AddedToken {
+                content: t["content"].as_str()?.to_owned(),
+                id: u32::try_from(t["id"].as_u64()?).ok()?,
+                normalized: flag("normalized"),
+                lstrip: flag("lstrip"),
+                single_word: flag("single_word"),
+            })
+        })
+        .collect()
 }
 
 /// A special token as `tokenizer_config.json` gives it: a string or `{"content": ...}`.

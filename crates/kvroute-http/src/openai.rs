@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 
 use crate::model::{Model, SpecialTokens};
+use crate::prefix_cache::Encoded;
 
 pub mod types;
 
@@ -127,6 +128,8 @@ pub struct Parsed {
     pub stream: bool,
     /// Whether a streamed response ends with a usage chunk (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// Whether the body has a `stream_options` field (`null` included).
+    pub stream_options: bool,
     /// The prompt's token ids (chat: the rendered conversation's).
     pub tokens: Vec<u32>,
     /// The prompt as the request gave it.
@@ -240,6 +243,7 @@ pub fn parse_with(
     validate_fields(endpoint, obj)?;
     let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
     let stream = flag("stream").unwrap_or(false);
+    let stream_options = obj.contains_key("stream_options");
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -288,6 +292,7 @@ pub fn parse_with(
     Ok(Parsed {
         stream,
         include_usage,
+        stream_options,
         tokens,
         prompt,
         add_special_tokens,
@@ -324,7 +329,23 @@ pub fn engine_tokens(
                 .render_chat(messages, *add_generation_prompt)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(false));
-            encode_text(model, &text, special, max_prompt_tokens, "messages")
+            if text.len() > max_prompt_tokens.saturating_mul(64) {
+                return Err(too_long(text.len(), max_prompt_tokens));
+            }
+            // Through the conversation cache: a follow-up turn tokenizes only its new text.
+            match model.encode_chat(&text, special, max_prompt_tokens) {
+                Ok((Encoded::Tokens(tokens), _)) => Ok(tokens),
+                Ok((Encoded::TooLong(at_least), _)) => Err(ApiError {
+                    code: "context_length_exceeded",
+                    ..ApiError::bad_request(
+                        "prompt",
+                        format!(
+                            "the prompt has at least {at_least} tokens; at most {max_prompt_tokens} are accepted"
+                        ),
+                    )
+                }),
+                Err(e) => Err(ApiError::bad_request("messages", e.to_string())),
+            }
         }
     }
 }
@@ -351,13 +372,29 @@ pub fn engine_tokens(
 ///   `kv_cache_report_mode` is the proxy's to set: stripped (and the `vllm_xargs` it leaves
 ///   empty with it) when `report` is incremental.
 ///
-/// One parse and one serialization, whatever of these applies.
+/// One parse and one serialization, whatever of these applies; none when only a stream's
+/// `stream_options` is to be added to a body that has none (spliced in).
 pub fn engine_body(parsed: &Parsed, body: &[u8], report: KvCacheReport) -> Result<Option<Vec<u8>>, ApiError> {
     let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
     let ask_usage = parsed.usage_requested_for_client();
     let set_report = report == KvCacheReport::Full || parsed.kv_cache_report.is_some();
     if parsed.internal_fields.is_empty() && !replace_prompt && !ask_usage && !set_report {
         return Ok(None);
+    }
+    if parsed.internal_fields.is_empty() && !replace_prompt && !set_report && !parsed.stream_options {
+        // Only `stream_options` to add, and the body has none: spliced in after the opening
+        // brace (the body is an object with at least `stream`), so a big body is neither
+        // parsed again nor serialized.
+        if let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace())
+            && body[open] == b'{'
+        {
+            const USAGE: &[u8] = br#""stream_options":{"include_usage":true},"#;
+            let mut out = Vec::with_capacity(body.len() + USAGE.len());
+            out.extend_from_slice(&body[..=open]);
+            out.extend_from_slice(USAGE);
+            out.extend_from_slice(&body[open + 1..]);
+            return Ok(Some(out));
+        }
     }
     let mut obj = match serde_json::from_slice(body) {
         Ok(Value::Object(obj)) => obj,

@@ -443,6 +443,9 @@ pub struct ServeConfig {
     /// view is exact again sooner. The hot prefixes come back with their first reuse; the
     /// window bounds the extra events. Default 300,000 ms.
     pub reannounce_window_ms: u64,
+    /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
+    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
+    pub tokenizer_cache_bytes: usize,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -483,6 +486,7 @@ impl Default for ServeConfig {
             threads: 0,
             max_blocks_per_worker: 1 << 20,
             reannounce_window_ms: 300_000,
+            tokenizer_cache_bytes: 256 << 20,
             workers: Vec::new(),
         }
     }

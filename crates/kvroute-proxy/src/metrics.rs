@@ -802,6 +802,13 @@ impl Metrics {
         }
     }
 
+    /// Exports `collector`'s metrics too (the tokenizer cache's); a name taken is logged.
+    pub fn register(&self, collector: Box<dyn Collector>) {
+        if let Err(e) = self.registry.register(collector) {
+            tracing::warn!(error = %e, "a metric collector was not registered");
+        }
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();

@@ -171,7 +171,9 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let timeouts = config.conn_timeouts();
     let client = net::client(ServeConfig::ms(config.connect_timeout_ms));
     let workers = config.workers.clone();
+    model.chat_cache().set_limit(config.tokenizer_cache_bytes);
     let shared = Shared::new(router, config, Metrics::new());
+    shared.metrics.register(model.chat_cache().collector());
     let feed = EventFeed::start(Arc::clone(&shared));
     let forwarder = Arc::new(Forwarder {
         shared: Arc::clone(&shared),

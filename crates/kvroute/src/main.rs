@@ -54,6 +54,8 @@ enum BenchCommand {
     Serve(kvroute::bench::serve::ServeBenchArgs),
     /// Trivially fast OpenAI-compatible upstreams, for `bench serve` against any proxy.
     Upstream(kvroute::bench::serve::UpstreamArgs),
+    /// Added latency over a long multi-turn conversation, the proxy's tokenizer cache on and off.
+    Chat(kvroute::bench::chat::ChatBenchArgs),
 }
 
 #[derive(Args)]
@@ -168,6 +170,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Route(args)) => bench_route(args),
         Command::Bench(BenchCommand::Serve(args)) => kvroute::bench::serve::run(args),
         Command::Bench(BenchCommand::Upstream(args)) => kvroute::bench::serve::run_upstreams(args),
+        Command::Bench(BenchCommand::Chat(args)) => kvroute::bench::chat::run(args),
         Command::Replay(args) => kvroute::replay::run(*args),
         Command::Serve(args) => kvroute::serve::serve(*args),
         Command::Mock(args) => kvroute::serve::mock(*args),

@@ -157,6 +157,10 @@ pub struct ServeOptions {
     /// Default 300,000.
     #[arg(long)]
     pub reannounce_window_ms: Option<u64>,
+    /// Bytes the cache of chat conversations' tokens may hold (a follow-up turn tokenizes
+    /// only its new text); 0 turns it off. Default 268435456 (256 MiB).
+    #[arg(long)]
+    pub tokenizer_cache_bytes: Option<usize>,
 }
 
 /// A `--worker` flag.

@@ -4,6 +4,7 @@
 //! measured operation is timed on its own with [`std::time::Instant`], percentiles are
 //! nearest-rank, and with several repetitions the run with the median total time is reported.
 
+pub mod chat;
 pub mod hash;
 pub mod index;
 pub mod route;

@@ -296,7 +296,7 @@ async fn load(url: &str, traffic: Traffic<'_>, concurrency: usize, seconds: f64)
 }
 
 /// A process's user + system CPU time in microseconds (`/proc/<pid>/stat`, 100 ticks per s).
-fn cpu_us(pid: u32) -> Option<u64> {
+pub(super) fn cpu_us(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = stat.rsplit_once(')')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -305,7 +305,55 @@ fn cpu_us(pid: u32) -> Option<u64> {
     Some((utime + stime) * 10_000)
 }
 
-struct Spawned(Child);
+/// A child process, killed when dropped.
+pub(super) struct Spawned(Child);
+
+impl Spawned {
+    /// Its process id.
+    pub(super) fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+/// Spawns `kvroute serve` (this executable; pinned to `cpu` if given) on a free port in front
+/// of `workers` (`--worker` values), with `extra` flags, and waits until it accepts
+/// connections: its URL and the child.
+pub(super) async fn spawn_proxy(
+    cpu: Option<usize>,
+    workers: &[String],
+    extra: &[String],
+) -> anyhow::Result<(String, Spawned)> {
+    let port = TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port();
+    let exe = std::env::current_exe()?;
+    let mut cmd = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    cmd.args([
+        "serve",
+        "--threads",
+        "1",
+        "--health-interval-ms",
+        "0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--listen",
+    ])
+    .arg(format!("127.0.0.1:{port}"));
+    for w in workers {
+        cmd.arg("--worker").arg(w);
+    }
+    cmd.args(extra);
+    cmd.env("RUST_LOG", "warn").stdout(Stdio::null());
+    let child = Spawned(cmd.spawn().context("spawning kvroute serve")?);
+    let url = format!("http://127.0.0.1:{port}");
+    super::chat::wait_up(&url).await?;
+    Ok((url, child))
+}
 
 impl Drop for Spawned {
     fn drop(&mut self) {
@@ -332,34 +380,27 @@ async fn run_async(args: ServeBenchArgs) -> anyhow::Result<()> {
     let (target, pid) = match &args.target {
         Some(t) => (t.trim_end_matches('/').to_owned(), args.target_pid),
         None => {
-            let port = TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port();
-            let exe = std::env::current_exe()?;
-            let mut cmd = match args.proxy_cpu {
-                Some(cpu) => {
-                    let mut c = Command::new("taskset");
-                    c.arg("-c").arg(cpu.to_string()).arg(&exe);
-                    c
-                }
-                None => Command::new(&exe),
-            };
-            cmd.args(["serve", "--threads", "1", "--health-interval-ms", "0", "--listen"])
-                .arg(format!("127.0.0.1:{port}"));
-            for (i, u) in upstreams.iter().enumerate() {
-                let role = match (args.disagg, i) {
-                    (None, _) => "",
-                    (Some(_), 0) => ",role=prefill",
-                    (Some(_), _) => ",role=decode",
-                };
-                cmd.arg("--worker").arg(format!("{u}{role}"));
-            }
+            let workers: Vec<String> = upstreams
+                .iter()
+                .enumerate()
+                .map(|(i, u)| {
+                    let role = match (args.disagg, i) {
+                        (None, _) => "",
+                        (Some(_), 0) => ",role=prefill",
+                        (Some(_), _) => ",role=decode",
+                    };
+                    format!("{u}{role}")
+                })
+                .collect();
+            let mut extra = vec!["--approximate-tokenizer".to_owned()];
             if let Some(protocol) = args.disagg {
-                cmd.args(["--decider", "always", "--disagg-protocol", protocol.name()]);
+                extra
+                    .extend(["--decider", "always", "--disagg-protocol", protocol.name()].map(str::to_owned));
             }
-            cmd.env("RUST_LOG", "warn").stdout(Stdio::null());
-            let child = cmd.spawn().context("spawning kvroute serve")?;
+            let (url, child) = spawn_proxy(args.proxy_cpu, &workers, &extra).await?;
             let pid = child.id();
-            _child = Some(Spawned(child));
-            (format!("http://127.0.0.1:{port}"), Some(pid))
+            _child = Some(child);
+            (url, Some(pid))
         }
     };
     // Wait until the target answers.

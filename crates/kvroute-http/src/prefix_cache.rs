@@ -1,0 +1,578 @@
+//! Tokenize once per conversation: a bounded cache from rendered text prefixes to their token
+//! ids, so that a chat's follow-up turn tokenizes only its new text.
+//!
+//! **The rule that makes it exact.** A tokenizer first splits its input at the special tokens
+//! written in it (`tokenizer.json`'s added tokens), then normalizes, pre-tokenizes and runs the
+//! model on each piece of text between them apart; the only context a piece carries is whether
+//! it opens the input (a SentencePiece-style `prepend_scheme: first` prepends only there). The
+//! `tokenizers` library's own parallel encoder relies on the same cut. So for a *boundary*
+//! token `X` (below) found at byte `c` of a text `S`:
+//!
+//! `encode(S) = encode(S[..c]) ++ encode(S[c..])`, provided `encode(S[c..])` starts with `X`'s id
+//!
+//! (`S[c..]` starts with `X`, so its text never opens the input, as in `S`; and `S[..c]`'s last
+//! piece ends at `c` in both). A boundary token is a non-normalized added token with neither
+//! `lstrip` (it would eat whitespace before `c`) nor `single_word` (it would look at the
+//! character before `c`), not starting with whitespace, whose start no other added token can
+//! overlap (no token has a proper suffix that is a prefix of it, or that it is a prefix of): so no
+//! match can run across `c`. The check that `encode(S[c..])` begins with `X`'s id rules out a
+//! longer token matching at `c`; when it fails the text is tokenized whole.
+//!
+//! Chat templates write such tokens around every message (`<|im_start|>`, `<|eot_id|>`, ...), so
+//! a follow-up turn's rendered text extends the previous turn's up to the cut before the previous
+//! generation prompt. Cuts are looked for only at the boundary tokens the chat template writes.
+//!
+//! **The cache.** Each entry is keyed by a text prefix ending at a cut (or at the end of a text):
+//! its length and a seeded 128-bit XXH3 of its bytes, so no client id is needed; it holds the
+//! prefix's tokens as a chain of shared pieces, so a conversation's turns share their common
+//! history. Memory is counted exactly (bytes of the pieces alive) and bounded: past the limit the
+//! least recently used entries go. A lookup takes the longest cached prefix of a text that ends
+//! at a cut; the rest is tokenized piece by piece (and each piece checked as above), and new
+//! entries are made at the last cuts and at the end.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounter, IntGauge};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::model::PromptError;
+
+/// An added token of `tokenizer.json`, as far as the cut rule needs it.
+#[derive(Clone, Debug)]
+pub struct AddedToken {
+    /// Its text.
+    pub content: String,
+    /// Its id.
+    pub id: u32,
+    /// Matched in the normalized text rather than the raw text.
+    pub normalized: bool,
+    /// Eats whitespace on its left.
+    pub lstrip: bool,
+    /// Matched only as a whole word.
+    pub single_word: bool,
+}
+
+/// The boundary tokens at which a text may be cut (see the module's documentation).
+#[derive(Clone, Debug, Default)]
+pub struct Boundaries {
+    /// (text, id), longest first.
+    tokens: Vec<(String, u32)>,
+}
+
+impl Boundaries {
+    /// The boundary tokens among `added` that `template_text` (a rendered probe conversation)
+    /// contains; none when it is `None`.
+    pub fn new(added: &[AddedToken], template_text: Option<&str>) -> Self {
+        let Some(rendered) = template_text else {
+            return Self::default();
+        };
+        let mut tokens: Vec<(String, u32)> = added
+            .iter()
+            .filter(|t| is_boundary(t, added) && rendered.contains(t.content.as_str()))
+            .map(|t| (t.content.clone(), t.id))
+            .collect();
+        tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        tokens.dedup();
+        Self { tokens }
+    }
+
+    /// Whether no token qualifies (the cache then tokenizes every text whole).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The boundary tokens' texts.
+    pub fn texts(&self) -> impl Iterator<Item = &str> {
+        self.tokens.iter().map(|(t, _)| t.as_str())
+    }
+
+    /// Every occurrence of a boundary token in `text`: (byte offset, the token's id), in order.
+    /// Occurrences cannot overlap (no boundary token overlaps another's start).
+    fn cuts(&self, text: &str) -> Vec<(usize, u32)> {
+        let mut cuts = Vec::new();
+        for (token, id) in &self.tokens {
+            let finder = memchr::memmem::Finder::new(token.as_bytes());
+            cuts.extend(finder.find_iter(text.as_bytes()).map(|at| (at, *id)));
+        }
+        cuts.sort_unstable();
+        cuts.dedup_by_key(|c| c.0);
+        cuts
+    }
+}
+
+/// Whether `token` may be cut before (see the module's documentation).
+fn is_boundary(token: &AddedToken, added: &[AddedToken]) -> bool {
+    let x = token.content.as_str();
+    let Some(first) = x.chars().next() else {
+        return false;
+    };
+    if token.normalized || token.lstrip || token.single_word || first.is_whitespace() {
+        return false;
+    }
+    // No added token may match across the cut: none has a proper suffix compatible with `x`.
+    added.iter().all(|y| {
+        y.content
+            .char_indices()
+            .skip(1)
+            .map(|(i, _)| &y.content[i..])
+            .all(|tail| !(tail.starts_with(x) || x.starts_with(tail)))
+    })
+}
+
+/// A cache key: a text prefix's length and its seeded 128-bit hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Key {
+    len: usize,
+    hash: u128,
+}
+
+/// A piece of a cached prefix's tokens, after its parent's.
+struct Node {
+    parent: Option<Arc<Node>>,
+    tokens: Box<[u32]>,
+    /// Tokens from the start of the text to this piece's end.
+    total: usize,
+    /// What it is counted as in [`Shared::live_bytes`].
+    bytes: usize,
+    live: Arc<AtomicUsize>,
+}
+
+impl Node {
+    fn new(parent: Option<Arc<Node>>, tokens: Vec<u32>, live: &Arc<AtomicUsize>) -> Self {
+        let total = parent.as_ref().map_or(0, |p| p.total) + tokens.len();
+        // The tokens, the node and its map entry (key, LRU tick, and the maps' own overhead).
+        let bytes = tokens.len() * 4 + std::mem::size_of::<Node>() + 128;
+        live.fetch_add(bytes, Ordering::Relaxed);
+        Self {
+            parent,
+            tokens: tokens.into_boxed_slice(),
+            total,
+            bytes,
+            live: Arc::clone(live),
+        }
+    }
+
+    /// The tokens from the start of the text to this node's end.
+    fn materialize(self: &Arc<Self>, out: &mut Vec<u32>) {
+        let mut chain = Vec::new();
+        let mut at = Some(self);
+        while let Some(node) = at {
+            chain.push(node);
+            at = node.parent.as_ref();
+        }
+        out.reserve(self.total);
+        for node in chain.iter().rev() {
+            out.extend_from_slice(&node.tokens);
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.bytes, Ordering::Relaxed);
+        // Free a long chain without recursing down it.
+        let mut parent = self.parent.take();
+        while let Some(p) = parent {
+            match Arc::try_unwrap(p) {
+                Ok(mut node) => parent = node.parent.take(),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<Key, (Arc<Node>, u64)>,
+    /// Entries by last use.
+    lru: BTreeMap<u64, Key>,
+    tick: u64,
+}
+
+impl Inner {
+    fn touch(&mut self, key: Key) -> Option<Arc<Node>> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (node, used) = self.map.get_mut(&key)?;
+        self.lru.remove(used);
+        *used = tick;
+        self.lru.insert(tick, key);
+        Some(Arc::clone(node))
+    }
+
+    fn insert(&mut self, key: Key, node: Arc<Node>) {
+        self.tick += 1;
+        if let Some((_, used)) = self.map.insert(key, (node, self.tick)) {
+            self.lru.remove(&used);
+        }
+        self.lru.insert(self.tick, key);
+    }
+}
+
+/// The cache's counters, exported to Prometheus ([`ChatCache::collector`]).
+#[derive(Clone, Debug)]
+struct Counters {
+    hits: IntCounter,
+    misses: IntCounter,
+    reused_tokens: IntCounter,
+    evictions: IntCounter,
+    bytes: IntGauge,
+    entries: IntGauge,
+}
+
+impl Counters {
+    fn new() -> Self {
+        let counter =
+            |name: &str, help: &str| IntCounter::new(name, help).expect("static metric options are valid");
+        let gauge =
+            |name: &str, help: &str| IntGauge::new(name, help).expect("static metric options are valid");
+        Self {
+            hits: counter(
+                "kvroute_tokenizer_cache_hits_total",
+                "Chat prompts whose rendered text extended a cached prefix (only the rest was tokenized).",
+            ),
+            misses: counter(
+                "kvroute_tokenizer_cache_misses_total",
+                "Chat prompts tokenized from the start (no cached prefix).",
+            ),
+            reused_tokens: counter(
+                "kvroute_tokenizer_cache_reused_tokens_total",
+                "Prompt tokens taken from the cache instead of tokenized.",
+            ),
+            evictions: counter(
+                "kvroute_tokenizer_cache_evictions_total",
+                "Cache entries evicted to stay within tokenizer-cache-bytes.",
+            ),
+            bytes: gauge(
+                "kvroute_tokenizer_cache_bytes",
+                "Bytes the tokenizer cache holds (tokens and bookkeeping).",
+            ),
+            entries: gauge(
+                "kvroute_tokenizer_cache_entries",
+                "Entries in the tokenizer cache.",
+            ),
+        }
+    }
+}
+
+/// What a cached encode gives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Encoded {
+    /// The text's token ids, equal to tokenizing it whole.
+    Tokens(Vec<u32>),
+    /// Tokenizing stopped: the text has more than the limit's tokens (at least this many).
+    TooLong(usize),
+}
+
+/// How an encode used the cache, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// Tokens taken from the cache.
+    pub reused_tokens: usize,
+    /// Bytes of text tokenized.
+    pub tokenized_bytes: usize,
+}
+
+/// The bounded conversation cache (see the module's documentation). Off (tokenizing every text
+/// whole) until given a limit.
+pub struct ChatCache {
+    inner: Mutex<Inner>,
+    limit: AtomicUsize,
+    live: Arc<AtomicUsize>,
+    seed: u64,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for ChatCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatCache")
+            .field("limit", &self.limit())
+            .field("bytes", &self.bytes())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for ChatCache {
+    fn default() -> Self {
+        Self::new(0)
+    }
+}
+
+/// A new piece of a text to tokenize: `start..end`, and the boundary token's id it must begin
+/// with (`None` for the piece that opens the text).
+struct Piece {
+    start: usize,
+    end: usize,
+    first: Option<u32>,
+    /// Whether an entry ends here.
+    keep: bool,
+}
+
+/// New pieces shorter than this are merged with the next, unless one of the last cuts ends
+/// them: a body of many tiny messages makes few entries.
+const MIN_PIECE_BYTES: usize = 1024;
+/// The last cuts of a text always end a piece: a follow-up turn extends the text up to one of
+/// them (the one before the generation prompt).
+const LAST_CUTS_KEPT: usize = 2;
+
+impl ChatCache {
+    /// A cache of at most `limit_bytes` (0: off).
+    pub fn new(limit_bytes: usize) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            limit: AtomicUsize::new(limit_bytes),
+            live: Arc::new(AtomicUsize::new(0)),
+            seed: std::collections::hash_map::RandomState::new().hash_one(0x006b_7672_6f75_7465_u64),
+            counters: Counters::new(),
+        }
+    }
+
+    /// Sets the bound (0 turns the cache off and empties it).
+    pub fn set_limit(&self, limit_bytes: usize) {
+        self.limit.store(limit_bytes, Ordering::Relaxed);
+        let mut inner = self.lock();
+        self.evict(&mut inner);
+    }
+
+    /// The bound, bytes.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held now.
+    pub fn bytes(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Entries held now.
+    pub fn entries(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// (hits, misses) so far.
+    pub fn hits_and_misses(&self) -> (u64, u64) {
+        (self.counters.hits.get(), self.counters.misses.get())
+    }
+
+    /// The Prometheus collector of the cache's metrics (hits, misses, reused tokens,
+    /// evictions, bytes, entries), for a registry.
+    pub fn collector(&self) -> Box<dyn Collector> {
+        Box::new(CacheCollector(self.counters.clone()))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every update leaves the maps whole: a poisoned lock's data is still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn evict(&self, inner: &mut Inner) {
+        let limit = self.limit();
+        while self.bytes() > limit {
+            let Some((_, key)) = inner.lru.pop_first() else {
+                break;
+            };
+            inner.map.remove(&key);
+            self.counters.evictions.inc();
+        }
+        self.counters
+            .bytes
+            .set(i64::try_from(self.bytes()).unwrap_or(i64::MAX));
+        self.counters
+            .entries
+            .set(i64::try_from(inner.map.len()).unwrap_or(i64::MAX));
+    }
+
+    /// The tokens of `text` (special tokens in it recognized, none added), `encode` being the
+    /// tokenizer; at most `limit` of them, past which it stops with [`Encoded::TooLong`] where
+    /// it can. Equal to `encode(text)` whatever the cache holds.
+    pub fn encode(
+        &self,
+        boundaries: &Boundaries,
+        text: &str,
+        limit: usize,
+        encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
+    ) -> Result<(Encoded, Lookup), PromptError> {
+        let whole = |text: &str| {
+            let tokens = encode(text)?;
+            let lookup = Lookup {
+                reused_tokens: 0,
+                tokenized_bytes: text.len(),
+            };
+            Ok(match tokens.len() > limit {
+                true => (Encoded::TooLong(tokens.len()), lookup),
+                false => (Encoded::Tokens(tokens), lookup),
+            })
+        };
+        if self.limit() == 0 || boundaries.is_empty() {
+            return whole(text);
+        }
+        let cuts = boundaries.cuts(text);
+        // The key of the prefix ending at each cut, and of the whole text.
+        let mut keys = Vec::with_capacity(cuts.len() + 1);
+        let mut hasher = Xxh3::with_seed(self.seed);
+        let mut at = 0;
+        for &(cut, _) in cuts.iter().chain([&(text.len(), 0)]) {
+            hasher.update(&text.as_bytes()[at..cut]);
+            at = cut;
+            keys.push(Key {
+                len: cut,
+                hash: hasher.digest128(),
+            });
+        }
+        let whole_key = keys[cuts.len()];
+        // The longest cached prefix: the whole text, else the last cut that has one.
+        let found = {
+            let mut inner = self.lock();
+            match inner.touch(whole_key) {
+                Some(node) => Some((cuts.len(), node)),
+                None => (0..cuts.len())
+                    .rev()
+                    .find_map(|i| inner.touch(keys[i]).map(|node| (i, node))),
+            }
+        };
+        let mut out = Vec::new();
+        let (next_cut, mut parent) = match found {
+            Some((i, node)) => {
+                self.counters.hits.inc();
+                self.counters.reused_tokens.inc_by(node.total as u64);
+                node.materialize(&mut out);
+                if i == cuts.len() {
+                    let lookup = Lookup {
+                        reused_tokens: out.len(),
+                        tokenized_bytes: 0,
+                    };
+                    return Ok(match out.len() > limit {
+                        true => (Encoded::TooLong(out.len()), lookup),
+                        false => (Encoded::Tokens(out), lookup),
+                    });
+                }
+                (i, Some(node))
+            }
+            None => {
+                self.counters.misses.inc();
+                (0, None)
+            }
+        };
+        let reused = out.len();
+        let pieces = plan(&cuts, next_cut, parent.is_some(), text.len());
+        let mut made = Vec::new();
+        let mut tokenized = 0;
+        let mut pending: Vec<u32> = Vec::new();
+        for piece in &pieces {
+            let tokens = encode(&text[piece.start..piece.end])?;
+            tokenized += piece.end - piece.start;
+            if let Some(first) = piece.first
+                && tokens.first() != Some(&first)
+            {
+                // A longer token matched at the cut: the rule does not apply; tokenize whole.
+                return whole(text);
+            }
+            out.extend_from_slice(&tokens);
+            if out.len() > limit {
+                let lookup = Lookup {
+                    reused_tokens: reused,
+                    tokenized_bytes: tokenized,
+                };
+                return Ok((Encoded::TooLong(out.len()), lookup));
+            }
+            pending.extend_from_slice(&tokens);
+            if piece.keep {
+                let node = Arc::new(Node::new(parent.take(), std::mem::take(&mut pending), &self.live));
+                let key = keys[cuts.partition_point(|c| c.0 < piece.end)];
+                made.push((key, Arc::clone(&node)));
+                parent = Some(node);
+            }
+        }
+        {
+            let mut inner = self.lock();
+            for (key, node) in made {
+                inner.insert(key, node);
+            }
+            self.evict(&mut inner);
+        }
+        let lookup = Lookup {
+            reused_tokens: reused,
+            tokenized_bytes: tokenized,
+        };
+        Ok((Encoded::Tokens(out), lookup))
+    }
+}
+
+/// The pieces of a text from cut `next_cut` (the text's start when `hit` is false) to its end:
+/// each ends at a cut or at the end; entries end at pieces of at least [`MIN_PIECE_BYTES`], the
+/// last [`LAST_CUTS_KEPT`] cuts and the end.
+fn plan(cuts: &[(usize, u32)], next_cut: usize, hit: bool, len: usize) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    let (mut start, mut first) = match hit {
+        true => (cuts[next_cut].0, Some(cuts[next_cut].1)),
+        false => (0, None),
+    };
+    let mut entry_start = start;
+    let from = if hit { next_cut + 1 } else { 0 };
+    let last_kept = cuts.len().saturating_sub(LAST_CUTS_KEPT);
+    for (i, &(cut, id)) in cuts.iter().enumerate().skip(from) {
+        if cut == start {
+            // A cut at the text's start: the piece that opens the text begins with it.
+            continue;
+        }
+        let keep = cut - entry_start >= MIN_PIECE_BYTES || i >= last_kept;
+        pieces.push(Piece {
+            start,
+            end: cut,
+            first,
+            keep,
+        });
+        if keep {
+            entry_start = cut;
+        }
+        start = cut;
+        first = Some(id);
+    }
+    pieces.push(Piece {
+        start,
+        end: len,
+        first,
+        keep: true,
+    });
+    pieces
+}
+
+/// Exports the counters.
+struct CacheCollector(Counters);
+
+impl Collector for CacheCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let c = &self.0;
+        [
+            c.hits.desc(),
+            c.misses.desc(),
+            c.reused_tokens.desc(),
+            c.evictions.desc(),
+            c.bytes.desc(),
+            c.entries.desc(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let c = &self.0;
+        [
+            c.hits.collect(),
+            c.misses.collect(),
+            c.reused_tokens.collect(),
+            c.evictions.collect(),
+            c.bytes.collect(),
+            c.entries.collect(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}

@@ -1,0 +1,303 @@
+//! The conversation cache is exact: a chat prompt tokenized through it, whatever it holds, equals
+//! the prompt tokenized whole, on the repository's tokenizer fixtures (byte-level BPEs shaped like
+//! Llama-3, Qwen2 and GPT-2, a SentencePiece-style Llama-2, one with `prepend_scheme: first`, the
+//! tiny and BOS models), over generated conversations whose messages end mid-word, in whitespace,
+//! in multi-byte characters, are empty, or hold special tokens' text and pieces of it.
+
+use kvroute_http::model::{Model, SpecialTokens, TINY_TOKENIZER_CONFIG_JSON};
+use kvroute_http::prefix_cache::{AddedToken, Boundaries, Encoded};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+const BOS_TOKENIZER: &str = include_str!("data/bos-model/tokenizer.json");
+const BOS_CONFIG: &str = include_str!("data/bos-model/tokenizer_config.json");
+
+/// Every fixture with a chat template: (name, model).
+fn models() -> Vec<(&'static str, Model)> {
+    let chatml = Some(TINY_TOKENIZER_CONFIG_JSON);
+    let fixture = |json: &str| Model::from_json(json, chatml).expect("the fixture loads");
+    // Llama-2's fixture, its SentencePiece normalizer swapped for a Metaspace pre-tokenizer
+    // that prepends only where the input opens: the one rule that looks at where a piece is.
+    let mut first: Value =
+        serde_json::from_str(include_str!("data/tokenizers/llama2.json")).expect("llama2.json is JSON");
+    first["normalizer"] = Value::Null;
+    first["pre_tokenizer"] =
+        json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false});
+    vec![
+        ("tiny", Model::tiny().expect("the tiny model loads")),
+        (
+            "bos",
+            Model::from_json(BOS_TOKENIZER, Some(BOS_CONFIG)).expect("the BOS model loads"),
+        ),
+        ("llama3", fixture(include_str!("data/tokenizers/llama3.json"))),
+        ("qwen2", fixture(include_str!("data/tokenizers/qwen2.json"))),
+        ("gpt2", fixture(include_str!("data/tokenizers/gpt2.json"))),
+        ("llama2", fixture(include_str!("data/tokenizers/llama2.json"))),
+        ("metaspace-first", fixture(&first.to_string())),
+    ]
+}
+
+/// Pieces of message text, adversarial at a boundary: whitespace runs, words cut in two,
+/// combining marks and multi-byte characters, digits, contractions, and special tokens' text
+/// whole and in pieces.
+const FRAGMENTS: &[&str] = &[
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    " \n ",
+    "hello",
+    "world",
+    "Hel",
+    "lo,",
+    " wor",
+    "ld.",
+    "é",
+    "e\u{301}",
+    "\u{301}",
+    "日本語",
+    "🙂",
+    "👍🏽",
+    "1",
+    "23",
+    "4567",
+    "'s",
+    "don't",
+    "▁",
+    "<",
+    "|>",
+    "<|",
+    "<|im",
+    "_start|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|start_header_id|>",
+    "<|begin_of_text|>",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    "the quick brown fox ",
+];
+
+fn content() -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(FRAGMENTS), 0..8).prop_map(|parts| parts.concat())
+}
+
+/// A conversation: an optional system message, then alternating user and assistant messages.
+fn conversation() -> impl Strategy<Value = Vec<Value>> {
+    (any::<bool>(), prop::collection::vec(content(), 1..10)).prop_map(|(system, contents)| {
+        let mut messages = Vec::new();
+        if system {
+            messages.push(json!({"role": "system", "content": "You are terse.  "}));
+        }
+        for (i, c) in contents.into_iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": c}));
+        }
+        messages
+    })
+}
+
+/// Tokenizes `text` through the cache and whole, and asserts they agree; returns the tokens
+/// reused from the cache.
+fn check(model: &Model, name: &str, text: &str) -> usize {
+    let (encoded, lookup) = model
+        .encode_chat(text, SpecialTokens::Omit, usize::MAX)
+        .expect("the text tokenizes");
+    let whole = model
+        .encode(text, SpecialTokens::Omit)
+        .expect("the text tokenizes");
+    assert_eq!(encoded, Encoded::Tokens(whole), "{name}: {text:?}");
+    lookup.reused_tokens
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Turn by turn (each turn's prompt the conversation so far, with and without a generation
+    /// prompt, and each asked twice), through one cache per model: always equal to tokenizing
+    /// whole, and from the second turn on (the templates write special tokens around each
+    /// message) a follow-up reuses the cached history.
+    #[test]
+    fn cached_chat_tokens_equal_whole_tokenization(messages in conversation(), small in any::<bool>()) {
+        for (name, model) in &models() {
+            // A small bound evicts all the time; a large one keeps everything.
+            model.chat_cache().set_limit(if small { 4096 } else { 1 << 24 });
+            for turn in 1..=messages.len() {
+                let so_far = Value::Array(messages[..turn].to_vec());
+                for generation_prompt in [true, false] {
+                    let text = model.render_chat(&so_far, generation_prompt).expect("renders");
+                    let reused = check(model, name, &text);
+                    if turn > 1 && generation_prompt && !small {
+                        prop_assert!(reused > 0, "{name}: turn {turn} reused nothing");
+                    }
+                    check(model, name, &text);
+                }
+            }
+            prop_assert!(model.chat_cache().bytes() <= model.chat_cache().limit(), "{name}");
+        }
+    }
+
+    /// The rule itself, on every fixture and boundary token: tokenizing `P + X + R` whole equals
+    /// tokenizing `P` and `X + R` apart, and the second starts with `X`.
+    #[test]
+    fn a_text_cut_before_a_boundary_token_tokenizes_as_a_whole(p in content(), r in content()) {
+        for (name, model) in &models() {
+            let boundaries: Vec<String> = model.chat_boundaries().texts().map(str::to_owned).collect();
+            prop_assert!(!boundaries.is_empty(), "{name}: its template writes boundary tokens");
+            for x in &boundaries {
+                let whole = model.encode(&format!("{p}{x}{r}"), SpecialTokens::Omit).expect("tokenizes");
+                let mut parts = model.encode(&p, SpecialTokens::Omit).expect("tokenizes");
+                let tail = model.encode(&format!("{x}{r}"), SpecialTokens::Omit).expect("tokenizes");
+                let first = model.encode(x, SpecialTokens::Omit).expect("tokenizes");
+                prop_assert_eq!(&tail[..1], &first[..], "{}: {:?} opens its piece", name, x);
+                parts.extend(tail);
+                prop_assert_eq!(whole, parts, "{}: {:?} + {:?} + {:?}", name, p, x, r);
+            }
+        }
+    }
+}
+
+/// A long conversation grown turn by turn: every turn but the first tokenizes only its new text
+/// (a few hundred bytes), reuses the rest, and equals whole tokenization; the counters say so.
+#[test]
+fn a_follow_up_turn_tokenizes_only_its_new_text() {
+    let model = Model::from_json(
+        include_str!("data/tokenizers/llama3.json"),
+        Some(TINY_TOKENIZER_CONFIG_JSON),
+    )
+    .expect("loads");
+    model.chat_cache().set_limit(64 << 20);
+    let mut messages = vec![json!({"role": "system", "content": "You answer briefly."})];
+    for turn in 0..32 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        messages.push(json!({"role": role, "content": format!("message {turn}: {}", "the quick brown fox ".repeat(20))}));
+        if role == "assistant" {
+            continue;
+        }
+        let text = model
+            .render_chat(&Value::Array(messages.clone()), true)
+            .expect("renders");
+        let (encoded, lookup) = model
+            .encode_chat(&text, SpecialTokens::Omit, usize::MAX)
+            .expect("tokenizes");
+        assert_eq!(
+            encoded,
+            Encoded::Tokens(model.encode(&text, SpecialTokens::Omit).expect("tokenizes"))
+        );
+        if turn > 0 {
+            assert!(lookup.reused_tokens > 0, "turn {turn}");
+            assert!(
+                lookup.tokenized_bytes < 1000,
+                "turn {turn} tokenized {} bytes",
+                lookup.tokenized_bytes
+            );
+        }
+    }
+    let (hits, misses) = model.chat_cache().hits_and_misses();
+    assert_eq!((hits, misses), (15, 1));
+    assert!(model.chat_cache().bytes() > 0);
+    // The collector exports them.
+    let registry = prometheus::Registry::new();
+    registry
+        .register(model.chat_cache().collector())
+        .expect("registers");
+    let families = registry.gather();
+    let value = |name: &str| {
+        families
+            .iter()
+            .find(|f| f.name() == name)
+            .map(|f| f.get_metric()[0].get_counter().get_value())
+    };
+    assert_eq!(value("kvroute_tokenizer_cache_hits_total"), Some(15.0));
+    assert_eq!(value("kvroute_tokenizer_cache_misses_total"), Some(1.0));
+}
+
+/// The cache stays within its bound however much goes through it, and stays exact; a bound of
+/// zero turns it off and empties it.
+#[test]
+fn the_cache_stays_within_its_bound() {
+    let model = Model::tiny().expect("loads");
+    let limit = 256 << 10;
+    model.chat_cache().set_limit(limit);
+    for conversation in 0..50 {
+        let mut messages = Vec::new();
+        for turn in 0..8 {
+            messages.push(
+                json!({"role": "user", "content": format!("{conversation} {turn} {}", "x".repeat(2000))}),
+            );
+            let text = model
+                .render_chat(&Value::Array(messages.clone()), true)
+                .expect("renders");
+            check(&model, "tiny", &text);
+            assert!(model.chat_cache().bytes() <= limit);
+            messages.push(json!({"role": "assistant", "content": "ok"}));
+        }
+    }
+    assert!(model.chat_cache().entries() > 0);
+    model.chat_cache().set_limit(0);
+    assert_eq!((model.chat_cache().bytes(), model.chat_cache().entries()), (0, 0));
+}
+
+/// Past the limit the cache stops at the first piece that crosses it, and says so.
+#[test]
+fn a_conversation_past_the_limit_stops_early() {
+    let model = Model::tiny().expect("loads");
+    model.chat_cache().set_limit(1 << 20);
+    let messages: Vec<Value> = (0..100)
+        .map(|i| json!({"role": "user", "content": format!("{i}: {}", "y".repeat(1000))}))
+        .collect();
+    let text = model.render_chat(&Value::Array(messages), true).expect("renders");
+    let (encoded, lookup) = model
+        .encode_chat(&text, SpecialTokens::Omit, 5000)
+        .expect("tokenizes");
+    let Encoded::TooLong(at_least) = encoded else {
+        panic!("over the limit: {encoded:?}")
+    };
+    assert!(at_least > 5000);
+    assert!(
+        lookup.tokenized_bytes < text.len() / 4,
+        "stopped early: {lookup:?}"
+    );
+}
+
+/// Which added tokens may be cut before: not one that eats whitespace on its left, matches
+/// only as a word, is matched after normalization, starts with whitespace, or whose start
+/// another token could overlap; and only those the template writes.
+#[test]
+fn boundary_tokens_are_those_no_match_can_cross() {
+    let token = |content: &str, id| AddedToken {
+        content: content.to_owned(),
+        id,
+        normalized: false,
+        lstrip: false,
+        single_word: false,
+    };
+    let added = vec![
+        token("<|a|>", 1),
+        AddedToken {
+            lstrip: true,
+            ..token("<|b|>", 2)
+        },
+        AddedToken {
+            single_word: true,
+            ..token("<|c|>", 3)
+        },
+        AddedToken {
+            normalized: true,
+            ..token("<|d|>", 4)
+        },
+        token(" <|e|>", 5),
+        token("<|f|>", 6),
+        token("zz<|f", 7),
+        token("<|g|>", 8),
+    ];
+    let template = "<|a|><|b|><|c|><|d|> <|e|><|f|>zz<|f";
+    let boundaries = Boundaries::new(&added, Some(template));
+    // `<|f|>` is out (`zz<|f` could match across its start); `zz<|f` itself is in; `<|g|>` is
+    // not in the template.
+    assert_eq!(boundaries.texts().collect::<Vec<_>>(), vec!["<|a|>", "zz<|f"]);
+    assert!(Boundaries::new(&added, None).is_empty(), "no template, no cut");
+}
