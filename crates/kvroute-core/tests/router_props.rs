@@ -13,8 +13,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncEvent, WorkerLoad, WorkerRole,
-    WorkerSpec, stored_blocks,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, SyncMode,
+    WorkerLoad, WorkerRole, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -149,7 +149,10 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
                 },
                 request_ttl: std::time::Duration::from_secs(20),
                 track_output_blocks: track_output,
-                export_sync_events: true,
+                sync: SyncConfig {
+                    mode: SyncMode::Export,
+                    ..SyncConfig::default()
+                },
                 ..RouterConfig::default()
             };
             (config, pd)
@@ -184,7 +187,7 @@ impl Run {
     fn new(config: RouterConfig, pd: bool) -> Self {
         let replica_config = RouterConfig {
             router_id: RouterId(2),
-            export_sync_events: false,
+            sync: SyncConfig::default(),
             ..config.clone()
         };
         let mut run = Self {

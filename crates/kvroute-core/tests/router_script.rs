@@ -26,8 +26,10 @@
 //! | `route r1 PROMPT [prio=N] [osl=N] [lora=X] [salt=X]` | route a request |
 //! | `explain PROMPT` | the candidates for a prompt, with projections and costs, without routing |
 //! | `first r1`, `block r1`, `done r1`, `cancel r1` | lifecycle events |
-//! | `remote r7 W PROMPT [cached=K] [prefill=P]` | replica 9 booked its request r7 on worker W |
-//! | `remote-first r7`, `remote-done r7` | replica 9's lifecycle events |
+//! | `remote r7 W PROMPT [cached=K] [prefill=P] [from=N]` | replica 9 (or N) booked its request r7 on worker W |
+//! | `remote-first r7 [from=N]`, `remote-done r7 [from=N]` | replica 9's (or N's) lifecycle events |
+//! | `peer-lost [N]` | replica 9 (or N) went silent: its bookings are released |
+//! | `snapshot` | this router's in-flight bookings as replica events |
 //! | `echo r1` | this router's own "freed" event comes back (must be dropped) |
 //! | `tick` | a timer tick |
 //! | `loads`, `metrics` | per-worker loads; non-zero counters |
@@ -50,7 +52,7 @@ use kvroute_core::router::{
     Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, IndexEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
     RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SyncEvent,
-    WorkerRole, WorkerSpec, cost, stored_blocks,
+    SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 
@@ -144,7 +146,13 @@ fn config(args: &[&str]) -> RouterConfig {
             }
             "request_ttl" => c.request_ttl = ms(value),
             "track_output" => c.track_output_blocks = value == "1",
-            "export" => c.export_sync_events = value == "1",
+            "export" => {
+                c.sync.mode = if value == "1" {
+                    SyncMode::Export
+                } else {
+                    SyncMode::Off
+                }
+            }
             _ => set_policy_param(&mut c.policy, key, value),
         }
     }
@@ -398,7 +406,7 @@ impl Harness {
                 let router = if command == "echo" {
                     self.config.router_id
                 } else {
-                    REPLICA
+                    from(&args[1..])
                 };
                 let event = SyncEvent {
                     router,
@@ -411,6 +419,15 @@ impl Harness {
             "loads" => self.loads(),
             "metrics" => self.metrics(),
             "outbox" => self.outbox(),
+            "peer-lost" => {
+                let peer = args.first().map_or(REPLICA, |n| RouterId(num("peer", n)));
+                fmt_outputs(&self.router().handle_peer_lost(now, peer))
+            }
+            "snapshot" => {
+                let events = self.router().sync_snapshot();
+                let lines: Vec<String> = events.iter().map(fmt_event).collect();
+                format!("{} events\n{}", lines.len(), lines.join("\n"))
+            }
             other => panic!("unknown command {other:?}"),
         }
     }
@@ -524,7 +541,7 @@ impl Harness {
             expected_output_tokens: None,
         };
         let event = SyncEvent {
-            router: REPLICA,
+            router: from(&args[3..]),
             request: id,
             change: LoadChange::Added(booking),
         };
@@ -564,21 +581,7 @@ impl Harness {
     fn outbox(&mut self) -> String {
         let mut lines = Vec::new();
         while let Some(event) = self.router().poll_sync_event() {
-            let what = match &event.change {
-                LoadChange::Added(b) => format!(
-                    "added on {} (overlap {}, prefill worker {:?}, hint {})",
-                    b.worker,
-                    b.overlap_blocks,
-                    b.prefill_worker.map(|w| w.to_string()),
-                    b.hint.tokens
-                ),
-                LoadChange::PrefillDone => "prefill done".to_owned(),
-                LoadChange::Freed => "freed".to_owned(),
-            };
-            lines.push(format!(
-                "  router {} r{}: {what}",
-                event.router.0, event.request.0
-            ));
+            lines.push(fmt_event(&event));
         }
         format!("{} events\n{}", lines.len(), lines.join("\n"))
     }
@@ -592,6 +595,28 @@ impl Harness {
         let nonzero: Vec<&str> = body.split(", ").filter(|kv| !kv.ends_with(": 0")).collect();
         nonzero.join(", ")
     }
+}
+
+/// The replica named by a `from=N` option, or replica 9.
+fn from(args: &[&str]) -> RouterId {
+    options(args)
+        .get("from")
+        .map_or(REPLICA, |n| RouterId(num("from", n)))
+}
+
+fn fmt_event(event: &SyncEvent) -> String {
+    let what = match &event.change {
+        LoadChange::Added(b) => format!(
+            "added on {} (overlap {}, prefill worker {:?}, hint {})",
+            b.worker,
+            b.overlap_blocks,
+            b.prefill_worker.map(|w| w.to_string()),
+            b.hint.tokens
+        ),
+        LoadChange::PrefillDone => "prefill done".to_owned(),
+        LoadChange::Freed => "freed".to_owned(),
+    };
+    format!("  router {} r{}: {what}", event.router.0, event.request.0)
 }
 
 fn run_script(name: &str) {
@@ -647,6 +672,7 @@ scripts!(
     approximate,
     predict_on_route,
     replica_sync,
+    replica_tombstones,
     policy_round_robin,
     policy_random,
     policy_least_loaded,

@@ -8,7 +8,7 @@ use super::load::PrefillModel;
 use super::policy::{CostPolicyConfig, PolicyConfig};
 use super::queue::QueueConfig;
 use super::recent::RecentConfig;
-use super::sync::RouterId;
+use super::sync::{RouterId, SyncConfig};
 
 /// Where the router's view of the workers' caches comes from.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -54,9 +54,9 @@ pub struct RouterConfig {
     pub track_output_blocks: bool,
     /// A model of prefill time, for the expected duration in load hints. Default none.
     pub prefill_model: Option<PrefillModel>,
-    /// Whether load changes are exported as replica events ([`super::Router::poll_sync_event`]).
-    /// Default off.
-    pub export_sync_events: bool,
+    /// Replica sync: whether load changes are exported as replica events
+    /// ([`super::Router::poll_sync_event`]), and the tombstone cap. Default off.
+    pub sync: SyncConfig,
     /// The most blocks the index keeps per worker, evicting the oldest past it
     /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
     pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
@@ -77,7 +77,7 @@ impl Default for RouterConfig {
             request_ttl: Duration::from_secs(3600),
             track_output_blocks: false,
             prefill_model: None,
-            export_sync_events: false,
+            sync: SyncConfig::default(),
             max_blocks_per_worker: None,
         }
     }
@@ -138,6 +138,9 @@ impl RouterConfig {
             if r.max_blocks == 0 {
                 return Err(router("max_blocks", 0.0));
             }
+        }
+        if self.sync.max_tombstones == 0 {
+            return Err(router("sync.max_tombstones", 0.0));
         }
         if self.request_ttl.is_zero() {
             return Err(ConfigError::ZeroDuration("request_ttl"));

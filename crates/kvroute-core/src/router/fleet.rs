@@ -231,6 +231,28 @@ impl Fleet {
         expired
     }
 
+    /// The requests booked by `router`, in key order.
+    pub(crate) fn keys_of(&self, router: RouterId) -> Vec<RequestKey> {
+        let mut keys: Vec<RequestKey> = self.requests.keys().filter(|k| k.0 == router).copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// The bookings of `router`'s requests in admission order (then by id), each with whether
+    /// its prefill is done.
+    pub(crate) fn bookings_of(
+        &self,
+        router: RouterId,
+    ) -> impl Iterator<Item = (RequestId, &Booking, bool)> + '_ {
+        self.by_age
+            .iter()
+            .filter(move |(_, key)| key.0 == router)
+            .map(|(_, key)| {
+                let active = &self.requests[key];
+                (key.1, &active.booking, !active.prefill_pending)
+            })
+    }
+
     /// The oldest admission time among active requests.
     pub(crate) fn oldest(&self) -> Option<Timestamp> {
         self.by_age.first().map(|&(t, _)| t)

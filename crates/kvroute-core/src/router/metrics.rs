@@ -38,6 +38,21 @@ pub struct RouterCounters {
     pub sync_applied: u64,
     /// Replica events dropped as this router's own echoes.
     pub sync_echoes: u64,
+    /// Replica events that repeated one already applied (an Added for a booked request, a
+    /// PrefillDone or Freed for a freed one): nothing changed.
+    pub sync_duplicates: u64,
+    /// Replica Addeds that came after their request's Freed (a tombstone): not booked.
+    pub sync_stale_added: u64,
+    /// Replica PrefillDone or Freed events that came before their Added: a tombstone was left.
+    pub sync_early: u64,
+    /// Tombstones dropped by the request TTL.
+    pub tombstones_expired: u64,
+    /// Tombstones evicted by the cap ([`super::SyncConfig::max_tombstones`]).
+    pub tombstones_evicted: u64,
+    /// Peers declared lost ([`super::Router::handle_peer_lost`]).
+    pub peers_lost: u64,
+    /// Bookings released with a lost peer.
+    pub peer_bookings_released: u64,
     /// KV events refused by the index (see [`IndexStats`] for which kind).
     pub kv_events_refused: u64,
     /// Inputs whose time was earlier than an earlier input's (treated as the later time).
@@ -66,6 +81,8 @@ pub struct RouterMetrics {
     pub queued_now: usize,
     /// Requests booked now (this router's and other replicas').
     pub active_now: usize,
+    /// Tombstones of peers' requests kept now.
+    pub tombstones_now: usize,
     /// The KV index's counters.
     pub index: IndexStats,
     /// Every worker, ordered by worker key.

@@ -17,11 +17,14 @@
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
 //!     [`Router::handle_worker_suspended`] (out of the fleet, cache view kept),
 //!     [`Router::handle_worker_removed`];
-//!   - replicas: [`Router::handle_sync_event`];
+//!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see [`sync`] for
+//!     duplicates, tombstones and ordering), [`Router::handle_peer_lost`] (release a silent
+//!     peer's bookings);
 //!   - time: [`Router::handle_tick`] (request expiry, cache-record expiry, queue re-check).
 //! * **Outputs.** An input that can free capacity returns the [`Output`]s it caused: queued
 //!   requests it released ([`Output::Routed`]) and requests it dropped ([`Output::Dropped`]).
-//!   Replica events wait in an outbox for [`Router::poll_sync_event`].
+//!   Replica events wait in an outbox for [`Router::poll_sync_event`];
+//!   [`Router::sync_snapshot`] lists this router's in-flight bookings for a joining replica.
 //! * **Queries** take `&self`: [`Router::next_deadline`] (when to call `handle_tick` next),
 //!   [`Router::metrics`], [`Router::worker_load`], [`Router::check_invariants`]. The dry run
 //!   [`Router::candidates`] (the snapshot a policy would see) takes `&mut self` only for its
@@ -38,7 +41,7 @@
 //!    prefill worker is picked from the prefill pool by the prefill policy.
 //! 5. The prefill load hint is computed once ([`PrefillLoadHint::new`]) and the decision is
 //!    booked in one place: the load tracker, the recent-decision record, the policies' own views
-//!    and the replica outbox.
+//!    and the replica outbox. A peer's booking goes through the same place.
 //!
 //! # Invariants
 //!
@@ -89,13 +92,14 @@ pub use queue::{QueueConfig, QueueOrder};
 pub use recent::RecentConfig;
 pub use request::{Prompt, RequestView, RouteRequest};
 pub use rng::Rng;
-pub use sync::{Booking, LoadChange, RouterId, SyncEvent};
+pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
 
 use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
 use request::Prepared;
+use sync::{Mark, Tombstones};
 
 use crate::hash::{BlockHasher, HashSalt, sequence_hashes_into};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
@@ -139,6 +143,15 @@ pub enum RouterError {
     Index(#[from] IndexError),
 }
 
+/// A prompt's depth in a router's own views of one worker ([`Router::view_depths`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ViewDepths {
+    /// In the record of recent decisions (approximate mode, predict-on-route).
+    pub recent: Option<u32>,
+    /// In the decode policy's own view (`sglang-cache-aware`'s tree).
+    pub policy: Option<u32>,
+}
+
 /// Why a request could not be placed now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Blocked {
@@ -170,6 +183,7 @@ pub struct Router {
     queue: WaitQueue,
     counters: RouterCounters,
     outbox: VecDeque<SyncEvent>,
+    tombstones: Tombstones,
     last_now: Timestamp,
     scratch: Scratch,
 }
@@ -195,6 +209,7 @@ impl Router {
             queue: WaitQueue::new(config.queue),
             counters: RouterCounters::default(),
             outbox: VecDeque::new(),
+            tombstones: Tombstones::default(),
             last_now: Timestamp::ZERO,
             scratch: Scratch::default(),
             config,
@@ -365,7 +380,10 @@ impl Router {
         Ok(out)
     }
 
-    /// Applies another replica's load change. This router's own events are dropped.
+    /// Applies another replica's load change; this router's own events are dropped. Duplicates
+    /// change nothing, a Freed or PrefillDone before its Added leaves a tombstone, and an Added
+    /// after its Freed is not booked (see [`sync`]). Errs only if an Added names a worker not in
+    /// the fleet.
     pub fn handle_sync_event(
         &mut self,
         now: Timestamp,
@@ -377,17 +395,68 @@ impl Router {
             return Ok(Vec::new());
         }
         let key = (event.router, event.request);
-        let applied = match &event.change {
-            LoadChange::Added(booking) => self.commit(now, key, booking.clone()).map(|()| true)?,
-            LoadChange::PrefillDone => self.fleet.prefill_done(key),
-            LoadChange::Freed => self.fleet.free(key),
-        };
-        if !applied {
-            self.counters.unknown_request_events += 1;
-            return Err(RouterError::UnknownRequest(event.request));
+        let active = self.fleet.contains(key);
+        let mark = self.tombstones.get(key);
+        match &event.change {
+            LoadChange::Added(_) if active || mark == Some(Mark::Freed) => {
+                if active {
+                    self.counters.sync_duplicates += 1;
+                } else {
+                    self.counters.sync_stale_added += 1;
+                }
+                return Ok(Vec::new());
+            }
+            LoadChange::Added(booking) => {
+                self.commit(now, key, booking.clone())?;
+                if mark == Some(Mark::PrefillDone) {
+                    self.tombstones.remove(key);
+                    self.fleet.prefill_done(key);
+                }
+            }
+            LoadChange::PrefillDone if active => {
+                self.fleet.prefill_done(key);
+            }
+            LoadChange::PrefillDone | LoadChange::Freed if mark == Some(Mark::Freed) => {
+                self.counters.sync_duplicates += 1;
+                return Ok(Vec::new());
+            }
+            LoadChange::PrefillDone if mark.is_some() => {
+                // A second PrefillDone before the Added.
+                self.counters.sync_duplicates += 1;
+                return Ok(Vec::new());
+            }
+            LoadChange::PrefillDone | LoadChange::Freed => {
+                let new_mark = if matches!(event.change, LoadChange::Freed) {
+                    Mark::Freed
+                } else {
+                    Mark::PrefillDone
+                };
+                if !(new_mark == Mark::Freed && self.fleet.free(key)) {
+                    self.counters.sync_early += 1;
+                }
+                let cap = self.config.sync.max_tombstones;
+                self.counters.tombstones_evicted += self.tombstones.mark(now, key, new_mark, cap);
+            }
         }
         self.counters.sync_applied += 1;
         Ok(self.release(now))
+    }
+
+    /// Releases every booking of peer `peer` at once (it went silent past the heartbeat
+    /// timeout, or left) and forgets its tombstones; queued requests may now be released.
+    /// Its recorded prompts stay in the cache views: the workers still hold them.
+    pub fn handle_peer_lost(&mut self, now: Timestamp, peer: RouterId) -> Vec<Output> {
+        let now = self.advance(now);
+        if peer == self.config.router_id {
+            return Vec::new();
+        }
+        self.counters.peers_lost += 1;
+        for key in self.fleet.keys_of(peer) {
+            self.fleet.free(key);
+            self.counters.peer_bookings_released += 1;
+        }
+        self.tombstones.forget_router(peer);
+        self.release(now)
     }
 
     /// Drops requests older than the request TTL, expires the record of recent decisions, and
@@ -402,16 +471,48 @@ impl Router {
         if let Some(recent) = &mut self.recent {
             recent.expire(now);
         }
+        if let Some(cutoff) = now.as_nanos().checked_sub(self.ttl_nanos()) {
+            self.counters.tombstones_expired += self.tombstones.expire(Timestamp(cutoff));
+        }
         out.extend(self.release(now));
         out
     }
 
     // ---- outputs and queries ----
 
-    /// The next replica event to send, oldest first (only with
-    /// [`RouterConfig::export_sync_events`]).
+    /// The next replica event to send, oldest first (only with [`SyncMode::Export`]).
     pub fn poll_sync_event(&mut self) -> Option<SyncEvent> {
         self.outbox.pop_front()
+    }
+
+    /// This router's own in-flight bookings as replica events, for a joining replica: per
+    /// request its Added, then its PrefillDone if its prefill is done; requests in admission
+    /// order (then by id). Applied to a fresh router with the same workers, they give it this
+    /// router's load (output blocks aside). Exported events that follow in the outbox may
+    /// overlap the snapshot; duplicates and tombstones make that harmless.
+    pub fn sync_snapshot(&self) -> Vec<SyncEvent> {
+        let router = self.config.router_id;
+        let mut events = Vec::new();
+        for (request, booking, prefill_done) in self.fleet.bookings_of(router) {
+            let mut booking = booking.clone();
+            // A prefill worker removed after the prefill it did: no longer part of the booking.
+            if prefill_done {
+                booking.prefill_worker = booking.prefill_worker.filter(|&w| self.fleet.get(w).is_some());
+            }
+            events.push(SyncEvent {
+                router,
+                request,
+                change: LoadChange::Added(booking),
+            });
+            if prefill_done {
+                events.push(SyncEvent {
+                    router,
+                    request,
+                    change: LoadChange::PrefillDone,
+                });
+            }
+        }
+        events
     }
 
     /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
@@ -423,7 +524,11 @@ impl Router {
             .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
         let recent = self.recent.as_ref().and_then(RecentChains::next_expiry);
         let recheck = (!self.queue.is_empty()).then(|| self.last_now + self.queue.recheck_interval());
-        [expiry, recent, recheck].into_iter().flatten().min()
+        let tombstone = self
+            .tombstones
+            .oldest()
+            .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
+        [expiry, recent, recheck, tombstone].into_iter().flatten().min()
     }
 
     /// A snapshot of the counters and of every worker's state.
@@ -443,6 +548,7 @@ impl Router {
             counters: self.counters,
             queued_now: self.queue.len(),
             active_now: self.fleet.active_count(),
+            tombstones_now: self.tombstones.len(),
             index: self.index.stats(),
             workers,
         }
@@ -451,6 +557,16 @@ impl Router {
     /// A worker's booked load.
     pub fn worker_load(&self, worker: WorkerKey) -> Option<WorkerLoad> {
         self.fleet.get(worker).map(|w| w.load())
+    }
+
+    /// How deep `chain` is in this router's own views of `worker` at `now`: the record of recent
+    /// decisions (if the cache mode keeps one) and the decode policy's view (if it keeps one).
+    /// For diagnostics and tests: replicas that applied each other's bookings answer alike.
+    pub fn view_depths(&self, worker: WorkerKey, chain: &[SequenceHash], now: Timestamp) -> ViewDepths {
+        ViewDepths {
+            recent: self.recent.as_ref().map(|r| r.depth(worker, chain, now)),
+            policy: self.policy.view_depth(worker, chain, now),
+        }
     }
 
     /// The KV index (read-only).
@@ -567,10 +683,6 @@ impl Router {
             }
             return Err(Blocked::NoWorker);
         }
-        self.policy.routed(&view, chosen.worker());
-        if let Some(p) = &prefill {
-            self.prefill_policy.routed(&view, p.worker());
-        }
         self.counters.routed += 1;
         self.counters.prompt_blocks += u64::from(view.prompt_blocks());
         self.counters.overlap_blocks += u64::from(chosen.overlap_blocks);
@@ -683,7 +795,8 @@ impl Router {
         }
     }
 
-    /// Books a decision (this router's or a replica's) in the one place where bookings happen.
+    /// Books a decision (this router's or a replica's) in the one place where bookings happen:
+    /// load, recent-decision record, the policies' own views, and (this router's) the outbox.
     fn commit(&mut self, now: Timestamp, key: RequestKey, booking: Booking) -> Result<(), RouterError> {
         self.fleet.book(now, key, booking.clone()).map_err(|e| match e {
             FleetError::UnknownWorker(w) => RouterError::UnknownWorker(w),
@@ -693,6 +806,17 @@ impl Router {
             for worker in std::iter::once(booking.worker).chain(booking.prefill_worker) {
                 recent.record(worker, &booking.chain, now);
             }
+        }
+        let view = RequestView {
+            now,
+            id: key.1,
+            prompt_tokens: booking.prompt_tokens,
+            block_size: self.config.block_size,
+            chain: &booking.chain,
+        };
+        self.policy.routed(&view, booking.worker);
+        if let Some(p) = booking.prefill_worker {
+            self.prefill_policy.routed(&view, p);
         }
         if key.0 == self.config.router_id {
             self.export(key.1, LoadChange::Added(booking));
@@ -787,7 +911,7 @@ impl Router {
     }
 
     fn export(&mut self, request: RequestId, change: LoadChange) {
-        if self.config.export_sync_events {
+        if self.config.sync.mode == SyncMode::Export {
             self.outbox.push_back(SyncEvent {
                 router: self.config.router_id,
                 request,

@@ -41,7 +41,8 @@ use super::load::{Projection, WorkerLoad};
 use super::request::RequestView;
 use super::rng::Rng;
 use super::worker::WorkerSpec;
-use crate::ids::WorkerKey;
+use crate::ids::{SequenceHash, WorkerKey};
+use crate::time::Timestamp;
 
 /// One eligible worker as a policy sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,6 +76,14 @@ pub trait Policy: fmt::Debug + Send {
     /// `request` was booked on `worker`. Policies with a view of their own update it here.
     fn routed(&mut self, request: &RequestView<'_>, worker: WorkerKey) {
         let _ = (request, worker);
+    }
+
+    /// How many leading blocks of `chain` the policy's own view holds for `worker` at `now`, for
+    /// policies that keep one (`None` for the others). For diagnostics and tests: replicas that
+    /// saw the same bookings answer alike.
+    fn view_depth(&self, worker: WorkerKey, chain: &[SequenceHash], now: Timestamp) -> Option<u32> {
+        let _ = (worker, chain, now);
+        None
     }
 
     /// `worker` left the fleet.

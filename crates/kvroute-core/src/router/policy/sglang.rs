@@ -25,10 +25,11 @@
 //! rank, with no per-model split (a router serves one model).
 
 use super::{Candidate, Policy};
-use crate::ids::WorkerKey;
+use crate::ids::{SequenceHash, WorkerKey};
 use crate::router::recent::{RecentChains, RecentConfig};
 use crate::router::request::RequestView;
 use crate::router::rng::Rng;
+use crate::time::Timestamp;
 
 /// Parameters of `sglang-cache-aware`; see the module docs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -127,6 +128,10 @@ impl Policy for SglangCacheAware {
 
     fn routed(&mut self, request: &RequestView<'_>, worker: WorkerKey) {
         self.trees.record(worker, request.chain, request.now);
+    }
+
+    fn view_depth(&self, worker: WorkerKey, chain: &[SequenceHash], now: Timestamp) -> Option<u32> {
+        Some(self.trees.depth(worker, chain, now))
     }
 
     fn worker_removed(&mut self, worker: WorkerKey) {
