@@ -23,6 +23,7 @@
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
+//! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
 
 pub mod checks;
 pub mod config;
@@ -35,6 +36,7 @@ pub mod observed;
 pub mod parity;
 pub mod proxy;
 pub mod registry;
+pub mod replicas;
 pub mod worker;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};

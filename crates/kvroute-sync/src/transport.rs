@@ -22,7 +22,7 @@
 //! connection returns it announces its own snapshot (peers replace what they held of it) and
 //! asks for everyone's.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use async_nats::{Client, ConnectOptions, Event, Subscriber};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use kvroute_core::router::RouterId;
+use kvroute_core::router::{PeerTracker, RouterId};
+use kvroute_core::time::{TimeScale, Timestamp};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -188,7 +189,8 @@ struct Receiver {
     client: Client,
     host: Arc<dyn SyncHost>,
     metrics: SyncMetrics,
-    peers: Peers,
+    /// The core's rule for a peer gone silent.
+    peers: PeerTracker,
     epoch: Instant,
 }
 
@@ -241,7 +243,7 @@ impl Sync {
         let (link_tx, link) = watch::channel(LinkState::Disconnected);
         let mut receiver = Receiver {
             id,
-            peers: Peers::new(config.peer_timeout),
+            peers: PeerTracker::new(config.peer_timeout),
             config: config.clone(),
             client: client.clone(),
             host,
@@ -400,8 +402,12 @@ async fn send(
 }
 
 impl Receiver {
-    fn now(&self) -> Duration {
-        self.epoch.elapsed()
+    fn now(&self) -> Timestamp {
+        TimeScale::REAL.timestamp(self.epoch.elapsed())
+    }
+
+    fn count_peers(&self) {
+        self.metrics.peers.set(self.peers.peers().count() as i64);
     }
 
     /// The receiver loop.
@@ -457,9 +463,8 @@ impl Receiver {
     fn receive(&mut self, m: async_nats::Message, replies: &mpsc::UnboundedSender<async_nats::Message>) {
         let Some(envelope) = self.open(&m) else { return };
         let from = RouterId(envelope.from);
-        let now = self.now();
-        let known = self.peers.heard(from, now);
-        self.metrics.peers.set(self.peers.len() as i64);
+        let new = self.peers.heard(self.now(), from);
+        self.count_peers();
         match envelope.body {
             Body::Events { events } => self.host.apply(from, &events),
             Body::Snapshot { events, part, .. } => {
@@ -471,7 +476,7 @@ impl Receiver {
             }
             Body::Heartbeat | Body::SnapshotRequest => {}
         }
-        if !known {
+        if new {
             // A peer heard for the first time outside a join, or again after it was released:
             // its bookings come from its snapshot, asked for off this loop.
             let client = self.client.clone();
@@ -525,8 +530,8 @@ impl Receiver {
             return;
         }
         // The joiner is known from now on: it has no bookings yet, or announces them.
-        self.peers.heard(RouterId(envelope.from), self.now());
-        self.metrics.peers.set(self.peers.len() as i64);
+        self.peers.heard(self.now(), RouterId(envelope.from));
+        self.count_peers();
         for body in self.snapshot_bodies() {
             send(
                 &self.client,
@@ -541,7 +546,7 @@ impl Receiver {
     }
 
     fn snapshot_bodies(&self) -> Vec<Body> {
-        let peers: Vec<u64> = self.peers.ids().map(|p| p.0).collect();
+        let peers: Vec<u64> = self.peers.peers().map(|p| p.0).collect();
         let mut parts = pack(
             self.host.snapshot(),
             self.config.batch_max_events.max(1024),
@@ -614,7 +619,7 @@ impl Receiver {
                 continue;
             };
             let from = RouterId(envelope.from);
-            self.peers.heard(from, self.now());
+            self.peers.heard(self.now(), from);
             if part == 0 {
                 self.host.peer_lost(from);
             }
@@ -629,13 +634,13 @@ impl Receiver {
             }
         }
         let _ = replies.unsubscribe().await;
-        self.metrics.peers.set(self.peers.len() as i64);
+        self.count_peers();
         tracing::info!(peers = done.len(), "joined the replicas' view");
     }
 
     /// Releases the bookings of peers silent past the timeout.
     fn expire(&mut self) {
-        for peer in self.peers.expire(self.now()) {
+        for peer in self.peers.expired(self.now()) {
             tracing::warn!(
                 peer = format!("{:016x}", peer.0),
                 "replica silent past the peer timeout; its bookings released"
@@ -643,48 +648,6 @@ impl Receiver {
             self.host.peer_lost(peer);
             self.metrics.peers_lost.inc();
         }
-        self.metrics.peers.set(self.peers.len() as i64);
-    }
-}
-
-/// The peers heard, and when last.
-// TODO(simrep): replaced by the core's sans-IO `PeerTracker` once merged.
-struct Peers {
-    timeout: Duration,
-    last: HashMap<RouterId, Duration>,
-}
-
-impl Peers {
-    fn new(timeout: Duration) -> Self {
-        Self {
-            timeout,
-            last: HashMap::new(),
-        }
-    }
-
-    /// Notes `peer` heard at `now`; whether it was known.
-    fn heard(&mut self, peer: RouterId, now: Duration) -> bool {
-        self.last.insert(peer, now).is_some()
-    }
-
-    fn expire(&mut self, now: Duration) -> Vec<RouterId> {
-        let gone: Vec<RouterId> = self
-            .last
-            .iter()
-            .filter(|&(_, &t)| now.saturating_sub(t) > self.timeout)
-            .map(|(&p, _)| p)
-            .collect();
-        for p in &gone {
-            self.last.remove(p);
-        }
-        gone
-    }
-
-    fn ids(&self) -> impl Iterator<Item = RouterId> + '_ {
-        self.last.keys().copied()
-    }
-
-    fn len(&self) -> usize {
-        self.last.len()
+        self.count_peers();
     }
 }
