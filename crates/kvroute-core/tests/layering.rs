@@ -80,6 +80,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
             "kvroute-planner",
             "kvroute-proxy",
             "kvroute-sim",
+            "kvroute-sync",
             "kvroute-wire",
         ],
     ),
