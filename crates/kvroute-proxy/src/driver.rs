@@ -30,8 +30,8 @@ use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, RouterId,
     WorkerSpec, max_cached_blocks,
 };
-use kvroute_sync::{LinkState, WireEvent, WorkerChange};
 use kvroute_core::time::{TimeScale, Timestamp};
+use kvroute_sync::{LinkState, WireEvent, WorkerChange};
 use tokio::sync::oneshot;
 
 use crate::checks::{self, Check, Verdict};
@@ -260,7 +260,9 @@ impl Shared {
             if matches!(w.state, WorkerState::Gone) {
                 continue;
             }
-            let Ok(config) = serde_json::to_value(&w.config) else { continue };
+            let Ok(config) = serde_json::to_value(&w.config) else {
+                continue;
+            };
             events.push(WireEvent::Worker(WorkerChange::Added { config }));
             if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
                 events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));

@@ -57,7 +57,11 @@ impl Host {
                 return;
             }
         };
-        if self.shared.find_worker(config.url.trim_end_matches('/')).is_some() {
+        if self
+            .shared
+            .find_worker(config.url.trim_end_matches('/'))
+            .is_some()
+        {
             return;
         }
         let url = config.url.clone();
