@@ -50,9 +50,16 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
     ),
     ("kvroute-zmq", &["kvroute-core", "kvroute-wire"]),
     ("kvroute-http", &[]),
+    ("kvroute-sync", &["kvroute-core"]),
     (
         "kvroute-proxy",
-        &["kvroute-core", "kvroute-http", "kvroute-wire", "kvroute-zmq"],
+        &[
+            "kvroute-core",
+            "kvroute-http",
+            "kvroute-sync",
+            "kvroute-wire",
+            "kvroute-zmq",
+        ],
     ),
     (
         "kvroute-mock",
@@ -73,6 +80,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
             "kvroute-planner",
             "kvroute-proxy",
             "kvroute-sim",
+            "kvroute-sync",
             "kvroute-wire",
         ],
     ),

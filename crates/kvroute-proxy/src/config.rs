@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_core::router::{
-    BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, WorkerRole,
+    BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, SyncConfig,
+    SyncMode, WorkerRole,
 };
 pub use kvroute_http::EngineKind;
 use serde::{Deserialize, Serialize};
@@ -446,6 +447,18 @@ pub struct ServeConfig {
     /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
     /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
     pub tokenizer_cache_bytes: usize,
+    /// The NATS server through which router replicas share their load and worker registry,
+    /// `nats://host:port`. None: no sync (this replica knows only its own requests). Default
+    /// none.
+    pub nats: Option<String>,
+    /// The start of every sync subject: replicas with the same prefix form one fleet; fleets
+    /// with different ones can share a NATS server. Default `kvroute`.
+    pub nats_subject_prefix: String,
+    /// How often a replica heartbeats on NATS. Default 1,000 ms.
+    pub nats_heartbeat_ms: u64,
+    /// How long a replica may stay silent before its peers release its requests' load.
+    /// Default 3,000 ms (must exceed `nats-heartbeat-ms`).
+    pub nats_peer_timeout_ms: u64,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -487,6 +500,10 @@ impl Default for ServeConfig {
             max_blocks_per_worker: 1 << 20,
             reannounce_window_ms: 300_000,
             tokenizer_cache_bytes: 256 << 20,
+            nats: None,
+            nats_subject_prefix: "kvroute".to_owned(),
+            nats_heartbeat_ms: 1_000,
+            nats_peer_timeout_ms: 3_000,
             workers: Vec::new(),
         }
     }
@@ -569,6 +586,7 @@ impl ServeConfig {
             }
         };
         let decider = Decider::from_name(&self.decider).map_err(|e| invalid("decider", e.to_string()))?;
+        self.validate_nats()?;
         let router = RouterConfig {
             block_size: self.block_size,
             seed: self.seed,
@@ -587,6 +605,14 @@ impl ServeConfig {
                 std::num::NonZeroUsize::new(self.max_blocks_per_worker)
                     .ok_or_else(|| invalid("max-blocks-per-worker", "must be at least 1"))?,
             ),
+            sync: SyncConfig {
+                mode: if self.nats.is_some() {
+                    SyncMode::Export
+                } else {
+                    SyncMode::Off
+                },
+                ..SyncConfig::default()
+            },
             ..RouterConfig::default()
         };
         router.validate()?;
@@ -595,6 +621,52 @@ impl ServeConfig {
         }
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         Ok(router)
+    }
+
+    /// Checks the NATS keys: a `nats://` URL, a prefix of NATS subject tokens, a peer timeout
+    /// longer than the heartbeat.
+    fn validate_nats(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.nats {
+            let uri: hyper::Uri = url
+                .parse()
+                .map_err(|_| invalid("nats", format!("{url:?} is not a URL")))?;
+            if uri.scheme_str() != Some("nats") || uri.authority().is_none() {
+                return Err(invalid("nats", format!("{url:?}: must be nats://host:port")));
+            }
+        }
+        let token_ok = |t: &str| {
+            !t.is_empty()
+                && t.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if !self.nats_subject_prefix.split('.').all(token_ok) {
+            return Err(invalid(
+                "nats-subject-prefix",
+                format!(
+                    "{:?}: dot-separated names of letters, digits, '-' and '_'",
+                    self.nats_subject_prefix
+                ),
+            ));
+        }
+        if self.nats_heartbeat_ms == 0 || self.nats_peer_timeout_ms <= self.nats_heartbeat_ms {
+            return Err(invalid(
+                "nats-peer-timeout-ms",
+                format!(
+                    "{} ms must exceed nats-heartbeat-ms ({} ms, at least 1)",
+                    self.nats_peer_timeout_ms, self.nats_heartbeat_ms
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The sync transport's settings, when `nats` is set.
+    pub fn sync_config(&self) -> Option<kvroute_sync::SyncConfig> {
+        let url = self.nats.as_ref()?;
+        let mut config = kvroute_sync::SyncConfig::new(url.clone(), &self.nats_subject_prefix);
+        config.heartbeat_interval = Self::ms(self.nats_heartbeat_ms);
+        config.peer_timeout = Self::ms(self.nats_peer_timeout_ms);
+        Some(config)
     }
 
     /// Where the tokenizer comes from: `model_dir`, or the built-in one when

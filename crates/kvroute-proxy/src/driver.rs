@@ -11,19 +11,27 @@
 //! per-worker totals return to zero when traffic stops. Requests the router drops itself (their
 //! worker was removed, or they outlived the request TTL) are already freed; the guard's later
 //! report is then an unknown request, which the router counts and ignores.
+//!
+//! **Replicas.** With a sync transport attached ([`Shared::attach_sync`]), every change the
+//! router exports is handed to it when the lock is released (the lock guard drains the router's
+//! outbox: no `handle_*` call can forget to), named by worker URL; an operator's add, drain or
+//! remove is handed to it too. Peers' changes come back through [`Shared::apply_peer_events`],
+//! a silent peer's release through [`Shared::release_peer`], and a joining peer is given
+//! [`Shared::sync_snapshot`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, WorkerSpec,
-    max_cached_blocks,
+    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, RouterId,
+    WorkerSpec, max_cached_blocks,
 };
 use kvroute_core::time::{TimeScale, Timestamp};
+use kvroute_sync::{LinkState, WireEvent, WorkerChange};
 use tokio::sync::oneshot;
 
 use crate::checks::{self, Check, Verdict};
@@ -73,6 +81,48 @@ pub struct Shared {
     pub config: ServeConfig,
     /// Each worker rank's cache view: its state, and how to resync it.
     pub(crate) views: Views,
+    /// The sync transport, where this replica's changes go to its peers (set once, when sync
+    /// starts).
+    sync: OnceLock<kvroute_sync::Sync>,
+}
+
+/// The router and registry, locked; releasing the lock hands the router's exported changes to
+/// the sync transport (see the module docs).
+struct Locked<'a> {
+    guard: MutexGuard<'a, Inner>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Inner { router, registry, .. } = &mut *self.guard;
+        match self.shared.sync.get() {
+            Some(sync) => {
+                let out = sync.outgoing();
+                while let Some(event) = router.poll_sync_event() {
+                    let name = |id: WorkerId| registry.get(id).map(|w| w.base.clone());
+                    if let Some(wire) = WireEvent::from_sync(&event, name) {
+                        out.push(wire);
+                    }
+                }
+            }
+            // Not attached yet (starting): nobody to tell.
+            None => while router.poll_sync_event().is_some() {},
+        }
+    }
 }
 
 impl std::fmt::Debug for Shared {
@@ -129,13 +179,123 @@ impl Shared {
             metrics,
             config,
             views: Views::default(),
+            sync: OnceLock::new(),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> Locked<'_> {
         // A panic while holding the lock cannot leave the router half-changed in a way that
         // matters more than stopping: keep serving.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        Locked {
+            guard: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
+            shared: self,
+        }
+    }
+
+    // ---- replicas ----
+
+    /// Sends this replica's changes through `sync` from now on (once; a second transport is
+    /// stopped and ignored).
+    pub fn attach_sync(&self, sync: kvroute_sync::Sync) {
+        if let Err(extra) = self.sync.set(sync) {
+            extra.stop();
+        }
+    }
+
+    /// Whether this replica is connected to its peers; `None` without sync.
+    pub fn sync_link(&self) -> Option<LinkState> {
+        self.sync.get().map(kvroute_sync::Sync::link)
+    }
+
+    /// Stops the sync transport, if any (the replica falls silent to its peers).
+    pub fn stop_sync(&self) {
+        if let Some(sync) = self.sync.get() {
+            sync.stop();
+        }
+    }
+
+    /// Hands an operator's registry change to the peers, if synced.
+    fn announce(&self, change: WorkerChange) {
+        if let Some(sync) = self.sync.get() {
+            sync.outgoing().push(WireEvent::Worker(change));
+        }
+    }
+
+    /// Applies peer `from`'s load changes in order (registry changes are the caller's: they
+    /// start tasks). A booking on a worker this replica does not know is skipped.
+    pub fn apply_peer_events(&self, from: RouterId, events: &[WireEvent]) {
+        let mut inner = self.lock();
+        let now = self.now();
+        let mut out = Vec::new();
+        for wire in events {
+            let Inner { router, registry, .. } = &mut *inner;
+            let Some(event) = wire.to_sync(from, |url| registry.find(url)) else {
+                continue;
+            };
+            if let Ok(o) = router.handle_sync_event(now, &event) {
+                out.extend(o);
+            }
+        }
+        self.dispatch(&mut inner, out);
+        self.settle_drains(&mut inner);
+        drop(inner);
+        self.notify();
+    }
+
+    /// Releases every booking of peer `peer` at once.
+    pub fn release_peer(&self, peer: RouterId) {
+        let mut inner = self.lock();
+        let now = self.now();
+        let out = inner.router.handle_peer_lost(now, peer);
+        self.dispatch(&mut inner, out);
+        self.settle_drains(&mut inner);
+        drop(inner);
+        self.notify();
+    }
+
+    /// This replica's state for a joining peer: its registry (every worker an operator has not
+    /// removed, with its drain) and its in-flight bookings.
+    pub fn sync_snapshot(&self) -> Vec<WireEvent> {
+        let inner = self.lock();
+        let mut events = Vec::new();
+        for (_, w) in inner.registry.iter() {
+            if matches!(w.state, WorkerState::Gone) {
+                continue;
+            }
+            let Ok(config) = serde_json::to_value(&w.config) else {
+                continue;
+            };
+            events.push(WireEvent::Worker(WorkerChange::Added { config }));
+            if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
+                events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));
+            }
+        }
+        let name = |id: WorkerId| inner.registry.get(id).map(|w| w.base.clone());
+        events.extend(
+            inner
+                .router
+                .sync_snapshot()
+                .iter()
+                .filter_map(|e| WireEvent::from_sync(e, name)),
+        );
+        events
+    }
+
+    /// The worker at base URL `url` (no trailing slash), if any.
+    pub fn find_worker(&self, url: &str) -> Option<WorkerId> {
+        self.lock().registry.find(url)
+    }
+
+    /// A peer's drain or removal of a worker (not announced again). Adds are the caller's.
+    pub fn apply_peer_worker_change(&self, change: &WorkerChange) {
+        let (url, event) = match change {
+            WorkerChange::Draining { url } => (url, WorkerEvent::DrainRequested),
+            WorkerChange::Removed { url } => (url, WorkerEvent::Removed),
+            WorkerChange::Added { .. } => return,
+        };
+        if let Some(id) = self.find_worker(url) {
+            self.worker_event(id, event);
+        }
     }
 
     fn now(&self) -> Timestamp {
@@ -314,6 +474,8 @@ impl Shared {
         config
             .validate(self.config.block_size, self.config.disagg_protocol)
             .map_err(|e| e.to_string())?;
+        // Told to the peers (before the registry takes it): an operator's add holds on all.
+        let announced = serde_json::to_value(&config).ok();
         let mut inner = self.lock();
         let (ranks, base) = (config.dp_size, config.url.trim_end_matches('/').to_owned());
         let id = inner.registry.add(config);
@@ -321,6 +483,9 @@ impl Shared {
         self.enter(&mut inner, id);
         self.set_up_gauge(&inner, id, WorkerState::ADDED);
         drop(inner);
+        if let Some(config) = announced {
+            self.announce(WorkerChange::Added { config });
+        }
         self.notify();
         Ok(id)
     }
@@ -328,13 +493,23 @@ impl Shared {
     /// Drains a worker: it keeps its running requests and takes no new ones; once it has none
     /// it leaves the router. False if there is no such worker.
     pub fn drain_worker(&self, id: WorkerId) -> bool {
-        self.worker_event(id, WorkerEvent::DrainRequested).is_some()
+        let url = self.lock().registry.get(id).map(|w| w.base.clone());
+        let done = self.worker_event(id, WorkerEvent::DrainRequested).is_some();
+        if let Some(url) = url.filter(|_| done) {
+            self.announce(WorkerChange::Draining { url });
+        }
+        done
     }
 
     /// Removes a worker: its requests are dropped from the router's books. False if there is no
     /// such worker.
     pub fn remove_worker(&self, id: WorkerId) -> bool {
-        self.worker_event(id, WorkerEvent::Removed).is_some()
+        let url = self.lock().registry.get(id).map(|w| w.base.clone());
+        let done = self.worker_event(id, WorkerEvent::Removed).is_some();
+        if let Some(url) = url.filter(|_| done) {
+            self.announce(WorkerChange::Removed { url });
+        }
+        done
     }
 
     /// Tells worker `id`'s state machine of `event` and carries out what its change of state

@@ -25,6 +25,7 @@
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
+//! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
 
 pub mod admin;
 pub mod checks;
@@ -38,6 +39,7 @@ pub mod observed;
 pub mod parity;
 pub mod proxy;
 pub mod registry;
+pub mod replicas;
 pub mod worker;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};

@@ -809,6 +809,11 @@ impl Metrics {
         }
     }
 
+    /// The registry every metric is in (for other parts' metrics, e.g. replica sync's).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();

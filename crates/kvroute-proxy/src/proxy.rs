@@ -64,6 +64,9 @@ pub enum ServeError {
     /// A worker was refused.
     #[error("worker: {0}")]
     Worker(String),
+    /// Replica sync did not start.
+    #[error("replica sync: {0}")]
+    Sync(String),
 }
 
 pub(crate) struct App {
@@ -115,6 +118,7 @@ impl ProxyHandle {
     /// Stops the proxy: the listeners, every connection and the background tasks.
     pub fn stop(&self) {
         self.shutdown.stop();
+        self.shared.stop_sync();
         for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
         }
@@ -152,7 +156,10 @@ impl Drop for ProxyHandle {
 /// directory), binds, adds the configured workers and starts their event subscribers, health
 /// checks and the router's timers.
 pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<ProxyHandle, ServeError> {
-    let router_config = config.validate()?;
+    let mut router_config = config.validate()?;
+    // A fresh replica id per run: a restarted replica's request ids start over.
+    router_config.router_id = kvroute_sync::fresh_router_id();
+    let replica = router_config.router_id;
     let router = Router::new(router_config).map_err(ConfigError::from)?;
     let model = match model {
         Some(m) => m,
@@ -198,6 +205,12 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     for w in workers {
         add_worker(&app, w).map_err(ServeError::Worker)?;
     }
+    // Join the replicas (with `nats`) before serving: the first request sees their load.
+    let peer_app = Arc::clone(&app);
+    let add = Box::new(move |w: WorkerConfig| add_worker(&peer_app, w).map(|_| ()));
+    crate::replicas::start(&shared, replica, add)
+        .await
+        .map_err(ServeError::Sync)?;
     let shutdown = Shutdown::new();
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
@@ -509,8 +522,14 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         .worker_statuses()
         .iter()
         .any(|w| w.routable && w.config.role() != WorkerRole::Prefill);
+    // With replica sync, whether the peers are heard (routing goes on either way).
+    let sync = app.shared.sync_link().map(kvroute_sync::LinkState::name);
     if serving {
-        (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
+        let body = match sync {
+            Some(sync) => json!({"status": "ok", "sync": sync}),
+            None => json!({"status": "ok"}),
+        };
+        (StatusCode::OK, axum::Json(body)).into_response()
     } else {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -147,6 +147,15 @@ impl Registry {
         self.workers.get(&id)
     }
 
+    /// The worker at base URL `url` (without a trailing slash) that is not gone: how replicas
+    /// name a worker to each other.
+    pub fn find(&self, url: &str) -> Option<WorkerId> {
+        let url = url.trim_end_matches('/');
+        self.iter()
+            .find(|(_, w)| w.base == url && w.state != WorkerState::Gone)
+            .map(|(id, _)| id)
+    }
+
     /// Every worker, in id order.
     pub fn iter(&self) -> impl Iterator<Item = (WorkerId, &WorkerEntry)> {
         self.workers.iter().map(|(&id, w)| (id, w))

@@ -7,6 +7,11 @@
 //! system is the simulated one in compressed time; measured times are multiplied back by the
 //! speedup, so the two columns read in the same (modeled) milliseconds. Differences between them
 //! are the live system's: real scheduling, HTTP, event delays and the proxy's own overhead.
+//!
+//! With `--replicas N` (N > 1), N proxies share the workers, synced through a `nats-server` the
+//! demo starts on loopback (when one is installed; else they run unsynced, saying so), and the
+//! requests are spread over them in turn. Either way the demo ends with a line `cached share:
+//! X`, the engines' cached prompt tokens over all prompt tokens.
 
 use std::io::BufReader;
 use std::sync::Arc;
@@ -51,6 +56,12 @@ pub struct DemoArgs {
     /// event, the services' logs and the result table included).
     #[arg(long, value_enum, default_value_t = crate::serve::LogFormat::Text)]
     pub log_format: crate::serve::LogFormat,
+    /// Router replicas (proxies) sharing the workers, synced over a local NATS server.
+    #[arg(long, default_value_t = 1, value_parser = crate::config::count)]
+    pub replicas: usize,
+    /// Run the replicas without sync (to measure what sync buys and costs).
+    #[arg(long)]
+    pub no_sync: bool,
 }
 
 /// One request's measurements, in wall-clock time.
@@ -95,19 +106,69 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         ),
     );
     let simulated = Simulation::new(sim.clone())?.run(&workload, &mut |_| {})?.report;
-    let live = super::serve::runtime(0)?.block_on(live(&args, &sim, requests))?;
-    let table = kvroute_sim::report::table(&[
-        (format!("{} (simulated)", args.policy), simulated),
-        (format!("{} (live HTTP)", args.policy), live),
-    ]);
+    let (live, share, sync) = super::serve::runtime(0)?.block_on(live(&args, &sim, requests))?;
+    let label = match args.replicas {
+        1 => format!("{} (live HTTP)", args.policy),
+        n => format!("{} (live HTTP, {n} replicas)", args.policy),
+    };
+    let table =
+        kvroute_sim::report::table(&[(format!("{} (simulated)", args.policy), simulated), (label, live)]);
     match format {
-        crate::serve::LogFormat::Text => print!("{table}"),
-        crate::serve::LogFormat::Json => tracing::info!(%table, "demo: the result"),
+        crate::serve::LogFormat::Text => {
+            print!("{table}");
+            if let Some(sync) = &sync {
+                println!("{sync}");
+            }
+            println!("cached share: {share:.4}");
+        }
+        crate::serve::LogFormat::Json => {
+            let sync = sync.map(|s| s.to_string());
+            tracing::info!(%table, sync, cached_share = share, "demo: the result");
+        }
     }
     Ok(())
 }
 
-async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> anyhow::Result<Report> {
+/// Replica sync's traffic over a run, from the proxies' `kvroute_sync_*` counters.
+#[derive(Debug, Default)]
+struct SyncTraffic {
+    messages: f64,
+    bytes: f64,
+    events: f64,
+    requests: usize,
+}
+
+impl std::fmt::Display for SyncTraffic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per = |x: f64| x / self.requests.max(1) as f64;
+        write!(
+            f,
+            "sync traffic: {} messages, {} bytes, {} events sent ({:.2} messages, {:.0} bytes per request)",
+            self.messages,
+            self.bytes,
+            self.events,
+            per(self.messages),
+            per(self.bytes)
+        )
+    }
+}
+
+/// The sum of metric `name`'s values (all label sets) in a text exposition.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with([' ', '{']))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn live(
+    args: &DemoArgs,
+    sim: &SimConfig,
+    requests: Vec<TokenRequest>,
+) -> anyhow::Result<(Report, f64, Option<SyncTraffic>)> {
     let model = Arc::new(Model::tiny()?);
     let mut mc = MockConfig::new(args.workers);
     mc.prefill_workers = args.prefill;
@@ -131,16 +192,38 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
         workers,
         ..ServeConfig::default()
     };
-    let proxy = kvroute_proxy::start(config, Some(model)).await?;
+    // Replicas: a local NATS server when one is installed.
+    let nats = if args.replicas > 1 && !args.no_sync {
+        match kvroute_sync::server::NatsServer::start() {
+            Ok(server) => Some(server),
+            Err(e) => {
+                eprintln!("demo: {e}; the {} replicas run without sync", args.replicas);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let mut proxies = Vec::with_capacity(args.replicas);
+    for _ in 0..args.replicas {
+        let config = ServeConfig {
+            nats: nats.as_ref().map(kvroute_sync::server::NatsServer::url),
+            ..config.clone()
+        };
+        proxies.push(kvroute_proxy::start(config, Some(Arc::clone(&model))).await?);
+    }
     // Let the event subscribers connect (they would recover through replay anyway).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let client = kvroute_http::net::client(Duration::from_secs(5));
-    let url: Arc<str> = format!("{}/v1/completions", proxy.url()).into();
+    let urls: Vec<Arc<str>> = proxies
+        .iter()
+        .map(|p| format!("{}/v1/completions", p.url()).into())
+        .collect();
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
-    for r in requests {
+    for (i, r) in requests.into_iter().enumerate() {
         let at = start + Duration::from_secs_f64(r.arrival.as_secs_f64() / args.speedup);
-        let (client, url) = (client.clone(), Arc::clone(&url));
+        let (client, url) = (client.clone(), Arc::clone(&urls[i % urls.len()]));
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(at.into()).await;
             let mut m = send(&client, &url, &r).await.unwrap_or_default();
@@ -152,16 +235,35 @@ async fn live(args: &DemoArgs, sim: &SimConfig, requests: Vec<TokenRequest>) -> 
     for t in tasks {
         measured.push(t.await.context("a request task failed")?);
     }
-    let snapshot = proxy.shared.snapshot();
-    let lost = proxy
-        .shared
-        .metrics
-        .kv_stream_incidents
-        .with_label_values(&["gap_lost"])
-        .get();
-    drop(proxy);
+    let (mut overlap, mut lost) = ((0, 0), 0);
+    let mut sync = nats.as_ref().map(|_| SyncTraffic {
+        requests: measured.len(),
+        ..SyncTraffic::default()
+    });
+    for proxy in &proxies {
+        let c = proxy.shared.snapshot().counters;
+        overlap.0 += c.overlap_blocks;
+        overlap.1 += c.prompt_blocks;
+        lost += proxy
+            .shared
+            .metrics
+            .kv_stream_incidents
+            .with_label_values(&["gap_lost"])
+            .get();
+        if let Some(s) = &mut sync {
+            let text = proxy.shared.metrics.render();
+            s.messages += metric_sum(&text, "kvroute_sync_messages_sent_total");
+            s.bytes += metric_sum(&text, "kvroute_sync_bytes_sent_total");
+            s.events += metric_sum(&text, "kvroute_sync_events_sent_total");
+        }
+    }
+    drop(proxies);
     drop(mocks);
-    Ok(report(args, sim, &measured, start, &snapshot, lost))
+    // The engines' cached prompt tokens over all prompt tokens (of the requests that finished).
+    let done = measured.iter().filter(|m| m.ok);
+    let (cached, prompt) = done.fold((0, 0), |(c, p), m| (c + m.cached_tokens, p + m.prompt_tokens));
+    let share = cached as f64 / prompt.max(1) as f64;
+    Ok((report(args, sim, &measured, start, overlap, lost), share, sync))
 }
 
 /// Sends one streaming completion and measures it.
@@ -231,7 +333,7 @@ fn report(
     sim: &SimConfig,
     measured: &[Measured],
     start: Instant,
-    snapshot: &kvroute_core::router::RouterMetrics,
+    overlap: (u64, u64),
     lost: u64,
 ) -> Report {
     // Modeled nanoseconds from the start.
@@ -258,8 +360,7 @@ fn report(
     }
     b.itl = Summary::exact(&mut itl);
     b.prefix_cache_tokens = (cached, input);
-    let c = &snapshot.counters;
-    b.router_overlap_blocks = (c.overlap_blocks, c.prompt_blocks);
+    b.router_overlap_blocks = overlap;
     b.kv_events_lost = lost;
     b.build()
 }

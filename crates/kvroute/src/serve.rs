@@ -84,6 +84,22 @@ pub struct ServeOptions {
     /// `kvroute mock` workers started without --model-dir, approximate for real engines.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub approximate_tokenizer: Option<bool>,
+    /// The NATS server router replicas share their load and worker registry through,
+    /// `nats://HOST:PORT` (replicas with the same `--nats-subject-prefix` form one fleet).
+    /// Default: none (no sync: this replica knows only its own requests).
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// The start of every sync subject; fleets with different prefixes can share a NATS
+    /// server. Default `kvroute`.
+    #[arg(long)]
+    pub nats_subject_prefix: Option<String>,
+    /// How often a replica heartbeats on NATS. Default 1,000 ms.
+    #[arg(long)]
+    pub nats_heartbeat_ms: Option<u64>,
+    /// How long a replica may stay silent before its peers release its requests' load.
+    /// Default 3,000 ms.
+    #[arg(long)]
+    pub nats_peer_timeout_ms: Option<u64>,
     /// Name the chosen worker and the predicted cached tokens in response headers
     /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]

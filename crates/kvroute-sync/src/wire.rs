@@ -1,0 +1,412 @@
+//! The wire format of replica sync: one JSON [`Envelope`] per NATS message, versioned.
+//!
+//! Workers are named on the wire by their base URL and data-parallel rank ([`WorkerRef`]), never
+//! by a replica's own [`WorkerId`]s, which each replica assigns in the order it learns of its
+//! workers. The converters ([`WireEvent::from_sync`], [`WireEvent::to_sync`]) take the
+//! replica's mapping as closures.
+//!
+//! [`decode`] never panics: it refuses a message over [`MAX_MESSAGE_BYTES`], bytes that are not
+//! an envelope of this version, and batches past [`MAX_EVENTS`] events or chains past
+//! [`MAX_CHAIN_BLOCKS`] blocks, each with a [`DecodeError`] naming what was wrong.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
+use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent};
+use serde::{Deserialize, Serialize};
+
+/// The format version this build writes and reads.
+pub const WIRE_VERSION: u32 = 1;
+/// The largest message decoded (NATS's default `max_payload` is 1 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+/// The most events one message may carry.
+pub const MAX_EVENTS: usize = 1 << 16;
+/// The most prompt blocks one booking may carry.
+pub const MAX_CHAIN_BLOCKS: usize = 1 << 17;
+
+/// One message: who sent it, in which format version, and what it says.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    /// The format version ([`WIRE_VERSION`]).
+    pub v: u32,
+    /// The sending replica.
+    pub from: u64,
+    /// What it says.
+    pub body: Body,
+}
+
+/// What a message says.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Body {
+    /// A batch of the sender's changes, in the order it made them.
+    Events {
+        /// The changes.
+        events: Vec<WireEvent>,
+    },
+    /// The sender is alive.
+    Heartbeat,
+    /// Asks every replica (or the one addressed) for its [`Body::Snapshot`]; sent with a reply
+    /// subject.
+    SnapshotRequest,
+    /// The sender's whole state: its registry and its in-flight bookings. A reply to a
+    /// [`Body::SnapshotRequest`], or announced after a reconnection. Part 0 replaces whatever
+    /// the receiver held of the sender's bookings; later parts (a large state is sent in parts
+    /// under the size limit) add to it.
+    Snapshot {
+        /// Every replica the sender hears (itself excluded), so a joining replica knows whose
+        /// answers to wait for.
+        peers: Vec<u64>,
+        /// The part's number, from 0.
+        part: u32,
+        /// Whether it is the last part.
+        last: bool,
+        /// Its registry (as [`WireEvent::Worker`]) then its bookings (as [`WireEvent::Added`]
+        /// and [`WireEvent::PrefillDone`]).
+        events: Vec<WireEvent>,
+    },
+}
+
+/// A worker rank, as every replica names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerRef {
+    /// The worker's base URL (no trailing slash).
+    pub url: String,
+    /// The data-parallel rank.
+    pub rank: u32,
+}
+
+/// One change a replica made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WireEvent {
+    /// A request was booked ([`LoadChange::Added`]).
+    Added {
+        /// The sender's request id.
+        r: u64,
+        /// The decode worker.
+        w: WorkerRef,
+        /// The prefill worker, when disaggregated.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pw: Option<WorkerRef>,
+        /// Prompt blocks cached on `w` at admission.
+        o: u32,
+        /// Prompt tokens.
+        pt: u64,
+        /// Sequence hashes of the prompt's full blocks.
+        c: Vec<u64>,
+        /// Prefill load hint: uncached prompt tokens.
+        ht: u64,
+        /// Prefill load hint: expected duration, nanoseconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hd: Option<u64>,
+        /// Output-length hint.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        eo: Option<u32>,
+    },
+    /// The request's prefill is done ([`LoadChange::PrefillDone`]).
+    PrefillDone {
+        /// The sender's request id.
+        r: u64,
+    },
+    /// The request left the books ([`LoadChange::Freed`]).
+    Freed {
+        /// The sender's request id.
+        r: u64,
+    },
+    /// An operator's change to the worker registry.
+    Worker(WorkerChange),
+}
+
+/// An operator's change to the worker registry (health is each replica's own business).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WorkerChange {
+    /// A worker was added, with its configuration (the proxy's `[[worker]]` table, as JSON; the
+    /// receiver validates it as it would its own).
+    Added {
+        /// The configuration.
+        config: serde_json::Value,
+    },
+    /// The worker at `url` is draining.
+    Draining {
+        /// Its base URL.
+        url: String,
+    },
+    /// The worker at `url` was removed.
+    Removed {
+        /// Its base URL.
+        url: String,
+    },
+}
+
+/// Why bytes were not a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// Larger than [`MAX_MESSAGE_BYTES`].
+    #[error("message of {0} bytes is over the limit of {MAX_MESSAGE_BYTES}")]
+    TooLarge(usize),
+    /// Not JSON of an envelope (the path and reason are serde's).
+    #[error("not a sync message: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// Another format version.
+    #[error("sync format version {0}; this build reads {WIRE_VERSION}")]
+    Version(u32),
+    /// Too many events in one message.
+    #[error("{0} events in one message; at most {MAX_EVENTS}")]
+    TooManyEvents(usize),
+    /// A booking with too long a chain.
+    #[error("a booking of {0} blocks; at most {MAX_CHAIN_BLOCKS}")]
+    ChainTooLong(usize),
+}
+
+/// About how many bytes `event` takes on the wire (for cutting batches under the size limit).
+pub fn weight(event: &WireEvent) -> usize {
+    match event {
+        WireEvent::Added { w, pw, c, .. } => {
+            160 + w.url.len() + pw.as_ref().map_or(0, |p| p.url.len() + 24) + 21 * c.len()
+        }
+        WireEvent::PrefillDone { .. } | WireEvent::Freed { .. } => 40,
+        WireEvent::Worker(WorkerChange::Added { config }) => 64 + config.to_string().len(),
+        WireEvent::Worker(WorkerChange::Draining { url } | WorkerChange::Removed { url }) => 64 + url.len(),
+    }
+}
+
+/// Cuts `events` into runs of at most `max_events` events and about `max_bytes` bytes each
+/// (an event larger than `max_bytes` goes alone), in order. Empty in, empty out.
+pub fn pack(events: Vec<WireEvent>, max_events: usize, max_bytes: usize) -> Vec<Vec<WireEvent>> {
+    let mut out = Vec::new();
+    let (mut run, mut bytes) = (Vec::new(), 0);
+    for e in events {
+        let w = weight(&e);
+        if !run.is_empty() && (run.len() >= max_events.max(1) || bytes + w > max_bytes) {
+            out.push(std::mem::take(&mut run));
+            bytes = 0;
+        }
+        bytes += w;
+        run.push(e);
+    }
+    if !run.is_empty() {
+        out.push(run);
+    }
+    out
+}
+
+/// Serializes an envelope.
+pub fn encode(envelope: &Envelope) -> Vec<u8> {
+    // Plain data with string keys: serialization cannot fail.
+    serde_json::to_vec(envelope).unwrap_or_default()
+}
+
+/// Parses and checks a message. Never panics.
+pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(DecodeError::TooLarge(bytes.len()));
+    }
+    // The version first, so a future format is named as such rather than as malformed.
+    #[derive(Deserialize)]
+    struct Version {
+        v: u32,
+    }
+    let Version { v } = serde_json::from_slice(bytes)?;
+    if v != WIRE_VERSION {
+        return Err(DecodeError::Version(v));
+    }
+    let envelope: Envelope = serde_json::from_slice(bytes)?;
+    let events = match &envelope.body {
+        Body::Events { events } | Body::Snapshot { events, .. } => events.as_slice(),
+        Body::Heartbeat | Body::SnapshotRequest => &[],
+    };
+    if events.len() > MAX_EVENTS {
+        return Err(DecodeError::TooManyEvents(events.len()));
+    }
+    for e in events {
+        if let WireEvent::Added { c, .. } = e
+            && c.len() > MAX_CHAIN_BLOCKS
+        {
+            return Err(DecodeError::ChainTooLong(c.len()));
+        }
+    }
+    Ok(envelope)
+}
+
+impl WireEvent {
+    /// The wire form of `event`, naming workers through `name` (a worker's base URL); `None` if
+    /// `name` knows a worker it books on no longer.
+    pub fn from_sync(event: &SyncEvent, name: impl Fn(WorkerId) -> Option<String>) -> Option<Self> {
+        let r = event.request.0;
+        let reference = |key: WorkerKey| {
+            name(key.worker).map(|url| WorkerRef {
+                url,
+                rank: key.dp_rank.0,
+            })
+        };
+        Some(match &event.change {
+            LoadChange::Added(b) => WireEvent::Added {
+                r,
+                w: reference(b.worker)?,
+                pw: match b.prefill_worker {
+                    Some(p) => Some(reference(p)?),
+                    None => None,
+                },
+                o: b.overlap_blocks,
+                pt: b.prompt_tokens,
+                c: b.chain.iter().map(|h| h.0).collect(),
+                ht: b.hint.tokens,
+                hd: b
+                    .hint
+                    .expected_duration
+                    .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+                eo: b.expected_output_tokens,
+            },
+            LoadChange::PrefillDone => WireEvent::PrefillDone { r },
+            LoadChange::Freed => WireEvent::Freed { r },
+        })
+    }
+
+    /// The router's form of this event from replica `from`, finding workers through `id` (a
+    /// base URL to this replica's id). `None` for a registry change, or a booking on a worker
+    /// this replica does not know.
+    pub fn to_sync(&self, from: RouterId, id: impl Fn(&str) -> Option<WorkerId>) -> Option<SyncEvent> {
+        let key = |w: &WorkerRef| id(&w.url).map(|worker| WorkerKey::new(worker, DpRank(w.rank)));
+        let (r, change) = match self {
+            WireEvent::Added {
+                r,
+                w,
+                pw,
+                o,
+                pt,
+                c,
+                ht,
+                hd,
+                eo,
+            } => {
+                let booking = Booking {
+                    worker: key(w)?,
+                    overlap_blocks: *o,
+                    prefill_worker: match pw {
+                        Some(p) => Some(key(p)?),
+                        None => None,
+                    },
+                    prompt_tokens: *pt,
+                    chain: c.iter().map(|&h| SequenceHash(h)).collect::<Arc<[_]>>(),
+                    hint: PrefillLoadHint {
+                        tokens: *ht,
+                        expected_duration: hd.map(Duration::from_nanos),
+                    },
+                    expected_output_tokens: *eo,
+                };
+                (*r, LoadChange::Added(booking))
+            }
+            WireEvent::PrefillDone { r } => (*r, LoadChange::PrefillDone),
+            WireEvent::Freed { r } => (*r, LoadChange::Freed),
+            WireEvent::Worker(_) => return None,
+        };
+        Some(SyncEvent {
+            router: from,
+            request: RequestId(r),
+            change,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booking() -> SyncEvent {
+        SyncEvent {
+            router: RouterId(7),
+            request: RequestId(42),
+            change: LoadChange::Added(Booking {
+                worker: WorkerKey::new(WorkerId(3), DpRank(1)),
+                overlap_blocks: 2,
+                prefill_worker: Some(WorkerKey::new(WorkerId(4), DpRank(0))),
+                prompt_tokens: 100,
+                chain: vec![SequenceHash(1), SequenceHash(u64::MAX)].into(),
+                hint: PrefillLoadHint {
+                    tokens: 68,
+                    expected_duration: Some(Duration::from_millis(5)),
+                },
+                expected_output_tokens: Some(9),
+            }),
+        }
+    }
+
+    #[test]
+    fn events_round_trip_through_urls_and_bytes() {
+        let name = |w: WorkerId| Some(format!("http://w{}", w.0));
+        let id = |u: &str| u.strip_prefix("http://w")?.parse().ok().map(WorkerId);
+        let events = [
+            booking(),
+            SyncEvent {
+                router: RouterId(7),
+                request: RequestId(42),
+                change: LoadChange::PrefillDone,
+            },
+            SyncEvent {
+                router: RouterId(7),
+                request: RequestId(42),
+                change: LoadChange::Freed,
+            },
+        ];
+        let wire: Vec<WireEvent> = events
+            .iter()
+            .map(|e| WireEvent::from_sync(e, name).unwrap())
+            .collect();
+        let envelope = Envelope {
+            v: WIRE_VERSION,
+            from: 7,
+            body: Body::Events { events: wire },
+        };
+        let back = decode(&encode(&envelope)).unwrap();
+        assert_eq!(back, envelope);
+        let Body::Events { events: wire } = back.body else {
+            panic!()
+        };
+        let again: Vec<SyncEvent> = wire.iter().map(|e| e.to_sync(RouterId(7), id).unwrap()).collect();
+        assert_eq!(again, events);
+    }
+
+    #[test]
+    fn an_unknown_worker_is_no_event() {
+        let wire = WireEvent::from_sync(&booking(), |w| Some(format!("http://w{}", w.0))).unwrap();
+        assert!(wire.to_sync(RouterId(7), |_| None).is_none());
+        assert!(WireEvent::from_sync(&booking(), |_| None).is_none());
+    }
+
+    #[test]
+    fn bad_messages_are_named() {
+        // (bytes, expected error's text contains)
+        let cases: &[(&[u8], &str)] = &[
+            (b"", "not a sync message"),
+            (br#"{"v":2,"from":1,"body":{"kind":"heartbeat"}}"#, "version 2"),
+            (
+                br#"{"v":1,"from":1,"body":{"kind":"gossip"}}"#,
+                "not a sync message",
+            ),
+            (
+                br#"{"v":1,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
+                "not a sync message",
+            ),
+            (
+                br#"{"v":1,"from":-1,"body":{"kind":"heartbeat"}}"#,
+                "not a sync message",
+            ),
+            (
+                br#"{"v":1,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
+                "not a sync message",
+            ),
+        ];
+        for (bytes, want) in cases {
+            let err = decode(bytes).unwrap_err().to_string();
+            assert!(err.contains(want), "{:?}: {err}", String::from_utf8_lossy(bytes));
+        }
+        let big = vec![b' '; MAX_MESSAGE_BYTES + 1];
+        assert!(matches!(decode(&big), Err(DecodeError::TooLarge(_))));
+    }
+}

@@ -1,0 +1,122 @@
+//! The sync decoder never panics on hostile bytes, and whatever it accepts re-encodes to bytes
+//! that decode to the same message.
+
+use kvroute_sync::wire::{
+    Body, Envelope, WIRE_VERSION, WireEvent, WorkerChange, WorkerRef, decode, encode, pack,
+};
+use proptest::prelude::*;
+
+fn worker() -> impl Strategy<Value = WorkerRef> {
+    ("[a-z:/0-9.]{0,24}", 0u32..4).prop_map(|(url, rank)| WorkerRef { url, rank })
+}
+
+fn event() -> impl Strategy<Value = WireEvent> {
+    prop_oneof![
+        (
+            any::<u64>(),
+            worker(),
+            proptest::option::of(worker()),
+            any::<u32>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u64>(), 0..20),
+            any::<u64>(),
+            proptest::option::of(any::<u64>()),
+            proptest::option::of(any::<u32>()),
+        )
+            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo)| WireEvent::Added {
+                r,
+                w,
+                pw,
+                o,
+                pt,
+                c,
+                ht,
+                hd,
+                eo
+            }),
+        any::<u64>().prop_map(|r| WireEvent::PrefillDone { r }),
+        any::<u64>().prop_map(|r| WireEvent::Freed { r }),
+        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Draining { url })),
+        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Removed { url })),
+        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Added {
+            config: serde_json::json!({ "url": url, "dp": 2 })
+        })),
+    ]
+}
+
+fn envelope() -> impl Strategy<Value = Envelope> {
+    let body = prop_oneof![
+        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events { events }),
+        Just(Body::Heartbeat),
+        Just(Body::SnapshotRequest),
+        (
+            proptest::collection::vec(any::<u64>(), 0..4),
+            any::<u32>(),
+            any::<bool>(),
+            proptest::collection::vec(event(), 0..8)
+        )
+            .prop_map(|(peers, part, last, events)| Body::Snapshot {
+                peers,
+                part,
+                last,
+                events
+            }),
+    ];
+    (any::<u64>(), body).prop_map(|(from, body)| Envelope {
+        v: WIRE_VERSION,
+        from,
+        body,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn messages_round_trip(e in envelope()) {
+        prop_assert_eq!(decode(&encode(&e)).unwrap(), e);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        if let Ok(e) = decode(&bytes) {
+            prop_assert_eq!(decode(&encode(&e)).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn mutated_messages_never_panic(
+        e in envelope(),
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = encode(&e);
+        for (at, b) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = b;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        if let Ok(e) = decode(&bytes) {
+            prop_assert_eq!(decode(&encode(&e)).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn packing_keeps_order_and_limits(
+        events in proptest::collection::vec(event(), 0..64),
+        max_events in 1usize..10,
+        max_bytes in 1usize..2000,
+    ) {
+        let runs = pack(events.clone(), max_events, max_bytes);
+        prop_assert!(runs.iter().all(|r| !r.is_empty() && r.len() <= max_events));
+        prop_assert_eq!(runs.into_iter().flatten().collect::<Vec<_>>(), events);
+    }
+}
+
+#[test]
+fn deeply_nested_json_is_refused_not_a_stack_overflow() {
+    let mut bytes =
+        br#"{"v":1,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
+    bytes.extend(std::iter::repeat_n(b'[', 100_000));
+    assert!(decode(&bytes).is_err());
+}
