@@ -106,7 +106,10 @@ fn main() {
                 );
             });
             let rewrite_ms = time(rounds, || {
-                black_box(openai::engine_body(&parsed, black_box(&bytes), openai::KvCacheReport::Incremental).expect("rewrites"));
+                black_box(
+                    openai::engine_body(&parsed, black_box(&bytes), openai::KvCacheReport::Incremental)
+                        .expect("rewrites"),
+                );
             });
             // The conversation cache on: a cold body under the default prompt limit (refused
             // once over it), and a follow-up turn (the body plus one short message; each round

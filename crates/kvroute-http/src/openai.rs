@@ -147,6 +147,10 @@ pub struct Parsed {
     /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`]); an
     /// engine reads them.
     pub internal_fields: Vec<&'static str>,
+    /// Those of [`INTERNAL_FIELDS`] the body's `vllm_xargs` has: vLLM copies `vllm_xargs` into a
+    /// request's extra arguments, where its KV connector finds `kv_transfer_params` when the
+    /// top-level field is absent, so they are stripped there too.
+    pub internal_xargs: Vec<&'static str>,
     /// vLLM's KV-event report mode the request asks for (`vllm_xargs.kv_cache_report_mode`),
     /// if it names one: the proxy strips it ([`engine_body`]) and sets its own; an engine
     /// follows it.
@@ -208,6 +212,7 @@ impl Parsed {
 /// client's with the router's.
 pub const INTERNAL_FIELDS: &[&str] = &[
     "kv_transfer_params",
+    "ec_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -288,6 +293,14 @@ pub fn parse_with(
         .copied()
         .filter(|f| obj.contains_key(*f))
         .collect();
+    let internal_xargs = match obj.get("vllm_xargs") {
+        Some(Value::Object(xargs)) => INTERNAL_FIELDS
+            .iter()
+            .copied()
+            .filter(|f| xargs.contains_key(*f))
+            .collect(),
+        _ => Vec::new(),
+    };
     let kv_cache_report = KvCacheReport::from_xargs(obj.get("vllm_xargs"));
     Ok(Parsed {
         stream,
@@ -301,6 +314,7 @@ pub fn parse_with(
         model: model_name,
         cache_salt,
         internal_fields,
+        internal_xargs,
         kv_cache_report,
     })
 }
@@ -378,10 +392,11 @@ pub fn engine_body(parsed: &Parsed, body: &[u8], report: KvCacheReport) -> Resul
     let replace_prompt = matches!(parsed.prompt, Prompt::Text(_)) && !parsed.echo;
     let ask_usage = parsed.usage_requested_for_client();
     let set_report = report == KvCacheReport::Full || parsed.kv_cache_report.is_some();
-    if parsed.internal_fields.is_empty() && !replace_prompt && !ask_usage && !set_report {
+    let strip = !parsed.internal_fields.is_empty() || !parsed.internal_xargs.is_empty();
+    if !strip && !replace_prompt && !ask_usage && !set_report {
         return Ok(None);
     }
-    if parsed.internal_fields.is_empty() && !replace_prompt && !set_report && !parsed.stream_options {
+    if !strip && !replace_prompt && !set_report && !parsed.stream_options {
         // Only `stream_options` to add, and the body has none: spliced in after the opening
         // brace (the body is an object with at least `stream`), so a big body is neither
         // parsed again nor serialized.
@@ -404,6 +419,17 @@ pub fn engine_body(parsed: &Parsed, body: &[u8], report: KvCacheReport) -> Resul
         tracing::info!(fields = ?parsed.internal_fields, "stripped internal fields from a client's request");
         for field in &parsed.internal_fields {
             obj.remove(*field);
+        }
+    }
+    if !parsed.internal_xargs.is_empty() {
+        tracing::info!(fields = ?parsed.internal_xargs, "stripped internal fields from a client's vllm_xargs");
+        if let Some(Value::Object(xargs)) = obj.get_mut("vllm_xargs") {
+            for field in &parsed.internal_xargs {
+                xargs.remove(*field);
+            }
+            if xargs.is_empty() {
+                obj.remove("vllm_xargs");
+            }
         }
     }
     if replace_prompt {
@@ -1146,6 +1172,21 @@ mod tests {
                 json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "incremental"}}),
                 Full,
                 Some(json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}})),
+            ), // vLLM reads `kv_transfer_params` from `vllm_xargs` too: stripped there as well.
+            (
+                json!({"prompt": [1], "vllm_xargs": {"kv_transfer_params": {"remote_host": "10.6.6.6"}, "session_id": "s"}}),
+                Incremental,
+                Some(json!({"prompt": [1], "vllm_xargs": {"session_id": "s"}})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"kv_transfer_params": "x", "ec_transfer_params": "y"}}),
+                Full,
+                Some(json!({"prompt": [1], "vllm_xargs": {"kv_cache_report_mode": "full"}})),
+            ),
+            (
+                json!({"prompt": [1], "vllm_xargs": {"ec_transfer_params": ["h"]}}),
+                Incremental,
+                Some(json!({"prompt": [1]})),
             ),
         ];
         for (body, report, want) in table {
