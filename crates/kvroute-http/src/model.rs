@@ -22,7 +22,7 @@ use minijinja::{Environment, ErrorKind, Value};
 use serde_json::Value as Json;
 use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
 
-use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup};
+use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, whole_answer};
 
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
 /// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
@@ -242,17 +242,7 @@ impl Model {
             SpecialTokens::Omit => self.chat_cache.encode(&self.boundaries, text, limit, |t| {
                 self.encode(t, SpecialTokens::Omit)
             }),
-            SpecialTokens::Add => {
-                let tokens = self.encode(text, special)?;
-                let lookup = Lookup {
-                    reused_tokens: 0,
-                    tokenized_bytes: text.len(),
-                };
-                Ok(match tokens.len() > limit {
-                    true => (Encoded::TooLong(tokens.len()), lookup),
-                    false => (Encoded::Tokens(tokens), lookup),
-                })
-            }
+            SpecialTokens::Add => Ok(whole_answer(self.encode(text, special)?, text, limit)),
         }
     }
 

@@ -397,17 +397,7 @@ impl ChatCache {
         limit: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
     ) -> Result<(Encoded, Lookup), PromptError> {
-        let whole = |text: &str| {
-            let tokens = encode(text)?;
-            let lookup = Lookup {
-                reused_tokens: 0,
-                tokenized_bytes: text.len(),
-            };
-            Ok(match tokens.len() > limit {
-                true => (Encoded::TooLong(tokens.len()), lookup),
-                false => (Encoded::Tokens(tokens), lookup),
-            })
-        };
+        let whole = |text: &str| Ok(whole_answer(encode(text)?, text, limit));
         if self.limit() == 0 || boundaries.is_empty() {
             return whole(text);
         }
@@ -574,5 +564,18 @@ impl Collector for CacheCollector {
         .into_iter()
         .flatten()
         .collect()
+    }
+}
+
+/// The answer for `text` tokenized whole into `tokens`: nothing reused; past `limit` tokens,
+/// [`Encoded::TooLong`].
+pub(crate) fn whole_answer(tokens: Vec<u32>, text: &str, limit: usize) -> (Encoded, Lookup) {
+    let lookup = Lookup {
+        reused_tokens: 0,
+        tokenized_bytes: text.len(),
+    };
+    match tokens.len() > limit {
+        true => (Encoded::TooLong(tokens.len()), lookup),
+        false => (Encoded::Tokens(tokens), lookup),
     }
 }
