@@ -222,11 +222,6 @@ pub enum LogFormat {
     Json,
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
-pub fn init_logging() {
-    init_logging_as(LogFormat::Text);
-}
-
 /// A line for the person who started a command, on stderr: as it is with text logs; with JSON
 /// logs, one log event through `tracing` (the line its message), so that every line is JSON.
 pub fn say(format: LogFormat, line: &str) {
