@@ -459,8 +459,13 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
                 "catching up through the replay socket"
             );
             shared.views.replaying(worker, Some((from, endpoint)));
+            shared.notify();
         }
-        SubscriberEvent::Replayed { worker } => shared.views.replaying(worker, None),
+        SubscriberEvent::Replayed { worker } => {
+            shared.views.replaying(worker, None);
+            // Waiters on the view's state (tests, the admin listing's readers) see it end.
+            shared.notify();
+        }
         SubscriberEvent::Error { worker, error } => {
             tracing::debug!(
                 worker = worker.worker.0,

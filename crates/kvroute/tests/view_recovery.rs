@@ -185,6 +185,11 @@ async fn an_engine_restart_clears_the_view_before_the_new_run_publishes() {
     })
     .await;
     assert_eq!(incidents(&proxy, "restarted"), 1);
+    // The resync that found the new run may still be reporting its replay.
+    until(&proxy, "the resync over", |p| {
+        !matches!(view(p), ViewSummary::Replaying { .. })
+    })
+    .await;
     assert_eq!(view(&proxy), ViewSummary::Live, "an empty engine's view is exact");
 
     // The new run's events build the view from 0.
@@ -207,7 +212,7 @@ async fn a_gap_inside_the_replay_buffer_is_replayed_and_the_view_is_complete() {
     publish(&publisher, vec![stored(6, 1, Some(5))]);
     publish(&publisher, vec![stored(7, 1, Some(6))]);
     until(&proxy, "all 7 blocks, the 3 lost ones replayed", |p| {
-        cached(p) == 7
+        cached(p) == 7 && !matches!(view(p), ViewSummary::Replaying { .. })
     })
     .await;
     let c = counters(&proxy);
@@ -240,7 +245,7 @@ async fn a_gap_beyond_the_replay_buffer_clears_the_view_says_so_and_new_events_r
     }
     publish(&publisher, vec![stored(100, 2, None)]);
     until(&proxy, "the view cleared and rebuilt from what followed", |p| {
-        incidents(p, "gap_lost") == 1 && cached(p) == 2
+        incidents(p, "gap_lost") == 1 && cached(p) == 2 && !matches!(view(p), ViewSummary::Replaying { .. })
     })
     .await;
     let since = match view(&proxy) {
@@ -312,7 +317,7 @@ async fn a_health_flap_without_restart_keeps_the_view_and_replays_what_was_misse
     }
     assert!(proxy.shared.any_routable());
     until(&proxy, "the kept view and the 3 missed blocks", |p| {
-        cached(p) == 6
+        cached(p) == 6 && !matches!(view(p), ViewSummary::Replaying { .. })
     })
     .await;
     let c = counters(&proxy);
@@ -356,7 +361,10 @@ async fn at_startup_the_view_takes_what_the_engine_still_buffers_without_waiting
     publish(&publisher, vec![stored(1, 3, None)]);
     publish(&publisher, vec![stored(4, 2, Some(3))]);
     let proxy = proxy_for(&publisher).await;
-    until(&proxy, "the buffered 5 blocks", |p| cached(p) == 5).await;
+    until(&proxy, "the buffered 5 blocks", |p| {
+        cached(p) == 5 && !matches!(view(p), ViewSummary::Replaying { .. })
+    })
+    .await;
     let c = counters(&proxy);
     assert_eq!((c.emitted, c.replayed, c.gaps_lost), (2, 2, 0), "{c:?}");
     assert_eq!(view(&proxy), ViewSummary::Live);
