@@ -14,6 +14,8 @@
 
 #[path = "support/gauges.rs"]
 mod gauges;
+#[path = "support/stub.rs"]
+mod stub;
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -24,7 +26,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_http::net::{self, HttpClient, Shutdown};
-use kvroute_http::openai::types::{Completion, CompletionChoice, FinishReason, Object, Usage};
+use kvroute_http::openai::types::Usage;
 use kvroute_mock::{self as mock, MockConfig, MockWorker};
 use kvroute_proxy::events::ViewSummary;
 use kvroute_proxy::worker::StateName;
@@ -61,20 +63,7 @@ impl Stub {
         let answer = move || async move {
             tx.send(()).unwrap();
             gate.acquire().await.unwrap().forget();
-            axum::Json(Completion {
-                id: "cmpl-stub".into(),
-                object: Object::TextCompletion,
-                created: 0,
-                model: "tiny".into(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text: "ok".into(),
-                    logprobs: None,
-                    finish_reason: Some(FinishReason::Stop),
-                }],
-                usage: Some(Usage::new(1, 1, 0)),
-                kv_transfer_params: None,
-            })
+            axum::Json(stub::completion("cmpl-stub", Some(Usage::new(1, 1, 0))))
         };
         let routes = axum::Router::new().route("/v1/completions", post(answer)).route(
             "/health",

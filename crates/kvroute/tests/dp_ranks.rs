@@ -5,6 +5,9 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/stub.rs"]
+mod stub;
+
 use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
@@ -14,7 +17,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_http::net::HttpClient;
-use kvroute_http::openai::types::{Completion, CompletionChoice, FinishReason, Object};
+use kvroute_http::openai::types::Completion;
 use kvroute_mock::{self as mock, MockConfig};
 use kvroute_proxy::{EngineKind, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
@@ -41,20 +44,7 @@ async fn recording_upstream() -> (String, Seen) {
                     seen.lock()
                         .unwrap()
                         .push((rank, serde_json::from_slice(&body).unwrap()));
-                    axum::Json(Completion {
-                        id: "c".into(),
-                        object: Object::TextCompletion,
-                        created: 0,
-                        model: "tiny".into(),
-                        choices: vec![CompletionChoice {
-                            index: 0,
-                            text: "ok".into(),
-                            logprobs: None,
-                            finish_reason: Some(FinishReason::Stop),
-                        }],
-                        usage: None,
-                        kv_transfer_params: None,
-                    })
+                    axum::Json(stub::completion("c", None))
                 },
             ),
         )

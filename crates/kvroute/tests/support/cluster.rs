@@ -6,6 +6,8 @@
 
 #[path = "gauges.rs"]
 pub mod gauges;
+#[path = "stub.rs"]
+pub mod stub;
 
 pub use std::sync::Arc;
 pub use std::time::Duration;
@@ -240,20 +242,7 @@ impl Held {
         let answer = move |body: bytes::Bytes| async move {
             tx.send(serde_json::from_slice(&body).unwrap()).unwrap();
             gate.acquire().await.unwrap().forget();
-            axum::Json(Completion {
-                id: "cmpl-held".into(),
-                object: Object::TextCompletion,
-                created: 0,
-                model: "tiny".into(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text: "ok".into(),
-                    logprobs: None,
-                    finish_reason: Some(FinishReason::Stop),
-                }],
-                usage: Some(Usage::new(1, 1, 0)),
-                kv_transfer_params: None,
-            })
+            axum::Json(stub::completion("cmpl-held", Some(Usage::new(1, 1, 0))))
         };
         let routes = axum::Router::new()
             .route("/v1/completions", post(answer))
