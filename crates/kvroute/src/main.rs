@@ -140,13 +140,31 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // Under JSON logs the error is a log line too.
+            let line = one_line(&e);
             match format {
-                Some(LogFormat::Json) => tracing::error!("error: {e:#}"),
-                _ => eprintln!("error: {e:#}"),
+                Some(LogFormat::Json) => tracing::error!("error: {line}"),
+                _ => eprintln!("error: {line}"),
             }
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, after colons; a cause whose text its parent's message
+/// already ends with (a library error that both shows and returns its source) is said once.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 impl Command {

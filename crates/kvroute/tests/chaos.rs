@@ -178,6 +178,35 @@ async fn until_state(proxy: &ProxyHandle, id: usize, state: StateName) {
     assert!(reached, "worker {id} never became {state:?}");
 }
 
+/// Sends a one-token completion that the stub (worker 0) holds, then adds the other worker
+/// (`others[0]`) once it is booked there: the in-flight request every chaos case starts from.
+async fn held_on_stub(
+    p: &ProxyHandle,
+    stub: &mut Stub,
+    others: &[MockWorker],
+    prompt: &str,
+) -> tokio::task::JoinHandle<(u16, String)> {
+    let (url, body) = (p.url(), json!({"prompt": prompt, "max_tokens": 1}));
+    let held = tokio::spawn(async move {
+        let http = net::client(Duration::from_secs(5));
+        post(&http, &url, "/v1/completions", &body).await
+    });
+    stub.arrived().await;
+    p.shared.add_worker(flags(others).remove(0)).unwrap();
+    until_gauges_are(p, &[(0, 1)]).await;
+    held
+}
+
+/// Sends `n` short completions one after another (prompts `"{prefix} {i}"`); each must succeed.
+async fn all_served(url: &str, n: usize, prefix: &str) {
+    let http = net::client(Duration::from_secs(5));
+    for i in 0..n {
+        let body = json!({"prompt": format!("{prefix} {i}"), "max_tokens": 2});
+        let (status, out) = post(&http, url, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{out}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_return() {
     let mut stub = Stub::start().await;
@@ -185,33 +214,12 @@ async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_ret
     let p = proxy(vec![WorkerConfig::new(stub.url.clone())], |_| {}).await;
     let url = p.url();
     // A request held by the stub (worker 0): in flight, booked there.
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move {
-            let http = net::client(Duration::from_secs(5));
-            post(
-                &http,
-                &url,
-                "/v1/completions",
-                &json!({"prompt": "held", "max_tokens": 1}),
-            )
-            .await
-        }
-    });
-    stub.arrived().await;
-    // The other worker joins once the request is on the stub (worker 0).
-    p.shared.add_worker(flags(&others).remove(0)).unwrap();
-    until_gauges_are(&p, &[(0, 1)]).await;
+    let held = held_on_stub(&p, &mut stub, &others, "held").await;
     // The stub's health fails, then passes again; the request is still in flight.
     stub.healthy.store(false, Ordering::SeqCst);
     until_state(&p, 0, StateName::Unhealthy).await;
     // Meanwhile requests go to the other worker and succeed.
-    let http = net::client(Duration::from_secs(5));
-    for i in 0..3 {
-        let body = json!({"prompt": format!("during {i}"), "max_tokens": 2});
-        let (status, out) = post(&http, &url, "/v1/completions", &body).await;
-        assert_eq!(status, 200, "{out}");
-    }
+    all_served(&url, 3, "during").await;
     stub.healthy.store(true, Ordering::SeqCst);
     until_state(&p, 0, StateName::Ready).await;
     // The held request finishes, unharmed by the flap.
@@ -221,11 +229,7 @@ async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_ret
     until_gauges_are(&p, &[]).await;
     // And the flapped worker serves again: the next request on it is booked and freed.
     stub.release.add_permits(2);
-    for i in 0..2 {
-        let body = json!({"prompt": format!("after {i}"), "max_tokens": 2});
-        let (status, out) = post(&http, &url, "/v1/completions", &body).await;
-        assert_eq!(status, 200, "{out}");
-    }
+    all_served(&url, 2, "after").await;
     until_gauges_are(&p, &[]).await;
 }
 
@@ -235,35 +239,14 @@ async fn an_engine_killed_with_a_request_in_flight_fails_only_that_request() {
     let others = mocks(1, |_| {}).await;
     let p = proxy(vec![WorkerConfig::new(stub.url.clone())], |_| {}).await;
     let url = p.url();
-    let doomed = tokio::spawn({
-        let url = url.clone();
-        async move {
-            let http = net::client(Duration::from_secs(5));
-            post(
-                &http,
-                &url,
-                "/v1/completions",
-                &json!({"prompt": "doomed", "max_tokens": 1}),
-            )
-            .await
-        }
-    });
-    stub.arrived().await;
-    // The other worker joins once the request is on the stub (worker 0).
-    p.shared.add_worker(flags(&others).remove(0)).unwrap();
-    until_gauges_are(&p, &[(0, 1)]).await;
+    let doomed = held_on_stub(&p, &mut stub, &others, "doomed").await;
     // The engine dies: its connections are cut.
     stub.shutdown.stop();
     let (status, out) = doomed.await.unwrap();
     assert!(status >= 500, "{status}: {out}");
     until_gauges_are(&p, &[]).await;
     // Nothing else is lost: every later request is served (by the other worker).
-    let http = net::client(Duration::from_secs(5));
-    for i in 0..4 {
-        let body = json!({"prompt": format!("after {i}"), "max_tokens": 2});
-        let (status, out) = post(&http, &url, "/v1/completions", &body).await;
-        assert_eq!(status, 200, "{out}");
-    }
+    all_served(&url, 4, "after").await;
     until_state(&p, 0, StateName::Unhealthy).await;
     until_gauges_are(&p, &[]).await;
 }
@@ -459,22 +442,7 @@ async fn an_engine_restarted_with_a_request_in_flight_fails_only_that_request_an
     .await;
     until_view_holds(&p, &events, vec![stored(1, 4, None)], 4).await;
     let url = p.url();
-    let doomed = tokio::spawn({
-        let url = url.clone();
-        async move {
-            let http = net::client(Duration::from_secs(5));
-            post(
-                &http,
-                &url,
-                "/v1/completions",
-                &json!({"prompt": "doomed", "max_tokens": 1}),
-            )
-            .await
-        }
-    });
-    stub.arrived().await;
-    p.shared.add_worker(flags(&others).remove(0)).unwrap();
-    until_gauges_are(&p, &[(0, 1)]).await;
+    let doomed = held_on_stub(&p, &mut stub, &others, "doomed").await;
     // The engine restarts in place: its connections cut, its sequence from 0, its cache empty.
     let addr: std::net::SocketAddr = stub.url.trim_start_matches("http://").parse().unwrap();
     let endpoints = (
@@ -499,11 +467,6 @@ async fn an_engine_restarted_with_a_request_in_flight_fails_only_that_request_an
     until_gauges_are(&p, &[]).await;
     // Nothing else is lost: later requests are served, on either worker.
     stub.release.add_permits(4);
-    let http = net::client(Duration::from_secs(5));
-    for i in 0..4 {
-        let body = json!({"prompt": format!("after {i}"), "max_tokens": 2});
-        let (status, out) = post(&http, &url, "/v1/completions", &body).await;
-        assert_eq!(status, 200, "{out}");
-    }
+    all_served(&url, 4, "after").await;
     until_gauges_are(&p, &[]).await;
 }

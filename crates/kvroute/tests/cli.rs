@@ -139,6 +139,14 @@ fn every_policy_is_known_before_any_runs() {
 }
 
 #[test]
+fn a_refused_option_value_is_named_once() {
+    let args = ["replay", "--policy", "kv:temperature=-1"];
+    refused(&args, &["temperature = -1 is out of range"]);
+    let stderr = String::from_utf8_lossy(&kvroute(&args).stderr).into_owned();
+    assert_eq!(stderr.matches("temperature = -1").count(), 1, "{stderr}");
+}
+
+#[test]
 fn bench_counts_must_be_at_least_one() {
     refused(&["bench", "route", "--workers", "0"], &["--workers"]);
     refused(&["bench", "route", "--workers", "16,0"], &["--workers"]);

@@ -261,26 +261,9 @@ async fn a_gap_beyond_the_replay_buffer_clears_the_view_says_so_and_new_events_r
     };
     assert!(since > 0);
     // The admin API says so too.
-    let http = client(Duration::from_secs(2));
-    let req = hyper::Request::builder()
-        .uri(format!("{}/admin/workers", proxy.admin_url()))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let body = http
-        .request(req)
-        .await
-        .unwrap()
-        .into_body()
-        .collect()
-        .await
-        .unwrap()
-        .to_bytes();
-    let listing: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(
-        listing["workers"][0]["view"]["state"], "rebuilt_after_gap",
-        "{listing}"
-    );
-    assert_eq!(listing["workers"][0]["view"]["since_unix_ms"], since, "{listing}");
+    let listed = listed_view(&proxy).await;
+    assert_eq!(listed["state"], "rebuilt_after_gap", "{listed}");
+    assert_eq!(listed["since_unix_ms"], since, "{listed}");
 
     // New events keep rebuilding it.
     publish(&publisher, vec![stored(102, 3, Some(101))]);
