@@ -9,12 +9,16 @@
 //! * A replica that applies every event another router exports ends with the same per-worker
 //!   load as that router (output blocks aside: they are not synced).
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
+use fleet::{synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
-use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
     Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, SyncMode,
-    WorkerLoad, WorkerRole, WorkerSpec, stored_blocks,
+    WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -159,20 +163,6 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
         })
 }
 
-fn workers(pd: bool) -> Vec<WorkerSpec> {
-    let key = |id: u64, rank: u32| WorkerKey::new(WorkerId(id), DpRank(rank));
-    let mut specs = vec![
-        WorkerSpec::new(key(1, 0), WorkerRole::Aggregated, 40),
-        WorkerSpec::new(key(1, 1), WorkerRole::Aggregated, 40),
-        WorkerSpec::new(key(2, 0), WorkerRole::Aggregated, 20),
-    ];
-    if pd {
-        specs.push(WorkerSpec::new(key(3, 0), WorkerRole::Prefill, 40));
-        specs.push(WorkerSpec::new(key(4, 0), WorkerRole::Decode, 40));
-    }
-    specs
-}
-
 /// Drives a router (and a replica that applies its exported events) through `ops`.
 struct Run {
     router: Router,
@@ -311,22 +301,6 @@ impl Run {
         }
     }
 
-    /// Loads per worker, output blocks taken out (they are not synced).
-    fn loads(router: &Router) -> Vec<(WorkerKey, WorkerLoad)> {
-        router
-            .metrics()
-            .workers
-            .iter()
-            .map(|w| {
-                let mut l = w.load;
-                l.decode_blocks -= l.output_blocks;
-                l.staged_decode_blocks -= l.output_blocks;
-                l.output_blocks = 0;
-                (w.spec.key, l)
-            })
-            .collect()
-    }
-
     /// Finishes everything, releasing queued requests until none is left.
     fn finish_all(&mut self) {
         for _ in 0..self.issued + 2 {
@@ -373,13 +347,13 @@ proptest! {
             let _ = run.router.handle_sync_event(run.now, &event);
         }
         run.forward();
-        prop_assert_eq!(Run::loads(&run.replica), Run::loads(&run.router));
+        prop_assert_eq!(synced_loads(&run.replica), synced_loads(&run.router));
         run.finish_all();
         let m = run.router.metrics();
         prop_assert_eq!((m.active_now, m.queued_now), (0, 0));
         for w in &m.workers {
             prop_assert!(w.load.is_idle(), "worker {} kept load {:?}", w.spec.key, w.load);
         }
-        prop_assert!(Run::loads(&run.replica).iter().all(|(_, l)| l.is_idle()));
+        prop_assert!(synced_loads(&run.replica).iter().all(|(_, l)| l.is_idle()));
     }
 }

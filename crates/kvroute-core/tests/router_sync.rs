@@ -13,11 +13,15 @@
 //! Both routers get the same KV events (each subscribes to every engine) and the same fleet
 //! changes; each request is routed by one of them, whose id it carries.
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
+use fleet::{synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::{
     CacheMode, Decider, IndexEvent, PolicyConfig, Prompt, RecentConfig, RouteRequest, Router, RouterConfig,
-    RouterId, SyncConfig, SyncEvent, SyncMode, WorkerLoad, WorkerRole, WorkerSpec, stored_blocks,
+    RouterId, SyncConfig, SyncEvent, SyncMode, WorkerRole, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -110,36 +114,6 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
             (config, pd)
         },
     )
-}
-
-fn workers(pd: bool) -> Vec<WorkerSpec> {
-    let key = |id: u64, rank: u32| WorkerKey::new(WorkerId(id), DpRank(rank));
-    let mut specs = vec![
-        WorkerSpec::new(key(1, 0), WorkerRole::Aggregated, 40),
-        WorkerSpec::new(key(1, 1), WorkerRole::Aggregated, 40),
-        WorkerSpec::new(key(2, 0), WorkerRole::Aggregated, 20),
-    ];
-    if pd {
-        specs.push(WorkerSpec::new(key(3, 0), WorkerRole::Prefill, 40));
-        specs.push(WorkerSpec::new(key(4, 0), WorkerRole::Decode, 40));
-    }
-    specs
-}
-
-/// Loads per worker, output blocks taken out (they are not synced).
-fn loads(router: &Router) -> Vec<(WorkerKey, WorkerLoad)> {
-    router
-        .metrics()
-        .workers
-        .iter()
-        .map(|w| {
-            let mut l = w.load;
-            l.decode_blocks -= l.output_blocks;
-            l.staged_decode_blocks -= l.output_blocks;
-            l.output_blocks = 0;
-            (w.spec.key, l)
-        })
-        .collect()
 }
 
 struct Pair {
@@ -271,8 +245,12 @@ impl Pair {
     /// The first difference between the two routers' states, if any.
     fn difference(&self) -> Option<String> {
         let [a, b] = &self.routers;
-        if loads(a) != loads(b) {
-            return Some(format!("loads differ:\n{:?}\n{:?}", loads(a), loads(b)));
+        if synced_loads(a) != synced_loads(b) {
+            return Some(format!(
+                "loads differ:\n{:?}\n{:?}",
+                synced_loads(a),
+                synced_loads(b)
+            ));
         }
         for probe in &self.probes {
             for spec in &self.specs {
@@ -318,7 +296,7 @@ proptest! {
                 fresh.handle_sync_event(pair.now, &event).expect("a snapshot names known workers");
             }
         }
-        prop_assert_eq!(loads(&fresh), loads(&pair.routers[0]));
+        prop_assert_eq!(synced_loads(&fresh), synced_loads(&pair.routers[0]));
         prop_assert!(fresh.check_invariants().is_ok());
     }
 
@@ -370,7 +348,7 @@ proptest! {
             }
         }
         // Router 1 routed nothing: router 0's load is its own requests' alone.
-        prop_assert_eq!(loads(&late), loads(&pair.routers[0]));
+        prop_assert_eq!(synced_loads(&late), synced_loads(&pair.routers[0]));
     }
 }
 
