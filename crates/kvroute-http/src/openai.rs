@@ -242,10 +242,16 @@ pub fn parse_with(
 ) -> Result<Parsed, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("body", format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = &value else {
+    let Value::Object(mut obj) = value else {
         return Err(ApiError::bad_request("body", "the body must be a JSON object"));
     };
-    validate_fields(endpoint, obj)?;
+    validate_fields(endpoint, &obj)?;
+    // A chat's messages are taken out of the body (and flattened in place, not copied).
+    let messages = match endpoint {
+        Endpoint::Chat => obj.remove("messages"),
+        Endpoint::Completions => None,
+    };
+    let obj = obj;
     let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
     let stream = flag("stream").unwrap_or(false);
     let stream_options = obj.contains_key("stream_options");
@@ -278,7 +284,7 @@ pub fn parse_with(
     };
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(obj.get("prompt"), max_prompt_tokens)?,
-        Endpoint::Chat => chat_prompt(obj.get("messages"), flag("add_generation_prompt"))?,
+        Endpoint::Chat => chat_prompt(messages, flag("add_generation_prompt"))?,
     };
     let add_special_tokens = flag("add_special_tokens");
     let tokens = tokenize(&prompt, add_special_tokens)?;
@@ -789,16 +795,17 @@ fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
+/// The chat prompt of a body's `messages` (taken out of it): each message's content flattened
+/// to a string in place.
+fn chat_prompt(messages: Option<Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
     let bad = |m: String| ApiError::bad_request("messages", m);
-    let Some(Value::Array(messages)) = messages else {
+    let Some(Value::Array(mut messages)) = messages else {
         return Err(bad("`messages` must be a list of messages".to_owned()));
     };
     if messages.is_empty() {
         return Err(bad("`messages` is empty".to_owned()));
     }
-    let mut flat = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
+    for (i, m) in messages.iter_mut().enumerate() {
         let Value::Object(obj) = m else {
             return Err(bad(format!("messages[{i}] is not an object")));
         };
@@ -806,8 +813,8 @@ fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) ->
             return Err(bad(format!("messages[{i}].role must be a string")));
         }
         let content = match obj.get("content") {
+            Some(Value::String(_)) => continue,
             None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
                 let mut text = String::new();
                 for (j, part) in parts.iter().enumerate() {
@@ -831,12 +838,10 @@ fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) ->
                 )));
             }
         };
-        let mut obj = obj.clone();
         obj.insert("content".to_owned(), Value::String(content));
-        flat.push(Value::Object(obj));
     }
     Ok(Prompt::Chat {
-        messages: Value::Array(flat),
+        messages: Value::Array(messages),
         add_generation_prompt: add_generation_prompt.unwrap_or(true),
     })
 }

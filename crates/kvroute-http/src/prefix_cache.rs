@@ -233,16 +233,36 @@ impl Boundaries {
     }
 
     /// Every occurrence of a boundary token in `text`: (byte offset, the token's id), in order.
-    /// Occurrences cannot overlap (no boundary token overlaps another's start).
+    /// Occurrences cannot overlap (no boundary token overlaps another's start, or its own).
     fn cuts(&self, text: &str) -> Vec<(usize, u32)> {
-        let mut cuts = Vec::new();
-        for (token, id) in &self.tokens {
-            let finder = memchr::memmem::Finder::new(token.as_bytes());
-            cuts.extend(finder.find_iter(text.as_bytes()).map(|at| (at, *id)));
+        let bytes = text.as_bytes();
+        let mut firsts: Vec<u8> = self.tokens.iter().map(|(t, _)| t.as_bytes()[0]).collect();
+        firsts.sort_unstable();
+        firsts.dedup();
+        // The tokens that start at `at`, longest first (the order of `tokens`).
+        let at = |at: usize| {
+            self.tokens
+                .iter()
+                .find(|(t, _)| bytes[at..].starts_with(t.as_bytes()))
+                .map(|(_, id)| (at, *id))
+        };
+        match *firsts.as_slice() {
+            // One pass over the text for the tokens' first bytes (chat templates' special
+            // tokens mostly share theirs: `<`).
+            [a] => memchr::memchr_iter(a, bytes).filter_map(at).collect(),
+            [a, b] => memchr::memchr2_iter(a, b, bytes).filter_map(at).collect(),
+            [a, b, c] => memchr::memchr3_iter(a, b, c, bytes).filter_map(at).collect(),
+            _ => {
+                let mut cuts = Vec::new();
+                for (token, id) in &self.tokens {
+                    let finder = memchr::memmem::Finder::new(token.as_bytes());
+                    cuts.extend(finder.find_iter(bytes).map(|at| (at, *id)));
+                }
+                cuts.sort_unstable();
+                cuts.dedup_by_key(|c| c.0);
+                cuts
+            }
         }
-        cuts.sort_unstable();
-        cuts.dedup_by_key(|c| c.0);
-        cuts
     }
 }
 
@@ -571,6 +591,10 @@ impl ChatCache {
             Some((i, node)) => {
                 self.counters.hits.inc();
                 self.counters.reused_tokens.inc_by(node.total as u64);
+                // Room for the rest's tokens too (a hint: at most a token a byte, for most
+                // tokenizers), so that the cached tokens are copied once.
+                let rest = text.len() - cuts.get(i).map_or(text.len(), |c| c.0);
+                out.reserve_exact(node.total + rest);
                 node.materialize(&mut out);
                 if i == cuts.len() {
                     let lookup = Lookup {
