@@ -5,9 +5,9 @@
 //! follow-up turn of the same conversation.
 //!
 //! `cargo bench -p kvroute-http --bench chat` prints one JSON line per (model, body shape) with
-//! each stage's median over the rounds, in milliseconds of the thread's CPU time (Linux's
-//! `/proc/thread-self/schedstat`; wall time where it cannot be read), so that a loaded machine
-//! slows the figures less. `-- followup <tiny|llama3> <n>` profiles one follow-up turn instead
+//! each stage's mean over the rounds, in milliseconds of the thread's CPU time (Linux's
+//! `/proc/thread-self/schedstat`; the median wall time where it cannot be read), so that a
+//! loaded machine slows the figures less. `-- followup <tiny|llama3> <n>` profiles one follow-up turn instead
 //! ([`followup`]).
 
 use std::hint::black_box;
@@ -69,18 +69,21 @@ fn cpu_ms() -> Option<f64> {
     Some(ns / 1e6)
 }
 
-/// The median over `rounds` of `f`'s CPU time (wall time if unknown), ms.
+/// `f`'s CPU time, ms: the mean over `rounds` (the kernel counts a thread's CPU time in
+/// scheduler ticks, too coarse for one round); the median of the wall times where the CPU
+/// time is unknown.
 fn time(rounds: usize, mut f: impl FnMut()) -> f64 {
     let mut runs = Vec::with_capacity(rounds);
+    let c0 = cpu_ms();
     for _ in 0..rounds {
-        let (t0, c0) = (Instant::now(), cpu_ms());
+        let t0 = Instant::now();
         f();
-        runs.push(match (c0, cpu_ms()) {
-            (Some(a), Some(b)) => b - a,
-            _ => t0.elapsed().as_secs_f64() * 1e3,
-        });
+        runs.push(t0.elapsed().as_secs_f64() * 1e3);
     }
-    median(runs)
+    match (c0, cpu_ms()) {
+        (Some(a), Some(b)) => (b - a) / rounds.max(1) as f64,
+        _ => median(runs),
+    }
 }
 
 /// The bodies of a conversation's turns: a system message, then `turns` user messages each
@@ -178,7 +181,7 @@ fn main() {
                 .expect("the llama3 fixture loads"),
         ),
     ];
-    let rounds = 7;
+    let rounds = 15;
     for (name, model) in &models {
         for (size, messages) in [(4 << 20, 1), (4 << 20, 1000), (128 << 10, 64)] {
             let bytes = body(size, messages, true);
