@@ -40,7 +40,8 @@
 //! split of each side is the whole text's split on that side:
 //!
 //! * the pre-token holding the letter ends at the space in every recognized pattern (each of
-//!   its letter alternatives ends at the first non-letter; a contraction ends with a letter);
+//!   its letter alternatives ends at the first non-letter; a contraction ends with a letter; a
+//!   split before each space starts a piece at every space);
 //! * no alternative tried from before the cut reads past the letter successfully (after a
 //!   letter only a letter may follow), so ending the text at the cut changes nothing left of it;
 //!   the only lookaround, `\s+(?!\S)`, cannot reach the cut across the letter;
