@@ -5,7 +5,10 @@
 //! follow-up turn of the same conversation.
 //!
 //! `cargo bench -p kvroute-http --bench chat` prints one JSON line per (model, body shape) with
-//! each stage's median over the rounds, in milliseconds.
+//! each stage's mean over the rounds, in milliseconds of the thread's CPU time (Linux's
+//! `/proc/thread-self/schedstat`; the median wall time where it cannot be read), so that a
+//! loaded machine slows the figures less. `-- followup <tiny|llama3> <n>` profiles one follow-up turn instead
+//! ([`followup`]).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -59,18 +62,117 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// This thread's CPU time so far, ms (none off Linux).
+fn cpu_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns: f64 = stat.split_whitespace().next()?.parse().ok()?;
+    Some(ns / 1e6)
+}
+
+/// `f`'s CPU time, ms: the mean over `rounds` (the kernel counts a thread's CPU time in
+/// scheduler ticks, too coarse for one round); the median of the wall times where the CPU
+/// time is unknown.
 fn time(rounds: usize, mut f: impl FnMut()) -> f64 {
     let mut runs = Vec::with_capacity(rounds);
+    let c0 = cpu_ms();
     for _ in 0..rounds {
         let t0 = Instant::now();
         f();
         runs.push(t0.elapsed().as_secs_f64() * 1e3);
     }
-    median(runs)
+    match (c0, cpu_ms()) {
+        (Some(a), Some(b)) => (b - a) / rounds.max(1) as f64,
+        _ => median(runs),
+    }
+}
+
+/// The bodies of a conversation's turns: a system message, then `turns` user messages each
+/// after an assistant reply, every message `message_bytes` long, its text seeded by `c`.
+fn conversation(c: usize, turns: usize, message_bytes: usize) -> Vec<Vec<u8>> {
+    let words = [
+        "routing ", "the ", "blocks ", "of ", "a ", "long ", "chat, ", "turn ", "by ", "turn; ", "cache ",
+        "prefix ", "tokens ", "engine ", "worker. ", "Why? ", "Because ", "42 ", "fleets ", "grow\n",
+    ];
+    let text = |seed: usize| {
+        let mut s = format!("[{c}.{seed}] ");
+        let mut w = seed.wrapping_mul(2_654_435_761).wrapping_add(c);
+        while s.len() < message_bytes {
+            s.push_str(words[w % words.len()]);
+            w = w
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407)
+                >> 7;
+        }
+        s
+    };
+    let mut messages = vec![json!({"role": "system", "content": format!("You are assistant {c}.")})];
+    let mut bodies = Vec::with_capacity(turns);
+    for t in 0..turns {
+        messages.push(json!({"role": "user", "content": text(2 * t)}));
+        let body = json!({"model": "m", "messages": messages, "max_tokens": 8, "stream": false});
+        bodies.push(serde_json::to_vec(&body).expect("a JSON value serializes"));
+        messages.push(json!({"role": "assistant", "content": text(2 * t + 1)}));
+    }
+    bodies
+}
+
+/// `chat -- followup <tiny|llama3> <n>`: the last turn of `n` 32-turn conversations of about
+/// 32K tokens (as `kvroute bench chat` sends them), each parsed with the cache on after the
+/// turn before it was; prints µs per turn. For a profiler (callgrind): run it with `n` and with
+/// 0 and take the difference.
+fn followup(model: &Model, n: usize) {
+    // Messages sized as `kvroute bench chat` sizes them: the last turn about 32K tokens.
+    let probe: Value = serde_json::from_slice(&conversation(0, 1, 4096)[0]).expect("JSON");
+    let text = model.render_chat(&probe["messages"], true).expect("renders");
+    let probe_tokens = model.encode(&text, SpecialTokens::Omit).expect("encodes").len();
+    let message_bytes = 32_768 * 4096 / probe_tokens.max(1) / 64;
+    model.chat_cache().set_limit(256 << 20);
+    let conversations: Vec<Vec<Vec<u8>>> = (0..n).map(|c| conversation(c, 32, message_bytes)).collect();
+    let max = 131_072;
+    for turns in &conversations {
+        openai::parse(Endpoint::Chat, &turns[30], model, max).expect("parses");
+    }
+    let (t0, c0) = (Instant::now(), cpu_ms());
+    let mut tokens = 0;
+    for turns in &conversations {
+        tokens = measured_followup(model, &turns[31], max);
+    }
+    let ms = match (c0, cpu_ms()) {
+        (Some(a), Some(b)) => b - a,
+        _ => t0.elapsed().as_secs_f64() * 1e3,
+    };
+    let us = ms * 1e3 / n.max(1) as f64;
+    let body_bytes = conversations.first().map_or(0, |t| t[31].len());
+    println!(
+        "{}",
+        json!({"followups": n, "tokens": tokens, "body_bytes": body_bytes, "cpu_us_per_followup": us})
+    );
+}
+
+/// One follow-up turn's parse, apart so that a profiler can collect it alone
+/// (`valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*measured_followup*'`).
+#[inline(never)]
+fn measured_followup(model: &Model, body: &[u8], max: usize) -> usize {
+    black_box(openai::parse(Endpoint::Chat, black_box(body), model, max).expect("parses"))
+        .tokens
+        .len()
 }
 
 fn main() {
     let chatml = kvroute_http::model::TINY_TOKENIZER_CONFIG_JSON;
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "followup") {
+        let model = match args.get(i + 1).map(String::as_str) {
+            Some("llama3") => {
+                Model::from_json(include_str!("../tests/data/tokenizers/llama3.json"), Some(chatml))
+                    .expect("the llama3 fixture loads")
+            }
+            _ => Model::tiny().expect("the tiny model loads"),
+        };
+        let n = args.get(i + 2).and_then(|n| n.parse().ok()).unwrap_or(200);
+        followup(&model, n);
+        return;
+    }
     let models = [
         ("tiny", Model::tiny().expect("the tiny model loads")),
         (
@@ -79,7 +181,7 @@ fn main() {
                 .expect("the llama3 fixture loads"),
         ),
     ];
-    let rounds = 7;
+    let rounds = 15;
     for (name, model) in &models {
         for (size, messages) in [(4 << 20, 1), (4 << 20, 1000), (128 << 10, 64)] {
             let bytes = body(size, messages, true);
@@ -110,6 +212,10 @@ fn main() {
                     openai::engine_body(&parsed, black_box(&bytes), openai::KvCacheReport::Incremental)
                         .expect("rewrites"),
                 );
+            });
+            // The cache off: over the default limit (stopped early where the tokenizer allows).
+            let off_over_limit_ms = time(rounds, || {
+                black_box(openai::parse(Endpoint::Chat, black_box(&bytes), model, 131_072).ok());
             });
             // The conversation cache on: a cold body under the default prompt limit (refused
             // once over it), and a follow-up turn (the body plus one short message; each round
@@ -142,6 +248,7 @@ fn main() {
                     "model": name, "body_bytes": bytes.len(), "messages": messages,
                     "tokens": parsed.tokens.len(), "json_ms": json_ms, "parse_ms": parse_ms,
                     "render_ms": render_ms, "encode_ms": encode_ms, "stream_rewrite_ms": rewrite_ms,
+                    "off_over_default_limit_ms": off_over_limit_ms,
                     "cached_cold_over_default_limit_ms": over_limit_ms, "cached_followup_parse_ms": followup_ms,
                 })
             );

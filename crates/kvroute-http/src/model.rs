@@ -22,7 +22,7 @@ use minijinja::{Environment, ErrorKind, Value};
 use serde_json::Value as Json;
 use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
 
-use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, whole_answer};
+use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, TextCuts, whole_answer};
 
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
 /// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
@@ -91,8 +91,11 @@ pub struct Model {
     warnings: Vec<String>,
     /// `tokenizer.json`'s added tokens.
     added: Vec<AddedToken>,
-    /// The added tokens a chat prompt may be cut before ([`crate::prefix_cache`]).
+    /// The added tokens a chat prompt may be cut before, and where text may be cut
+    /// ([`crate::prefix_cache`]).
     boundaries: Boundaries,
+    /// Where text between special tokens may be cut ([`TextCuts`]).
+    text_cuts: TextCuts,
     /// Chat prompts' tokens by rendered prefix; off until [`ChatCache::set_limit`].
     chat_cache: ChatCache,
 }
@@ -142,6 +145,7 @@ impl Model {
         let vocab_size = vocab_size(&value);
         let added = added_tokens(&value);
         tokenizers::canonicalize_value(&mut value).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let text_cuts = TextCuts::for_tokenizer(&value, &added);
         let tokenizer =
             tokenizers::from_json(&value.to_string()).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let omit = EncodeOptions {
@@ -164,6 +168,7 @@ impl Model {
             warnings: Vec::new(),
             added,
             boundaries: Boundaries::default(),
+            text_cuts,
             chat_cache: ChatCache::default(),
         };
         let Some(config_json) = config_json else {
@@ -199,7 +204,8 @@ impl Model {
             env.add_template_owned("chat", template)
                 .map_err(|e| ModelError::Template(e.to_string()))?;
             model.chat = Some(env);
-            model.boundaries = Boundaries::new(&model.added, model.probe_render().as_deref());
+            model.boundaries = Boundaries::new(&model.added, model.probe_render().as_deref())
+                .with_text_cuts(model.text_cuts);
         }
         Ok(model)
     }
@@ -227,6 +233,11 @@ impl Model {
     /// The added tokens at which a rendered chat prompt may be cut.
     pub fn chat_boundaries(&self) -> &Boundaries {
         &self.boundaries
+    }
+
+    /// Where text between special tokens may be cut and tokenized apart, exactly.
+    pub fn text_cuts(&self) -> TextCuts {
+        self.text_cuts
     }
 
     /// The token ids of a rendered chat prompt, as [`Model::encode`] gives them, through the
@@ -372,6 +383,7 @@ fn added_tokens(tokenizer: &Json) -> Vec<AddedToken> {
                 id: u32::try_from(t["id"].as_u64()?).ok()?,
                 normalized: flag("normalized"),
                 lstrip: flag("lstrip"),
+                rstrip: flag("rstrip"),
                 single_word: flag("single_word"),
             })
         })

@@ -242,10 +242,16 @@ pub fn parse_with(
 ) -> Result<Parsed, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("body", format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = &value else {
+    let Value::Object(mut obj) = value else {
         return Err(ApiError::bad_request("body", "the body must be a JSON object"));
     };
-    validate_fields(endpoint, obj)?;
+    validate_fields(endpoint, &obj)?;
+    // A chat's messages are taken out of the body (and flattened in place, not copied).
+    let messages = match endpoint {
+        Endpoint::Chat => obj.remove("messages"),
+        Endpoint::Completions => None,
+    };
+    let obj = obj;
     let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
     let stream = flag("stream").unwrap_or(false);
     let stream_options = obj.contains_key("stream_options");
@@ -278,7 +284,7 @@ pub fn parse_with(
     };
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(obj.get("prompt"), max_prompt_tokens)?,
-        Endpoint::Chat => chat_prompt(obj.get("messages"), flag("add_generation_prompt"))?,
+        Endpoint::Chat => chat_prompt(messages, flag("add_generation_prompt"))?,
     };
     let add_special_tokens = flag("add_special_tokens");
     let tokens = tokenize(&prompt, add_special_tokens)?;
@@ -286,7 +292,11 @@ pub fn parse_with(
         return Err(ApiError::bad_request("prompt", "the prompt is empty"));
     }
     if tokens.len() > max_prompt_tokens {
-        return Err(too_long(tokens.len(), max_prompt_tokens));
+        let param = match endpoint {
+            Endpoint::Completions => "prompt",
+            Endpoint::Chat => "messages",
+        };
+        return Err(too_long(param, Length::Tokens(tokens.len()), max_prompt_tokens));
     }
     let internal_fields = INTERNAL_FIELDS
         .iter()
@@ -344,20 +354,14 @@ pub fn engine_tokens(
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(false));
             if text.len() > max_prompt_tokens.saturating_mul(64) {
-                return Err(too_long(text.len(), max_prompt_tokens));
+                return Err(too_long("messages", Length::Bytes(text.len()), max_prompt_tokens));
             }
             // Through the conversation cache: a follow-up turn tokenizes only its new text.
             match model.encode_chat(&text, special, max_prompt_tokens) {
                 Ok((Encoded::Tokens(tokens), _)) => Ok(tokens),
-                Ok((Encoded::TooLong(at_least), _)) => Err(ApiError {
-                    code: "context_length_exceeded",
-                    ..ApiError::bad_request(
-                        "prompt",
-                        format!(
-                            "the prompt has at least {at_least} tokens; at most {max_prompt_tokens} are accepted"
-                        ),
-                    )
-                }),
+                Ok((Encoded::TooLong(at_least), _)) => {
+                    Err(too_long("messages", Length::AtLeast(at_least), max_prompt_tokens))
+                }
                 Err(e) => Err(ApiError::bad_request("messages", e.to_string())),
             }
         }
@@ -695,12 +699,41 @@ pub fn validate_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(
     Ok(())
 }
 
-fn too_long(tokens: usize, max: usize) -> ApiError {
+/// What an over-long prompt was found to measure.
+#[derive(Clone, Copy, Debug)]
+enum Length {
+    /// Its tokens.
+    Tokens(usize),
+    /// At least this many tokens (tokenizing stopped past the limit).
+    AtLeast(usize),
+    /// Its text's bytes, too many to tokenize.
+    Bytes(usize),
+}
+
+/// The refusal of a prompt over `max` tokens: OpenAI's shape and code
+/// (`context_length_exceeded`, naming `param`), in vLLM's words ("This model's maximum context
+/// length is N tokens. However, your request has M input tokens.", the pattern clients read to
+/// shorten a conversation).
+fn too_long(param: &'static str, length: Length, max: usize) -> ApiError {
+    let what = match param {
+        "messages" => "messages",
+        _ => "prompt",
+    };
+    let has = match length {
+        Length::Tokens(n) => format!("your request has {n} input tokens"),
+        Length::AtLeast(n) => format!("your request has at least {n} input tokens"),
+        Length::Bytes(n) => format!(
+            "your prompt has {n} bytes of text, more than the {} bytes that {max} input tokens can hold",
+            max.saturating_mul(64)
+        ),
+    };
     ApiError {
         code: "context_length_exceeded",
         ..ApiError::bad_request(
-            "prompt",
-            format!("the prompt has {tokens} tokens; at most {max} are accepted"),
+            param,
+            format!(
+                "This model's maximum context length is {max} tokens. However, {has}. Please reduce the length of the input {what}."
+            ),
         )
     }
 }
@@ -717,7 +750,7 @@ pub fn encode_text(
     // A byte can never be more than one token's worth of text... but a token can be less than a
     // byte's; refuse text so long that tokenizing it would be wasted work first.
     if text.len() > max_prompt_tokens.saturating_mul(64) {
-        return Err(too_long(text.len(), max_prompt_tokens));
+        return Err(too_long(param, Length::Bytes(text.len()), max_prompt_tokens));
     }
     model
         .encode(text, special)
@@ -747,7 +780,7 @@ fn completion_prompt(prompt: Option<&Value>, max: usize) -> Result<Prompt, ApiEr
 
 fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
     if items.len() > max {
-        return Err(too_long(items.len(), max));
+        return Err(too_long("prompt", Length::Tokens(items.len()), max));
     }
     items
         .iter()
@@ -762,16 +795,17 @@ fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
+/// The chat prompt of a body's `messages` (taken out of it): each message's content flattened
+/// to a string in place.
+fn chat_prompt(messages: Option<Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
     let bad = |m: String| ApiError::bad_request("messages", m);
-    let Some(Value::Array(messages)) = messages else {
+    let Some(Value::Array(mut messages)) = messages else {
         return Err(bad("`messages` must be a list of messages".to_owned()));
     };
     if messages.is_empty() {
         return Err(bad("`messages` is empty".to_owned()));
     }
-    let mut flat = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
+    for (i, m) in messages.iter_mut().enumerate() {
         let Value::Object(obj) = m else {
             return Err(bad(format!("messages[{i}] is not an object")));
         };
@@ -779,8 +813,8 @@ fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) ->
             return Err(bad(format!("messages[{i}].role must be a string")));
         }
         let content = match obj.get("content") {
+            Some(Value::String(_)) => continue,
             None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
                 let mut text = String::new();
                 for (j, part) in parts.iter().enumerate() {
@@ -804,12 +838,10 @@ fn chat_prompt(messages: Option<&Value>, add_generation_prompt: Option<bool>) ->
                 )));
             }
         };
-        let mut obj = obj.clone();
         obj.insert("content".to_owned(), Value::String(content));
-        flat.push(Value::Object(obj));
     }
     Ok(Prompt::Chat {
-        messages: Value::Array(flat),
+        messages: Value::Array(messages),
         add_generation_prompt: add_generation_prompt.unwrap_or(true),
     })
 }
@@ -875,6 +907,72 @@ mod tests {
         let long = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(101));
         let err = parse(Endpoint::Completions, long.as_bytes(), &model, 100).unwrap_err();
         assert_eq!(err.code, "context_length_exceeded");
+    }
+
+    /// A prompt over the limit is refused in OpenAI's shape (400, `invalid_request_error`,
+    /// `context_length_exceeded`, the field named) with vLLM's words, which clients read to
+    /// shorten a conversation; a chat of one long message is refused before all of it is
+    /// tokenized (at least the limit's tokens).
+    #[test]
+    fn an_over_long_prompt_is_refused_as_vllm_and_openai_do() {
+        let model = Model::tiny().unwrap();
+        let long_chat = serde_json::to_vec(&serde_json::json!({
+            "messages": [{"role": "user", "content": "word ".repeat(40_000)}]
+        }))
+        .unwrap();
+        let cases: &[(Endpoint, Vec<u8>, &str, &str)] = &[
+            (
+                Endpoint::Completions,
+                format!(r#"{{"prompt":"{}"}}"#, "x".repeat(101)).into_bytes(),
+                "prompt",
+                "However, your request has 101 input tokens. Please reduce the length of the input prompt.",
+            ),
+            (
+                Endpoint::Completions,
+                serde_json::to_vec(&serde_json::json!({"prompt": vec![1; 101]})).unwrap(),
+                "prompt",
+                "However, your request has 101 input tokens.",
+            ),
+            (
+                Endpoint::Chat,
+                br#"{"messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+                "messages",
+                "However, your request has at least",
+            ),
+            (
+                Endpoint::Chat,
+                long_chat,
+                "messages",
+                "However, your request has at least",
+            ),
+        ];
+        for (endpoint, body, param, says) in cases {
+            let limit = if body.len() > 1000 { 4000 } else { 10 };
+            let err = parse(*endpoint, body, &model, limit).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST);
+            assert_eq!(err.kind, "invalid_request_error");
+            assert_eq!(err.code, "context_length_exceeded");
+            assert_eq!(err.param, Some(*param));
+            let head = format!("This model's maximum context length is {limit} tokens. ");
+            assert!(err.message.starts_with(&head), "{}", err.message);
+            assert!(err.message.contains(says), "{}", err.message);
+            let json = serde_json::to_value(err.body()).unwrap();
+            assert_eq!(json["error"]["code"], "context_length_exceeded");
+            assert_eq!(json["error"]["type"], "invalid_request_error");
+        }
+        // Stopped early: the limit's tokens and one slice more at most, not 200,000.
+        let err = parse(Endpoint::Chat, &cases[3].1, &model, 4000).unwrap_err();
+        let at_least: usize = err
+            .message
+            .split("at least ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((4001..100_000).contains(&at_least), "{}", err.message);
     }
 
     /// The standard fields by type and range: `(endpoint, extra fields, the param refused or

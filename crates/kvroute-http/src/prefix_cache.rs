@@ -29,6 +29,30 @@
 //! least recently used entries go. A lookup takes the longest cached prefix of a text that ends
 //! at a cut; the rest is tokenized piece by piece (and each piece checked as above), and new
 //! entries are made at the last cuts and at the end.
+//!
+//! **Cuts inside text** ([`TextCuts`]). A long piece of text between special tokens (a 4 MB
+//! message) is tokenized in slices, so that a prompt over the token limit is refused after the
+//! first slices instead of after all of it. A slice ends only where the tokenizer's pipeline is
+//! known to restart exactly: for the pipelines [`TextCuts::for_tokenizer`] recognizes (no
+//! normalizer or NFC; a GPT-2, cl100k/Llama-3 or Qwen2 regex split, or a split before each
+//! space; a BPE model, which tokenizes each pre-token apart), before a space that follows an
+//! ASCII letter. There the pre-tokenizer's split of the whole text has a boundary, and the
+//! split of each side is the whole text's split on that side:
+//!
+//! * the pre-token holding the letter ends at the space in every recognized pattern (each of
+//!   its letter alternatives ends at the first non-letter; a contraction ends with a letter; a
+//!   split before each space starts a piece at every space);
+//! * no alternative tried from before the cut reads past the letter successfully (after a
+//!   letter only a letter may follow), so ending the text at the cut changes nothing left of it;
+//!   the only lookaround, `\s+(?!\S)`, cannot reach the cut across the letter;
+//! * the patterns have no lookbehind or anchor, so the split from the cut onward is the same
+//!   whether the text starts there or not;
+//! * NFC leaves ASCII letters and spaces alone and composes nothing across a space;
+//! * no added token may match across the cut: none contains whitespace or has `rstrip` (it
+//!   would eat the space).
+//!
+//! Other pipelines (a SentencePiece-style BPE over the whole text, `Metaspace`, unknown regexes)
+//! are tokenized whole. Property-tested against whole tokenization on every fixture.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
@@ -53,15 +77,120 @@ pub struct AddedToken {
     pub normalized: bool,
     /// Eats whitespace on its left.
     pub lstrip: bool,
+    /// Eats whitespace on its right.
+    pub rstrip: bool,
     /// Matched only as a whole word.
     pub single_word: bool,
 }
 
-/// The boundary tokens at which a text may be cut (see the module's documentation).
+/// The pre-tokenizer regexes whose splits [`TextCuts::SpaceAfterLetter`] is proven for: GPT-2's
+/// (what a `ByteLevel` pre-tokenizer with `use_regex` splits with), cl100k's (Llama-3) and
+/// Qwen2's (cl100k's with single digits).
+const SPLIT_SAFE_REGEXES: &[&str] = &[
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
+
+/// Where text between special tokens may be cut so that tokenizing the two sides apart gives
+/// the tokens of the whole (see the module's documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TextCuts {
+    /// Nowhere: the tokenizer's pipeline is not known to restart exactly anywhere in text.
+    #[default]
+    Nowhere,
+    /// Before a space (U+0020) that follows an ASCII letter.
+    SpaceAfterLetter,
+}
+
+impl TextCuts {
+    /// The cuts a tokenizer allows, from its canonical `tokenizer.json` (as
+    /// `tokenizers::canonicalize_value` leaves it) and its added tokens.
+    pub fn for_tokenizer(canonical: &serde_json::Value, added: &[AddedToken]) -> Self {
+        use serde_json::Value;
+        let normalizer_ok = match &canonical["normalizer"] {
+            Value::Null => true,
+            n => n["type"] == "NFC",
+        };
+        let model = &canonical["model"];
+        let model_ok = model["type"] == "BPE" && model["dropout"].is_null();
+        // A split whose pieces are a pre-token boundary at every cut.
+        let split_ok = |p: &Value| {
+            let invert = p["invert"].as_bool().unwrap_or(false);
+            let behavior = p["behavior"].as_str().unwrap_or("Isolated");
+            p["type"] == "Split"
+                && !invert
+                && match (&p["pattern"]["Regex"], &p["pattern"]["String"]) {
+                    (Value::String(regex), _) => {
+                        behavior == "Isolated" && SPLIT_SAFE_REGEXES.contains(&regex.as_str())
+                    }
+                    (_, Value::String(string)) => behavior == "MergedWithNext" && string == " ",
+                    _ => false,
+                }
+        };
+        let pre = &canonical["pre_tokenizer"];
+        let pre_ok = match pre["type"].as_str() {
+            Some("Sequence") => {
+                matches!(pre["pretokenizers"].as_array().map(Vec::as_slice), Some([one]) if split_ok(one))
+            }
+            _ => split_ok(pre),
+        };
+        let added_ok = added
+            .iter()
+            .all(|t| !t.rstrip && !t.content.chars().any(char::is_whitespace));
+        match normalizer_ok && model_ok && pre_ok && added_ok {
+            true => Self::SpaceAfterLetter,
+            false => Self::Nowhere,
+        }
+    }
+
+    /// The first cut in `text` at or after byte `from` (none at 0).
+    pub fn next(self, text: &str, from: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        let from = from.max(1);
+        match self {
+            Self::Nowhere => None,
+            Self::SpaceAfterLetter => memchr::memchr_iter(b' ', bytes.get(from..)?)
+                .map(|i| i + from)
+                .find(|&at| bytes[at - 1].is_ascii_alphabetic()),
+        }
+    }
+}
+
+/// Text pieces longer than this are tokenized in slices of about this size where
+/// [`TextCuts`] allows, so that tokenizing stops soon after passing the limit.
+const SLICE_BYTES: usize = 32 << 10;
+
+/// Appends the tokens of `text` to `out` (as `encode(text)` gives them), slice by slice where
+/// `cuts` allows, and stops once `out` holds more than `limit` tokens; the bytes of `text`
+/// tokenized.
+fn encode_sliced(
+    cuts: TextCuts,
+    text: &str,
+    limit: usize,
+    out: &mut Vec<u32>,
+    encode: &impl Fn(&str) -> Result<Vec<u32>, PromptError>,
+) -> Result<usize, PromptError> {
+    let mut start = 0;
+    while start < text.len() && out.len() <= limit {
+        let end = match text.len() - start > 2 * SLICE_BYTES {
+            true => cuts.next(text, start + SLICE_BYTES).unwrap_or(text.len()),
+            false => text.len(),
+        };
+        out.extend_from_slice(&encode(&text[start..end])?);
+        start = end;
+    }
+    Ok(start)
+}
+
+/// The boundary tokens at which a text may be cut (see the module's documentation), and where
+/// text between them may be.
 #[derive(Clone, Debug, Default)]
 pub struct Boundaries {
     /// (text, id), longest first.
     tokens: Vec<(String, u32)>,
+    /// Cuts inside text.
+    text: TextCuts,
 }
 
 impl Boundaries {
@@ -78,7 +207,20 @@ impl Boundaries {
             .collect();
         tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         tokens.dedup();
-        Self { tokens }
+        Self {
+            tokens,
+            text: TextCuts::Nowhere,
+        }
+    }
+
+    /// These boundaries, with text cut where `text` allows.
+    pub fn with_text_cuts(self, text: TextCuts) -> Self {
+        Self { text, ..self }
+    }
+
+    /// Where text between special tokens may be cut.
+    pub fn text_cuts(&self) -> TextCuts {
+        self.text
     }
 
     /// Whether no token qualifies (the cache then tokenizes every text whole).
@@ -92,16 +234,36 @@ impl Boundaries {
     }
 
     /// Every occurrence of a boundary token in `text`: (byte offset, the token's id), in order.
-    /// Occurrences cannot overlap (no boundary token overlaps another's start).
+    /// Occurrences cannot overlap (no boundary token overlaps another's start, or its own).
     fn cuts(&self, text: &str) -> Vec<(usize, u32)> {
-        let mut cuts = Vec::new();
-        for (token, id) in &self.tokens {
-            let finder = memchr::memmem::Finder::new(token.as_bytes());
-            cuts.extend(finder.find_iter(text.as_bytes()).map(|at| (at, *id)));
+        let bytes = text.as_bytes();
+        let mut firsts: Vec<u8> = self.tokens.iter().map(|(t, _)| t.as_bytes()[0]).collect();
+        firsts.sort_unstable();
+        firsts.dedup();
+        // The tokens that start at `at`, longest first (the order of `tokens`).
+        let at = |at: usize| {
+            self.tokens
+                .iter()
+                .find(|(t, _)| bytes[at..].starts_with(t.as_bytes()))
+                .map(|(_, id)| (at, *id))
+        };
+        match *firsts.as_slice() {
+            // One pass over the text for the tokens' first bytes (chat templates' special
+            // tokens mostly share theirs: `<`).
+            [a] => memchr::memchr_iter(a, bytes).filter_map(at).collect(),
+            [a, b] => memchr::memchr2_iter(a, b, bytes).filter_map(at).collect(),
+            [a, b, c] => memchr::memchr3_iter(a, b, c, bytes).filter_map(at).collect(),
+            _ => {
+                let mut cuts = Vec::new();
+                for (token, id) in &self.tokens {
+                    let finder = memchr::memmem::Finder::new(token.as_bytes());
+                    cuts.extend(finder.find_iter(bytes).map(|at| (at, *id)));
+                }
+                cuts.sort_unstable();
+                cuts.dedup_by_key(|c| c.0);
+                cuts
+            }
         }
-        cuts.sort_unstable();
-        cuts.dedup_by_key(|c| c.0);
-        cuts
     }
 }
 
@@ -397,7 +559,7 @@ impl ChatCache {
         limit: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
     ) -> Result<(Encoded, Lookup), PromptError> {
-        let whole = |text: &str| Ok(whole_answer(encode(text)?, text, limit));
+        let whole = |text: &str| whole_sliced(boundaries.text, text, limit, &encode);
         if self.limit() == 0 || boundaries.is_empty() {
             return whole(text);
         }
@@ -430,6 +592,10 @@ impl ChatCache {
             Some((i, node)) => {
                 self.counters.hits.inc();
                 self.counters.reused_tokens.inc_by(node.total as u64);
+                // Room for the rest's tokens too (a hint: at most a token a byte, for most
+                // tokenizers), so that the cached tokens are copied once.
+                let rest = text.len() - cuts.get(i).map_or(text.len(), |c| c.0);
+                out.reserve_exact(node.total + rest);
                 node.materialize(&mut out);
                 if i == cuts.len() {
                     let lookup = Lookup {
@@ -454,15 +620,20 @@ impl ChatCache {
         let mut tokenized = 0;
         let mut pending: Vec<u32> = Vec::new();
         for piece in &pieces {
-            let tokens = encode(&text[piece.start..piece.end])?;
-            tokenized += piece.end - piece.start;
+            let before = out.len();
+            tokenized += encode_sliced(
+                boundaries.text,
+                &text[piece.start..piece.end],
+                limit,
+                &mut out,
+                &encode,
+            )?;
             if let Some(first) = piece.first
-                && tokens.first() != Some(&first)
+                && out.get(before) != Some(&first)
             {
                 // A longer token matched at the cut: the rule does not apply; tokenize whole.
                 return whole(text);
             }
-            out.extend_from_slice(&tokens);
             if out.len() > limit {
                 let lookup = Lookup {
                     reused_tokens: reused,
@@ -470,7 +641,7 @@ impl ChatCache {
                 };
                 return Ok((Encoded::TooLong(out.len()), lookup));
             }
-            pending.extend_from_slice(&tokens);
+            pending.extend_from_slice(&out[before..]);
             if piece.keep {
                 let node = Arc::new(Node::new(parent.take(), std::mem::take(&mut pending), &self.live));
                 let key = keys[cuts.partition_point(|c| c.0 < piece.end)];
@@ -565,6 +736,25 @@ impl Collector for CacheCollector {
         .flatten()
         .collect()
     }
+}
+
+/// The answer for `text` tokenized from its start, slice by slice where `cuts` allows
+/// (stopping once past `limit` tokens): nothing reused.
+fn whole_sliced(
+    cuts: TextCuts,
+    text: &str,
+    limit: usize,
+    encode: &impl Fn(&str) -> Result<Vec<u32>, PromptError>,
+) -> Result<(Encoded, Lookup), PromptError> {
+    let mut out = Vec::new();
+    let lookup = Lookup {
+        reused_tokens: 0,
+        tokenized_bytes: encode_sliced(cuts, text, limit, &mut out, encode)?,
+    };
+    Ok(match out.len() > limit {
+        true => (Encoded::TooLong(out.len()), lookup),
+        false => (Encoded::Tokens(out), lookup),
+    })
 }
 
 /// The answer for `text` tokenized whole into `tokens`: nothing reused; past `limit` tokens,

@@ -5,7 +5,7 @@
 //! in multi-byte characters, are empty, or hold special tokens' text and pieces of it.
 
 use kvroute_http::model::{Model, SpecialTokens, TINY_TOKENIZER_CONFIG_JSON};
-use kvroute_http::prefix_cache::{AddedToken, Boundaries, Encoded};
+use kvroute_http::prefix_cache::{AddedToken, Boundaries, Encoded, TextCuts};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -79,6 +79,18 @@ const FRAGMENTS: &[&str] = &[
     "<|begin_of_text|>",
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "the quick brown fox ",
+    // Around a cut inside text (before a space after an ASCII letter).
+    "a ",
+    "I ",
+    " b",
+    "'ll ",
+    "'S ",
+    "e\u{301} ",
+    "\u{17f} ",
+    "x\r\n",
+    "Z  ",
+    "9 ",
+    "k\u{301}",
 ];
 
 fn content() -> impl Strategy<Value = String> {
@@ -155,6 +167,106 @@ proptest! {
                 prop_assert_eq!(&tail[..1], &first[..], "{}: {:?} opens its piece", name, x);
                 parts.extend(tail);
                 prop_assert_eq!(whole, parts, "{}: {:?} + {:?} + {:?}", name, p, x, r);
+            }
+        }
+    }
+}
+
+/// The fixtures' pipelines that text may be cut in (a regex or space split, BPE, no
+/// normalizer or NFC), and those it may not (a SentencePiece-style BPE over the whole text).
+#[test]
+fn text_cuts_are_known_per_pipeline() {
+    let cuts: Vec<(&str, TextCuts)> = models().iter().map(|(name, m)| (*name, m.text_cuts())).collect();
+    let want = [
+        ("tiny", TextCuts::SpaceAfterLetter),
+        ("bos", TextCuts::SpaceAfterLetter),
+        ("llama3", TextCuts::SpaceAfterLetter),
+        ("qwen2", TextCuts::SpaceAfterLetter),
+        ("gpt2", TextCuts::SpaceAfterLetter),
+        ("llama2", TextCuts::Nowhere),
+        ("metaspace-first", TextCuts::Nowhere),
+    ];
+    assert_eq!(cuts, want);
+    // An added token with whitespace in it, or that eats whitespace on its right, could match
+    // across a cut: no cut then.
+    for (field, value) in [("content", json!("a b")), ("rstrip", json!(true))] {
+        let mut tokenizer: Value =
+            serde_json::from_str(include_str!("data/tokenizers/llama3.json")).expect("JSON");
+        tokenizer["added_tokens"][0][field] = value;
+        let model = Model::from_json(&tokenizer.to_string(), None).expect("loads");
+        assert_eq!(model.text_cuts(), TextCuts::Nowhere, "{field}");
+    }
+}
+
+/// Texts long enough to be tokenized in slices: the fragments, many times over.
+fn long_text() -> impl Strategy<Value = String> {
+    prop::collection::vec(content(), 1..6).prop_map(|parts| {
+        let unit = parts.concat();
+        let mut text = String::new();
+        let mut i = 0usize;
+        while text.len() < 72 << 10 {
+            text.push_str(&unit);
+            text.push_str(FRAGMENTS[i % FRAGMENTS.len()]);
+            i += 1;
+        }
+        text
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// The rule itself, at every cut it allows in `p + r` (adversarial text on both sides),
+    /// on every fixture whose pipeline allows cuts: tokenizing the two sides apart equals
+    /// tokenizing the whole.
+    #[test]
+    fn a_text_cut_inside_text_tokenizes_as_a_whole(p in content(), r in content()) {
+        for (name, model) in &models() {
+            let cuts = model.text_cuts();
+            for text in [format!("{p}{r}"), format!("{p}a {r}"), format!("{p}<|im_end|>{r} x y")] {
+                let whole = model.encode(&text, SpecialTokens::Omit).expect("tokenizes");
+                let mut at = cuts.next(&text, 0);
+                while let Some(c) = at {
+                    prop_assert!(cuts != TextCuts::Nowhere);
+                    let mut parts = model.encode(&text[..c], SpecialTokens::Omit).expect("tokenizes");
+                    parts.extend(model.encode(&text[c..], SpecialTokens::Omit).expect("tokenizes"));
+                    prop_assert_eq!(&whole, &parts, "{}: {:?} cut at {}", name, text, c);
+                    at = cuts.next(&text, c + 1);
+                }
+            }
+        }
+    }
+
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    /// A long message (tokenized in slices), through the cache on and off, in a conversation
+    /// and as a follow-up turn: equal to tokenizing whole; and under a limit it is refused
+    /// after the first slices past it.
+    #[test]
+    fn a_long_message_tokenized_in_slices_equals_whole(text in long_text()) {
+        for (name, model) in &models() {
+            for limit in [0, 1 << 24] {
+                model.chat_cache().set_limit(limit);
+                let mut messages = vec![json!({"role": "user", "content": text})];
+                for turn in 0..2 {
+                    let rendered = model
+                        .render_chat(&Value::Array(messages.clone()), true)
+                        .expect("renders");
+                    check(model, name, &rendered);
+                    messages.push(json!({"role": "assistant", "content": format!("{turn} {text}")}));
+                }
+                let rendered = model.render_chat(&Value::Array(messages), true).expect("renders");
+                let whole = model.encode(&rendered, SpecialTokens::Omit).expect("tokenizes").len();
+                let (encoded, lookup) = model
+                    .encode_chat(&rendered, SpecialTokens::Omit, 1000)
+                    .expect("tokenizes");
+                prop_assert!(matches!(encoded, Encoded::TooLong(n) if n > 1000 && n <= whole), "{name}: {encoded:?}");
+                if model.text_cuts() != TextCuts::Nowhere && limit == 0 {
+                    prop_assert!(lookup.tokenized_bytes < rendered.len() / 2, "{name}: {lookup:?}");
+                }
             }
         }
     }
@@ -273,6 +385,7 @@ fn boundary_tokens_are_those_no_match_can_cross() {
         id,
         normalized: false,
         lstrip: false,
+        rstrip: false,
         single_word: false,
     };
     let added = vec![
