@@ -15,7 +15,8 @@
 //! routing and the request routed once more; any other failure (non-2xx prefill, a broken
 //! response, a timeout, or a second connect failure) ends the request with an OpenAI-shaped
 //! 502 (504 on timeout). The response that streams back goes through an [`Observed`] body
-//! that reports its chunks and its end to the request's guard.
+//! that reports its chunks and its end to the request's guard, then through [`Coalesce`],
+//! which hands the client the chunks already in as one frame.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +31,7 @@ use kvroute_http::disagg;
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::{self, ApiError, Endpoint, KvCacheReport};
 
+use crate::coalesce::Coalesce;
 use crate::config::{EngineKind, ServeConfig};
 use crate::driver::{RequestGuard, RouteError, Shared, Target, Upstream};
 use crate::observed::{self, Observed, Report};
@@ -192,7 +194,7 @@ fn observe(
     let mut headers = axum::http::HeaderMap::new();
     observed::debug_headers(&report, &guard, &mut headers);
     let body = Observed::new(incoming, guard, report, parts.status, timeout);
-    let mut out = Response::new(Body::new(body));
+    let mut out = Response::new(Body::new(Coalesce::new(body)));
     *out.status_mut() = parts.status;
     out.headers_mut().extend(headers);
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {

@@ -23,12 +23,14 @@
 //! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
 //!   bootstrap pair; and the observed response body.
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
+//! * [`coalesce`]: the response body that hands out, in one frame, the chunks already in.
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
 //! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
 
 pub mod admin;
 pub mod checks;
+pub mod coalesce;
 pub mod config;
 pub mod driver;
 pub mod events;

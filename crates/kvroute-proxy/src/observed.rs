@@ -300,20 +300,28 @@ impl Scan {
 
     /// Whether a stream carried an error event.
     fn error_event(&self) -> bool {
-        matches!(self, Self::Stream(sse) if sse.error_event)
+        matches!(self, Self::Stream(sse) if sse.seen.error_event)
     }
 
     /// What the body said of its cached tokens.
     fn cached_report(&self) -> CachedReport {
         let usage = match self {
             Self::Off => None,
-            Self::Unary(buf) => serde_json::from_slice::<Value>(buf)
+            Self::Unary(buf) => serde_json::from_slice::<UsageOnly>(buf)
                 .ok()
-                .and_then(|v| usage_of(&v)),
-            Self::Stream(sse) => sse.usage.clone(),
+                .and_then(|u| u.usage),
+            Self::Stream(sse) => sse.seen.usage.clone(),
         };
         cached_report(usage.as_ref())
     }
+}
+
+/// A unary answer as far as its usage: the rest of the body is skipped, not built (a body
+/// whose `usage` is not one reads as none, as in [`usage_of`]).
+#[derive(serde::Deserialize)]
+struct UsageOnly {
+    #[serde(default)]
+    usage: Option<Usage>,
 }
 
 /// `usage` of a response or chunk, if it has one.
@@ -338,17 +346,26 @@ pub fn cached_report(usage: Option<&Usage>) -> CachedReport {
 /// Reads a stream of server-sent events (`data: <json>\n\n`) for its last usage and its
 /// error events, and takes out the usage-only chunk when asked to. Without stripping, frames
 /// pass on as they came; with it, only whole events pass (the proxy holds back a partial one
-/// until its end arrives).
+/// until its end arrives). A frame of whole events is read where it lies and, unless an event
+/// is taken out of it, passed on as it came (no copy); only an event cut across frames is
+/// gathered.
 struct SseScan {
     strip_usage: bool,
     /// The start of an event whose end has not arrived.
     partial: Vec<u8>,
+    /// What the events said.
+    seen: Seen,
+    /// An event grew past [`MAX_SCANNED`]: the rest passes unread.
+    overflowed: bool,
+}
+
+/// What a stream's events said so far.
+#[derive(Default)]
+struct Seen {
     /// The last usage seen.
     usage: Option<Usage>,
     /// An event of the form `data: {"error": ...}` passed.
     error_event: bool,
-    /// An event grew past [`MAX_SCANNED`]: the rest passes unread.
-    overflowed: bool,
 }
 
 impl SseScan {
@@ -356,8 +373,7 @@ impl SseScan {
         Self {
             strip_usage,
             partial: Vec::new(),
-            usage: None,
-            error_event: false,
+            seen: Seen::default(),
             overflowed: false,
         }
     }
@@ -366,31 +382,90 @@ impl SseScan {
         if self.overflowed {
             return data;
         }
+        if self.partial.is_empty() {
+            // The common case: the frame starts with an event.
+            let (end, kept) = self.events(&data);
+            if end == data.len() || data.len() - end > MAX_SCANNED {
+                // The frame ends with an event; or what is left of it is past reading (it
+                // passes on, and so does the rest of the stream).
+                self.overflowed = end < data.len();
+                return match kept {
+                    Kept::All => data,
+                    Kept::Some(mut out) => {
+                        out.extend_from_slice(&data[end..]);
+                        Bytes::from(out)
+                    }
+                };
+            }
+            self.partial.extend_from_slice(&data[end..]);
+            return match (self.strip_usage, kept) {
+                (false, _) => data,
+                (true, Kept::All) => data.slice(..end),
+                (true, Kept::Some(out)) => Bytes::from(out),
+            };
+        }
         self.partial.extend_from_slice(&data);
-        let mut out = Vec::new();
+        let buf = std::mem::take(&mut self.partial);
+        let (end, kept) = self.events(&buf);
+        let out = match kept {
+            _ if !self.strip_usage => Bytes::new(),
+            Kept::All => Bytes::copy_from_slice(&buf[..end]),
+            Kept::Some(out) => Bytes::from(out),
+        };
+        self.partial = buf;
+        self.partial.drain(..end);
+        if self.partial.len() > MAX_SCANNED {
+            self.overflowed = true;
+            let rest = std::mem::take(&mut self.partial);
+            if self.strip_usage {
+                return [out, Bytes::from(rest)].concat().into();
+            }
+        }
+        if self.strip_usage { out } else { data }
+    }
+
+    /// Reads the whole events at the start of `buf`: where the last one ends, and which of
+    /// them go on to the client.
+    fn events(&mut self, buf: &[u8]) -> (usize, Kept) {
+        let mut kept = Kept::All;
         let mut start = 0;
-        while let Some(len) = find(&self.partial[start..], b"\n\n") {
-            let end = start + len + 2;
-            let keep = self.inspect(start, end);
-            if self.strip_usage && keep {
-                out.extend_from_slice(&self.partial[start..end]);
+        while let Some(len) = event_len(&buf[start..]) {
+            let end = start + len;
+            let keep = self.seen.inspect(&buf[start..end], self.strip_usage);
+            match &mut kept {
+                Kept::All if !keep => kept = Kept::Some(buf[..start].to_vec()),
+                Kept::Some(out) if keep => out.extend_from_slice(&buf[start..end]),
+                _ => {}
             }
             start = end;
         }
-        self.partial.drain(..start);
-        if self.partial.len() > MAX_SCANNED {
-            self.overflowed = true;
-            if self.strip_usage {
-                out.append(&mut self.partial);
-            }
-            self.partial = Vec::new();
-        }
-        if self.strip_usage { Bytes::from(out) } else { data }
+        (start, kept)
     }
 
-    /// Reads the event at `partial[start..end]`; whether it goes on to the client.
-    fn inspect(&mut self, start: usize, end: usize) -> bool {
-        let event = &self.partial[start..end];
+    fn finish(&mut self) -> Option<Bytes> {
+        let rest = std::mem::take(&mut self.partial);
+        (self.strip_usage && !self.overflowed).then(|| Bytes::from(rest))
+    }
+}
+
+/// Which of a frame's events go on.
+enum Kept {
+    /// All of them.
+    All,
+    /// Those gathered here (one was taken out).
+    Some(Vec<u8>),
+}
+
+impl Seen {
+    /// Reads `event` (one whole event); whether it goes on to the client (with `strip_usage`,
+    /// a usage-only chunk does not).
+    fn inspect(&mut self, event: &[u8], strip_usage: bool) -> bool {
+        // Most events (a token each) name neither: they are passed without a closer look.
+        if memchr::memmem::find(event, b"\"usage\"").is_none()
+            && memchr::memmem::find(event, b"\"error\"").is_none()
+        {
+            return true;
+        }
         let Ok(text) = std::str::from_utf8(event) else {
             return true;
         };
@@ -415,23 +490,19 @@ impl SseScan {
                     .get("choices")
                     .and_then(Value::as_array)
                     .is_none_or(Vec::is_empty);
-                if no_choices && self.strip_usage {
+                if no_choices && strip_usage {
                     keep = false;
                 }
             }
         }
         keep
     }
-
-    fn finish(&mut self) -> Option<Bytes> {
-        let rest = std::mem::take(&mut self.partial);
-        (self.strip_usage && !self.overflowed).then(|| Bytes::from(rest))
-    }
 }
 
-/// Where `needle` starts in `haystack`.
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// The length of the whole event at the start of `buf` (through its blank line), if it is
+/// all there.
+fn event_len(buf: &[u8]) -> Option<usize> {
+    memchr::memmem::find(buf, b"\n\n").map(|at| at + 2)
 }
 
 #[cfg(test)]
@@ -463,10 +534,39 @@ mod tests {
             let frames = [&whole[..cut], &whole[cut..]];
             let (out, scan) = run(true, &frames);
             assert_eq!(out, format!("{CHUNK}{DONE}"), "cut at {cut}");
-            assert_eq!(cached_report(scan.usage.as_ref()), CachedReport::Reported(32));
+            assert_eq!(
+                cached_report(scan.seen.usage.as_ref()),
+                CachedReport::Reported(32)
+            );
             let (out, scan) = run(false, &frames);
             assert_eq!(out, whole, "cut at {cut}");
-            assert_eq!(cached_report(scan.usage.as_ref()), CachedReport::Reported(32));
+            assert_eq!(
+                cached_report(scan.seen.usage.as_ref()),
+                CachedReport::Reported(32)
+            );
+        }
+    }
+
+    #[test]
+    fn any_three_frames_of_a_stream_pass_as_the_engine_sent_them() {
+        let whole = format!("{CHUNK}{CHUNK}{USAGE}{CHUNK}{DONE}");
+        let stripped = format!("{CHUNK}{CHUNK}{CHUNK}{DONE}");
+        for a in 0..=whole.len() {
+            for b in (a..=whole.len()).step_by(7) {
+                let frames = [&whole[..a], &whole[a..b], &whole[b..]];
+                let (out, scan) = run(false, &frames);
+                assert_eq!(out, whole, "cuts at {a}, {b}");
+                assert_eq!(
+                    cached_report(scan.seen.usage.as_ref()),
+                    CachedReport::Reported(32)
+                );
+                let (out, scan) = run(true, &frames);
+                assert_eq!(out, stripped, "cuts at {a}, {b}");
+                assert_eq!(
+                    cached_report(scan.seen.usage.as_ref()),
+                    CachedReport::Reported(32)
+                );
+            }
         }
     }
 
@@ -485,7 +585,7 @@ mod tests {
         ];
         for (stream, want) in table {
             let (_, scan) = run(false, &[stream]);
-            assert_eq!(cached_report(scan.usage.as_ref()), *want, "{stream}");
+            assert_eq!(cached_report(scan.seen.usage.as_ref()), *want, "{stream}");
         }
     }
 
@@ -494,9 +594,9 @@ mod tests {
         let error =
             "data: {\"error\":{\"message\":\"no\",\"type\":\"x\",\"param\":null,\"code\":\"refused\"}}\n\n";
         let (_, scan) = run(false, &[CHUNK, error, DONE]);
-        assert!(scan.error_event);
+        assert!(scan.seen.error_event);
         let (_, scan) = run(false, &[CHUNK, DONE]);
-        assert!(!scan.error_event);
+        assert!(!scan.seen.error_event);
     }
 
     #[test]
@@ -508,5 +608,17 @@ mod tests {
         assert_eq!(scan.feed(Bytes::from(b)), b);
         assert_eq!(scan.cached_report(), CachedReport::Reported(16));
         assert_eq!(Scan::Unary(b"{}".to_vec()).cached_report(), CachedReport::NoUsage);
+        // Only `usage` is read: what it is not, or a body that is not an object, is no usage.
+        for body in [
+            &b"{\"usage\":null}"[..],
+            b"{\"usage\":3}",
+            b"{\"usage\":{\"prompt_tokens\":\"x\"}}",
+            b"[1]",
+            b"not json",
+        ] {
+            assert_eq!(Scan::Unary(body.to_vec()).cached_report(), CachedReport::NoUsage);
+        }
+        let absent = b"{\"choices\":[{\"usage\":1}],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":1,\"total_tokens\":5}}";
+        assert_eq!(Scan::Unary(absent.to_vec()).cached_report(), CachedReport::Absent);
     }
 }

@@ -2,7 +2,7 @@
 //! [`WorkerState`]. It only keeps the books; what a change of state means for the router
 //! (ranks entering, draining or leaving it) is the driver's ([`crate::driver`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvroute_core::ids::WorkerId;
 use serde::Serialize;
@@ -63,6 +63,10 @@ pub struct Transition {
 #[derive(Debug)]
 pub struct Registry {
     workers: BTreeMap<WorkerId, WorkerEntry>,
+    /// The workers in state [`WorkerState::Draining`], kept with each change of state: the
+    /// driver asks after them at the end of every request, which must not cost a scan of the
+    /// fleet.
+    draining: BTreeSet<WorkerId>,
     next: u64,
     policy: HealthPolicy,
 }
@@ -72,6 +76,7 @@ impl Registry {
     pub fn new(policy: HealthPolicy) -> Self {
         Self {
             workers: BTreeMap::new(),
+            draining: BTreeSet::new(),
             next: 0,
             policy,
         }
@@ -104,6 +109,11 @@ impl Registry {
         let from = entry.state;
         let to = from.on(event, self.policy);
         entry.state = to;
+        if matches!(to, WorkerState::Draining { .. }) {
+            self.draining.insert(id);
+        } else {
+            self.draining.remove(&id);
+        }
         let ranks = entry.config.dp_size;
         Some(Transition { from, to, ranks })
     }
@@ -161,10 +171,11 @@ impl Registry {
         self.workers.iter().map(|(&id, w)| (id, w))
     }
 
-    /// The workers being drained.
+    /// The workers being drained (without a scan of the fleet).
     pub fn draining(&self) -> impl Iterator<Item = (WorkerId, &WorkerEntry)> {
-        self.iter()
-            .filter(|(_, w)| matches!(w.state, WorkerState::Draining { .. }))
+        self.draining
+            .iter()
+            .filter_map(|&id| self.workers.get(&id).map(|w| (id, w)))
     }
 
     /// Whether worker `id`'s ranks are in the router.
@@ -226,5 +237,38 @@ mod tests {
         assert!(!registry.note_event_block_size(a, 16));
         assert!(registry.note_event_block_size(a, 32));
         assert!(registry.set_verdict(WorkerId(99), Check::Model, Ok(())).is_none());
+    }
+
+    #[test]
+    fn the_draining_workers_follow_every_change_of_state() {
+        let mut registry = Registry::new(HealthPolicy {
+            failures: 1,
+            successes: 1,
+        });
+        let config = |port: u16| WorkerConfig::parse_flag(&format!("http://127.0.0.1:{port}")).unwrap();
+        let (a, b) = (registry.add(config(1)), registry.add(config(2)));
+        let draining = |r: &Registry| r.draining().map(|(id, _)| id).collect::<Vec<_>>();
+        // (worker, event, draining after): the set against the states themselves.
+        let script = [
+            (a, WorkerEvent::CheckPassed, vec![]),
+            (b, WorkerEvent::CheckPassed, vec![]),
+            (a, WorkerEvent::DrainRequested, vec![a]),
+            (b, WorkerEvent::DrainRequested, vec![a, b]),
+            (a, WorkerEvent::CheckPassed, vec![a, b]),
+            (a, WorkerEvent::Idle, vec![b]),
+            (b, WorkerEvent::Removed, vec![]),
+        ];
+        for (step, (id, event, want)) in script.into_iter().enumerate() {
+            registry.apply(id, event);
+            assert_eq!(draining(&registry), want, "step {step}");
+            let scanned: Vec<_> = registry
+                .iter()
+                .filter(|(_, w)| matches!(w.state, WorkerState::Draining { .. }))
+                .map(|(id, _)| id)
+                .collect();
+            assert_eq!(scanned, want, "step {step}: the states say otherwise");
+        }
+        registry.forget(b);
+        assert!(draining(&registry).is_empty());
     }
 }
