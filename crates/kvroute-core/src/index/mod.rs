@@ -822,8 +822,14 @@ impl PrefixIndex {
     /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
     fn collect(&mut self, mut node: NodeId) {
         while node != ROOT {
-            let n = self.nodes[node as usize];
-            if n.parent == NONE || n.children != 0 || !self.is_unheld(node) {
+            let n = &self.nodes[node as usize];
+            // Most calls stop at the first test: a removed block in the middle of a chain still
+            // has its children. The high mask words are read only for fleets that have them.
+            if n.children != 0 || n.mask0 != 0 || n.parent == NONE {
+                return;
+            }
+            let n = *n;
+            if self.hi_words != 0 && !self.is_unheld(node) {
                 return;
             }
             let p = &mut self.nodes[n.parent as usize];
