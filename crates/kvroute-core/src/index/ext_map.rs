@@ -90,8 +90,6 @@ impl Line {
 pub(super) struct ExtMap {
     lines: Vec<Line>,
     len: usize,
-    /// The most entries the table takes before it grows (zero while unallocated).
-    max_len: usize,
 }
 
 /// Where a key is, or where it would go.
@@ -133,6 +131,13 @@ impl ExtMap {
         // High bits of the multiplicative hash are the best mixed; shift them down.
         let bits = self.lines.len().trailing_zeros();
         (mix(key, 0) >> (64 - bits)) as usize
+    }
+
+    /// The most entries the table takes before it grows: more would fill more than MAX_LOAD of
+    /// its slots (zero while unallocated). A multiply by a constant and a shift.
+    #[inline]
+    fn max_len(&self) -> usize {
+        self.lines.len() * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1
     }
 
     pub(super) fn len(&self) -> usize {
@@ -212,7 +217,7 @@ impl ExtMap {
     #[inline]
     pub(super) fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         debug_assert!(node != EMPTY);
-        if vacancy.at == usize::MAX || self.len >= self.max_len {
+        if vacancy.at == usize::MAX || self.len >= self.max_len() {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow();
             let home = self.home(key);
@@ -320,8 +325,6 @@ impl ExtMap {
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
-        // Grow before more than MAX_LOAD of the slots would be full.
-        self.max_len = new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1;
         for line in &old {
             for s in 0..LINE_SLOTS {
                 if line.nodes[s] != EMPTY {
@@ -397,7 +400,7 @@ mod tests {
 
     #[test]
     fn grows_exactly_when_more_than_the_load_limit_would_be_full() {
-        // The limit is a precomputed entry count; it must say what MAX_LOAD says, at the first
+        // The limit is an entry count (`max_len`); it must say what MAX_LOAD says, at the first
         // size and after a growth: an insert that would fill more than 5/8 of the slots grows.
         let mut map = ExtMap::default();
         for k in 0u64..200 {
