@@ -46,10 +46,24 @@ const VACANT_LINE: Line = Line {
 };
 
 impl Line {
-    /// The slot holding `key`, if any.
+    /// In one pass over the line: the slots holding `key` (bit `s` for slot `s`) and the empty
+    /// slots.
     ///
-    /// The slots are compared into a bit mask without a branch per slot: where a key sits in
-    /// its line is random, so a branch per slot would be mispredicted about once per probe.
+    /// The slots are compared into bit masks without a branch per slot: where a key sits in
+    /// its line is random, so a branch per slot would be mispredicted about once per probe. One
+    /// pass serves both questions a store asks of a line (is the key here, where is room).
+    #[inline]
+    fn scan(&self, key: u64) -> (u32, u32) {
+        let mut same = 0u32;
+        let mut empty = 0u32;
+        for s in 0..LINE_SLOTS {
+            same |= u32::from(self.keys[s] == key) << s;
+            empty |= u32::from(self.nodes[s] == EMPTY) << s;
+        }
+        (same & !empty, empty)
+    }
+
+    /// The slot holding `key`, if any (a removal's question: one compare per slot, not two).
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
         let mut hits = 0u32;
@@ -59,7 +73,7 @@ impl Line {
         (hits != 0).then(|| hits.trailing_zeros() as usize)
     }
 
-    /// The first empty slot, if any (compared without a branch per slot, like [`Line::find`]).
+    /// The first empty slot, if any (compared without a branch per slot, like [`Line::scan`]).
     #[inline]
     fn vacant(&self) -> Option<usize> {
         let mut empty = 0u32;
@@ -82,18 +96,28 @@ pub(super) struct ExtMap {
 pub(super) enum Probe {
     /// The key is present, mapped to this node.
     Found(NodeId),
-    /// The key is absent; this is the slot to insert it into.
-    Vacant(usize),
+    /// The key is absent: the slot to insert it into, and the key's home line.
+    Vacant(Vacancy),
+}
+
+/// Where an absent key goes: handed from [`ExtMap::probe`] to [`ExtMap::insert_at`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Vacancy {
+    /// The empty slot (`line * SLOT_STRIDE + slot`), or `usize::MAX` when the table must grow.
+    at: usize,
+    /// The key's home line.
+    home: usize,
+}
+
+impl Vacancy {
+    const NONE: Vacancy = Vacancy {
+        at: usize::MAX,
+        home: 0,
+    };
 }
 
 impl ExtMap {
     const MIN_LINES: usize = 4;
-
-    /// Number of slots (zero before the first insert).
-    #[inline]
-    fn capacity(&self) -> usize {
-        self.lines.len() * LINE_SLOTS
-    }
 
     /// The line after `line`, wrapping around.
     #[inline]
@@ -107,6 +131,13 @@ impl ExtMap {
         // High bits of the multiplicative hash are the best mixed; shift them down.
         let bits = self.lines.len().trailing_zeros();
         (mix(key, 0) >> (64 - bits)) as usize
+    }
+
+    /// The most entries the table takes before it grows: more would fill more than MAX_LOAD of
+    /// its slots (zero while unallocated). A multiply by a constant and a shift.
+    #[inline]
+    fn max_len(&self) -> usize {
+        self.lines.len() * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1
     }
 
     pub(super) fn len(&self) -> usize {
@@ -134,21 +165,21 @@ impl ExtMap {
     #[inline]
     pub(super) fn probe(&self, key: u64) -> Probe {
         if self.lines.is_empty() {
-            return Probe::Vacant(usize::MAX);
+            return Probe::Vacant(Vacancy::NONE);
         }
-        let mut line = self.home(key);
+        let home = self.home(key);
+        let mut line = home;
         let mut vacant = usize::MAX;
         // Every line is visited at most once: a table whose every line has overflowed could
         // otherwise be probed forever for an absent key.
         for _ in 0..self.lines.len() {
             let l = &self.lines[line];
-            if let Some(s) = l.find(key) {
-                return Probe::Found(l.nodes[s]);
+            let (hits, empty) = l.scan(key);
+            if hits != 0 {
+                return Probe::Found(l.nodes[hits.trailing_zeros() as usize]);
             }
-            if vacant == usize::MAX
-                && let Some(s) = l.vacant()
-            {
-                vacant = line * SLOT_STRIDE + s;
+            if vacant == usize::MAX && empty != 0 {
+                vacant = line * SLOT_STRIDE + empty.trailing_zeros() as usize;
             }
             if l.overflow == 0 {
                 break;
@@ -159,7 +190,7 @@ impl ExtMap {
             // The key is absent, but the lines probed were full: room is further on.
             vacant = self.first_vacant(self.next(line));
         }
-        Probe::Vacant(vacant)
+        Probe::Vacant(Vacancy { at: vacant, home })
     }
 
     /// The first empty slot at or after `line`, or `usize::MAX` if the table is full.
@@ -181,30 +212,32 @@ impl ExtMap {
         }
     }
 
-    /// Inserts `key` at `at`, the slot a [`Probe::Vacant`] for it named, with no other insert
-    /// or removal in between.
+    /// Inserts `key` where a [`Probe::Vacant`] for it said, with no other insert or removal in
+    /// between.
     #[inline]
-    pub(super) fn insert_at(&mut self, at: usize, key: u64, node: NodeId) {
+    pub(super) fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         debug_assert!(node != EMPTY);
-        if at == usize::MAX || (self.len + 1) * MAX_LOAD.1 > self.capacity() * MAX_LOAD.0 {
+        if vacancy.at == usize::MAX || self.len >= self.max_len() {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow();
-            let at = self.first_vacant(self.home(key));
-            self.place(at, key, node);
+            let home = self.home(key);
+            let at = self.first_vacant(home);
+            self.place(at, home, key, node);
         } else {
-            self.place(at, key, node);
+            self.place(vacancy.at, vacancy.home, key, node);
         }
         self.len += 1;
     }
 
-    /// Writes `key` into the empty slot `at` and counts it on the lines its probe passed over.
+    /// Writes `key`, whose home line is `home`, into the empty slot `at` and counts it on the
+    /// lines its probe passed over.
     #[inline]
-    fn place(&mut self, at: usize, key: u64, node: NodeId) {
+    fn place(&mut self, at: usize, home: usize, key: u64, node: NodeId) {
         let (line, s) = (at / SLOT_STRIDE, at % SLOT_STRIDE);
         let l = &mut self.lines[line];
         l.keys[s] = key;
         l.nodes[s] = node;
-        let mut passed = self.home(key);
+        let mut passed = home;
         while passed != line {
             self.lines[passed].overflow += 1;
             passed = self.next(passed);
@@ -296,8 +329,9 @@ impl ExtMap {
             for s in 0..LINE_SLOTS {
                 if line.nodes[s] != EMPTY {
                     let key = line.keys[s];
-                    let at = self.first_vacant(self.home(key));
-                    self.place(at, key, line.nodes[s]);
+                    let home = self.home(key);
+                    let at = self.first_vacant(home);
+                    self.place(at, home, key, line.nodes[s]);
                 }
             }
         }
@@ -362,6 +396,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn grows_exactly_when_more_than_the_load_limit_would_be_full() {
+        // The limit is an entry count (`max_len`); it must say what MAX_LOAD says, at the first
+        // size and after a growth: an insert that would fill more than 5/8 of the slots grows.
+        let mut map = ExtMap::default();
+        for k in 0u64..200 {
+            let lines_before = map.lines.len();
+            match map.probe(k) {
+                Probe::Vacant(at) => map.insert_at(at, k, k as NodeId),
+                Probe::Found(_) => panic!("key {k} found before insert"),
+            }
+            let slots_before = lines_before * LINE_SLOTS;
+            let must_grow = (k as usize + 1) * MAX_LOAD.1 > slots_before * MAX_LOAD.0;
+            assert_eq!(map.lines.len() > lines_before, must_grow, "insert of key {k}");
+            assert_eq!(map.check_overflow(), Ok(()));
+        }
+        assert!((0u64..200).all(|k| map.get(k) == Some(k as NodeId)));
     }
 
     #[test]

@@ -441,6 +441,9 @@ impl PrefixIndex {
         else {
             unreachable!("slot {slot} is registered in slot_of")
         };
+        // Counted once at the end (or at an error): a counter in `self` updated per block is a
+        // load and a store the compiler may not keep in a register across the map's writes.
+        let mut stored = 0u64;
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
             let mask = if word == 0 {
                 &mut nodes[node as usize].mask0
@@ -450,6 +453,7 @@ impl PrefixIndex {
             match map.probe(block.external.0) {
                 Probe::Found(held) if held == node => {}
                 Probe::Found(_) => {
+                    stats.blocks_stored += stored;
                     stats.conflicting_block += 1;
                     return Err(IndexError::ConflictingBlock {
                         worker,
@@ -458,6 +462,7 @@ impl PrefixIndex {
                     });
                 }
                 Probe::Vacant(_) if *mask & bit != 0 => {
+                    stats.blocks_stored += stored;
                     stats.duplicate_prefix += 1;
                     return Err(IndexError::DuplicatePrefix {
                         worker,
@@ -468,13 +473,14 @@ impl PrefixIndex {
                 Probe::Vacant(at) => {
                     map.insert_at(at, block.external.0, node);
                     *mask |= bit;
-                    stats.blocks_stored += 1;
+                    stored += 1;
                     if capped {
                         order.push_back(block.external.0);
                     }
                 }
             }
         }
+        stats.blocks_stored += stored;
         Ok(())
     }
 
@@ -607,6 +613,33 @@ impl PrefixIndex {
     #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
     fn walk_one_word(
         &self,
+        node: NodeId,
+        rest: &[LocalBlockHash],
+        word: usize,
+        active: u64,
+        depth: u32,
+        early_exit: bool,
+        out: &mut OverlapScores,
+    ) {
+        // One loop per kind of mask word, so the loop reads its word without a branch on which.
+        if word == 0 {
+            let nodes = &self.nodes;
+            self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
+                nodes[n as usize].mask0
+            });
+        } else {
+            let (hi, stride) = (&self.hi, self.hi_words);
+            self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
+                hi[n as usize * stride + word - 1]
+            });
+        }
+    }
+
+    /// [`PrefixIndex::walk_one_word`] with `mask` reading a node's word `word`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
+    fn walk_word(
+        &self,
         mut node: NodeId,
         rest: &[LocalBlockHash],
         word: usize,
@@ -614,17 +647,25 @@ impl PrefixIndex {
         mut depth: u32,
         early_exit: bool,
         out: &mut OverlapScores,
+        mask: impl Fn(NodeId) -> u64,
     ) {
+        if active == 0 {
+            return;
+        }
         for local in rest {
-            if active == 0 || (early_exit && active.count_ones() == 1) {
+            // `active` is never empty here; one bit left is `active & (active - 1) == 0`.
+            if early_exit && active & (active - 1) == 0 {
                 break;
             }
             let Some(next) = self.child(node, local.0) else {
                 break;
             };
-            let kept = active & self.mask_word(next, word);
+            let kept = active & mask(next);
             if kept != active {
                 self.emit(word, active & !kept, depth, out);
+                if kept == 0 {
+                    return;
+                }
                 active = kept;
             }
             depth += 1;
@@ -709,19 +750,23 @@ impl PrefixIndex {
     // ---- children ----
 
     /// The child of `parent` whose block has local hash `local`.
-    #[inline]
+    #[inline(always)]
     fn child(&self, parent: NodeId, local: u64) -> Option<NodeId> {
         let p = &self.nodes[parent as usize];
-        let mut in_table = p.children;
-        if p.hint != NONE {
-            if p.hint_tag == local as u32 && self.nodes[p.hint as usize].local == local {
-                return Some(p.hint);
-            }
-            in_table -= 1;
+        if p.hint != NONE && p.hint_tag == local as u32 && self.nodes[p.hint as usize].local == local {
+            return Some(p.hint);
         }
+        // The hint is not it: look in the table if the node has children other than the hint.
+        let in_table = p.children - u32::from(p.hint != NONE);
         if in_table == 0 {
             return None;
         }
+        self.child_in_table(parent, local)
+    }
+
+    /// The child of `parent` for `local` among those in the children table (not the hint).
+    #[inline(never)]
+    fn child_in_table(&self, parent: NodeId, local: u64) -> Option<NodeId> {
         let nodes = &self.nodes;
         self.children
             .find(child_hash(parent, local), |&id| {
@@ -733,7 +778,11 @@ impl PrefixIndex {
 
     /// The child of `parent` for `local`, created (held by nobody) if missing.
     fn child_or_insert(&mut self, parent: NodeId, local: u64) -> NodeId {
-        if let Some(found) = self.child(parent, local) {
+        // A node just created by the same store (the common case on a long chain) has no
+        // children: skip the lookup.
+        if self.nodes[parent as usize].children != 0
+            && let Some(found) = self.child(parent, local)
+        {
             return found;
         }
         let id = match self.free_nodes.pop() {
@@ -773,8 +822,14 @@ impl PrefixIndex {
     /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
     fn collect(&mut self, mut node: NodeId) {
         while node != ROOT {
-            let n = self.nodes[node as usize];
-            if n.parent == NONE || n.children != 0 || !self.is_unheld(node) {
+            let n = &self.nodes[node as usize];
+            // Most calls stop at the first test: a removed block in the middle of a chain still
+            // has its children. The high mask words are read only for fleets that have them.
+            if n.children != 0 || n.mask0 != 0 || n.parent == NONE {
+                return;
+            }
+            let n = *n;
+            if self.hi_words != 0 && !self.is_unheld(node) {
                 return;
             }
             let p = &mut self.nodes[n.parent as usize];
