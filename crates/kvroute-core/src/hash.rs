@@ -97,10 +97,9 @@ impl BlockHasher {
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
         fn short<const N: usize>(seed: u64, tokens: &[u32]) -> Vec<LocalBlockHash> {
             let keys = ShortKeys::new(seed);
-            let (blocks, _partial) = tokens.as_chunks::<N>();
-            blocks
-                .iter()
-                .map(|block| LocalBlockHash(keys.hash(block)))
+            tokens
+                .chunks_exact(N)
+                .map(|block| LocalBlockHash(keys.hash_chunk::<N>(block, seed)))
                 .collect()
         }
         match self.block_size {
@@ -161,23 +160,22 @@ impl BlockHasher {
     ) -> Arc<[SequenceHash]> {
         debug_assert_eq!(N, self.block_size);
         let keys = ShortKeys::new(self.seed);
-        let (blocks, _partial) = tokens.as_chunks::<N>();
+        let mut blocks = tokens.chunks_exact(N);
         // Sized up front and written through `iter_mut`: no capacity check per block.
         locals.clear();
         locals.resize(blocks.len(), LocalBlockHash(0));
-        let (Some((first, rest)), Some((first_local, rest_locals))) =
-            (blocks.split_first(), locals.split_first_mut())
+        let (Some(first), Some((first_local, rest_locals))) = (blocks.next(), locals.split_first_mut())
         else {
             return Arc::new([]);
         };
-        let mut prev = keys.hash(first);
+        let mut prev = keys.hash_chunk::<N>(first, self.seed);
         *first_local = LocalBlockHash(prev);
         // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
         // blocks' local hashes, which do not depend on it. `once` chained to a zip of slices
         // has an exact length, so the `Arc` is allocated once and filled in place.
         std::iter::once(SequenceHash(prev))
-            .chain(rest.iter().zip(rest_locals).map(|(block, slot)| {
-                let local = keys.hash(block);
+            .chain(blocks.zip(rest_locals).map(|(block, slot)| {
+                let local = keys.hash_chunk::<N>(block, self.seed);
                 *slot = LocalBlockHash(local);
                 prev = chain_step(prev, local);
                 SequenceHash(prev)
@@ -320,6 +318,16 @@ impl ShortKeys {
     fn mix16<const N: usize>(&self, block: &[u32; N], offset: usize, secret: usize) -> u64 {
         let (i, k) = (offset / 4, secret / 8);
         mul128_fold64(word(block, i) ^ self.0[k], word(block, i + 2) ^ self.0[k + 1])
+    }
+
+    /// [`ShortKeys::hash`] of a block `chunks_exact(N)` cut, so of `N` tokens; any other length
+    /// (which `chunks_exact` never gives) takes the general XXH3 with `seed`, these keys' seed.
+    #[inline(always)]
+    fn hash_chunk<const N: usize>(&self, block: &[u32], seed: u64) -> u64 {
+        match <&[u32; N]>::try_from(block) {
+            Ok(block) => self.hash(block),
+            Err(_) => hash_u32_le(block, seed),
+        }
     }
 
     /// `XXH3_64_with_seed` of the `4 * N` little-endian bytes of `block`, for `N` in 5..=32
