@@ -84,15 +84,32 @@ impl BlockHasher {
     /// The local hash of one block's tokens (any length; callers pass full blocks).
     #[inline]
     pub fn local_hash(&self, tokens: &[u32]) -> LocalBlockHash {
+        if let Ok(block) = <&[u32; 16]>::try_from(tokens) {
+            return LocalBlockHash(ShortKeys::new(self.seed).hash(block));
+        }
+        if let Ok(block) = <&[u32; 32]>::try_from(tokens) {
+            return LocalBlockHash(ShortKeys::new(self.seed).hash(block));
+        }
         LocalBlockHash(hash_u32_le(tokens, self.seed))
     }
 
     /// Local hashes of every full block of `tokens`.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|block| self.local_hash(block))
-            .collect()
+        fn short<const N: usize>(seed: u64, tokens: &[u32]) -> Vec<LocalBlockHash> {
+            let keys = ShortKeys::new(seed);
+            tokens
+                .chunks_exact(N)
+                .map(|block| LocalBlockHash(keys.hash_chunk::<N>(block, seed)))
+                .collect()
+        }
+        match self.block_size {
+            16 => short::<16>(self.seed, tokens),
+            32 => short::<32>(self.seed, tokens),
+            _ => tokens
+                .chunks_exact(self.block_size)
+                .map(|block| LocalBlockHash(hash_u32_le(block, self.seed)))
+                .collect(),
+        }
     }
 
     /// Sequence hashes of the chain of `locals`, starting from the root.
@@ -112,26 +129,62 @@ impl BlockHasher {
         locals: &mut Vec<LocalBlockHash>,
         chain: &mut Vec<SequenceHash>,
     ) {
-        locals.clear();
         chain.clear();
-        let mut prev = None;
-        for block in tokens.chunks_exact(self.block_size) {
-            let local = self.local_hash(block);
-            let seq = next_sequence_hash(prev, local);
-            locals.push(local);
-            chain.push(seq);
-            prev = Some(seq);
-        }
+        chain.extend_from_slice(&self.hash_prompt_shared(tokens, locals));
     }
 
     /// [`BlockHasher::hash_prompt`] with the sequence hashes written straight into one shared
     /// allocation, the chain a router books: a long prompt's chain (64 KiB at 128K tokens in
     /// 16-token blocks) is neither grown in a buffer nor copied out of one.
+    ///
+    /// Blocks of 16 and 32 tokens (64 and 128 bytes) take a specialised XXH3 (see [`ShortKeys`]):
+    /// the same values as `xxh3_64_with_seed`, without its per-call length dispatch, and with
+    /// the seeded secret words computed once per prompt.
     pub fn hash_prompt_shared(
         &self,
         tokens: &[u32],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
+        match self.block_size {
+            16 => self.hash_blocks::<16>(tokens, locals),
+            32 => self.hash_blocks::<32>(tokens, locals),
+            _ => self.hash_any_blocks(tokens, locals),
+        }
+    }
+
+    /// [`BlockHasher::hash_prompt_shared`] for blocks of `N` tokens, `N` in 5..=32.
+    fn hash_blocks<const N: usize>(
+        &self,
+        tokens: &[u32],
+        locals: &mut Vec<LocalBlockHash>,
+    ) -> Arc<[SequenceHash]> {
+        debug_assert_eq!(N, self.block_size);
+        let keys = ShortKeys::new(self.seed);
+        let mut blocks = tokens.chunks_exact(N);
+        // Sized up front and written through `iter_mut`: no capacity check per block.
+        locals.clear();
+        locals.resize(blocks.len(), LocalBlockHash(0));
+        let (Some(first), Some((first_local, rest_locals))) = (blocks.next(), locals.split_first_mut())
+        else {
+            return Arc::new([]);
+        };
+        let mut prev = keys.hash_chunk::<N>(first, self.seed);
+        *first_local = LocalBlockHash(prev);
+        // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
+        // blocks' local hashes, which do not depend on it. `once` chained to a zip of slices
+        // has an exact length, so the `Arc` is allocated once and filled in place.
+        std::iter::once(SequenceHash(prev))
+            .chain(blocks.zip(rest_locals).map(|(block, slot)| {
+                let local = keys.hash_chunk::<N>(block, self.seed);
+                *slot = LocalBlockHash(local);
+                prev = chain_step(prev, local);
+                SequenceHash(prev)
+            }))
+            .collect()
+    }
+
+    /// [`BlockHasher::hash_prompt_shared`] for any block size, through `xxh3_64_with_seed`.
+    fn hash_any_blocks(&self, tokens: &[u32], locals: &mut Vec<LocalBlockHash>) -> Arc<[SequenceHash]> {
         locals.clear();
         locals.reserve(tokens.len() / self.block_size);
         let mut prev = None;
@@ -140,7 +193,7 @@ impl BlockHasher {
         tokens
             .chunks_exact(self.block_size)
             .map(|block| {
-                let local = self.local_hash(block);
+                let local = LocalBlockHash(hash_u32_le(block, self.seed));
                 let seq = next_sequence_hash(prev, local);
                 locals.push(local);
                 prev = Some(seq);
@@ -153,15 +206,17 @@ impl BlockHasher {
 /// The sequence hashes of `locals`, starting from the root, written straight into one shared
 /// allocation (no copy from a buffer): the chain a router books.
 pub fn sequence_hashes_shared(locals: &[LocalBlockHash]) -> Arc<[SequenceHash]> {
-    let mut prev = None;
-    // A map over a slice has an exact length, so the `Arc` is allocated once and filled in place.
-    locals
-        .iter()
-        .map(|&local| {
-            let seq = next_sequence_hash(prev, local);
-            prev = Some(seq);
-            seq
-        })
+    let Some((first, rest)) = locals.split_first() else {
+        return Arc::new([]);
+    };
+    let mut prev = first.0;
+    // `once` chained to a slice map has an exact length, so the `Arc` is allocated once and
+    // filled in place.
+    std::iter::once(SequenceHash(prev))
+        .chain(rest.iter().map(|local| {
+            prev = chain_step(prev, local.0);
+            SequenceHash(prev)
+        }))
         .collect()
 }
 
@@ -182,13 +237,141 @@ pub fn sequence_hashes_into(locals: &[LocalBlockHash], chain: &mut Vec<SequenceH
 pub fn next_sequence_hash(parent: Option<SequenceHash>, local: LocalBlockHash) -> SequenceHash {
     match parent {
         None => SequenceHash(local.0),
-        Some(parent) => {
-            let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
-            bytes[8..].copy_from_slice(&local.0.to_le_bytes());
-            SequenceHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
+        Some(parent) => SequenceHash(chain_step(parent.0, local.0)),
+    }
+}
+
+// ---- XXH3 specialised to the router's two input shapes ----
+//
+// The router hashes two shapes of input, millions of times: a block of 16 (or 32) token ids,
+// 64 (128) bytes, and a chain step of 16 bytes. `xxh3_64_with_seed` serves any length: it
+// dispatches on the length on every call and adds the seed to the secret words inside each
+// mix. Below is the same function (XXH3-64 of the xxHash specification, `XXH3_len_17to128_64b`
+// and `XXH3_len_9to16_64b`) written for exactly these shapes, with the seeded secret words
+// computed once per prompt. `tests::specialised_xxh3_equals_the_reference` checks it against
+// xxhash-rust on random inputs and seeds; `tests/hash_vectors.rs` against Python's xxhash.
+
+/// The first 128 bytes of XXH3's default secret (`kSecret`), as little-endian 64-bit words.
+const SECRET: [u64; 16] = [
+    0xBE4B_A423_396C_FEB8,
+    0x1CAD_21F7_2C81_017C,
+    0xDB97_9083_E96D_D4DE,
+    0x1F67_B3B7_A4A4_4072,
+    0x78E5_C0CC_4EE6_79CB,
+    0x2172_FFCC_7DD0_5A82,
+    0x8E24_43F7_7446_08B8,
+    0x4C26_3A81_E690_35E0,
+    0xCB00_C391_BB52_283C,
+    0xA32E_531B_8B65_D088,
+    0x4EF9_0DA2_9748_6471,
+    0xD8AC_DEA9_46EF_1938,
+    0x3F34_9CE3_3F76_FAA8,
+    0x1D4F_0BC7_C7BB_DCF9,
+    0x3159_B4CD_4BE0_518A,
+    0x6473_78D9_C97E_9FC8,
+];
+
+/// XXH3's first 64-bit prime.
+const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+
+/// XXH3's final mix of a short input's accumulator.
+#[inline(always)]
+fn avalanche(mut h: u64) -> u64 {
+    h ^= h >> 37;
+    h = h.wrapping_mul(0x1656_6791_9E37_79F9);
+    h ^ (h >> 32)
+}
+
+/// The 128-bit product of `a` and `b`, its halves xored.
+#[inline(always)]
+fn mul128_fold64(a: u64, b: u64) -> u64 {
+    let product = u128::from(a) * u128::from(b);
+    (product as u64) ^ ((product >> 64) as u64)
+}
+
+/// Bytes `4 * i ..= 4 * i + 7` of a block's little-endian encoding: tokens `i` and `i + 1`.
+#[inline(always)]
+fn word<const N: usize>(block: &[u32; N], i: usize) -> u64 {
+    u64::from(block[i]) | (u64::from(block[i + 1]) << 32)
+}
+
+/// The secret words of XXH3 for inputs of 17 to 128 bytes under one seed: even words plus the
+/// seed, odd words minus it, as `XXH3_mix16B` uses them.
+#[derive(Clone, Copy, Debug)]
+struct ShortKeys([u64; 16]);
+
+impl ShortKeys {
+    fn new(seed: u64) -> Self {
+        let mut keys = SECRET;
+        for (i, key) in keys.iter_mut().enumerate() {
+            *key = if i % 2 == 0 {
+                key.wrapping_add(seed)
+            } else {
+                key.wrapping_sub(seed)
+            };
+        }
+        Self(keys)
+    }
+
+    /// `XXH3_mix16B` of the 16 bytes at byte `offset` of `block` with the secret at byte `secret`.
+    #[inline(always)]
+    fn mix16<const N: usize>(&self, block: &[u32; N], offset: usize, secret: usize) -> u64 {
+        let (i, k) = (offset / 4, secret / 8);
+        mul128_fold64(word(block, i) ^ self.0[k], word(block, i + 2) ^ self.0[k + 1])
+    }
+
+    /// [`ShortKeys::hash`] of a block `chunks_exact(N)` cut, so of `N` tokens; any other length
+    /// (which `chunks_exact` never gives) takes the general XXH3 with `seed`, these keys' seed.
+    #[inline(always)]
+    fn hash_chunk<const N: usize>(&self, block: &[u32], seed: u64) -> u64 {
+        match <&[u32; N]>::try_from(block) {
+            Ok(block) => self.hash(block),
+            Err(_) => hash_u32_le(block, seed),
         }
     }
+
+    /// `XXH3_64_with_seed` of the `4 * N` little-endian bytes of `block`, for `N` in 5..=32
+    /// (17 to 128 bytes), with the seed these keys were made for. `N` is a constant, so the
+    /// branches below fold away and no index is checked at run time.
+    #[inline(always)]
+    fn hash<const N: usize>(&self, block: &[u32; N]) -> u64 {
+        const { assert!(N >= 5 && N <= 32) };
+        let len = 4 * N;
+        let mut acc = (len as u64).wrapping_mul(PRIME64_1);
+        if len > 32 {
+            if len > 64 {
+                if len > 96 {
+                    acc = acc.wrapping_add(self.mix16(block, 48, 96));
+                    acc = acc.wrapping_add(self.mix16(block, len - 64, 112));
+                }
+                acc = acc.wrapping_add(self.mix16(block, 32, 64));
+                acc = acc.wrapping_add(self.mix16(block, len - 48, 80));
+            }
+            acc = acc.wrapping_add(self.mix16(block, 16, 32));
+            acc = acc.wrapping_add(self.mix16(block, len - 32, 48));
+        }
+        acc = acc.wrapping_add(self.mix16(block, 0, 0));
+        acc = acc.wrapping_add(self.mix16(block, len - 16, 16));
+        avalanche(acc)
+    }
+}
+
+/// The chain's first bitflip: `(secret[24..32] ^ secret[32..40]) + 1337`.
+const CHAIN_FLIP_LO: u64 = (SECRET[3] ^ SECRET[4]).wrapping_add(XXH3_SEED);
+/// The chain's second bitflip: `(secret[40..48] ^ secret[48..56]) - 1337`.
+const CHAIN_FLIP_HI: u64 = (SECRET[5] ^ SECRET[6]).wrapping_sub(XXH3_SEED);
+
+/// One chain step: `XXH3_64(le64(parent) ‖ le64(local), seed 1337)`, XXH3's 9-to-16-byte case
+/// for exactly 16 bytes.
+#[inline(always)]
+fn chain_step(parent: u64, local: u64) -> u64 {
+    let lo = parent ^ CHAIN_FLIP_LO;
+    let hi = local ^ CHAIN_FLIP_HI;
+    let acc = 16u64
+        .wrapping_add(lo.swap_bytes())
+        .wrapping_add(hi)
+        .wrapping_add(mul128_fold64(lo, hi));
+    avalanche(acc)
 }
 
 /// XXH3 over `tokens` as little-endian u32 bytes, without copying on little-endian machines.
@@ -207,7 +390,101 @@ fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// The reference: `xxh3_64_with_seed` over the little-endian bytes, as Dynamo hashes.
+    fn reference_local(tokens: &[u32], seed: u64) -> u64 {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, seed)
+    }
+
+    fn reference_chain(locals: &[u64]) -> Vec<u64> {
+        let mut chain: Vec<u64> = Vec::with_capacity(locals.len());
+        for &local in locals {
+            chain.push(match chain.last() {
+                None => local,
+                Some(&parent) => {
+                    let mut bytes = [0u8; 16];
+                    bytes[..8].copy_from_slice(&parent.to_le_bytes());
+                    bytes[8..].copy_from_slice(&local.to_le_bytes());
+                    xxh3_64_with_seed(&bytes, XXH3_SEED)
+                }
+            });
+        }
+        chain
+    }
+
+    /// Token ids biased towards the edges (0, `u32::MAX`, byte boundaries) as well as uniform.
+    fn token() -> impl Strategy<Value = u32> {
+        prop_oneof![
+            any::<u32>(),
+            Just(0u32),
+            Just(u32::MAX),
+            (0u32..32).prop_map(|b| 1u32.rotate_left(b)),
+            0u32..152_064,
+        ]
+    }
+
+    fn seed() -> impl Strategy<Value = u64> {
+        prop_oneof![any::<u64>(), Just(XXH3_SEED), Just(0u64), Just(u64::MAX)]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// The specialised XXH3 of 16- and 32-token blocks and of a chain step equals
+        /// xxhash-rust's `xxh3_64_with_seed` for any input and seed.
+        #[test]
+        fn specialised_xxh3_equals_the_reference(
+            block in proptest::collection::vec(token(), 32),
+            seed in seed(),
+            parent in any::<u64>(),
+            local in any::<u64>(),
+        ) {
+            let keys = ShortKeys::new(seed);
+            let b16: &[u32; 16] = block[..16].try_into().unwrap();
+            let b32: &[u32; 32] = block[..].try_into().unwrap();
+            prop_assert_eq!(keys.hash(b16), reference_local(b16, seed));
+            prop_assert_eq!(keys.hash(b32), reference_local(b32, seed));
+            // Other lengths the generic function admits (20 to 124 bytes), one per branch.
+            prop_assert_eq!(keys.hash::<5>(block[..5].try_into().unwrap()), reference_local(&block[..5], seed));
+            prop_assert_eq!(keys.hash::<8>(block[..8].try_into().unwrap()), reference_local(&block[..8], seed));
+            prop_assert_eq!(keys.hash::<9>(block[..9].try_into().unwrap()), reference_local(&block[..9], seed));
+            prop_assert_eq!(keys.hash::<17>(block[..17].try_into().unwrap()), reference_local(&block[..17], seed));
+            prop_assert_eq!(keys.hash::<25>(block[..25].try_into().unwrap()), reference_local(&block[..25], seed));
+            prop_assert_eq!(keys.hash::<31>(block[..31].try_into().unwrap()), reference_local(&block[..31], seed));
+            prop_assert_eq!(chain_step(parent, local), reference_chain(&[parent, local])[1]);
+        }
+
+        /// A whole prompt hashed at any block size (16 and 32 take the specialised path, with a
+        /// trailing partial block) equals the reference, salted or not.
+        #[test]
+        fn prompts_hash_as_the_reference(
+            tokens in proptest::collection::vec(token(), 0..400),
+            block_size in prop_oneof![Just(16usize), Just(32usize), 1usize..80],
+            lora in proptest::option::of("[a-z]{0,6}"),
+        ) {
+            let salt = HashSalt { lora_name: lora.as_deref(), namespace: None };
+            let hasher = BlockHasher::new(block_size, &salt);
+            let seed = salt.local_seed();
+            let want_locals: Vec<u64> =
+                tokens.chunks_exact(block_size).map(|b| reference_local(b, seed)).collect();
+            let want_chain = reference_chain(&want_locals);
+            let mut locals = vec![LocalBlockHash(9)];
+            let chain = hasher.hash_prompt_shared(&tokens, &mut locals);
+            prop_assert_eq!(locals.iter().map(|l| l.0).collect::<Vec<_>>(), want_locals.clone());
+            prop_assert_eq!(chain.iter().map(|c| c.0).collect::<Vec<_>>(), want_chain.clone());
+            // The proxy's path: local hashes first, the chain from them.
+            prop_assert_eq!(&hasher.local_hashes(&tokens), &locals);
+            let from_locals = sequence_hashes_shared(&locals);
+            prop_assert_eq!(from_locals.iter().map(|c| c.0).collect::<Vec<_>>(), want_chain);
+            for (block, want) in tokens.chunks_exact(block_size).zip(&want_locals) {
+                prop_assert_eq!(hasher.local_hash(block).0, *want);
+            }
+        }
+    }
 
     #[test]
     fn one_pass_and_into_buffer_forms_match_the_allocating_ones() {

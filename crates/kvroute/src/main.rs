@@ -111,6 +111,10 @@ struct RouteArgs {
     /// Seed of the generated fleet state, prompts and router.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Where a timed prompt's token ids are: `warm` (just generated, as after tokenizing) or
+    /// `cold` (generated 64 MiB of prompts earlier, read from memory).
+    #[arg(long, value_enum, default_value_t = bench::route::PromptCache::Warm)]
+    prompt_cache: bench::route::PromptCache,
 }
 
 /// A block size: a whole number from 1 to `u32::MAX`.
@@ -256,7 +260,8 @@ fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
 fn bench_route(args: RouteArgs) -> anyhow::Result<()> {
     for &workers in &args.workers {
         for &prompt_tokens in &args.prompt_tokens {
-            let report = bench::route::run_case(workers, prompt_tokens, args.samples, args.seed)?;
+            let report =
+                bench::route::run_case(workers, prompt_tokens, args.samples, args.seed, args.prompt_cache)?;
             println!(
                 "{}",
                 serde_json::to_string(&report).context("serializing the report")?

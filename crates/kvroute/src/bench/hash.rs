@@ -27,7 +27,18 @@ pub struct HashBenchReport {
     pub memcpy_gb_per_s: f64,
     /// `chained_gb_per_s / memcpy_gb_per_s`.
     pub fraction_of_memcpy: f64,
+    /// A 131,072-token prompt hashed as the router hashes it (`hash_prompt_shared`: local
+    /// hashes and the chain in one pass), its token ids in the CPU's caches: median of
+    /// [`PROMPT_REPS`] repetitions, in nanoseconds.
+    pub prompt_128k_ns: u64,
+    /// `prompt_128k_ns` per full block.
+    pub prompt_ns_per_block: f64,
 }
+
+/// Tokens of the cache-warm prompt case: 128K, a long-context prompt.
+const PROMPT_TOKENS: usize = 128 << 10;
+/// Repetitions of the prompt case.
+const PROMPT_REPS: usize = 201;
 
 fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
     let mut secs: Vec<f64> = (0..reps.max(1))
@@ -69,6 +80,12 @@ pub fn run(tokens: usize, block_sizes: &[usize], reps: usize) -> Vec<HashBenchRe
                 let locals = hasher.local_hashes(black_box(&ids));
                 black_box(hasher.sequence_hashes(&locals));
             });
+            let prompt = &ids[..PROMPT_TOKENS.min(ids.len())];
+            let mut locals = Vec::new();
+            let prompt_secs = median_secs(PROMPT_REPS, || {
+                black_box(hasher.hash_prompt_shared(black_box(prompt), &mut locals));
+            });
+            let prompt_blocks = (prompt.len() / block_size).max(1);
             let gbps = |secs: f64| bytes as f64 / secs / 1e9;
             HashBenchReport {
                 bench: "hash",
@@ -78,6 +95,8 @@ pub fn run(tokens: usize, block_sizes: &[usize], reps: usize) -> Vec<HashBenchRe
                 chained_gb_per_s: gbps(chained),
                 memcpy_gb_per_s: gbps(copy),
                 fraction_of_memcpy: copy / chained,
+                prompt_128k_ns: (prompt_secs * 1e9) as u64,
+                prompt_ns_per_block: prompt_secs * 1e9 / prompt_blocks as f64,
             }
         })
         .collect()

@@ -16,6 +16,13 @@
 //! the index lookup, the load projection of every worker, the policy, the booking. The request is
 //! then finished (untimed), so the load stays as set up. `hash_p50_ns` times the router's hashing
 //! alone on the same prompts.
+//!
+//! **Where the prompt is.** In the proxy a prompt is routed right after it was tokenized, so its
+//! token ids (512 KiB at 128K tokens) are in the CPU's caches; [`PromptCache::Warm`] (the
+//! default) models that: each prompt is generated, hashed alone (timed as `hash_p50_ns`), then
+//! routed. [`PromptCache::Cold`] routes each prompt after 64 MiB of other prompts were written
+//! since it was made (twice the last-level cache), so its token ids come from memory; its
+//! `hash_p50_ns` is timed after the decision, on the then-warm prompt.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -40,6 +47,20 @@ const CACHED_BLOCKS_PER_WORKER: usize = 16 << 10;
 /// Requests booked per worker before timing.
 const ACTIVE_PER_WORKER: usize = 4;
 
+/// Whether a timed prompt's token ids are in the CPU's caches when it is routed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptCache {
+    /// Just generated and read, as a prompt the proxy just tokenized.
+    #[default]
+    Warm,
+    /// Generated 64 MiB of prompts earlier: read from memory.
+    Cold,
+}
+
+/// Bytes of prompts written between a cold prompt's making and its routing.
+const COLD_DISTANCE_BYTES: usize = 64 << 20;
+
 /// One case's figures.
 #[derive(Clone, Debug, Serialize)]
 pub struct RouteBenchReport {
@@ -53,6 +74,8 @@ pub struct RouteBenchReport {
     pub block_size: u32,
     /// Decisions timed.
     pub samples: usize,
+    /// Where the timed prompts' token ids were.
+    pub prompt_cache: PromptCache,
     /// Median decision latency, hashing included, in nanoseconds.
     pub p50_ns: u64,
     /// 99th percentile decision latency, in nanoseconds.
@@ -197,25 +220,45 @@ pub fn run_case(
     prompt_tokens: usize,
     samples: usize,
     seed: u64,
+    prompt_cache: PromptCache,
 ) -> anyhow::Result<RouteBenchReport> {
     let corpus = Corpus::new(seed, prompt_tokens);
     let mut rng = Tokens::new(seed ^ 0xB0B);
     let (mut router, mut next_id) = setup(workers, &corpus, &mut rng)?;
+    // The hashing the router does: local hashes and the chain in one shared allocation.
     let hasher = BlockHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
-    let (mut tokens, mut locals, mut chain) = (Vec::new(), Vec::new(), Vec::new());
+    let mut locals = Vec::new();
+    let mut time_hashing = |tokens: &[u32]| {
+        let t0 = Instant::now();
+        let chain = hasher.hash_prompt_shared(black_box(tokens), &mut locals);
+        let ns = nanos(t0.elapsed());
+        black_box(chain);
+        ns
+    };
+    // Warm: one prompt, made just before it is routed. Cold: a ring of prompts, each routed
+    // `ring.len()` samples after it was made.
+    let ring_len = match prompt_cache {
+        PromptCache::Warm => 1,
+        PromptCache::Cold => COLD_DISTANCE_BYTES.div_ceil(prompt_tokens.max(1) * 4).max(2),
+    };
+    let mut ring: Vec<Vec<u32>> = vec![Vec::new(); ring_len];
+    if prompt_cache == PromptCache::Cold {
+        for prompt in &mut ring {
+            sample_prompt(&corpus, workers, &mut rng, prompt);
+        }
+    }
     let mut route_ns = Vec::with_capacity(samples);
     let mut hash_ns = Vec::with_capacity(samples);
     let now = Timestamp::from_millis(1);
-    for _ in 0..samples {
-        sample_prompt(&corpus, workers, &mut rng, &mut tokens);
-        let t0 = Instant::now();
-        hasher.hash_prompt(black_box(&tokens), &mut locals, &mut chain);
-        hash_ns.push(nanos(t0.elapsed()));
-        black_box(&chain);
-
+    for i in 0..samples {
+        let tokens = &mut ring[i % ring_len];
+        if prompt_cache == PromptCache::Warm {
+            sample_prompt(&corpus, workers, &mut rng, tokens);
+            hash_ns.push(time_hashing(tokens));
+        }
         let id = RequestId(next_id);
         next_id += 1;
-        let request = RouteRequest::new(id, Prompt::Tokens(&tokens));
+        let request = RouteRequest::new(id, Prompt::Tokens(tokens));
         let t0 = Instant::now();
         let outcome = router.handle_request(now, black_box(&request))?;
         route_ns.push(nanos(t0.elapsed()));
@@ -223,6 +266,10 @@ pub fn run_case(
             anyhow::bail!("request {id:?} was not routed: {outcome:?}");
         }
         router.handle_finished(now, id)?;
+        if prompt_cache == PromptCache::Cold {
+            hash_ns.push(time_hashing(tokens));
+            sample_prompt(&corpus, workers, &mut rng, tokens);
+        }
     }
     router.check_invariants().map_err(anyhow::Error::msg)?;
     let metrics = router.metrics();
@@ -234,6 +281,7 @@ pub fn run_case(
         prompt_tokens,
         block_size: BLOCK_SIZE,
         samples,
+        prompt_cache,
         p50_ns: percentile(&route_ns, 50.0),
         p99_ns: percentile(&route_ns, 99.0),
         max_ns: route_ns.last().copied().unwrap_or(0),
