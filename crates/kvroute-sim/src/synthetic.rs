@@ -97,6 +97,9 @@ impl Default for SyntheticConfig {
     }
 }
 
+/// A prefix group's prefix: its full blocks' hashes and the tokens after them.
+type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
+
 /// Generates the workload `config` describes at `block_size` tokens per block.
 ///
 /// Each token is hashed once: a group's prefix blocks are hashed once for the run, and a
@@ -112,8 +115,7 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
     let turns = config.turns_per_session.max(1) as usize;
     let mut start = 0.0_f64;
     // Per prefix group: its prefix's full blocks and the tokens after them.
-    let mut prefixes: Vec<Option<(Arc<[LocalBlockHash]>, Vec<u32>)>> =
-        vec![None; config.prefix_groups as usize];
+    let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
     // The session's prompt so far: segments of full blocks, then the tokens of its partial block.
     let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
     let mut tail: Vec<u32> = Vec::new();
