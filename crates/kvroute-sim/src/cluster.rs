@@ -55,7 +55,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::Duration;
 
 use kvroute_core::events::KvEvent;
-use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
+use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::IndexEvent;
 use kvroute_core::router::{
     Decision, Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, RouterConfig,
@@ -327,6 +327,8 @@ pub(crate) struct Run<'w> {
     open: Vec<u32>,
     open_next: usize,
     channel: VecDeque<(Timestamp, u32, KvEvent)>,
+    /// The arriving request's prompt blocks, in one slice for the router.
+    prompt: Vec<LocalBlockHash>,
     /// Removals of one pass that reach the index at the same moment, applied as one event.
     removed_batch: Vec<ExternalBlockHash>,
     followers: Vec<Vec<u32>>,
@@ -423,6 +425,7 @@ impl<'w> Run<'w> {
             open,
             open_next: 0,
             channel: VecDeque::new(),
+            prompt: Vec::new(),
             removed_batch: Vec::new(),
             followers,
             closed_next: 0,
@@ -590,15 +593,17 @@ impl<'w> Run<'w> {
             p.traffic.isl_sum += f64::from(r.prompt_tokens);
         }
         self.in_flight_requests += 1;
+        let replica = self.pick_replica();
+        self.reqs[i].replica = replica as u32;
+        let r = &self.workload.requests[i];
+        r.locals.write_to(&mut self.prompt);
         let request = RouteRequest::new(
             RequestId(i as u64),
             RoutePrompt::Blocks {
-                locals: &r.locals,
+                locals: &self.prompt,
                 prompt_tokens: u64::from(r.prompt_tokens),
             },
         );
-        let replica = self.pick_replica();
-        self.reqs[i].replica = replica as u32;
         match self.routers[replica].handle_request(self.now, &request)? {
             RouteOutcome::Routed(decision) => self.start(decision)?,
             RouteOutcome::Queued => {}

@@ -63,7 +63,7 @@ pub use error::SimError;
 pub use kvroute_engine::KvTransfer;
 pub use planned::{PlannerRun, SlaWindow};
 pub use report::{CompletedRequest, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
-pub use workload::{Arrival, SimRequest, Workload};
+pub use workload::{Arrival, PromptBlocks, SimRequest, Workload};
 
 /// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),
 /// gzip'd: the trace `kvroute replay` runs when none is named.

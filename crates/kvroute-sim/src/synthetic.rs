@@ -5,13 +5,15 @@
 //! `k`'s prompt followed by `isl` new tokens (the previous answer and the user's next message), so
 //! a router that keeps a session on one worker finds the whole earlier prompt cached.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_core::ids::LocalBlockHash;
 use kvroute_core::router::Rng;
 use kvroute_core::time::Timestamp;
 
 use crate::trace::unique_token;
-use crate::workload::{Arrival, PromptHasher, SimRequest, Workload};
+use crate::workload::{Arrival, PromptBlocks, PromptHasher, SimRequest, Workload};
 
 /// How session starts are spaced.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -95,20 +97,49 @@ impl Default for SyntheticConfig {
     }
 }
 
+/// A prefix group's prefix: its full blocks' hashes and the tokens after them.
+type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
+
 /// Generates the workload `config` describes at `block_size` tokens per block.
+///
+/// Each token is hashed once: a group's prefix blocks are hashed once for the run, and a
+/// session's next turn hashes only the blocks its new tokens complete. Prompts share their
+/// memory the same way ([`PromptBlocks`]: the group's prefix and each earlier turn are segments
+/// every later request of the group or session points to), so a million requests generate in
+/// time and memory linear in their new tokens.
 pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
     let mut rng = Rng::new(config.seed);
     let mut workload = Workload::new(block_size);
-    let mut hasher = PromptHasher::new(block_size.max(1));
+    workload.requests.reserve_exact(config.requests);
+    let hasher = PromptHasher::new(block_size.max(1));
     let turns = config.turns_per_session.max(1) as usize;
     let mut start = 0.0_f64;
-    let mut session: Vec<u32> = Vec::new();
+    // Per prefix group: its prefix's full blocks and the tokens after them.
+    let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
+    // The session's prompt so far: segments of full blocks, then the tokens of its partial block.
+    let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
+    let mut tail: Vec<u32> = Vec::new();
+    let mut new_blocks: Vec<LocalBlockHash> = Vec::new();
     while workload.requests.len() < config.requests {
         start += gap_secs(config, &mut rng);
-        session.clear();
+        segments.clear();
+        let mut blocks = 0u64;
+        tail.clear();
         if config.prefix_groups > 0 {
-            let group = rng.below(config.prefix_groups as usize) as u64;
-            session.extend((0..config.shared_prefix_tokens).map(|j| unique_token(u64::MAX - group, j)));
+            let group = rng.below(config.prefix_groups as usize);
+            let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
+                let mut full = Vec::new();
+                let mut rest: Vec<u32> = (0..config.shared_prefix_tokens)
+                    .map(|j| unique_token(u64::MAX - group as u64, j))
+                    .collect();
+                hasher.push_full_blocks(&mut rest, &mut full);
+                (full.into(), rest)
+            });
+            if !prefix.is_empty() {
+                blocks += prefix.len() as u64;
+                segments.push(Arc::clone(prefix));
+            }
+            tail.extend_from_slice(rest);
         }
         for turn in 0..turns {
             if workload.requests.len() >= config.requests {
@@ -116,8 +147,14 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
             }
             let id = workload.requests.len();
             let new = config.isl.sample(&mut rng).max(1);
-            session.extend((0..new).map(|j| unique_token(id as u64, j)));
-            hasher.buffer().extend_from_slice(&session);
+            tail.extend((0..new).map(|j| unique_token(id as u64, j)));
+            new_blocks.clear();
+            hasher.push_full_blocks(&mut tail, &mut new_blocks);
+            if !new_blocks.is_empty() {
+                blocks += new_blocks.len() as u64;
+                segments.push(Arc::from(&new_blocks[..]));
+            }
+            let tokens = blocks * u64::from(block_size.max(1)) + tail.len() as u64;
             let arrival = if turn == 0 {
                 Arrival::At(Timestamp((start * 1e9).round() as u64))
             } else {
@@ -128,8 +165,8 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
             };
             workload.requests.push(SimRequest {
                 arrival,
-                locals: hasher.locals(),
-                prompt_tokens: hasher.len(),
+                locals: PromptBlocks::from_segments(segments.clone()),
+                prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
                 output_tokens: config.osl.sample(&mut rng),
             });
         }
@@ -202,10 +239,97 @@ mod tests {
             }
         );
         assert_eq!(w.requests[2].prompt_tokens, 16 + 3 * 32);
-        assert!(w.requests[2].locals.starts_with(&w.requests[1].locals));
+        assert!(
+            w.requests[2]
+                .locals
+                .to_vec()
+                .starts_with(&w.requests[1].locals.to_vec())
+        );
         // Both sessions share the group prefix block.
-        assert_eq!(w.requests[0].locals[0], w.requests[3].locals[0]);
+        assert_eq!(w.requests[0].locals.get(0), w.requests[3].locals.get(0));
         assert_eq!(generate(&config, 16), w);
+    }
+
+    /// The generator as it was before it hashed incrementally: every turn writes out the
+    /// session's whole prompt and hashes all of it. The oracle for the incremental one.
+    fn generate_by_full_rehash(config: &SyntheticConfig, block_size: u32) -> Workload {
+        let mut rng = Rng::new(config.seed);
+        let mut workload = Workload::new(block_size);
+        let mut hasher = PromptHasher::new(block_size.max(1));
+        let turns = config.turns_per_session.max(1) as usize;
+        let mut start = 0.0_f64;
+        let mut session: Vec<u32> = Vec::new();
+        while workload.requests.len() < config.requests {
+            start += gap_secs(config, &mut rng);
+            session.clear();
+            if config.prefix_groups > 0 {
+                let group = rng.below(config.prefix_groups as usize) as u64;
+                session.extend((0..config.shared_prefix_tokens).map(|j| unique_token(u64::MAX - group, j)));
+            }
+            for turn in 0..turns {
+                if workload.requests.len() >= config.requests {
+                    break;
+                }
+                let id = workload.requests.len();
+                let new = config.isl.sample(&mut rng).max(1);
+                session.extend((0..new).map(|j| unique_token(id as u64, j)));
+                hasher.buffer().extend_from_slice(&session);
+                let arrival = if turn == 0 {
+                    Arrival::At(Timestamp((start * 1e9).round() as u64))
+                } else {
+                    Arrival::After {
+                        request: id - 1,
+                        delay: config.think_time,
+                    }
+                };
+                workload.requests.push(SimRequest {
+                    arrival,
+                    locals: hasher.locals(),
+                    prompt_tokens: hasher.len(),
+                    output_tokens: config.osl.sample(&mut rng),
+                });
+            }
+        }
+        workload
+    }
+
+    #[test]
+    fn generates_the_requested_count_deterministically_as_a_full_rehash_would() {
+        let cases = [
+            // (requests, turns, prefix groups, prefix tokens, block size)
+            (1, 1, 0, 0, 16),
+            (1_000, 1, 16, 2048, 64),
+            (999, 4, 3, 100, 16),
+            (500, 7, 2, 37, 5),
+            (300, 2, 0, 0, 1),
+        ];
+        for (requests, turns, groups, prefix, bs) in cases {
+            let config = SyntheticConfig {
+                requests,
+                turns_per_session: turns,
+                prefix_groups: groups,
+                shared_prefix_tokens: prefix,
+                isl: Lengths::Uniform { min: 1, max: 300 },
+                seed: requests as u64,
+                ..SyntheticConfig::default()
+            };
+            let w = generate(&config, bs);
+            assert_eq!(w.requests.len(), requests, "{config:?}");
+            assert_eq!(generate(&config, bs), w, "not deterministic: {config:?}");
+            assert_eq!(
+                generate_by_full_rehash(&config, bs),
+                w,
+                "{config:?} at block size {bs}"
+            );
+            let other = generate(
+                &SyntheticConfig {
+                    seed: config.seed + 1,
+                    ..config
+                },
+                bs,
+            );
+            assert_ne!(other, w, "the seed changes the workload");
+        }
     }
 
     #[test]

@@ -13,13 +13,11 @@
 //! prompts share a block.
 
 use std::io::BufRead;
-use std::sync::Arc;
 
-use kvroute_core::ids::LocalBlockHash;
 use kvroute_core::time::Timestamp;
 use serde::Deserialize;
 
-use crate::workload::{Arrival, PromptHasher, SimRequest, Workload};
+use crate::workload::{Arrival, PromptBlocks, PromptHasher, SimRequest, Workload};
 
 /// A trace the readers refuse.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +125,7 @@ pub(crate) fn mooncake_prompt(
     hash_ids: &[u64],
     input_length: u64,
     trace_block_size: u32,
-) -> (Arc<[LocalBlockHash]>, u32) {
+) -> (PromptBlocks, u32) {
     hasher.run_locals(mooncake_runs(hash_ids, input_length, trace_block_size))
 }
 
@@ -308,7 +306,10 @@ mod tests {
         let hasher = BlockHasher::new(2, &HashSalt::NONE);
         // 2 hash ids of 4 tokens: 8 tokens available, input_length 10 clamps to 8.
         let tokens = [7, 7, 7, 7, 9, 9, 9, 9];
-        assert_eq!(&*w.requests[0].locals, hasher.local_hashes(&tokens).as_slice());
+        assert_eq!(
+            w.requests[0].locals.to_vec().as_slice(),
+            hasher.local_hashes(&tokens).as_slice()
+        );
         assert_eq!(w.requests[0].prompt_tokens, 8);
         assert_eq!(w.requests[0].arrival, Arrival::At(Timestamp::ZERO));
         assert_eq!(w.requests[0].output_tokens, 3);
@@ -316,7 +317,7 @@ mod tests {
         assert_eq!(w.requests[1].prompt_tokens, 4);
         assert_eq!(w.requests[1].arrival, Arrival::At(Timestamp::from_millis(3)));
         assert_eq!(
-            &*w.requests[1].locals,
+            w.requests[1].locals.to_vec().as_slice(),
             hasher.local_hashes(&[7, 7, 7, 7]).as_slice()
         );
     }
@@ -329,7 +330,7 @@ mod tests {
         let hasher = BlockHasher::new(3, &HashSalt::NONE);
         assert_eq!(w.requests[0].prompt_tokens, 7);
         assert_eq!(
-            &*w.requests[0].locals,
+            w.requests[0].locals.to_vec().as_slice(),
             hasher.local_hashes(&[7, 7, 7, 7, 9, 9]).as_slice()
         );
     }
@@ -344,7 +345,7 @@ mod tests {
         assert_eq!(w.requests[0].arrival, Arrival::At(Timestamp::ZERO));
         assert_eq!(w.requests[1].arrival, Arrival::At(Timestamp(4_314_579_000)));
         assert_eq!(w.requests[0].locals.len(), 23);
-        assert_ne!(w.requests[0].locals[0], w.requests[1].locals[0]);
+        assert_ne!(w.requests[0].locals.get(0), w.requests[1].locals.get(0));
         assert!(read_azure("TIMESTAMP,a\nnonsense\n".as_bytes(), 16, None).is_err());
     }
 

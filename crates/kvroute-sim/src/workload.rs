@@ -26,13 +26,99 @@ pub enum Arrival {
     },
 }
 
+/// A prompt's local block hashes, kept as shared segments: requests that share a prefix (a
+/// prefix group's system prompt, a session's earlier turns) share its memory, so a million
+/// requests cost their new blocks only. Every hash is XORed with `salt` when read (the trace
+/// multiplier's copies share their original's segments). Equality is on the hashes read.
+#[derive(Clone, Debug)]
+pub struct PromptBlocks {
+    segments: Box<[Arc<[LocalBlockHash]>]>,
+    salt: u64,
+}
+
+impl PromptBlocks {
+    /// The blocks of `segments`, in order.
+    pub fn from_segments(segments: Vec<Arc<[LocalBlockHash]>>) -> Self {
+        Self {
+            segments: segments.into_boxed_slice(),
+            salt: 0,
+        }
+    }
+
+    /// The same blocks with every hash XORed with `salt` as well.
+    pub(crate) fn salted(&self, salt: u64) -> Self {
+        Self {
+            segments: self.segments.clone(),
+            salt: self.salt ^ salt,
+        }
+    }
+
+    /// Blocks in the prompt.
+    pub fn len(&self) -> usize {
+        self.segments.iter().map(|s| s.len()).sum()
+    }
+
+    /// Whether the prompt has no full block.
+    pub fn is_empty(&self) -> bool {
+        self.segments.iter().all(|s| s.is_empty())
+    }
+
+    /// The hashes, in order.
+    pub fn iter(&self) -> impl Iterator<Item = LocalBlockHash> + '_ {
+        let salt = self.salt;
+        self.segments
+            .iter()
+            .flat_map(|s| s.iter())
+            .map(move |h| LocalBlockHash(h.0 ^ salt))
+    }
+
+    /// Block `i`'s hash.
+    pub fn get(&self, i: usize) -> Option<LocalBlockHash> {
+        self.iter().nth(i)
+    }
+
+    /// Writes the hashes into `out` (cleared first).
+    pub fn write_to(&self, out: &mut Vec<LocalBlockHash>) {
+        out.clear();
+        out.reserve(self.len());
+        out.extend(self.iter());
+    }
+
+    /// The hashes as one vector.
+    pub fn to_vec(&self) -> Vec<LocalBlockHash> {
+        let mut out = Vec::new();
+        self.write_to(&mut out);
+        out
+    }
+}
+
+impl From<Arc<[LocalBlockHash]>> for PromptBlocks {
+    fn from(blocks: Arc<[LocalBlockHash]>) -> Self {
+        Self::from_segments(vec![blocks])
+    }
+}
+
+impl From<Vec<LocalBlockHash>> for PromptBlocks {
+    fn from(blocks: Vec<LocalBlockHash>) -> Self {
+        Self::from(Arc::<[LocalBlockHash]>::from(blocks))
+    }
+}
+
+impl PartialEq for PromptBlocks {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for PromptBlocks {}
+
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimRequest {
     /// When it arrives (ignored in closed-loop mode, where a request arrives when a slot frees).
     pub arrival: Arrival,
     /// Local hashes of the prompt's full blocks, at [`Workload::block_size`].
-    pub locals: Arc<[LocalBlockHash]>,
+    pub locals: PromptBlocks,
     /// Prompt length in tokens: `locals.len()` full blocks plus fewer than a block.
     pub prompt_tokens: u32,
     /// Tokens the request generates. Only the engine reads it; the router never sees it.
@@ -146,10 +232,66 @@ impl Workload {
         Ok(())
     }
 
+    /// The workload played by `copies` independent populations at once: the trace multiplier
+    /// that turns a real trace into a fleet-sized one. Each request `i` becomes requests
+    /// `i * copies + c` for `c` in `0..copies`, at the same arrival rule (so the arrival rate
+    /// is `copies` times the original, and a session's turns follow their own copy's earlier
+    /// turn). Copy 0 is the original; copy `c`'s prompts are its own: every local hash is mixed
+    /// with a constant of `c`, so blocks shared within a copy (a system prompt, a conversation's
+    /// history) stay shared and no block is shared across copies. `copies` of 0 or 1 leaves the
+    /// workload unchanged; a result beyond `u32::MAX` requests is an error.
+    pub fn multiply(&self, copies: usize) -> Result<Workload, String> {
+        let copies = copies.max(1);
+        let n = self.requests.len();
+        match n.checked_mul(copies) {
+            Some(total) if total <= u32::MAX as usize => {}
+            _ => {
+                return Err(format!(
+                    "{n} requests times {copies} copies is over 2^32 requests"
+                ));
+            }
+        }
+        let mut requests = Vec::with_capacity(n * copies);
+        for r in &self.requests {
+            for c in 0..copies {
+                let arrival = match r.arrival {
+                    Arrival::At(t) => Arrival::At(t),
+                    Arrival::After { request, delay } => Arrival::After {
+                        request: request * copies + c,
+                        delay,
+                    },
+                };
+                let locals = r.locals.salted(copy_salt(c as u64));
+                requests.push(SimRequest {
+                    arrival,
+                    locals,
+                    prompt_tokens: r.prompt_tokens,
+                    output_tokens: r.output_tokens,
+                });
+            }
+        }
+        Ok(Workload {
+            block_size: self.block_size,
+            requests,
+        })
+    }
+
     /// Keeps the first `n` requests, dropping any session link to a dropped request.
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);
     }
+}
+
+/// The constant copy `c` of [`Workload::multiply`] mixes into its local hashes (a SplitMix64
+/// finalizer: distinct copies get unrelated constants; copy 0 gets 0).
+fn copy_salt(c: u64) -> u64 {
+    if c == 0 {
+        return 0;
+    }
+    let mut z = c.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Hashes synthesized prompts into a workload's blocks, reusing one token buffer.
@@ -177,7 +319,7 @@ impl PromptHasher {
     ///
     /// A block equal to the one before it reuses its hash: synthesized trace prompts repeat one
     /// token per trace block, so most blocks do, and comparing is cheaper than hashing.
-    pub(crate) fn locals(&self) -> Arc<[LocalBlockHash]> {
+    pub(crate) fn locals(&self) -> PromptBlocks {
         let mut prev: Option<(&[u32], LocalBlockHash)> = None;
         self.tokens
             .chunks_exact(self.hasher.block_size())
@@ -189,17 +331,15 @@ impl PromptHasher {
                     hash
                 }
             })
-            .collect()
+            .collect::<Vec<_>>()
+            .into()
     }
 
     /// The local hashes of the full blocks of a prompt made of `runs` (each a token repeated
     /// `count` times), and the prompt's length, without writing the prompt out: a block inside
     /// one run is hashed once per run, only blocks across a run boundary are assembled. The
     /// hashes are those [`PromptHasher::locals`] gives for the same tokens.
-    pub(crate) fn run_locals(
-        &mut self,
-        runs: impl IntoIterator<Item = (u32, usize)>,
-    ) -> (Arc<[LocalBlockHash]>, u32) {
+    pub(crate) fn run_locals(&mut self, runs: impl IntoIterator<Item = (u32, usize)>) -> (PromptBlocks, u32) {
         let bs = self.hasher.block_size();
         let mut locals = Vec::new();
         let mut len = 0usize;
@@ -237,7 +377,27 @@ impl PromptHasher {
         (locals.into(), u32::try_from(len).unwrap_or(u32::MAX))
     }
 
+    /// Moves the full blocks at the front of `tail` into `locals` as their local hashes, leaving
+    /// in `tail` the tokens of the partial block after them: a growing prompt (a session's next
+    /// turn after a shared prefix) hashes only its new tokens. For the prompt `locals`' blocks
+    /// then `tail`, the hashes are those [`PromptHasher::locals`] gives for its tokens.
+    pub(crate) fn push_full_blocks(&self, tail: &mut Vec<u32>, locals: &mut Vec<LocalBlockHash>) {
+        let bs = self.hasher.block_size();
+        let full = tail.len() / bs * bs;
+        let mut prev: Option<(&[u32], LocalBlockHash)> = None;
+        for block in tail[..full].chunks_exact(bs) {
+            let hash = match prev {
+                Some((t, hash)) if t == block => hash,
+                _ => self.hasher.local_hash(block),
+            };
+            prev = Some((block, hash));
+            locals.push(hash);
+        }
+        tail.drain(..full);
+    }
+
     /// Tokens in the buffer.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> u32 {
         u32::try_from(self.tokens.len()).unwrap_or(u32::MAX)
     }
@@ -248,6 +408,88 @@ mod tests {
     use proptest::prelude::*;
 
     use super::PromptHasher;
+
+    use std::collections::HashSet;
+
+    use super::{Arrival, Workload};
+    use crate::synthetic::{Lengths, SyntheticConfig, generate};
+
+    #[test]
+    fn multiply_gives_the_requested_count_of_independent_copies_deterministically() {
+        let base = generate(
+            &SyntheticConfig {
+                requests: 60,
+                turns_per_session: 3,
+                prefix_groups: 2,
+                shared_prefix_tokens: 64,
+                isl: Lengths::Uniform { min: 16, max: 80 },
+                ..SyntheticConfig::default()
+            },
+            16,
+        );
+        assert_eq!(base.multiply(1).unwrap(), base);
+        assert_eq!(base.multiply(0).unwrap(), base);
+        let copies = 7;
+        let big = base.multiply(copies).unwrap();
+        assert_eq!(big.requests.len(), base.requests.len() * copies);
+        assert_eq!(base.multiply(copies).unwrap(), big, "deterministic");
+        assert_eq!(big.block_size, base.block_size);
+        let blocks = |c: usize| -> HashSet<_> {
+            big.requests[c..]
+                .iter()
+                .step_by(copies)
+                .flat_map(|r| r.locals.iter())
+                .collect()
+        };
+        for c in 0..copies {
+            for (i, orig) in base.requests.iter().enumerate() {
+                let r = &big.requests[i * copies + c];
+                assert_eq!(
+                    (r.prompt_tokens, r.output_tokens),
+                    (orig.prompt_tokens, orig.output_tokens)
+                );
+                assert_eq!(r.locals.len(), orig.locals.len());
+                match (r.arrival, orig.arrival) {
+                    (Arrival::At(a), Arrival::At(b)) => assert_eq!(a, b),
+                    (Arrival::After { request, delay }, Arrival::After { request: o, delay: d }) => {
+                        assert_eq!((request, delay), (o * copies + c, d))
+                    }
+                    other => panic!("arrival kind changed: {other:?}"),
+                }
+                // Sharing within a copy is the original's: equal blocks stay equal.
+                for (j, other) in base.requests[..i].iter().enumerate() {
+                    let shared = orig
+                        .locals
+                        .iter()
+                        .zip(other.locals.iter())
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    let r2 = &big.requests[j * copies + c];
+                    let shared_copy = r
+                        .locals
+                        .iter()
+                        .zip(r2.locals.iter())
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    assert_eq!(shared, shared_copy);
+                }
+            }
+            if c == 0 {
+                assert!(big.requests[0].locals == base.requests[0].locals);
+            }
+            for d in 0..c {
+                assert!(
+                    blocks(c).is_disjoint(&blocks(d)),
+                    "copies {c} and {d} share a block"
+                );
+            }
+        }
+        let huge = Workload {
+            block_size: 16,
+            requests: vec![base.requests[0].clone(); 2],
+        };
+        assert!(huge.multiply(1 << 31).is_err());
+    }
 
     proptest! {
         /// Hashing runs gives what hashing the written-out prompt gives, partial tail included.
@@ -263,7 +505,7 @@ mod tests {
                 tokens.extend(std::iter::repeat_n(token, count));
             }
             prop_assert_eq!(len, hasher.len());
-            prop_assert_eq!(&*from_runs, &*hasher.locals());
+            prop_assert_eq!(from_runs, hasher.locals());
         }
     }
 }

@@ -189,6 +189,11 @@ pub struct ReplayConfig {
     /// multiplier), e.g. `0:0.5,1800:3,3600:0.5`.
     #[arg(long)]
     pub rate_profile: Option<String>,
+    /// Trace multiplier: play the workload (after `--limit`) as N independent copies at once,
+    /// each with its own prompts (no block shared across copies) and the original arrival
+    /// times, so N times the requests at N times the rate. Default 1.
+    #[arg(long)]
+    pub multiply: Option<usize>,
 }
 
 /// Runs `kvroute replay`.
@@ -299,6 +304,7 @@ impl<'a> Plan<'a> {
             ("--limit", o.limit),
             ("--concurrency", o.concurrency),
             ("--requests", o.requests),
+            ("--multiply", o.multiply),
         ] {
             at_least_one(flag, v.map(|v| v as u64))?;
         }
@@ -408,6 +414,13 @@ impl<'a> Plan<'a> {
             }
             (None, None) => bail!("no trace and no synthetic workload"),
         };
+        if let Some(copies) = o.multiply.filter(|&c| c > 1) {
+            workload.0 = workload
+                .0
+                .multiply(copies)
+                .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))?;
+            workload.1.push_str(&format!(", {copies} copies"));
+        }
         workload.0.speed_up(o.arrival_speedup.unwrap_or(1.0));
         if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
             workload

@@ -106,6 +106,7 @@ fn speedups_and_limits_must_be_positive() {
         &["--prefill-workers", "--decode-workers"],
     );
     refused(&["replay", "--rate-profile", "0:1,0:2"], &["--rate-profile"]);
+    refused(&["replay", "--multiply", "0"], &["--multiply"]);
     refused(
         &["replay", "--sla-window-s", "60"],
         &["--sla-window-s", "--planner"],
