@@ -4,8 +4,10 @@ use crate::ids::WorkerKey;
 
 /// Each worker's matched depth (in blocks) for one query. Workers with depth 0 are absent.
 ///
-/// Entries are in the index's worker-slot order, which depends only on the order workers were
-/// added and removed, so it is deterministic.
+/// Entries are in the order the lookup's walk lets workers go: by depth, shallowest first, and
+/// among workers that stop at the same depth by worker slot (which depends only on the order
+/// workers were added and removed). The order is deterministic, but it is not the slot order:
+/// a caller that needs one looks a worker up with [`Self::depth`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OverlapScores {
     scores: Vec<(WorkerKey, u32)>,
