@@ -86,34 +86,9 @@ fn time(rounds: usize, mut f: impl FnMut()) -> f64 {
     }
 }
 
-/// The bodies of a conversation's turns: a system message, then `turns` user messages each
-/// after an assistant reply, every message `message_bytes` long, its text seeded by `c`.
+/// The bodies of a conversation's turns, as `kvroute bench chat` sends them (unary).
 fn conversation(c: usize, turns: usize, message_bytes: usize) -> Vec<Vec<u8>> {
-    let words = [
-        "routing ", "the ", "blocks ", "of ", "a ", "long ", "chat, ", "turn ", "by ", "turn; ", "cache ",
-        "prefix ", "tokens ", "engine ", "worker. ", "Why? ", "Because ", "42 ", "fleets ", "grow\n",
-    ];
-    let text = |seed: usize| {
-        let mut s = format!("[{c}.{seed}] ");
-        let mut w = seed.wrapping_mul(2_654_435_761).wrapping_add(c);
-        while s.len() < message_bytes {
-            s.push_str(words[w % words.len()]);
-            w = w
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407)
-                >> 7;
-        }
-        s
-    };
-    let mut messages = vec![json!({"role": "system", "content": format!("You are assistant {c}.")})];
-    let mut bodies = Vec::with_capacity(turns);
-    for t in 0..turns {
-        messages.push(json!({"role": "user", "content": text(2 * t)}));
-        let body = json!({"model": "m", "messages": messages, "max_tokens": 8, "stream": false});
-        bodies.push(serde_json::to_vec(&body).expect("a JSON value serializes"));
-        messages.push(json!({"role": "assistant", "content": text(2 * t + 1)}));
-    }
-    bodies
+    kvroute_http::sample::conversation(c, turns, message_bytes, false)
 }
 
 /// `chat -- followup <tiny|llama3> <n>`: the last turn of `n` 32-turn conversations of about

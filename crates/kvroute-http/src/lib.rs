@@ -21,6 +21,7 @@ pub mod model;
 pub mod net;
 pub mod openai;
 pub mod prefix_cache;
+pub mod sample;
 
 pub use model::Model;
 

@@ -155,14 +155,7 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
                 segments.push(Arc::from(&new_blocks[..]));
             }
             let tokens = blocks * u64::from(block_size.max(1)) + tail.len() as u64;
-            let arrival = if turn == 0 {
-                Arrival::At(Timestamp((start * 1e9).round() as u64))
-            } else {
-                Arrival::After {
-                    request: id - 1,
-                    delay: config.think_time,
-                }
-            };
+            let arrival = turn_arrival(turn, start, id, config);
             workload.requests.push(SimRequest {
                 arrival,
                 locals: PromptBlocks::from_segments(segments.clone()),
@@ -175,6 +168,19 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
 }
 
 /// One gap between session starts, in seconds.
+/// When turn `turn` of a session arrives: the session's start for its first turn, else
+/// the think time after the answer to request `id - 1` (the session's previous turn).
+fn turn_arrival(turn: usize, start: f64, id: usize, config: &SyntheticConfig) -> Arrival {
+    if turn == 0 {
+        Arrival::At(Timestamp((start * 1e9).round() as u64))
+    } else {
+        Arrival::After {
+            request: id - 1,
+            delay: config.think_time,
+        }
+    }
+}
+
 fn gap_secs(config: &SyntheticConfig, rng: &mut Rng) -> f64 {
     let mean = 1.0 / config.rate_rps.max(1e-9);
     match config.arrival {
@@ -274,14 +280,7 @@ mod tests {
                 let new = config.isl.sample(&mut rng).max(1);
                 session.extend((0..new).map(|j| unique_token(id as u64, j)));
                 hasher.buffer().extend_from_slice(&session);
-                let arrival = if turn == 0 {
-                    Arrival::At(Timestamp((start * 1e9).round() as u64))
-                } else {
-                    Arrival::After {
-                        request: id - 1,
-                        delay: config.think_time,
-                    }
-                };
+                let arrival = turn_arrival(turn, start, id, config);
                 workload.requests.push(SimRequest {
                     arrival,
                     locals: hasher.locals(),

@@ -21,7 +21,7 @@ use hyper_util::rt::TokioIo;
 use kvroute_http::Model;
 use kvroute_http::model::SpecialTokens;
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::percentile;
@@ -86,32 +86,10 @@ pub struct ChatReport {
 
 /// The request bodies of conversation `c`, turn by turn.
 fn conversation(c: usize, turns: usize, message_bytes: usize, stream: bool) -> Vec<Bytes> {
-    let words = [
-        "routing ", "the ", "blocks ", "of ", "a ", "long ", "chat, ", "turn ", "by ", "turn; ", "cache ",
-        "prefix ", "tokens ", "engine ", "worker. ", "Why? ", "Because ", "42 ", "fleets ", "grow\n",
-    ];
-    let text = |seed: usize| {
-        let mut s = format!("[{c}.{seed}] ");
-        let mut w = seed.wrapping_mul(2_654_435_761).wrapping_add(c);
-        while s.len() < message_bytes {
-            s.push_str(words[w % words.len()]);
-            w = w
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407)
-                >> 7;
-        }
-        s
-    };
-    let mut messages =
-        vec![json!({"role": "system", "content": format!("You are assistant {c}; answer briefly.")})];
-    let mut bodies = Vec::with_capacity(turns);
-    for t in 0..turns {
-        messages.push(json!({"role": "user", "content": text(2 * t)}));
-        let body = json!({"model": "tiny", "messages": messages, "max_tokens": 8, "stream": stream});
-        bodies.push(Bytes::from(body.to_string()));
-        messages.push(json!({"role": "assistant", "content": text(2 * t + 1)}));
-    }
-    bodies
+    kvroute_http::sample::conversation(c, turns, message_bytes, stream)
+        .into_iter()
+        .map(Bytes::from)
+        .collect()
 }
 
 /// One keep-alive connection.
