@@ -22,7 +22,8 @@
 
 use std::sync::Arc;
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::const_xxh3::const_custom_default_secret;
+use xxhash_rust::xxh3::{xxh3_64_with_secret, xxh3_64_with_seed};
 
 use crate::ids::{LocalBlockHash, SequenceHash};
 
@@ -63,6 +64,23 @@ impl HashSalt<'_> {
 pub struct BlockHasher {
     block_size: usize,
     seed: u64,
+    long: LongSecret,
+}
+
+/// Inputs longer than this many bytes take XXH3's long path, which derives a 192-byte secret
+/// from the seed on every call (`xxh3_64_with_seed`); with that secret derived once,
+/// `xxh3_64_with_secret` gives the same value for them.
+const XXH3_MIDSIZE_MAX: usize = 240;
+
+/// The seed's XXH3 secret, derived once for blocks past [`XXH3_MIDSIZE_MAX`] bytes (more than 60
+/// tokens, such as 64-token blocks); `None` for shorter blocks, which never use it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct LongSecret(Option<[u8; 192]>);
+
+impl std::fmt::Debug for LongSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "derived" } else { "none" })
+    }
 }
 
 impl BlockHasher {
@@ -70,9 +88,28 @@ impl BlockHasher {
     ///
     /// A `block_size` of zero is treated as one: a block holds at least one token.
     pub fn new(block_size: usize, salt: &HashSalt<'_>) -> Self {
+        Self::with_seed(block_size, salt.local_seed())
+    }
+
+    fn with_seed(block_size: usize, seed: u64) -> Self {
+        let block_size = block_size.max(1);
+        let long = (block_size * 4 > XXH3_MIDSIZE_MAX).then(|| const_custom_default_secret(seed));
         Self {
-            block_size: block_size.max(1),
-            seed: salt.local_seed(),
+            block_size,
+            seed,
+            long: LongSecret(long),
+        }
+    }
+
+    /// XXH3 of a block of any length under this hasher's seed: through the derived secret where
+    /// the block takes the long path, else `xxh3_64_with_seed`. The same value either way.
+    #[inline]
+    fn hash_any(&self, tokens: &[u32]) -> u64 {
+        match &self.long.0 {
+            Some(secret) if tokens.len() * 4 > XXH3_MIDSIZE_MAX => {
+                with_u32_le(tokens, |bytes| xxh3_64_with_secret(bytes, secret))
+            }
+            _ => hash_u32_le(tokens, self.seed),
         }
     }
 
@@ -90,7 +127,7 @@ impl BlockHasher {
         if let Ok(block) = <&[u32; 32]>::try_from(tokens) {
             return LocalBlockHash(ShortKeys::new(self.seed).hash(block));
         }
-        LocalBlockHash(hash_u32_le(tokens, self.seed))
+        LocalBlockHash(self.hash_any(tokens))
     }
 
     /// Local hashes of every full block of `tokens`.
@@ -107,7 +144,7 @@ impl BlockHasher {
             32 => short::<32>(self.seed, tokens),
             _ => tokens
                 .chunks_exact(self.block_size)
-                .map(|block| LocalBlockHash(hash_u32_le(block, self.seed)))
+                .map(|block| LocalBlockHash(self.hash_any(block)))
                 .collect(),
         }
     }
@@ -193,7 +230,7 @@ impl BlockHasher {
         tokens
             .chunks_exact(self.block_size)
             .map(|block| {
-                let local = LocalBlockHash(hash_u32_le(block, self.seed));
+                let local = LocalBlockHash(self.hash_any(block));
                 let seq = next_sequence_hash(prev, local);
                 locals.push(local);
                 prev = Some(seq);
@@ -377,14 +414,20 @@ fn chain_step(parent: u64, local: u64) -> u64 {
 /// XXH3 over `tokens` as little-endian u32 bytes, without copying on little-endian machines.
 #[inline]
 fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
+    with_u32_le(tokens, |bytes| xxh3_64_with_seed(bytes, seed))
+}
+
+/// `f` of `tokens` as little-endian u32 bytes, without copying on little-endian machines.
+#[inline]
+fn with_u32_le(tokens: &[u32], f: impl FnOnce(&[u8]) -> u64) -> u64 {
     #[cfg(target_endian = "little")]
     {
-        xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+        f(bytemuck::cast_slice(tokens))
     }
     #[cfg(not(target_endian = "little"))]
     {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        xxh3_64_with_seed(&bytes, seed)
+        f(&bytes)
     }
 }
 
@@ -484,6 +527,36 @@ mod tests {
                 prop_assert_eq!(hasher.local_hash(block).0, *want);
             }
         }
+    }
+
+    #[test]
+    fn long_blocks_hash_through_the_derived_secret_as_with_the_seed() {
+        // Blocks past 240 bytes (61 tokens and more) take XXH3's long path, where the hasher
+        // uses the secret it derived once; every seed, salted or not, and shorter slices too.
+        for block_size in [61, 64, 100, 128, 1024] {
+            for seed in [0, 1, XXH3_SEED, u64::MAX, 0x9e37_79b9_7f4a_7c15] {
+                let hasher = BlockHasher::with_seed(block_size, seed);
+                assert!(hasher.long.0.is_some(), "{block_size}");
+                let tokens: Vec<u32> = (0..block_size as u32 * 3)
+                    .map(|t| t.wrapping_mul(2_654_435_761) ^ seed as u32)
+                    .collect();
+                for block in tokens.chunks(block_size).chain([&tokens[..block_size / 2]]) {
+                    assert_eq!(
+                        hasher.local_hash(block).0,
+                        reference_local(block, seed),
+                        "{block_size} tokens, seed {seed}, slice of {}",
+                        block.len()
+                    );
+                }
+                let want: Vec<u64> = tokens
+                    .chunks_exact(block_size)
+                    .map(|b| reference_local(b, seed))
+                    .collect();
+                let got = hasher.local_hashes(&tokens);
+                assert_eq!(got.iter().map(|l| l.0).collect::<Vec<_>>(), want);
+            }
+        }
+        assert!(BlockHasher::with_seed(60, 7).long.0.is_none());
     }
 
     #[test]
