@@ -288,25 +288,28 @@ pub fn next_sequence_hash(parent: Option<SequenceHash>, local: LocalBlockHash) -
 // computed once per prompt. `tests::specialised_xxh3_equals_the_reference` checks it against
 // xxhash-rust on random inputs and seeds; `tests/hash_vectors.rs` against Python's xxhash.
 
-/// The first 128 bytes of XXH3's default secret (`kSecret`), as little-endian 64-bit words.
-const SECRET: [u64; 16] = [
-    0xBE4B_A423_396C_FEB8,
-    0x1CAD_21F7_2C81_017C,
-    0xDB97_9083_E96D_D4DE,
-    0x1F67_B3B7_A4A4_4072,
-    0x78E5_C0CC_4EE6_79CB,
-    0x2172_FFCC_7DD0_5A82,
-    0x8E24_43F7_7446_08B8,
-    0x4C26_3A81_E690_35E0,
-    0xCB00_C391_BB52_283C,
-    0xA32E_531B_8B65_D088,
-    0x4EF9_0DA2_9748_6471,
-    0xD8AC_DEA9_46EF_1938,
-    0x3F34_9CE3_3F76_FAA8,
-    0x1D4F_0BC7_C7BB_DCF9,
-    0x3159_B4CD_4BE0_518A,
-    0x6473_78D9_C97E_9FC8,
-];
+/// The first 128 bytes of XXH3's default secret (`kSecret`), as little-endian 64-bit words,
+/// read at compile time from xxhash-rust's own (a seed of 0 derives the default secret).
+const SECRET: [u64; 16] = {
+    let bytes = const_custom_default_secret(0);
+    let mut words = [0u64; 16];
+    let mut i = 0;
+    while i < 16 {
+        let b = 8 * i;
+        words[i] = u64::from_le_bytes([
+            bytes[b],
+            bytes[b + 1],
+            bytes[b + 2],
+            bytes[b + 3],
+            bytes[b + 4],
+            bytes[b + 5],
+            bytes[b + 6],
+            bytes[b + 7],
+        ]);
+        i += 1;
+    }
+    words
+};
 
 /// XXH3's first 64-bit prime.
 const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
