@@ -64,6 +64,8 @@ impl HashSalt<'_> {
 pub struct BlockHasher {
     block_size: usize,
     seed: u64,
+    /// The seed's key words for blocks of 17 to 128 bytes, derived once.
+    keys: ShortKeys,
     long: LongSecret,
 }
 
@@ -97,6 +99,7 @@ impl BlockHasher {
         Self {
             block_size,
             seed,
+            keys: ShortKeys::new(seed),
             long: LongSecret(long),
         }
     }
@@ -122,26 +125,25 @@ impl BlockHasher {
     #[inline]
     pub fn local_hash(&self, tokens: &[u32]) -> LocalBlockHash {
         if let Ok(block) = <&[u32; 16]>::try_from(tokens) {
-            return LocalBlockHash(ShortKeys::new(self.seed).hash(block));
+            return LocalBlockHash(self.keys.hash(block));
         }
         if let Ok(block) = <&[u32; 32]>::try_from(tokens) {
-            return LocalBlockHash(ShortKeys::new(self.seed).hash(block));
+            return LocalBlockHash(self.keys.hash(block));
         }
         LocalBlockHash(self.hash_any(tokens))
     }
 
     /// Local hashes of every full block of `tokens`.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
-        fn short<const N: usize>(seed: u64, tokens: &[u32]) -> Vec<LocalBlockHash> {
-            let keys = ShortKeys::new(seed);
+        fn short<const N: usize>(hasher: &BlockHasher, tokens: &[u32]) -> Vec<LocalBlockHash> {
             tokens
                 .chunks_exact(N)
-                .map(|block| LocalBlockHash(keys.hash_chunk::<N>(block, seed)))
+                .map(|block| LocalBlockHash(hasher.keys.hash_chunk::<N>(block, hasher.seed)))
                 .collect()
         }
         match self.block_size {
-            16 => short::<16>(self.seed, tokens),
-            32 => short::<32>(self.seed, tokens),
+            16 => short::<16>(self, tokens),
+            32 => short::<32>(self, tokens),
             _ => tokens
                 .chunks_exact(self.block_size)
                 .map(|block| LocalBlockHash(self.hash_any(block)))
@@ -176,7 +178,7 @@ impl BlockHasher {
     ///
     /// Blocks of 16 and 32 tokens (64 and 128 bytes) take a specialised XXH3 (see [`ShortKeys`]):
     /// the same values as `xxh3_64_with_seed`, without its per-call length dispatch, and with
-    /// the seeded secret words computed once per prompt.
+    /// the seeded secret words computed once per hasher.
     pub fn hash_prompt_shared(
         &self,
         tokens: &[u32],
@@ -196,7 +198,7 @@ impl BlockHasher {
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
         debug_assert_eq!(N, self.block_size);
-        let keys = ShortKeys::new(self.seed);
+        let keys = &self.keys;
         let mut blocks = tokens.chunks_exact(N);
         // Sized up front and written through `iter_mut`: no capacity check per block.
         locals.clear();
@@ -337,7 +339,7 @@ fn word<const N: usize>(block: &[u32; N], i: usize) -> u64 {
 
 /// The secret words of XXH3 for inputs of 17 to 128 bytes under one seed: even words plus the
 /// seed, odd words minus it, as `XXH3_mix16B` uses them.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct ShortKeys([u64; 16]);
 
 impl ShortKeys {
