@@ -49,13 +49,23 @@ async fn next_batch(rx: &mut mpsc::Receiver<SubscriberEvent>) -> EventBatch {
     }
 }
 
-/// Publishes empty batches until the subscriber hands one on, then waits until it has handed
-/// on the last one published. Returns every event seen on the way.
-async fn join(publisher: &EventPublisher, rx: &mut mpsc::Receiver<SubscriberEvent>) -> Vec<SubscriberEvent> {
+/// Publishes empty batches until the subscriber hands one on and has received one live, then
+/// waits until it has handed on the last one published. Returns every event seen on the way.
+///
+/// A batch handed on is not enough: with a replay socket the subscriber's start-up resync hands
+/// on what the publisher buffers before its subscription reaches the publisher, and what is
+/// published until then is dropped by PUB unseen.
+async fn join(
+    publisher: &EventPublisher,
+    handle: &SubscriberHandle,
+    rx: &mut mpsc::Receiver<SubscriberEvent>,
+) -> Vec<SubscriberEvent> {
     let mut events = Vec::new();
     let deadline = tokio::time::Instant::now() + PATIENCE;
-    // Until something arrives, a warm-up batch every 20 ms.
-    while events.is_empty() {
+    let received = || handle.counters().snapshot().received;
+    let before = received();
+    // Until something arrives live, a warm-up batch every 20 ms.
+    while events.is_empty() || received() == before {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the subscriber never connected"
@@ -161,7 +171,7 @@ struct Joined {
 async fn joined(config: PublisherConfig, configure: impl FnOnce(&mut SubscriberConfig)) -> Joined {
     let publisher = EventPublisher::start(config).await.expect("start");
     let (handle, mut rx) = subscribe(&publisher, 1024, configure).await;
-    join(&publisher, &mut rx).await;
+    join(&publisher, &handle, &mut rx).await;
     let before = handle.counters().snapshot();
     Joined {
         publisher,
@@ -228,7 +238,7 @@ async fn batches_arrive_in_order_and_decode_as_published() {
         .await
         .expect("start");
         let (handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
-        let warmup = join(&publisher, &mut rx).await;
+        let warmup = join(&publisher, &handle, &mut rx).await;
         // Every warm-up batch arrives, in order: the ones sent before the subscription
         // reached the publisher come through the replay.
         assert_eq!(
@@ -367,7 +377,7 @@ async fn a_restarted_publisher_is_reported_and_its_new_run_follows() {
     };
 
     let first = start().await.expect("first publisher");
-    join(&first, &mut rx).await;
+    join(&first, &handle, &mut rx).await;
     // Far more batches than the second publisher's warm-up will number, so that its batches
     // are recognisably a new run (the wire has no run id: only a sequence number that goes
     // back shows a restart).
@@ -377,7 +387,7 @@ async fn a_restarted_publisher_is_reported_and_its_new_run_follows() {
     // The subscriber has no replay endpoint configured for the new run either: the new
     // publisher's warm-up batches it missed are reported lost, then the run goes on.
     let second = start().await.expect("second publisher");
-    let events = join(&second, &mut rx).await;
+    let events = join(&second, &handle, &mut rx).await;
     assert!(
         matches!(events[0], SubscriberEvent::Restarted { worker: STREAM }),
         "{events:?}"
@@ -474,7 +484,7 @@ async fn received_batches_build_the_index() {
     })
     .await
     .expect("start");
-    let (_handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
+    let (handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
     let mut index = PrefixIndex::new(IndexConfig::default());
     let config = ApplyConfig {
         block_size: NonZeroU32::new(4).expect("non-zero"),
@@ -492,7 +502,7 @@ async fn received_batches_build_the_index() {
         }
         other => panic!("unexpected {other:?}"),
     };
-    for event in join(&publisher, &mut rx).await {
+    for event in join(&publisher, &handle, &mut rx).await {
         apply(event, &mut index);
     }
     publisher
@@ -656,7 +666,7 @@ async fn a_publisher_restarted_on_the_same_ports_is_followed_with_replay() {
     // The same ports, as an engine restarted in place would have. The subscriber reconnects by
     // itself; what the new run published before it did comes back through the replay socket.
     let second = restart_in_place(first).await;
-    let events = join(&second, &mut rx).await;
+    let events = join(&second, &handle, &mut rx).await;
     assert!(
         matches!(events[0], SubscriberEvent::Restarted { worker: STREAM }),
         "{events:?}"
@@ -677,7 +687,7 @@ async fn a_subscriber_started_first_waits_for_its_publisher() {
     let publisher = EventPublisher::start(PublisherConfig::new(endpoint))
         .await
         .expect("start");
-    let events = join(&publisher, &mut rx).await;
+    let events = join(&publisher, &handle, &mut rx).await;
     assert!(
         events
             .iter()
@@ -694,7 +704,7 @@ async fn a_slow_consumer_loses_nothing() {
     let publisher = EventPublisher::start(loopback(true)).await.expect("start");
     // Room for one event: the subscriber waits on the consumer after every batch.
     let (handle, mut rx) = subscribe(&publisher, 1, |_| {}).await;
-    join(&publisher, &mut rx).await;
+    join(&publisher, &handle, &mut rx).await;
 
     let first = publish_dropping(&publisher, 0, 300);
     for i in 0..300 {
@@ -720,7 +730,7 @@ async fn ipc_endpoints_work_with_the_default_modes() {
     // vLLM binds ipc endpoints, so a subscriber connects to them by default.
     let (handle, mut rx) = subscribe(&publisher, 1024, |c| c.topic.clear()).await;
     assert_eq!(handle.mode(), SocketMode::Connect);
-    let events = join(&publisher, &mut rx).await;
+    let events = join(&publisher, &handle, &mut rx).await;
     assert!(
         matches!(&events[0], SubscriberEvent::Batch { batch, .. } if batch.seq == 0),
         "{events:?}"
@@ -740,12 +750,12 @@ async fn a_connecting_publisher_reaches_a_restarted_subscriber() {
     })
     .await
     .expect("start");
-    join(&publisher, &mut rx).await;
+    join(&publisher, &first, &mut rx).await;
     first.shutdown().await;
 
     // A new subscriber on the same port (the router restarted): the publisher connects again.
     let (second, mut rx) = bound(endpoint).await;
-    let events = join(&publisher, &mut rx).await;
+    let events = join(&publisher, &second, &mut rx).await;
     // It joined a run already under way and has no replay endpoint: what came before is lost.
     assert!(
         matches!(events[0], SubscriberEvent::GapLost { ref missing, .. } if missing.start == 0),
@@ -835,7 +845,7 @@ async fn a_publisher_back_after_a_long_outage_is_heard_from_within_the_reconnect
     let start = || EventPublisher::start(PublisherConfig::new(endpoint.clone()));
     let first = start().await.expect("first");
     let (handle, mut rx) = spawn(SubscriberConfig::new(WORKER, endpoint.clone()), 1024).await;
-    join(&first, &mut rx).await;
+    join(&first, &handle, &mut rx).await;
     first.shutdown().await;
     // The outage: a fixed wait is what is being tested here, not a race.
     tokio::time::sleep(Duration::from_secs(7)).await;

@@ -161,10 +161,12 @@ async fn subscriber_counters_are_exported_per_worker() {
     let (r, l) = (id(&replayed), id(&lossy));
     let http = client(Duration::from_secs(2));
 
-    // Joined: a batch was handed on. (Publishing until then; a condition that stays true.)
+    // Joined: a batch was received live, so the subscription has reached the publisher (the
+    // start-up resync may hand on buffered batches before it does). Publishing until then; a
+    // condition that stays true.
     let joined = |s: &Scrape, w: u64| {
-        s.get("dynamo_component_router_kv_zmq_ingress_batches_total", w)
-            .is_some_and(|handed| handed > 0)
+        s.get("kvroute_kv_events_received_total", w)
+            .is_some_and(|live| live > 0)
     };
     scrape_until(&http, &proxy, &[&replayed, &lossy], "both joined", |s| {
         joined(s, r) && joined(s, l)

@@ -140,15 +140,16 @@ async fn until(proxy: &ProxyHandle, what: &str, done: impl Fn(&ProxyHandle) -> b
     );
 }
 
-/// Publishes empty batches until the proxy has accounted for every batch published (handed on
-/// or reported lost): PUB/SUB drops what is sent before the subscription arrives.
+/// Publishes empty batches until the proxy has received one live and accounted for every batch
+/// published (handed on or reported lost): PUB/SUB drops what is sent before the subscription
+/// arrives, and the start-up resync may hand on the buffered batches before it does.
 async fn join(proxy: &ProxyHandle, publisher: &EventPublisher) {
     let t0 = Instant::now();
     loop {
         publisher.publish(Vec::new(), Some(0), 0.0).unwrap();
         let accounted = |p: &ProxyHandle| {
             let c = counters(p);
-            c.emitted > 0 && c.emitted + c.batches_lost >= publisher.next_seq()
+            c.received > 0 && c.emitted + c.batches_lost >= publisher.next_seq()
         };
         if proxy
             .shared
