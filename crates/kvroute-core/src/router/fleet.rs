@@ -36,6 +36,11 @@ impl FleetWorker {
     pub(crate) fn depth(&self, chain: &[SequenceHash], hint: u32) -> ActiveDepth {
         self.load.depth(chain, hint)
     }
+
+    /// Whether nothing is booked here (see `LoadState::is_idle`).
+    pub(crate) fn is_idle(&self) -> bool {
+        self.load.is_idle()
+    }
 }
 
 /// One active request.

@@ -242,6 +242,17 @@ impl LoadState {
         }
     }
 
+    /// Whether nothing is booked: the snapshot is [`WorkerLoad::default`] and every chain's
+    /// [`Self::depth`] is zero.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.requests == 0
+            && self.active.is_empty()
+            && self.prefill_tokens == 0
+            && self.prefill_requests == 0
+            && self.staged_blocks == 0
+            && self.output_blocks == 0
+    }
+
     /// How deep `chain` runs in the active and staged sets; `hint` is a likely depth (0 for
     /// none), such as the prompt's cached prefix on this worker.
     pub(crate) fn depth(&self, chain: &[SequenceHash], hint: u32) -> ActiveDepth {

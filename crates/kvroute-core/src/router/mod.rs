@@ -69,6 +69,7 @@ mod queue;
 mod recent;
 mod request;
 mod rng;
+mod scan;
 pub mod select;
 mod sync;
 mod worker;
@@ -99,6 +100,7 @@ use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
 use request::Prepared;
+use scan::{IdleCost, Stage};
 use sync::{Mark, Tombstones};
 
 use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
@@ -167,6 +169,10 @@ struct Scratch {
     /// Overlap per worker slot.
     overlaps: Vec<u32>,
     candidates: Vec<Candidate>,
+    /// The argmin scan's costs, the slots they belong to, and its idle workers' shared costs.
+    costs: Vec<f64>,
+    slots: Vec<u32>,
+    idle: Vec<IdleCost>,
 }
 
 /// The router; see the module docs.
@@ -596,7 +602,7 @@ impl Router {
         let locals = std::mem::take(&mut self.scratch.locals);
         self.compute_overlaps(now, &locals, &prepared.chain);
         self.scratch.locals = locals;
-        let _ = self.fill_candidates(WorkerRole::tracks_decode, &prepared.chain);
+        let _ = self.fill_candidates(Stage::Decode, &prepared.chain);
         Ok(self.scratch.candidates.clone())
     }
 
@@ -662,13 +668,8 @@ impl Router {
         locals: &[LocalBlockHash],
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
-        self.fill_candidates(WorkerRole::tracks_decode, &request.chain)?;
         let view = request.view(now, self.config.block_size);
-        let candidates = &self.scratch.candidates;
-        let chosen = candidates[self
-            .policy
-            .select(&view, candidates, &mut self.rng)
-            .min(candidates.len() - 1)];
+        let chosen = self.choose(Stage::Decode, &view)?;
         let prefill = self.choose_prefill(&view, &chosen);
         let prefill_overlap = prefill.map_or(chosen.overlap_blocks, |p| p.overlap_blocks);
         let hint = PrefillLoadHint::new(
@@ -725,20 +726,12 @@ impl Router {
         if !applies {
             return None;
         }
-        if self
-            .fill_candidates(|role| role == WorkerRole::Prefill, view.chain)
-            .is_err()
-        {
+        let Ok(pick) = self.choose(Stage::Prefill, view) else {
             self.counters.disagg_without_prefill_worker += 1;
             return None;
-        }
-        let candidates = &self.scratch.candidates;
-        let pick = self
-            .prefill_policy
-            .select(view, candidates, &mut self.rng)
-            .min(candidates.len() - 1);
+        };
         self.counters.disaggregated += 1;
-        Some(candidates[pick])
+        Some(pick)
     }
 
     /// Fills `scratch.overlaps` with each worker's cached prefix of the prompt.
@@ -755,54 +748,8 @@ impl Router {
             }
         }
         if let Some(recent) = &self.recent {
-            for (overlap, w) in overlaps.iter_mut().zip(self.fleet.workers()) {
-                *overlap = (*overlap).max(recent.depth(w.spec.key, chain, now));
-            }
-        }
-    }
-
-    /// Fills `scratch.candidates` with the workers whose role passes `role`, not draining and not
-    /// busy. Errs if no worker is eligible, or if every eligible one is busy.
-    fn fill_candidates(
-        &mut self,
-        role: impl Fn(WorkerRole) -> bool,
-        chain: &[SequenceHash],
-    ) -> Result<(), Blocked> {
-        let Scratch {
-            overlaps, candidates, ..
-        } = &mut self.scratch;
-        candidates.clear();
-        let blocks = chain.len() as u32;
-        let mut eligible = 0;
-        for (w, &overlap) in self.fleet.workers().iter().zip(overlaps.iter()) {
-            if w.draining || !role(w.spec.role) {
-                continue;
-            }
-            eligible += 1;
-            let load = w.load();
-            if self.config.busy.is_busy(&w.spec, &load) {
-                continue;
-            }
-            let overlap_blocks = overlap.min(blocks);
-            // Active requests tend to leave the prompt where its cached prefix ends (a shared
-            // system prompt): a good first probe.
-            let depth = if w.spec.role.tracks_decode() {
-                w.depth(chain, overlap_blocks)
-            } else {
-                ActiveDepth::default()
-            };
-            let projection = project(w.spec.role, &load, blocks, overlap_blocks, depth);
-            candidates.push(Candidate {
-                spec: w.spec,
-                overlap_blocks,
-                load,
-                projection,
-            });
-        }
-        match (eligible, candidates.is_empty()) {
-            (0, _) => Err(Blocked::NoWorker),
-            (_, true) => Err(Blocked::Busy),
-            _ => Ok(()),
+            let keys = self.fleet.workers().iter().map(|w| w.spec.key);
+            recent.raise_depths(keys, chain, now, overlaps);
         }
     }
 

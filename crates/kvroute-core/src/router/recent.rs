@@ -121,9 +121,34 @@ impl RecentChains {
 
     /// How many leading blocks of `chain` were recorded for `worker` and are still alive.
     pub(crate) fn depth(&self, worker: WorkerKey, chain: &[SequenceHash], now: Timestamp) -> u32 {
-        let Some(w) = self.workers.get(&worker) else {
-            return 0;
-        };
+        self.workers
+            .get(&worker)
+            .map_or(0, |w| self.depth_in(w, chain, now))
+    }
+
+    /// For each of `keys` (ascending) at position `i`, raises `out[i]` to [`Self::depth`] of
+    /// `chain` for that worker: one pass over both key-ordered sets instead of a lookup per key.
+    pub(crate) fn raise_depths(
+        &self,
+        keys: impl Iterator<Item = WorkerKey>,
+        chain: &[SequenceHash],
+        now: Timestamp,
+        out: &mut [u32],
+    ) {
+        if chain.is_empty() {
+            return;
+        }
+        let mut recorded = self.workers.iter().peekable();
+        for (key, out) in keys.zip(out) {
+            while recorded.next_if(|&(k, _)| *k < key).is_some() {}
+            let Some((_, w)) = recorded.next_if(|&(k, _)| *k == key) else {
+                continue;
+            };
+            *out = (*out).max(self.depth_in(w, chain, now));
+        }
+    }
+
+    fn depth_in(&self, w: &WorkerRecent, chain: &[SequenceHash], now: Timestamp) -> u32 {
         let mut depth = 0;
         for step in w.trie.walk(chain) {
             if !self.alive(*step.meta, now) {

@@ -33,19 +33,22 @@ impl Rng {
 
     /// A uniform integer in `0..n`; `n` must be at least 1 (0 gives 0).
     ///
-    /// Lemire's multiply-and-reject, so every value is exactly equally likely.
+    /// Lemire's multiply-and-reject, so every value is exactly equally likely. The rejection
+    /// threshold (`2^64 mod n`, a division) is below `n`, so it is computed only when the low
+    /// word is below `n` (Lemire's "nearly divisionless" form; the same draws).
     pub fn below(&mut self, n: usize) -> usize {
         let n = n as u64;
         if n <= 1 {
             return 0;
         }
-        let threshold = n.wrapping_neg() % n;
-        loop {
-            let wide = u128::from(self.next_u64()) * u128::from(n);
-            if (wide as u64) >= threshold {
-                return (wide >> 64) as usize;
+        let mut wide = u128::from(self.next_u64()) * u128::from(n);
+        if (wide as u64) < n {
+            let threshold = n.wrapping_neg() % n;
+            while (wide as u64) < threshold {
+                wide = u128::from(self.next_u64()) * u128::from(n);
             }
         }
+        (wide >> 64) as usize
     }
 }
 
@@ -68,6 +71,28 @@ mod tests {
         let mut r = Rng::new(1_234_567);
         assert_eq!(r.next_u64(), 6_457_827_717_110_365_317);
         assert_eq!(r.next_u64(), 3_203_168_211_198_807_973);
+    }
+
+    #[test]
+    fn below_draws_as_the_plain_multiply_and_reject() {
+        let plain = |r: &mut Rng, n: u64| {
+            let threshold = n.wrapping_neg() % n;
+            loop {
+                let wide = u128::from(r.next_u64()) * u128::from(n);
+                if (wide as u64) >= threshold {
+                    return (wide >> 64) as usize;
+                }
+            }
+        };
+        let (mut a, mut b) = (Rng::new(11), Rng::new(11));
+        // Small fleets, and bounds just past powers of two where rejection is likeliest.
+        let bounds = (2..300u64).chain([(1 << 63) + 1, (1 << 62) + 3, u64::MAX, 3 << 62]);
+        for n in bounds {
+            for _ in 0..50 {
+                assert_eq!(a.below(n as usize), plain(&mut b, n), "n = {n}");
+            }
+        }
+        assert_eq!(a, b);
     }
 
     #[test]

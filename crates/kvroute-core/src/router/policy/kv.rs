@@ -73,6 +73,13 @@ impl CostPolicy {
     }
 }
 
+impl CostPolicy {
+    /// Whether this policy takes the plain argmin: temperature 0 and no replica spread.
+    fn takes_argmin(&self) -> bool {
+        self.config.temperature == 0.0 && (self.rank == 0 || self.config.spread_tolerance == 0.0)
+    }
+}
+
 impl Policy for CostPolicy {
     fn name(&self) -> &'static str {
         self.name
@@ -81,10 +88,10 @@ impl Policy for CostPolicy {
     fn select(&mut self, request: &RequestView<'_>, candidates: &[Candidate], rng: &mut Rng) -> usize {
         let params = &self.config.cost;
         let costs = candidates.iter().map(|c| cost(params, request, c));
+        if self.takes_argmin() {
+            return argmin(costs, rng);
+        }
         if self.config.temperature == 0.0 {
-            if self.rank == 0 || self.config.spread_tolerance == 0.0 {
-                return argmin(costs, rng);
-            }
             self.costs.clear();
             self.costs.extend(costs);
             return nth_near_best(
@@ -97,6 +104,10 @@ impl Policy for CostPolicy {
         self.costs.clear();
         self.costs.extend(costs);
         softmax(&self.costs, self.config.temperature, rng)
+    }
+
+    fn argmin_cost(&self) -> Option<&CostParams> {
+        self.takes_argmin().then_some(&self.config.cost)
     }
 
     fn set_replica_rank(&mut self, rank: u32) {

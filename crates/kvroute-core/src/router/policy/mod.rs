@@ -37,6 +37,7 @@ pub use kv::CostPolicyConfig;
 pub use llmd::LlmdConfig;
 pub use sglang::SglangConfig;
 
+use super::cost::CostParams;
 use super::load::{Projection, WorkerLoad};
 use super::request::RequestView;
 use super::rng::Rng;
@@ -72,6 +73,15 @@ pub trait Policy: fmt::Debug + Send {
 
     /// Picks one of `candidates` (never empty, ordered by worker) and returns its index.
     fn select(&mut self, request: &RequestView<'_>, candidates: &[Candidate], rng: &mut Rng) -> usize;
+
+    /// The cost weights, if this policy's pick is always the argmin of [`super::cost()`] under
+    /// them over the candidates in order, ties broken by [`super::select::argmin`], and its
+    /// [`Policy::select`] has no other effect. The router then scores the workers without
+    /// building every candidate (scoring the idle ones once per distinct worker spec and
+    /// overlap) and skips [`Policy::select`]; the pick and the generator's draws are the same.
+    fn argmin_cost(&self) -> Option<&CostParams> {
+        None
+    }
 
     /// `request` was booked on `worker`. Policies with a view of their own update it here.
     fn routed(&mut self, request: &RequestView<'_>, worker: WorkerKey) {
