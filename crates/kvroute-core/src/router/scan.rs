@@ -214,3 +214,233 @@ impl Router {
         candidate(&self.fleet.workers()[slot], overlaps[slot], chain, busy).ok_or(Blocked::Busy)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The argmin scan against the full scan (the reference): over random fleets (roles, specs,
+    //! draining), loads (routed requests in every phase), overlaps (KV events, the recent
+    //! record), busy thresholds and policies, every decision's pick and the generator's state
+    //! after it are the same, at both stages.
+
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::Stage;
+    use crate::router::policy::CostPolicyConfig;
+    use crate::hash::{BlockHasher, HashSalt};
+    use crate::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+    use crate::router::{
+        BusyThresholds, CacheMode, CostParams, DecodeProjection, Decider, IndexEvent,
+        PolicyConfig, Prompt, RecentConfig, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec,
+        stored_blocks,
+    };
+    use crate::time::Timestamp;
+
+    const BLOCK: u32 = 4;
+
+    fn tokens(family: u32, shared: u32, tail: u32, tail_blocks: u32) -> Vec<u32> {
+        let block = |f: u32, k: u32| (0..BLOCK).map(move |j| f * 10_000 + k * BLOCK + j);
+        let mut t: Vec<u32> = (0..shared).flat_map(|k| block(family + 1, k)).collect();
+        t.extend((0..tail_blocks).flat_map(|k| block(100 + tail, k)));
+        t
+    }
+
+    /// Compares the two scans for `request` at `now` without routing it; returns how many
+    /// stages took the argmin scan.
+    fn compare(r: &mut Router, now: Timestamp, request: &RouteRequest<'_>) -> Result<u32, TestCaseError> {
+        let prepared = r.prepare(now, request).expect("a consistent prompt");
+        let locals = std::mem::take(&mut r.scratch.locals);
+        r.compute_overlaps(now, &locals, &prepared.chain);
+        r.scratch.locals = locals;
+        let view = prepared.view(now, r.config.block_size);
+        let mut fast = 0;
+        for stage in [Stage::Decode, Stage::Prefill] {
+            let Some(params) = r.policy_of(stage).argmin_cost().copied() else {
+                continue;
+            };
+            fast += 1;
+            let before = r.rng.clone();
+            let pick = r.argmin_scan(stage, &params, &view);
+            let after = std::mem::replace(&mut r.rng, before.clone());
+            let reference = r.full_scan(stage, &view);
+            prop_assert_eq!(pick, reference, "stage {:?}", stage);
+            prop_assert_eq!(&after, &r.rng, "stage {:?}: the draws differ", stage);
+            r.rng = before;
+        }
+        Ok(fast)
+    }
+
+    fn policy() -> impl Strategy<Value = (PolicyConfig, u32)> {
+        let kv = |f: fn(&mut CostPolicyConfig)| {
+            let mut c = CostPolicyConfig::KV;
+            f(&mut c);
+            PolicyConfig::Kv(c)
+        };
+        let configs = vec![
+            PolicyConfig::from_name("kv").unwrap(),
+            PolicyConfig::from_name("dynamo").unwrap(),
+            kv(|c| c.cost.projection = DecodeProjection::Full),
+            kv(|c| c.cost = CostParams::DYNAMO),
+            kv(|c| c.cost.decode_active_request_weight = 3.0),
+            kv(|c| c.cost.overlap_credit = 0.5),
+            kv(|c| c.temperature = 0.5),
+            kv(|c| c.spread_tolerance = 0.2),
+            PolicyConfig::from_name("sglang-cache-aware").unwrap(),
+            PolicyConfig::from_name("round-robin").unwrap(),
+            PolicyConfig::from_name("llmd-weighted").unwrap(),
+        ];
+        (prop::sample::select(configs), 0..3u32)
+    }
+
+    fn cache() -> impl Strategy<Value = CacheMode> {
+        let recent = RecentConfig {
+            ttl: Some(Duration::from_secs(3)),
+            max_blocks: 48,
+            prune_ratio: 0.5,
+        };
+        prop_oneof![
+            Just(CacheMode::Events),
+            Just(CacheMode::EventsWithPrediction(recent)),
+            Just(CacheMode::Approximate(recent)),
+        ]
+    }
+
+    fn busy() -> impl Strategy<Value = BusyThresholds> {
+        prop_oneof![
+            3 => Just(BusyThresholds::default()),
+            1 => Just(BusyThresholds { prefill_tokens: Some(20), ..BusyThresholds::default() }),
+            1 => Just(BusyThresholds { decode_blocks_fraction: Some(0.3), ..BusyThresholds::default() }),
+            1 => Just(BusyThresholds { requests_fraction: Some(0.01), ..BusyThresholds::default() }),
+        ]
+    }
+
+    /// A worker: role (mostly aggregated), one of two capacities, draining.
+    fn worker() -> impl Strategy<Value = (u8, bool, bool)> {
+        (0..8u8, any::<bool>(), prop::bool::weighted(0.1))
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Route(u32, u32, u32, u32),
+        FirstToken(usize),
+        Finish(usize),
+        Stored(usize, u32, u32),
+        Advance(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0..3u32, 0..5u32, 0..40u32, 0..3u32).prop_map(|(f, s, t, n)| Op::Route(f, s, t, n)),
+            3 => any::<usize>().prop_map(Op::FirstToken),
+            3 => any::<usize>().prop_map(Op::Finish),
+            3 => (any::<usize>(), 0..3u32, 1..5u32).prop_map(|(w, f, s)| Op::Stored(w, f, s)),
+            1 => (0..2_000u64).prop_map(Op::Advance),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn the_argmin_scan_picks_and_draws_as_the_full_scan(
+            (policy, rank) in policy(),
+            cache in cache(),
+            busy in busy(),
+            seed in any::<u64>(),
+            decider in prop_oneof![Just(Decider::Always), Just(Decider::Never)],
+            fleet in prop::collection::vec(worker(), 1..40),
+            ops in prop::collection::vec(op(), 1..120),
+        ) {
+            let mut r = Router::new(RouterConfig {
+                block_size: BLOCK,
+                seed,
+                policy,
+                decider,
+                cache,
+                busy,
+                replica_rank: rank,
+                ..RouterConfig::default()
+            }).expect("a valid config");
+            let mut now = Timestamp::ZERO;
+            let mut keys = Vec::new();
+            for (i, &(role, big, draining)) in fleet.iter().enumerate() {
+                let role = match role {
+                    0 => WorkerRole::Prefill,
+                    1 => WorkerRole::Decode,
+                    _ => WorkerRole::Aggregated,
+                };
+                let key = WorkerKey::new(WorkerId(i as u64 / 2), DpRank(i as u32 % 2));
+                let spec = WorkerSpec::new(key, role, if big { 400 } else { 40 });
+                r.handle_worker_added(now, spec).expect("a new worker");
+                if draining {
+                    r.handle_worker_draining(now, key).expect("a known worker");
+                }
+                keys.push(key);
+            }
+            let (mut issued, mut fast) = (0u64, 0u32);
+            for op in &ops {
+                match *op {
+                    Op::Route(family, shared, tail, tail_blocks) => {
+                        let t = tokens(family, shared, tail, tail_blocks);
+                        let request = RouteRequest::new(RequestId(issued), Prompt::Tokens(&t));
+                        issued += 1;
+                        fast += compare(&mut r, now, &request)?;
+                        r.handle_request(now, &request).expect("a fresh id");
+                    }
+                    Op::FirstToken(i) => drop(r.handle_first_token(now, RequestId(i as u64 % issued.max(1)))),
+                    Op::Finish(i) => drop(r.handle_finished(now, RequestId(i as u64 % issued.max(1)))),
+                    Op::Stored(w, family, shared) => {
+                        let (mut locals, mut chain) = (Vec::new(), Vec::new());
+                        let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
+                        hasher.hash_prompt(&tokens(family, shared, 0, 0), &mut locals, &mut chain);
+                        let blocks = stored_blocks(&locals, &chain);
+                        let event = IndexEvent::Stored { parent: None, blocks: &blocks };
+                        drop(r.handle_kv_event(now, keys[w % keys.len()], event));
+                    }
+                    Op::Advance(ms) => now = Timestamp(now.0 + ms * 1_000_000),
+                }
+            }
+            let argmin = r.policy.argmin_cost().is_some();
+            prop_assert!(!argmin || issued == 0 || fast > 0);
+        }
+    }
+
+    /// A fleet of 300 aggregated workers under `kv`, most of them idle: many idle workers with the
+    /// same cost (so many tie draws), idle workers at several overlaps, and loaded ones.
+    #[test]
+    fn a_large_mostly_idle_fleet_decides_alike_under_both_scans() {
+        let mut r = Router::new(RouterConfig {
+            block_size: BLOCK,
+            seed: 5,
+            ..RouterConfig::default()
+        })
+        .expect("a valid config");
+        let now = Timestamp::ZERO;
+        let keys: Vec<WorkerKey> = (0..300).map(|i| WorkerKey::new(WorkerId(i), DpRank(0))).collect();
+        for (i, &key) in keys.iter().enumerate() {
+            let capacity = if i % 7 == 0 { 64 } else { 1024 };
+            r.handle_worker_added(now, WorkerSpec::new(key, WorkerRole::Aggregated, capacity))
+                .expect("a new worker");
+        }
+        let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
+        for (i, &key) in keys.iter().enumerate().filter(|(i, _)| i % 5 == 0) {
+            let (mut locals, mut chain) = (Vec::new(), Vec::new());
+            hasher.hash_prompt(&tokens(i as u32 % 3, 1 + i as u32 % 4, 0, 0), &mut locals, &mut chain);
+            let blocks = stored_blocks(&locals, &chain);
+            let event = IndexEvent::Stored { parent: None, blocks: &blocks };
+            r.handle_kv_event(now, key, event).expect("a known worker");
+        }
+        let mut fast = 0;
+        for id in 0..400u64 {
+            let t = tokens(id as u32 % 3, id as u32 % 5, id as u32, 2);
+            let request = RouteRequest::new(RequestId(id), Prompt::Tokens(&t));
+            fast += compare(&mut r, now, &request).expect("the scans agree");
+            r.handle_request(now, &request).expect("a fresh id");
+            if id % 3 == 0 {
+                r.handle_finished(now, RequestId(id / 2)).ok();
+            }
+        }
+        assert_eq!(fast, 800);
+    }
+}
