@@ -748,8 +748,7 @@ impl Router {
             }
         }
         if let Some(recent) = &self.recent {
-            let keys = self.fleet.workers().iter().map(|w| w.spec.key);
-            recent.raise_depths(keys, chain, now, overlaps);
+            recent.raise_depths(chain, now, |key| self.fleet.slot(key), overlaps);
         }
     }
 

@@ -17,12 +17,15 @@
 //! so a prefix never disappears before its continuations.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+
+use hashbrown::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::chain_trie::{ChainTrie, NodeId, Touched};
 use crate::ids::{SequenceHash, WorkerKey};
+use crate::key_hasher::BuildKeyHasher;
 use crate::time::Timestamp;
 
 /// How long recorded prompts live and how many blocks each worker keeps.
@@ -69,13 +72,24 @@ impl WorkerRecent {
         self.order.push(Reverse((node.meta, Reverse(node.start), id)));
     }
 
-    /// Pops the oldest entry and drops its node if the entry is current; returns its stamp.
-    fn pop_oldest(&mut self) -> Option<Timestamp> {
+    /// Pops the oldest entry and drops its node if the entry is current; returns its stamp and,
+    /// if the node dropped was a root (a run from position 0), the hash it started with.
+    fn pop_oldest(&mut self) -> Option<(Timestamp, Option<SequenceHash>)> {
         let Reverse((stamp, Reverse(start), id)) = self.order.pop()?;
+        let mut root = None;
         if self.is_current(id, stamp, start) {
+            root = (start == 0).then(|| self.trie.node(id).hash_at(0));
             self.trie.remove(id);
         }
-        Some(stamp)
+        Some((stamp, root))
+    }
+
+    /// The first hashes of this worker's root runs.
+    fn roots(&self) -> impl Iterator<Item = SequenceHash> + '_ {
+        self.trie
+            .nodes()
+            .filter(|(_, n)| n.start == 0)
+            .map(|(_, n)| n.hash_at(0))
     }
 
     fn is_current(&self, id: NodeId, stamp: Timestamp, start: u32) -> bool {
@@ -103,6 +117,9 @@ impl WorkerRecent {
 pub(crate) struct RecentChains {
     config: RecentConfig,
     workers: BTreeMap<WorkerKey, WorkerRecent>,
+    /// The workers holding a run from position 0 that starts with each hash: a prompt's chain
+    /// runs into no other worker's set, so only these are walked (see [`Self::raise_depths`]).
+    by_root: HashMap<SequenceHash, BTreeSet<WorkerKey>, BuildKeyHasher>,
     scratch: Touched,
 }
 
@@ -111,6 +128,7 @@ impl RecentChains {
         Self {
             config,
             workers: BTreeMap::new(),
+            by_root: HashMap::default(),
             scratch: Touched::default(),
         }
     }
@@ -126,25 +144,32 @@ impl RecentChains {
             .map_or(0, |w| self.depth_in(w, chain, now))
     }
 
-    /// For each of `keys` (ascending) at position `i`, raises `out[i]` to [`Self::depth`] of
-    /// `chain` for that worker: one pass over both key-ordered sets instead of a lookup per key.
+    /// For every worker whose [`Self::depth`] of `chain` may be above 0 (those holding a run
+    /// that starts with the chain's first hash; every other one has depth 0), raises
+    /// `out[slot(worker)]` to it; workers `slot` does not place are skipped.
     pub(crate) fn raise_depths(
         &self,
-        keys: impl Iterator<Item = WorkerKey>,
         chain: &[SequenceHash],
         now: Timestamp,
+        slot: impl Fn(WorkerKey) -> Option<usize>,
         out: &mut [u32],
     ) {
-        if chain.is_empty() {
+        let Some(holders) = chain.first().and_then(|first| self.by_root.get(first)) else {
             return;
+        };
+        for &key in holders {
+            if let (Some(w), Some(i)) = (self.workers.get(&key), slot(key)) {
+                out[i] = out[i].max(self.depth_in(w, chain, now));
+            }
         }
-        let mut recorded = self.workers.iter().peekable();
-        for (key, out) in keys.zip(out) {
-            while recorded.next_if(|&(k, _)| *k < key).is_some() {}
-            let Some((_, w)) = recorded.next_if(|&(k, _)| *k == key) else {
-                continue;
-            };
-            *out = (*out).max(self.depth_in(w, chain, now));
+    }
+
+    fn forget_root(&mut self, worker: WorkerKey, root: SequenceHash) {
+        if let Some(holders) = self.by_root.get_mut(&root) {
+            holders.remove(&worker);
+            if holders.is_empty() {
+                self.by_root.remove(&root);
+            }
         }
     }
 
@@ -170,6 +195,9 @@ impl RecentChains {
             return;
         }
         let w = self.workers.entry(worker).or_default();
+        if w.trie.walk(chain).next().is_none() {
+            self.by_root.entry(chain[0]).or_default().insert(worker);
+        }
         w.trie.insert(chain, chain.len() as u32, &[], &mut self.scratch);
         for &id in &self.scratch.path {
             *w.trie.meta_mut(id) = now;
@@ -178,25 +206,39 @@ impl RecentChains {
         for &id in &self.scratch.split_off {
             w.push(id);
         }
+        let mut dropped = Vec::new();
         if w.trie.blocks() > self.config.max_blocks {
             let target = (self.config.max_blocks as f64 * self.config.prune_ratio) as u64;
-            while w.trie.blocks() > target && w.pop_oldest().is_some() {}
+            while w.trie.blocks() > target
+                && let Some((_, root)) = w.pop_oldest()
+            {
+                dropped.extend(root);
+            }
         }
         w.compact();
+        for root in dropped {
+            self.forget_root(worker, root);
+        }
     }
 
     /// Drops every block whose TTL has passed by `now`.
     pub(crate) fn expire(&mut self, now: Timestamp) {
         let Some(ttl) = self.config.ttl else { return };
-        for w in self.workers.values_mut() {
+        let mut dropped = Vec::new();
+        for (&key, w) in &mut self.workers {
             while w
                 .order
                 .peek()
                 .is_some_and(|Reverse((stamp, _, _))| *stamp + ttl <= now)
             {
-                w.pop_oldest();
+                if let Some((_, Some(root))) = w.pop_oldest() {
+                    dropped.push((key, root));
+                }
             }
             w.compact();
+        }
+        for (key, root) in dropped {
+            self.forget_root(key, root);
         }
         self.workers.retain(|_, w| !w.trie.is_empty());
     }
@@ -212,7 +254,27 @@ impl RecentChains {
 
     /// Forgets `worker`.
     pub(crate) fn remove_worker(&mut self, worker: WorkerKey) {
-        self.workers.remove(&worker);
+        if let Some(w) = self.workers.remove(&worker) {
+            for root in w.roots() {
+                self.forget_root(worker, root);
+            }
+        }
+    }
+
+    /// Checks that the root index names exactly the workers holding each root run.
+    #[cfg(test)]
+    fn check_roots(&self) -> Result<(), String> {
+        let mut expect: HashMap<SequenceHash, BTreeSet<WorkerKey>, BuildKeyHasher> = HashMap::default();
+        for (&key, w) in &self.workers {
+            for root in w.roots() {
+                expect.entry(root).or_default().insert(key);
+            }
+        }
+        if expect == self.by_root {
+            Ok(())
+        } else {
+            Err(format!("root index {:?}, recomputed {expect:?}", self.by_root))
+        }
     }
 }
 
@@ -263,5 +325,75 @@ mod tests {
         assert_eq!(r.blocks(W), 4);
         assert_eq!(r.depth(W, &old, Timestamp::from_millis(5)), 3);
         assert_eq!(r.depth(W, &new, Timestamp::from_millis(5)), 0);
+    }
+}
+
+#[cfg(test)]
+mod root_index_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::ids::{DpRank, WorkerId};
+    use crate::router::chain_trie::test_chain as chain;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Record(u32, u64, usize),
+        Expire,
+        Remove(u32),
+        Advance(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0..6u32, 0..4u64, 1..6usize).prop_map(|(w, f, n)| Op::Record(w, f, n)),
+            1 => Just(Op::Expire),
+            1 => (0..6u32).prop_map(Op::Remove),
+            2 => (0..4_000u64).prop_map(Op::Advance),
+        ]
+    }
+
+    /// Chains of family `f`: `f`'s first blocks then `n - 1` more, so families share no root
+    /// and chains of one family share prefixes of every length.
+    fn family_chain(f: u64, n: usize, variant: u64) -> Arc<[SequenceHash]> {
+        let blocks: Vec<u64> = (0..n as u64)
+            .map(|i| if i + 1 == n as u64 && n > 2 { 1_000 * (f + 1) + 100 * variant + i } else { 1_000 * (f + 1) + i })
+            .collect();
+        chain(&blocks)
+    }
+
+    proptest! {
+        #[test]
+        fn the_root_index_names_every_worker_a_chain_can_reach(
+            ttl in prop::option::of(1_000..5_000u64),
+            max_blocks in 2..12u64,
+            ops in prop::collection::vec(op(), 1..80),
+        ) {
+            let mut r = RecentChains::new(RecentConfig {
+                ttl: ttl.map(Duration::from_millis),
+                max_blocks,
+                prune_ratio: 0.5,
+            });
+            let key = |w: u32| WorkerKey::new(WorkerId(u64::from(w)), DpRank(0));
+            let mut now = Timestamp::ZERO;
+            for (step, op) in ops.iter().enumerate() {
+                match *op {
+                    Op::Record(w, f, n) => r.record(key(w), &family_chain(f, n, step as u64 % 3), now),
+                    Op::Expire => r.expire(now),
+                    Op::Remove(w) => r.remove_worker(key(w)),
+                    Op::Advance(ms) => now = Timestamp(now.0 + ms * 1_000_000),
+                }
+                prop_assert!(r.check_roots().is_ok(), "{:?}", r.check_roots());
+                for f in 0..4 {
+                    for n in [1, 3, 5] {
+                        let c = family_chain(f, n, 0);
+                        let mut out = [0u32; 6];
+                        r.raise_depths(&c, now, |k| Some(k.worker.0 as usize), &mut out);
+                        let each: Vec<u32> = (0..6).map(|w| r.depth(key(w), &c, now)).collect();
+                        prop_assert_eq!(out.to_vec(), each);
+                    }
+                }
+            }
+        }
     }
 }
