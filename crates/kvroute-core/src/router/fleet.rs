@@ -25,6 +25,8 @@ pub(crate) type RequestKey = (RouterId, RequestId);
 pub(crate) struct FleetWorker {
     pub(crate) spec: WorkerSpec,
     pub(crate) draining: bool,
+    /// Workers whose specs are equal but for the key share a class (see `Fleet::classes`).
+    pub(crate) class: u32,
     load: LoadState,
 }
 
@@ -37,9 +39,11 @@ impl FleetWorker {
         self.load.depth(chain, hint)
     }
 
-    /// Whether nothing is booked here (see `LoadState::is_idle`).
+    /// Whether nothing is booked here (`LoadState::is_idle`): no request is, since every total
+    /// is recomputed from the requests (checked after every change in debug builds).
     pub(crate) fn is_idle(&self) -> bool {
-        self.load.is_idle()
+        debug_assert_eq!(self.load.requests() == 0, self.load.is_idle());
+        self.load.requests() == 0
     }
 }
 
@@ -64,6 +68,8 @@ pub(crate) enum FleetError {
 pub(crate) struct Fleet {
     /// Ordered by key.
     workers: Vec<FleetWorker>,
+    /// Every distinct spec (its key aside) seen, indexed by class; never shrinks.
+    classes: Vec<WorkerSpec>,
     slot_of: HashMap<WorkerKey, usize, BuildKeyHasher>,
     requests: HashMap<RequestKey, Active, BuildKeyHasher>,
     by_age: BTreeSet<(Timestamp, RequestKey)>,
@@ -92,11 +98,23 @@ impl Fleet {
         let Err(at) = self.workers.binary_search_by_key(&spec.key, |w| w.spec.key) else {
             return false;
         };
+        let class = match self
+            .classes
+            .iter()
+            .position(|c| WorkerSpec { key: c.key, ..spec } == *c)
+        {
+            Some(class) => class,
+            None => {
+                self.classes.push(spec);
+                self.classes.len() - 1
+            }
+        };
         self.workers.insert(
             at,
             FleetWorker {
                 spec,
                 draining: false,
+                class: class as u32,
                 load: LoadState::default(),
             },
         );

@@ -242,6 +242,11 @@ impl LoadState {
         }
     }
 
+    /// Requests booked.
+    pub(crate) fn requests(&self) -> u32 {
+        self.requests
+    }
+
     /// Whether nothing is booked: the snapshot is [`WorkerLoad::default`] and every chain's
     /// [`Self::depth`] is zero.
     pub(crate) fn is_idle(&self) -> bool {

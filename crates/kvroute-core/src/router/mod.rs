@@ -169,9 +169,7 @@ struct Scratch {
     /// Overlap per worker slot.
     overlaps: Vec<u32>,
     candidates: Vec<Candidate>,
-    /// The argmin scan's costs, the slots they belong to, and its idle workers' shared costs.
-    costs: Vec<f64>,
-    slots: Vec<u32>,
+    /// The argmin scan's idle workers' shared costs.
     idle: Vec<IdleCost>,
 }
 

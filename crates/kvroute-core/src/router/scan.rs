@@ -9,12 +9,14 @@
 //!   ([`Policy::argmin_cost`]: `kv` and `dynamo` at temperature 0 without replica spread). A
 //!   worker with nothing booked has a candidate that depends only on its spec (its key aside) and
 //!   its overlap with the prompt, and [`cost()`] reads nothing else, so such a worker is scored
-//!   once per distinct (spec without key, overlap) and every other idle worker with the same pair
-//!   reuses that cost; busy workers are scored as in the full scan. The costs then go through the
-//!   same [`argmin`] in the same worker order, so the pick and the generator's draws are those of
-//!   the full scan; only the winner's candidate is built. In a large fleet most workers are idle,
-//!   and the per-worker cost of a decision drops from a candidate (a load snapshot, a trie probe,
-//!   a projection and a cost) to a few comparisons.
+//!   once per distinct (spec class, overlap) (a class: the specs equal but for the key) and every
+//!   other idle worker with the same pair reuses that cost; loaded workers are scored as in the
+//!   full scan. The costs then go, as they come, through the argmin of the full scan
+//!   ([`argmin_keyed`], the same code as [`super::select::argmin`]) in the same worker order, so
+//!   the pick and the generator's draws are those of the full scan; only the winner's candidate
+//!   is built. In a large fleet most workers are idle, and the per-worker cost of a decision
+//!   drops from a candidate (a load snapshot, a trie probe, a projection and a cost) to a few
+//!   comparisons and, on a tie, the draw.
 //!
 //! Debug builds run the full scan after every argmin scan and compare the picks and the
 //! generator's state.
@@ -24,8 +26,8 @@ use super::fleet::FleetWorker;
 use super::load::project;
 use super::policy::{Candidate, Policy};
 use super::request::RequestView;
-use super::select::argmin;
-use super::worker::{WorkerRole, WorkerSpec};
+use super::select::argmin_keyed;
+use super::worker::WorkerRole;
 use super::{Blocked, Router, Scratch};
 use crate::ids::SequenceHash;
 
@@ -51,10 +53,11 @@ impl Stage {
 /// ones are scored one by one.
 const IDLE_MEMO: usize = 16;
 
-/// The cost shared by idle workers with this spec (key aside) and overlap; `None` if busy.
+/// The cost shared by idle workers of this spec class (their specs equal but for the key) and
+/// overlap; `None` if busy.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct IdleCost {
-    spec: WorkerSpec,
+    class: u32,
     overlap_blocks: u32,
     cost: Option<f64>,
 }
@@ -156,62 +159,52 @@ impl Router {
         params: &CostParams,
         view: &RequestView<'_>,
     ) -> Result<Candidate, Blocked> {
-        let Scratch {
-            overlaps,
-            costs,
-            slots,
-            idle,
-            ..
-        } = &mut self.scratch;
-        costs.clear();
-        slots.clear();
+        let Scratch { overlaps, idle, .. } = &mut self.scratch;
         idle.clear();
         let busy = &self.config.busy;
         let chain: &[SequenceHash] = view.chain;
         let blocks = chain.len() as u32;
+        let workers = self.fleet.workers();
         let mut eligible = 0;
-        for (slot, (w, &overlap)) in self.fleet.workers().iter().zip(overlaps.iter()).enumerate() {
-            if w.draining || !stage.admits(w.spec.role) {
-                continue;
-            }
-            eligible += 1;
-            let score = |w: &FleetWorker| candidate(w, overlap, chain, busy).map(|c| cost(params, view, &c));
-            let value = if w.is_idle() {
-                let overlap_blocks = overlap.min(blocks);
-                let same = |m: &&IdleCost| {
-                    m.overlap_blocks == overlap_blocks && WorkerSpec { key: m.spec.key, ..w.spec } == m.spec
-                };
-                match idle.iter().find(same) {
-                    Some(m) => m.cost,
-                    None => {
-                        let cost = score(w);
-                        if idle.len() < IDLE_MEMO {
-                            idle.push(IdleCost {
-                                spec: w.spec,
-                                overlap_blocks,
-                                cost,
-                            });
-                        }
-                        cost
-                    }
+        let scored = workers
+            .iter()
+            .zip(overlaps.iter())
+            .enumerate()
+            .filter_map(|(slot, (w, &overlap))| {
+                if w.draining || !stage.admits(w.spec.role) {
+                    return None;
                 }
-            } else {
-                score(w)
-            };
-            if let Some(value) = value {
-                costs.push(value);
-                slots.push(slot as u32);
-            }
+                eligible += 1;
+                let score = || candidate(w, overlap, chain, busy).map(|c| cost(params, view, &c));
+                let value = if w.is_idle() {
+                    let overlap_blocks = overlap.min(blocks);
+                    let same = |m: &&IdleCost| m.overlap_blocks == overlap_blocks && m.class == w.class;
+                    match idle.iter().find(same) {
+                        Some(m) => m.cost,
+                        None => {
+                            let cost = score();
+                            if idle.len() < IDLE_MEMO {
+                                idle.push(IdleCost {
+                                    class: w.class,
+                                    overlap_blocks,
+                                    cost,
+                                });
+                            }
+                            cost
+                        }
+                    }
+                } else {
+                    score()
+                };
+                value.map(|v| (slot, v))
+            });
+        let pick = argmin_keyed(scored, &mut self.rng);
+        match (eligible, pick) {
+            (0, _) => Err(Blocked::NoWorker),
+            (_, None) => Err(Blocked::Busy),
+            // The same inputs as when it was scored, so not busy.
+            (_, Some(slot)) => candidate(&workers[slot], overlaps[slot], chain, busy).ok_or(Blocked::Busy),
         }
-        if eligible == 0 {
-            return Err(Blocked::NoWorker);
-        }
-        if costs.is_empty() {
-            return Err(Blocked::Busy);
-        }
-        let slot = slots[argmin(costs.iter().copied(), &mut self.rng)] as usize;
-        // The same inputs as when it was scored, so not busy.
-        candidate(&self.fleet.workers()[slot], overlaps[slot], chain, busy).ok_or(Blocked::Busy)
     }
 }
 

@@ -6,29 +6,44 @@ use super::rng::Rng;
 /// The index of the smallest of `values` (non-empty), ties broken uniformly at random by
 /// reservoir sampling. The generator is drawn from only on ties.
 pub fn argmin(values: impl IntoIterator<Item = f64>, rng: &mut Rng) -> usize {
-    argbest(values, rng, |a, b| a < b)
+    argbest(values.into_iter().enumerate(), rng, |a, b| a < b).unwrap_or(0)
 }
 
 /// The index of the largest of `values` (non-empty), ties broken uniformly at random.
 pub fn argmax(values: impl IntoIterator<Item = f64>, rng: &mut Rng) -> usize {
-    argbest(values, rng, |a, b| a > b)
+    argbest(values.into_iter().enumerate(), rng, |a, b| a > b).unwrap_or(0)
 }
 
-fn argbest(values: impl IntoIterator<Item = f64>, rng: &mut Rng, better: impl Fn(f64, f64) -> bool) -> usize {
-    let mut best = (0, f64::NAN);
+/// [`argmin`] over values that each carry a key: the key of the value [`argmin`] would pick,
+/// with the same draws; `None` if there are no values.
+pub(crate) fn argmin_keyed<K>(values: impl IntoIterator<Item = (K, f64)>, rng: &mut Rng) -> Option<K> {
+    argbest(values, rng, |a, b| a < b)
+}
+
+fn argbest<K>(
+    values: impl IntoIterator<Item = (K, f64)>,
+    rng: &mut Rng,
+    better: impl Fn(f64, f64) -> bool,
+) -> Option<K> {
+    let mut best: Option<(K, f64)> = None;
     let mut ties = 0;
-    for (i, v) in values.into_iter().enumerate() {
-        if ties == 0 || better(v, best.1) {
-            best = (i, v);
-            ties = 1;
-        } else if v == best.1 {
-            ties += 1;
-            if rng.below(ties) == 0 {
-                best.0 = i;
+    for (key, v) in values {
+        match &mut best {
+            Some(b) if !better(v, b.1) => {
+                if v == b.1 {
+                    ties += 1;
+                    if rng.below(ties) == 0 {
+                        b.0 = key;
+                    }
+                }
+            }
+            _ => {
+                best = Some((key, v));
+                ties = 1;
             }
         }
     }
-    best.0
+    best.map(|b| b.0)
 }
 
 /// The `rank`-th (modulo their number) of the indices whose cost is at most
