@@ -357,7 +357,13 @@ mod root_index_tests {
     /// and chains of one family share prefixes of every length.
     fn family_chain(f: u64, n: usize, variant: u64) -> Arc<[SequenceHash]> {
         let blocks: Vec<u64> = (0..n as u64)
-            .map(|i| if i + 1 == n as u64 && n > 2 { 1_000 * (f + 1) + 100 * variant + i } else { 1_000 * (f + 1) + i })
+            .map(|i| {
+                if i + 1 == n as u64 && n > 2 {
+                    1_000 * (f + 1) + 100 * variant + i
+                } else {
+                    1_000 * (f + 1) + i
+                }
+            })
             .collect();
         chain(&blocks)
     }

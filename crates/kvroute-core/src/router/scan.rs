@@ -220,13 +220,12 @@ mod tests {
     use proptest::prelude::*;
 
     use super::Stage;
-    use crate::router::policy::CostPolicyConfig;
     use crate::hash::{BlockHasher, HashSalt};
     use crate::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+    use crate::router::policy::CostPolicyConfig;
     use crate::router::{
-        BusyThresholds, CacheMode, CostParams, DecodeProjection, Decider, IndexEvent,
-        PolicyConfig, Prompt, RecentConfig, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec,
-        stored_blocks,
+        BusyThresholds, CacheMode, CostParams, Decider, DecodeProjection, IndexEvent, PolicyConfig, Prompt,
+        RecentConfig, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec, stored_blocks,
     };
     use crate::time::Timestamp;
 
@@ -419,9 +418,16 @@ mod tests {
         let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
         for (i, &key) in keys.iter().enumerate().filter(|(i, _)| i % 5 == 0) {
             let (mut locals, mut chain) = (Vec::new(), Vec::new());
-            hasher.hash_prompt(&tokens(i as u32 % 3, 1 + i as u32 % 4, 0, 0), &mut locals, &mut chain);
+            hasher.hash_prompt(
+                &tokens(i as u32 % 3, 1 + i as u32 % 4, 0, 0),
+                &mut locals,
+                &mut chain,
+            );
             let blocks = stored_blocks(&locals, &chain);
-            let event = IndexEvent::Stored { parent: None, blocks: &blocks };
+            let event = IndexEvent::Stored {
+                parent: None,
+                blocks: &blocks,
+            };
             r.handle_kv_event(now, key, event).expect("a known worker");
         }
         let mut fast = 0;
