@@ -740,6 +740,39 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
     assert!(line.contains(&worker), "the line names the worker: {line}");
 }
 
+/// A text log written to a pipe (or a file) carries no ANSI colour codes: its lines read as
+/// plain text, the level a word.
+#[test]
+fn a_text_log_to_a_pipe_has_no_colour_codes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let worker = format!("http://127.0.0.1:{port}");
+    let serve = Child::spawn(&[
+        "serve",
+        "--approximate-tokenizer",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--worker",
+        &worker,
+    ]);
+    // Every line up to a warning through the log (the worker nobody serves).
+    let mut lines = Vec::new();
+    serve.wait_for(|l| {
+        lines.push(l.to_owned());
+        l.contains("does not answer").then_some(())
+    });
+    let warning = lines.last().unwrap();
+    assert!(warning.contains(" WARN "), "the level is a plain word: {warning:?}");
+    for line in &lines {
+        assert!(!line.contains('\x1b'), "an escape code in {line:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sampling_field_of_the_wrong_type_is_a_400_in_openais_shape() {
     let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |_| {}).await;
