@@ -767,7 +767,10 @@ fn a_text_log_to_a_pipe_has_no_colour_codes() {
         l.contains("does not answer").then_some(())
     });
     let warning = lines.last().unwrap();
-    assert!(warning.contains(" WARN "), "the level is a plain word: {warning:?}");
+    assert!(
+        warning.contains(" WARN "),
+        "the level is a plain word: {warning:?}"
+    );
     for line in &lines {
         assert!(!line.contains('\x1b'), "an escape code in {line:?}");
     }
