@@ -716,9 +716,9 @@ impl Remote {
     }
 }
 
-#[test]
-fn a_worker_nobody_serves_is_said_in_the_log() {
-    // A port nobody listens on: bound, then closed.
+/// `kvroute serve` (stderr on a pipe) with one worker at a port nobody listens on (bound, then
+/// closed), and that worker's URL.
+fn serve_a_worker_nobody_serves() -> (Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -735,6 +735,12 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
         "--worker",
         &worker,
     ]);
+    (serve, worker)
+}
+
+#[test]
+fn a_worker_nobody_serves_is_said_in_the_log() {
+    let (serve, worker) = serve_a_worker_nobody_serves();
     let line = serve.wait_for(|l| l.contains("does not answer").then(|| l.to_owned()));
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains(&worker), "the line names the worker: {line}");
@@ -744,22 +750,7 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
 /// plain text, the level a word.
 #[test]
 fn a_text_log_to_a_pipe_has_no_colour_codes() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let worker = format!("http://127.0.0.1:{port}");
-    let serve = Child::spawn(&[
-        "serve",
-        "--approximate-tokenizer",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--worker",
-        &worker,
-    ]);
+    let (serve, _) = serve_a_worker_nobody_serves();
     // Every line up to a warning through the log (the worker nobody serves).
     let mut lines = Vec::new();
     serve.wait_for(|l| {
