@@ -12,13 +12,13 @@
 #[path = "support/fleet.rs"]
 mod fleet;
 
-use fleet::{synced_loads, workers};
+use fleet::{Drawn, exporting_config, synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, SyncMode,
-    WorkerSpec, stored_blocks,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, WorkerSpec,
+    stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -140,24 +140,20 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
         any::<bool>(),
     )
         .prop_map(|(policy, cache, busy, decider, queue, seed, track_output, pd)| {
-            let config = RouterConfig {
-                block_size: BLOCK,
-                seed,
-                policy: PolicyConfig::from_name(policy).expect("a listed name"),
-                decider,
+            let drawn = Drawn {
+                policy,
                 cache,
+                decider,
+                seed,
+                track_output_blocks: track_output,
+            };
+            let config = RouterConfig {
                 busy,
                 queue: kvroute_core::router::QueueConfig {
                     capacity: queue,
                     ..Default::default()
                 },
-                request_ttl: std::time::Duration::from_secs(20),
-                track_output_blocks: track_output,
-                sync: SyncConfig {
-                    mode: SyncMode::Export,
-                    ..SyncConfig::default()
-                },
-                ..RouterConfig::default()
+                ..exporting_config(BLOCK, std::time::Duration::from_secs(20), drawn)
             };
             (config, pd)
         })

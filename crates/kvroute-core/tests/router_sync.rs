@@ -16,12 +16,12 @@
 #[path = "support/fleet.rs"]
 mod fleet;
 
-use fleet::{synced_loads, workers};
+use fleet::{Drawn, exporting_config, synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::{
     CacheMode, Decider, IndexEvent, PolicyConfig, Prompt, RecentConfig, RouteRequest, Router, RouterConfig,
-    RouterId, SyncConfig, SyncEvent, SyncMode, WorkerRole, WorkerSpec, stored_blocks,
+    RouterId, SyncEvent, WorkerRole, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -97,20 +97,14 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
     let decider = prop_oneof![Just(Decider::Always), Just(Decider::Never)];
     (policy, cache, decider, any::<u64>(), any::<bool>(), any::<bool>()).prop_map(
         |(policy, cache, decider, seed, track_output, pd)| {
-            let config = RouterConfig {
-                block_size: BLOCK,
-                seed,
-                policy: PolicyConfig::from_name(policy).expect("a listed name"),
-                decider,
+            let drawn = Drawn {
+                policy,
                 cache,
-                request_ttl: std::time::Duration::from_secs(60),
+                decider,
+                seed,
                 track_output_blocks: track_output,
-                sync: SyncConfig {
-                    mode: SyncMode::Export,
-                    ..SyncConfig::default()
-                },
-                ..RouterConfig::default()
             };
+            let config = exporting_config(BLOCK, std::time::Duration::from_secs(60), drawn);
             (config, pd)
         },
     )

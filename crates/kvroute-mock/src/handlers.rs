@@ -124,8 +124,23 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
     vllm::check_body(&value, &w.model_name)?;
-    let parsed = w.parse(endpoint, &incoming.body, w.max_model_len as usize)?;
-    vllm::check_length(parsed.max_tokens, parsed.tokens.len(), w.max_model_len)?;
+    let parsed = w.parse(endpoint, &incoming.body, Some(w.max_model_len as usize))?;
+    let form = match parsed.prompt {
+        openai::Prompt::TokenIds(_) => vllm::PromptForm::TokenIds,
+        openai::Prompt::Text(_) | openai::Prompt::Chat { .. } => vllm::PromptForm::Text,
+    };
+    // vLLM names a chat's `max_completion_tokens` when the request gives it.
+    let max_tokens_param = match value.get("max_completion_tokens") {
+        Some(v) if !v.is_null() => "max_completion_tokens",
+        _ => "max_tokens",
+    };
+    vllm::check_context(
+        form,
+        parsed.tokens.len(),
+        parsed.max_tokens,
+        max_tokens_param,
+        w.max_model_len,
+    )?;
     let role = kv_role(&value, w.role)?;
     let rank = &w.ranks[pick_rank(w, incoming.rank_header.as_deref(), &value)?];
     let prompt_tokens = parsed.tokens.len() as u32;
@@ -214,11 +229,19 @@ impl Rank {
 }
 
 impl Server {
-    /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does, refusing a prompt
-    /// past `max` tokens (a generation: the model's length; `/tokenize`: no limit, as vLLM's).
-    fn parse(&self, endpoint: Endpoint, body: &[u8], max: usize) -> Result<openai::Parsed, ApiError> {
-        openai::parse_with(endpoint, body, max, |prompt, special| {
-            vllm_tokens(&self.model, prompt, special, max)
+    /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does. The prompt's
+    /// length is left to [`vllm::check_context`], in vLLM's words; only text too long to be
+    /// worth tokenizing for a context of `max_model_len` is refused here (`/tokenize`: `None`,
+    /// no limit, as vLLM's).
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+        max_model_len: Option<usize>,
+    ) -> Result<openai::Parsed, ApiError> {
+        const UNCOUNTED: usize = usize::MAX >> 8;
+        openai::parse_with(endpoint, body, UNCOUNTED, |prompt, special| {
+            vllm_tokens(&self.model, prompt, special, max_model_len.unwrap_or(UNCOUNTED))
         })
     }
 
@@ -386,7 +409,7 @@ pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Respo
         Endpoint::Completions
     };
     // vLLM's /tokenize counts a prompt of any length (the body limit bounds it).
-    match w.parse(endpoint, &body, usize::MAX >> 8) {
+    match w.parse(endpoint, &body, None) {
         Ok(parsed) => axum::Json(kvroute_http::openai::types::Tokenized {
             count: parsed.tokens.len(),
             max_model_len: w.max_model_len,

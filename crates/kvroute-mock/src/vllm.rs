@@ -1,8 +1,8 @@
 //! What vLLM refuses before its engine sees a request, with vLLM's messages and error shape
 //! (`{"error": {"message", "type", "param", "code": <status>}}`): a model it does not serve
-//! (404), `max_tokens` below 1 or beyond the context left after the prompt, `vllm_xargs` values
-//! of the wrong type (400). A refusal of
-//! the shared request parser is answered in the same shape.
+//! (404), `max_tokens` below 1 or above the context, a prompt that fills the context or passes
+//! it ([`check_context`]), `vllm_xargs` values of the wrong type (400). A refusal of the shared
+//! request parser is answered in the same shape.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -24,6 +24,19 @@ impl Refusal {
             status,
             body: ErrorResponse::vllm(status.as_u16(), message, param),
         }
+    }
+}
+
+impl Refusal {
+    /// A 400 of vLLM's `VLLMValidationError` about `param`: its `str()`, which vLLM answers
+    /// with, ends with the parameter and the value at fault (`vllm/exceptions.py`,
+    /// `VLLMValidationError.__str__`).
+    pub(crate) fn validation(message: &str, param: &str, value: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            format!("{message} (parameter={param}, value={value})"),
+            Some(param),
+        )
     }
 }
 
@@ -58,10 +71,10 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
         .or_else(|| body.get("max_tokens"))
         .and_then(Value::as_i64);
     match max_tokens {
-        Some(n) if n < 1 => Err(Refusal::new(
-            StatusCode::BAD_REQUEST,
-            format!("max_tokens must be at least 1, got {n}."),
-            Some("max_tokens"),
+        Some(n) if n < 1 => Err(Refusal::validation(
+            &format!("max_tokens must be at least 1, got {n}."),
+            "max_tokens",
+            n,
         )),
         _ => Ok(()),
     }
@@ -95,27 +108,82 @@ fn check_xargs(xargs: Option<&Value>) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Checks that `max_tokens` output tokens fit in the context after `prompt_tokens`.
-pub(crate) fn check_length(
-    max_tokens: Option<u32>,
+/// How a prompt reached vLLM's length check: text (a completion's or a rendered chat), which
+/// vLLM tokenizes only up to one token past the context, or token ids, counted whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PromptForm {
+    Text,
+    TokenIds,
+}
+
+/// What vLLM (0.32) refuses of a generation request's length, in its order and words, for a
+/// prompt of `prompt_tokens` and `max_tokens` (given in the field `max_tokens_param`) on a
+/// model of `max_model_len` tokens. Nothing else is refused: a prompt and `max_tokens` that
+/// together pass the context are taken, the output cut where the context ends.
+///
+/// vLLM's rules, in the order it applies them:
+/// 1. `max_tokens` above the context: `TokenizeParams.__post_init__`
+///    (`vllm/renderers/params.py`, the check on `max_output_tokens > max_total_tokens`), built
+///    from the request by `build_tok_params` (`entrypoints/openai/completion/protocol.py`,
+///    `chat_completion/protocol.py`: `max_completion_tokens` first, named as given).
+/// 2. a prompt longer than the context: `TokenizeParams._token_len_check` (`params.py`;
+///    parameter `input_tokens`). Text is tokenized with `max_length = max_input_tokens + 1`
+///    (`get_encode_kwargs`), so an over-long text counts one past the context, "at least";
+///    token ids count whole, and "at least" only when exactly one past it.
+/// 3. a prompt of exactly the context: no token is left to generate. `get_max_tokens`
+///    (`entrypoints/serve/utils/api_utils.py`) makes `max_tokens` `max_model_len - prompt`,
+///    0, which `SamplingParams._verify_args` (`vllm/sampling_params.py`) refuses. (The engine's
+///    own `_validate_prompt_len`, `vllm/v1/engine/input_processor.py`, refuses it too, but the
+///    server never gets that far.)
+/// 4. otherwise `max_tokens` becomes `min(max_tokens, max_model_len - prompt)`
+///    (`get_max_tokens`): the engine stops at the context's end.
+///
+/// Each refusal is a `VLLMValidationError` ([`Refusal::validation`]). Checked against vLLM 0.32
+/// itself (`tests/context.rs` lists the requests and answers).
+pub(crate) fn check_context(
+    form: PromptForm,
     prompt_tokens: usize,
+    max_tokens: Option<u32>,
+    max_tokens_param: &str,
     max_model_len: u32,
 ) -> Result<(), Refusal> {
-    let Some(max_tokens) = max_tokens else {
-        return Ok(());
-    };
-    if prompt_tokens as u64 + u64::from(max_tokens) <= u64::from(max_model_len) {
-        return Ok(());
+    let limit = max_model_len as usize;
+    if let Some(max_tokens) = max_tokens
+        && max_tokens > max_model_len
+    {
+        return Err(Refusal::validation(
+            &format!(
+                "{max_tokens_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. \
+                 Please request fewer output tokens."
+            ),
+            max_tokens_param,
+            max_tokens,
+        ));
     }
-    Err(Refusal::new(
-        StatusCode::BAD_REQUEST,
-        format!(
-            "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's \
-             maximum context length is {max_model_len} tokens and your request has \
-             {prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})."
-        ),
-        Some("max_tokens"),
-    ))
+    if prompt_tokens > limit {
+        let counted = match form {
+            PromptForm::Text => prompt_tokens.min(limit + 1),
+            PromptForm::TokenIds => prompt_tokens,
+        };
+        let qualifier = if counted == limit + 1 { "at least " } else { "" };
+        return Err(Refusal::validation(
+            &format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your \
+                 prompt contains {qualifier}{counted} input tokens, which exceeds this limit even \
+                 without any output tokens. Please reduce the length of the input prompt."
+            ),
+            "input_tokens",
+            counted,
+        ));
+    }
+    if prompt_tokens == limit {
+        return Err(Refusal::validation(
+            "max_tokens must be at least 1, got 0.",
+            "max_tokens",
+            0,
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -172,7 +240,7 @@ mod tests {
     }
 
     #[test]
-    fn max_tokens_below_one_or_past_the_context_is_vllms_400() {
+    fn max_tokens_below_one_is_vllms_400() {
         for (body, n) in [
             (json!({"max_tokens": 0}), 0),
             (json!({"max_tokens": -3}), -3),
@@ -182,19 +250,74 @@ mod tests {
             assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(
                 answer(&r),
-                json!({"error": {"message": format!("max_tokens must be at least 1, got {n}."), "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+                json!({"error": {"message": format!("max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})"), "type": "BadRequestError", "param": "max_tokens", "code": 400}})
             );
         }
         assert_eq!(check_body(&json!({"max_tokens": 1}), "tiny"), Ok(()));
-        assert_eq!(check_length(Some(24), 100, 124), Ok(()));
-        assert_eq!(check_length(None, 124, 124), Ok(()));
-        let r = check_length(Some(25), 100, 124).unwrap_err();
-        assert_eq!(r.status, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            r.body.error.message,
-            "'max_tokens' or 'max_completion_tokens' is too large: 25. This model's maximum \
-             context length is 124 tokens and your request has 100 input tokens (25 > 124 - 100)."
-        );
-        assert!(check_length(Some(u32::MAX), usize::MAX / 2, u32::MAX).is_err());
+    }
+
+    /// vLLM 0.32's length rules at the context's edge (see [`check_context`] for the source
+    /// lines): a context of 10 tokens; prompts of 9, 10 and 11 tokens (and far past it), with
+    /// and without `max_tokens`.
+    #[test]
+    fn the_context_edge_is_refused_as_vllm_refuses_it() {
+        const N: u32 = 10;
+        let fits = Ok(());
+        let no_room = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)";
+        let too_many = || {
+            let message = "max_tokens=11 cannot be greater than max_model_len=10. Please request \
+                           fewer output tokens. (parameter=max_tokens, value=11)";
+            Some(("max_tokens", message.to_owned()))
+        };
+        let over = |qualifier: &str, n: usize| {
+            format!(
+                "This model's maximum context length is 10 tokens. However, your prompt contains \
+                 {qualifier}{n} input tokens, which exceeds this limit even without any output \
+                 tokens. Please reduce the length of the input prompt. (parameter=input_tokens, \
+                 value={n})"
+            )
+        };
+        use PromptForm::{Text, TokenIds};
+        /// A refusal's parameter and message; `None` when the request is taken.
+        type Want = Option<(&'static str, String)>;
+        // (prompt form, prompt tokens, max_tokens, refusal)
+        let cases: Vec<(PromptForm, usize, Option<u32>, Want)> = vec![
+            (Text, 9, None, None),
+            (Text, 9, Some(1), None),
+            // Past the context together: taken, the output cut at its end.
+            (Text, 9, Some(5), None),
+            (Text, 5, Some(N), None),
+            (Text, 10, None, Some(("max_tokens", no_room.to_owned()))),
+            (Text, 10, Some(1), Some(("max_tokens", no_room.to_owned()))),
+            (TokenIds, 10, Some(1), Some(("max_tokens", no_room.to_owned()))),
+            (Text, 11, None, Some(("input_tokens", over("at least ", 11)))),
+            (Text, 11, Some(1), Some(("input_tokens", over("at least ", 11)))),
+            (Text, 500, None, Some(("input_tokens", over("at least ", 11)))),
+            (TokenIds, 11, None, Some(("input_tokens", over("at least ", 11)))),
+            (TokenIds, 12, Some(1), Some(("input_tokens", over("", 12)))),
+            (Text, 5, Some(N + 1), too_many()),
+            // The output limit is checked first, as vLLM builds it before tokenizing.
+            (Text, 11, Some(N + 1), too_many()),
+        ];
+        for (form, prompt, max_tokens, want) in cases {
+            let got = check_context(form, prompt, max_tokens, "max_tokens", N);
+            let case = format!("{form:?} prompt {prompt}, max_tokens {max_tokens:?}");
+            match want {
+                None => assert_eq!(got, fits, "{case}"),
+                Some((param, message)) => {
+                    let r = got.expect_err(&case);
+                    assert_eq!(
+                        answer(&r),
+                        json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
+                        "{case}"
+                    );
+                }
+            }
+        }
+        // A chat's `max_completion_tokens` is named as given.
+        let r = check_context(Text, 5, Some(11), "max_completion_tokens", N).unwrap_err();
+        assert_eq!(r.body.error.param.as_deref(), Some("max_completion_tokens"));
+        // Far past any limit: no overflow.
+        assert!(check_context(TokenIds, usize::MAX / 2, Some(u32::MAX), "max_tokens", u32::MAX).is_err());
     }
 }

@@ -231,12 +231,15 @@ pub fn say(format: LogFormat, line: &str) {
     }
 }
 
-/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`). Text is coloured only
+/// when stderr is a terminal: a pipe or a file gets no ANSI escape codes.
 pub fn init_logging_as(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => builder.try_init(),

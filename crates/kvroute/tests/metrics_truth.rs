@@ -13,27 +13,34 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::HeaderMap;
-use kvroute_http::Model;
 use kvroute_http::net::{HttpClient, client};
 use kvroute_http::openai::types::{Completion, ErrorResponse, ModelCard};
-use kvroute_mock::{self as mock, MockConfig, MockWorker};
+use kvroute_mock::{MockConfig, MockWorker};
 use kvroute_proxy::worker::StateName;
-use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
+use kvroute_proxy::{ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(30);
+#[path = "support/cluster.rs"]
+mod support;
+use support::{Cluster, PATIENCE, fronting, start_mocks};
 
 /// A 200-token prompt for the tiny byte-level model: 12 full blocks of 16.
 fn long_prompt(seed: char) -> String {
     std::iter::repeat_n(seed, 200).collect()
 }
 
+/// The end-to-end harness's cluster, with a raw client for heads and bodies.
 struct Proxy {
-    proxy: ProxyHandle,
+    cluster: Cluster,
     http: HttpClient,
-    _mocks: Vec<MockWorker>,
+}
+
+impl std::ops::Deref for Proxy {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
 }
 
 /// A proxy (health checks off unless `tweak` sets them) in front of `workers`, then `mocks`.
@@ -42,33 +49,15 @@ async fn proxy(
     mocks: Vec<MockWorker>,
     tweak: impl FnOnce(&mut ServeConfig),
 ) -> Proxy {
-    let mut config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 0,
-        workers: workers
-            .into_iter()
-            .chain(
-                mocks
-                    .iter()
-                    .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap()),
-            )
-            .collect(),
-        ..ServeConfig::default()
-    };
-    tweak(&mut config);
-    let proxy = kvroute_proxy::start(config, Some(Arc::new(Model::tiny().unwrap())))
-        .await
-        .unwrap();
+    let cluster = fronting(workers, mocks, |c| {
+        c.health_interval_ms = 0;
+        tweak(c);
+    })
+    .await;
     Proxy {
-        proxy,
+        cluster,
         http: client(Duration::from_secs(2)),
-        _mocks: mocks,
     }
-}
-
-async fn mocks(mc: MockConfig) -> Vec<MockWorker> {
-    mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap()
 }
 
 impl Proxy {
@@ -131,32 +120,6 @@ impl Proxy {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    }
-
-    /// Waits until worker `id` is in `state`.
-    async fn wait_for_state(&self, id: usize, state: StateName) {
-        let reached =
-            |s: &kvroute_proxy::Shared| s.worker_statuses().get(id).is_some_and(|w| w.state == state);
-        let arrived = self.proxy.shared.wait_until(PATIENCE, reached).await;
-        assert!(
-            arrived,
-            "worker {id} never became {state:?}: {:?}",
-            self.proxy.shared.worker_statuses()
-        );
-    }
-
-    /// Waits until the router's index holds at least `blocks` blocks of worker rank `i`.
-    async fn wait_for_cached_blocks(&self, i: usize, blocks: u64) {
-        let held = |s: &kvroute_proxy::Shared| {
-            s.snapshot()
-                .workers
-                .get(i)
-                .is_some_and(|w| w.cached_blocks >= blocks)
-        };
-        assert!(
-            self.proxy.shared.wait_for_kv(PATIENCE, held).await,
-            "the events never arrived"
-        );
     }
 }
 
@@ -405,7 +368,7 @@ async fn usage_without_cached_tokens_and_no_usage_are_kept_apart_from_reported_c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_and_reported_cached_tokens_agree_on_a_repeated_prompt() {
-    let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |c| {
+    let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |c| {
         c.debug_headers = true
     })
     .await;
@@ -422,7 +385,7 @@ async fn predicted_and_reported_cached_tokens_agree_on_a_repeated_prompt() {
     );
     assert_eq!(headers["x-kvroute-worker"], "0");
     assert_eq!(headers["x-kvroute-predicted-cached-tokens"], "0");
-    p.wait_for_cached_blocks(0, 12).await;
+    p.wait_for_cached_blocks(Some(0), 12).await;
     // Again, asking for usage: the router predicts the engine's hits, and the engine says so.
     let mut again = stream_request(&prompt);
     again["stream_options"] = json!({"include_usage": true});
@@ -466,7 +429,7 @@ async fn predicted_and_reported_cached_tokens_agree_on_a_repeated_prompt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_headers_are_off_by_default() {
-    let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |_| {}).await;
     let (status, headers, _) = p.complete("hi").await;
     assert_eq!(status, 200);
     assert!(headers.get("x-kvroute-worker").is_none());
@@ -475,7 +438,7 @@ async fn debug_headers_are_off_by_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_series_stay_at_zero_out_of_routing_and_go_when_it_is_removed() {
-    let p = proxy(Vec::new(), mocks(MockConfig::new(2)).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&MockConfig::new(2)).await, |_| {}).await;
     let (status, _, _) = p.complete("hi").await;
     assert_eq!(status, 200);
     let (status, _, _) = p.call("POST", "/admin/workers/1/drain", None).await;
@@ -516,7 +479,7 @@ async fn a_workers_series_stay_at_zero_out_of_routing_and_go_when_it_is_removed(
 async fn a_worker_serving_another_model_is_misconfigured_and_out_of_routing() {
     let mut mc = MockConfig::new(1);
     mc.model_name = "llama".into();
-    let p = proxy(Vec::new(), mocks(mc).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&mc).await, |_| {}).await;
     p.wait_for_state(0, StateName::Misconfigured).await;
     let (_, _, listing) = p.call("GET", "/admin/workers", None).await;
     let listing: Value = serde_json::from_str(&listing).unwrap();
@@ -542,7 +505,7 @@ async fn a_worker_serving_another_model_is_misconfigured_and_out_of_routing() {
 async fn a_worker_whose_events_have_another_block_size_is_misconfigured() {
     let mut mc = MockConfig::new(1);
     mc.engine.block_size = 32;
-    let p = proxy(Vec::new(), mocks(mc).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&mc).await, |_| {}).await;
     assert_eq!(p.block_size(), 16);
     // Routable until its first events say otherwise.
     let (status, _, _) = p
@@ -576,7 +539,7 @@ impl Proxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_model_is_openais_404_and_models_have_their_own_route() {
-    let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |_| {}).await;
     let expected = json!({"error": {
         "message": "The model `gpt-9` does not exist or you do not have access to it.",
         "type": "invalid_request_error", "param": null, "code": "model_not_found"}});
@@ -753,9 +716,9 @@ impl Remote {
     }
 }
 
-#[test]
-fn a_worker_nobody_serves_is_said_in_the_log() {
-    // A port nobody listens on: bound, then closed.
+/// `kvroute serve` (stderr on a pipe) with one worker at a port nobody listens on (bound, then
+/// closed), and that worker's URL.
+fn serve_a_worker_nobody_serves() -> (Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -772,14 +735,41 @@ fn a_worker_nobody_serves_is_said_in_the_log() {
         "--worker",
         &worker,
     ]);
+    (serve, worker)
+}
+
+#[test]
+fn a_worker_nobody_serves_is_said_in_the_log() {
+    let (serve, worker) = serve_a_worker_nobody_serves();
     let line = serve.wait_for(|l| l.contains("does not answer").then(|| l.to_owned()));
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains(&worker), "the line names the worker: {line}");
 }
 
+/// A text log written to a pipe (or a file) carries no ANSI colour codes: its lines read as
+/// plain text, the level a word.
+#[test]
+fn a_text_log_to_a_pipe_has_no_colour_codes() {
+    let (serve, _) = serve_a_worker_nobody_serves();
+    // Every line up to a warning through the log (the worker nobody serves).
+    let mut lines = Vec::new();
+    serve.wait_for(|l| {
+        lines.push(l.to_owned());
+        l.contains("does not answer").then_some(())
+    });
+    let warning = lines.last().unwrap();
+    assert!(
+        warning.contains(" WARN "),
+        "the level is a plain word: {warning:?}"
+    );
+    for line in &lines {
+        assert!(!line.contains('\x1b'), "an escape code in {line:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sampling_field_of_the_wrong_type_is_a_400_in_openais_shape() {
-    let p = proxy(Vec::new(), mocks(MockConfig::new(1)).await, |_| {}).await;
+    let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |_| {}).await;
     for (field, value) in [("temperature", json!("hot")), ("top_p", json!(3))] {
         let mut body = json!({"model": "tiny", "prompt": "hi"});
         body[field] = value;
@@ -842,7 +832,7 @@ fn sse_events(body: &str) -> Vec<Value> {
 async fn the_mock_streams_chunk_for_chunk_as_vllm_does() {
     let mut mc = MockConfig::new(1);
     mc.engine.speedup = 20.0;
-    let workers = mocks(mc).await;
+    let workers = start_mocks(&mc).await;
     let http = client(Duration::from_secs(5));
     let post = |path: &'static str, body: Value| {
         let request = hyper::Request::post(format!("{}{path}", workers[0].url()))

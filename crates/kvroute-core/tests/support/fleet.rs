@@ -1,8 +1,42 @@
-//! What the router property tests share: the fleet they run on and the synced view of a
-//! router's load.
+//! What the router property tests share: the fleet they run on, the exporting router's
+//! configuration, and the synced view of a router's load.
+
+use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
-use kvroute_core::router::{Router, WorkerLoad, WorkerRole, WorkerSpec};
+use kvroute_core::router::{
+    CacheMode, Decider, PolicyConfig, Router, RouterConfig, SyncConfig, SyncMode, WorkerLoad, WorkerRole,
+    WorkerSpec,
+};
+
+/// What a property test draws of a router's configuration.
+pub struct Drawn {
+    /// A name of [`PolicyConfig::NAMES`].
+    pub policy: &'static str,
+    pub cache: CacheMode,
+    pub decider: Decider,
+    pub seed: u64,
+    pub track_output_blocks: bool,
+}
+
+/// The configuration of a router that exports its changes for replicas, with blocks of
+/// `block_size`, requests expiring after `request_ttl`, and what was drawn; the rest default.
+pub fn exporting_config(block_size: u32, request_ttl: Duration, drawn: Drawn) -> RouterConfig {
+    RouterConfig {
+        block_size,
+        seed: drawn.seed,
+        policy: PolicyConfig::from_name(drawn.policy).expect("a listed name"),
+        decider: drawn.decider,
+        cache: drawn.cache,
+        request_ttl,
+        track_output_blocks: drawn.track_output_blocks,
+        sync: SyncConfig {
+            mode: SyncMode::Export,
+            ..SyncConfig::default()
+        },
+        ..RouterConfig::default()
+    }
+}
 
 /// Three aggregated workers (one with two data-parallel ranks) and, with `pd`, a prefill and a
 /// decode worker.

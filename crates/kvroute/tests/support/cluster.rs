@@ -46,8 +46,12 @@ pub async fn cluster(n: usize, speedup: f64, tweak: impl FnOnce(&mut ServeConfig
 }
 
 pub async fn cluster_of(mc: MockConfig, tweak: impl FnOnce(&mut ServeConfig)) -> Cluster {
-    let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
-    fronting(Vec::new(), mocks, tweak).await
+    fronting(Vec::new(), start_mocks(&mc).await, tweak).await
+}
+
+/// Starts the mock workers `mc` describes, serving the tiny model.
+pub async fn start_mocks(mc: &MockConfig) -> Vec<MockWorker> {
+    mock::start(mc, Arc::new(Model::tiny().unwrap())).await.unwrap()
 }
 
 /// A proxy in front of `workers` (stubs), then `mocks`, with `tweak` applied to its
@@ -133,9 +137,14 @@ impl Cluster {
 
     /// Waits until worker `id` is in `state`, as the proxy's registry reports it.
     pub async fn wait_for_state(&self, id: usize, state: StateName) {
-        let reached = |s: &kvroute_proxy::Shared| s.worker_statuses()[id].state == state;
+        let reached =
+            |s: &kvroute_proxy::Shared| s.worker_statuses().get(id).is_some_and(|w| w.state == state);
         let arrived = self.proxy.shared.wait_until(PATIENCE, reached).await;
-        assert!(arrived, "worker {id} never became {state:?}");
+        assert!(
+            arrived,
+            "worker {id} never became {state:?}: {:?}",
+            self.proxy.shared.worker_statuses()
+        );
     }
 
     /// A raw `/v1/completions` request that must succeed; its answer.

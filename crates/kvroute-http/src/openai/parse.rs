@@ -1,0 +1,282 @@
+//! Parsing a generation request: its prompt in each form, its flags, and the fields only the
+//! proxy may set.
+
+use serde_json::Value;
+
+use crate::model::Model;
+
+use super::{ApiError, Endpoint, KvCacheReport, Length, engine_tokens, too_long, validate_fields};
+
+/// A prompt as the request gives it, before tokenization.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// A completion's text.
+    Text(String),
+    /// A completion's token ids: the engine takes them as they are (no special token added).
+    TokenIds(Vec<u32>),
+    /// A chat conversation, each message's content flattened to a string.
+    Chat {
+        /// The messages (OpenAI's shape, content as a string).
+        messages: Value,
+        /// `add_generation_prompt` (true unless the request says otherwise).
+        add_generation_prompt: bool,
+    },
+}
+
+/// What the proxy and the mocks need of a generation request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parsed {
+    /// Whether the response streams (SSE).
+    pub stream: bool,
+    /// Whether a streamed response ends with a usage chunk (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// Whether the body has a `stream_options` field (`null` included).
+    pub stream_options: bool,
+    /// The prompt's token ids (chat: the rendered conversation's).
+    pub tokens: Vec<u32>,
+    /// The prompt as the request gave it.
+    pub prompt: Prompt,
+    /// The request's `add_special_tokens`, if it named one.
+    pub add_special_tokens: Option<bool>,
+    /// Whether a completion asks for its prompt back (`echo`).
+    pub echo: bool,
+    /// `max_tokens` (or `max_completion_tokens`), if given.
+    pub max_tokens: Option<u32>,
+    /// The model named.
+    pub model: Option<String>,
+    /// vLLM's `cache_salt`, which namespaces the prefix cache.
+    pub cache_salt: Option<String>,
+    /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`](super::engine_body)); an
+    /// engine reads them.
+    pub internal_fields: Vec<&'static str>,
+    /// Those of [`INTERNAL_FIELDS`] the body's `vllm_xargs` has: vLLM copies `vllm_xargs` into a
+    /// request's extra arguments, where its KV connector finds `kv_transfer_params` when the
+    /// top-level field is absent, so they are stripped there too.
+    pub internal_xargs: Vec<&'static str>,
+    /// vLLM's KV-event report mode the request asks for (`vllm_xargs.kv_cache_report_mode`),
+    /// if it names one: the proxy strips it ([`engine_body`](super::engine_body)) and sets its own; an engine
+    /// follows it.
+    pub kv_cache_report: Option<KvCacheReport>,
+}
+
+impl Parsed {
+    /// Whether the client's stream asked for no usage chunk, so that the proxy asks for one
+    /// ([`engine_body`](super::engine_body)) and takes it out of the client's stream again.
+    pub fn usage_requested_for_client(&self) -> bool {
+        self.stream && !self.include_usage
+    }
+}
+
+/// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
+/// `kv_transfer_params` (a client's could make an engine import KV from a host it names) and
+/// SGLang's bootstrap fields (a client's could make an SGLang engine pull KV from a host it
+/// names). Not SGLang's `data_parallel_rank`: vLLM reads no such field (it passes untouched, as
+/// `tests/dp_ranks.rs` checks), and the flow to an SGLang worker of several ranks replaces a
+/// client's with the router's.
+pub const INTERNAL_FIELDS: &[&str] = &[
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// Parses a request body for `endpoint`, tokenizing as the engine does ([`engine_tokens`])
+/// with `model`. Prompts longer than `max_prompt_tokens` are refused.
+pub fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    model: &Model,
+    max_prompt_tokens: usize,
+) -> Result<Parsed, ApiError> {
+    parse_with(endpoint, body, max_prompt_tokens, |prompt, special| {
+        engine_tokens(model, prompt, special, max_prompt_tokens)
+    })
+}
+
+/// Parses a request body for `endpoint` and tokenizes its prompt with `tokenize` (given the
+/// prompt and the request's `add_special_tokens`). Every field is checked first
+/// ([`validate_fields`]); prompts longer than `max_prompt_tokens` are refused.
+pub fn parse_with(
+    endpoint: Endpoint,
+    body: &[u8],
+    max_prompt_tokens: usize,
+    tokenize: impl FnOnce(&Prompt, Option<bool>) -> Result<Vec<u32>, ApiError>,
+) -> Result<Parsed, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request("body", format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(mut obj) = value else {
+        return Err(ApiError::bad_request("body", "the body must be a JSON object"));
+    };
+    validate_fields(endpoint, &obj)?;
+    // A chat's messages are taken out of the body (and flattened in place, not copied).
+    let messages = match endpoint {
+        Endpoint::Chat => obj.remove("messages"),
+        Endpoint::Completions => None,
+    };
+    let obj = obj;
+    let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
+    let stream = flag("stream").unwrap_or(false);
+    let stream_options = obj.contains_key("stream_options");
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let max_tokens = match obj.get("max_completion_tokens").or_else(|| obj.get("max_tokens")) {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+            ApiError::bad_request("max_tokens", "`max_tokens` must be a non-negative integer")
+        })?),
+    };
+    if let Some(n) = obj.get("n").filter(|n| !n.is_null())
+        && n.as_u64() != Some(1)
+    {
+        return Err(ApiError::bad_request("n", "only n = 1 is supported"));
+    }
+    let model_name = obj.get("model").and_then(Value::as_str).map(str::to_owned);
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "cache_salt",
+                "`cache_salt` must be a non-empty string",
+            ));
+        }
+    };
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(obj.get("prompt"), max_prompt_tokens)?,
+        Endpoint::Chat => chat_prompt(messages, flag("add_generation_prompt"))?,
+    };
+    let add_special_tokens = flag("add_special_tokens");
+    let tokens = tokenize(&prompt, add_special_tokens)?;
+    if tokens.is_empty() {
+        return Err(ApiError::bad_request("prompt", "the prompt is empty"));
+    }
+    if tokens.len() > max_prompt_tokens {
+        let param = match endpoint {
+            Endpoint::Completions => "prompt",
+            Endpoint::Chat => "messages",
+        };
+        return Err(too_long(param, Length::Tokens(tokens.len()), max_prompt_tokens));
+    }
+    let internal_fields = INTERNAL_FIELDS
+        .iter()
+        .copied()
+        .filter(|f| obj.contains_key(*f))
+        .collect();
+    let internal_xargs = match obj.get("vllm_xargs") {
+        Some(Value::Object(xargs)) => INTERNAL_FIELDS
+            .iter()
+            .copied()
+            .filter(|f| xargs.contains_key(*f))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let kv_cache_report = KvCacheReport::from_xargs(obj.get("vllm_xargs"));
+    Ok(Parsed {
+        stream,
+        include_usage,
+        stream_options,
+        tokens,
+        prompt,
+        add_special_tokens,
+        echo: flag("echo").unwrap_or(false),
+        max_tokens,
+        model: model_name,
+        cache_salt,
+        internal_fields,
+        internal_xargs,
+        kv_cache_report,
+    })
+}
+
+fn completion_prompt(prompt: Option<&Value>, max: usize) -> Result<Prompt, ApiError> {
+    let bad = |m: &str| ApiError::bad_request("prompt", m.to_owned());
+    match prompt {
+        None | Some(Value::Null) => Err(bad("`prompt` is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(items)) => match items.first() {
+            None => Err(bad("`prompt` is empty")),
+            Some(Value::Number(_)) => token_ids(items, max).map(Prompt::TokenIds),
+            Some(first) if items.len() == 1 => match first {
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                Value::Array(ids) => token_ids(ids, max).map(Prompt::TokenIds),
+                _ => Err(bad(
+                    "`prompt` must be a string, a list of token ids, or a list of one of those",
+                )),
+            },
+            Some(_) => Err(bad("batched prompts (several in one request) are not supported")),
+        },
+        Some(_) => Err(bad("`prompt` must be a string or a list of token ids")),
+    }
+}
+
+fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
+    if items.len() > max {
+        return Err(too_long("prompt", Length::Tokens(items.len()), max));
+    }
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+                ApiError::bad_request(
+                    "prompt",
+                    format!("token id {v} is not an integer from 0 to 2^32-1"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The chat prompt of a body's `messages` (taken out of it): each message's content flattened
+/// to a string in place.
+fn chat_prompt(messages: Option<Value>, add_generation_prompt: Option<bool>) -> Result<Prompt, ApiError> {
+    let bad = |m: String| ApiError::bad_request("messages", m);
+    let Some(Value::Array(mut messages)) = messages else {
+        return Err(bad("`messages` must be a list of messages".to_owned()));
+    };
+    if messages.is_empty() {
+        return Err(bad("`messages` is empty".to_owned()));
+    }
+    for (i, m) in messages.iter_mut().enumerate() {
+        let Value::Object(obj) = m else {
+            return Err(bad(format!("messages[{i}] is not an object")));
+        };
+        if !obj.get("role").is_some_and(Value::is_string) {
+            return Err(bad(format!("messages[{i}].role must be a string")));
+        }
+        let content = match obj.get("content") {
+            Some(Value::String(_)) => continue,
+            None | Some(Value::Null) => String::new(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(bad(format!(
+                                "messages[{i}].content[{j}]: only text parts are supported"
+                            )));
+                        }
+                    }
+                }
+                text
+            }
+            Some(_) => {
+                return Err(bad(format!(
+                    "messages[{i}].content must be a string or a list of parts"
+                )));
+            }
+        };
+        obj.insert("content".to_owned(), Value::String(content));
+    }
+    Ok(Prompt::Chat {
+        messages: Value::Array(messages),
+        add_generation_prompt: add_generation_prompt.unwrap_or(true),
+    })
+}

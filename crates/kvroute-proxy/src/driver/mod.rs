@@ -1,0 +1,229 @@
+//! The router driver: the one place the proxy touches the sans-IO [`Router`].
+//!
+//! The router lives behind a mutex held only for the duration of one `handle_*` call (a few
+//! microseconds); prompts are tokenized and block-hashed before it is taken. Time is a monotonic
+//! clock read under the lock and mapped onto [`Timestamp`] (nanoseconds since the proxy started),
+//! so the router never sees time go back.
+//!
+//! **Invariant: load never leaks.** Every request the router knows is owned by a
+//! [`RequestGuard`]. Finishing it, or dropping it on any other exit path (upstream error,
+//! timeout, client disconnect, panic unwinding through the handler), tells the router, so the
+//! per-worker totals return to zero when traffic stops. Requests the router drops itself (their
+//! worker was removed, or they outlived the request TTL) are already freed; the guard's later
+//! report is then an unknown request, which the router counts and ignores.
+//!
+//! **Replicas.** With a sync transport attached ([`Shared::attach_sync`]), every change the
+//! router exports is handed to it when the lock is released (the lock guard drains the router's
+//! outbox: no `handle_*` call can forget to), named by worker URL; an operator's add, drain or
+//! remove is handed to it too. Peers' changes come back through [`Shared::apply_peer_events`],
+//! a silent peer's release through [`Shared::release_peer`], and a joining peer is given
+//! [`Shared::sync_snapshot`].
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::router::{Decision, Router};
+use kvroute_core::time::{TimeScale, Timestamp};
+use kvroute_sync::WireEvent;
+use tokio::sync::oneshot;
+
+use crate::config::ServeConfig;
+use crate::events::Views;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::worker::HealthPolicy;
+
+mod guard;
+mod replicas;
+mod route;
+#[cfg(test)]
+mod tests;
+mod workers;
+
+pub use guard::RequestGuard;
+pub use route::{RouteError, Target, Upstream};
+
+struct Inner {
+    router: Router,
+    waiters: HashMap<RequestId, oneshot::Sender<Decision>>,
+    registry: Registry,
+}
+
+/// State shared by every request handler and background task.
+pub struct Shared {
+    inner: Mutex<Inner>,
+    epoch: Instant,
+    next_request: AtomicU64,
+    /// Bumped on each change a waiter may watch (see [`Shared::wait_until`]).
+    changes: tokio::sync::watch::Sender<u64>,
+    /// The metrics.
+    pub metrics: Metrics,
+    /// The configuration.
+    pub config: ServeConfig,
+    /// Each worker rank's cache view: its state, and how to resync it.
+    pub(crate) views: Views,
+    /// The sync transport, where this replica's changes go to its peers (set once, when sync
+    /// starts).
+    sync: OnceLock<kvroute_sync::Sync>,
+}
+
+/// The router and registry, locked; releasing the lock hands the router's exported changes to
+/// the sync transport (see the module docs).
+struct Locked<'a> {
+    guard: MutexGuard<'a, Inner>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Inner { router, registry, .. } = &mut *self.guard;
+        match self.shared.sync.get() {
+            Some(sync) => {
+                let out = sync.outgoing();
+                while let Some(event) = router.poll_sync_event() {
+                    let name = |id: WorkerId| registry.get(id).map(|w| w.base.clone());
+                    if let Some(wire) = WireEvent::from_sync(&event, name) {
+                        out.push(wire);
+                    }
+                }
+            }
+            // Not attached yet (starting): nobody to tell.
+            None => while router.poll_sync_event().is_some() {},
+        }
+    }
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    /// A driver for `router`, with no workers yet.
+    pub fn new(router: Router, config: ServeConfig, metrics: Metrics) -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                router,
+                waiters: HashMap::new(),
+                registry: Registry::new(HealthPolicy {
+                    failures: config.health_failure_threshold,
+                    successes: config.health_success_threshold,
+                }),
+            }),
+            epoch: Instant::now(),
+            next_request: AtomicU64::new(0),
+            changes: tokio::sync::watch::Sender::new(0),
+            metrics,
+            config,
+            views: Views::default(),
+            sync: OnceLock::new(),
+        })
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        // A panic while holding the lock cannot leave the router half-changed in a way that
+        // matters more than stopping: keep serving.
+        Locked {
+            guard: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
+            shared: self,
+        }
+    }
+
+    // ---- replicas ----
+
+    fn now(&self) -> Timestamp {
+        TimeScale::REAL.timestamp(self.epoch.elapsed())
+    }
+
+    /// Runs the router's timers once (request expiry, queue re-check) and says when next.
+    pub fn tick(&self) -> Option<Duration> {
+        let mut inner = self.lock();
+        let now = self.now();
+        let out = inner.router.handle_tick(now);
+        self.dispatch(&mut inner, out);
+        self.settle_drains(&mut inner);
+        inner
+            .router
+            .next_deadline()
+            .map(|d| d.saturating_since(self.now()))
+    }
+
+    /// The door for the proxy's other parts (the KV-event intake): runs `f` on the router at
+    /// the current time, under the lock, with the registry to check membership against.
+    pub(crate) fn with_router<R>(&self, f: impl FnOnce(&mut Router, Timestamp, &Registry) -> R) -> R {
+        let mut inner = self.lock();
+        let now = self.now();
+        let Inner { router, registry, .. } = &mut *inner;
+        f(router, now, registry)
+    }
+
+    /// Says that something a waiter of [`Self::wait_until`] may watch has changed.
+    pub(crate) fn notify(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Waits until `done` holds of this state, checking it again after each change the proxy
+    /// reports (a KV-event report applied, a worker changing state, a request ending; no timer
+    /// polls); false if `patience` passes first. For whoever needs the router to reach some
+    /// state: tests, and a caller waiting for its engines' subscribers to join.
+    pub async fn wait_until(&self, patience: Duration, mut done: impl FnMut(&Self) -> bool) -> bool {
+        let mut changes = self.changes.subscribe();
+        let deadline = tokio::time::Instant::now() + patience;
+        while !done(self) {
+            if !matches!(
+                tokio::time::timeout_at(deadline, changes.changed()).await,
+                Ok(Ok(()))
+            ) {
+                return done(self);
+            }
+        }
+        true
+    }
+
+    /// [`Self::wait_until`], for a state of the router's cache view (woken by each KV-event
+    /// report applied, among other changes).
+    pub async fn wait_for_kv(&self, patience: Duration, done: impl FnMut(&Self) -> bool) -> bool {
+        self.wait_until(patience, done).await
+    }
+
+    // ---- workers ----
+
+    /// The router's metrics snapshot (the gauges are refreshed from it too).
+    pub fn snapshot(&self) -> kvroute_core::router::RouterMetrics {
+        let inner = self.lock();
+        let snapshot = inner.router.metrics();
+        let registered: Vec<(WorkerKey, &'static str)> = inner
+            .registry
+            .iter()
+            .flat_map(|(id, w)| {
+                let role = w.config.role().name();
+                (0..w.config.dp_size).map(move |rank| (WorkerKey::new(id, DpRank(rank)), role))
+            })
+            .collect();
+        drop(inner);
+        self.metrics.refresh(&snapshot, &registered);
+        snapshot
+    }
+
+    /// Checks the router's invariants (tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.lock().router.check_invariants()
+    }
+}

@@ -1,0 +1,115 @@
+//! Router replicas: the sync transport, and peers' changes, releases and snapshots.
+
+use kvroute_core::ids::WorkerId;
+use kvroute_core::router::RouterId;
+use kvroute_sync::{LinkState, WireEvent, WorkerChange};
+
+use crate::worker::{WorkerEvent, WorkerState};
+
+use super::{Inner, Shared};
+
+impl Shared {
+    /// Sends this replica's changes through `sync` from now on (once; a second transport is
+    /// stopped and ignored).
+    pub fn attach_sync(&self, sync: kvroute_sync::Sync) {
+        if let Err(extra) = self.sync.set(sync) {
+            extra.stop();
+        }
+    }
+
+    /// Whether this replica is connected to its peers; `None` without sync.
+    pub fn sync_link(&self) -> Option<LinkState> {
+        self.sync.get().map(kvroute_sync::Sync::link)
+    }
+
+    /// Stops the sync transport, if any (the replica falls silent to its peers).
+    pub fn stop_sync(&self) {
+        if let Some(sync) = self.sync.get() {
+            sync.stop();
+        }
+    }
+
+    /// Hands an operator's registry change to the peers, if synced.
+    pub(super) fn announce(&self, change: WorkerChange) {
+        if let Some(sync) = self.sync.get() {
+            sync.outgoing().push(WireEvent::Worker(change));
+        }
+    }
+
+    /// Applies peer `from`'s load changes in order (registry changes are the caller's: they
+    /// start tasks). A booking on a worker this replica does not know is skipped.
+    pub fn apply_peer_events(&self, from: RouterId, events: &[WireEvent]) {
+        let mut inner = self.lock();
+        let now = self.now();
+        let mut out = Vec::new();
+        for wire in events {
+            let Inner { router, registry, .. } = &mut *inner;
+            let Some(event) = wire.to_sync(from, |url| registry.find(url)) else {
+                continue;
+            };
+            if let Ok(o) = router.handle_sync_event(now, &event) {
+                out.extend(o);
+            }
+        }
+        self.dispatch(&mut inner, out);
+        self.settle_drains(&mut inner);
+        drop(inner);
+        self.notify();
+    }
+
+    /// Releases every booking of peer `peer` at once.
+    pub fn release_peer(&self, peer: RouterId) {
+        let mut inner = self.lock();
+        let now = self.now();
+        let out = inner.router.handle_peer_lost(now, peer);
+        self.dispatch(&mut inner, out);
+        self.settle_drains(&mut inner);
+        drop(inner);
+        self.notify();
+    }
+
+    /// This replica's state for a joining peer: its registry (every worker an operator has not
+    /// removed, with its drain) and its in-flight bookings.
+    pub fn sync_snapshot(&self) -> Vec<WireEvent> {
+        let inner = self.lock();
+        let mut events = Vec::new();
+        for (_, w) in inner.registry.iter() {
+            if matches!(w.state, WorkerState::Gone) {
+                continue;
+            }
+            let Ok(config) = serde_json::to_value(&w.config) else {
+                continue;
+            };
+            events.push(WireEvent::Worker(WorkerChange::Added { config }));
+            if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
+                events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));
+            }
+        }
+        let name = |id: WorkerId| inner.registry.get(id).map(|w| w.base.clone());
+        events.extend(
+            inner
+                .router
+                .sync_snapshot()
+                .iter()
+                .filter_map(|e| WireEvent::from_sync(e, name)),
+        );
+        events
+    }
+
+    /// The worker at base URL `url` (no trailing slash), if any.
+    pub fn find_worker(&self, url: &str) -> Option<WorkerId> {
+        self.lock().registry.find(url)
+    }
+
+    /// A peer's drain or removal of a worker (not announced again). Adds are the caller's.
+    pub fn apply_peer_worker_change(&self, change: &WorkerChange) {
+        let (url, event) = match change {
+            WorkerChange::Draining { url } => (url, WorkerEvent::DrainRequested),
+            WorkerChange::Removed { url } => (url, WorkerEvent::Removed),
+            WorkerChange::Added { .. } => return,
+        };
+        if let Some(id) = self.find_worker(url) {
+            self.worker_event(id, event);
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Routing a request: admission, the queue's waiters, the request's life reported to the router,
+//! and where a routed request goes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
+use kvroute_core::router::{
+    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError,
+    max_cached_blocks,
+};
+use kvroute_core::time::Timestamp;
+use tokio::sync::oneshot;
+
+use crate::config::ServeConfig;
+
+use super::{Inner, RequestGuard, Shared};
+
+/// Why a request could not be routed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteError {
+    /// No worker can take requests (none configured, all unhealthy or draining).
+    NoWorker,
+    /// Every worker is busy and the queue is full.
+    QueueFull,
+    /// The request waited in the queue past the queue timeout.
+    QueueTimeout,
+}
+
+/// What the router made of a request.
+enum Admission {
+    /// Sent to a worker.
+    Routed(Decision, Box<Target>),
+    /// Waiting in the queue for its decision.
+    Queued(oneshot::Receiver<Decision>),
+    /// Not taken.
+    Refused(RouteError),
+}
+
+/// One worker rank a request is sent to.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The data-parallel rank.
+    pub dp_rank: u32,
+    /// Whether the worker has several ranks (send the rank header).
+    pub dp: bool,
+    /// The worker's base URL.
+    pub base: String,
+    /// Its SGLang bootstrap port, if configured.
+    pub bootstrap_port: Option<u16>,
+    /// How a request names its rank.
+    pub engine: crate::config::EngineKind,
+    /// The worker's configured credential.
+    pub api_key: Option<String>,
+    /// Whether its engine may be asked to re-announce reused blocks.
+    pub reannounce: crate::config::Reannounce,
+}
+
+/// Where a routed request goes.
+#[derive(Debug)]
+pub struct Target {
+    /// The worker that decodes it, and prefills it too unless `prefill` is set.
+    pub decode: Upstream,
+    /// The prefill worker of a disaggregated request (the first hop).
+    pub prefill: Option<Upstream>,
+}
+
+impl Shared {
+    /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
+    /// is busy. The returned guard owns the request's load.
+    pub async fn route(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+    ) -> Result<(RequestGuard, Target, Decision), RouteError> {
+        let t0 = Instant::now();
+        let salt = HashSalt {
+            lora_name: None,
+            namespace: cache_salt,
+        };
+        let locals = BlockHasher::new(self.config.block_size as usize, &salt).local_hashes(tokens);
+        let t1 = Instant::now();
+        let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
+        let request = RouteRequest::new(
+            id,
+            Prompt::Blocks {
+                locals: &locals,
+                prompt_tokens: tokens.len() as u64,
+            },
+        );
+        let admission = self.admit(&request);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        self.metrics.overhead_block_hashing.observe(ms(t1 - t0));
+        self.metrics.overhead_scheduling.observe(ms(t1.elapsed()));
+        self.metrics.input_tokens.observe(tokens.len() as f64);
+        let (decision, target, guard) = match admission {
+            Admission::Routed(decision, target) => (decision, *target, RequestGuard::new(self, id, t0)),
+            Admission::Queued(rx) => {
+                // The guard owns the queued request: a timeout (or the handler going away)
+                // cancels it in the queue.
+                let guard = RequestGuard::new(self, id, t0);
+                let timeout = ServeConfig::ms(self.config.queue_timeout_ms);
+                let Ok(Ok(decision)) = tokio::time::timeout(timeout, rx).await else {
+                    // Timed out, or the router dropped the waiter (cannot happen while it is
+                    // registered).
+                    return Err(RouteError::QueueTimeout);
+                };
+                let target = self.lock().target(&decision);
+                (decision, target, guard)
+            }
+            Admission::Refused(e) => return Err(e),
+        };
+        let predicted = predicted_cached_tokens(&decision, tokens.len(), self.config.block_size);
+        self.metrics.record_prediction(decision.worker, predicted);
+        let mut guard = guard;
+        guard.routed = Some((decision.worker, predicted));
+        self.metrics.router_requests.inc();
+        if decision.prefill.is_some() {
+            self.metrics.disaggregated_requests.inc();
+        }
+        if !locals.is_empty() {
+            self.metrics
+                .kv_hit_rate
+                .observe(f64::from(decision.overlap_blocks) / locals.len() as f64);
+        }
+        Ok((guard, target, decision))
+    }
+
+    /// Hands `request` to the router.
+    fn admit(&self, request: &RouteRequest<'_>) -> Admission {
+        let mut inner = self.lock();
+        let now = self.now();
+        match inner.router.handle_request(now, request) {
+            Ok(RouteOutcome::Routed(d)) => {
+                let target = Box::new(inner.target(&d));
+                Admission::Routed(d, target)
+            }
+            Ok(RouteOutcome::Queued) => {
+                let (tx, rx) = oneshot::channel();
+                inner.waiters.insert(request.id, tx);
+                Admission::Queued(rx)
+            }
+            Ok(RouteOutcome::Rejected(RejectReason::QueueFull)) => Admission::Refused(RouteError::QueueFull),
+            Ok(RouteOutcome::Rejected(_)) | Err(_) => Admission::Refused(RouteError::NoWorker),
+        }
+    }
+
+    /// Routes the outputs of an input that freed capacity: released requests go to their
+    /// waiting handlers (or are cancelled if the handler has gone).
+    pub(super) fn dispatch(&self, inner: &mut Inner, outputs: Vec<Output>) {
+        let mut pending = outputs;
+        while let Some(out) = pending.pop() {
+            if let Output::Routed(d) = out {
+                let delivered = match inner.waiters.remove(&d.request) {
+                    Some(tx) => tx.send(d).is_ok(),
+                    None => false,
+                };
+                if !delivered {
+                    let now = self.now();
+                    if let Ok(more) = inner.router.handle_cancelled(now, d.request) {
+                        pending.extend(more);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reports a step of a request's life to the router. Its end may leave a draining worker
+    /// idle, and is a change [`Self::wait_until`] wakes on.
+    pub(super) fn lifecycle(
+        &self,
+        f: impl FnOnce(&mut Router, Timestamp) -> Result<Vec<Output>, RouterError>,
+    ) {
+        let mut inner = self.lock();
+        let now = self.now();
+        if let Ok(out) = f(&mut inner.router, now)
+            && !out.is_empty()
+        {
+            self.dispatch(&mut inner, out);
+        }
+        self.settle_drains(&mut inner);
+        drop(inner);
+        self.notify();
+    }
+}
+impl Inner {
+    fn target(&self, d: &Decision) -> Target {
+        Target {
+            decode: self.upstream(d.worker),
+            prefill: d.prefill.map(|p| self.upstream(p.worker)),
+        }
+    }
+
+    fn upstream(&self, key: WorkerKey) -> Upstream {
+        let w = self.registry.get(key.worker);
+        Upstream {
+            worker: key.worker,
+            dp_rank: key.dp_rank.0,
+            dp: w.is_some_and(|w| w.config.dp_size > 1),
+            base: w.map(|w| w.base.clone()).unwrap_or_default(),
+            bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
+            engine: w.map(|w| w.config.engine).unwrap_or_default(),
+            api_key: w.and_then(|w| w.config.api_key.clone()),
+            reannounce: w.map(|w| w.config.reannounce).unwrap_or_default(),
+        }
+    }
+}
+
+/// The prompt tokens an engine should report cached for `decision`'s prompt of
+/// `prompt_tokens` tokens: the router's overlap on the chosen worker in tokens, within the
+/// engine's hit ceiling ([`max_cached_blocks`]).
+fn predicted_cached_tokens(decision: &Decision, prompt_tokens: usize, block_size: u32) -> u64 {
+    let block_size = u64::from(block_size);
+    let blocks = u64::from(decision.overlap_blocks).min(max_cached_blocks(prompt_tokens as u64, block_size));
+    blocks * block_size
+}

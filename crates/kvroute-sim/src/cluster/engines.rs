@@ -1,0 +1,287 @@
+//! Driving the engines: a routed request sent to its engine, a pass's effects delivered to
+//! the routers, and a disaggregated request's import into its decode engine.
+
+use kvroute_core::ids::RequestId;
+use kvroute_core::router::{Decision, Output, RouterError, WorkerRole};
+use kvroute_engine::{ImportAdmission, ImportStart, StartedImport, StepOutput};
+use kvroute_planner::PassSample;
+
+use crate::error::SimError;
+
+use super::{Event, Life, Run, engine_request, kv_use};
+
+impl Run<'_> {
+    /// Sends a routed request to its engine.
+    pub(super) fn start(&mut self, decision: Decision) -> Result<(), SimError> {
+        let i = decision.request.0 as usize;
+        let w = decision.worker.worker.0 as usize;
+        let r = &self.workload.requests[i];
+        let state = &mut self.reqs[i];
+        state.routed = Some(self.now);
+        state.worker = Some(w as u32);
+        state.overlap_blocks = decision.overlap_blocks;
+        state.counted = true;
+        self.workers[w].count_in_flight(self.now, 1);
+        let state = &mut self.reqs[i];
+        if let Some(p) = &mut self.planner {
+            // The hit rate that discounts prefill work is the one of the worker that prefills.
+            let overlap = decision
+                .prefill
+                .map_or(decision.overlap_blocks, |a| a.overlap_blocks);
+            let blocks = r.prompt_tokens / self.workload.block_size;
+            if blocks > 0 {
+                p.traffic.hit_sum += f64::from(overlap) / f64::from(blocks);
+                p.traffic.hit_n += 1;
+            }
+        }
+        let mut request = engine_request(decision.request, r);
+        // A prefill-only instance samples the first token; a request of at most one token is
+        // then complete there.
+        let w = match decision.prefill {
+            Some(p) => {
+                let p = p.worker.worker.0 as usize;
+                state.prefill_worker = Some(p as u32);
+                state.in_prefill = r.output_tokens >= 2;
+                request.output_len = request.output_len.min(1);
+                p
+            }
+            None => w,
+        };
+        self.materialize(w)?;
+        self.reqs[i].queued_on = Some(w as u32);
+        self.workers[w].queued_prefill_tokens += u64::from(self.workload.requests[i].prompt_tokens);
+        let worker = &mut self.workers[w];
+        if worker.host.add(self.now, request).is_err() {
+            return self.reject_in_engine(i);
+        }
+        self.wake(w);
+        Ok(())
+    }
+
+    /// Request `i` was refused by an engine: turned away, and cancelled at the router.
+    pub(super) fn reject_in_engine(&mut self, i: usize) -> Result<(), SimError> {
+        self.totals.rejected_by_engine += 1;
+        self.unqueue(i);
+        self.reqs[i].rejected = true;
+        self.reqs[i].in_prefill = false;
+        self.uncount(i);
+        let r = self.reqs[i].replica as usize;
+        let outputs = self.routers[r].handle_cancelled(self.now, RequestId(i as u64))?;
+        self.export_sync(r);
+        self.done(i);
+        self.route_outputs(outputs)
+    }
+
+    /// Request `i` no longer counts in its decode worker's in-flight requests.
+    pub(super) fn uncount(&mut self, i: usize) {
+        if std::mem::take(&mut self.reqs[i].counted)
+            && let Some(w) = self.reqs[i].worker
+        {
+            self.workers[w as usize].count_in_flight(self.now, -1);
+        }
+    }
+
+    /// Schedules a pass of engine `w` now unless one is pending.
+    pub(super) fn wake(&mut self, w: usize) {
+        if !self.workers[w].scheduled {
+            self.workers[w].scheduled = true;
+            let generation = self.workers[w].generation;
+            self.push(self.now, Event::Step(w as u32, generation));
+        }
+    }
+
+    /// Disaggregated request `i` finished its prefill: its decode engine admits the import
+    /// ([`EngineHost::import`](kvroute_engine::EngineHost::import)): the transfer starts, or it waits for blocks behind earlier
+    /// imports, or it is turned away if it can never fit.
+    pub(super) fn begin_import(&mut self, i: usize) -> Result<(), SimError> {
+        self.reqs[i].in_prefill = false;
+        let w = self.reqs[i].worker.expect("a routed request has a worker") as usize;
+        if self.workers[w].host.num_waiting_imports() == 0 {
+            self.materialize(w)?;
+        }
+        let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        match self.workers[w].host.import(self.now, request) {
+            Ok(ImportAdmission::Started(import)) => self.import_started(w, import),
+            Ok(ImportAdmission::Waiting) => {
+                self.totals.kv_import_waits += 1;
+                Ok(())
+            }
+            Err(_) => self.reject_in_engine(i),
+        }
+    }
+
+    /// An import to engine `w` started: its KV lands after the transfer.
+    pub(super) fn import_started(&mut self, w: usize, import: StartedImport) -> Result<(), SimError> {
+        let bs = self.config.engine.block_size;
+        let t = &mut self.totals;
+        t.kv_transfers += 1;
+        t.kv_transfer_blocks += u64::from(import.transfer_blocks);
+        t.kv_transfer_hit_blocks += u64::from(import.hit_blocks);
+        t.kv_transfer_bytes += self.config.transfer.bytes(import.transfer_blocks, bs);
+        t.kv_transfer_nanos += import.transfer_time.as_nanos() as u64;
+        self.publish(w, import.events)?;
+        self.push(import.lands, Event::TransferDone(import.id.0 as u32));
+        Ok(())
+    }
+
+    /// Starts the waiting imports of engine `w` that fit now, in order.
+    pub(super) fn retry_imports(&mut self, w: usize) -> Result<(), SimError> {
+        for start in self.workers[w].host.start_waiting_imports(self.now) {
+            match start {
+                ImportStart::Started(import) => {
+                    let i = import.id.0 as usize;
+                    self.import_started(w, import)?;
+                    // The prefill's first token was the request's last event before the wait.
+                    let since = self.reqs[i].last_token;
+                    self.totals.kv_import_wait_nanos += self.now.saturating_since(since).as_nanos() as u64;
+                }
+                ImportStart::Refused(id, _) => self.reject_in_engine(id.0 as usize)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Request `i`'s KV reached its decode engine.
+    pub(super) fn transfer_done(&mut self, i: usize) -> Result<(), SimError> {
+        let w = self.reqs[i].worker.expect("a transferred request has a worker") as usize;
+        self.materialize(w)?;
+        let events = self.workers[w]
+            .host
+            .land(self.now, RequestId(i as u64))
+            .map_err(|e| SimError::Invariant(format!("completing the transfer of {i}: {e}")))?;
+        self.totals.kv_transfers_done += 1;
+        self.publish(w, events)?;
+        self.wake(w);
+        Ok(())
+    }
+
+    /// Engine `w`'s pass ended (or it was idle and got work): deliver, then start the next pass.
+    pub(super) fn step(&mut self, w: usize) -> Result<(), SimError> {
+        if let Some(start) = self.workers[w].stretch_start.take() {
+            let passes = self.workers[w].stretch_ends.len();
+            self.apply_stretch(w, start, passes);
+        } else if let Some(out) = self.workers[w].host.finish_pass() {
+            self.deliver_step(w, out)?;
+        }
+        self.retry_imports(w)?;
+        if self.fast_forward && self.begin_stretch(w) {
+            return Ok(());
+        }
+        let worker = &mut self.workers[w];
+        match worker.host.step(self.now) {
+            Some(end) => {
+                let generation = worker.generation;
+                self.push(end, Event::Step(w as u32, generation));
+            }
+            None => worker.scheduled = false,
+        }
+        if self.workers[w].life == Life::Draining {
+            self.try_retire(w)?;
+        }
+        Ok(())
+    }
+
+    /// A pass's effects, at its end.
+    pub(super) fn deliver_step(&mut self, w: usize, out: StepOutput) -> Result<(), SimError> {
+        let now = self.now;
+        let m = out.metrics;
+        let t = &mut self.totals;
+        t.steps += 1;
+        t.busy_nanos += out.end.as_nanos() - out.start.as_nanos();
+        if self.workers[w].role == WorkerRole::Prefill {
+            t.prefill_busy_nanos += out.end.as_nanos() - out.start.as_nanos();
+        }
+        t.preemptions += u64::from(m.preemptions);
+        t.hit_tokens += m.prefix_cache_hit_tokens;
+        t.query_tokens += m.prefix_cache_query_tokens;
+        self.window_hits.0 += m.prefix_cache_hit_tokens;
+        self.window_hits.1 += m.prefix_cache_query_tokens;
+        self.workers[w].kv_use = kv_use((m.active_blocks, m.total_blocks));
+        if self.planner.is_some() {
+            self.workers[w].passes.push(PassSample {
+                prefill_tokens: m.pass.prefill_tokens,
+                decode_seqs: m.pass.decode_seqs,
+                kv_tokens: u64::from(m.pass.kv_active_blocks) * u64::from(self.config.engine.block_size),
+                duration_s: m.duration.as_secs_f64(),
+            });
+        }
+        self.publish(w, out.events)?;
+        for e in &out.emitted {
+            let s = &mut self.reqs[e.request.0 as usize];
+            if s.first_token.is_some() {
+                self.totals.itl.add(now.saturating_since(s.last_token));
+            }
+            s.last_token = now;
+            s.output_tokens += e.tokens;
+        }
+        for &id in &out.first_token {
+            self.reqs[id.0 as usize].first_token = Some(now);
+            self.unqueue(id.0 as usize);
+            if let Some(p) = &mut self.planner
+                && let Some(arrived) = self.reqs[id.0 as usize].arrived
+            {
+                p.traffic.ttft_sum_ms += now.saturating_since(arrived).as_secs_f64() * 1e3;
+                p.traffic.ttft_n += 1;
+            }
+            let r = self.reqs[id.0 as usize].replica as usize;
+            let result = self.routers[r].handle_first_token(now, id);
+            self.export_sync(r);
+            let outputs = self.lifecycle(result)?;
+            self.route_outputs(outputs)?;
+        }
+        for f in &out.finished {
+            let i = f.request.0 as usize;
+            if self.reqs[i].in_prefill {
+                self.begin_import(i)?;
+                continue;
+            }
+            self.reqs[i].finished = Some(now);
+            self.totals.completed += 1;
+            if let Some(p) = &mut self.planner {
+                let s = &self.reqs[i];
+                p.traffic.completed += 1;
+                p.traffic.osl_sum += f64::from(s.output_tokens);
+                if let Some(first) = s.first_token
+                    && s.output_tokens > 1
+                {
+                    let span = s.last_token.saturating_since(first).as_secs_f64() * 1e3;
+                    p.traffic.itl_sum_ms += span / f64::from(s.output_tokens - 1);
+                    p.traffic.itl_n += 1;
+                }
+            }
+            self.uncount(i);
+            let r = self.reqs[i].replica as usize;
+            let result = self.routers[r].handle_finished(now, f.request);
+            self.export_sync(r);
+            let outputs = self.lifecycle(result)?;
+            self.done(i);
+            self.route_outputs(outputs)?;
+        }
+        Ok(())
+    }
+
+    /// A lifecycle call's outputs; a request the router already dropped (TTL) is counted, not
+    /// an error.
+    pub(super) fn lifecycle(
+        &mut self,
+        result: Result<Vec<Output>, RouterError>,
+    ) -> Result<Vec<Output>, SimError> {
+        match result {
+            Ok(outputs) => Ok(outputs),
+            Err(RouterError::UnknownRequest(_)) => {
+                self.totals.stale_lifecycle_events += 1;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Request `i` no longer waits for its first token on the worker computing its prompt.
+    pub(super) fn unqueue(&mut self, i: usize) {
+        if let Some(w) = self.reqs[i].queued_on.take() {
+            let tokens = u64::from(self.workload.requests[i].prompt_tokens);
+            let q = &mut self.workers[w as usize].queued_prefill_tokens;
+            *q = q.saturating_sub(tokens);
+        }
+    }
+}

@@ -1,0 +1,508 @@
+//! The discrete-event loop: one virtual clock, one [`Router`] (or several replicas), N
+//! [`Engine`](kvroute_engine::Engine)s.
+//!
+//! Sources of events, merged by time (ties: KV deliveries, then replica-sync deliveries, then
+//! arrivals in workload order, then the heap in push order, then the routers' deadlines):
+//!
+//! * open-loop arrivals, a cursor over the workload sorted by arrival time;
+//! * a heap keyed by `(time, time pushed, class, tie-break)`: engine step ends (class 1, ties
+//!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
+//!   ties broken in push order);
+//! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
+//! * the replica-sync channel, a heap keyed by (delivery time, exporting replica, export
+//!   sequence): each event goes to every other replica;
+//! * each router's own deadline ([`Router::next_deadline`]), while requests are in flight (ties:
+//!   the lowest replica first).
+//!
+//! **Replicas** ([`crate::Replicas`]): each arrival goes to one replica (in turn, or at random);
+//! the request's first token, finish and cancellation go to that replica; KV events and fleet
+//! changes go to every replica. After every input a replica takes, its exported sync events are
+//! put on the sync channel (or lost, with the configured probability). One replica without sync
+//! is exactly the single-router run: no draws, no events.
+//!
+//! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
+//! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
+//!
+//! Fast-forward ([`SimConfig::fast_forward`]): when an engine's next passes are pure decode
+//! ([`Engine::decode_horizon`](kvroute_engine::Engine::decode_horizon): nothing allocated, cached, admitted or finished, so nothing the
+//! router or another engine sees), the run computes their end times and pushes one `Step` event,
+//! keyed as the last of them would have been, instead of one per pass. The skipped passes are
+//! applied when that event comes, or earlier when something touches the engine (a request or
+//! import sent to it, a transfer landing): then exactly the passes whose keys come before the
+//! current event's are applied, the pass in flight is started as it was, and the stretch's event
+//! is dropped. A step's key does not depend on the sequence number, so the order of events, and
+//! every result, is the same with fast-forward on or off.
+//!
+//! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
+//! the prefill engine with an output of one token (a prefill-only vLLM instance: the first
+//! token comes from there). When that finishes, the decode engine reserves blocks for the
+//! prompt ([`Engine::import_request`](kvroute_engine::Engine::import_request); if they are not free, the import waits, in order, until a
+//! pass of the decode engine frees some), a `TransferDone` event fires after the link's
+//! transfer time for the blocks it lacks, and the decode engine takes the prompt's KV as
+//! computed ([`Engine::complete_import`](kvroute_engine::Engine::complete_import)) and generates the rest. KV events a call outside a
+//! pass returns are published after those of the decode engine's pass in flight, keeping the
+//! engine's order.
+//!
+//! With a planner ([`SimConfig::planner`]), a `PlannerTick` event runs the planner at the times
+//! it asks for (see `planned.rs`); an added worker's engine exists from the decision on and
+//! joins the router at its `WorkerReady` event; a removed one drains (the router's
+//! `handle_worker_draining`) and leaves the router (`handle_worker_removed`) once its engine is
+//! idle and no request is on its way to it. Fast-forward is off then: the planner fits on every
+//! pass.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Duration;
+
+use kvroute_core::events::KvEvent;
+use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, RequestId};
+use kvroute_core::router::{
+    Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, WorkerRole,
+};
+use kvroute_core::time::Timestamp;
+use kvroute_planner::{EngineLimits, Planner};
+
+use crate::config::{ArrivalMode, SimConfig, Topology};
+use crate::error::SimError;
+use crate::planned::PlannerState;
+use crate::report::TimeSeries;
+use crate::workload::{Arrival, Workload};
+
+mod check;
+mod engines;
+mod fast_forward;
+mod kv;
+mod record;
+mod replicas;
+mod scaling;
+mod worker;
+
+pub(crate) use record::{ReqState, Totals};
+use replicas::{InTransit, replica_config};
+pub(crate) use worker::{Life, SimWorker};
+use worker::{engine_request, kv_use};
+
+/// Progress of a run, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Simulated time reached.
+    pub now: Timestamp,
+    /// Requests completed or turned away.
+    pub done: usize,
+    /// Requests in the workload.
+    pub total: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive(u32),
+    /// Engine `.0`'s pass ends; valid while `.1` is the worker's generation.
+    Step(u32, u32),
+    /// A request's KV reached its decode worker.
+    TransferDone(u32),
+    Sample,
+    /// The planner's next tick.
+    PlannerTick,
+    /// Worker `.0`, added by the planner, becomes routable.
+    WorkerReady(u32),
+}
+
+/// A heap key: time, the time the event was pushed, class (0, or 1 for steps) and tie-break
+/// (the push sequence number, or the worker for steps).
+type Key = (Timestamp, Timestamp, u8, u64);
+
+/// A run's state. Built by [`crate::Simulation::run`], consumed into a [`crate::RunResult`].
+pub(crate) struct Run<'w> {
+    config: &'w SimConfig,
+    workload: &'w Workload,
+    /// The router replicas (one without [`crate::Replicas`]).
+    pub(crate) routers: Vec<Router>,
+    /// Replica-sync events on their way.
+    sync: BinaryHeap<Reverse<InTransit>>,
+    sync_seq: u64,
+    /// Draws of the replica spread and of sync loss (apart from the simulator's own, so that one
+    /// router draws exactly as before).
+    spread_rng: Rng,
+    sync_rng: Rng,
+    next_replica: usize,
+    pub(crate) workers: Vec<SimWorker>,
+    heap: BinaryHeap<Reverse<(Key, Event)>>,
+    seq: u64,
+    /// The key of the event being handled (open arrivals come before heap events at the same
+    /// time, router ticks after).
+    current: Key,
+    open: Vec<u32>,
+    open_next: usize,
+    channel: VecDeque<(Timestamp, u32, KvEvent)>,
+    /// The arriving request's prompt blocks, in one slice for the router.
+    prompt: Vec<LocalBlockHash>,
+    /// Removals of one pass that reach the index at the same moment, applied as one event.
+    removed_batch: Vec<ExternalBlockHash>,
+    followers: Vec<Vec<u32>>,
+    closed_next: usize,
+    rng: Rng,
+    now: Timestamp,
+    in_flight_requests: u64,
+    pub(crate) reqs: Vec<ReqState>,
+    pub(crate) totals: Totals,
+    pub(crate) series: Option<TimeSeries>,
+    window_hits: (u64, u64),
+    /// Per replica: the deadline it was last ticked at.
+    ticked_at: Vec<Option<Timestamp>>,
+    /// Whether pure-decode stretches are skipped (off with a planner).
+    fast_forward: bool,
+    pub(crate) planner: Option<PlannerState>,
+}
+
+impl<'w> Run<'w> {
+    pub(crate) fn new(config: &'w SimConfig, workload: &'w Workload) -> Result<Self, SimError> {
+        let mut routers = (0..config.replicas.count)
+            .map(|r| Router::new(replica_config(config, r)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut workers = Vec::with_capacity(config.workers());
+        for i in 0..config.workers() {
+            let role = match config.topology {
+                Topology::Aggregated { .. } => WorkerRole::Aggregated,
+                Topology::Disaggregated { prefill, .. } if i < prefill => WorkerRole::Prefill,
+                Topology::Disaggregated { .. } => WorkerRole::Decode,
+            };
+            let worker = SimWorker::new(config, i, role, Timestamp::ZERO)?;
+            for router in &mut routers {
+                router.handle_worker_added(Timestamp::ZERO, worker.spec(config))?;
+            }
+            workers.push(worker);
+        }
+        let planner = match &config.planner {
+            Some(setup) => {
+                let e = &config.engine;
+                let limits = EngineLimits {
+                    max_num_batched_tokens: e.max_num_batched_tokens,
+                    max_num_seqs: e.max_num_seqs,
+                    kv_capacity_tokens: u64::from(e.num_blocks) * u64::from(e.block_size),
+                };
+                let planner = Planner::new(setup.config.clone(), limits, Timestamp::ZERO)?;
+                let startup = Duration::try_from_secs_f64(setup.config.startup_delay_s)
+                    .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
+                Some(PlannerState::new(planner, startup))
+            }
+            None => None,
+        };
+        let n = workload.requests.len();
+        let mut followers = Vec::new();
+        let mut open = Vec::new();
+        for (i, r) in workload.requests.iter().enumerate() {
+            match r.arrival {
+                Arrival::At(_) => open.push(i as u32),
+                Arrival::After { request, .. } if request < i => {
+                    if followers.is_empty() {
+                        followers = vec![Vec::new(); n];
+                    }
+                    followers[request].push(i as u32);
+                }
+                Arrival::After { request, .. } => {
+                    return Err(SimError::Workload(format!(
+                        "request {i} follows request {request}, which is not earlier"
+                    )));
+                }
+            }
+        }
+        open.sort_by_key(|&i| match workload.requests[i as usize].arrival {
+            Arrival::At(t) => (t, i),
+            Arrival::After { .. } => (Timestamp::ZERO, i),
+        });
+        let series = config.sample_interval.map(|_| TimeSeries {
+            worker_requests: vec![Vec::new(); config.workers()],
+            worker_kv_use: vec![Vec::new(); config.workers()],
+            ..TimeSeries::default()
+        });
+        let replicas = routers.len();
+        Ok(Self {
+            config,
+            workload,
+            routers,
+            sync: BinaryHeap::new(),
+            sync_seq: 0,
+            spread_rng: Rng::new(config.seed ^ 0x5EED_0000_0000_0001),
+            sync_rng: Rng::new(config.seed ^ 0x5EED_0000_0000_0002),
+            next_replica: 0,
+            workers,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            current: (Timestamp::ZERO, Timestamp::ZERO, 0, 0),
+            open,
+            open_next: 0,
+            channel: VecDeque::new(),
+            prompt: Vec::new(),
+            removed_batch: Vec::new(),
+            followers,
+            closed_next: 0,
+            rng: Rng::new(config.seed),
+            now: Timestamp::ZERO,
+            in_flight_requests: 0,
+            reqs: vec![ReqState::default(); n],
+            totals: Totals::default(),
+            series,
+            window_hits: (0, 0),
+            ticked_at: vec![None; replicas],
+            fast_forward: config.fast_forward && planner.is_none(),
+            planner,
+        })
+    }
+
+    fn push(&mut self, at: Timestamp, event: Event) {
+        self.push_from(at, self.now, event);
+    }
+
+    /// Pushes `event` at `at` as if pushed at `pushed`.
+    fn push_from(&mut self, at: Timestamp, pushed: Timestamp, event: Event) {
+        let key = match event {
+            Event::Step(w, _) => (at, pushed, 1, u64::from(w)),
+            _ => (at, pushed, 0, self.seq),
+        };
+        self.heap.push(Reverse((key, event)));
+        self.seq += 1;
+    }
+
+    /// Whether `event` is a step a cut stretch left behind.
+    fn stale(&self, event: Event) -> bool {
+        matches!(event, Event::Step(w, g) if self.workers[w as usize].generation != g)
+    }
+
+    /// Runs to the end: until no event is left.
+    pub(crate) fn run(&mut self, progress: &mut dyn FnMut(Progress)) -> Result<(), SimError> {
+        if let ArrivalMode::Closed { concurrency } = self.config.arrivals {
+            self.open.clear();
+            for _ in 0..concurrency {
+                self.launch_next_closed(Timestamp::ZERO);
+            }
+        }
+        if self.config.sample_interval.is_some() {
+            self.push(Timestamp::ZERO, Event::Sample);
+        }
+        if let Some(p) = &self.planner {
+            let at = p.planner.next_tick();
+            self.push(at, Event::PlannerTick);
+        }
+        let mut handled: u64 = 0;
+        loop {
+            while let Some(&Reverse((_, event))) = self.heap.peek()
+                && self.stale(event)
+            {
+                self.heap.pop();
+            }
+            let Some(source) = self.next_source() else {
+                break;
+            };
+            let at = source.0;
+            if at < self.now {
+                return Err(SimError::ClockWentBack {
+                    from: self.now,
+                    to: at,
+                });
+            }
+            self.now = at;
+            self.current = match source.1 {
+                Source::Channel | Source::Sync | Source::Open => (at, Timestamp::ZERO, 0, 0),
+                Source::Heap => self.heap.peek().map_or((at, Timestamp::ZERO, 0, 0), |e| e.0.0),
+                Source::Router(_) => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
+            };
+            match source.1 {
+                Source::Channel => self.deliver_kv()?,
+                Source::Sync => self.deliver_sync()?,
+                Source::Open => {
+                    let i = self.open[self.open_next];
+                    self.open_next += 1;
+                    self.arrive(i as usize)?;
+                }
+                Source::Heap => {
+                    if let Some(Reverse((_, event))) = self.heap.pop() {
+                        match event {
+                            Event::Arrive(i) => self.arrive(i as usize)?,
+                            Event::Step(w, _) => self.step(w as usize)?,
+                            Event::TransferDone(i) => self.transfer_done(i as usize)?,
+                            Event::Sample => self.sample(),
+                            Event::PlannerTick => self.planner_tick()?,
+                            Event::WorkerReady(w) => self.worker_ready(w as usize)?,
+                        }
+                    }
+                }
+                Source::Router(r) => {
+                    let r = r as usize;
+                    self.ticked_at[r] = Some(at);
+                    let outputs = self.routers[r].handle_tick(at);
+                    self.route_outputs(outputs)?;
+                    self.export_sync(r);
+                }
+            }
+            handled += 1;
+            if handled % (1 << 15) == 0 {
+                progress(Progress {
+                    now: self.now,
+                    done: (self.totals.completed + self.rejected()) as usize,
+                    total: self.workload.requests.len(),
+                });
+            }
+        }
+        self.totals.end = self.now;
+        let end = self.now;
+        for w in &mut self.workers {
+            w.close_in_flight(end);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn rejected(&self) -> u64 {
+        self.totals.rejected_by_router + self.totals.rejected_by_engine
+    }
+
+    /// The earliest pending source, or `None` when the run is over.
+    fn next_source(&self) -> Option<(Timestamp, Source)> {
+        let mut best: Option<(Timestamp, Source)> = None;
+        let mut consider = |t: Option<Timestamp>, s: Source| {
+            if let Some(t) = t
+                && best.is_none_or(|(b, _)| t < b)
+            {
+                best = Some((t, s));
+            }
+        };
+        consider(self.channel.front().map(|e| e.0), Source::Channel);
+        consider(self.sync.peek().map(|Reverse(e)| e.key.0), Source::Sync);
+        consider(
+            self.open
+                .get(self.open_next)
+                .map(|&i| match self.workload.requests[i as usize].arrival {
+                    Arrival::At(t) => t,
+                    Arrival::After { .. } => Timestamp::ZERO,
+                }),
+            Source::Open,
+        );
+        consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
+        if self.in_flight_requests > 0 {
+            for (r, router) in self.routers.iter().enumerate() {
+                let deadline = router.next_deadline().map(|t| t.max(self.now));
+                // A tick that left its own deadline where it was waits for time to move on.
+                consider(
+                    deadline.filter(|&d| self.ticked_at[r] != Some(d)),
+                    Source::Router(r as u32),
+                );
+            }
+        }
+        best
+    }
+
+    /// Request `i` arrives now.
+    fn arrive(&mut self, i: usize) -> Result<(), SimError> {
+        let r = &self.workload.requests[i];
+        self.reqs[i].arrived = Some(self.now);
+        self.totals.arrived += 1;
+        if let Some(p) = &mut self.planner {
+            p.traffic.requests += 1;
+            p.traffic.isl_sum += f64::from(r.prompt_tokens);
+        }
+        self.in_flight_requests += 1;
+        let replica = self.pick_replica();
+        self.reqs[i].replica = replica as u32;
+        let r = &self.workload.requests[i];
+        r.locals.write_to(&mut self.prompt);
+        let request = RouteRequest::new(
+            RequestId(i as u64),
+            RoutePrompt::Blocks {
+                locals: &self.prompt,
+                prompt_tokens: u64::from(r.prompt_tokens),
+            },
+        );
+        match self.routers[replica].handle_request(self.now, &request)? {
+            RouteOutcome::Routed(decision) => self.start(decision)?,
+            RouteOutcome::Queued => {}
+            RouteOutcome::Rejected(_) => {
+                self.totals.rejected_by_router += 1;
+                self.reqs[i].rejected = true;
+                self.done(i);
+            }
+        }
+        self.export_sync(replica);
+        Ok(())
+    }
+
+    /// Routes or records what the router reported.
+    fn route_outputs(&mut self, outputs: Vec<Output>) -> Result<(), SimError> {
+        for output in outputs {
+            match output {
+                Output::Routed(decision) => self.start(decision)?,
+                Output::Dropped { .. } => self.totals.dropped_by_router += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Request `i` completed or was turned away: its followers and the closed loop move on.
+    fn done(&mut self, i: usize) {
+        self.in_flight_requests -= 1;
+        if matches!(self.config.arrivals, ArrivalMode::Closed { .. }) {
+            self.launch_next_closed(self.now);
+            return;
+        }
+        if let Some(next) = self.followers.get(i) {
+            for j in next.clone() {
+                if let Arrival::After { delay, .. } = self.workload.requests[j as usize].arrival {
+                    self.push(self.now + delay, Event::Arrive(j));
+                }
+            }
+        }
+    }
+
+    fn launch_next_closed(&mut self, at: Timestamp) {
+        if self.closed_next < self.workload.requests.len() {
+            let i = self.closed_next as u32;
+            self.closed_next += 1;
+            self.push(at, Event::Arrive(i));
+        }
+    }
+
+    /// Records one sample of the time series and schedules the next while work remains.
+    fn sample(&mut self) {
+        let Some(series) = &mut self.series else {
+            return;
+        };
+        series.time_s.push(self.now.as_secs_f64());
+        let mut waiting = 0;
+        for (i, w) in self.workers.iter().enumerate() {
+            let (running, queued) = (w.host.engine().num_running(), w.host.engine().num_waiting());
+            waiting += queued as u32;
+            series.worker_requests[i].push((running + queued) as u32);
+            series.worker_kv_use[i].push(w.kv_use);
+        }
+        let router_queued: u32 = self.routers.iter().map(|r| r.metrics().queued_now as u32).sum();
+        series.queued.push(waiting + router_queued);
+        let (hits, queries) = std::mem::take(&mut self.window_hits);
+        series.hit_rate.push(if queries == 0 {
+            0.0
+        } else {
+            hits as f64 / queries as f64
+        });
+        if self.more_work()
+            && let Some(interval) = self.config.sample_interval
+        {
+            self.push(self.now + interval, Event::Sample);
+        }
+    }
+
+    /// Whether anything but samples and planner ticks is left to happen.
+    fn more_work(&self) -> bool {
+        self.in_flight_requests > 0
+            || self.open_next < self.open.len()
+            || self
+                .heap
+                .iter()
+                .any(|&Reverse((_, e))| !matches!(e, Event::Sample | Event::PlannerTick) && !self.stale(e))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    Channel,
+    Sync,
+    Open,
+    Heap,
+    Router(u32),
+}

@@ -1,0 +1,75 @@
+//! What a run records: each request's state and the run's totals, from which the report is
+//! computed.
+
+use kvroute_core::time::Timestamp;
+
+use crate::report::Outcome;
+
+/// One request's state during a run.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReqState {
+    pub(crate) arrived: Option<Timestamp>,
+    pub(crate) routed: Option<Timestamp>,
+    pub(crate) worker: Option<u32>,
+    pub(crate) overlap_blocks: u32,
+    pub(crate) first_token: Option<Timestamp>,
+    pub(crate) last_token: Timestamp,
+    pub(crate) finished: Option<Timestamp>,
+    pub(crate) output_tokens: u32,
+    pub(crate) rejected: bool,
+    /// The prefill worker of a disaggregated request.
+    pub(crate) prefill_worker: Option<u32>,
+    /// Whether it runs on its prefill worker and will move to its decode worker after.
+    pub(crate) in_prefill: bool,
+    /// The worker computing its prompt, until its first token (the planner's queued prefill).
+    pub(crate) queued_on: Option<u32>,
+    /// The router replica that routed it.
+    pub(crate) replica: u32,
+    /// Whether it counts in its decode worker's in-flight requests (load imbalance).
+    pub(crate) counted: bool,
+}
+
+impl ReqState {
+    pub(crate) fn outcome(&self) -> Outcome {
+        if self.finished.is_some() {
+            Outcome::Completed
+        } else if self.rejected {
+            Outcome::Rejected
+        } else {
+            Outcome::Unfinished
+        }
+    }
+}
+
+/// Totals a run accumulates; the report is computed from them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Totals {
+    pub(crate) arrived: u64,
+    pub(crate) completed: u64,
+    pub(crate) rejected_by_router: u64,
+    pub(crate) rejected_by_engine: u64,
+    pub(crate) dropped_by_router: u64,
+    pub(crate) steps: u64,
+    pub(crate) busy_nanos: u64,
+    pub(crate) prefill_busy_nanos: u64,
+    pub(crate) kv_transfers: u64,
+    pub(crate) kv_transfers_done: u64,
+    pub(crate) kv_transfer_bytes: u64,
+    pub(crate) kv_transfer_blocks: u64,
+    pub(crate) kv_transfer_hit_blocks: u64,
+    pub(crate) kv_transfer_nanos: u64,
+    pub(crate) kv_import_waits: u64,
+    pub(crate) kv_import_wait_nanos: u64,
+    pub(crate) preemptions: u64,
+    pub(crate) hit_tokens: u64,
+    pub(crate) query_tokens: u64,
+    pub(crate) kv_events_published: u64,
+    pub(crate) kv_events_lost: u64,
+    pub(crate) kv_events_refused: u64,
+    pub(crate) stale_lifecycle_events: u64,
+    pub(crate) sync_events_published: u64,
+    pub(crate) sync_events_lost: u64,
+    pub(crate) sync_events_refused: u64,
+    pub(crate) end: Timestamp,
+    pub(crate) itl: crate::stats::Sketch,
+}
