@@ -48,6 +48,7 @@
 
 mod event;
 mod ext_map;
+mod free_runs;
 mod scores;
 
 use std::collections::VecDeque;
@@ -59,6 +60,7 @@ use hashbrown::HashTable;
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use ext_map::{ExtMap, Probe};
+use free_runs::{FreeRuns, Source};
 
 pub use event::{IndexEvent, stored_blocks};
 pub use scores::OverlapScores;
@@ -218,7 +220,8 @@ struct WorkerSlot {
 #[derive(Debug)]
 pub struct PrefixIndex {
     nodes: Vec<Node>,
-    free_nodes: Vec<NodeId>,
+    /// Free node ids, as runs of consecutive ids (see `free_runs`).
+    free: FreeRuns,
     /// Children of every node, keyed by `(parent, local)`; holds node ids only.
     children: HashTable<NodeId>,
     /// Worker mask words per node beyond the first.
@@ -246,7 +249,7 @@ impl PrefixIndex {
         nodes.push(Node::FREE);
         Self {
             nodes,
-            free_nodes: Vec::new(),
+            free: FreeRuns::default(),
             children: HashTable::with_capacity(config.expected_blocks),
             hi_words: 0,
             hi: Vec::new(),
@@ -326,7 +329,7 @@ impl PrefixIndex {
             .map(|s| s.blocks.allocation_size())
             .sum();
         let heap = self.nodes.capacity() * size_of::<Node>()
-            + self.free_nodes.capacity() * size_of::<NodeId>()
+            + self.free.allocation_size()
             + self.children.allocation_size()
             + self.hi.capacity() * size_of::<u64>()
             + self.slots.capacity() * size_of::<Option<WorkerSlot>>()
@@ -334,7 +337,7 @@ impl PrefixIndex {
             + worker_maps;
         IndexFootprint {
             entries: entries as u64,
-            nodes: (self.nodes.len() - 1 - self.free_nodes.len()) as u64,
+            nodes: (self.nodes.len() - 1 - self.free.len()) as u64,
             heap_bytes: heap as u64,
         }
     }
@@ -373,10 +376,21 @@ impl PrefixIndex {
         let mut path = std::mem::take(&mut self.scratch);
         path.clear();
         let mut at = parent_node;
+        // The blocks whose prefixes are in the tree already, then the new ones: a node just
+        // created has no children, so every block after the first new one is new too.
+        let mut known = 0;
         for block in blocks {
-            at = self.child_or_insert(at, block.local.0);
+            if self.nodes[at as usize].children == 0 {
+                break;
+            }
+            let Some(next) = self.child(at, block.local.0) else {
+                break;
+            };
+            at = next;
             path.push(at);
+            known += 1;
         }
+        self.new_chain(at, &blocks[known..], &mut path);
         let result = self.hold_path(worker, slot, blocks, &path);
         if result.is_err()
             && let Some(&deepest) = path.last()
@@ -752,6 +766,17 @@ impl PrefixIndex {
     /// The child of `parent` whose block has local hash `local`.
     #[inline(always)]
     fn child(&self, parent: NodeId, local: u64) -> Option<NodeId> {
+        // A chain laid out in consecutive nodes (see `free_runs`): the next node's address is
+        // known without reading `parent`'s hint, so a walk's loads along a chain overlap instead
+        // of each waiting on the one before. A node is the child of its parent for its local hash
+        // (free nodes have no parent), so checking the candidate's own fields is enough.
+        let next = parent.wrapping_add(1);
+        if let Some(n) = self.nodes.get(next as usize)
+            && n.parent == parent
+            && n.local == local
+        {
+            return Some(next);
+        }
         let p = &self.nodes[parent as usize];
         if p.hint != NONE && p.hint_tag == local as u32 && self.nodes[p.hint as usize].local == local {
             return Some(p.hint);
@@ -776,25 +801,45 @@ impl PrefixIndex {
             .copied()
     }
 
-    /// The child of `parent` for `local`, created (held by nobody) if missing.
-    fn child_or_insert(&mut self, parent: NodeId, local: u64) -> NodeId {
-        // A node just created by the same store (the common case on a long chain) has no
-        // children: skip the lookup.
-        if self.nodes[parent as usize].children != 0
-            && let Some(found) = self.child(parent, local)
-        {
-            return found;
+    /// Creates a chain of new nodes (held by nobody) for `blocks` under `parent`, which has no
+    /// child for the first of them, and appends their ids to `path`. The ids are consecutive
+    /// where the free runs allow (see `free_runs`), so walks along the chain read consecutive
+    /// nodes.
+    fn new_chain(&mut self, parent: NodeId, blocks: &[StoredBlock], path: &mut Vec<NodeId>) {
+        if blocks.is_empty() {
+            return;
         }
-        let id = match self.free_nodes.pop() {
-            Some(id) => id,
-            None => {
-                self.nodes.push(Node::FREE);
-                if self.hi_words > 0 {
-                    self.hi.resize(self.hi.len() + self.hi_words, 0);
+        let mut source = self.free.source(blocks.len(), self.nodes.len());
+        let mut at = parent;
+        for (i, block) in blocks.iter().enumerate() {
+            let reused = match source {
+                Source::Free => self.free.take().map(|(id, used_up)| {
+                    if used_up {
+                        // Where the rest of the chain goes is decided again, on the next run.
+                        source = self.free.source(blocks.len() - i - 1, self.nodes.len());
+                    }
+                    id
+                }),
+                Source::End => None,
+            };
+            let id = match reused {
+                Some(id) => id,
+                None => {
+                    self.nodes.push(Node::FREE);
+                    if self.hi_words > 0 {
+                        self.hi.resize(self.hi.len() + self.hi_words, 0);
+                    }
+                    (self.nodes.len() - 1) as NodeId
                 }
-                (self.nodes.len() - 1) as NodeId
-            }
-        };
+            };
+            self.link_child(at, id, block.local.0);
+            path.push(id);
+            at = id;
+        }
+    }
+
+    /// Makes the free node `id` the child of `parent` for `local`, held by nobody.
+    fn link_child(&mut self, parent: NodeId, id: NodeId, local: u64) {
         self.nodes[id as usize] = Node {
             local,
             mask0: 0,
@@ -816,7 +861,6 @@ impl PrefixIndex {
                 child_hash(n.parent, n.local)
             });
         }
-        id
     }
 
     /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
@@ -843,7 +887,7 @@ impl PrefixIndex {
                 entry.remove();
             }
             self.nodes[node as usize] = Node::FREE;
-            self.free_nodes.push(node);
+            self.free.free(node);
             node = n.parent;
         }
     }
