@@ -10,7 +10,8 @@
 //! So frees are coalesced: a chain freed leaf first (as [`super::PrefixIndex`]'s `collect` climbs)
 //! gives back its ids as one run, and a new chain takes ids from the front of the most recent run.
 //! A chain that needs more ids than the top run has is laid at the arena's end instead, as long as
-//! the free ids stay a small fraction of the arena (the `SLACK` below), so memory stays bounded.
+//! the free ids stay a small fraction of the arena (the `SLACK` below) and the arena has room
+//! without reallocating, so memory stays what it was.
 
 use super::NodeId;
 
@@ -74,13 +75,15 @@ impl FreeRuns {
         self.runs.push(Run { start: id, len: 1 });
     }
 
-    /// Where the `needed` ids of a new chain should come from, in an arena of `arena` nodes.
+    /// Where the `needed` ids of a new chain should come from, in an arena of `arena` nodes
+    /// with room for `capacity` without reallocating. The arena grows past its capacity only
+    /// when no id is free, as it would without runs, so memory is what it was.
     #[inline]
-    pub(super) fn source(&self, needed: usize, arena: usize) -> Source {
+    pub(super) fn source(&self, needed: usize, arena: usize, capacity: usize) -> Source {
         match self.runs.last() {
             None => Source::End,
             Some(top) if top.len as usize >= needed.min(SHORT) => Source::Free,
-            Some(_) if self.count * SLACK > arena => Source::Free,
+            Some(_) if self.count * SLACK > arena || arena + needed > capacity => Source::Free,
             Some(_) => Source::End,
         }
     }
@@ -99,5 +102,40 @@ impl FreeRuns {
         }
         self.count -= 1;
         Some((id, used_up))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_freed_leaf_first_is_taken_back_in_order() {
+        let mut free = FreeRuns::default();
+        for id in (10..20).rev() {
+            free.free(id);
+        }
+        free.free(40);
+        assert_eq!(free.len(), 11);
+        assert!(matches!(free.source(3, 100, 100), Source::Free));
+        assert_eq!(free.take(), Some((40, true)));
+        let taken: Vec<NodeId> = std::iter::from_fn(|| free.take().map(|(id, _)| id)).collect();
+        assert_eq!(taken, (10..20).collect::<Vec<_>>());
+        assert_eq!(free.len(), 0);
+        assert!(matches!(free.source(1, 100, 100), Source::End));
+    }
+
+    #[test]
+    fn short_runs_are_skipped_only_while_there_is_room() {
+        let mut free = FreeRuns::default();
+        free.free(5);
+        // A long chain and a short run: the arena's end, if the arena has room and few ids free.
+        assert!(matches!(free.source(20, 100, 200), Source::End));
+        // No room without reallocating: the short run.
+        assert!(matches!(free.source(20, 100, 110), Source::Free));
+        // Too many ids free: the short run.
+        assert!(matches!(free.source(20, 10, 200), Source::Free));
+        // A chain no longer than the run: the run.
+        assert!(matches!(free.source(1, 100, 200), Source::Free));
     }
 }

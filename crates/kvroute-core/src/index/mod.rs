@@ -809,14 +809,18 @@ impl PrefixIndex {
         if blocks.is_empty() {
             return;
         }
-        let mut source = self.free.source(blocks.len(), self.nodes.len());
+        let mut source = self.free.source(blocks.len(), self.nodes.len(), self.nodes.capacity());
         let mut at = parent;
         for (i, block) in blocks.iter().enumerate() {
             let reused = match source {
                 Source::Free => self.free.take().map(|(id, used_up)| {
                     if used_up {
                         // Where the rest of the chain goes is decided again, on the next run.
-                        source = self.free.source(blocks.len() - i - 1, self.nodes.len());
+                        source = self.free.source(
+                            blocks.len() - i - 1,
+                            self.nodes.len(),
+                            self.nodes.capacity(),
+                        );
                     }
                     id
                 }),
@@ -963,5 +967,62 @@ impl PrefixIndex {
         self.slots[slot]
             .as_mut()
             .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{DpRank, LocalBlockHash, WorkerId};
+
+    fn chain(seed: u64, len: u64) -> Vec<StoredBlock> {
+        (0..len)
+            .map(|i| StoredBlock {
+                local: LocalBlockHash(seed << 32 | i),
+                external: ExternalBlockHash(seed << 32 | i),
+            })
+            .collect()
+    }
+
+    /// The nodes of `blocks`' prefixes, from the root.
+    fn nodes_of(index: &PrefixIndex, blocks: &[StoredBlock]) -> Vec<NodeId> {
+        let mut at = ROOT;
+        blocks
+            .iter()
+            .map(|b| {
+                at = index
+                    .child(at, b.local.0)
+                    .unwrap_or_else(|| panic!("no node for {b:?}"));
+                at
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_chain_takes_consecutive_nodes_when_the_free_ids_are_scattered() {
+        let w = WorkerKey::new(WorkerId(1), DpRank(0));
+        let mut index = PrefixIndex::new(IndexConfig {
+            expected_blocks: 1024,
+            ..IndexConfig::default()
+        });
+        index.add_worker(w);
+        let (a, b) = (chain(1, 100), chain(2, 100));
+        index.apply_stored(w, None, &a).unwrap();
+        index.apply_stored(w, None, &b).unwrap();
+        // The last block of each chain goes: two free ids, far apart.
+        index.apply_removed(w, &[a[99].external, b[99].external]).unwrap();
+        let c = chain(3, 10);
+        index.apply_stored(w, None, &c).unwrap();
+        let ids = nodes_of(&index, &c);
+        assert!(ids.windows(2).all(|p| p[1] == p[0] + 1), "{ids:?}");
+        index.check_invariants().unwrap();
+        // A chain freed as a whole is taken back in order by the next chain.
+        index.apply_removed(w, &b.iter().map(|b| b.external).collect::<Vec<_>>()).unwrap();
+        let d = chain(4, 99);
+        index.apply_stored(w, None, &d).unwrap();
+        let ids = nodes_of(&index, &d);
+        assert!(ids.windows(2).all(|p| p[1] == p[0] + 1), "{ids:?}");
+        index.check_invariants().unwrap();
+        assert_eq!(index.find_matches(&[d[0].local, d[1].local], false).depth(w), 2);
     }
 }
