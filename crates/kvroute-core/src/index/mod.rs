@@ -29,6 +29,10 @@
 //!   prefix differently.
 //! * A node that no worker holds and that has no children is freed at once, so memory follows
 //!   what is held, not what was ever stored.
+//! * The blocks a store adds below the tree are laid out in consecutive nodes where the free
+//!   ids allow (`free_runs`), and a child lookup tries node `n + 1` first: a walk along a chain
+//!   then reads consecutive nodes whose addresses it knows ahead, instead of waiting on each
+//!   node's hint before it can load the next.
 //!
 //! # Errors
 //!
@@ -809,18 +813,18 @@ impl PrefixIndex {
         if blocks.is_empty() {
             return;
         }
-        let mut source = self.free.source(blocks.len(), self.nodes.len(), self.nodes.capacity());
+        let mut source = self
+            .free
+            .source(blocks.len(), self.nodes.len(), self.nodes.capacity());
         let mut at = parent;
         for (i, block) in blocks.iter().enumerate() {
             let reused = match source {
                 Source::Free => self.free.take().map(|(id, used_up)| {
                     if used_up {
                         // Where the rest of the chain goes is decided again, on the next run.
-                        source = self.free.source(
-                            blocks.len() - i - 1,
-                            self.nodes.len(),
-                            self.nodes.capacity(),
-                        );
+                        source =
+                            self.free
+                                .source(blocks.len() - i - 1, self.nodes.len(), self.nodes.capacity());
                     }
                     id
                 }),
@@ -1017,7 +1021,9 @@ mod tests {
         assert!(ids.windows(2).all(|p| p[1] == p[0] + 1), "{ids:?}");
         index.check_invariants().unwrap();
         // A chain freed as a whole is taken back in order by the next chain.
-        index.apply_removed(w, &b.iter().map(|b| b.external).collect::<Vec<_>>()).unwrap();
+        index
+            .apply_removed(w, &b.iter().map(|b| b.external).collect::<Vec<_>>())
+            .unwrap();
         let d = chain(4, 99);
         index.apply_stored(w, None, &d).unwrap();
         let ids = nodes_of(&index, &d);
