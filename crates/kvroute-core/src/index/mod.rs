@@ -670,24 +670,30 @@ impl PrefixIndex {
         if active == 0 {
             return;
         }
+        // `active` is never empty here; one bit left is `active & (active - 1) == 0`. The test
+        // is made where `active` changes, not per block: along a chain where nobody drops out,
+        // a block costs the child lookup and the mask test alone.
+        if early_exit && active & (active - 1) == 0 {
+            self.emit(word, active, depth, out);
+            return;
+        }
         for local in rest {
-            // `active` is never empty here; one bit left is `active & (active - 1) == 0`.
-            if early_exit && active & (active - 1) == 0 {
-                break;
-            }
             let Some(next) = self.child(node, local.0) else {
                 break;
             };
             let kept = active & mask(next);
+            depth += 1;
+            node = next;
             if kept != active {
-                self.emit(word, active & !kept, depth, out);
+                self.emit(word, active & !kept, depth - 1, out);
                 if kept == 0 {
                     return;
                 }
                 active = kept;
+                if early_exit && active & (active - 1) == 0 {
+                    break;
+                }
             }
-            depth += 1;
-            node = next;
         }
         self.emit(word, active, depth, out);
     }
