@@ -627,7 +627,9 @@ impl PrefixIndex {
 
     /// The walk once every worker still matching is in mask word `word`: `active` are those
     /// workers, matched `depth` blocks deep at `node`; `rest` are the query's blocks after it.
-    #[inline]
+    // Out of line: the walk's loop gets the registers to itself (inlined into
+    // `find_matches_into`, its state was spilled to the stack on every block).
+    #[inline(never)]
     #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
     fn walk_one_word(
         &self,
@@ -662,7 +664,7 @@ impl PrefixIndex {
         rest: &[LocalBlockHash],
         word: usize,
         mut active: u64,
-        mut depth: u32,
+        depth: u32,
         early_exit: bool,
         out: &mut OverlapScores,
         mask: impl Fn(NodeId) -> u64,
@@ -677,15 +679,32 @@ impl PrefixIndex {
             self.emit(word, active, depth, out);
             return;
         }
-        for local in rest {
+        let nodes = self.nodes.as_slice();
+        // Blocks of `rest` matched so far: `node` is `depth + i` blocks deep.
+        let mut i = 0usize;
+        loop {
+            // Along a chain laid out in consecutive nodes (see `free_runs`) where every active
+            // worker holds on, a block is a compare of the next node's own fields: its address
+            // does not wait on the current node, and the loop keeps its few values in registers.
+            while let (Some(q), Some(n)) = (rest.get(i), nodes.get(node as usize + 1))
+                && n.parent == node
+                && n.local == q.0
+                && mask(node + 1) & active == active
+            {
+                node += 1;
+                i += 1;
+            }
+            let Some(local) = rest.get(i) else {
+                break;
+            };
             let Some(next) = self.child(node, local.0) else {
                 break;
             };
-            let kept = active & mask(next);
-            depth += 1;
             node = next;
+            i += 1;
+            let kept = active & mask(next);
             if kept != active {
-                self.emit(word, active & !kept, depth - 1, out);
+                self.emit(word, active & !kept, depth + i as u32 - 1, out);
                 if kept == 0 {
                     return;
                 }
@@ -695,7 +714,7 @@ impl PrefixIndex {
                 }
             }
         }
-        self.emit(word, active, depth, out);
+        self.emit(word, active, depth + i as u32, out);
     }
 
     /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.
