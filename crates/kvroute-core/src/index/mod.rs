@@ -29,6 +29,10 @@
 //!   prefix differently.
 //! * A node that no worker holds and that has no children is freed at once, so memory follows
 //!   what is held, not what was ever stored.
+//! * The blocks a store adds below the tree are laid out in consecutive nodes where the free
+//!   ids allow (`free_runs`), and a child lookup tries node `n + 1` first: a walk along a chain
+//!   then reads consecutive nodes whose addresses it knows ahead, instead of waiting on each
+//!   node's hint before it can load the next.
 //!
 //! # Errors
 //!
@@ -48,6 +52,7 @@
 
 mod event;
 mod ext_map;
+mod free_runs;
 mod scores;
 
 use std::collections::VecDeque;
@@ -59,6 +64,7 @@ use hashbrown::HashTable;
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use ext_map::{ExtMap, Probe};
+use free_runs::{FreeRuns, Source};
 
 pub use event::{IndexEvent, stored_blocks};
 pub use scores::OverlapScores;
@@ -218,7 +224,8 @@ struct WorkerSlot {
 #[derive(Debug)]
 pub struct PrefixIndex {
     nodes: Vec<Node>,
-    free_nodes: Vec<NodeId>,
+    /// Free node ids, as runs of consecutive ids (see `free_runs`).
+    free: FreeRuns,
     /// Children of every node, keyed by `(parent, local)`; holds node ids only.
     children: HashTable<NodeId>,
     /// Worker mask words per node beyond the first.
@@ -246,7 +253,7 @@ impl PrefixIndex {
         nodes.push(Node::FREE);
         Self {
             nodes,
-            free_nodes: Vec::new(),
+            free: FreeRuns::default(),
             children: HashTable::with_capacity(config.expected_blocks),
             hi_words: 0,
             hi: Vec::new(),
@@ -326,7 +333,7 @@ impl PrefixIndex {
             .map(|s| s.blocks.allocation_size())
             .sum();
         let heap = self.nodes.capacity() * size_of::<Node>()
-            + self.free_nodes.capacity() * size_of::<NodeId>()
+            + self.free.allocation_size()
             + self.children.allocation_size()
             + self.hi.capacity() * size_of::<u64>()
             + self.slots.capacity() * size_of::<Option<WorkerSlot>>()
@@ -334,7 +341,7 @@ impl PrefixIndex {
             + worker_maps;
         IndexFootprint {
             entries: entries as u64,
-            nodes: (self.nodes.len() - 1 - self.free_nodes.len()) as u64,
+            nodes: (self.nodes.len() - 1 - self.free.len()) as u64,
             heap_bytes: heap as u64,
         }
     }
@@ -373,10 +380,21 @@ impl PrefixIndex {
         let mut path = std::mem::take(&mut self.scratch);
         path.clear();
         let mut at = parent_node;
+        // The blocks whose prefixes are in the tree already, then the new ones: a node just
+        // created has no children, so every block after the first new one is new too.
+        let mut known = 0;
         for block in blocks {
-            at = self.child_or_insert(at, block.local.0);
+            if self.nodes[at as usize].children == 0 {
+                break;
+            }
+            let Some(next) = self.child(at, block.local.0) else {
+                break;
+            };
+            at = next;
             path.push(at);
+            known += 1;
         }
+        self.new_chain(at, &blocks[known..], &mut path);
         let result = self.hold_path(worker, slot, blocks, &path);
         if result.is_err()
             && let Some(&deepest) = path.last()
@@ -609,7 +627,9 @@ impl PrefixIndex {
 
     /// The walk once every worker still matching is in mask word `word`: `active` are those
     /// workers, matched `depth` blocks deep at `node`; `rest` are the query's blocks after it.
-    #[inline]
+    // Out of line: the walk's loop gets the registers to itself (inlined into
+    // `find_matches_into`, its state was spilled to the stack on every block).
+    #[inline(never)]
     #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
     fn walk_one_word(
         &self,
@@ -644,7 +664,7 @@ impl PrefixIndex {
         rest: &[LocalBlockHash],
         word: usize,
         mut active: u64,
-        mut depth: u32,
+        depth: u32,
         early_exit: bool,
         out: &mut OverlapScores,
         mask: impl Fn(NodeId) -> u64,
@@ -652,26 +672,49 @@ impl PrefixIndex {
         if active == 0 {
             return;
         }
-        for local in rest {
-            // `active` is never empty here; one bit left is `active & (active - 1) == 0`.
-            if early_exit && active & (active - 1) == 0 {
-                break;
+        // `active` is never empty here; one bit left is `active & (active - 1) == 0`. The test
+        // is made where `active` changes, not per block: along a chain where nobody drops out,
+        // a block costs the child lookup and the mask test alone.
+        if early_exit && active & (active - 1) == 0 {
+            self.emit(word, active, depth, out);
+            return;
+        }
+        let nodes = self.nodes.as_slice();
+        // Blocks of `rest` matched so far: `node` is `depth + i` blocks deep.
+        let mut i = 0usize;
+        loop {
+            // Along a chain laid out in consecutive nodes (see `free_runs`) where every active
+            // worker holds on, a block is a compare of the next node's own fields: its address
+            // does not wait on the current node, and the loop keeps its few values in registers.
+            while let (Some(q), Some(n)) = (rest.get(i), nodes.get(node as usize + 1))
+                && n.parent == node
+                && n.local == q.0
+                && mask(node + 1) & active == active
+            {
+                node += 1;
+                i += 1;
             }
+            let Some(local) = rest.get(i) else {
+                break;
+            };
             let Some(next) = self.child(node, local.0) else {
                 break;
             };
+            node = next;
+            i += 1;
             let kept = active & mask(next);
             if kept != active {
-                self.emit(word, active & !kept, depth, out);
+                self.emit(word, active & !kept, depth + i as u32 - 1, out);
                 if kept == 0 {
                     return;
                 }
                 active = kept;
+                if early_exit && active & (active - 1) == 0 {
+                    break;
+                }
             }
-            depth += 1;
-            node = next;
         }
-        self.emit(word, active, depth, out);
+        self.emit(word, active, depth + i as u32, out);
     }
 
     /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.
@@ -752,6 +795,17 @@ impl PrefixIndex {
     /// The child of `parent` whose block has local hash `local`.
     #[inline(always)]
     fn child(&self, parent: NodeId, local: u64) -> Option<NodeId> {
+        // A chain laid out in consecutive nodes (see `free_runs`): the next node's address is
+        // known without reading `parent`'s hint, so a walk's loads along a chain overlap instead
+        // of each waiting on the one before. A node is the child of its parent for its local hash
+        // (free nodes have no parent), so checking the candidate's own fields is enough.
+        let next = parent.wrapping_add(1);
+        if let Some(n) = self.nodes.get(next as usize)
+            && n.parent == parent
+            && n.local == local
+        {
+            return Some(next);
+        }
         let p = &self.nodes[parent as usize];
         if p.hint != NONE && p.hint_tag == local as u32 && self.nodes[p.hint as usize].local == local {
             return Some(p.hint);
@@ -776,25 +830,49 @@ impl PrefixIndex {
             .copied()
     }
 
-    /// The child of `parent` for `local`, created (held by nobody) if missing.
-    fn child_or_insert(&mut self, parent: NodeId, local: u64) -> NodeId {
-        // A node just created by the same store (the common case on a long chain) has no
-        // children: skip the lookup.
-        if self.nodes[parent as usize].children != 0
-            && let Some(found) = self.child(parent, local)
-        {
-            return found;
+    /// Creates a chain of new nodes (held by nobody) for `blocks` under `parent`, which has no
+    /// child for the first of them, and appends their ids to `path`. The ids are consecutive
+    /// where the free runs allow (see `free_runs`), so walks along the chain read consecutive
+    /// nodes.
+    fn new_chain(&mut self, parent: NodeId, blocks: &[StoredBlock], path: &mut Vec<NodeId>) {
+        if blocks.is_empty() {
+            return;
         }
-        let id = match self.free_nodes.pop() {
-            Some(id) => id,
-            None => {
-                self.nodes.push(Node::FREE);
-                if self.hi_words > 0 {
-                    self.hi.resize(self.hi.len() + self.hi_words, 0);
+        let mut source = self
+            .free
+            .source(blocks.len(), self.nodes.len(), self.nodes.capacity());
+        let mut at = parent;
+        for (i, block) in blocks.iter().enumerate() {
+            let reused = match source {
+                Source::Free => self.free.take().map(|(id, used_up)| {
+                    if used_up {
+                        // Where the rest of the chain goes is decided again, on the next run.
+                        source =
+                            self.free
+                                .source(blocks.len() - i - 1, self.nodes.len(), self.nodes.capacity());
+                    }
+                    id
+                }),
+                Source::End => None,
+            };
+            let id = match reused {
+                Some(id) => id,
+                None => {
+                    self.nodes.push(Node::FREE);
+                    if self.hi_words > 0 {
+                        self.hi.resize(self.hi.len() + self.hi_words, 0);
+                    }
+                    (self.nodes.len() - 1) as NodeId
                 }
-                (self.nodes.len() - 1) as NodeId
-            }
-        };
+            };
+            self.link_child(at, id, block.local.0);
+            path.push(id);
+            at = id;
+        }
+    }
+
+    /// Makes the free node `id` the child of `parent` for `local`, held by nobody.
+    fn link_child(&mut self, parent: NodeId, id: NodeId, local: u64) {
         self.nodes[id as usize] = Node {
             local,
             mask0: 0,
@@ -816,7 +894,6 @@ impl PrefixIndex {
                 child_hash(n.parent, n.local)
             });
         }
-        id
     }
 
     /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
@@ -843,7 +920,7 @@ impl PrefixIndex {
                 entry.remove();
             }
             self.nodes[node as usize] = Node::FREE;
-            self.free_nodes.push(node);
+            self.free.free(node);
             node = n.parent;
         }
     }
@@ -919,5 +996,64 @@ impl PrefixIndex {
         self.slots[slot]
             .as_mut()
             .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{DpRank, LocalBlockHash, WorkerId};
+
+    fn chain(seed: u64, len: u64) -> Vec<StoredBlock> {
+        (0..len)
+            .map(|i| StoredBlock {
+                local: LocalBlockHash(seed << 32 | i),
+                external: ExternalBlockHash(seed << 32 | i),
+            })
+            .collect()
+    }
+
+    /// The nodes of `blocks`' prefixes, from the root.
+    fn nodes_of(index: &PrefixIndex, blocks: &[StoredBlock]) -> Vec<NodeId> {
+        let mut at = ROOT;
+        blocks
+            .iter()
+            .map(|b| {
+                at = index
+                    .child(at, b.local.0)
+                    .unwrap_or_else(|| panic!("no node for {b:?}"));
+                at
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_chain_takes_consecutive_nodes_when_the_free_ids_are_scattered() {
+        let w = WorkerKey::new(WorkerId(1), DpRank(0));
+        let mut index = PrefixIndex::new(IndexConfig {
+            expected_blocks: 1024,
+            ..IndexConfig::default()
+        });
+        index.add_worker(w);
+        let (a, b) = (chain(1, 100), chain(2, 100));
+        index.apply_stored(w, None, &a).unwrap();
+        index.apply_stored(w, None, &b).unwrap();
+        // The last block of each chain goes: two free ids, far apart.
+        index.apply_removed(w, &[a[99].external, b[99].external]).unwrap();
+        let c = chain(3, 10);
+        index.apply_stored(w, None, &c).unwrap();
+        let ids = nodes_of(&index, &c);
+        assert!(ids.windows(2).all(|p| p[1] == p[0] + 1), "{ids:?}");
+        index.check_invariants().unwrap();
+        // A chain freed as a whole is taken back in order by the next chain.
+        index
+            .apply_removed(w, &b.iter().map(|b| b.external).collect::<Vec<_>>())
+            .unwrap();
+        let d = chain(4, 99);
+        index.apply_stored(w, None, &d).unwrap();
+        let ids = nodes_of(&index, &d);
+        assert!(ids.windows(2).all(|p| p[1] == p[0] + 1), "{ids:?}");
+        index.check_invariants().unwrap();
+        assert_eq!(index.find_matches(&[d[0].local, d[1].local], false).depth(w), 2);
     }
 }
