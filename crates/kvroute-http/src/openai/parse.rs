@@ -123,7 +123,13 @@ pub fn parse_with(
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let max_tokens = match obj.get("max_completion_tokens").or_else(|| obj.get("max_tokens")) {
+    // vLLM 0.32 (`chat_completion/serving.py`): `max_completion_tokens` if it is not null, else
+    // `max_tokens`.
+    let max_tokens = match obj
+        .get("max_completion_tokens")
+        .filter(|v| !v.is_null())
+        .or_else(|| obj.get("max_tokens"))
+    {
         None | Some(Value::Null) => None,
         Some(v) => Some(v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
             ApiError::bad_request("max_tokens", "`max_tokens` must be a non-negative integer")

@@ -6,6 +6,28 @@ use crate::model::Model;
 use super::*;
 
 #[test]
+fn the_output_limit_is_max_completion_tokens_unless_null_then_max_tokens() {
+    let model = Model::tiny().unwrap();
+    let cases: &[(&str, Option<u32>)] = &[
+        (r#""max_tokens": 7"#, Some(7)),
+        (r#""max_completion_tokens": 5"#, Some(5)),
+        (r#""max_completion_tokens": 5, "max_tokens": 7"#, Some(5)),
+        // As vLLM 0.32's chat serving: a null `max_completion_tokens` falls back.
+        (r#""max_completion_tokens": null, "max_tokens": 7"#, Some(7)),
+        (r#""max_completion_tokens": 0, "max_tokens": 7"#, Some(0)),
+        (r#""max_completion_tokens": null"#, None),
+        (r#""max_tokens": null"#, None),
+        ("", None),
+    ];
+    for (fields, expected) in cases {
+        let sep = if fields.is_empty() { "" } else { ", " };
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{sep}{fields}}}"#);
+        let parsed = parse(Endpoint::Chat, body.as_bytes(), &model, 100).unwrap();
+        assert_eq!(parsed.max_tokens, *expected, "{body}");
+    }
+}
+
+#[test]
 fn prompts_in_every_form_and_bad_input_named() {
     let model = Model::tiny().unwrap();
     let ok = |e, body: &str| parse(e, body.as_bytes(), &model, 100).unwrap();
