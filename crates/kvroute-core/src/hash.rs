@@ -176,7 +176,7 @@ impl BlockHasher {
     /// allocation, the chain a router books: a long prompt's chain (64 KiB at 128K tokens in
     /// 16-token blocks) is neither grown in a buffer nor copied out of one.
     ///
-    /// Blocks of 16 and 32 tokens (64 and 128 bytes) take a specialised XXH3 (see [`ShortKeys`]):
+    /// Blocks of 16 and 32 tokens (64 and 128 bytes) take a specialised XXH3 (see `ShortKeys`):
     /// the same values as `xxh3_64_with_seed`, without its per-call length dispatch, and with
     /// the seeded secret words computed once per hasher.
     pub fn hash_prompt_shared(

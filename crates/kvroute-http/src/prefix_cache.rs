@@ -299,7 +299,7 @@ struct Node {
     tokens: Box<[u32]>,
     /// Tokens from the start of the text to this piece's end.
     total: usize,
-    /// What it is counted as in [`Shared::live_bytes`].
+    /// What it is counted as in [`ChatCache::bytes`].
     bytes: usize,
     live: Arc<AtomicUsize>,
 }

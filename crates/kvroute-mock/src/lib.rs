@@ -44,7 +44,7 @@
 //! `prefill` worker is prefilled (one output token) and its room marked ready when that token
 //! is out; on any other worker it waits for its room to be ready (at most [`BOOTSTRAP_TIMEOUT`])
 //! and is then imported as above. The rooms live in memory shared by the workers of one
-//! [`start`] (standing in for the prefill worker's bootstrap server), so the prefill and decode
+//! [`start()`] (standing in for the prefill worker's bootstrap server), so the prefill and decode
 //! workers of a pair must be started together.
 
 mod config;

@@ -100,7 +100,7 @@ pub enum PredictorConfig {
         /// Trend smoothing, in `[0, 1]`.
         beta: f64,
     },
-    /// A Kalman filter over a local linear trend (state: level and slope; F = [[1,1],[0,1]]).
+    /// A Kalman filter over a local linear trend (state: level and slope; F = `[[1,1],[0,1]]`).
     Kalman {
         /// Process noise of the level.
         q_level: f64,

@@ -1,5 +1,5 @@
 //! Registration checks: is a worker configured as the proxy assumes? A worker that fails one is
-//! [`WorkerState::Misconfigured`](crate::worker::WorkerState::Misconfigured): out of routing,
+//! [`crate::worker::WorkerState::Misconfigured`]: out of routing,
 //! with the reason on the admin API (`misconfigured`), in `kvroute_worker_misconfigured` and in
 //! one warn log line, until every check passes again.
 //!
@@ -10,7 +10,7 @@
 //! ([`crate::events`]).
 //!
 //! **Adding a check:** a variant of [`Check`] (its name is the metric's and the admin API's
-//! label), and either an entry in [`ON_REGISTRATION`] with its arm in [`run_one`] (an HTTP
+//! label), and either an entry in [`ON_REGISTRATION`] with its arm in `run_one` (an HTTP
 //! check against the worker), or a call to [`Shared::report_check`] where its evidence arrives.
 
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //!
 //! Options come from an optional TOML file (`--config`) whose keys are the long flag names, then
 //! the flags over it ([`crate::config::layered`]); unknown keys are rejected. Every option is
-//! checked ([`ReplayConfig::check`]) before the trace is read.
+//! checked (`ReplayConfig::check`) before the trace is read.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};

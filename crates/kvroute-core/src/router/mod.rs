@@ -17,7 +17,7 @@
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
 //!     [`Router::handle_worker_suspended`] (out of the fleet, cache view kept),
 //!     [`Router::handle_worker_removed`];
-//!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see [`sync`] for
+//!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see the `sync` module for
 //!     duplicates, tombstones and ordering), [`Router::handle_peer_lost`] (release a silent
 //!     peer's bookings);
 //!   - time: [`Router::handle_tick`] (request expiry, cache-record expiry, queue re-check).
@@ -397,7 +397,7 @@ impl Router {
 
     /// Applies another replica's load change; this router's own events are dropped. Duplicates
     /// change nothing, a Freed or PrefillDone before its Added leaves a tombstone, and an Added
-    /// after its Freed is not booked (see [`sync`]). Errs only if an Added names a worker not in
+    /// after its Freed is not booked (see the `sync` module). Errs only if an Added names a worker not in
     /// the fleet.
     pub fn handle_sync_event(
         &mut self,

@@ -29,7 +29,7 @@ pub struct HashBenchReport {
     pub fraction_of_memcpy: f64,
     /// A 131,072-token prompt hashed as the router hashes it (`hash_prompt_shared`: local
     /// hashes and the chain in one pass), its token ids in the CPU's caches: median of
-    /// [`PROMPT_REPS`] repetitions, in nanoseconds.
+    /// `PROMPT_REPS` repetitions, in nanoseconds.
     pub prompt_128k_ns: u64,
     /// `prompt_128k_ns` per full block.
     pub prompt_ns_per_block: f64,
