@@ -170,8 +170,10 @@ async fn raw_stub(
                 if read_request(&mut socket).await.is_none() {
                     return;
                 }
+                // One response per connection, said so: a client that pooled the connection
+                // could send its next request into the close below.
                 let mut out = format!(
-                    "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
+                    "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
                 );
                 for c in chunks {
                     out.push_str(&format!("{:x}\r\n{c}\r\n", c.len()));
