@@ -15,12 +15,13 @@
 //!
 //! **Heal fast.** Each replica heartbeats every [`SyncConfig::heartbeat_interval`]; a peer not
 //! heard for [`SyncConfig::peer_timeout`] has its bookings released ([`SyncHost::peer_lost`]).
-//! A peer heard again (or for the first time outside a join) is asked for its snapshot.
+//! A peer heard again, or for the first time (a joiner too: one back from an outage may have
+//! announced its snapshot before this replica had subscribed again), is asked for its snapshot.
 //!
 //! **NATS down.** The replica routes on its own view, says so once in the log (warn), in
 //! `kvroute_sync_connected` and in [`Sync::link`]; peers time out and are released. When the
 //! connection returns it announces its own snapshot (peers replace what they held of it) and
-//! asks for everyone's.
+//! asks for everyone's, without holding its loop: it answers its peers' asks meanwhile.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -37,6 +38,10 @@ use tokio::task::JoinHandle;
 
 use crate::metrics::SyncMetrics;
 use crate::wire::{Body, Envelope, WIRE_VERSION, WireEvent, decode, encode, pack};
+
+/// How many times a peer is asked for its snapshot before the asking stops (the peer's timeout
+/// then releases whatever was booked for it).
+const SNAPSHOT_ASKS: usize = 3;
 
 /// The transport's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -426,8 +431,8 @@ impl Receiver {
         let (replies_tx, mut replies) = mpsc::unbounded_channel::<async_nats::Message>();
         loop {
             tokio::select! {
-                Some(m) = subs.joins.next() => self.answer_join(m).await,
-                Some(m) = subs.direct.next() => self.answer_join(m).await,
+                Some(m) = subs.joins.next() => self.answer_join(m, &replies_tx).await,
+                Some(m) = subs.direct.next() => self.answer_join(m, &replies_tx).await,
                 Some(m) = subs.events.next() => self.receive(m, &replies_tx),
                 Some(m) = subs.heartbeats.next() => self.receive(m, &replies_tx),
                 Some(m) = replies.recv() => self.receive(m, &replies_tx),
@@ -450,7 +455,7 @@ impl Receiver {
                         self.metrics.connected.set(1);
                         tracing::info!(url = self.config.url, "NATS connection back; resyncing with the peers");
                         self.announce().await;
-                        self.join().await;
+                        self.rejoin(&replies_tx);
                     }
                     _ => {}
                 },
@@ -478,19 +483,35 @@ impl Receiver {
         }
         if new {
             // A peer heard for the first time outside a join, or again after it was released:
-            // its bookings come from its snapshot, asked for off this loop.
-            let client = self.client.clone();
-            let subject = self.config.subject(&format!("join.{:016x}", from.0));
-            let request = self.request_bytes();
-            let replies = replies.clone();
-            let patience = self.config.join_timeout;
-            tokio::spawn(async move {
-                if let Ok(Ok(reply)) = tokio::time::timeout(patience, client.request(subject, request)).await
-                {
-                    let _ = replies.send(reply);
-                }
-            });
+            // its bookings come from its snapshot.
+            self.ask_snapshot(from, replies);
         }
+    }
+
+    /// Asks `peer` for its snapshot off this loop; the reply comes back through `replies`. A
+    /// peer busy in its own (re)join answers only when that is over, and one just back may not
+    /// have subscribed yet, so an unanswered request is made again, [`SNAPSHOT_ASKS`] times in
+    /// all: the peer is known from now on, and nothing else would ask.
+    fn ask_snapshot(&self, peer: RouterId, replies: &mpsc::UnboundedSender<async_nats::Message>) {
+        let client = self.client.clone();
+        let subject = self.config.subject(&format!("join.{:016x}", peer.0));
+        let request = self.request_bytes();
+        let replies = replies.clone();
+        let patience = self.config.join_timeout;
+        tokio::spawn(async move {
+            for _ in 0..SNAPSHOT_ASKS {
+                match tokio::time::timeout(patience, client.request(subject.clone(), request.clone())).await {
+                    Ok(Ok(reply)) => {
+                        let _ = replies.send(reply);
+                        return;
+                    }
+                    // No responders (not subscribed yet) or the connection failing: a pause.
+                    Ok(Err(_)) => tokio::time::sleep(patience / 4).await,
+                    // No answer in time: ask again at once.
+                    Err(_) => {}
+                }
+            }
+        });
     }
 
     fn request_bytes(&self) -> Bytes {
@@ -523,14 +544,24 @@ impl Receiver {
     }
 
     /// Answers a joining replica with this replica's snapshot, in parts.
-    async fn answer_join(&mut self, m: async_nats::Message) {
+    async fn answer_join(
+        &mut self,
+        m: async_nats::Message,
+        replies: &mpsc::UnboundedSender<async_nats::Message>,
+    ) {
         let Some(reply) = m.reply.clone() else { return };
         let Some(envelope) = self.open(&m) else { return };
         if !matches!(envelope.body, Body::SnapshotRequest) {
             return;
         }
-        // The joiner is known from now on: it has no bookings yet, or announces them.
-        self.peers.heard(self.now(), RouterId(envelope.from));
+        // The joiner is known from now on. New here, it is asked for its snapshot as well: a
+        // starting replica's is empty, but one back from an outage has bookings, and the
+        // snapshot it announced on reconnecting may have gone out before this replica had
+        // subscribed again (then nothing else would bring them: it is not new any more).
+        let from = RouterId(envelope.from);
+        if self.peers.heard(self.now(), from) {
+            self.ask_snapshot(from, replies);
+        }
         self.count_peers();
         for body in self.snapshot_bodies() {
             send(
@@ -576,8 +607,39 @@ impl Receiver {
         }
     }
 
-    /// Asks every replica for its snapshot and applies each, until every replica the answers
-    /// name has answered, or the join timeout.
+    /// After a reconnection: asks every replica for its snapshot off this loop, which goes on
+    /// answering its peers meanwhile (replicas back at the same moment would each wait on the
+    /// others' answers, and a rejoin holding the loop answered none of them in time). The
+    /// answers come back through `replies`, for the join timeout, and are applied as they come.
+    fn rejoin(&self, replies: &mpsc::UnboundedSender<async_nats::Message>) {
+        self.metrics.resyncs.inc();
+        let client = self.client.clone();
+        let subject = self.config.subject("join");
+        let request = self.request_bytes();
+        let replies = replies.clone();
+        let patience = self.config.join_timeout;
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let inbox = client.new_inbox();
+            let Ok(mut answers) = client.subscribe(inbox.clone()).await else {
+                return;
+            };
+            if client.publish_with_reply(subject, inbox, request).await.is_err() {
+                return;
+            }
+            metrics.messages_sent.with_label_values(&["join"]).inc();
+            let deadline = tokio::time::Instant::now() + patience;
+            while let Ok(Some(m)) = tokio::time::timeout_at(deadline, answers.next()).await {
+                if replies.send(m).is_err() {
+                    break;
+                }
+            }
+            let _ = answers.unsubscribe().await;
+        });
+    }
+
+    /// At start, before serving: asks every replica for its snapshot and applies each, until
+    /// every replica the answers name has answered, or the join timeout.
     async fn join(&mut self) {
         self.metrics.resyncs.inc();
         let inbox = self.client.new_inbox();

@@ -77,10 +77,15 @@ fn active(p: &ProxyHandle) -> usize {
 }
 
 /// Polls `done` until it holds, or fails naming `what` after [`PATIENCE`].
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+async fn eventually(what: &str, done: impl FnMut() -> bool) {
+    eventually_or(|| what.to_owned(), done).await;
+}
+
+/// [`eventually`], naming what failed (and the state it was in) only when it does.
+async fn eventually_or(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + PATIENCE;
     while !done() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
+        assert!(Instant::now() < deadline, "never happened: {}", what());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -324,7 +329,16 @@ async fn routing_goes_on_without_nats_and_the_view_converges_when_it_returns() {
     }
     // The view converges: every replica books all three requests in flight.
     for p in &proxies {
-        eventually("the views converge", || active(p) == 3).await;
+        eventually_or(
+            || {
+                format!(
+                    "the views converge: {:?}",
+                    proxies.iter().map(active).collect::<Vec<_>>()
+                )
+            },
+            || active(p) == 3,
+        )
+        .await;
     }
     drop(held);
     for p in &proxies {
