@@ -196,6 +196,11 @@ struct Receiver {
     metrics: SyncMetrics,
     /// The core's rule for a peer gone silent.
     peers: PeerTracker,
+    /// The peers whose snapshot came (or was asked for) since this replica's last connection:
+    /// any other peer heard is asked for it. After an outage every peer's snapshot is needed,
+    /// and the one a peer announced, or gave to the rejoin, may have gone out while this
+    /// replica, or that peer, was not back yet; a peer heard is back.
+    synced: BTreeSet<RouterId>,
     epoch: Instant,
 }
 
@@ -249,6 +254,7 @@ impl Sync {
         let mut receiver = Receiver {
             id,
             peers: PeerTracker::new(config.peer_timeout),
+            synced: BTreeSet::new(),
             config: config.clone(),
             client: client.clone(),
             host,
@@ -454,6 +460,7 @@ impl Receiver {
                         link.send_replace(LinkState::Connected);
                         self.metrics.connected.set(1);
                         tracing::info!(url = self.config.url, "NATS connection back; resyncing with the peers");
+                        self.synced.clear();
                         self.announce().await;
                         self.rejoin(&replies_tx);
                     }
@@ -477,13 +484,14 @@ impl Receiver {
                     self.host.peer_lost(from);
                 }
                 self.host.apply(from, &events);
+                self.synced.insert(from);
                 return;
             }
             Body::Heartbeat | Body::SnapshotRequest => {}
         }
-        if new {
-            // A peer heard for the first time outside a join, or again after it was released:
-            // its bookings come from its snapshot.
+        if self.synced.insert(from) || new {
+            // A peer heard for the first time since this replica connected, or again after it
+            // was released: its bookings come from its snapshot.
             self.ask_snapshot(from, replies);
         }
     }
@@ -554,12 +562,14 @@ impl Receiver {
         if !matches!(envelope.body, Body::SnapshotRequest) {
             return;
         }
-        // The joiner is known from now on. New here, it is asked for its snapshot as well: a
-        // starting replica's is empty, but one back from an outage has bookings, and the
-        // snapshot it announced on reconnecting may have gone out before this replica had
-        // subscribed again (then nothing else would bring them: it is not new any more).
+        // The joiner is known from now on. New here, or not yet synced since this replica
+        // connected, it is asked for its snapshot as well: a starting replica's is empty, but
+        // one back from an outage has bookings, and the snapshot it announced on reconnecting
+        // may have gone out before this replica had subscribed again.
         let from = RouterId(envelope.from);
-        if self.peers.heard(self.now(), from) {
+        let new = self.peers.heard(self.now(), from);
+        let unsynced = self.synced.insert(from);
+        if new || unsynced {
             self.ask_snapshot(from, replies);
         }
         self.count_peers();
@@ -682,6 +692,7 @@ impl Receiver {
             };
             let from = RouterId(envelope.from);
             self.peers.heard(self.now(), from);
+            self.synced.insert(from);
             if part == 0 {
                 self.host.peer_lost(from);
             }
