@@ -20,8 +20,9 @@
 //!
 //! **NATS down.** The replica routes on its own view, says so once in the log (warn), in
 //! `kvroute_sync_connected` and in [`Sync::link`]; peers time out and are released. When the
-//! connection returns it announces its own snapshot (peers replace what they held of it) and
-//! asks for everyone's, without holding its loop: it answers its peers' asks meanwhile.
+//! connection returns it announces its own snapshot (peers replace what they held of it; again
+//! with its next [`REANNOUNCES`] heartbeats, for peers back a moment later) and asks for
+//! everyone's, without holding its loop: it answers its peers' asks meanwhile.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -42,6 +43,10 @@ use crate::wire::{Body, Envelope, WIRE_VERSION, WireEvent, decode, encode, pack}
 /// How many times a peer is asked for its snapshot before the asking stops (the peer's timeout
 /// then releases whatever was booked for it).
 const SNAPSHOT_ASKS: usize = 3;
+
+/// How many heartbeats after a reconnection also carry this replica's snapshot to its peers
+/// (peers coming back at the same moment may miss the announce made on reconnecting).
+const REANNOUNCES: u32 = 3;
 
 /// The transport's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -430,6 +435,8 @@ impl Receiver {
         mut connected: bool,
     ) {
         let mut heartbeat = tokio::time::interval(self.config.heartbeat_interval);
+        // Announces still due with the next heartbeats after a reconnection.
+        let mut reannounce = 0;
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let check = (self.config.peer_timeout / 4).max(Duration::from_millis(10));
         let mut expiry = tokio::time::interval(check);
@@ -445,6 +452,10 @@ impl Receiver {
                 _ = heartbeat.tick() => {
                     if connected {
                         send(&self.client, &self.config.subject("heartbeat"), self.id, Body::Heartbeat, "heartbeat", &self.metrics).await;
+                        if reannounce > 0 {
+                            reannounce -= 1;
+                            self.announce().await;
+                        }
                     }
                 }
                 _ = expiry.tick() => self.expire(),
@@ -461,6 +472,7 @@ impl Receiver {
                         self.metrics.connected.set(1);
                         tracing::info!(url = self.config.url, "NATS connection back; resyncing with the peers");
                         self.synced.clear();
+                        reannounce = REANNOUNCES;
                         self.announce().await;
                         self.rejoin(&replies_tx);
                     }
