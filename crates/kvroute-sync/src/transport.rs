@@ -21,7 +21,7 @@
 //! **NATS down.** The replica routes on its own view, says so once in the log (warn), in
 //! `kvroute_sync_connected` and in [`Sync::link`]; peers time out and are released. When the
 //! connection returns it announces its own snapshot (peers replace what they held of it; again
-//! with its next [`REANNOUNCES`] heartbeats, for peers back a moment later) and asks for
+//! with its next `REANNOUNCES` heartbeats, for peers back a moment later) and asks for
 //! everyone's, without holding its loop: it answers its peers' asks meanwhile.
 
 use std::collections::BTreeSet;
