@@ -48,6 +48,21 @@ const SNAPSHOT_ASKS: usize = 3;
 /// (peers coming back at the same moment may miss the announce made on reconnecting).
 const REANNOUNCES: u32 = 3;
 
+/// Asks every replica on `subject` for its snapshot (`request`); the answers come on the
+/// returned subscription. `None` if the request could not be sent.
+async fn ask_everyone(
+    client: &Client,
+    subject: String,
+    request: Bytes,
+    metrics: &SyncMetrics,
+) -> Option<Subscriber> {
+    let inbox = client.new_inbox();
+    let answers = client.subscribe(inbox.clone()).await.ok()?;
+    client.publish_with_reply(subject, inbox, request).await.ok()?;
+    metrics.messages_sent.with_label_values(&["join"]).inc();
+    Some(answers)
+}
+
 /// The transport's settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyncConfig {
@@ -487,31 +502,42 @@ impl Receiver {
     fn receive(&mut self, m: async_nats::Message, replies: &mpsc::UnboundedSender<async_nats::Message>) {
         let Some(envelope) = self.open(&m) else { return };
         let from = RouterId(envelope.from);
-        let new = self.peers.heard(self.now(), from);
-        self.count_peers();
         match envelope.body {
-            Body::Events { events } => self.host.apply(from, &events),
-            Body::Snapshot { events, part, .. } => {
-                if part == 0 {
-                    self.host.peer_lost(from);
-                }
+            Body::Snapshot { events, part, .. } => self.apply_snapshot(from, part, &events),
+            Body::Events { events } => {
+                self.heard(from, replies);
                 self.host.apply(from, &events);
-                self.synced.insert(from);
-                return;
             }
-            Body::Heartbeat | Body::SnapshotRequest => {}
+            Body::Heartbeat | Body::SnapshotRequest => self.heard(from, replies),
         }
-        if self.synced.insert(from) || new {
-            // A peer heard for the first time since this replica connected, or again after it
-            // was released: its bookings come from its snapshot.
-            self.ask_snapshot(from, replies);
+        self.count_peers();
+    }
+
+    /// `peer` was heard from (anything but its snapshot). New here (or back after it was
+    /// released), or not synced since this replica connected, it is asked for its snapshot:
+    /// its bookings come from there.
+    fn heard(&mut self, peer: RouterId, replies: &mpsc::UnboundedSender<async_nats::Message>) {
+        let new = self.peers.heard(self.now(), peer);
+        let unsynced = self.synced.insert(peer);
+        if new || unsynced {
+            self.ask_snapshot(peer, replies);
         }
+    }
+
+    /// Part `part` of `peer`'s snapshot: the first part replaces whatever was held of it.
+    fn apply_snapshot(&mut self, peer: RouterId, part: u32, events: &[WireEvent]) {
+        self.peers.heard(self.now(), peer);
+        self.synced.insert(peer);
+        if part == 0 {
+            self.host.peer_lost(peer);
+        }
+        self.host.apply(peer, events);
     }
 
     /// Asks `peer` for its snapshot off this loop; the reply comes back through `replies`. A
     /// peer busy in its own (re)join answers only when that is over, and one just back may not
     /// have subscribed yet, so an unanswered request is made again, [`SNAPSHOT_ASKS`] times in
-    /// all: the peer is known from now on, and nothing else would ask.
+    /// all (the peer is known and synced from now on: nothing else asks until a reconnection).
     fn ask_snapshot(&self, peer: RouterId, replies: &mpsc::UnboundedSender<async_nats::Message>) {
         let client = self.client.clone();
         let subject = self.config.subject(&format!("join.{:016x}", peer.0));
@@ -574,16 +600,11 @@ impl Receiver {
         if !matches!(envelope.body, Body::SnapshotRequest) {
             return;
         }
-        // The joiner is known from now on. New here, or not yet synced since this replica
-        // connected, it is asked for its snapshot as well: a starting replica's is empty, but
-        // one back from an outage has bookings, and the snapshot it announced on reconnecting
-        // may have gone out before this replica had subscribed again.
-        let from = RouterId(envelope.from);
-        let new = self.peers.heard(self.now(), from);
-        let unsynced = self.synced.insert(from);
-        if new || unsynced {
-            self.ask_snapshot(from, replies);
-        }
+        // The joiner is known from now on, and asked for its snapshot as any peer heard: a
+        // starting replica's is empty, but one back from an outage has bookings, and the
+        // snapshot it announced on reconnecting may have gone out before this replica had
+        // subscribed again.
+        self.heard(RouterId(envelope.from), replies);
         self.count_peers();
         for body in self.snapshot_bodies() {
             send(
@@ -642,14 +663,9 @@ impl Receiver {
         let patience = self.config.join_timeout;
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
-            let inbox = client.new_inbox();
-            let Ok(mut answers) = client.subscribe(inbox.clone()).await else {
+            let Some(mut answers) = ask_everyone(&client, subject, request, &metrics).await else {
                 return;
             };
-            if client.publish_with_reply(subject, inbox, request).await.is_err() {
-                return;
-            }
-            metrics.messages_sent.with_label_values(&["join"]).inc();
             let deadline = tokio::time::Instant::now() + patience;
             while let Ok(Some(m)) = tokio::time::timeout_at(deadline, answers.next()).await {
                 if replies.send(m).is_err() {
@@ -664,20 +680,12 @@ impl Receiver {
     /// every replica the answers name has answered, or the join timeout.
     async fn join(&mut self) {
         self.metrics.resyncs.inc();
-        let inbox = self.client.new_inbox();
-        let Ok(mut replies) = self.client.subscribe(inbox.clone()).await else {
+        let subject = self.config.subject("join");
+        let Some(mut replies) =
+            ask_everyone(&self.client, subject, self.request_bytes(), &self.metrics).await
+        else {
             return;
         };
-        let request = self.request_bytes();
-        if self
-            .client
-            .publish_with_reply(self.config.subject("join"), inbox, request)
-            .await
-            .is_err()
-        {
-            return;
-        }
-        self.metrics.messages_sent.with_label_values(&["join"]).inc();
         let deadline = tokio::time::Instant::now() + self.config.join_timeout;
         let (mut expected, mut done) = (BTreeSet::new(), BTreeSet::new());
         loop {
@@ -703,12 +711,7 @@ impl Receiver {
                 continue;
             };
             let from = RouterId(envelope.from);
-            self.peers.heard(self.now(), from);
-            self.synced.insert(from);
-            if part == 0 {
-                self.host.peer_lost(from);
-            }
-            self.host.apply(from, &events);
+            self.apply_snapshot(from, part, &events);
             expected.insert(from.0);
             expected.extend(peers.into_iter().filter(|&p| p != self.id.0));
             if last {
