@@ -85,6 +85,8 @@ pub struct Model {
     /// As `add`, with no special tokens added.
     omit: EncodeOptions,
     vocab_size: u32,
+    /// The longest token's text in characters, over the whole vocabulary (added tokens too).
+    max_chars_per_token: usize,
     chat: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
@@ -143,6 +145,7 @@ impl Model {
         let mut value: Json =
             serde_json::from_str(tokenizer_json).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let vocab_size = vocab_size(&value);
+        let max_chars_per_token = max_chars_per_token(&value);
         let added = added_tokens(&value);
         tokenizers::canonicalize_value(&mut value).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let text_cuts = TextCuts::for_tokenizer(&value, &added);
@@ -162,6 +165,7 @@ impl Model {
             },
             omit,
             vocab_size,
+            max_chars_per_token,
             chat: None,
             bos_token: String::new(),
             eos_token: String::new(),
@@ -340,6 +344,12 @@ impl Model {
         self.tokenizer.decode(ids, true).unwrap_or_default()
     }
 
+    /// The most characters one token's text has (vLLM's `max_chars_per_token`): a text of
+    /// more than `n` times this many characters cannot fit in `n` tokens.
+    pub fn max_chars_per_token(&self) -> usize {
+        self.max_chars_per_token
+    }
+
     /// One more than the highest token id, special tokens included.
     pub fn vocab_size(&self) -> u32 {
         self.vocab_size
@@ -367,6 +377,27 @@ fn vocab_size(tokenizer: &Json) -> u32 {
         .max()
         .map(|max| max + 1);
     u32::try_from(model.max(added).unwrap_or(0)).unwrap_or(u32::MAX)
+}
+
+/// The longest token's text in characters, as vLLM's `get_cached_tokenizer`
+/// (`vllm/tokenizers/hf.py`) takes it: over `get_vocab()`, the model's vocabulary and the added
+/// tokens, counted in Python characters (Unicode scalar values). At least 1.
+fn max_chars_per_token(tokenizer: &Json) -> usize {
+    let chars = |token: &str| token.chars().count();
+    let model = match &tokenizer["model"]["vocab"] {
+        Json::Object(vocab) => vocab.keys().map(|t| chars(t)).max(),
+        // Unigram: `[token, score]` pairs.
+        Json::Array(list) => list.iter().filter_map(|e| e[0].as_str()).map(chars).max(),
+        _ => None,
+    };
+    let added = tokenizer["added_tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|token| token["content"].as_str())
+        .map(chars)
+        .max();
+    model.max(added).unwrap_or(0).max(1)
 }
 
 /// `tokenizer.json`'s added tokens. A flag it does not give counts as set (which keeps the token

@@ -111,3 +111,47 @@ fn the_post_processors_bos_is_added_only_when_asked() {
     let ids = model.encode(&text, SpecialTokens::Omit).unwrap();
     assert_eq!(&ids[..2], &[256, 258], "one BOS, then the header");
 }
+
+/// The longest token in characters is vLLM's `max_chars_per_token` for each fixture: the values
+/// below are what vLLM 0.32's `get_cached_tokenizer` (`vllm/tokenizers/hf.py`) gives for the
+/// same files, loaded with `PreTrainedTokenizerFast(tokenizer_file=...)`.
+#[test]
+fn the_longest_token_is_vllms_max_chars_per_token() {
+    let tiny = Model::tiny().unwrap();
+    assert_eq!(tiny.max_chars_per_token(), 13);
+    for (name, want) in [("llama3", 13), ("qwen2", 13), ("gpt2", 13), ("llama2", 24)] {
+        let model = Model::from_json(tokenizer_json(name), None).unwrap();
+        assert_eq!(model.max_chars_per_token(), want, "{name}");
+    }
+}
+
+/// vLLM's check of a text's length before tokenizing (`TokenizeParams._text_len_check`):
+/// characters, not bytes, against the token limit times the longest token; the refusal in
+/// vLLM's words (the message below is what vLLM 0.32's check raises for 833 characters at 64
+/// tokens and this tokenizer).
+#[test]
+fn text_past_the_limit_in_characters_is_refused_as_vllm_refuses_it() {
+    use kvroute_http::openai::{TextTooLong, check_text_len};
+    let tiny = Model::tiny().unwrap();
+    let max_chars = 64 * 13;
+    assert_eq!(check_text_len(&tiny, &"x".repeat(max_chars), 64), Ok(()));
+    // Two bytes a character: twice the bytes, the same characters, still taken.
+    assert_eq!(check_text_len(&tiny, &"é".repeat(max_chars), 64), Ok(()));
+    let refused = check_text_len(&tiny, &"é".repeat(max_chars + 1), 64).unwrap_err();
+    assert_eq!(
+        refused,
+        TextTooLong {
+            chars: max_chars + 1,
+            max_chars,
+            max_tokens: 64
+        }
+    );
+    assert_eq!(
+        refused.vllm_message(),
+        "This model's maximum context length is 64 tokens. However, your prompt contains 833 \
+         characters (more than 832 characters, which is the upper bound for 64 input tokens). \
+         Please reduce the length of the input prompt."
+    );
+    // No limit to speak of: nothing is counted or refused.
+    assert_eq!(check_text_len(&tiny, &"x".repeat(10_000), usize::MAX), Ok(()));
+}

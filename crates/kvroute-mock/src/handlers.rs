@@ -230,9 +230,10 @@ impl Rank {
 
 impl Server {
     /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does. The prompt's
-    /// length is left to [`vllm::check_context`], in vLLM's words; only text too long to be
-    /// worth tokenizing for a context of `max_model_len` is refused here (`/tokenize`: `None`,
-    /// no limit, as vLLM's).
+    /// length in tokens is left to [`vllm::check_context`], in vLLM's words; only text of more
+    /// characters than a context of `max_model_len` tokens can hold is refused here, before it
+    /// is tokenized, as vLLM's `_text_len_check` refuses it (`/tokenize`: `None`, no limit, as
+    /// vLLM's).
     fn parse(
         &self,
         endpoint: Endpoint,

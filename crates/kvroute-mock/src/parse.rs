@@ -3,10 +3,11 @@
 
 use kvroute_core::router::WorkerRole;
 use kvroute_http::model::{Model, SpecialTokens};
-use kvroute_http::openai::{ApiError, Prompt, encode_text};
+use kvroute_http::openai::{ApiError, Prompt, check_text_len};
 use serde_json::{Value, json};
 
 use crate::handlers::Server;
+use crate::vllm::validation_message;
 
 /// The tokens the engine runs for `prompt`, written from vLLM's serving code rather than taken
 /// from kvroute's (the mock stands for the engine; a test of kvroute against it must be able to
@@ -25,7 +26,7 @@ pub(crate) fn vllm_tokens(
         Prompt::TokenIds(ids) => Ok(ids.clone()),
         Prompt::Text(text) => {
             let add = add_special_tokens.unwrap_or(true);
-            encode_text(
+            encode(
                 model,
                 text,
                 SpecialTokens::from_flag(add),
@@ -41,7 +42,7 @@ pub(crate) fn vllm_tokens(
                 .render_chat(messages, *add_generation_prompt)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             let add = add_special_tokens.unwrap_or(false);
-            encode_text(
+            encode(
                 model,
                 &rendered,
                 SpecialTokens::from_flag(add),
@@ -50,6 +51,28 @@ pub(crate) fn vllm_tokens(
             )
         }
     }
+}
+
+/// vLLM's tokenization of a text prompt (a completion's, or a rendered chat): first its check
+/// of the text's length in characters (`TokenizeParams._text_len_check`, refused with its
+/// words and parameter `input_text`), then `encode`. The length in tokens is judged after, by
+/// [`crate::vllm::check_context`].
+fn encode(
+    model: &Model,
+    text: &str,
+    special: SpecialTokens,
+    max_model_len: usize,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    check_text_len(model, text, max_model_len).map_err(|e| {
+        ApiError::bad_request(
+            "input_text",
+            validation_message(&e.vllm_message(), "input_text", e.chars),
+        )
+    })?;
+    model
+        .encode(text, special)
+        .map_err(|e| ApiError::bad_request(param, e.to_string()))
 }
 
 /// What a request asks of the disaggregated flow.

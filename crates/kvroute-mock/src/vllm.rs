@@ -34,10 +34,16 @@ impl Refusal {
     pub(crate) fn validation(message: &str, param: &str, value: impl std::fmt::Display) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,
-            format!("{message} (parameter={param}, value={value})"),
+            validation_message(message, param, value),
             Some(param),
         )
     }
+}
+
+/// The `str()` of vLLM's `VLLMValidationError`: its message, then the parameter and the value
+/// at fault (`vllm/exceptions.py`).
+pub(crate) fn validation_message(message: &str, param: &str, value: impl std::fmt::Display) -> String {
+    format!("{message} (parameter={param}, value={value})")
 }
 
 impl From<ApiError> for Refusal {

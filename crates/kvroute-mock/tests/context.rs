@@ -20,6 +20,10 @@ use serde_json::{Value, json};
 /// The context of the mock under test, in tokens.
 const N: usize = 32;
 
+/// The characters the tiny model's ChatML template adds around one user message with the
+/// generation prompt: `<|im_start|>user\n` (17), `<|im_end|>\n` (11), `<|im_start|>assistant\n` (22).
+const CHATML_CHARS: usize = 17 + 11 + 22;
+
 /// Posts `body` to `path` on `worker`: the status and the JSON answer.
 async fn post(http: &HttpClient, worker: &MockWorker, path: &str, body: Value) -> (u16, Value) {
     let request = hyper::Request::post(format!("{}{path}", worker.url()))
@@ -49,6 +53,15 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
             "This model's maximum context length is {N} tokens. However, your prompt contains \
              {qualifier}{n} input tokens, which exceeds this limit even without any output tokens. \
              Please reduce the length of the input prompt. (parameter=input_tokens, value={n})"
+        )
+    };
+    let too_many_chars = |chars: usize| {
+        format!(
+            "This model's maximum context length is {N} tokens. However, your prompt contains \
+             {chars} characters (more than {} characters, which is the upper bound for {N} input \
+             tokens). Please reduce the length of the input prompt. (parameter=input_text, \
+             value={chars})",
+            13 * N
         )
     };
     let too_many = |param: &str| {
@@ -106,6 +119,25 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
             "/v1/completions",
             json!({"prompt": "x".repeat(3 * N)}),
             Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        // Text of more characters than the context's tokens can hold (the tiny model's longest
+        // token has 13) is refused before it is tokenized, in characters, not bytes. These
+        // three answers are those of vLLM 0.32's `TokenizeParams._text_len_check` called on
+        // the tiny model's tokenizer (`kvroute_http`'s tests), not of a served vLLM.
+        (
+            "/v1/completions",
+            json!({"prompt": "é".repeat(13 * N)}),
+            Err(("input_tokens", too_long("at least ", N + 1))),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x".repeat(13 * N + 1)}),
+            Err(("input_text", too_many_chars(13 * N + 1))),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x".repeat(13 * N)}]}),
+            Err(("input_text", too_many_chars(13 * N + CHATML_CHARS))),
         ),
         (
             "/v1/completions",

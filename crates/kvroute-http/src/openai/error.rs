@@ -84,8 +84,8 @@ pub(super) enum Length {
     Tokens(usize),
     /// At least this many tokens (tokenizing stopped past the limit).
     AtLeast(usize),
-    /// Its text's bytes, too many to tokenize.
-    Bytes(usize),
+    /// Its text's characters, more than the limit's tokens can hold (not tokenized).
+    Chars(super::TextTooLong),
 }
 
 /// The refusal of a prompt over `max` tokens: OpenAI's shape and code
@@ -100,9 +100,9 @@ pub(super) fn too_long(param: &'static str, length: Length, max: usize) -> ApiEr
     let has = match length {
         Length::Tokens(n) => format!("your request has {n} input tokens"),
         Length::AtLeast(n) => format!("your request has at least {n} input tokens"),
-        Length::Bytes(n) => format!(
-            "your prompt has {n} bytes of text, more than the {} bytes that {max} input tokens can hold",
-            max.saturating_mul(64)
+        Length::Chars(t) => format!(
+            "your prompt contains {} characters (more than {} characters, which is the upper bound for {max} input tokens)",
+            t.chars, t.max_chars
         ),
     };
     ApiError {

@@ -19,7 +19,7 @@ pub use error::ApiError;
 use error::{Length, too_long};
 pub use fields::validate_fields;
 pub use parse::{INTERNAL_FIELDS, Parsed, Prompt, parse, parse_with};
-pub use tokens::{encode_text, engine_tokens};
+pub use tokens::{TextTooLong, check_text_len, encode_text, engine_tokens};
 
 /// The two generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 use axum::http::StatusCode;
 use serde_json::Value;
 
-use crate::model::Model;
+use crate::model::{Model, SpecialTokens};
 
 use super::*;
 
@@ -89,12 +89,13 @@ fn prompts_in_every_form_and_bad_input_named() {
 /// A prompt over the limit is refused in OpenAI's shape (400, `invalid_request_error`,
 /// `context_length_exceeded`, the field named) with vLLM's words, which clients read to
 /// shorten a conversation; a chat of one long message is refused before all of it is
-/// tokenized (at least the limit's tokens).
+/// tokenized (at least the limit's tokens); text of more characters than the limit's tokens
+/// can hold (13 a token for this tokenizer) is refused untokenized, in vLLM's words.
 #[test]
 fn an_over_long_prompt_is_refused_as_vllm_and_openai_do() {
     let model = Model::tiny().unwrap();
     let long_chat = serde_json::to_vec(&serde_json::json!({
-        "messages": [{"role": "user", "content": "word ".repeat(40_000)}]
+        "messages": [{"role": "user", "content": "word ".repeat(20_000)}]
     }))
     .unwrap();
     let cases: &[(Endpoint, Vec<u8>, &str, &str)] = &[
@@ -122,9 +123,16 @@ fn an_over_long_prompt_is_refused_as_vllm_and_openai_do() {
             "messages",
             "However, your request has at least",
         ),
+        (
+            Endpoint::Completions,
+            format!(r#"{{"prompt":"{}"}}"#, "é".repeat(131)).into_bytes(),
+            "prompt",
+            "However, your prompt contains 131 characters (more than 130 characters, which is the \
+             upper bound for 10 input tokens). Please reduce the length of the input prompt.",
+        ),
     ];
     for (endpoint, body, param, says) in cases {
-        let limit = if body.len() > 1000 { 4000 } else { 10 };
+        let limit = if body.len() > 1000 { 8000 } else { 10 };
         let err = parse(*endpoint, body, &model, limit).unwrap_err();
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
         assert_eq!(err.kind, "invalid_request_error");
@@ -137,8 +145,8 @@ fn an_over_long_prompt_is_refused_as_vllm_and_openai_do() {
         assert_eq!(json["error"]["code"], "context_length_exceeded");
         assert_eq!(json["error"]["type"], "invalid_request_error");
     }
-    // Stopped early: the limit's tokens and one slice more at most, not 200,000.
-    let err = parse(Endpoint::Chat, &cases[3].1, &model, 4000).unwrap_err();
+    // Stopped early: the limit's tokens and one slice more at most, not the whole text's.
+    let err = parse(Endpoint::Chat, &cases[3].1, &model, 8000).unwrap_err();
     let at_least: usize = err
         .message
         .split("at least ")
@@ -149,7 +157,15 @@ fn an_over_long_prompt_is_refused_as_vllm_and_openai_do() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!((4001..100_000).contains(&at_least), "{}", err.message);
+    let whole = model
+        .encode(&"word ".repeat(20_000), SpecialTokens::Omit)
+        .unwrap()
+        .len();
+    assert!(
+        (8001..whole).contains(&at_least),
+        "{} (whole: {whole})",
+        err.message
+    );
 }
 
 /// The standard fields by type and range: `(endpoint, extra fields, the param refused or
