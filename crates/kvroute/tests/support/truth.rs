@@ -24,7 +24,7 @@ pub use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[path = "cluster.rs"]
 pub mod support;
-pub use support::{Cluster, PATIENCE, fronting, start_mocks};
+pub use support::{Cluster, PATIENCE, fronting, metric, start_mocks};
 
 /// A 200-token prompt for the tiny byte-level model: 12 full blocks of 16.
 pub fn long_prompt(seed: char) -> String {
@@ -122,15 +122,6 @@ impl Proxy {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
-}
-
-/// A metric's value from a Prometheus text exposition (the sum over matching lines).
-pub fn metric(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split([' ', '{']).next() == Some(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// Whether a series of `name` with `label` is exported at all.
