@@ -71,6 +71,8 @@ pub(super) struct ArgminScratch {
     memo: Vec<IdleCost>,
     /// The idle workers scored one by one: (class, position in its idle set).
     singled: Vec<(u32, u32)>,
+    /// How many of them per class.
+    singled_in: Vec<u32>,
     /// Workers scored one by one at the lowest cost so far, by slot.
     tied: Vec<usize>,
     /// Classes whose bulk is at the lowest cost so far, with the bulk's size.
@@ -100,6 +102,36 @@ impl ArgminScratch {
             });
         }
         cost
+    }
+
+    /// The slot of the `draw`-th of the tied workers: those scored one by one first, then each
+    /// tied class's bulk in turn, the bulk being its idle set without the positions scored one
+    /// by one.
+    fn tied_worker(&mut self, draw: usize, idle_sets: &[Vec<u32>]) -> Option<usize> {
+        if let Some(&slot) = self.tied.get(draw) {
+            return Some(slot);
+        }
+        let mut draw = draw - self.tied.len();
+        let &(class, _) = self.tied_bulk.iter().find(|&&(_, n)| {
+            let here = draw < n;
+            if !here {
+                draw -= n;
+            }
+            here
+        })?;
+        self.skip.clear();
+        let singled = self.singled.iter().filter(|&&(c, _)| c == class);
+        self.skip.extend(singled.map(|&(_, p)| p));
+        self.skip.sort_unstable();
+        // The `draw`-th position not skipped: step over each skipped one at or before it.
+        let mut pos = draw;
+        for &p in &self.skip {
+            if p as usize > pos {
+                break;
+            }
+            pos += 1;
+        }
+        idle_sets.get(class as usize)?.get(pos).map(|&slot| slot as usize)
     }
 }
 
@@ -179,6 +211,7 @@ impl Router {
     /// Checks `pick`, the argmin scan's, against the full scan: both err alike, or `pick` is
     /// one of the full scan's candidates at the lowest cost and so is the full scan's own pick.
     /// Leaves the generator as it found it.
+    #[cfg(any(debug_assertions, test))]
     pub(super) fn check_argmin_pick(
         &mut self,
         stage: Stage,
@@ -262,6 +295,8 @@ impl Router {
         s.singled.clear();
         s.tied.clear();
         s.tied_bulk.clear();
+        s.singled_in.clear();
+        s.singled_in.resize(self.fleet.idle_sets().len(), 0);
         let busy = &self.config.busy;
         let chain: &[SequenceHash] = view.chain;
         let blocks = chain.len() as u32;
@@ -295,6 +330,7 @@ impl Router {
                 continue;
             }
             s.singled.push((w.class, pos));
+            s.singled_in[w.class as usize] += 1;
             if let Some(value) = s.idle_cost(w, overlap.min(blocks), || score(w, overlap))
                 && lowest.offer(value, s)
             {
@@ -309,8 +345,7 @@ impl Router {
                 continue;
             }
             eligible += set.len();
-            let singled = s.singled.iter().filter(|&&(c, _)| c as usize == class).count();
-            let bulk = set.len() - singled;
+            let bulk = set.len() - s.singled_in[class] as usize;
             if bulk > 0
                 && let Some(value) = s.idle_cost(w, 0, || score(w, 0))
                 && lowest.offer(value, s)
@@ -326,35 +361,10 @@ impl Router {
             });
         }
         let ties = s.tied.len() + s.tied_bulk.iter().map(|&(_, n)| n).sum::<usize>();
-        let mut draw = if ties > 1 { self.rng.below(ties) } else { 0 };
-        let slot = match s.tied.get(draw) {
-            Some(&slot) => slot,
-            None => {
-                draw -= s.tied.len();
-                let mut slot = None;
-                for &(class, n) in &s.tied_bulk {
-                    if draw >= n {
-                        draw -= n;
-                        continue;
-                    }
-                    // The `draw`-th position of the class's idle set not scored one by one.
-                    s.skip.clear();
-                    s.skip
-                        .extend(s.singled.iter().filter(|&&(c, _)| c == class).map(|&(_, p)| p));
-                    s.skip.sort_unstable();
-                    let mut pos = draw;
-                    for &p in &s.skip {
-                        if p as usize <= pos {
-                            pos += 1;
-                        } else {
-                            break;
-                        }
-                    }
-                    slot = Some(self.fleet.idle_sets()[class as usize][pos] as usize);
-                    break;
-                }
-                slot.expect("the draw falls among the ties")
-            }
+        let draw = if ties > 1 { self.rng.below(ties) } else { 0 };
+        let Some(slot) = s.tied_worker(draw, self.fleet.idle_sets()) else {
+            debug_assert!(false, "draw {draw} of {ties} ties names no worker");
+            return Err(Blocked::Busy);
         };
         // The same inputs as when it was scored, so not busy.
         candidate(&workers[slot], overlaps[slot], chain, busy).ok_or(Blocked::Busy)
