@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use super::chain_trie::Touched;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
 use super::sync::{Booking, RouterId};
-use super::worker::WorkerSpec;
+use super::worker::{WorkerRole, WorkerSpec};
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 use crate::time::Timestamp;
@@ -113,6 +113,8 @@ pub(crate) struct Fleet {
     slot_of: HashMap<WorkerKey, usize, BuildKeyHasher>,
     /// Per class, the slots of its idle workers (see the module docs).
     idle: Vec<Vec<u32>>,
+    /// Whether some worker is a prefill worker (draining or not).
+    prefill_workers: bool,
     /// The slots of the workers with something booked.
     loaded: Vec<u32>,
     requests: HashMap<RequestKey, Active, BuildKeyHasher>,
@@ -136,6 +138,11 @@ impl Fleet {
     /// particular but deterministic order.
     pub(crate) fn idle_sets(&self) -> &[Vec<u32>] {
         &self.idle
+    }
+
+    /// Whether some worker (draining or not) is a prefill worker.
+    pub(crate) fn has_prefill_workers(&self) -> bool {
+        self.prefill_workers
     }
 
     /// The slots of the workers with something booked, in no particular but deterministic order.
@@ -219,6 +226,7 @@ impl Fleet {
             .enumerate()
             .map(|(i, w)| (w.spec.key, i))
             .collect();
+        self.prefill_workers = self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill);
         self.idle.iter_mut().for_each(Vec::clear);
         self.loaded.clear();
         for slot in 0..self.workers.len() {
@@ -297,6 +305,9 @@ impl Fleet {
                 ));
             }
             members += 1;
+        }
+        if self.prefill_workers != self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill) {
+            return Err("the prefill-worker flag is stale".to_owned());
         }
         let sizes = self.loaded.len() + self.idle.iter().map(Vec::len).sum::<usize>();
         if sizes != members {

@@ -714,11 +714,7 @@ impl Router {
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
     fn choose_prefill(&mut self, view: &RequestView<'_>, decode: &Candidate) -> Option<Candidate> {
         let applies = decode.spec.role == WorkerRole::Decode
-            && self
-                .fleet
-                .workers()
-                .iter()
-                .any(|w| w.spec.role == WorkerRole::Prefill)
+            && self.fleet.has_prefill_workers()
             && self
                 .config
                 .decider
