@@ -23,7 +23,7 @@
 //!   goes): the two scans' picks follow the same distribution, not the same draws.
 //!
 //! Debug builds run the full scan after every argmin scan and check that the argmin scan's
-//! pick is one of the workers the full scan finds at the minimum cost ([`Router::check_argmin_pick`]).
+//! pick is one of the workers the full scan finds at the minimum cost (`check_argmin_pick`).
 
 use super::cost::{CostParams, cost};
 use super::fleet::{FleetWorker, Membership};
