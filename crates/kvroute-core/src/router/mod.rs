@@ -51,7 +51,8 @@
 //!   [`RouterConfig::request_ttl`].
 //! * The same configuration (seed included) and the same inputs give the same outputs: the only
 //!   randomness is the router's seeded [`Rng`], and everything that reaches an output is iterated
-//!   in worker-key order.
+//!   in worker-key order or in an order set by the inputs alone (the fleet's idle and loaded
+//!   sets, in the order workers joined them).
 //! * The queue is non-empty only while every eligible worker is busy: every input that frees
 //!   capacity re-checks it.
 
