@@ -5,6 +5,15 @@
 //! changes go through [`Fleet::book`], [`Fleet::prefill_done`], [`Fleet::add_output_block`] and
 //! [`Fleet::free`]; in debug builds each of them ends by recomputing every worker's totals from
 //! the requests and comparing ([`Fleet::check_invariants`]).
+//!
+//! The fleet also keeps, per spec class, the set of its **idle** workers (nothing booked, not
+//! draining) and the set of **loaded** workers (something booked), as vectors with each worker's
+//! position ([`Membership`]), so a worker joins or leaves one in O(1) and a uniform pick in a set
+//! is one index. A worker moves between them only where a booking comes or goes on it
+//! ([`Fleet::book`], [`Fleet::prefill_done`], [`Fleet::free`] and everything built on them: peer
+//! bookings, peer loss, expiry, removal) and where it starts draining; adding or removing a
+//! worker shifts slots and rebuilds them. The argmin scan (`scan` module) reads them to visit
+//! only the loaded workers and the idle ones the prompt overlaps.
 
 use hashbrown::HashMap;
 use std::collections::BTreeSet;
@@ -12,7 +21,7 @@ use std::collections::BTreeSet;
 use super::chain_trie::Touched;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
 use super::sync::{Booking, RouterId};
-use super::worker::WorkerSpec;
+use super::worker::{WorkerRole, WorkerSpec};
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 use crate::time::Timestamp;
@@ -28,6 +37,18 @@ pub(crate) struct FleetWorker {
     /// Workers whose specs are equal but for the key share a class (see `Fleet::classes`).
     pub(crate) class: u32,
     load: LoadState,
+    member: Membership,
+}
+
+/// Which of the fleet's sets a worker is in, and where (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// Nothing booked, not draining: at this position of its class's idle set.
+    Idle(u32),
+    /// Something booked (draining or not): at this position of the loaded set.
+    Loaded(u32),
+    /// Nothing booked and draining: in neither set.
+    DrainingIdle,
 }
 
 impl FleetWorker {
@@ -45,6 +66,25 @@ impl FleetWorker {
         debug_assert_eq!(self.load.requests() == 0, self.load.is_idle());
         self.load.requests() == 0
     }
+
+    /// Which of the fleet's sets it is in.
+    pub(crate) fn membership(&self) -> Membership {
+        self.member
+    }
+
+    /// The membership its state calls for, the position aside (0).
+    fn wanted(&self) -> Membership {
+        match (self.is_idle(), self.draining) {
+            (false, _) => Membership::Loaded(0),
+            (true, false) => Membership::Idle(0),
+            (true, true) => Membership::DrainingIdle,
+        }
+    }
+}
+
+/// Whether two memberships name the same set, positions aside.
+fn same_set(a: Membership, b: Membership) -> bool {
+    std::mem::discriminant(&a) == std::mem::discriminant(&b)
 }
 
 /// One active request.
@@ -71,6 +111,12 @@ pub(crate) struct Fleet {
     /// Every distinct spec (its key aside) seen, indexed by class; never shrinks.
     classes: Vec<WorkerSpec>,
     slot_of: HashMap<WorkerKey, usize, BuildKeyHasher>,
+    /// Per class, the slots of its idle workers (see the module docs).
+    idle: Vec<Vec<u32>>,
+    /// Whether some worker is a prefill worker (draining or not).
+    prefill_workers: bool,
+    /// The slots of the workers with something booked.
+    loaded: Vec<u32>,
     requests: HashMap<RequestKey, Active, BuildKeyHasher>,
     by_age: BTreeSet<(Timestamp, RequestKey)>,
     scratch: Touched,
@@ -86,6 +132,22 @@ impl Fleet {
 
     pub(crate) fn get(&self, key: WorkerKey) -> Option<&FleetWorker> {
         self.slot_of.get(&key).map(|&slot| &self.workers[slot])
+    }
+
+    /// Per spec class, the slots of its idle workers (nothing booked, not draining), in no
+    /// particular but deterministic order.
+    pub(crate) fn idle_sets(&self) -> &[Vec<u32>] {
+        &self.idle
+    }
+
+    /// Whether some worker (draining or not) is a prefill worker.
+    pub(crate) fn has_prefill_workers(&self) -> bool {
+        self.prefill_workers
+    }
+
+    /// The slots of the workers with something booked, in no particular but deterministic order.
+    pub(crate) fn loaded(&self) -> &[u32] {
+        &self.loaded
     }
 
     /// The position of `key` in [`Fleet::workers`].
@@ -106,6 +168,7 @@ impl Fleet {
             Some(class) => class,
             None => {
                 self.classes.push(spec);
+                self.idle.push(Vec::new());
                 self.classes.len() - 1
             }
         };
@@ -116,9 +179,11 @@ impl Fleet {
                 draining: false,
                 class: class as u32,
                 load: LoadState::default(),
+                member: Membership::DrainingIdle,
             },
         );
         self.reindex();
+        self.debug_check();
         true
     }
 
@@ -126,6 +191,8 @@ impl Fleet {
     pub(crate) fn drain(&mut self, key: WorkerKey) -> bool {
         let Some(slot) = self.slot(key) else { return false };
         self.workers[slot].draining = true;
+        self.settle(slot);
+        self.debug_check();
         true
     }
 
@@ -151,6 +218,7 @@ impl Fleet {
         Some(dropped)
     }
 
+    /// Rebuilds the slot map and the idle and loaded sets (slots shifted).
     fn reindex(&mut self) {
         self.slot_of = self
             .workers
@@ -158,6 +226,94 @@ impl Fleet {
             .enumerate()
             .map(|(i, w)| (w.spec.key, i))
             .collect();
+        self.prefill_workers = self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill);
+        self.idle.iter_mut().for_each(Vec::clear);
+        self.loaded.clear();
+        for slot in 0..self.workers.len() {
+            self.workers[slot].member = Membership::DrainingIdle;
+            self.join(slot);
+        }
+    }
+
+    // ---- the idle and loaded sets ----
+
+    /// Moves the worker at `slot` to the set its state calls for, if it is not there.
+    fn settle(&mut self, slot: usize) {
+        let w = &self.workers[slot];
+        if !same_set(w.member, w.wanted()) {
+            self.leave(slot);
+            self.join(slot);
+        }
+    }
+
+    /// Takes the worker at `slot` out of its set (swap-remove).
+    fn leave(&mut self, slot: usize) {
+        let w = &self.workers[slot];
+        let (set, pos) = match w.member {
+            Membership::Idle(pos) => (&mut self.idle[w.class as usize], pos),
+            Membership::Loaded(pos) => (&mut self.loaded, pos),
+            Membership::DrainingIdle => return,
+        };
+        set.swap_remove(pos as usize);
+        if let Some(&moved) = set.get(pos as usize) {
+            let m = &mut self.workers[moved as usize].member;
+            *m = match *m {
+                Membership::Idle(_) => Membership::Idle(pos),
+                _ => Membership::Loaded(pos),
+            };
+        }
+        self.workers[slot].member = Membership::DrainingIdle;
+    }
+
+    /// Puts the worker at `slot`, in no set, into the one its state calls for.
+    fn join(&mut self, slot: usize) {
+        let w = &mut self.workers[slot];
+        let set = match w.wanted() {
+            Membership::Idle(_) => &mut self.idle[w.class as usize],
+            Membership::Loaded(_) => &mut self.loaded,
+            Membership::DrainingIdle => return,
+        };
+        let pos = set.len() as u32;
+        set.push(slot as u32);
+        w.member = match w.wanted() {
+            Membership::Idle(_) => Membership::Idle(pos),
+            _ => Membership::Loaded(pos),
+        };
+    }
+
+    /// Checks the idle and loaded sets against every worker's state.
+    fn check_sets(&self) -> Result<(), String> {
+        let mut members = 0;
+        for (slot, w) in self.workers.iter().enumerate() {
+            if !same_set(w.member, w.wanted()) {
+                return Err(format!(
+                    "worker {} is in {:?}, wants {:?}",
+                    w.spec.key,
+                    w.member,
+                    w.wanted()
+                ));
+            }
+            let at = match w.member {
+                Membership::Idle(pos) => self.idle[w.class as usize].get(pos as usize),
+                Membership::Loaded(pos) => self.loaded.get(pos as usize),
+                Membership::DrainingIdle => continue,
+            };
+            if at != Some(&(slot as u32)) {
+                return Err(format!(
+                    "worker {} ({:?}) is not where it says",
+                    w.spec.key, w.member
+                ));
+            }
+            members += 1;
+        }
+        if self.prefill_workers != self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill) {
+            return Err("the prefill-worker flag is stale".to_owned());
+        }
+        let sizes = self.loaded.len() + self.idle.iter().map(Vec::len).sum::<usize>();
+        if sizes != members {
+            return Err(format!("the sets hold {sizes} slots for {members} members"));
+        }
+        Ok(())
     }
 
     // ---- requests ----
@@ -208,6 +364,7 @@ impl Fleet {
             self.workers[slot].load.finish_prefill(decode, &mut self.scratch);
             if let Some((share, slot)) = self.prefill_share(&active) {
                 self.workers[slot].load.free(share, &mut self.scratch);
+                self.settle(slot);
             }
             active.prefill_pending = false;
         }
@@ -285,8 +442,10 @@ impl Fleet {
     fn apply(&mut self, active: &Active, op: fn(&mut LoadState, Share<'_>, &mut Touched)) {
         let (decode, slot) = self.decode_share(active);
         op(&mut self.workers[slot].load, decode, &mut self.scratch);
+        self.settle(slot);
         if let Some((share, slot)) = self.prefill_share(active) {
             op(&mut self.workers[slot].load, share, &mut self.scratch);
+            self.settle(slot);
         }
     }
 
@@ -334,7 +493,8 @@ impl Fleet {
     // ---- invariants ----
 
     /// Recomputes every worker's totals from the active requests and compares them with the
-    /// running totals; also checks the age index. Returns the first difference.
+    /// running totals; also checks the age index and the idle and loaded sets. Returns the first
+    /// difference.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
         let mut shares: Vec<Vec<Share<'_>>> = vec![Vec::new(); self.workers.len()];
         let mut keys: Vec<&RequestKey> = self.requests.keys().collect();
@@ -363,7 +523,7 @@ impl Fleet {
                 .check(shares)
                 .map_err(|e| format!("worker {}: {e}", worker.spec.key))?;
         }
-        Ok(())
+        self.check_sets()
     }
 
     #[inline]

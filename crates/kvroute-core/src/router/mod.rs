@@ -51,7 +51,8 @@
 //!   [`RouterConfig::request_ttl`].
 //! * The same configuration (seed included) and the same inputs give the same outputs: the only
 //!   randomness is the router's seeded [`Rng`], and everything that reaches an output is iterated
-//!   in worker-key order.
+//!   in worker-key order or in an order set by the inputs alone (the fleet's idle and loaded
+//!   sets, in the order workers joined them).
 //! * The queue is non-empty only while every eligible worker is busy: every input that frees
 //!   capacity re-checks it.
 
@@ -100,7 +101,7 @@ use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
 use request::Prepared;
-use scan::{IdleCost, Stage};
+use scan::{ArgminScratch, Stage};
 use sync::{Mark, Tombstones};
 
 use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
@@ -166,11 +167,13 @@ enum Blocked {
 struct Scratch {
     locals: Vec<LocalBlockHash>,
     scores: OverlapScores,
-    /// Overlap per worker slot.
+    /// Overlap per worker slot; 0 but at the slots in `overlapping`.
     overlaps: Vec<u32>,
+    /// The slots `compute_overlaps` may have set above 0, ascending, each once.
+    overlapping: Vec<usize>,
     candidates: Vec<Candidate>,
-    /// The argmin scan's idle workers' shared costs.
-    idle: Vec<IdleCost>,
+    /// The argmin scan's buffers.
+    argmin: ArgminScratch,
 }
 
 /// The router; see the module docs.
@@ -712,11 +715,7 @@ impl Router {
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
     fn choose_prefill(&mut self, view: &RequestView<'_>, decode: &Candidate) -> Option<Candidate> {
         let applies = decode.spec.role == WorkerRole::Decode
-            && self
-                .fleet
-                .workers()
-                .iter()
-                .any(|w| w.spec.role == WorkerRole::Prefill)
+            && self.fleet.has_prefill_workers()
             && self
                 .config
                 .decider
@@ -734,20 +733,45 @@ impl Router {
 
     /// Fills `scratch.overlaps` with each worker's cached prefix of the prompt.
     fn compute_overlaps(&mut self, now: Timestamp, locals: &[LocalBlockHash], chain: &[SequenceHash]) {
-        let Scratch { scores, overlaps, .. } = &mut self.scratch;
-        overlaps.clear();
+        let Scratch {
+            scores,
+            overlaps,
+            overlapping,
+            ..
+        } = &mut self.scratch;
+        // Only the slots set last time are cleared (by position: a worker added or removed since
+        // shifted the slots, not the positions written): no pass over the fleet.
+        for &slot in overlapping.iter() {
+            if let Some(o) = overlaps.get_mut(slot) {
+                *o = 0;
+            }
+        }
+        overlapping.clear();
         overlaps.resize(self.fleet.workers().len(), 0);
+        debug_assert!(
+            overlaps.iter().all(|&o| o == 0),
+            "an overlap left from a past decision"
+        );
         if !matches!(self.config.cache, CacheMode::Approximate(_)) {
             self.index.find_matches_into(locals, false, scores);
             for (worker, depth) in scores.iter() {
                 if let Some(slot) = self.fleet.slot(worker) {
                     overlaps[slot] = depth;
+                    overlapping.push(slot);
                 }
             }
         }
         if let Some(recent) = &self.recent {
-            recent.raise_depths(chain, now, |key| self.fleet.slot(key), overlaps);
+            let fleet = &self.fleet;
+            let slot = |key| {
+                let slot = fleet.slot(key);
+                overlapping.extend(slot);
+                slot
+            };
+            recent.raise_depths(chain, now, slot, overlaps);
         }
+        overlapping.sort_unstable();
+        overlapping.dedup();
     }
 
     /// Books a decision (this router's or a replica's) in the one place where bookings happen:

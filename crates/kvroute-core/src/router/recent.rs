@@ -151,7 +151,7 @@ impl RecentChains {
         &self,
         chain: &[SequenceHash],
         now: Timestamp,
-        slot: impl Fn(WorkerKey) -> Option<usize>,
+        mut slot: impl FnMut(WorkerKey) -> Option<usize>,
         out: &mut [u32],
     ) {
         let Some(holders) = chain.first().and_then(|first| self.by_root.get(first)) else {

@@ -14,12 +14,6 @@ pub fn argmax(values: impl IntoIterator<Item = f64>, rng: &mut Rng) -> usize {
     argbest(values.into_iter().enumerate(), rng, |a, b| a > b).unwrap_or(0)
 }
 
-/// [`argmin`] over values that each carry a key: the key of the value [`argmin`] would pick,
-/// with the same draws; `None` if there are no values.
-pub(crate) fn argmin_keyed<K>(values: impl IntoIterator<Item = (K, f64)>, rng: &mut Rng) -> Option<K> {
-    argbest(values, rng, |a, b| a < b)
-}
-
 fn argbest<K>(
     values: impl IntoIterator<Item = (K, f64)>,
     rng: &mut Rng,
