@@ -20,6 +20,7 @@
 //! removing a node never strands a reachable child.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use hashbrown::HashMap;
 
@@ -57,9 +58,10 @@ impl<M> Node<M> {
     }
 
     /// The end of the run of `chain` that this node matches, starting at `self.start` (where the
-    /// caller found it, so at least one block matches), capped at `chain.len()`. `hint` is a
-    /// likely end (0 for none), probed first: two probes instead of a binary search when right.
-    fn matched_end(&self, chain: &[SequenceHash], hint: u32) -> u32 {
+    /// caller found it, so at least one block matches), capped at `chain.len()`. `hints` are
+    /// likely ends (0 for none), probed first, in order: two probes instead of a binary search
+    /// when one is right.
+    fn matched_end(&self, chain: &[SequenceHash], hints: [u32; 2]) -> u32 {
         let cap = self.end.min(chain.len() as u32);
         let same = |pos: u32| self.chain[pos as usize] == chain[pos as usize];
         let through = if cap == self.end {
@@ -72,34 +74,29 @@ impl<M> Node<M> {
         }
         // same(lo - 1) holds and same(hi - 1) does not.
         let (mut lo, mut hi) = (self.start + 1, cap);
-        if lo < hint && hint < hi {
-            if same(hint - 1) {
-                lo = hint;
-                if hint + 1 < hi && !same(hint) {
-                    hi = hint + 1;
+        for hint in hints {
+            if lo < hint && hint < hi {
+                if same(hint - 1) {
+                    lo = hint;
+                    if hint + 1 < hi && !same(hint) {
+                        hi = hint + 1;
+                    }
+                } else {
+                    hi = hint;
                 }
-            } else {
-                hi = hint;
             }
         }
-        // A search of `SEARCH_WAYS` ways: each round compares up to `SEARCH_WAYS - 1` evenly
-        // spaced positions, whose loads do not depend on each other, so their cache misses (the
-        // shared chain is rarely in cache) overlap; 8,192 blocks take 4 rounds, not 13 halvings.
-        // Positions that agree form a prefix, so the count of agreeing ones says where to go on.
         while hi - lo > 1 {
-            let step = (hi - lo).div_ceil(SEARCH_WAYS);
-            let agree: u32 = (1..SEARCH_WAYS)
-                .map(|j| lo + j * step)
-                .map(|p| u32::from(p < hi && same(p - 1)))
-                .sum();
-            (lo, hi) = (lo + agree * step, hi.min(lo + (agree + 1) * step));
+            let mid = lo + (hi - lo) / 2;
+            if same(mid - 1) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
         }
         lo
     }
 }
-
-/// Ways of the search for where a chain leaves a node (see `Node::matched_end`).
-const SEARCH_WAYS: u32 = 16;
 
 /// One step of a walk: a node on the path and how far along it the chain matched.
 #[derive(Clone, Copy, Debug)]
@@ -130,7 +127,23 @@ pub(crate) struct ChainTrie<M> {
     by_first: HashMap<SequenceHash, NodeId, BuildKeyHasher>,
     /// Which [`FirstFilter`] buckets hold a key of `by_first`.
     first_filter: FirstFilter,
+    /// Where the last walk that left the set inside a node left it: the second hint of every
+    /// walk. A router's prompts mostly leave a worker's active set where a shared system prompt
+    /// ends, whatever the worker caches (the caller's hint), so this spares a binary search whose
+    /// probes miss the cache. A speed hint only: every answer is exact whatever it holds.
+    left_at: LeftAt,
     blocks: u64,
+}
+
+/// [`ChainTrie::left_at`]: written by walks, which take `&self`. Relaxed atomics: one trie is
+/// walked by one thread at a time, and any value read is a correct hint.
+#[derive(Debug, Default)]
+struct LeftAt(AtomicU32);
+
+impl Clone for LeftAt {
+    fn clone(&self) -> Self {
+        Self(AtomicU32::new(self.0.load(Ordering::Relaxed)))
+    }
 }
 
 impl<M> Default for ChainTrie<M> {
@@ -140,6 +153,7 @@ impl<M> Default for ChainTrie<M> {
             free: Vec::new(),
             by_first: HashMap::default(),
             first_filter: FirstFilter::default(),
+            left_at: LeftAt::default(),
             blocks: 0,
         }
     }
@@ -287,7 +301,7 @@ impl<M: Clone + Default> ChainTrie<M> {
                 return;
             };
             let node = self.node(id);
-            let matched = node.matched_end(&chain[..len as usize], 0);
+            let matched = node.matched_end(&chain[..len as usize], [0, 0]);
             let split = cuts
                 .iter()
                 .copied()
@@ -418,13 +432,17 @@ impl<'t, M: Clone + Default> Iterator for Walk<'t, '_, M> {
             return None;
         };
         let node = self.trie.node(id);
-        let matched_end = node.matched_end(self.chain, self.hint);
+        let left_at = &self.trie.left_at.0;
+        let matched_end = node.matched_end(self.chain, [self.hint, left_at.load(Ordering::Relaxed)]);
         let step = Step {
             id,
             meta: &node.meta,
             matched_end,
         };
         self.done = matched_end < node.end;
+        if self.done && left_at.load(Ordering::Relaxed) != matched_end {
+            left_at.store(matched_end, Ordering::Relaxed);
+        }
         self.pos = matched_end;
         Some(step)
     }
