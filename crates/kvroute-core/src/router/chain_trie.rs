@@ -14,6 +14,11 @@
 //! the hash at the position where the last node ended. Inside a node, the matched length is found
 //! by binary search, because two chains that agree at position `i` agree before it.
 //!
+//! A router probes every worker's set on every decision, and a long chain is rarely in cache, so
+//! a probe avoids its lines where it can: a filter of first hashes turns away most lookups before
+//! the map, a node keeps its last hash (does the chain run through it?), and the search first
+//! tries the caller's hint and where the set's last walk left a node.
+//!
 //! Nodes are split where chains diverge and where a caller asks for a boundary (a request's
 //! cached prefix), and never merged. The caller keeps the invariant that a node's descendants
 //! are dropped before it (reference counts and timestamps never grow going down the tree), so
