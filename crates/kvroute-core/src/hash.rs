@@ -200,8 +200,9 @@ impl BlockHasher {
         debug_assert_eq!(N, self.block_size);
         let keys = &self.keys;
         let mut blocks = tokens.chunks_exact(N);
-        // Sized up front and written through `iter_mut`: no capacity check per block.
-        locals.clear();
+        // Sized up front and written through `iter_mut`: no capacity check per block. Every
+        // entry is written below, so what a longer earlier prompt left is overwritten, not zeroed
+        // first (a 64 KiB `memset` per 128K-token prompt).
         locals.resize(blocks.len(), LocalBlockHash(0));
         let (Some(first), Some((first_local, rest_locals))) = (blocks.next(), locals.split_first_mut())
         else {
@@ -588,6 +589,10 @@ mod tests {
         assert_eq!(shared_locals, locals);
         assert_eq!(&shared[..], &chain[..]);
         assert_eq!(&sequence_hashes_shared(&locals)[..], &chain[..]);
+        // A buffer left longer by an earlier prompt: its stale entries do not show.
+        let mut longer = vec![LocalBlockHash(5); 200];
+        assert_eq!(&hasher.hash_prompt_shared(&tokens, &mut longer)[..], &chain[..]);
+        assert_eq!(longer, locals);
         assert!(
             hasher
                 .hash_prompt_shared(&tokens[..15], &mut shared_locals)

@@ -14,12 +14,18 @@
 //! the hash at the position where the last node ended. Inside a node, the matched length is found
 //! by binary search, because two chains that agree at position `i` agree before it.
 //!
+//! A router probes every worker's set on every decision, and a long chain is rarely in cache, so
+//! a probe avoids its lines where it can: a filter of first hashes turns away most lookups before
+//! the map, a node keeps its last hash (does the chain run through it?), and the search first
+//! tries the caller's hint and where the set's last walk left a node.
+//!
 //! Nodes are split where chains diverge and where a caller asks for a boundary (a request's
 //! cached prefix), and never merged. The caller keeps the invariant that a node's descendants
 //! are dropped before it (reference counts and timestamps never grow going down the tree), so
 //! removing a node never strands a reachable child.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use hashbrown::HashMap;
 
@@ -38,6 +44,9 @@ pub(crate) struct Node<M> {
     pub(crate) start: u32,
     /// One past the last position covered.
     pub(crate) end: u32,
+    /// The hash at `end - 1`, kept in the node: the first probe of a walk (does the chain run
+    /// through this whole node?) reads no line of the shared chain, which is rarely in cache.
+    last: SequenceHash,
     /// The caller's value for this run.
     pub(crate) meta: M,
 }
@@ -54,24 +63,32 @@ impl<M> Node<M> {
     }
 
     /// The end of the run of `chain` that this node matches, starting at `self.start` (where the
-    /// caller found it, so at least one block matches), capped at `chain.len()`. `hint` is a
-    /// likely end (0 for none), probed first: two probes instead of a binary search when right.
-    fn matched_end(&self, chain: &[SequenceHash], hint: u32) -> u32 {
+    /// caller found it, so at least one block matches), capped at `chain.len()`. `hints` are
+    /// likely ends (0 for none), probed first, in order: two probes instead of a binary search
+    /// when one is right.
+    fn matched_end(&self, chain: &[SequenceHash], hints: [u32; 2]) -> u32 {
         let cap = self.end.min(chain.len() as u32);
         let same = |pos: u32| self.chain[pos as usize] == chain[pos as usize];
-        if same(cap - 1) {
+        let through = if cap == self.end {
+            self.last == chain[cap as usize - 1]
+        } else {
+            same(cap - 1)
+        };
+        if through {
             return cap;
         }
         // same(lo - 1) holds and same(hi - 1) does not.
         let (mut lo, mut hi) = (self.start + 1, cap);
-        if lo < hint && hint < hi {
-            if same(hint - 1) {
-                lo = hint;
-                if hint + 1 < hi && !same(hint) {
-                    hi = hint + 1;
+        for hint in hints {
+            if lo < hint && hint < hi {
+                if same(hint - 1) {
+                    lo = hint;
+                    if hint + 1 < hi && !same(hint) {
+                        hi = hint + 1;
+                    }
+                } else {
+                    hi = hint;
                 }
-            } else {
-                hi = hint;
             }
         }
         while hi - lo > 1 {
@@ -113,7 +130,25 @@ pub(crate) struct ChainTrie<M> {
     nodes: Vec<Option<Node<M>>>,
     free: Vec<NodeId>,
     by_first: HashMap<SequenceHash, NodeId, BuildKeyHasher>,
+    /// Which [`FirstFilter`] buckets hold a key of `by_first`.
+    first_filter: FirstFilter,
+    /// Where the last walk that left the set inside a node left it: the second hint of every
+    /// walk. A router's prompts mostly leave a worker's active set where a shared system prompt
+    /// ends, whatever the worker caches (the caller's hint), so this spares a binary search whose
+    /// probes miss the cache. A speed hint only: every answer is exact whatever it holds.
+    left_at: LeftAt,
     blocks: u64,
+}
+
+/// [`ChainTrie::left_at`]: written by walks, which take `&self`. Relaxed atomics: one trie is
+/// walked by one thread at a time, and any value read is a correct hint.
+#[derive(Debug, Default)]
+struct LeftAt(AtomicU32);
+
+impl Clone for LeftAt {
+    fn clone(&self) -> Self {
+        Self(AtomicU32::new(self.0.load(Ordering::Relaxed)))
+    }
 }
 
 impl<M> Default for ChainTrie<M> {
@@ -122,7 +157,59 @@ impl<M> Default for ChainTrie<M> {
             nodes: Vec::new(),
             free: Vec::new(),
             by_first: HashMap::default(),
+            first_filter: FirstFilter::default(),
+            left_at: LeftAt::default(),
             blocks: 0,
+        }
+    }
+}
+
+/// Buckets of a filter over the keys of `by_first`.
+const FILTER_BUCKETS: usize = 256;
+
+/// An exact count of the keys of a trie's `by_first` map per bucket of their hash, and a bit per
+/// bucket that is set while its count is not zero. A walk tests the bit before probing the map:
+/// a router probes every worker's active set on every decision, and most sets do not hold the
+/// prompt's first block (or the block after a match), so most probes end on this bit, in the
+/// worker's own struct, without reading the map's lines.
+#[derive(Clone, Debug, Default)]
+struct FirstFilter {
+    bits: [u64; FILTER_BUCKETS / 64],
+    /// Keys per bucket; empty until the first key.
+    counts: Vec<u32>,
+}
+
+impl FirstFilter {
+    #[inline]
+    fn bucket(hash: SequenceHash) -> usize {
+        // The top byte of a multiplicative mix: every bit of the hash moves it, so chains whose
+        // hashes are small numbers (as in tests) spread too.
+        (hash.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize
+    }
+
+    /// Whether `by_first` may hold `hash`; false means it does not.
+    #[inline]
+    fn may_hold(&self, hash: SequenceHash) -> bool {
+        let b = Self::bucket(hash);
+        self.bits[b / 64] & (1 << (b % 64)) != 0
+    }
+
+    /// A key `hash` was added to `by_first`.
+    fn add(&mut self, hash: SequenceHash) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; FILTER_BUCKETS];
+        }
+        let b = Self::bucket(hash);
+        self.counts[b] += 1;
+        self.bits[b / 64] |= 1 << (b % 64);
+    }
+
+    /// A key `hash` was removed from `by_first`.
+    fn remove(&mut self, hash: SequenceHash) {
+        let b = Self::bucket(hash);
+        self.counts[b] -= 1;
+        if self.counts[b] == 0 {
+            self.bits[b / 64] &= !(1 << (b % 64));
         }
     }
 }
@@ -190,7 +277,11 @@ impl<M: Clone + Default> ChainTrie<M> {
 
     /// The node whose run starts at `pos` of `chain`, if the set holds `chain` up to there.
     fn node_at(&self, chain: &[SequenceHash], pos: u32) -> Option<NodeId> {
-        let id = *self.by_first.get(chain.get(pos as usize)?)?;
+        let first = chain.get(pos as usize)?;
+        if !self.first_filter.may_hold(*first) {
+            return None;
+        }
+        let id = *self.by_first.get(first)?;
         // A different start would mean two prefixes with one hash: treat as absent.
         (self.node(id).start == pos).then_some(id)
     }
@@ -215,7 +306,7 @@ impl<M: Clone + Default> ChainTrie<M> {
                 return;
             };
             let node = self.node(id);
-            let matched = node.matched_end(&chain[..len as usize], 0);
+            let matched = node.matched_end(&chain[..len as usize], [0, 0]);
             let split = cuts
                 .iter()
                 .copied()
@@ -254,6 +345,7 @@ impl<M: Clone + Default> ChainTrie<M> {
                 chain: Arc::clone(chain),
                 start,
                 end,
+                last: chain[end as usize - 1],
                 meta: M::default(),
             });
             path.push(id);
@@ -271,10 +363,12 @@ impl<M: Clone + Default> ChainTrie<M> {
             chain: Arc::clone(&node.chain),
             start: at,
             end: node.end,
+            last: node.last,
             meta: node.meta.clone(),
         };
         if let Some(n) = self.nodes[id as usize].as_mut() {
             n.end = at;
+            n.last = n.chain[at as usize - 1];
         }
         self.alloc(tail)
     }
@@ -291,7 +385,9 @@ impl<M: Clone + Default> ChainTrie<M> {
                 (self.nodes.len() - 1) as NodeId
             }
         };
-        self.by_first.insert(first, id);
+        if self.by_first.insert(first, id).is_none() {
+            self.first_filter.add(first);
+        }
         id
     }
 
@@ -310,7 +406,10 @@ impl<M: Clone + Default> ChainTrie<M> {
     /// Drops node `id` (the caller has dropped its descendants).
     pub(crate) fn remove(&mut self, id: NodeId) {
         if let Some(node) = self.nodes[id as usize].take() {
-            self.by_first.remove(&node.chain[node.start as usize]);
+            let first = node.chain[node.start as usize];
+            if self.by_first.remove(&first).is_some() {
+                self.first_filter.remove(first);
+            }
             self.blocks -= u64::from(node.len());
             self.free.push(id);
         }
@@ -338,13 +437,17 @@ impl<'t, M: Clone + Default> Iterator for Walk<'t, '_, M> {
             return None;
         };
         let node = self.trie.node(id);
-        let matched_end = node.matched_end(self.chain, self.hint);
+        let left_at = &self.trie.left_at.0;
+        let matched_end = node.matched_end(self.chain, [self.hint, left_at.load(Ordering::Relaxed)]);
         let step = Step {
             id,
             meta: &node.meta,
             matched_end,
         };
         self.done = matched_end < node.end;
+        if self.done && left_at.load(Ordering::Relaxed) != matched_end {
+            left_at.store(matched_end, Ordering::Relaxed);
+        }
         self.pos = matched_end;
         Some(step)
     }
@@ -367,6 +470,30 @@ pub(crate) fn test_chain(blocks: &[u64]) -> Arc<[SequenceHash]> {
 mod tests {
     use super::test_chain as chain;
     use super::*;
+    use proptest::prelude::*;
+
+    impl<M: Clone + Default> ChainTrie<M> {
+        /// Every node's kept last hash is its chain's, and the filter counts exactly the keys of
+        /// `by_first`, per bucket, with its bits set where a count is not zero.
+        fn check_filter_and_lasts(&self) {
+            for (id, n) in self.nodes() {
+                assert_eq!(n.last, n.chain[n.end as usize - 1], "node {id}'s last hash");
+            }
+            let mut counts = vec![0u32; FILTER_BUCKETS];
+            for key in self.by_first.keys() {
+                counts[FirstFilter::bucket(*key)] += 1;
+                assert!(self.first_filter.may_hold(*key));
+            }
+            if self.first_filter.counts.is_empty() {
+                assert!(self.by_first.is_empty());
+                return;
+            }
+            assert_eq!(counts, self.first_filter.counts);
+            for (b, &c) in counts.iter().enumerate() {
+                assert_eq!(self.first_filter.bits[b / 64] & (1 << (b % 64)) != 0, c > 0);
+            }
+        }
+    }
 
     fn depth<M: Clone + Default>(t: &ChainTrie<M>, c: &[SequenceHash]) -> u32 {
         t.walk(c).last().map_or(0, |s| s.matched_end)
@@ -420,6 +547,61 @@ mod tests {
                 );
             }
             assert_eq!(depth(&t, &chain(&base[..k + 1])), k as u32 + 1);
+        }
+    }
+
+    /// A chain from a small alphabet, so chains share prefixes and diverge at many places.
+    fn blocks() -> impl Strategy<Value = Vec<u64>> {
+        prop::collection::vec(0u64..3, 1..40)
+    }
+
+    proptest! {
+        /// Chains booked and freed with reference counts, as the active sets do: after every
+        /// step, each query's walk ends where the longest common prefix with a held chain ends
+        /// (whatever the hint), and the kept last hashes and the first-hash filter are exact.
+        #[test]
+        fn walks_match_the_longest_common_prefix(
+            ops in prop::collection::vec((blocks(), 0u32..45, any::<bool>()), 1..40),
+            queries in prop::collection::vec((blocks(), 0u32..45), 1..8),
+        ) {
+            let mut t: ChainTrie<u32> = ChainTrie::default();
+            let mut touched = Touched::default();
+            let mut held: Vec<(Arc<[SequenceHash]>, u32)> = Vec::new();
+            let mut path = Vec::new();
+            for (b, cut, free) in ops {
+                if free && !held.is_empty() {
+                    let (c, len) = held.remove(cut as usize % held.len());
+                    t.path(&c, len, &mut path);
+                    for &id in &path {
+                        let refs = t.meta_mut(id);
+                        *refs -= 1;
+                        if *refs == 0 {
+                            t.remove(id);
+                        }
+                    }
+                } else {
+                    let c = chain(&b);
+                    let len = c.len() as u32;
+                    t.insert(&c, len, &[cut], &mut touched);
+                    for &id in &touched.path {
+                        *t.meta_mut(id) += 1;
+                    }
+                    held.push((c, len));
+                }
+                t.check_filter_and_lasts();
+                for (q, hint) in &queries {
+                    let q = chain(q);
+                    let expect = held
+                        .iter()
+                        .map(|(c, len)| {
+                            c[..*len as usize].iter().zip(q.iter()).take_while(|(a, b)| a == b).count() as u32
+                        })
+                        .max()
+                        .unwrap_or(0);
+                    let got = t.walk_hinted(&q, *hint).last().map_or(0, |s| s.matched_end);
+                    prop_assert_eq!(got, expect);
+                }
+            }
         }
     }
 }
