@@ -12,6 +12,7 @@ use kvroute_core::ids::LocalBlockHash;
 use kvroute_core::router::Rng;
 use kvroute_core::time::Timestamp;
 
+#[cfg(test)]
 use crate::trace::unique_token;
 use crate::workload::{Arrival, PromptBlocks, PromptHasher, SimRequest, Workload};
 
@@ -111,7 +112,7 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
     let mut rng = Rng::new(config.seed);
     let mut workload = Workload::new(block_size);
     workload.requests.reserve_exact(config.requests);
-    let hasher = PromptHasher::new(block_size.max(1));
+    let mut hasher = PromptHasher::new(block_size.max(1));
     let turns = config.turns_per_session.max(1) as usize;
     let mut start = 0.0_f64;
     // Per prefix group: its prefix's full blocks and the tokens after them.
@@ -128,11 +129,13 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
         if config.prefix_groups > 0 {
             let group = rng.below(config.prefix_groups as usize);
             let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
-                let mut full = Vec::new();
-                let mut rest: Vec<u32> = (0..config.shared_prefix_tokens)
-                    .map(|j| unique_token(u64::MAX - group as u64, j))
-                    .collect();
-                hasher.push_full_blocks(&mut rest, &mut full);
+                let (mut full, mut rest) = (Vec::new(), Vec::new());
+                hasher.push_unique_tokens(
+                    &mut rest,
+                    u64::MAX - group as u64,
+                    config.shared_prefix_tokens,
+                    &mut full,
+                );
                 (full.into(), rest)
             });
             if !prefix.is_empty() {
@@ -147,9 +150,8 @@ pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
             }
             let id = workload.requests.len();
             let new = config.isl.sample(&mut rng).max(1);
-            tail.extend((0..new).map(|j| unique_token(id as u64, j)));
             new_blocks.clear();
-            hasher.push_full_blocks(&mut tail, &mut new_blocks);
+            hasher.push_unique_tokens(&mut tail, id as u64, new, &mut new_blocks);
             if !new_blocks.is_empty() {
                 blocks += new_blocks.len() as u64;
                 segments.push(Arc::from(&new_blocks[..]));
