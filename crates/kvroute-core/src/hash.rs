@@ -110,9 +110,6 @@ impl BlockHasher {
     fn hash_any(&self, tokens: &[u32]) -> u64 {
         match &self.long.0 {
             Some(secret) if tokens.len() * 4 > XXH3_MIDSIZE_MAX => {
-                if let Ok(block) = <&[u32; 64]>::try_from(tokens) {
-                    return long_hash(block, secret);
-                }
                 with_u32_le(tokens, |bytes| xxh3_64_with_secret(bytes, secret))
             }
             _ => hash_u32_le(tokens, self.seed),
@@ -419,76 +416,6 @@ fn chain_step(parent: u64, local: u64) -> u64 {
     avalanche(acc)
 }
 
-// ---- XXH3's long path specialised to one block of 61 to 256 tokens (64-token blocks) ----
-//
-// A block of more than 240 bytes takes XXH3's long path (`XXH3_hashLong_64b`): eight 64-bit
-// accumulators take one 64-byte stripe at a time. Up to 1,024 bytes (one "block" of XXH3's, 16
-// stripes of a 192-byte secret) no scramble happens: stripes `0..(len - 1) / 64` at secret
-// byte `8 * s`, the last 64 bytes at secret byte 121 (`192 - 64 - 7`), then the accumulators
-// merged with the secret at byte 11. Written for a constant length, the loops unroll and no
-// length is dispatched on; `tests::long_xxh3_equals_the_reference` checks it against
-// xxhash-rust's `xxh3_64_with_secret` and `xxh3_64_with_seed`.
-
-/// XXH3's initial accumulators.
-const LONG_INIT: [u64; 8] = [
-    0xC2B2_AE3D, // PRIME32_3
-    PRIME64_1,
-    0xC2B2_AE3D_27D4_EB4F, // PRIME64_2
-    0x1656_67B1_9E37_79F9, // PRIME64_3
-    0x85EB_CA77_C2B2_AE63, // PRIME64_4
-    0x85EB_CA77,           // PRIME32_2
-    0x27D4_EB2F_1656_67C5, // PRIME64_5
-    0x9E37_79B1,           // PRIME32_1
-];
-
-/// The little-endian 64-bit word at byte `at` of `bytes`.
-#[inline(always)]
-fn read64(bytes: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
-}
-
-/// `XXH3_accumulate_512` of the stripe of tokens `first..first + 16` with the secret at byte
-/// `secret_at`.
-#[inline(always)]
-fn accumulate_stripe<const N: usize>(
-    acc: &mut [u64; 8],
-    block: &[u32; N],
-    first: usize,
-    secret: &[u8; 192],
-    secret_at: usize,
-) {
-    // Lane by lane as the specification writes it; the compiler vectorises it (a 32x32-bit
-    // multiply per lane is SSE2's `pmuludq`).
-    for i in 0..8 {
-        let data = word(block, first + 2 * i);
-        let data_key = data ^ read64(secret, secret_at + 8 * i);
-        acc[i ^ 1] = acc[i ^ 1].wrapping_add(data);
-        acc[i] = acc[i].wrapping_add((data_key & 0xFFFF_FFFF).wrapping_mul(data_key >> 32));
-    }
-}
-
-/// `XXH3_64_with_secret` of the `4 * N` little-endian bytes of `block`, for `N` in 61..=256
-/// (241 to 1,024 bytes), with a 192-byte secret (the one `xxh3_64_with_seed` derives from its
-/// seed for these lengths).
-#[inline]
-fn long_hash<const N: usize>(block: &[u32; N], secret: &[u8; 192]) -> u64 {
-    const { assert!(N >= 61 && N <= 256) };
-    let len = 4 * N;
-    let mut acc = LONG_INIT;
-    for stripe in 0..(len - 1) / 64 {
-        accumulate_stripe(&mut acc, block, 16 * stripe, secret, 8 * stripe);
-    }
-    accumulate_stripe(&mut acc, block, N - 16, secret, 192 - 64 - 7);
-    let mut h = (len as u64).wrapping_mul(PRIME64_1);
-    for i in 0..4 {
-        h = h.wrapping_add(mul128_fold64(
-            acc[2 * i] ^ read64(secret, 11 + 16 * i),
-            acc[2 * i + 1] ^ read64(secret, 11 + 16 * i + 8),
-        ));
-    }
-    avalanche(h)
-}
-
 /// XXH3 over `tokens` as little-endian u32 bytes, without copying on little-endian machines.
 #[inline]
 fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
@@ -604,29 +531,6 @@ mod tests {
             for (block, want) in tokens.chunks_exact(block_size).zip(&want_locals) {
                 prop_assert_eq!(hasher.local_hash(block).0, *want);
             }
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(1000))]
-
-        /// The specialised long path (64-token blocks, and the other lengths it admits) equals
-        /// xxhash-rust's `xxh3_64_with_seed` for any input and seed.
-        #[test]
-        fn long_xxh3_equals_the_reference(
-            block in proptest::collection::vec(token(), 256),
-            seed in seed(),
-        ) {
-            let secret = const_custom_default_secret(seed);
-            let b64: &[u32; 64] = block[..64].try_into().unwrap();
-            prop_assert_eq!(long_hash(b64, &secret), reference_local(b64, seed));
-            prop_assert_eq!(BlockHasher::with_seed(64, seed).local_hash(b64).0, reference_local(b64, seed));
-            // The ends of the admitted range, and lengths around a stripe boundary.
-            prop_assert_eq!(long_hash::<61>(block[..61].try_into().unwrap(), &secret), reference_local(&block[..61], seed));
-            prop_assert_eq!(long_hash::<65>(block[..65].try_into().unwrap(), &secret), reference_local(&block[..65], seed));
-            prop_assert_eq!(long_hash::<80>(block[..80].try_into().unwrap(), &secret), reference_local(&block[..80], seed));
-            prop_assert_eq!(long_hash::<128>(block[..128].try_into().unwrap(), &secret), reference_local(&block[..128], seed));
-            prop_assert_eq!(long_hash::<256>(block[..].try_into().unwrap(), &secret), reference_local(&block, seed));
         }
     }
 
