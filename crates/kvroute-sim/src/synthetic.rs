@@ -109,64 +109,147 @@ type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
 /// every later request of the group or session points to), so a million requests generate in
 /// time and memory linear in their new tokens.
 pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
-    let mut rng = Rng::new(config.seed);
+    generate_on(config, block_size, 1)
+}
+
+/// [`generate`] with the blocks made of one turn's new tokens only (all of a turn's blocks but
+/// the one completing the session's partial block) hashed on `threads` threads (0 counts as
+/// 1). The workload is the same whatever `threads` is: every draw is made first, in order, on
+/// the calling thread, and each thread hashes a range of requests' blocks.
+pub fn generate_on(config: &SyntheticConfig, block_size: u32, threads: usize) -> Workload {
+    let bs = block_size.max(1) as usize;
+    let plan = plan(config, bs);
+    let middles = hash_middles(&plan, block_size, threads.max(1));
     let mut workload = Workload::new(block_size);
-    workload.requests.reserve_exact(config.requests);
+    workload.requests.reserve_exact(plan.len());
     let mut hasher = PromptHasher::new(block_size.max(1));
-    let turns = config.turns_per_session.max(1) as usize;
-    let mut start = 0.0_f64;
     // Per prefix group: its prefix's full blocks and the tokens after them.
     let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
     // The session's prompt so far: segments of full blocks, then the tokens of its partial block.
     let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
     let mut tail: Vec<u32> = Vec::new();
-    let mut new_blocks: Vec<LocalBlockHash> = Vec::new();
-    while workload.requests.len() < config.requests {
-        start += gap_secs(config, &mut rng);
-        segments.clear();
-        let mut blocks = 0u64;
-        tail.clear();
-        if config.prefix_groups > 0 {
-            let group = rng.below(config.prefix_groups as usize);
-            let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
-                let (mut full, mut rest) = (Vec::new(), Vec::new());
-                hasher.push_unique_tokens(
-                    &mut rest,
-                    u64::MAX - group as u64,
-                    config.shared_prefix_tokens,
-                    &mut full,
-                );
-                (full.into(), rest)
-            });
-            if !prefix.is_empty() {
-                blocks += prefix.len() as u64;
-                segments.push(Arc::clone(prefix));
+    let mut blocks = 0u64;
+    for ((id, turn), middle) in plan.iter().enumerate().zip(middles) {
+        if turn.turn == 0 {
+            segments.clear();
+            blocks = 0;
+            tail.clear();
+            if let Some(group) = turn.group {
+                let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
+                    let (mut full, mut rest) = (Vec::new(), Vec::new());
+                    hasher.push_unique_tokens(
+                        &mut rest,
+                        u64::MAX - group as u64,
+                        config.shared_prefix_tokens,
+                        &mut full,
+                    );
+                    (full.into(), rest)
+                });
+                if !prefix.is_empty() {
+                    blocks += prefix.len() as u64;
+                    segments.push(Arc::clone(prefix));
+                }
+                tail.extend_from_slice(rest);
             }
-            tail.extend_from_slice(rest);
         }
-        for turn in 0..turns {
-            if workload.requests.len() >= config.requests {
-                break;
-            }
-            let id = workload.requests.len();
-            let new = config.isl.sample(&mut rng).max(1);
-            new_blocks.clear();
-            hasher.push_unique_tokens(&mut tail, id as u64, new, &mut new_blocks);
-            if !new_blocks.is_empty() {
-                blocks += new_blocks.len() as u64;
-                segments.push(Arc::from(&new_blocks[..]));
-            }
-            let tokens = blocks * u64::from(block_size.max(1)) + tail.len() as u64;
-            let arrival = turn_arrival(turn, start, id, config);
-            workload.requests.push(SimRequest {
-                arrival,
-                locals: PromptBlocks::from_segments(segments.clone()),
-                prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
-                output_tokens: config.osl.sample(&mut rng),
-            });
+        let new_blocks = hasher.push_unique_tokens_around(&mut tail, id as u64, turn.new, middle);
+        if !new_blocks.is_empty() {
+            blocks += new_blocks.len() as u64;
+            segments.push(Arc::from(new_blocks));
         }
+        let tokens = blocks * bs as u64 + tail.len() as u64;
+        workload.requests.push(SimRequest {
+            arrival: turn_arrival(turn.turn, turn.start, id, config),
+            locals: PromptBlocks::from_segments(segments.clone()),
+            prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+            output_tokens: turn.output_tokens,
+        });
     }
     workload
+}
+
+/// One request's draws, and where its own full blocks start.
+#[derive(Clone, Copy, Debug)]
+struct PlannedTurn {
+    /// The session's start, seconds.
+    start: f64,
+    /// Turn of its session.
+    turn: usize,
+    /// The session's prefix group, on its first turn.
+    group: Option<usize>,
+    /// New tokens.
+    new: u32,
+    output_tokens: u32,
+    /// New tokens that complete the session's partial block (0 if it has none).
+    head: u32,
+}
+
+/// Every draw of [`generate`], in its order, with the length of each session's partial block.
+fn plan(config: &SyntheticConfig, bs: usize) -> Vec<PlannedTurn> {
+    let mut rng = Rng::new(config.seed);
+    let mut turns = Vec::with_capacity(config.requests);
+    let per_session = config.turns_per_session.max(1) as usize;
+    let mut start = 0.0_f64;
+    while turns.len() < config.requests {
+        start += gap_secs(config, &mut rng);
+        let mut partial = 0usize;
+        let mut group = None;
+        if config.prefix_groups > 0 {
+            group = Some(rng.below(config.prefix_groups as usize));
+            partial = config.shared_prefix_tokens as usize % bs;
+        }
+        for turn in 0..per_session {
+            if turns.len() >= config.requests {
+                break;
+            }
+            let new = config.isl.sample(&mut rng).max(1);
+            let head = if partial == 0 {
+                0
+            } else {
+                (bs - partial).min(new as usize) as u32
+            };
+            turns.push(PlannedTurn {
+                start,
+                turn,
+                group: if turn == 0 { group } else { None },
+                new,
+                output_tokens: config.osl.sample(&mut rng),
+                head,
+            });
+            partial = (partial + new as usize) % bs;
+        }
+    }
+    turns
+}
+
+/// For each request, the local hashes of its blocks made of its own tokens only (after its
+/// `head` tokens), on `threads` threads over consecutive ranges of requests.
+fn hash_middles(turns: &[PlannedTurn], block_size: u32, threads: usize) -> Vec<Vec<LocalBlockHash>> {
+    let hash_range = |turns: &[PlannedTurn], first_id: usize| -> Vec<Vec<LocalBlockHash>> {
+        let mut hasher = PromptHasher::new(block_size.max(1));
+        turns
+            .iter()
+            .enumerate()
+            .map(|(k, t)| hasher.unique_blocks((first_id + k) as u64, t.head, t.new - t.head))
+            .collect()
+    };
+    if threads <= 1 || turns.len() < 2 * threads {
+        return hash_range(turns, 0);
+    }
+    let chunk = turns.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = turns
+            .chunks(chunk)
+            .enumerate()
+            .skip(1)
+            .map(|(c, part)| scope.spawn(move || hash_range(part, c * chunk)))
+            .collect();
+        let mut all = hash_range(&turns[..chunk], 0);
+        for handle in handles {
+            all.extend(handle.join().expect("a hashing thread panicked"));
+        }
+        all
+    })
 }
 
 /// One gap between session starts, in seconds.
@@ -317,6 +400,13 @@ mod tests {
             let w = generate(&config, bs);
             assert_eq!(w.requests.len(), requests, "{config:?}");
             assert_eq!(generate(&config, bs), w, "not deterministic: {config:?}");
+            for threads in [0, 2, 3, 7] {
+                assert_eq!(
+                    generate_on(&config, bs, threads),
+                    w,
+                    "{threads} threads: {config:?}"
+                );
+            }
             assert_eq!(
                 generate_by_full_rehash(&config, bs),
                 w,

@@ -393,7 +393,28 @@ impl PromptHasher {
         count: u32,
         locals: &mut Vec<LocalBlockHash>,
     ) {
+        let head = if tail.is_empty() {
+            0
+        } else {
+            (self.hasher.block_size() - tail.len()).min(count as usize) as u32
+        };
+        let middle = self.unique_blocks(id, head, count - head);
+        locals.extend(self.push_unique_tokens_around(tail, id, count, middle));
+    }
+
+    /// [`PromptHasher::push_unique_tokens`] given `middle`, the hashes
+    /// [`PromptHasher::unique_blocks`] gives for the new tokens after those completing `tail`'s
+    /// block: returns every block the new tokens complete (`middle` with the completed block
+    /// first, if any).
+    pub(crate) fn push_unique_tokens_around(
+        &mut self,
+        tail: &mut Vec<u32>,
+        id: u64,
+        count: u32,
+        mut middle: Vec<LocalBlockHash>,
+    ) -> Vec<LocalBlockHash> {
         let bs = self.hasher.block_size();
+        let passed = middle.len();
         let mut j = 0u32;
         if !tail.is_empty() {
             let take = (bs - tail.len()).min(count as usize) as u32;
@@ -402,25 +423,39 @@ impl PromptHasher {
             fill_unique_tokens(&mut tail[at..], id, 0);
             j = take;
             if tail.len() == bs {
-                locals.push(self.hasher.local_hash(tail));
+                middle.insert(0, self.hasher.local_hash(tail));
                 tail.clear();
             }
         }
-        let whole = (count - j) as usize / bs;
-        if whole > 0 {
-            locals.reserve(whole);
-            self.tokens.clear();
-            self.tokens.resize(bs, 0);
-            for _ in 0..whole {
-                fill_unique_tokens(&mut self.tokens, id, j);
-                locals.push(self.hasher.local_hash(&self.tokens));
-                j += bs as u32;
-            }
-            self.tokens.clear();
-        }
+        j += (passed * bs) as u32;
+        assert!(
+            j <= count && (count - j) as usize / bs == 0,
+            "{passed} blocks given for {count} new tokens"
+        );
         let at = tail.len();
         tail.resize(at + (count - j) as usize, 0);
         fill_unique_tokens(&mut tail[at..], id, j);
+        middle
+    }
+
+    /// The local hashes of the full blocks of the tokens `unique_token(id, j)` for `j` from
+    /// `first` on, `count` of them (a trailing partial block is left out): each block made in
+    /// the hasher's buffer and hashed there.
+    pub(crate) fn unique_blocks(&mut self, id: u64, first: u32, count: u32) -> Vec<LocalBlockHash> {
+        let bs = self.hasher.block_size();
+        let whole = count as usize / bs;
+        // One more for the block completing the prompt's partial block, put first.
+        let mut locals = Vec::with_capacity(whole + 1);
+        self.tokens.clear();
+        self.tokens.resize(bs, 0);
+        let mut j = first;
+        for _ in 0..whole {
+            fill_unique_tokens(&mut self.tokens, id, j);
+            locals.push(self.hasher.local_hash(&self.tokens));
+            j += bs as u32;
+        }
+        self.tokens.clear();
+        locals
     }
 
     /// Tokens in the buffer.

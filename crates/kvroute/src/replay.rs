@@ -397,7 +397,9 @@ impl<'a> Plan<'a> {
         let o = self.options;
         let mut workload = match (&self.synthetic, &trace.bytes) {
             (Some(config), _) => {
-                let w = kvroute_sim::synthetic::generate(config, self.block_size);
+                // The prompts' blocks are hashed on every core (the same workload on any count).
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let w = kvroute_sim::synthetic::generate_on(config, self.block_size, threads);
                 (w, format!("the synthetic generator ({config:?})"))
             }
             (None, Some(bytes)) => {
