@@ -15,7 +15,7 @@ use clap::Args;
 use flate2::read::GzDecoder;
 use kvroute_core::router::policy::CostPolicyConfig;
 use kvroute_core::router::{CacheMode, Decider, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
-use kvroute_sim::synthetic::{ArrivalProcess, Lengths, Plan, SyntheticConfig};
+use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, ReplicaSync, Replicas, Report, RunResult,
     SimConfig, Simulation, Spread, Workload,
@@ -679,10 +679,10 @@ fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
 
 /// `N` or `MIN-MAX` tokens, at least 1.
 /// The synthetic workload, its prompts' blocks hashed on every core: the simulator's crate starts
-/// no thread, so its generator's hashing step ([`Plan::hash`]) runs here, one range of requests
+/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::Plan::hash`]) runs here, one range of requests
 /// per thread. The workload is [`kvroute_sim::synthetic::generate`]'s on any number of cores.
 fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::Result<Workload> {
-    let plan = Plan::new(config, block_size);
+    let plan = kvroute_sim::synthetic::Plan::new(config, block_size);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let chunk = plan.len().div_ceil(threads).max(1);
     let parts = std::thread::scope(|scope| {
