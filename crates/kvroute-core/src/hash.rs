@@ -512,7 +512,7 @@ mod tests {
         #[test]
         fn prompts_hash_as_the_reference(
             tokens in proptest::collection::vec(token(), 0..400),
-            block_size in prop_oneof![Just(16usize), Just(32usize), 1usize..80],
+            block_size in prop_oneof![Just(16usize), Just(32usize), Just(64usize), 1usize..80],
             lora in proptest::option::of("[a-z]{0,6}"),
         ) {
             let salt = HashSalt { lora_name: lora.as_deref(), namespace: None };

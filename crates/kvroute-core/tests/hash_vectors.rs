@@ -34,6 +34,9 @@
 //!                    ("both", salt_seed("my-adapter", "tenant-a"))]:
 //!     print("salted", name, blocks(list(range(8)), 4, seed))
 //! print("salted both chain", chain(blocks(list(range(8)), 4, salt_seed("my-adapter", "tenant-a"))))
+//! print("iota64x2", blocks(list(range(130)), 64))
+//! print("large64", local([151643 + i for i in range(63)] + [4294967295]))
+//! print("both64", blocks(list(range(128)), 64, salt_seed("my-adapter", "tenant-a")))
 //! EOF
 //! ```
 
@@ -76,6 +79,34 @@ fn local_hash_of_large_token_ids() {
     assert_eq!(
         unsalted(4).local_hash(&tokens),
         LocalBlockHash(5526824743570706265)
+    );
+}
+
+#[test]
+fn local_hashes_of_64_token_blocks() {
+    // 256 bytes: XXH3's long path (the specialised one for 64-token blocks), salted or not, in
+    // every entry point; a trailing partial block is not hashed.
+    let tokens: Vec<u32> = (0..130).collect();
+    let h = unsalted(64);
+    let want = [3480597578098033343, 3318286205056455972];
+    assert_eq!(locals(&h.local_hashes(&tokens)), want);
+    assert_eq!(h.local_hash(&tokens[..64]).0, want[0]);
+    assert_eq!(h.local_hash(&tokens[64..128]).0, want[1]);
+    let mut buf = Vec::new();
+    h.hash_prompt_shared(&tokens, &mut buf);
+    assert_eq!(locals(&buf), want);
+    let large: Vec<u32> = (151643..151643 + 63).chain([u32::MAX]).collect();
+    assert_eq!(h.local_hash(&large).0, 9766203397679640328);
+    let salted = BlockHasher::new(
+        64,
+        &HashSalt {
+            lora_name: Some(LORA),
+            namespace: Some(NAMESPACE),
+        },
+    );
+    assert_eq!(
+        locals(&salted.local_hashes(&tokens[..128])),
+        [1582243102023348012, 4206727210965875118]
     );
 }
 

@@ -379,6 +379,12 @@ impl Engine {
         self.scheduler.pool.cached_hashes()
     }
 
+    /// Blocks in the prefix cache (in use or free): the number [`Engine::cached_blocks`] yields,
+    /// without listing or sorting them.
+    pub fn num_cached_blocks(&self) -> usize {
+        self.scheduler.pool.cached() as usize
+    }
+
     /// Requests running (holding blocks).
     pub fn num_running(&self) -> usize {
         self.scheduler.running.len()

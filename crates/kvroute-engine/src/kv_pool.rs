@@ -257,13 +257,26 @@ impl BlockPool {
                 self.blocks.len()
             ));
         }
-        for (i, (block, &held)) in self.blocks.iter().zip(holders).enumerate() {
-            if block.refs != held {
-                return Err(format!(
-                    "block {i} has {} references but {held} holders",
-                    block.refs
-                ));
-            }
+        // One pass over the blocks for the per-block facts; a violation is then located (and
+        // named) by the slower search below.
+        let (mut in_use, mut carrying, mut refs_differ) = (0u32, 0usize, false);
+        for (block, &held) in self.blocks.iter().zip(holders) {
+            refs_differ |= block.refs != held;
+            in_use += u32::from(block.refs > 0);
+            carrying += usize::from(block.hash.is_some());
+        }
+        if refs_differ
+            && let Some((i, (block, held))) = self
+                .blocks
+                .iter()
+                .zip(holders)
+                .enumerate()
+                .find(|(_, (block, held))| block.refs != **held)
+        {
+            return Err(format!(
+                "block {i} has {} references but {held} holders",
+                block.refs
+            ));
         }
         let on_list = self.walk_free_list()?;
         if on_list != self.free {
@@ -272,7 +285,6 @@ impl BlockPool {
                 self.free
             ));
         }
-        let in_use = self.blocks.iter().filter(|b| b.refs > 0).count() as u32;
         if in_use + self.free != self.total() {
             return Err(format!(
                 "{in_use} in use + {} free != {} total",
@@ -280,16 +292,35 @@ impl BlockPool {
                 self.total()
             ));
         }
-        for (i, block) in self.blocks.iter().enumerate() {
-            if let Some(hash) = block.hash
-                && self.cached.get(&hash) != Some(&(i as BlockId))
-            {
-                return Err(format!(
-                    "block {i} carries {hash:?} but the cache map does not name it"
-                ));
+        // Every block carrying a hash is the one the cache map names under it. The map's valid
+        // entries (an entry whose block carries the entry's hash) name distinct blocks (their
+        // hashes are distinct keys, and a block carries one hash), each carrying its hash; so
+        // they are exactly the carrying blocks' entries when they are as many. Counting them is
+        // one walk over the map instead of a lookup per block; on a mismatch the lookups name
+        // the block.
+        let valid = self
+            .cached
+            .iter()
+            .filter(|&(&h, &b)| {
+                self.blocks
+                    .get(b as usize)
+                    .is_some_and(|block| block.hash == Some(h))
+            })
+            .count();
+        if valid != carrying {
+            for (i, block) in self.blocks.iter().enumerate() {
+                if let Some(hash) = block.hash
+                    && self.cached.get(&hash) != Some(&(i as BlockId))
+                {
+                    return Err(format!(
+                        "block {i} carries {hash:?} but the cache map does not name it"
+                    ));
+                }
             }
+            return Err(format!(
+                "{valid} valid cache map entries for {carrying} blocks carrying a hash"
+            ));
         }
-        let carrying = self.blocks.iter().filter(|b| b.hash.is_some()).count();
         if carrying != self.num_cached as usize {
             return Err(format!(
                 "{carrying} blocks carry a hash but {} are counted cached",
@@ -406,6 +437,59 @@ mod tests {
         assert_eq!(removed, vec![vec![hash(1), hash(0), hash(3)]]);
         assert_eq!(pool.cached_hashes().collect::<Vec<_>>(), vec![hash(2)]);
         pool.check_invariants(&[1, 1, 0, 1]).unwrap();
+    }
+
+    /// A pool of four cached blocks, two held by one request (blocks 0 and 1), two free.
+    fn four_cached() -> (BlockPool, [u32; 4]) {
+        let mut pool = BlockPool::new(4);
+        let mut blocks = Vec::new();
+        assert!(pool.allocate(4, &mut blocks));
+        for (i, block) in blocks.iter_mut().enumerate() {
+            assert!(pool.cache(block, hash(i as u64)));
+        }
+        pool.release(&blocks[2..]);
+        pool.check_invariants(&[1, 1, 0, 0]).unwrap();
+        (pool, [1, 1, 0, 0])
+    }
+
+    #[test]
+    fn the_invariant_check_names_each_kind_of_corruption() {
+        let check = |pool: &BlockPool, holders: &[u32]| pool.check_invariants(holders).unwrap_err();
+        let (pool, holders) = four_cached();
+        let mut wrong = holders;
+        wrong[1] = 2;
+        assert_eq!(check(&pool, &wrong), "block 1 has 1 references but 2 holders");
+        // A carrying block the map does not name: its entry gone, or naming another block.
+        let (mut pool, holders) = four_cached();
+        pool.cached.remove(&hash(2));
+        assert!(
+            check(&pool, &holders).starts_with("block 2 carries"),
+            "{}",
+            check(&pool, &holders)
+        );
+        let (mut pool, holders) = four_cached();
+        pool.blocks[3].hash = Some(hash(2));
+        pool.cached.remove(&hash(3));
+        assert!(check(&pool, &holders).contains("the cache map does not name it"));
+        // An entry naming a block past the pool.
+        let (mut pool, holders) = four_cached();
+        pool.cached.insert(hash(0), 9);
+        assert!(check(&pool, &holders).starts_with("block 0 carries"));
+        // The counter of cached blocks.
+        let (mut pool, holders) = four_cached();
+        pool.num_cached = 3;
+        assert_eq!(
+            check(&pool, &holders),
+            "4 blocks carry a hash but 3 are counted cached"
+        );
+        // References against the free list.
+        let (mut pool, _) = four_cached();
+        pool.blocks[2].refs = 1;
+        assert!(check(&pool, &[1, 1, 1, 0]).starts_with("free block 2 has 1 references"));
+        // Stale entries (a block since evicted or recached) are not violations.
+        let (mut pool, holders) = four_cached();
+        pool.cached.insert(hash(77), 2);
+        pool.check_invariants(&holders).unwrap();
     }
 
     #[test]

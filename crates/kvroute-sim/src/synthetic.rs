@@ -5,6 +5,7 @@
 //! `k`'s prompt followed by `isl` new tokens (the previous answer and the user's next message), so
 //! a router that keeps a session on one worker finds the whole earlier prompt cached.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +13,8 @@ use kvroute_core::ids::LocalBlockHash;
 use kvroute_core::router::Rng;
 use kvroute_core::time::Timestamp;
 
+use crate::error::SimError;
+#[cfg(test)]
 use crate::trace::unique_token;
 use crate::workload::{Arrival, PromptBlocks, PromptHasher, SimRequest, Workload};
 
@@ -108,63 +111,192 @@ type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
 /// every later request of the group or session points to), so a million requests generate in
 /// time and memory linear in their new tokens.
 pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
-    let mut rng = Rng::new(config.seed);
-    let mut workload = Workload::new(block_size);
-    workload.requests.reserve_exact(config.requests);
-    let hasher = PromptHasher::new(block_size.max(1));
-    let turns = config.turns_per_session.max(1) as usize;
-    let mut start = 0.0_f64;
-    // Per prefix group: its prefix's full blocks and the tokens after them.
-    let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
-    // The session's prompt so far: segments of full blocks, then the tokens of its partial block.
-    let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
-    let mut tail: Vec<u32> = Vec::new();
-    let mut new_blocks: Vec<LocalBlockHash> = Vec::new();
-    while workload.requests.len() < config.requests {
-        start += gap_secs(config, &mut rng);
-        segments.clear();
-        let mut blocks = 0u64;
-        tail.clear();
-        if config.prefix_groups > 0 {
-            let group = rng.below(config.prefix_groups as usize);
-            let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
-                let mut full = Vec::new();
-                let mut rest: Vec<u32> = (0..config.shared_prefix_tokens)
-                    .map(|j| unique_token(u64::MAX - group as u64, j))
-                    .collect();
-                hasher.push_full_blocks(&mut rest, &mut full);
-                (full.into(), rest)
-            });
-            if !prefix.is_empty() {
-                blocks += prefix.len() as u64;
-                segments.push(Arc::clone(prefix));
-            }
-            tail.extend_from_slice(rest);
-        }
-        for turn in 0..turns {
-            if workload.requests.len() >= config.requests {
-                break;
-            }
-            let id = workload.requests.len();
-            let new = config.isl.sample(&mut rng).max(1);
-            tail.extend((0..new).map(|j| unique_token(id as u64, j)));
-            new_blocks.clear();
-            hasher.push_full_blocks(&mut tail, &mut new_blocks);
-            if !new_blocks.is_empty() {
-                blocks += new_blocks.len() as u64;
-                segments.push(Arc::from(&new_blocks[..]));
-            }
-            let tokens = blocks * u64::from(block_size.max(1)) + tail.len() as u64;
-            let arrival = turn_arrival(turn, start, id, config);
-            workload.requests.push(SimRequest {
-                arrival,
-                locals: PromptBlocks::from_segments(segments.clone()),
-                prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
-                output_tokens: config.osl.sample(&mut rng),
-            });
+    let plan = Plan::new(config, block_size);
+    let own = plan.hash(0..plan.len());
+    plan.build(own.blocks)
+}
+
+/// [`generate`] in three steps, so that a caller can hash on several threads (this crate starts
+/// none): [`Plan::new`] makes every draw; [`Plan::hash`] hashes the blocks made of a range of
+/// requests' own tokens (all of a turn's blocks but the one that completes the session's
+/// partial block), each range independently; [`Plan::assemble`] builds the workload from the
+/// ranges: [`generate`]'s, whatever the ranges.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    config: SyntheticConfig,
+    block_size: u32,
+    turns: Vec<PlannedTurn>,
+}
+
+/// The blocks made of the own tokens of a range of a [`Plan`]'s requests, from [`Plan::hash`].
+#[derive(Clone, Debug)]
+pub struct OwnBlocks {
+    first: usize,
+    blocks: Vec<Vec<LocalBlockHash>>,
+}
+
+impl Plan {
+    /// Every draw of the workload `config` describes at `block_size` tokens per block, in order.
+    pub fn new(config: &SyntheticConfig, block_size: u32) -> Self {
+        Self {
+            config: *config,
+            block_size,
+            turns: plan(config, block_size.max(1) as usize),
         }
     }
-    workload
+
+    /// Requests planned.
+    pub fn len(&self) -> usize {
+        self.turns.len()
+    }
+
+    /// Whether no request is planned.
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// The local hashes of the blocks made of the own tokens of requests `range` (clamped to
+    /// the plan).
+    pub fn hash(&self, range: Range<usize>) -> OwnBlocks {
+        let end = range.end.min(self.turns.len());
+        let first = range.start.min(end);
+        let mut hasher = PromptHasher::new(self.block_size.max(1));
+        let blocks = self.turns[first..end]
+            .iter()
+            .enumerate()
+            .map(|(k, t)| hasher.unique_blocks((first + k) as u64, t.head, t.new - t.head))
+            .collect();
+        OwnBlocks { first, blocks }
+    }
+
+    /// The workload, from `parts` that cover the requests in order (ranges `0..a`, `a..b`, ...,
+    /// up to [`Plan::len`]); an error says where a request is missing.
+    pub fn assemble(&self, parts: Vec<OwnBlocks>) -> Result<Workload, SimError> {
+        let mut next = 0;
+        for part in &parts {
+            if part.first != next {
+                return Err(SimError::Workload(format!(
+                    "the hashed blocks start at request {} where request {next} is next",
+                    part.first
+                )));
+            }
+            next += part.blocks.len();
+        }
+        if next != self.turns.len() {
+            return Err(SimError::Workload(format!(
+                "the hashed blocks end at request {next}, not at {}",
+                self.turns.len()
+            )));
+        }
+        Ok(self.build(parts.into_iter().flat_map(|p| p.blocks)))
+    }
+
+    /// The workload, given every request's own blocks in order.
+    fn build(&self, own: impl IntoIterator<Item = Vec<LocalBlockHash>>) -> Workload {
+        let (config, block_size) = (&self.config, self.block_size);
+        let bs = block_size.max(1) as usize;
+        let mut workload = Workload::new(block_size);
+        workload.requests.reserve_exact(self.turns.len());
+        let mut hasher = PromptHasher::new(block_size.max(1));
+        // Per prefix group: its prefix's full blocks and the tokens after them.
+        let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
+        // The session's prompt so far: segments of full blocks, then the tokens of its partial
+        // block.
+        let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
+        let mut tail: Vec<u32> = Vec::new();
+        let mut blocks = 0u64;
+        for ((id, turn), middle) in self.turns.iter().enumerate().zip(own) {
+            if turn.turn == 0 {
+                segments.clear();
+                blocks = 0;
+                tail.clear();
+                if let Some(group) = turn.group {
+                    let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
+                        let (mut full, mut rest) = (Vec::new(), Vec::new());
+                        hasher.push_unique_tokens(
+                            &mut rest,
+                            u64::MAX - group as u64,
+                            config.shared_prefix_tokens,
+                            &mut full,
+                        );
+                        (full.into(), rest)
+                    });
+                    if !prefix.is_empty() {
+                        blocks += prefix.len() as u64;
+                        segments.push(Arc::clone(prefix));
+                    }
+                    tail.extend_from_slice(rest);
+                }
+            }
+            let new_blocks = hasher.push_unique_tokens_around(&mut tail, id as u64, turn.new, middle);
+            if !new_blocks.is_empty() {
+                blocks += new_blocks.len() as u64;
+                segments.push(Arc::from(new_blocks));
+            }
+            let tokens = blocks * bs as u64 + tail.len() as u64;
+            workload.requests.push(SimRequest {
+                arrival: turn_arrival(turn.turn, turn.start, id, config),
+                locals: PromptBlocks::from_segments(segments.clone()),
+                prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+                output_tokens: turn.output_tokens,
+            });
+        }
+        workload
+    }
+}
+
+/// One request's draws, and where its own full blocks start.
+#[derive(Clone, Copy, Debug)]
+struct PlannedTurn {
+    /// The session's start, seconds.
+    start: f64,
+    /// Turn of its session.
+    turn: usize,
+    /// The session's prefix group, on its first turn.
+    group: Option<usize>,
+    /// New tokens.
+    new: u32,
+    output_tokens: u32,
+    /// New tokens that complete the session's partial block (0 if it has none).
+    head: u32,
+}
+
+/// Every draw of [`generate`], in its order, with the length of each session's partial block.
+fn plan(config: &SyntheticConfig, bs: usize) -> Vec<PlannedTurn> {
+    let mut rng = Rng::new(config.seed);
+    let mut turns = Vec::with_capacity(config.requests);
+    let per_session = config.turns_per_session.max(1) as usize;
+    let mut start = 0.0_f64;
+    while turns.len() < config.requests {
+        start += gap_secs(config, &mut rng);
+        let mut partial = 0usize;
+        let mut group = None;
+        if config.prefix_groups > 0 {
+            group = Some(rng.below(config.prefix_groups as usize));
+            partial = config.shared_prefix_tokens as usize % bs;
+        }
+        for turn in 0..per_session {
+            if turns.len() >= config.requests {
+                break;
+            }
+            let new = config.isl.sample(&mut rng).max(1);
+            let head = if partial == 0 {
+                0
+            } else {
+                (bs - partial).min(new as usize) as u32
+            };
+            turns.push(PlannedTurn {
+                start,
+                turn,
+                group: if turn == 0 { group } else { None },
+                new,
+                output_tokens: config.osl.sample(&mut rng),
+                head,
+            });
+            partial = (partial + new as usize) % bs;
+        }
+    }
+    turns
 }
 
 /// One gap between session starts, in seconds.
@@ -315,6 +447,28 @@ mod tests {
             let w = generate(&config, bs);
             assert_eq!(w.requests.len(), requests, "{config:?}");
             assert_eq!(generate(&config, bs), w, "not deterministic: {config:?}");
+            // Hashed in ranges (as threads would), the same workload.
+            let plan = Plan::new(&config, bs);
+            for cuts in [
+                vec![],
+                vec![0, 1],
+                vec![requests / 3, requests / 2],
+                vec![requests],
+            ] {
+                let mut parts = Vec::new();
+                let mut from = 0;
+                for cut in cuts.into_iter().chain([requests]) {
+                    parts.push(plan.hash(from..cut));
+                    from = cut;
+                }
+                assert_eq!(plan.assemble(parts).unwrap(), w, "{config:?}");
+            }
+            // Parts that leave a request out are an error.
+            assert!(plan.assemble(vec![plan.hash(0..requests - 1)]).is_err());
+            if requests > 2 {
+                let gap = vec![plan.hash(0..1), plan.hash(2..requests)];
+                assert!(plan.assemble(gap).is_err());
+            }
             assert_eq!(
                 generate_by_full_rehash(&config, bs),
                 w,

@@ -246,10 +246,29 @@ pub fn read_azure(
 /// A token id for position `j` of request `id` that no other request shares (up to hash
 /// collisions of 32 bits, which a whole block of them never repeats).
 pub(crate) fn unique_token(id: u64, j: u32) -> u32 {
-    let mut z = (id << 32 | u64::from(j)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    mix_unique((id << 32 | u64::from(j)).wrapping_add(UNIQUE_GAMMA))
+}
+
+/// The constant [`unique_token`] adds before mixing (SplitMix64's increment).
+const UNIQUE_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// [`unique_token`]'s finalizer (SplitMix64's), truncated to 32 bits.
+#[inline(always)]
+fn mix_unique(mut z: u64) -> u32 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (z ^ (z >> 31)) as u32
+}
+
+/// Writes `unique_token(id, first + k)` into `out[k]` for every `k` (positions past `u32::MAX`
+/// are not asked for: a prompt has fewer tokens).
+pub(crate) fn fill_unique_tokens(out: &mut [u32], id: u64, first: u32) {
+    // `id << 32 | j` is `(id << 32) + j` for a 32-bit `j`, so consecutive positions are
+    // consecutive integers before the mix: a loop without dependencies between tokens.
+    let base = (id << 32 | u64::from(first)).wrapping_add(UNIQUE_GAMMA);
+    for (k, slot) in out.iter_mut().enumerate() {
+        *slot = mix_unique(base.wrapping_add(k as u64));
+    }
 }
 
 /// `YYYY-MM-DD HH:MM:SS[.fraction]` as nanoseconds since 1970 (UTC, no leap seconds).
@@ -296,6 +315,28 @@ fn parse_datetime_ns(s: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use kvroute_core::hash::{BlockHasher, HashSalt};
+
+    #[test]
+    fn filled_tokens_are_the_unique_tokens_of_their_positions() {
+        for (id, first) in [
+            (0, 0),
+            (7, 5),
+            (u64::MAX, 0),
+            (u64::MAX - 3, u32::MAX - 64),
+            (1 << 40, 1),
+        ] {
+            let mut out = [0u32; 65];
+            fill_unique_tokens(&mut out, id, first);
+            for (k, &t) in out.iter().enumerate() {
+                assert_eq!(
+                    t,
+                    unique_token(id, first + k as u32),
+                    "id {id}, position {}",
+                    first as usize + k
+                );
+            }
+        }
+    }
 
     #[test]
     fn mooncake_tokens_are_hash_ids_repeated_and_clamped() {

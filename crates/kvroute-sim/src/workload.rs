@@ -11,6 +11,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::LocalBlockHash;
 use kvroute_core::time::Timestamp;
 
+use crate::trace::fill_unique_tokens;
+
 /// When a request arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arrival {
@@ -377,23 +379,83 @@ impl PromptHasher {
         (locals.into(), u32::try_from(len).unwrap_or(u32::MAX))
     }
 
-    /// Moves the full blocks at the front of `tail` into `locals` as their local hashes, leaving
-    /// in `tail` the tokens of the partial block after them: a growing prompt (a session's next
-    /// turn after a shared prefix) hashes only its new tokens. For the prompt `locals`' blocks
-    /// then `tail`, the hashes are those [`PromptHasher::locals`] gives for its tokens.
-    pub(crate) fn push_full_blocks(&self, tail: &mut Vec<u32>, locals: &mut Vec<LocalBlockHash>) {
+    /// Appends the tokens `unique_token(id, j)`, `j` in `0..count`, to a prompt whose partial
+    /// block is `tail`: the blocks they complete go into `locals` as their local hashes, and the
+    /// tokens after the last full block stay in `tail`. A growing prompt (a session's next turn
+    /// after a shared prefix) hashes only its new tokens, and a block of new tokens only is made
+    /// in the hasher's buffer and hashed there, never written to `tail`. For the prompt `locals`'
+    /// blocks, then `tail`, then the new tokens, the hashes are those [`PromptHasher::locals`]
+    /// gives for its tokens.
+    pub(crate) fn push_unique_tokens(
+        &mut self,
+        tail: &mut Vec<u32>,
+        id: u64,
+        count: u32,
+        locals: &mut Vec<LocalBlockHash>,
+    ) {
+        let head = if tail.is_empty() {
+            0
+        } else {
+            (self.hasher.block_size() - tail.len()).min(count as usize) as u32
+        };
+        let middle = self.unique_blocks(id, head, count - head);
+        locals.extend(self.push_unique_tokens_around(tail, id, count, middle));
+    }
+
+    /// [`PromptHasher::push_unique_tokens`] given `middle`, the hashes
+    /// [`PromptHasher::unique_blocks`] gives for the new tokens after those completing `tail`'s
+    /// block: returns every block the new tokens complete (`middle` with the completed block
+    /// first, if any).
+    pub(crate) fn push_unique_tokens_around(
+        &mut self,
+        tail: &mut Vec<u32>,
+        id: u64,
+        count: u32,
+        mut middle: Vec<LocalBlockHash>,
+    ) -> Vec<LocalBlockHash> {
         let bs = self.hasher.block_size();
-        let full = tail.len() / bs * bs;
-        let mut prev: Option<(&[u32], LocalBlockHash)> = None;
-        for block in tail[..full].chunks_exact(bs) {
-            let hash = match prev {
-                Some((t, hash)) if t == block => hash,
-                _ => self.hasher.local_hash(block),
-            };
-            prev = Some((block, hash));
-            locals.push(hash);
+        let passed = middle.len();
+        let mut j = 0u32;
+        if !tail.is_empty() {
+            let take = (bs - tail.len()).min(count as usize) as u32;
+            let at = tail.len();
+            tail.resize(at + take as usize, 0);
+            fill_unique_tokens(&mut tail[at..], id, 0);
+            j = take;
+            if tail.len() == bs {
+                middle.insert(0, self.hasher.local_hash(tail));
+                tail.clear();
+            }
         }
-        tail.drain(..full);
+        j += (passed * bs) as u32;
+        assert!(
+            j <= count && (count - j) as usize / bs == 0,
+            "{passed} blocks given for {count} new tokens"
+        );
+        let at = tail.len();
+        tail.resize(at + (count - j) as usize, 0);
+        fill_unique_tokens(&mut tail[at..], id, j);
+        middle
+    }
+
+    /// The local hashes of the full blocks of the tokens `unique_token(id, j)` for `j` from
+    /// `first` on, `count` of them (a trailing partial block is left out): each block made in
+    /// the hasher's buffer and hashed there.
+    pub(crate) fn unique_blocks(&mut self, id: u64, first: u32, count: u32) -> Vec<LocalBlockHash> {
+        let bs = self.hasher.block_size();
+        let whole = count as usize / bs;
+        // One more for the block completing the prompt's partial block, put first.
+        let mut locals = Vec::with_capacity(whole + 1);
+        self.tokens.clear();
+        self.tokens.resize(bs, 0);
+        let mut j = first;
+        for _ in 0..whole {
+            fill_unique_tokens(&mut self.tokens, id, j);
+            locals.push(self.hasher.local_hash(&self.tokens));
+            j += bs as u32;
+        }
+        self.tokens.clear();
+        locals
     }
 
     /// Tokens in the buffer.
@@ -492,6 +554,26 @@ mod tests {
     }
 
     proptest! {
+        /// Appending unique tokens (a prompt growing turn by turn) gives the hashes of the whole
+        /// written-out prompt, and leaves its partial block's tokens in the tail.
+        #[test]
+        fn pushed_unique_tokens_hash_as_the_written_out_prompt(
+            block_size in prop_oneof![Just(64u32), Just(16u32), 1u32..80],
+            turns in prop::collection::vec((0u64..5, 0u32..300), 1..6),
+        ) {
+            let mut hasher = PromptHasher::new(block_size);
+            let (mut tail, mut locals) = (Vec::new(), Vec::new());
+            let mut written = Vec::new();
+            for &(id, count) in &turns {
+                hasher.push_unique_tokens(&mut tail, id, count, &mut locals);
+                written.extend((0..count).map(|j| crate::trace::unique_token(id, j)));
+                prop_assert_eq!(tail.len(), written.len() % block_size as usize);
+                prop_assert_eq!(&tail[..], &written[written.len() - tail.len()..]);
+            }
+            hasher.buffer().extend_from_slice(&written);
+            prop_assert_eq!(super::PromptBlocks::from(locals), hasher.locals());
+        }
+
         /// Hashing runs gives what hashing the written-out prompt gives, partial tail included.
         #[test]
         fn run_locals_equal_locals_of_the_tokens(

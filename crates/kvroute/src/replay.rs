@@ -397,7 +397,7 @@ impl<'a> Plan<'a> {
         let o = self.options;
         let mut workload = match (&self.synthetic, &trace.bytes) {
             (Some(config), _) => {
-                let w = kvroute_sim::synthetic::generate(config, self.block_size);
+                let w = generate_on_every_core(config, self.block_size)?;
                 (w, format!("the synthetic generator ({config:?})"))
             }
             (None, Some(bytes)) => {
@@ -678,6 +678,29 @@ fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
 }
 
 /// `N` or `MIN-MAX` tokens, at least 1.
+/// The synthetic workload, its prompts' blocks hashed on every core: the simulator's crate starts
+/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::Plan::hash`]) runs here, one range of requests
+/// per thread. The workload is [`kvroute_sim::synthetic::generate`]'s on any number of cores.
+fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::Result<Workload> {
+    let plan = kvroute_sim::synthetic::Plan::new(config, block_size);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = plan.len().div_ceil(threads).max(1);
+    let parts = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..plan.len())
+            .step_by(chunk)
+            .map(|first| {
+                let plan = &plan;
+                scope.spawn(move || plan.hash(first..first + chunk))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a hashing thread panicked")))
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    Ok(plan.assemble(parts)?)
+}
+
 fn parse_lengths(flag: &str, s: &str) -> anyhow::Result<Lengths> {
     let num = |x: &str| match x.trim().parse::<u32>() {
         Ok(n) if n > 0 => Ok(n),
