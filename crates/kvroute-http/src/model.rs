@@ -363,16 +363,18 @@ impl Model {
 
 /// One more than the highest id in `tokenizer.json`'s model vocabulary (a map of token to id, or
 /// a Unigram list) and its added tokens.
+/// The entries of `tokenizer.json`'s `added_tokens` (none if it has no such list).
+fn added_entries(tokenizer: &Json) -> impl Iterator<Item = &Json> {
+    tokenizer["added_tokens"].as_array().into_iter().flatten()
+}
+
 fn vocab_size(tokenizer: &Json) -> u32 {
     let model = match &tokenizer["model"]["vocab"] {
         Json::Object(vocab) => vocab.values().filter_map(Json::as_u64).max().map(|max| max + 1),
         Json::Array(list) => u64::try_from(list.len()).ok(),
         _ => None,
     };
-    let added = tokenizer["added_tokens"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let added = added_entries(tokenizer)
         .filter_map(|token| token["id"].as_u64())
         .max()
         .map(|max| max + 1);
@@ -390,10 +392,7 @@ fn max_chars_per_token(tokenizer: &Json) -> usize {
         Json::Array(list) => list.iter().filter_map(|e| e[0].as_str()).map(chars).max(),
         _ => None,
     };
-    let added = tokenizer["added_tokens"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let added = added_entries(tokenizer)
         .filter_map(|token| token["content"].as_str())
         .map(chars)
         .max();
@@ -403,10 +402,7 @@ fn max_chars_per_token(tokenizer: &Json) -> usize {
 /// `tokenizer.json`'s added tokens. A flag it does not give counts as set (which keeps the token
 /// from being a cut point).
 fn added_tokens(tokenizer: &Json) -> Vec<AddedToken> {
-    tokenizer["added_tokens"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    added_entries(tokenizer)
         .filter_map(|t| {
             let flag = |name: &str| t[name].as_bool().unwrap_or(true);
             Some(AddedToken {
