@@ -24,8 +24,8 @@
 //! are dropped before it (reference counts and timestamps never grow going down the tree), so
 //! removing a node never strands a reachable child.
 
+use std::cell::Cell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use hashbrown::HashMap;
 
@@ -135,20 +135,10 @@ pub(crate) struct ChainTrie<M> {
     /// Where the last walk that left the set inside a node left it: the second hint of every
     /// walk. A router's prompts mostly leave a worker's active set where a shared system prompt
     /// ends, whatever the worker caches (the caller's hint), so this spares a binary search whose
-    /// probes miss the cache. A speed hint only: every answer is exact whatever it holds.
-    left_at: LeftAt,
+    /// probes miss the cache. A speed hint only: every answer is exact whatever it holds. A
+    /// `Cell`: walks take `&self`.
+    left_at: Cell<u32>,
     blocks: u64,
-}
-
-/// [`ChainTrie::left_at`]: written by walks, which take `&self`. Relaxed atomics: one trie is
-/// walked by one thread at a time, and any value read is a correct hint.
-#[derive(Debug, Default)]
-struct LeftAt(AtomicU32);
-
-impl Clone for LeftAt {
-    fn clone(&self) -> Self {
-        Self(AtomicU32::new(self.0.load(Ordering::Relaxed)))
-    }
 }
 
 impl<M> Default for ChainTrie<M> {
@@ -158,7 +148,7 @@ impl<M> Default for ChainTrie<M> {
             free: Vec::new(),
             by_first: HashMap::default(),
             first_filter: FirstFilter::default(),
-            left_at: LeftAt::default(),
+            left_at: Cell::default(),
             blocks: 0,
         }
     }
@@ -437,16 +427,16 @@ impl<'t, M: Clone + Default> Iterator for Walk<'t, '_, M> {
             return None;
         };
         let node = self.trie.node(id);
-        let left_at = &self.trie.left_at.0;
-        let matched_end = node.matched_end(self.chain, [self.hint, left_at.load(Ordering::Relaxed)]);
+        let left_at = &self.trie.left_at;
+        let matched_end = node.matched_end(self.chain, [self.hint, left_at.get()]);
         let step = Step {
             id,
             meta: &node.meta,
             matched_end,
         };
         self.done = matched_end < node.end;
-        if self.done && left_at.load(Ordering::Relaxed) != matched_end {
-            left_at.store(matched_end, Ordering::Relaxed);
+        if self.done && left_at.get() != matched_end {
+            left_at.set(matched_end);
         }
         self.pos = matched_end;
         Some(step)
