@@ -677,10 +677,10 @@ fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
     })
 }
 
-/// `N` or `MIN-MAX` tokens, at least 1.
 /// The synthetic workload, its prompts' blocks hashed on every core: the simulator's crate starts
-/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::Plan::hash`]) runs here, one range of requests
-/// per thread. The workload is [`kvroute_sim::synthetic::generate`]'s on any number of cores.
+/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::Plan::hash`]) runs
+/// here, one range of requests per thread. The workload is
+/// [`kvroute_sim::synthetic::generate`]'s on any number of cores.
 fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::Result<Workload> {
     let plan = kvroute_sim::synthetic::Plan::new(config, block_size);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -701,6 +701,7 @@ fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::
     Ok(plan.assemble(parts)?)
 }
 
+/// `N` or `MIN-MAX` tokens, at least 1.
 fn parse_lengths(flag: &str, s: &str) -> anyhow::Result<Lengths> {
     let num = |x: &str| match x.trim().parse::<u32>() {
         Ok(n) if n > 0 => Ok(n),
