@@ -98,6 +98,8 @@ pub struct Observed {
     scan: Scan,
     /// Bytes still to hand out before the end (what a stripped stream held back).
     tail: Option<Bytes>,
+    /// What becomes of the worker's body once the request is counted.
+    rest: Rest,
     idle: Pin<Box<Sleep>>,
     timeout: Duration,
     /// The worker's failure, handed out one poll after it was seen: the server then flushes
@@ -128,6 +130,7 @@ impl Observed {
             status,
             scan,
             tail: None,
+            rest: Rest::End,
             idle: Box::pin(tokio::time::sleep(timeout)),
             timeout,
             failed: None,
@@ -169,6 +172,17 @@ impl Drop for Observed {
     }
 }
 
+/// What is left of the worker's body once its request is counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rest {
+    /// Nothing: the client's body ends (after what was held back).
+    End,
+    /// The stream passed `data: [DONE]`: the answer is whole and counted, and what the worker
+    /// still sends (its body's end) passes on; if it breaks off or goes silent instead, the
+    /// client's body just ends.
+    PassOn,
+}
+
 /// The error a client sees when the worker's response breaks off.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -193,7 +207,7 @@ impl hyper::body::Body for Observed {
             return Poll::Ready(Some(Err(e)));
         }
         loop {
-            if this.guard.is_none() {
+            if this.guard.is_none() && this.rest == Rest::End {
                 // Ended: what was held back, then the end.
                 return Poll::Ready(this.tail.take().map(|b| Ok(Frame::data(b))));
             }
@@ -217,6 +231,12 @@ impl hyper::body::Body for Observed {
                                     out = [out, tail].concat().into();
                                 }
                                 this.completed();
+                                this.rest = Rest::End;
+                            } else if this.guard.is_some() && this.scan.done() {
+                                // `[DONE]`: the answer is whole. Counted now, before the client
+                                // reads it (clients stop there and may close at once).
+                                this.completed();
+                                this.rest = Rest::PassOn;
                             }
                             if out.is_empty() {
                                 continue;
@@ -227,6 +247,7 @@ impl hyper::body::Body for Observed {
                     };
                     return Poll::Ready(Some(Ok(frame)));
                 }
+                Poll::Ready(Some(Err(_))) if this.rest == Rest::PassOn => this.rest = Rest::End,
                 Poll::Ready(Some(Err(e))) => {
                     this.end(RequestOutcome::UpstreamReset);
                     this.failed = Some(e.into());
@@ -236,9 +257,14 @@ impl hyper::body::Body for Observed {
                 Poll::Ready(None) => {
                     this.tail = this.scan.finish().filter(|b| !b.is_empty());
                     this.completed();
+                    this.rest = Rest::End;
                 }
                 Poll::Pending => {
                     if this.idle.as_mut().poll(cx).is_ready() {
+                        if this.rest == Rest::PassOn {
+                            this.rest = Rest::End;
+                            continue;
+                        }
                         this.end(RequestOutcome::Timeout);
                         return Poll::Ready(Some(Err(StreamError::Timeout)));
                     }
@@ -296,6 +322,11 @@ impl Scan {
             Self::Stream(sse) => sse.finish(),
             Self::Off | Self::Unary(_) => None,
         }
+    }
+
+    /// Whether a stream passed its `data: [DONE]`.
+    fn done(&self) -> bool {
+        matches!(self, Self::Stream(sse) if sse.seen.done)
     }
 
     /// Whether a stream carried an error event.
@@ -366,6 +397,8 @@ struct Seen {
     usage: Option<Usage>,
     /// An event of the form `data: {"error": ...}` passed.
     error_event: bool,
+    /// `data: [DONE]`, the stream's last event, passed.
+    done: bool,
 }
 
 impl SseScan {
@@ -460,6 +493,10 @@ impl Seen {
     /// Reads `event` (one whole event); whether it goes on to the client (with `strip_usage`,
     /// a usage-only chunk does not).
     fn inspect(&mut self, event: &[u8], strip_usage: bool) -> bool {
+        if event.starts_with(b"data:") && event[5..].trim_ascii_start().starts_with(b"[DONE]") {
+            self.done = true;
+            return true;
+        }
         // Most events (a token each) name neither: they are passed without a closer look.
         if memchr::memmem::find(event, b"\"usage\"").is_none()
             && memchr::memmem::find(event, b"\"error\"").is_none()
@@ -597,6 +634,21 @@ mod tests {
         assert!(scan.seen.error_event);
         let (_, scan) = run(false, &[CHUNK, DONE]);
         assert!(!scan.seen.error_event);
+    }
+
+    #[test]
+    fn done_is_seen_only_at_its_event_cut_anywhere() {
+        let whole = format!("{CHUNK}{USAGE}{DONE}");
+        for cut in 1..whole.len() {
+            let (_, scan) = run(false, &[&whole[..cut], &whole[cut..]]);
+            assert!(scan.seen.done, "cut at {cut}");
+            let (_, scan) = run(false, &[&whole[..cut]]);
+            assert!(!scan.seen.done, "a stream cut at {cut} is not done");
+        }
+        // SSE's space after the colon is optional; a token that reads "[DONE]" is not the end.
+        assert!(run(true, &["data:[DONE]\n\n"]).1.seen.done);
+        let text = "data: {\"choices\":[{\"index\":0,\"text\":\"[DONE]\"}]}\n\n";
+        assert!(!run(false, &[CHUNK, text]).1.seen.done);
     }
 
     #[test]

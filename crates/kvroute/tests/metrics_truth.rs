@@ -98,6 +98,48 @@ async fn a_client_leaving_mid_stream_is_counted_as_cancelled() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_after_done_is_a_success_counted_before_it_has_done() {
+    // OpenAI's clients (async-openai, the e2e tests' client) stop reading at `data: [DONE]`
+    // and close the connection, often before the worker's body ends. The answer was whole: it
+    // is a success, and it is counted before the client can read `[DONE]`, so that a client
+    // reading `/metrics` after its answer sees it (a race the e2e tests once lost).
+    const CHUNK: &str = "data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
+    const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1,\"total_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+    // The worker sends `[DONE]` and then never ends its body.
+    let url = raw_stub(200, "text/event-stream", &[CHUNK, USAGE, DONE], Then::Hang).await;
+    let p = proxy(vec![WorkerConfig::new(url)], Vec::new(), |_| {}).await;
+    let response = p
+        .send("POST", "/v1/completions", Some(stream_request("hi")))
+        .await;
+    let mut body = response.into_body();
+    let mut read = Vec::new();
+    while !String::from_utf8_lossy(&read).contains("[DONE]") {
+        let frame = body.frame().await.unwrap().unwrap();
+        read.extend_from_slice(frame.data_ref().unwrap());
+    }
+    let text = p.metrics().await;
+    assert_eq!(outcome(&text, "ok"), 1.0, "{text}");
+    assert_eq!(
+        metric(&text, "dynamo_frontend_requests_total", "status=\"success\""),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_worker_cached_token_reports_total",
+            "report=\"reported\""
+        ),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        p.proxy.shared.snapshot().active_now,
+        0,
+        "the request's load was freed"
+    );
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_without_cached_tokens_and_no_usage_are_kept_apart_from_reported_counts() {
     // (the worker's unary body, the report it counts as)
     let cases: [(&'static [&'static str], &str); 2] = [
