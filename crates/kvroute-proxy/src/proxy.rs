@@ -220,12 +220,17 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             app.checker.clone(),
         )));
     }
-    let inference = axum::Router::new()
+    let mut inference = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model_card))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth))
+        .route("/v1/models/{id}", get(model_card));
+    // Without keys every request passes: no layer then (one costs a service clone and a boxed
+    // future per request).
+    if !app.shared.config.api_key.is_empty() {
+        inference = inference.route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth));
+    }
+    let inference = inference
         .route("/health", get(health))
         .route("/metrics", get(metrics));
     let admin = crate::admin::routes(&app);
@@ -292,7 +297,8 @@ async fn request_id(State(app): State<Arc<App>>, request: Request, next: Next) -
     response
 }
 
-/// The inference API's keys: with `api-key` set, a request needs one of them.
+/// The inference API's keys: with `api-key` set, a request needs one of them (the layer is
+/// only added then).
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let keys = &app.shared.config.api_key;
     if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
