@@ -1,5 +1,7 @@
 //! The standard request fields, checked by type and range with vLLM's bounds.
 
+use std::sync::LazyLock;
+
 use serde_json::{Map, Value};
 
 use super::{ApiError, Endpoint};
@@ -170,6 +172,17 @@ const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
     ("continue_final_message", Rule::Bool, Some(Endpoint::Chat)),
 ];
 
+/// [`FIELD_RULES`]' fields in name order, each with its rule's place in the table.
+static RULES_BY_NAME: LazyLock<Vec<(&'static str, usize)>> = LazyLock::new(|| {
+    let mut by_name: Vec<(&'static str, usize)> = FIELD_RULES
+        .iter()
+        .enumerate()
+        .map(|(at, rule)| (rule.0, at))
+        .collect();
+    by_name.sort_unstable();
+    by_name
+});
+
 /// Checks the standard fields of a request to `endpoint` by type and range: a 400 in OpenAI's
 /// shape naming the first field at fault (in [`FIELD_RULES`]' order). Fields not listed are the
 /// engine's business.
@@ -184,8 +197,11 @@ pub fn validate_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(
             if value.is_null() {
                 continue;
             }
-            for (at, &(name, rule, only)) in FIELD_RULES.iter().enumerate() {
-                if name != key || !applies(only) || fault.as_ref().is_some_and(|f| f.0 < at) {
+            let by_name = &*RULES_BY_NAME;
+            let first = by_name.partition_point(|&(name, _)| name < key.as_str());
+            for &(name, at) in by_name[first..].iter().take_while(|&&(name, _)| name == key) {
+                let (_, rule, only) = FIELD_RULES[at];
+                if !applies(only) || fault.as_ref().is_some_and(|f| f.0 < at) {
                     continue;
                 }
                 if let Some(problem) = problem(rule, value) {
