@@ -538,13 +538,14 @@ fn event_type(e: &WireEvent) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::WorkerUrls;
 
     fn upstream(engine: EngineKind, reannounce: Reannounce) -> Upstream {
         Upstream {
             worker: WorkerId(7),
             dp_rank: 1,
             dp: true,
-            base: "http://127.0.0.1:9".into(),
+            urls: Arc::new(WorkerUrls::new("http://127.0.0.1:9".into())),
             bootstrap_port: None,
             engine,
             api_key: None,

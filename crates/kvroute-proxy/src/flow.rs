@@ -260,7 +260,7 @@ pub async fn sglang_pair(
 ) -> Result<hyper::Response<Incoming>, HopError> {
     let request_id = fwd.request_id(guard.id());
     let room = disagg::bootstrap_room(fwd.instance, guard.id().0);
-    let host = disagg::host_of(&prefill.base);
+    let host = disagg::host_of(&prefill.urls.base);
     let both = disagg::bootstrap_body(&request.body, &host, prefill.bootstrap_port, room)
         .map_err(|e| HopError::Failed(ApiError::bad_request("body", e)))?;
     let both = Bytes::from(both);
@@ -304,8 +304,11 @@ fn upstream_request(
     mut body: Bytes,
     request_id: Option<&str>,
 ) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
-    let mut builder = hyper::Request::post(format!("{}{}", upstream.base, request.endpoint.path()))
-        .header(header::CONTENT_TYPE, "application/json");
+    let builder = match upstream.urls.endpoint(request.endpoint) {
+        Some(uri) => hyper::Request::post(uri.clone()),
+        None => hyper::Request::post(format!("{}{}", upstream.urls.base, request.endpoint.path())),
+    };
+    let mut builder = builder.header(header::CONTENT_TYPE, "application/json");
     builder = match (&upstream.api_key, &request.authorization) {
         (Some(key), _) => crate::health::with_credential(builder, Some(key)),
         (None, Some(client)) => builder.header(header::AUTHORIZATION, client.clone()),
@@ -428,7 +431,7 @@ async fn prefill_exchange(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_error",
             "prefill_timeout",
-            format!("the prefill worker {} did not answer in time", prefill.base),
+            format!("the prefill worker {} did not answer in time", prefill.urls.base),
         ))),
     }
 }

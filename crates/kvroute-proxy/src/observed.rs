@@ -10,6 +10,7 @@
 //! gets what it asked for.
 
 use std::pin::Pin;
+use std::sync::LazyLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use bytes::Bytes;
 use hyper::body::{Frame, Incoming, SizeHint};
 use kvroute_http::openai::Endpoint;
 use kvroute_http::openai::types::Usage;
+use memchr::memmem::Finder;
 use serde_json::Value;
 use tokio::time::Sleep;
 
@@ -348,19 +350,11 @@ impl Scan {
 }
 
 /// A unary answer as far as its usage: the rest of the body is skipped, not built (a body
-/// whose `usage` is not one reads as none, as in [`usage_of`]).
+/// whose `usage` is not one reads as none, as in [`ChunkView::usage`]).
 #[derive(serde::Deserialize)]
 struct UsageOnly {
     #[serde(default)]
     usage: Option<Usage>,
-}
-
-/// `usage` of a response or chunk, if it has one.
-fn usage_of(v: &Value) -> Option<Usage> {
-    match v.get("usage") {
-        Some(u) if u.is_object() => serde_json::from_value(u.clone()).ok(),
-        _ => None,
-    }
 }
 
 /// What `usage` says of cached prompt tokens.
@@ -498,9 +492,7 @@ impl Seen {
             return true;
         }
         // Most events (a token each) name neither: they are passed without a closer look.
-        if memchr::memmem::find(event, b"\"usage\"").is_none()
-            && memchr::memmem::find(event, b"\"error\"").is_none()
-        {
+        if USAGE_KEY.find(event).is_none() && ERROR_KEY.find(event).is_none() {
             return true;
         }
         let Ok(text) = std::str::from_utf8(event) else {
@@ -511,23 +503,21 @@ impl Seen {
             let Some(payload) = line.strip_prefix("data:").map(str::trim_start) else {
                 continue;
             };
-            if !payload.starts_with('{') || !(payload.contains("\"usage\"") || payload.contains("\"error\""))
+            if !payload.starts_with('{')
+                || (USAGE_KEY.find(payload.as_bytes()).is_none()
+                    && ERROR_KEY.find(payload.as_bytes()).is_none())
             {
                 continue;
             }
-            let Ok(v) = serde_json::from_str::<Value>(payload) else {
+            let Ok(chunk) = serde_json::from_str::<ChunkView>(payload) else {
                 continue;
             };
-            if v.get("error").is_some_and(|e| !e.is_null()) {
+            if chunk.error {
                 self.error_event = true;
             }
-            if let Some(usage) = usage_of(&v) {
+            if let Some(usage) = chunk.usage() {
                 self.usage = Some(usage);
-                let no_choices = v
-                    .get("choices")
-                    .and_then(Value::as_array)
-                    .is_none_or(Vec::is_empty);
-                if no_choices && strip_usage {
+                if !chunk.choices && strip_usage {
                     keep = false;
                 }
             }
@@ -536,10 +526,162 @@ impl Seen {
     }
 }
 
+/// The searches every streamed event goes through, built once.
+static USAGE_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static ERROR_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
+
+/// What [`Seen::inspect`] reads of a chunk (a JSON object): what a parse into a [`Value`] would
+/// show of its `error`, `usage` and `choices` (the last of a repeated key counting), the same
+/// texts accepted, but only `usage` built: the rest is read through and dropped.
+#[derive(Default)]
+struct ChunkView {
+    /// `error` is there and not null.
+    error: bool,
+    /// `usage`, whatever it is.
+    usage: Option<Value>,
+    /// `choices` is a list of at least one.
+    choices: bool,
+}
+
+impl ChunkView {
+    /// The usage, if `usage` is an object that reads as one.
+    fn usage(&self) -> Option<Usage> {
+        match &self.usage {
+            Some(u) if u.is_object() => serde_json::from_value(u.clone()).ok(),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChunkView {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = ChunkView;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<ChunkView, A::Error> {
+                let mut chunk = ChunkView::default();
+                while let Some(key) = map.next_key::<ChunkKey>()? {
+                    match key {
+                        ChunkKey::Error => chunk.error = !map.next_value::<Skim>()?.null,
+                        ChunkKey::Usage => chunk.usage = Some(map.next_value()?),
+                        ChunkKey::Choices => chunk.choices = map.next_value::<Skim>()?.nonempty_list,
+                        ChunkKey::Other => {
+                            map.next_value::<Skim>()?;
+                        }
+                    }
+                }
+                Ok(chunk)
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// A key of a chunk, as far as [`ChunkView`] tells them apart.
+enum ChunkKey {
+    Error,
+    Usage,
+    Choices,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for ChunkKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Key;
+        impl serde::de::Visitor<'_> for Key {
+            type Value = ChunkKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<ChunkKey, E> {
+                Ok(match key {
+                    "error" => ChunkKey::Error,
+                    "usage" => ChunkKey::Usage,
+                    "choices" => ChunkKey::Choices,
+                    _ => ChunkKey::Other,
+                })
+            }
+        }
+        d.deserialize_str(Key)
+    }
+}
+
+/// Any JSON value, read as a [`Value`] parse reads it (numbers in range, strings' escapes
+/// valid, the same depth limit) but not built: whether it was `null`, and whether it was a
+/// list of at least one.
+#[derive(Clone, Copy, Default)]
+struct Skim {
+    null: bool,
+    nonempty_list: bool,
+}
+
+impl<'de> serde::Deserialize<'de> for Skim {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(SkimVisitor)
+    }
+}
+
+struct SkimVisitor;
+
+impl<'de> serde::de::Visitor<'de> for SkimVisitor {
+    type Value = Skim;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Skim, E> {
+        Ok(Skim::default())
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Skim, E> {
+        Ok(Skim::default())
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Skim, E> {
+        Ok(Skim::default())
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Skim, E> {
+        Ok(Skim::default())
+    }
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Skim, E> {
+        Ok(Skim::default())
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Skim, E> {
+        Ok(Skim {
+            null: true,
+            nonempty_list: false,
+        })
+    }
+    fn visit_none<E: serde::de::Error>(self) -> Result<Skim, E> {
+        self.visit_unit()
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Skim, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Skim, A::Error> {
+        let mut len = 0usize;
+        while seq.next_element::<Skim>()?.is_some() {
+            len += 1;
+        }
+        Ok(Skim {
+            null: false,
+            nonempty_list: len > 0,
+        })
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Skim, A::Error> {
+        while map.next_key::<Skim>()?.is_some() {
+            map.next_value::<Skim>()?;
+        }
+        Ok(Skim::default())
+    }
+}
+
 /// The length of the whole event at the start of `buf` (through its blank line), if it is
 /// all there.
 fn event_len(buf: &[u8]) -> Option<usize> {
-    memchr::memmem::find(buf, b"\n\n").map(|at| at + 2)
+    memchr::memchr_iter(b'\n', buf)
+        .find(|&at| buf.get(at + 1) == Some(&b'\n'))
+        .map(|at| at + 2)
 }
 
 #[cfg(test)]
@@ -634,6 +776,124 @@ mod tests {
         assert!(scan.seen.error_event);
         let (_, scan) = run(false, &[CHUNK, DONE]);
         assert!(!scan.seen.error_event);
+    }
+
+    /// What a chunk said, read as the proxy read it before [`ChunkView`]: parsed whole into a
+    /// [`Value`]. (error event, usage, choices present)
+    fn read_as_value(payload: &str) -> Option<(bool, Option<Usage>, bool)> {
+        let v = serde_json::from_str::<Value>(payload).ok()?;
+        let usage = match v.get("usage") {
+            Some(u) if u.is_object() => serde_json::from_value(u.clone()).ok(),
+            _ => None,
+        };
+        let choices = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        Some((v.get("error").is_some_and(|e| !e.is_null()), usage, choices))
+    }
+
+    fn read_as_view(payload: &str) -> Option<(bool, Option<Usage>, bool)> {
+        let chunk = serde_json::from_str::<ChunkView>(payload).ok()?;
+        Some((chunk.error, chunk.usage(), chunk.choices))
+    }
+
+    /// Chunks whose reading is easy to get wrong: repeated keys (the last counts), `null`s,
+    /// `usage` and `choices` of other types or nested, and texts a `Value` parse refuses.
+    const CHUNKS: &[&str] = &[
+        r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":[{"index":0}],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":2}}}"#,
+        r#"{"choices":[1],"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":[],"choices":[{}],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":{"a":1},"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":null,"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":"x","usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"usage":null}"#,
+        r#"{"usage":null,"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"usage":3}"#,
+        r#"{"usage":[1,2]}"#,
+        r#"{"usage":{"prompt_tokens":"x"}}"#,
+        r#"{"usage":{"prompt_tokens":4,"prompt_tokens":5,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"choices":[{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}]}"#,
+        r#"{"error":null}"#,
+        r#"{"error":{"message":"no"}}"#,
+        r#"{"error":false}"#,
+        r#"{"error":{"message":"no"},"error":null}"#,
+        r#"{"error":null,"error":0}"#,
+        r#"{"x":{"error":1},"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#,
+        r#"{"\u0075sage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"choices":[]}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"x":1e999}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"x":"\ud800"}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"x":-0.5e-3,"y":[true,{"z":[]}]}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}} x"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},}"#,
+        r#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5},"x":01}"#,
+        r#"{}"#,
+    ];
+
+    #[test]
+    fn a_chunk_reads_as_its_parse_into_a_value_would() {
+        for chunk in CHUNKS {
+            assert_eq!(read_as_view(chunk), read_as_value(chunk), "{chunk}");
+        }
+        let deep = format!("{{\"usage\":{{}},\"x\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert_eq!(read_as_view(&deep), read_as_value(&deep), "past the depth limit");
+        assert_eq!(read_as_view(&deep), None);
+    }
+
+    /// JSON values of any shape, with the keys a chunk reading looks at.
+    fn json_value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            (-1e300f64..1e300).prop_map(Value::from),
+            "[a-z\\\"\u{e9}\u{1F600}]{0,4}".prop_map(Value::from),
+        ];
+        let key = prop_oneof![
+            Just("usage".to_owned()),
+            Just("choices".to_owned()),
+            Just("error".to_owned()),
+            Just("prompt_tokens".to_owned()),
+            Just("completion_tokens".to_owned()),
+            Just("total_tokens".to_owned()),
+            Just("prompt_tokens_details".to_owned()),
+            Just("cached_tokens".to_owned()),
+            "[a-z]{1,3}",
+        ];
+        leaf.prop_recursive(4, 24, 5, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::vec((key.clone(), inner), 0..5)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// Any object, written as JSON with its keys in any order and some repeated, reads the
+        /// same through [`ChunkView`] as through a [`Value`].
+        #[test]
+        fn any_chunk_reads_as_its_parse_into_a_value_would(
+            fields in proptest::collection::vec(
+                (proptest::prop_oneof![
+                    proptest::strategy::Just("usage".to_owned()),
+                    proptest::strategy::Just("choices".to_owned()),
+                    proptest::strategy::Just("error".to_owned()),
+                    "[a-z]{1,3}",
+                ], json_value()),
+                0..6,
+            )
+        ) {
+            let body: Vec<String> = fields
+                .iter()
+                .map(|(k, v)| format!("{}:{}", Value::from(k.as_str()), v))
+                .collect();
+            let chunk = format!("{{{}}}", body.join(","));
+            proptest::prop_assert_eq!(read_as_view(&chunk), read_as_value(&chunk), "{}", chunk);
+        }
     }
 
     #[test]

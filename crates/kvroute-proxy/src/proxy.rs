@@ -11,6 +11,7 @@
 //! of the request names; every error body is OpenAI's shape. With `api-key` set, `/v1/...` needs
 //! one of the keys as a bearer token (401 otherwise); `/health` and `/metrics` need none.
 
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -77,8 +78,8 @@ pub(crate) struct App {
     checker: Checker,
     /// One admin change at a time: the fleet check and the change it allows are one step.
     pub(crate) admin: tokio::sync::Mutex<()>,
-    /// The instance tag and counter of the request ids made here.
-    instance: u64,
+    /// The start of the request ids made here (`kvr-{instance tag in hex}-`), and their counter.
+    request_id_prefix: String,
     next_request_id: AtomicU64,
 }
 
@@ -199,7 +200,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         forwarder: Arc::clone(&forwarder),
         feed,
         admin: tokio::sync::Mutex::new(()),
-        instance: forwarder.instance,
+        request_id_prefix: format!("kvr-{:x}-", forwarder.instance),
         next_request_id: AtomicU64::new(0),
     });
     for w in workers {
@@ -220,12 +221,17 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             app.checker.clone(),
         )));
     }
-    let inference = axum::Router::new()
+    let mut inference = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model_card))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth))
+        .route("/v1/models/{id}", get(model_card));
+    // Without keys every request passes: no layer then (one costs a service clone and a boxed
+    // future per request).
+    if !app.shared.config.api_key.is_empty() {
+        inference = inference.route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth));
+    }
+    let inference = inference
         .route("/health", get(health))
         .route("/metrics", get(metrics));
     let admin = crate::admin::routes(&app);
@@ -277,7 +283,7 @@ async fn request_id(State(app): State<Arc<App>>, request: Request, next: Next) -
         .map(str::to_owned);
     let id = given.unwrap_or_else(|| {
         let n = app.next_request_id.fetch_add(1, Ordering::Relaxed);
-        format!("kvr-{:x}-{n}", app.instance)
+        made_request_id(&app.request_id_prefix, n)
     });
     let span = tracing::info_span!(
         "request",
@@ -292,7 +298,17 @@ async fn request_id(State(app): State<Arc<App>>, request: Request, next: Next) -
     response
 }
 
-/// The inference API's keys: with `api-key` set, a request needs one of them.
+/// The id made for the `n`th request without one: `prefix` (`kvr-{instance tag in hex}-`,
+/// written once) and `n`.
+fn made_request_id(prefix: &str, n: u64) -> String {
+    let mut id = String::with_capacity(prefix.len() + 20);
+    id.push_str(prefix);
+    let _ = write!(id, "{n}");
+    id
+}
+
+/// The inference API's keys: with `api-key` set, a request needs one of them (the layer is
+/// only added then).
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let keys = &app.shared.config.api_key;
     if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
@@ -569,4 +585,19 @@ async fn not_found() -> Response {
         "no such endpoint",
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_made_request_id_is_the_instance_tag_in_hex_and_the_count() {
+        for (instance, n) in [(0u64, 0u64), (0x1a2b, 7), (u64::MAX, u64::MAX), (1 << 60, 12345)] {
+            assert_eq!(
+                made_request_id(&format!("kvr-{instance:x}-"), n),
+                format!("kvr-{instance:x}-{n}")
+            );
+        }
+    }
 }

@@ -3,6 +3,10 @@
 //! (ranks entering, draining or leaving it) is the driver's ([`crate::driver`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use axum::http::Uri;
+use kvroute_http::openai::Endpoint;
 
 use kvroute_core::ids::WorkerId;
 use serde::Serialize;
@@ -18,12 +22,46 @@ pub struct WorkerEntry {
     pub config: WorkerConfig,
     /// Its base URL without a trailing slash.
     pub base: String,
+    /// The same, with the generation endpoints' URLs parsed once (what requests are sent to).
+    pub urls: Arc<WorkerUrls>,
     /// Where it is in its life.
     pub state: WorkerState,
     /// The registration checks that find it misconfigured, with their reasons.
     pub problems: BTreeMap<Check, String>,
     /// The block size of its latest KV events (what [`Check::BlockSize`] last judged).
     pub event_block_size: Option<u32>,
+}
+
+/// A worker's base URL and its generation endpoints' URLs under it, parsed once when it is
+/// registered rather than for every request.
+#[derive(Debug, Default)]
+pub struct WorkerUrls {
+    /// The base URL without a trailing slash.
+    pub base: String,
+    /// `/v1/completions` under it (`None` if that is no URL: a request then fails as it is built).
+    completions: Option<Uri>,
+    /// `/v1/chat/completions` under it.
+    chat: Option<Uri>,
+}
+
+impl WorkerUrls {
+    /// The URLs under `base` (without a trailing slash).
+    pub fn new(base: String) -> Self {
+        let under = |endpoint: Endpoint| Uri::try_from(format!("{base}{}", endpoint.path())).ok();
+        Self {
+            completions: under(Endpoint::Completions),
+            chat: under(Endpoint::Chat),
+            base,
+        }
+    }
+
+    /// `endpoint`'s URL at this worker, if the base URL makes one.
+    pub fn endpoint(&self, endpoint: Endpoint) -> Option<&Uri> {
+        match endpoint {
+            Endpoint::Completions => self.completions.as_ref(),
+            Endpoint::Chat => self.chat.as_ref(),
+        }
+    }
 }
 
 /// A worker as the admin API lists it.
@@ -92,6 +130,7 @@ impl Registry {
             id,
             WorkerEntry {
                 config,
+                urls: Arc::new(WorkerUrls::new(base.clone())),
                 base,
                 state: WorkerState::ADDED,
                 problems: BTreeMap::new(),
@@ -192,6 +231,38 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The URLs parsed at registration are the ones a request would have parsed from the base
+    /// URL and the path; a base URL that makes none leaves the request to fail as it is built.
+    #[test]
+    fn endpoint_urls_are_parsed_once_as_a_request_would_parse_them() {
+        for base in [
+            "http://127.0.0.1:8000",
+            "http://worker-3.internal:9000/prefix",
+            "https://h",
+            "http://[::1]:80",
+            "127.0.0.1:8000",
+            "http://a b",
+            "",
+        ] {
+            let urls = WorkerUrls::new(base.to_owned());
+            assert_eq!(urls.base, base);
+            for endpoint in [Endpoint::Completions, Endpoint::Chat] {
+                let whole = format!("{base}{}", endpoint.path());
+                assert_eq!(
+                    urls.endpoint(endpoint),
+                    Uri::try_from(whole.as_str()).ok().as_ref(),
+                    "{whole}"
+                );
+                let built = axum::http::Request::post(whole).body(());
+                assert_eq!(
+                    urls.endpoint(endpoint).cloned(),
+                    built.ok().map(|r| r.uri().clone()),
+                    "{base}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn removal_forgets_a_worker_and_ids_are_not_reused() {

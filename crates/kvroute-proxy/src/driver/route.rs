@@ -15,6 +15,7 @@ use kvroute_core::time::Timestamp;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
+use crate::registry::WorkerUrls;
 
 use super::{Inner, RequestGuard, Shared};
 
@@ -48,8 +49,8 @@ pub struct Upstream {
     pub dp_rank: u32,
     /// Whether the worker has several ranks (send the rank header).
     pub dp: bool,
-    /// The worker's base URL.
-    pub base: String,
+    /// The worker's base URL and its endpoints' URLs.
+    pub urls: Arc<WorkerUrls>,
     /// Its SGLang bootstrap port, if configured.
     pub bootstrap_port: Option<u16>,
     /// How a request names its rank.
@@ -201,7 +202,7 @@ impl Inner {
             worker: key.worker,
             dp_rank: key.dp_rank.0,
             dp: w.is_some_and(|w| w.config.dp_size > 1),
-            base: w.map(|w| w.base.clone()).unwrap_or_default(),
+            urls: w.map(|w| Arc::clone(&w.urls)).unwrap_or_default(),
             bootstrap_port: w.and_then(|w| w.config.bootstrap_port),
             engine: w.map(|w| w.config.engine).unwrap_or_default(),
             api_key: w.and_then(|w| w.config.api_key.clone()),
