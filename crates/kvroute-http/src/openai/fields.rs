@@ -184,7 +184,7 @@ static RULES_BY_NAME: LazyLock<Vec<(&'static str, usize)>> = LazyLock::new(|| {
 });
 
 /// Checks the standard fields of a request to `endpoint` by type and range: a 400 in OpenAI's
-/// shape naming the first field at fault (in [`FIELD_RULES`]' order). Fields not listed are the
+/// shape naming the first field at fault (in the order of the rule table). Fields not listed are the
 /// engine's business.
 pub fn validate_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiError> {
     let applies = |only: Option<Endpoint>| only.is_none_or(|e| e == endpoint);
