@@ -198,10 +198,11 @@ impl EngineHost {
     }
 
     /// Import `id`'s KV landed at `now`: the engine takes it as computed. Returns the KV events
-    /// to publish now (see the module docs).
+    /// to publish now (see the module docs). The transfer is consumed either way: an error (the
+    /// request left the engine without [`EngineHost::abort`]) does not leave it to land again.
     pub fn land(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<KvEvent>, RequestError> {
-        let events = self.engine.complete_import(now, id)?;
         self.transfers.retain(|&(_, r)| r != id);
+        let events = self.engine.complete_import(now, id)?;
         Ok(self.after_pass(events))
     }
 

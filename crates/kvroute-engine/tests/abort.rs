@@ -73,3 +73,23 @@ fn an_aborted_import_waits_no_more_and_never_lands() {
     assert_eq!(host.engine().kv_blocks().0, 0);
     assert!(!host.abort(RequestId(1)));
 }
+
+#[test]
+fn a_landing_whose_request_left_the_engine_fails_once_and_is_gone() {
+    // The request leaves the engine behind the host's back (`engine_mut`): its transfer still
+    // lands, fails, and is consumed, so a driver looping on `next_landing` cannot spin on it.
+    let mut host = EngineHost::new(
+        kvroute_engine::Engine::new(with(|c| c.num_blocks = 10)).unwrap(),
+        KvTransfer::default(),
+    );
+    let now = Timestamp::ZERO;
+    let started = host.import(now, request(1, 0..32, 4)).unwrap();
+    assert!(matches!(started, ImportAdmission::Started(_)), "{started:?}");
+    assert!(host.engine_mut().abort_request(RequestId(1)));
+    let (lands, id) = host.next_landing().expect("the transfer is on the link");
+    assert_eq!(id, RequestId(1));
+    assert!(host.land(lands, id).is_err());
+    assert_eq!(host.next_landing(), None);
+    assert!(host.is_idle());
+    host.engine().check_invariants().unwrap();
+}

@@ -162,7 +162,11 @@ impl Driver {
             match self.host.land(t, id) {
                 Ok(events) => self.publish(&events),
                 Err(e) => {
+                    // The transfer is consumed; a client still waiting on it hears why.
                     tracing::warn!(error = %e, "completing an import failed");
+                    if let Some(l) = self.live.remove(&id) {
+                        let _ = l.tx.send(JobUpdate::Refused(e.to_string()));
+                    }
                     continue;
                 }
             }
