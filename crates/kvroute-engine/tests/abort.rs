@@ -51,10 +51,7 @@ fn an_aborted_request_leaves_wherever_it_is_and_frees_its_blocks() {
 #[test]
 fn an_aborted_import_waits_no_more_and_never_lands() {
     // 10 blocks: the first import (8 blocks) starts, the second must wait for it.
-    let mut host = EngineHost::new(
-        kvroute_engine::Engine::new(with(|c| c.num_blocks = 10)).unwrap(),
-        KvTransfer::default(),
-    );
+    let mut host = host_of_ten_blocks();
     let now = Timestamp::ZERO;
     let first = host.import(now, request(1, 0..32, 4)).unwrap();
     assert!(matches!(first, ImportAdmission::Started(_)), "{first:?}");
@@ -78,10 +75,7 @@ fn an_aborted_import_waits_no_more_and_never_lands() {
 fn a_landing_whose_request_left_the_engine_fails_once_and_is_gone() {
     // The request leaves the engine behind the host's back (`engine_mut`): its transfer still
     // lands, fails, and is consumed, so a driver looping on `next_landing` cannot spin on it.
-    let mut host = EngineHost::new(
-        kvroute_engine::Engine::new(with(|c| c.num_blocks = 10)).unwrap(),
-        KvTransfer::default(),
-    );
+    let mut host = host_of_ten_blocks();
     let now = Timestamp::ZERO;
     let started = host.import(now, request(1, 0..32, 4)).unwrap();
     assert!(matches!(started, ImportAdmission::Started(_)), "{started:?}");
@@ -92,4 +86,12 @@ fn a_landing_whose_request_left_the_engine_fails_once_and_is_gone() {
     assert_eq!(host.next_landing(), None);
     assert!(host.is_idle());
     host.engine().check_invariants().unwrap();
+}
+
+/// A host whose engine has 10 blocks, on the default link.
+fn host_of_ten_blocks() -> EngineHost {
+    EngineHost::new(
+        kvroute_engine::Engine::new(with(|c| c.num_blocks = 10)).expect("a valid config"),
+        KvTransfer::default(),
+    )
 }

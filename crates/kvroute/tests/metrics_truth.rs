@@ -124,15 +124,7 @@ async fn a_client_leaving_after_done_is_a_success_counted_before_it_has_done() {
         metric(&text, "dynamo_frontend_requests_total", "status=\"success\""),
         1.0
     );
-    assert_eq!(
-        metric(
-            &text,
-            "kvroute_worker_cached_token_reports_total",
-            "report=\"reported\""
-        ),
-        1.0,
-        "{text}"
-    );
+    assert_eq!(cache_reports(&text, "reported"), 1.0, "{text}");
     assert_eq!(
         p.proxy.shared.snapshot().active_now,
         0,
@@ -168,14 +160,7 @@ async fn usage_without_cached_tokens_and_no_usage_are_kept_apart_from_reported_c
         .await;
         let text = p.metrics().await;
         assert_eq!(outcome(&text, "ok"), 1.0);
-        assert_eq!(
-            metric(
-                &text,
-                "kvroute_worker_cached_token_reports_total",
-                "report=\"reported\""
-            ),
-            0.0
-        );
+        assert_eq!(cache_reports(&text, "reported"), 0.0);
         assert_eq!(
             metric(&text, "kvroute_worker_reported_cached_tokens_total", ""),
             0.0
@@ -391,15 +376,7 @@ async fn both_stream_shapes_count_as_ok_and_their_cached_tokens_are_read() {
             .await;
         let text = p.metrics().await;
         assert_eq!(outcome(&text, "ok"), 1.0, "{path}: {text}");
-        assert_eq!(
-            metric(
-                &text,
-                "kvroute_worker_cached_token_reports_total",
-                "report=\"reported\""
-            ),
-            1.0,
-            "{path}"
-        );
+        assert_eq!(cache_reports(&text, "reported"), 1.0, "{path}");
     }
 }
 

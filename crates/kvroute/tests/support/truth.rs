@@ -231,6 +231,16 @@ pub fn outcome(text: &str, outcome: &str) -> f64 {
     )
 }
 
+/// `kvroute_worker_cached_token_reports_total{report="..."}`: how many answers' cached-token
+/// counts were of the kind `report` (`reported`, `absent`, `no_usage`).
+pub fn cache_reports(text: &str, report: &str) -> f64 {
+    metric(
+        text,
+        "kvroute_worker_cached_token_reports_total",
+        &format!("report=\"{report}\""),
+    )
+}
+
 impl Proxy {
     pub fn block_size(&self) -> u32 {
         self.proxy.shared.config.block_size
