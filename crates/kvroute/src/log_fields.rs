@@ -7,13 +7,15 @@
 //! `nu_ansi_term`'s styled strings even when the styles are empty (no terminal): about 3,400
 //! instructions for the request span's three fields, 2,200 of them in the empty styles
 //! (BENCHMARKS.md, "Proxy CPU per request, session 13"). [`PlainFields`] writes `name=value:?`
-//! directly when the writer takes no ANSI escapes, and hands everything else to
+//! directly when the writer takes no ANSI escapes (gathered on the stack and handed over in one
+//! piece, so that a span's string grows once rather than with every name, `=` and value), and
+//! hands everything else to
 //! [`DefaultVisitor`] (colours, `message`, raw `r#` names, errors with their sources), so the
 //! text is the same.
 //!
 //! [`DefaultFields`]: tracing_subscriber::fmt::format::DefaultFields
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 use tracing::field::{Field, Visit};
 use tracing_subscriber::field::{MakeVisitor, VisitFmt, VisitOutput};
@@ -32,7 +34,38 @@ impl<'a> MakeVisitor<Writer<'a>> for PlainFields {
             writer: target,
             is_empty: true,
             result: Ok(()),
+            held: Held::default(),
         }
+    }
+}
+
+/// Plain fields' text not yet handed to the writer.
+#[derive(Debug)]
+struct Held {
+    bytes: [u8; HELD],
+    len: usize,
+}
+
+/// How much text [`Held`] gathers before it is handed over.
+const HELD: usize = 256;
+
+impl Default for Held {
+    fn default() -> Self {
+        Self {
+            bytes: [0; HELD],
+            len: 0,
+        }
+    }
+}
+
+impl fmt::Write for Held {
+    /// Takes `s` whole, or refuses it if it does not fit.
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len + s.len();
+        let to = self.bytes.get_mut(self.len..end).ok_or(fmt::Error)?;
+        to.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
     }
 }
 
@@ -42,6 +75,7 @@ pub struct PlainVisitor<'a> {
     writer: Writer<'a>,
     is_empty: bool,
     result: fmt::Result,
+    held: Held,
 }
 
 impl PlainVisitor<'_> {
@@ -53,10 +87,25 @@ impl PlainVisitor<'_> {
 
     /// Lets [`DefaultVisitor`] write one field, after the fields written so far.
     fn delegate(&mut self, record: impl FnOnce(&mut DefaultVisitor<'_>)) {
+        self.flush();
+        if self.result.is_err() {
+            return;
+        }
         let mut visitor = DefaultVisitor::new(self.writer.by_ref(), self.is_empty);
         record(&mut visitor);
         self.result = visitor.finish();
         self.is_empty = false;
+    }
+
+    /// Hands the held text to the writer.
+    fn flush(&mut self) {
+        let len = std::mem::take(&mut self.held.len);
+        if len > 0 && self.result.is_ok() {
+            // Held text is whole `str`s, so valid UTF-8.
+            self.result = std::str::from_utf8(&self.held.bytes[..len])
+                .map_err(|_| fmt::Error)
+                .and_then(|text| self.writer.write_str(text));
+        }
     }
 }
 
@@ -88,25 +137,33 @@ impl Visit for PlainVisitor<'_> {
             self.delegate(|v| v.record_debug(field, value));
             return;
         }
-        self.result = (|| {
-            if !std::mem::take(&mut self.is_empty) {
-                self.writer.write_char(' ')?;
+        let pad = if std::mem::take(&mut self.is_empty) {
+            ""
+        } else {
+            " "
+        };
+        let at = self.held.len;
+        if write!(self.held, "{pad}{name}={value:?}").is_err() {
+            // Too long to hold: what is held goes first, then this field, directly.
+            self.held.len = at;
+            self.flush();
+            if self.result.is_ok() {
+                self.result = write!(self.writer, "{pad}{name}={value:?}");
             }
-            self.writer.write_str(name)?;
-            self.writer.write_char('=')?;
-            write!(self.writer, "{value:?}")
-        })();
+        }
     }
 }
 
 impl VisitOutput<fmt::Result> for PlainVisitor<'_> {
-    fn finish(self) -> fmt::Result {
+    fn finish(mut self) -> fmt::Result {
+        self.flush();
         self.result
     }
 }
 
 impl VisitFmt for PlainVisitor<'_> {
     fn writer(&mut self) -> &mut dyn fmt::Write {
+        self.flush();
         &mut self.writer
     }
 }
@@ -196,12 +253,15 @@ mod tests {
 
     #[test]
     fn text_logs_read_as_the_default_fields_write_them() {
+        // The last is longer than the text held before it is handed over.
+        let long = "é-".repeat(HELD);
         for ansi in [false, true] {
             for text in [
                 "/v1/chat/completions",
                 "",
                 "quote \" and \u{1b}[31m escape",
                 "é\n",
+                &long,
             ] {
                 let default = log_lines(DefaultFields::new(), ansi, text, -3);
                 assert_eq!(
@@ -218,7 +278,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn any_text_logs_as_the_default_fields_log_it(text in ".{0,40}", number: i64, ansi: bool) {
+        fn any_text_logs_as_the_default_fields_log_it(text in ".{0,300}", number: i64, ansi: bool) {
             prop_assert_eq!(
                 log_lines(PlainFields, ansi, &text, number),
                 log_lines(DefaultFields::new(), ansi, &text, number)
