@@ -511,14 +511,19 @@ mod tests {
         assert_eq!(until_closed(&mut silent).await, "");
     }
 
+    /// A server whose connections no timeout closes: only its switch does.
+    async fn untimed_server() -> (std::net::SocketAddr, Shutdown) {
+        server(ConnTimeouts {
+            header_read: LONG,
+            idle: LONG,
+        })
+        .await
+    }
+
     #[tokio::test]
     async fn kept_alive_connections_close_when_the_server_drains_or_stops() {
         for stop in [false, true] {
-            let (addr, shutdown) = server(ConnTimeouts {
-                header_read: LONG,
-                idle: LONG,
-            })
-            .await;
+            let (addr, shutdown) = untimed_server().await;
             let mut conns = Vec::new();
             for _ in 0..3 {
                 let mut stream = TcpStream::connect(addr).await.unwrap();
@@ -548,11 +553,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_opened_as_the_server_drains_is_not_kept() {
-        let (addr, shutdown) = server(ConnTimeouts {
-            header_read: LONG,
-            idle: LONG,
-        })
-        .await;
+        let (addr, shutdown) = untimed_server().await;
         let mut stream = TcpStream::connect(addr).await.unwrap();
         shutdown.drain();
         assert_eq!(until_closed(&mut stream).await, "");
