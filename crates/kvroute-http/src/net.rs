@@ -127,6 +127,47 @@ impl Shutdown {
         // An error means the sender is gone, which cannot happen while `self` lives.
         let _ = rx.wait_for(|&p| f(p)).await;
     }
+
+    /// [`Self::leaving`] for a connection's `select!`, which polls it on every wake of the
+    /// connection's task (each read, write and body chunk): polled again only once the switch
+    /// has moved. Polling the watch's wait each time cost about 690 instructions a unary request
+    /// and 2,900 a streamed one (BENCHMARKS.md, "Proxy CPU per request, session 13").
+    fn leaving_polled_on_change(&self) -> LeavingOnChange {
+        LeavingOnChange {
+            moved: self.0.subscribe(),
+            wait: Box::pin(self.clone().leaving_owned()),
+            polled: false,
+        }
+    }
+
+    async fn leaving_owned(self) {
+        self.leaving().await;
+    }
+}
+
+/// [`Shutdown::leaving_polled_on_change`]'s future. Its wait, once polled, stays registered
+/// with the switch, which wakes the task when it moves; until then a poll only compares the
+/// switch's version with the one `moved` saw. (The task's waker is the one the wait was last
+/// polled with: a Tokio task's wakers all wake that task.)
+struct LeavingOnChange {
+    moved: watch::Receiver<Phase>,
+    wait: Pin<Box<dyn Future<Output = ()> + Send>>,
+    polled: bool,
+}
+
+impl Future for LeavingOnChange {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        // An error (the switch gone) lets the wait see it.
+        if this.polled && !this.moved.has_changed().unwrap_or(true) {
+            return Poll::Pending;
+        }
+        this.polled = true;
+        this.moved.mark_unchanged();
+        this.wait.as_mut().poll(cx)
+    }
 }
 
 impl Default for Shutdown {
@@ -257,7 +298,7 @@ async fn connection(
     tokio::pin!(conn);
     tokio::select! {
         _ = conn.as_mut() => return,
-        () = shutdown.leaving() => conn.as_mut().graceful_shutdown(),
+        () = shutdown.leaving_polled_on_change() => conn.as_mut().graceful_shutdown(),
     }
     let _ = conn.await;
 }
@@ -468,6 +509,54 @@ mod tests {
         // Nothing sent at all: the same.
         let mut silent = TcpStream::connect(addr).await.unwrap();
         assert_eq!(until_closed(&mut silent).await, "");
+    }
+
+    /// A server whose connections no timeout closes: only its switch does.
+    async fn untimed_server() -> (std::net::SocketAddr, Shutdown) {
+        server(ConnTimeouts {
+            header_read: LONG,
+            idle: LONG,
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn kept_alive_connections_close_when_the_server_drains_or_stops() {
+        for stop in [false, true] {
+            let (addr, shutdown) = untimed_server().await;
+            let mut conns = Vec::new();
+            for _ in 0..3 {
+                let mut stream = TcpStream::connect(addr).await.unwrap();
+                // Two requests each: the connection's task is woken, and its select polled,
+                // many times before the switch moves.
+                for _ in 0..2 {
+                    stream
+                        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                        .await
+                        .unwrap();
+                    let mut buf = [0u8; 4096];
+                    let n = stream.read(&mut buf).await.unwrap();
+                    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+                }
+                conns.push(stream);
+            }
+            if stop {
+                shutdown.stop();
+            } else {
+                shutdown.drain();
+            }
+            for stream in &mut conns {
+                assert_eq!(until_closed(stream).await, "", "stop: {stop}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_opened_as_the_server_drains_is_not_kept() {
+        let (addr, shutdown) = untimed_server().await;
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        shutdown.drain();
+        assert_eq!(until_closed(&mut stream).await, "");
     }
 
     #[tokio::test]

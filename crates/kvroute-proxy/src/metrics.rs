@@ -7,11 +7,12 @@
 //! subscribers' counters ([`KvSubscriberCounters`]) are read from the subscribers when scraped,
 //! so they cost nothing between scrapes.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_core::router::RouterMetrics;
+use kvroute_http::openai::Endpoint;
 use kvroute_zmq::{CounterSnapshot, SubscriberCounters};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -88,6 +89,66 @@ pub struct Metrics {
     pub index_blocks_stored: IntCounter,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
+    /// The request path's counters, found once rather than by label on every request.
+    handles: Handles,
+}
+
+/// The counters a request adds to, found once: looking a series up by its labels (formatting
+/// a worker's id and rank, hashing the labels, a lock) cost about 1,400 instructions a request
+/// (BENCHMARKS.md, "Proxy CPU per request, session 13"). The counts and the series exported are
+/// the same as by label.
+#[derive(Clone, Debug)]
+struct Handles {
+    /// `[outcomes, requests]` by endpoint, kind and outcome ([`outcome_slot`]), each found when
+    /// first counted: a series still appears only once something is counted in it.
+    outcomes: Arc<[OnceLock<[IntCounter; 2]>; OUTCOME_SLOTS]>,
+    /// Each added worker rank's series, found when [`Metrics::add_worker`] makes them and
+    /// forgotten when [`Metrics::remove_worker`] removes them (under this lock, so no count
+    /// falls between the two). A rank not here (a response that ends after its worker was
+    /// removed) counts by label, as before.
+    ranks: Arc<Mutex<HashMap<WorkerKey, RankSeries>>>,
+}
+
+/// One worker rank's per-request series.
+#[derive(Clone, Debug)]
+struct RankSeries {
+    predicted: IntCounter,
+    reported: IntCounter,
+    /// `cached_token_reports` by [`CachedReport::slot`].
+    reports: [IntCounter; 3],
+}
+
+/// Endpoints × request kinds × outcomes.
+const OUTCOME_SLOTS: usize = 2 * 2 * RequestOutcome::ALL.len();
+
+/// Where [`Handles::outcomes`] keeps the counters of `(endpoint, kind, outcome)`.
+fn outcome_slot(endpoint: Endpoint, kind: RequestKind, outcome: RequestOutcome) -> usize {
+    let endpoint = match endpoint {
+        Endpoint::Completions => 0,
+        Endpoint::Chat => 1,
+    };
+    let kind = match kind {
+        RequestKind::Unary => 0,
+        RequestKind::Stream => 1,
+    };
+    let outcome = RequestOutcome::ALL
+        .iter()
+        .position(|o| *o == outcome)
+        .unwrap_or(0);
+    (endpoint * 2 + kind) * RequestOutcome::ALL.len() + outcome
+}
+
+impl Handles {
+    fn new() -> Self {
+        Self {
+            outcomes: Arc::new(std::array::from_fn(|_| OnceLock::new())),
+            ranks: Arc::default(),
+        }
+    }
+
+    fn ranks(&self) -> MutexGuard<'_, HashMap<WorkerKey, RankSeries>> {
+        self.ranks.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// Whether a request streams, as the metrics label it (`unary` until it is parsed).
@@ -186,6 +247,18 @@ impl CachedReport {
             Self::Reported(_) => "reported",
             Self::Absent => "absent",
             Self::NoUsage => "no_usage",
+        }
+    }
+
+    /// Every report, in [`Self::slot`] order (the count of `Reported` aside).
+    const ALL: [Self; 3] = [Self::Reported(0), Self::Absent, Self::NoUsage];
+
+    /// Its place in [`Self::ALL`].
+    fn slot(self) -> usize {
+        match self {
+            Self::Reported(_) => 0,
+            Self::Absent => 1,
+            Self::NoUsage => 2,
         }
     }
 }
@@ -652,21 +725,32 @@ impl Metrics {
             ),
             kv_subscribers,
             registry: r.0,
+            handles: Handles::new(),
         }
     }
 
-    /// Counts a generation request that ended with `outcome`.
-    pub fn record_outcome(&self, endpoint: &str, kind: RequestKind, outcome: RequestOutcome) {
-        self.outcomes
-            .with_label_values(&[endpoint, kind.label(), outcome.label()])
-            .inc();
-        self.requests
-            .with_label_values(&[endpoint, kind.label(), outcome.status()])
-            .inc();
+    /// Counts a generation request to `endpoint` that ended with `outcome`.
+    pub fn record_outcome(&self, endpoint: Endpoint, kind: RequestKind, outcome: RequestOutcome) {
+        let [outcomes, requests] =
+            self.handles.outcomes[outcome_slot(endpoint, kind, outcome)].get_or_init(|| {
+                let path = endpoint.path();
+                [
+                    self.outcomes
+                        .with_label_values(&[path, kind.label(), outcome.label()]),
+                    self.requests
+                        .with_label_values(&[path, kind.label(), outcome.status()]),
+                ]
+            });
+        outcomes.inc();
+        requests.inc();
     }
 
     /// Counts `tokens` predicted cached on `key` for a request routed there.
     pub fn record_prediction(&self, key: WorkerKey, tokens: u64) {
+        if let Some(series) = self.handles.ranks().get(&key) {
+            series.predicted.inc_by(tokens);
+            return;
+        }
         let labels = rank_labels(key);
         self.predicted_cached_tokens
             .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
@@ -675,6 +759,13 @@ impl Metrics {
 
     /// Counts what a completed response from `key` reported of its cached tokens.
     pub fn record_cached_report(&self, key: WorkerKey, report: CachedReport) {
+        if let Some(series) = self.handles.ranks().get(&key) {
+            series.reports[report.slot()].inc();
+            if let CachedReport::Reported(tokens) = report {
+                series.reported.inc_by(tokens);
+            }
+            return;
+        }
         let [id, rank] = rank_labels(key);
         self.cached_token_reports
             .with_label_values(&[id.as_str(), rank.as_str(), report.label()])
@@ -696,20 +787,22 @@ impl Metrics {
     /// Creates worker `id`'s series at zero, so that they exist from the start and stay (at
     /// their last count) while the worker is out of routing.
     pub fn add_worker(&self, id: WorkerId, ranks: u32, base: &str) {
+        let mut handles = self.handles.ranks();
         for rank in 0..ranks {
-            let [id, rank] = rank_labels(WorkerKey::new(id, DpRank(rank)));
+            let key = WorkerKey::new(id, DpRank(rank));
+            let [id, rank] = rank_labels(key);
             let labels = [id.as_str(), rank.as_str()];
-            self.predicted_cached_tokens.with_label_values(&labels);
-            self.reported_cached_tokens.with_label_values(&labels);
-            for report in [
-                CachedReport::Reported(0),
-                CachedReport::Absent,
-                CachedReport::NoUsage,
-            ] {
-                self.cached_token_reports
-                    .with_label_values(&[labels[0], labels[1], report.label()]);
-            }
+            let series = RankSeries {
+                predicted: self.predicted_cached_tokens.with_label_values(&labels),
+                reported: self.reported_cached_tokens.with_label_values(&labels),
+                reports: CachedReport::ALL.map(|report| {
+                    self.cached_token_reports
+                        .with_label_values(&[labels[0], labels[1], report.label()])
+                }),
+            };
+            handles.insert(key, series);
         }
+        drop(handles);
         let worker = id.0.to_string();
         self.worker_up.with_label_values(&[worker.as_str(), base]).set(0);
         for check in crate::checks::Check::ALL {
@@ -721,6 +814,7 @@ impl Metrics {
 
     /// Removes every series of worker `id` (removed by an operator): it is gone, not idle.
     pub fn remove_worker(&self, id: WorkerId, ranks: u32, base: &str, role: &str) {
+        let mut handles = self.handles.ranks();
         let worker = id.0.to_string();
         let _ = self.worker_up.remove_label_values(&[worker.as_str(), base]);
         for check in crate::checks::Check::ALL {
@@ -729,15 +823,12 @@ impl Metrics {
                 .remove_label_values(&[worker.as_str(), check.name()]);
         }
         for rank in 0..ranks {
+            handles.remove(&WorkerKey::new(id, DpRank(rank)));
             let rank = rank.to_string();
             let labels = [worker.as_str(), rank.as_str()];
             let _ = self.predicted_cached_tokens.remove_label_values(&labels);
             let _ = self.reported_cached_tokens.remove_label_values(&labels);
-            for report in [
-                CachedReport::Reported(0),
-                CachedReport::Absent,
-                CachedReport::NoUsage,
-            ] {
+            for report in CachedReport::ALL {
                 let _ =
                     self.cached_token_reports
                         .remove_label_values(&[labels[0], labels[1], report.label()]);
@@ -857,5 +948,110 @@ mod tests {
             .collect();
         read.sort_unstable();
         assert_eq!(read, (1..=14).collect::<Vec<_>>());
+    }
+
+    /// The lines of `name`'s series in the text exposition.
+    fn series(metrics: &Metrics, name: &str) -> Vec<String> {
+        let prefix = format!("{name}{{");
+        metrics
+            .render()
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn outcomes_count_as_by_label_and_appear_when_first_counted() {
+        let found = Metrics::new();
+        let by_label = Metrics::new();
+        let mut n = 0;
+        for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+            for kind in [RequestKind::Stream, RequestKind::Unary] {
+                for outcome in RequestOutcome::ALL.into_iter().rev().step_by(2) {
+                    n += 1;
+                    for _ in 0..n {
+                        found.record_outcome(endpoint, kind, outcome);
+                        let labels = [endpoint.path(), kind.label()];
+                        by_label
+                            .outcomes
+                            .with_label_values(&[labels[0], labels[1], outcome.label()])
+                            .inc();
+                        by_label
+                            .requests
+                            .with_label_values(&[labels[0], labels[1], outcome.status()])
+                            .inc();
+                    }
+                    for name in ["kvroute_requests_outcome_total", "dynamo_frontend_requests_total"] {
+                        assert_eq!(series(&found, name), series(&by_label, name), "{name}");
+                    }
+                }
+            }
+        }
+        assert!(series(&found, "kvroute_requests_outcome_total").len() < OUTCOME_SLOTS);
+        let mut slots: Vec<usize> = [Endpoint::Chat, Endpoint::Completions]
+            .into_iter()
+            .flat_map(|e| [RequestKind::Stream, RequestKind::Unary].map(|k| (e, k)))
+            .flat_map(|(e, k)| RequestOutcome::ALL.map(|o| outcome_slot(e, k, o)))
+            .collect();
+        slots.sort_unstable();
+        assert_eq!(slots, (0..OUTCOME_SLOTS).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_rank_counts_as_by_label_while_added_and_after_removal() {
+        let names = [
+            "kvroute_worker_predicted_cached_tokens_total",
+            "kvroute_worker_reported_cached_tokens_total",
+            "kvroute_worker_cached_token_reports_total",
+        ];
+        let found = Metrics::new();
+        let by_label = Metrics::new();
+        let (id, ranks) = (WorkerId(7), 2);
+        for m in [&found, &by_label] {
+            m.add_worker(id, ranks, "http://w");
+        }
+        // `by_label` counts the old way: its ranks are forgotten, its series kept.
+        by_label.handles.ranks().clear();
+        let reports = [
+            CachedReport::Reported(5),
+            CachedReport::Absent,
+            CachedReport::NoUsage,
+            CachedReport::Reported(0),
+        ];
+        let count = |key: WorkerKey, i: u64| {
+            for m in [&found, &by_label] {
+                m.record_prediction(key, 3 * i);
+                m.record_cached_report(key, reports[i as usize % reports.len()]);
+            }
+        };
+        let same = || {
+            for name in names {
+                assert_eq!(series(&found, name), series(&by_label, name), "{name}");
+            }
+        };
+        for i in 0..9 {
+            count(WorkerKey::new(id, DpRank(i as u32 % ranks)), i);
+            // A rank never added counts by label in both.
+            count(WorkerKey::new(WorkerId(9), DpRank(0)), i);
+            same();
+        }
+        assert!(!series(&found, names[0]).is_empty());
+        for m in [&found, &by_label] {
+            m.remove_worker(id, ranks, "http://w", "decode");
+        }
+        assert!(
+            !series(&found, names[0])
+                .iter()
+                .any(|l| l.contains("worker_id=\"7\""))
+        );
+        // A response that ends after its worker was removed counts by label, as before.
+        count(WorkerKey::new(id, DpRank(1)), 4);
+        same();
+        assert!(
+            series(&found, names[0])
+                .iter()
+                .any(|l| l.contains("worker_id=\"7\""))
+        );
     }
 }

@@ -144,7 +144,7 @@ impl Observed {
     fn end(&mut self, outcome: RequestOutcome) -> Option<RequestGuard> {
         let guard = self.guard.take()?;
         let metrics = &guard.shared().metrics;
-        metrics.record_outcome(self.report.endpoint.path(), self.report.kind(), outcome);
+        metrics.record_outcome(self.report.endpoint, self.report.kind(), outcome);
         Some(guard)
     }
 

@@ -376,8 +376,7 @@ struct Unanswered<'a> {
 impl Unanswered<'_> {
     fn record(&mut self, outcome: RequestOutcome) {
         self.answered = true;
-        self.metrics
-            .record_outcome(self.endpoint.path(), self.kind, outcome);
+        self.metrics.record_outcome(self.endpoint, self.kind, outcome);
     }
 }
 

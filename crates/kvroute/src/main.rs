@@ -9,6 +9,14 @@ use kvroute::config::count;
 use kvroute::opstream::OpStream;
 use kvroute::serve::{LogFormat, init_logging_as};
 
+/// mimalloc, not glibc's malloc: the proxy allocates and frees small buffers on every request
+/// and chunk (glibc's malloc and free were a fifth of a unary request's instructions; 10% fewer
+/// instructions a request with mimalloc). Built without its transparent-huge-page advice
+/// (`no_thp`), which raised the replay's peak memory by a quarter and its system time. See
+/// BENCHMARKS.md, "The global allocator".
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The op-stream the index benchmark runs on when none is named: a file of the shared bench
 /// folder that sits beside a kvroute checkout.
 const DEFAULT_OPSTREAM: &str = "../shared/bench/conv_full_w16_c4096.jsonl.gz";

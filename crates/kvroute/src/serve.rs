@@ -242,7 +242,9 @@ pub fn init_logging_as(format: LogFormat) {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
+        // The default fields' text, cheaper without colours (a request's span is written
+        // whether or not a line is logged in it).
+        LogFormat::Text => builder.fmt_fields(crate::log_fields::PlainFields).try_init(),
         LogFormat::Json => builder.json().with_current_span(true).try_init(),
     };
 }
