@@ -64,11 +64,11 @@ use hashbrown::HashTable;
 
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
-use ext_map::{ExtMap, Probe};
 use free_runs::{FreeRuns, Source};
 use wide::Rows;
 
 pub use event::{IndexEvent, stored_blocks};
+pub use ext_map::{ExtMap, Probe, Vacancy};
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
