@@ -145,6 +145,11 @@ impl ExtMap {
         self.len
     }
 
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Heap bytes, by capacity.
     pub fn allocation_size(&self) -> usize {
         self.lines.capacity() * size_of::<Line>()
