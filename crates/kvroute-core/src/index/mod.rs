@@ -18,8 +18,11 @@
 //!
 //! One tree of prefixes is shared by all workers. A node stands for one prefix of local hashes:
 //! it is identified by its parent node and its own local hash, and it carries the set of workers
-//! that hold it as a bit mask over dense worker slots. Nodes live in an arena and refer to each
-//! other by `u32` ids; there is no per-node allocation, reference count or lock.
+//! that hold it over dense worker slots: a bit mask while there are at most 64 slots; past that
+//! up to three slots inline, or a row of a shared table of full masks for a node held by more
+//! (`wide`), so a node that one worker holds costs no mask over the whole fleet. Nodes live in
+//! an arena and refer to each other by `u32` ids; there is no per-node allocation, reference
+//! count or lock.
 //!
 //! * A node's first child is linked from the node itself (its "hint"); further children go in
 //!   one hash table keyed by `(parent, local)` that stores only node ids. Chains, the common
