@@ -22,10 +22,8 @@
 //! request is cached and cannot be evicted, so every `stored` event names a parent the router
 //! holds.
 
-use std::collections::hash_map::Entry;
-
 use kvroute_core::ids::ExternalBlockHash;
-use kvroute_core::key_hasher::KeyMap;
+use kvroute_core::index::{ExtMap, Probe};
 
 use kvroute_core::events::{BlocksRemoved, KvEvent};
 
@@ -55,11 +53,12 @@ pub(crate) struct BlockPool {
     head: BlockId,
     tail: BlockId,
     free: u32,
-    /// Cached blocks by external hash (a hash map: one probe per hit and store). An eviction
-    /// does not touch it: an entry is valid only while its block carries its hash, and stale
-    /// entries are overwritten by the next store of the hash or swept when they outnumber the
-    /// blocks.
-    cached: KeyMap<ExternalBlockHash, BlockId>,
+    /// Cached blocks by external hash: the index's map of external hashes (a key's entry is on
+    /// its home cache line, which [`BlockPool::warm`] reads ahead for a run of stores, so a
+    /// store writes a line already in cache). An eviction does not touch it: an entry is valid
+    /// only while its block carries its hash, and stale entries are overwritten by the next
+    /// store of the hash or swept when they outnumber the blocks.
+    cached: ExtMap,
     /// Blocks that carry a hash (the valid entries of `cached`).
     num_cached: u32,
     /// Events since the last [`BlockPool::take_events`], in order.
@@ -87,7 +86,7 @@ impl BlockPool {
             head,
             tail,
             free: num_blocks,
-            cached: KeyMap::default(),
+            cached: ExtMap::default(),
             num_cached: 0,
             events: Vec::new(),
         }
@@ -111,8 +110,7 @@ impl BlockPool {
     /// The block cached under `hash`, if any.
     fn cached_block(&self, hash: ExternalBlockHash) -> Option<BlockId> {
         self.cached
-            .get(&hash)
-            .copied()
+            .get(hash.0)
             .filter(|&b| self.blocks[b as usize].hash == Some(hash))
     }
 
@@ -137,8 +135,7 @@ impl BlockPool {
     /// of a run of independent lookups overlap before the blocks are cached one by one.
     pub fn warm(&self, hashes: &[ExternalBlockHash]) {
         if hashes.len() > 1 {
-            let found = hashes.iter().filter(|h| self.cached.contains_key(h)).count();
-            std::hint::black_box(found);
+            std::hint::black_box(self.cached.touch(hashes.iter().map(|h| h.0)));
         }
     }
 
@@ -184,28 +181,24 @@ impl BlockPool {
             self.blocks[*block as usize].hash.is_none(),
             "block {block} cached twice"
         );
-        let blocks = &self.blocks;
-        match self.cached.entry(hash) {
-            Entry::Occupied(e) if blocks[*e.get() as usize].hash == Some(hash) => {
-                let cached = *e.get();
+        match self.cached.probe(hash.0) {
+            Probe::Found(cached) if self.blocks[cached as usize].hash == Some(hash) => {
                 self.claim(cached);
                 self.release(&[*block]);
                 *block = cached;
                 return false;
             }
-            Entry::Occupied(mut e) => {
-                e.insert(*block);
+            Probe::Found(_) => {
+                self.cached.replace(hash.0, *block);
             }
-            Entry::Vacant(e) => {
-                e.insert(*block);
-            }
+            Probe::Vacant(at) => self.cached.insert_at(at, hash.0, *block),
         }
         self.blocks[*block as usize].hash = Some(hash);
         self.num_cached += 1;
         if self.cached.len() > 2 * self.blocks.len() + 1024 {
             let blocks = &self.blocks;
             self.cached
-                .retain(|&h, &mut b| blocks[b as usize].hash == Some(h));
+                .retain(|h, b| blocks[b as usize].hash == Some(ExternalBlockHash(h)));
         }
         true
     }
@@ -301,16 +294,16 @@ impl BlockPool {
         let valid = self
             .cached
             .iter()
-            .filter(|&(&h, &b)| {
+            .filter(|&(h, b)| {
                 self.blocks
                     .get(b as usize)
-                    .is_some_and(|block| block.hash == Some(h))
+                    .is_some_and(|block| block.hash == Some(ExternalBlockHash(h)))
             })
             .count();
         if valid != carrying {
             for (i, block) in self.blocks.iter().enumerate() {
                 if let Some(hash) = block.hash
-                    && self.cached.get(&hash) != Some(&(i as BlockId))
+                    && self.cached.get(hash.0) != Some(i as BlockId)
                 {
                     return Err(format!(
                         "block {i} carries {hash:?} but the cache map does not name it"
@@ -461,7 +454,7 @@ mod tests {
         assert_eq!(check(&pool, &wrong), "block 1 has 1 references but 2 holders");
         // A carrying block the map does not name: its entry gone, or naming another block.
         let (mut pool, holders) = four_cached();
-        pool.cached.remove(&hash(2));
+        pool.cached.remove(hash(2).0);
         assert!(
             check(&pool, &holders).starts_with("block 2 carries"),
             "{}",
@@ -469,11 +462,11 @@ mod tests {
         );
         let (mut pool, holders) = four_cached();
         pool.blocks[3].hash = Some(hash(2));
-        pool.cached.remove(&hash(3));
+        pool.cached.remove(hash(3).0);
         assert!(check(&pool, &holders).contains("the cache map does not name it"));
         // An entry naming a block past the pool.
         let (mut pool, holders) = four_cached();
-        pool.cached.insert(hash(0), 9);
+        assert!(pool.cached.replace(hash(0).0, 9));
         assert!(check(&pool, &holders).starts_with("block 0 carries"));
         // The counter of cached blocks.
         let (mut pool, holders) = four_cached();
@@ -488,7 +481,10 @@ mod tests {
         assert!(check(&pool, &[1, 1, 1, 0]).starts_with("free block 2 has 1 references"));
         // Stale entries (a block since evicted or recached) are not violations.
         let (mut pool, holders) = four_cached();
-        pool.cached.insert(hash(77), 2);
+        let Probe::Vacant(at) = pool.cached.probe(77) else {
+            panic!("hash 77 is not cached")
+        };
+        pool.cached.insert_at(at, 77, 2);
         pool.check_invariants(&holders).unwrap();
     }
 

@@ -87,13 +87,13 @@ impl Line {
 /// Open-addressing map `u64 -> NodeId` over cache lines, probing line by line from a key's home
 /// line, with per-line overflow counters instead of tombstones or backward shifts.
 #[derive(Clone, Debug, Default)]
-pub(super) struct ExtMap {
+pub struct ExtMap {
     lines: Vec<Line>,
     len: usize,
 }
 
 /// Where a key is, or where it would go.
-pub(super) enum Probe {
+pub enum Probe {
     /// The key is present, mapped to this node.
     Found(NodeId),
     /// The key is absent: the slot to insert it into, and the key's home line.
@@ -102,7 +102,7 @@ pub(super) enum Probe {
 
 /// Where an absent key goes: handed from [`ExtMap::probe`] to [`ExtMap::insert_at`].
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Vacancy {
+pub struct Vacancy {
     /// The empty slot (`line * SLOT_STRIDE + slot`), or `usize::MAX` when the table must grow.
     at: usize,
     /// The key's home line.
@@ -140,11 +140,18 @@ impl ExtMap {
         self.lines.len() * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1
     }
 
-    pub(super) fn len(&self) -> usize {
+    /// Entries held.
+    pub fn len(&self) -> usize {
         self.len
     }
 
-    pub(super) fn allocation_size(&self) -> usize {
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Heap bytes, by capacity.
+    pub fn allocation_size(&self) -> usize {
         self.lines.capacity() * size_of::<Line>()
     }
 
@@ -154,7 +161,7 @@ impl ExtMap {
     /// instead of one cache miss after another (a prefetch in safe code). Returns a value to
     /// pass to [`std::hint::black_box`], which keeps the loads from being optimized away.
     #[inline]
-    pub(super) fn touch(&self, keys: impl Iterator<Item = u64>) -> u64 {
+    pub fn touch(&self, keys: impl Iterator<Item = u64>) -> u64 {
         if self.lines.is_empty() {
             return 0;
         }
@@ -163,7 +170,7 @@ impl ExtMap {
 
     /// Looks `key` up, reporting the node or the slot to insert it into.
     #[inline]
-    pub(super) fn probe(&self, key: u64) -> Probe {
+    pub fn probe(&self, key: u64) -> Probe {
         if self.lines.is_empty() {
             return Probe::Vacant(Vacancy::NONE);
         }
@@ -204,8 +211,9 @@ impl ExtMap {
         usize::MAX
     }
 
+    /// The node `key` maps to.
     #[inline]
-    pub(super) fn get(&self, key: u64) -> Option<NodeId> {
+    pub fn get(&self, key: u64) -> Option<NodeId> {
         match self.probe(key) {
             Probe::Found(node) => Some(node),
             Probe::Vacant(_) => None,
@@ -215,7 +223,7 @@ impl ExtMap {
     /// Inserts `key` where a [`Probe::Vacant`] for it said, with no other insert or removal in
     /// between.
     #[inline]
-    pub(super) fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
+    pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         debug_assert!(node != EMPTY);
         if vacancy.at == usize::MAX || self.len >= self.max_len() {
             // Too full (or unallocated): grow, then place the key afresh.
@@ -246,7 +254,7 @@ impl ExtMap {
 
     /// Removes `key`, returning its node.
     #[inline]
-    pub(super) fn remove(&mut self, key: u64) -> Option<NodeId> {
+    pub fn remove(&mut self, key: u64) -> Option<NodeId> {
         if self.lines.is_empty() {
             return None;
         }
@@ -275,7 +283,7 @@ impl ExtMap {
     }
 
     /// Removes every entry, keeping the allocation, and yields the nodes that were mapped.
-    pub(super) fn drain_nodes(&mut self) -> impl Iterator<Item = NodeId> + '_ {
+    pub fn drain_nodes(&mut self) -> impl Iterator<Item = NodeId> + '_ {
         self.len = 0;
         self.lines
             .iter_mut()
@@ -288,11 +296,51 @@ impl ExtMap {
     }
 
     /// Every key and its node, in slot order.
-    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
         self.lines
             .iter()
             .flat_map(|line| line.keys.iter().copied().zip(line.nodes.iter().copied()))
             .filter(|&(_, n)| n != EMPTY)
+    }
+
+    /// Maps `key`, which is present, to `node` instead; returns false (and changes nothing)
+    /// if `key` is absent.
+    pub fn replace(&mut self, key: u64, node: NodeId) -> bool {
+        debug_assert!(node != EMPTY);
+        if self.lines.is_empty() {
+            return false;
+        }
+        let mut line = self.home(key);
+        for _ in 0..self.lines.len() {
+            let l = &mut self.lines[line];
+            if let Some(s) = l.find(key) {
+                l.nodes[s] = node;
+                return true;
+            }
+            if l.overflow == 0 {
+                return false;
+            }
+            line = self.next(line);
+        }
+        false
+    }
+
+    /// Keeps only the entries for which `keep(key, node)` holds (the table keeps its size).
+    pub fn retain(&mut self, mut keep: impl FnMut(u64, NodeId) -> bool) {
+        let kept: Vec<(u64, NodeId)> = self.iter().filter(|&(k, n)| keep(k, n)).collect();
+        self.clear();
+        for (key, node) in kept {
+            let home = self.home(key);
+            let at = self.first_vacant(home);
+            self.place(at, home, key, node);
+            self.len += 1;
+        }
+    }
+
+    /// Removes every entry, keeping the allocation.
+    pub fn clear(&mut self) {
+        self.lines.fill(VACANT_LINE);
+        self.len = 0;
     }
 
     /// Checks the overflow counters against the keys' positions, for tests.
@@ -351,6 +399,10 @@ mod tests {
         Insert(u64, NodeId),
         Remove(u64),
         Drain,
+        Replace(u64, NodeId),
+        /// Keeps the entries whose node is below this.
+        Retain(NodeId),
+        Clear,
     }
 
     fn op() -> impl Strategy<Value = MapOp> {
@@ -358,8 +410,11 @@ mod tests {
         let key = prop_oneof![0u64..48, any::<u64>()];
         prop_oneof![
             6 => (key.clone(), 0u32..1000).prop_map(|(k, v)| MapOp::Insert(k, v)),
-            4 => key.prop_map(MapOp::Remove),
+            4 => key.clone().prop_map(MapOp::Remove),
             1 => Just(MapOp::Drain),
+            2 => (key, 0u32..1000).prop_map(|(k, v)| MapOp::Replace(k, v)),
+            1 => (0u32..1000).prop_map(MapOp::Retain),
+            1 => Just(MapOp::Clear),
         ]
     }
 
@@ -385,6 +440,21 @@ mod tests {
                         drained.sort_unstable();
                         expected.sort_unstable();
                         prop_assert_eq!(drained, expected);
+                    }
+                    MapOp::Replace(k, v) => {
+                        let present = model.contains_key(&k);
+                        prop_assert_eq!(map.replace(k, v), present);
+                        if present {
+                            model.insert(k, v);
+                        }
+                    }
+                    MapOp::Retain(below) => {
+                        map.retain(|_, v| v < below);
+                        model.retain(|_, v| *v < below);
+                    }
+                    MapOp::Clear => {
+                        map.clear();
+                        model.clear();
                     }
                 }
                 prop_assert_eq!(map.len(), model.len());

@@ -18,8 +18,11 @@
 //!
 //! One tree of prefixes is shared by all workers. A node stands for one prefix of local hashes:
 //! it is identified by its parent node and its own local hash, and it carries the set of workers
-//! that hold it as a bit mask over dense worker slots. Nodes live in an arena and refer to each
-//! other by `u32` ids; there is no per-node allocation, reference count or lock.
+//! that hold it over dense worker slots: a bit mask while there are at most 64 slots; past that
+//! up to three slots inline, or a row of a shared table of full masks for a node held by more
+//! (`wide`), so a node that one worker holds costs no mask over the whole fleet. Nodes live in
+//! an arena and refer to each other by `u32` ids; there is no per-node allocation, reference
+//! count or lock.
 //!
 //! * A node's first child is linked from the node itself (its "hint"); further children go in
 //!   one hash table keyed by `(parent, local)` that stores only node ids. Chains, the common
@@ -54,6 +57,7 @@ mod event;
 mod ext_map;
 mod free_runs;
 mod scores;
+mod wide;
 
 use std::collections::VecDeque;
 use std::num::NonZeroUsize;
@@ -63,10 +67,11 @@ use hashbrown::HashTable;
 
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
-use ext_map::{ExtMap, Probe};
 use free_runs::{FreeRuns, Source};
+use wide::Rows;
 
 pub use event::{IndexEvent, stored_blocks};
+pub use ext_map::{ExtMap, Probe, Vacancy};
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -187,7 +192,8 @@ impl IndexFootprint {
 struct Node {
     /// The local hash of this node's last block.
     local: u64,
-    /// Workers in slots 0..64 that hold this prefix; higher slots are in `PrefixIndex::hi`.
+    /// The workers that hold this prefix: their bit mask while the fleet has at most 64 worker
+    /// slots, a set code (see `wide`) once it has more. `0`: nobody, either way.
     mask0: u64,
     /// The parent node; `NONE` for the root and for free nodes.
     parent: NodeId,
@@ -228,10 +234,8 @@ pub struct PrefixIndex {
     free: FreeRuns,
     /// Children of every node, keyed by `(parent, local)`; holds node ids only.
     children: HashTable<NodeId>,
-    /// Worker mask words per node beyond the first.
-    hi_words: usize,
-    /// `hi_words` words per node, for worker slots 64 and up.
-    hi: Vec<u64>,
+    /// The worker sets of a fleet of more than 64 slots (see `wide`); empty before.
+    rows: Rows,
     slots: Vec<Option<WorkerSlot>>,
     slot_of: HashMap<WorkerKey, u32, BuildKeyHasher>,
     stats: IndexStats,
@@ -255,8 +259,7 @@ impl PrefixIndex {
             nodes,
             free: FreeRuns::default(),
             children: HashTable::with_capacity(config.expected_blocks),
-            hi_words: 0,
-            hi: Vec::new(),
+            rows: Rows::default(),
             slots: Vec::new(),
             slot_of: HashMap::default(),
             stats: IndexStats::default(),
@@ -335,7 +338,7 @@ impl PrefixIndex {
         let heap = self.nodes.capacity() * size_of::<Node>()
             + self.free.allocation_size()
             + self.children.allocation_size()
-            + self.hi.capacity() * size_of::<u64>()
+            + self.rows.allocation_size()
             + self.slots.capacity() * size_of::<Option<WorkerSlot>>()
             + self.slot_of.allocation_size()
             + worker_maps;
@@ -444,14 +447,14 @@ impl PrefixIndex {
     ) -> Result<(), IndexError> {
         let Self {
             nodes,
-            hi,
-            hi_words,
+            rows,
             slots,
             stats,
             cap,
             ..
         } = self;
-        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+        let wide = rows.wide();
+        let bit = 1u64 << (slot % 64);
         let capped = cap.is_some();
         let Some(WorkerSlot {
             blocks: map, order, ..
@@ -463,11 +466,7 @@ impl PrefixIndex {
         // load and a store the compiler may not keep in a register across the map's writes.
         let mut stored = 0u64;
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
-            let mask = if word == 0 {
-                &mut nodes[node as usize].mask0
-            } else {
-                &mut hi[node as usize * *hi_words + word - 1]
-            };
+            let set = &mut nodes[node as usize].mask0;
             match map.probe(block.external.0) {
                 Probe::Found(held) if held == node => {}
                 Probe::Found(_) => {
@@ -479,7 +478,13 @@ impl PrefixIndex {
                         applied,
                     });
                 }
-                Probe::Vacant(_) if *mask & bit != 0 => {
+                Probe::Vacant(_)
+                    if if wide {
+                        rows.contains(*set, slot)
+                    } else {
+                        *set & bit != 0
+                    } =>
+                {
                     stats.blocks_stored += stored;
                     stats.duplicate_prefix += 1;
                     return Err(IndexError::DuplicatePrefix {
@@ -490,7 +495,11 @@ impl PrefixIndex {
                 }
                 Probe::Vacant(at) => {
                     map.insert_at(at, block.external.0, node);
-                    *mask |= bit;
+                    if wide {
+                        rows.insert(set, slot);
+                    } else {
+                        *set |= bit;
+                    }
                     stored += 1;
                     if capped {
                         order.push_back(block.external.0);
@@ -526,6 +535,17 @@ impl PrefixIndex {
         let blocks = &mut self.slot_mut(slot).blocks;
         std::hint::black_box(blocks.touch(externals.iter().map(|e| e.0)));
         dropped.extend(externals.iter().filter_map(|e| blocks.remove(e.0)));
+        if self.rows.wide() {
+            // A wide fleet's set updates branch on what a node holds, which keeps the cache
+            // misses of one node after another from overlapping: read every node and its parent
+            // (which `collect` reads when the node goes) first, in a pass without branches.
+            let nodes = &self.nodes;
+            let ahead = dropped.iter().fold(0u64, |acc, &n| {
+                let parent = nodes[n as usize].parent;
+                acc ^ nodes.get(parent as usize).map_or(0, |p| p.mask0)
+            });
+            std::hint::black_box(ahead);
+        }
         for &node in &dropped {
             self.clear_bit(node, slot);
         }
@@ -576,12 +596,12 @@ impl PrefixIndex {
         let Some(mut node) = self.child(ROOT, first.0) else {
             return;
         };
-        if self.hi_words == 0 {
+        if !self.rows.wide() {
             let active = self.nodes[node as usize].mask0;
             self.walk_one_word(node, rest, 0, active, 1, early_exit, out);
             return;
         }
-        let words = 1 + self.hi_words;
+        let words = self.rows.mask_words();
         // Fleets of up to 1,024 worker slots keep the walk's worker set on the stack.
         let mut stack = [0u64; 16];
         let mut heap = Vec::new();
@@ -613,6 +633,9 @@ impl PrefixIndex {
                 break;
             };
             for (w, word) in active.iter_mut().enumerate() {
+                if *word == 0 {
+                    continue;
+                }
                 let kept = *word & self.mask_word(next, w);
                 self.emit(w, *word & !kept, depth, out);
                 *word = kept;
@@ -641,16 +664,16 @@ impl PrefixIndex {
         early_exit: bool,
         out: &mut OverlapScores,
     ) {
-        // One loop per kind of mask word, so the loop reads its word without a branch on which.
-        if word == 0 {
-            let nodes = &self.nodes;
+        // One loop per kind of index, so the loop reads its word without a branch on which.
+        let nodes = &self.nodes;
+        if !self.rows.wide() {
             self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
                 nodes[n as usize].mask0
             });
         } else {
-            let (hi, stride) = (&self.hi, self.hi_words);
+            let rows = &self.rows;
             self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
-                hi[n as usize * stride + word - 1]
+                rows.word(nodes[n as usize].mask0, word)
             });
         }
     }
@@ -759,9 +782,12 @@ impl PrefixIndex {
                     "node {id} is held by nobody and has no children, but was kept"
                 ));
             }
-            held_bits += (0..=self.hi_words)
-                .map(|w| self.mask_word(id, w).count_ones() as usize)
-                .sum::<usize>();
+            if self.rows.wide() {
+                self.rows.check(n.mask0).map_err(|e| format!("node {id}: {e}"))?;
+                held_bits += self.rows.count(n.mask0);
+            } else {
+                held_bits += n.mask0.count_ones() as usize;
+            }
         }
         for (id, &count) in children.iter().enumerate() {
             if live(id as NodeId) && self.nodes[id].children != count {
@@ -775,7 +801,7 @@ impl PrefixIndex {
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(s) = s else { continue };
             for (ext, node) in s.blocks.iter() {
-                if !live(node) || self.mask_word(node, slot / 64) & (1 << (slot % 64)) == 0 {
+                if !live(node) || !self.holds_slot(node, slot) {
                     return Err(format!(
                         "worker {} maps {ext:#x} to node {node}, which it does not hold",
                         s.key
@@ -859,9 +885,6 @@ impl PrefixIndex {
                 Some(id) => id,
                 None => {
                     self.nodes.push(Node::FREE);
-                    if self.hi_words > 0 {
-                        self.hi.resize(self.hi.len() + self.hi_words, 0);
-                    }
                     (self.nodes.len() - 1) as NodeId
                 }
             };
@@ -901,14 +924,11 @@ impl PrefixIndex {
         while node != ROOT {
             let n = &self.nodes[node as usize];
             // Most calls stop at the first test: a removed block in the middle of a chain still
-            // has its children. The high mask words are read only for fleets that have them.
+            // has its children. `mask0` is 0 exactly when nobody holds the node (see `wide`).
             if n.children != 0 || n.mask0 != 0 || n.parent == NONE {
                 return;
             }
             let n = *n;
-            if self.hi_words != 0 && !self.is_unheld(node) {
-                return;
-            }
             let p = &mut self.nodes[n.parent as usize];
             p.children -= 1;
             if p.hint == node {
@@ -927,46 +947,52 @@ impl PrefixIndex {
 
     // ---- worker masks ----
 
+    /// Makes room for worker `slot` in the nodes' worker sets: past 64 slots the index turns
+    /// wide (see `wide`), and a wide index's rows widen as slots are added.
     fn ensure_mask_words(&mut self, slot: usize) {
-        let needed = slot / 64;
-        if needed <= self.hi_words {
+        let needed = slot / 64 + 1;
+        if needed <= self.rows.mask_words().max(1) {
             return;
         }
-        let new_words = needed.max(self.hi_words * 2);
-        let mut hi = vec![0u64; self.nodes.len() * new_words];
-        for node in 0..self.nodes.len() {
-            let old = &self.hi[node * self.hi_words..(node + 1) * self.hi_words];
-            hi[node * new_words..node * new_words + self.hi_words].copy_from_slice(old);
+        let was_wide = self.rows.wide();
+        self.rows.widen(needed.max(self.rows.mask_words() * 2));
+        if !was_wide {
+            for node in &mut self.nodes {
+                node.mask0 = self.rows.code_of_mask(node.mask0);
+            }
         }
-        self.hi = hi;
-        self.hi_words = new_words;
     }
 
+    /// Mask word `word` of `node`'s worker set.
     #[inline]
     fn mask_word(&self, node: NodeId, word: usize) -> u64 {
-        if word == 0 {
-            self.nodes[node as usize].mask0
+        let set = self.nodes[node as usize].mask0;
+        if self.rows.wide() {
+            self.rows.word(set, word)
+        } else if word == 0 {
+            set
         } else {
-            self.hi[node as usize * self.hi_words + word - 1]
+            0
         }
     }
 
-    #[inline]
-    fn mask_word_mut(&mut self, node: NodeId, word: usize) -> &mut u64 {
-        if word == 0 {
-            &mut self.nodes[node as usize].mask0
-        } else {
-            &mut self.hi[node as usize * self.hi_words + word - 1]
-        }
+    /// Whether the worker in `slot` holds `node`.
+    fn holds_slot(&self, node: NodeId, slot: usize) -> bool {
+        self.mask_word(node, slot / 64) & (1 << (slot % 64)) != 0
     }
 
     #[inline]
     fn clear_bit(&mut self, node: NodeId, slot: usize) {
-        *self.mask_word_mut(node, slot / 64) &= !(1 << (slot % 64));
+        let set = &mut self.nodes[node as usize].mask0;
+        if self.rows.wide() {
+            self.rows.remove(set, slot);
+        } else {
+            *set &= !(1 << (slot % 64));
+        }
     }
 
     fn is_unheld(&self, node: NodeId) -> bool {
-        (0..=self.hi_words).all(|w| self.mask_word(node, w) == 0)
+        self.nodes[node as usize].mask0 == 0
     }
 
     // ---- worker slots ----
@@ -1025,6 +1051,87 @@ mod tests {
                 at
             })
             .collect()
+    }
+
+    fn key(i: u64) -> WorkerKey {
+        WorkerKey::new(WorkerId(i), DpRank(0))
+    }
+
+    /// Every worker's depth for `locals`, in slot order (the scores' own order aside).
+    fn depths(index: &PrefixIndex, locals: &[LocalBlockHash], workers: u64) -> Vec<u32> {
+        let scores = index.find_matches(locals, false);
+        (0..workers).map(|i| scores.depth(key(i))).collect()
+    }
+
+    #[test]
+    fn a_fleet_past_64_slots_keeps_what_its_nodes_hold() {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        let shared = chain(7, 8);
+        let locals: Vec<LocalBlockHash> = shared.iter().map(|b| b.local).collect();
+        // 64 workers: every one holds the shared chain to a depth of its own, some deeper.
+        for i in 0..64 {
+            index.add_worker(key(i));
+            index
+                .apply_stored(key(i), None, &shared[..1 + (i as usize % 8)])
+                .unwrap();
+        }
+        let before = depths(&index, &locals, 64);
+        // The 65th worker turns the index wide: the same depths, the same order of scores.
+        let scores = index.find_matches(&locals, false);
+        index.add_worker(key(64));
+        index.check_invariants().unwrap();
+        assert_eq!(depths(&index, &locals, 64), before);
+        assert_eq!(index.find_matches(&locals, false), scores);
+        // Workers up to slot 999: sets grow past three holders into rows and back.
+        for i in 65..1000 {
+            index.add_worker(key(i));
+        }
+        for i in (0..1000).step_by(37) {
+            index.apply_stored(key(i), None, &shared).unwrap();
+        }
+        index.check_invariants().unwrap();
+        for i in (0..64).step_by(2) {
+            index.clear_worker(key(i)).unwrap();
+        }
+        index.check_invariants().unwrap();
+        let scores = index.find_matches(&locals, false);
+        for i in 0..1000 {
+            let expect = if i % 37 == 0 && (i >= 64 || i % 2 == 1) {
+                8
+            } else if i < 64 && i % 2 == 1 {
+                1 + (i as u32 % 8)
+            } else {
+                0
+            };
+            assert_eq!(scores.depth(key(i)), expect, "worker {i}");
+        }
+        for i in 0..1000 {
+            index.clear_worker(key(i)).unwrap();
+        }
+        index.check_invariants().unwrap();
+        assert_eq!(index.footprint().nodes, 0);
+        assert_eq!(index.rows.rows_in_use(), 0);
+    }
+
+    #[test]
+    fn a_wide_fleet_pays_no_full_worker_mask_per_node() {
+        // 1,000 workers, each holding chains of its own: one holder per node. A mask over every
+        // slot would be 128 bytes a node more than the narrow index's node.
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        for i in 0..1000 {
+            index.add_worker(key(i));
+        }
+        for i in 0..1000 {
+            index.apply_stored(key(i), None, &chain(100 + i, 64)).unwrap();
+        }
+        index.check_invariants().unwrap();
+        let footprint = index.footprint();
+        assert_eq!(footprint.entries, 64_000);
+        assert!(
+            footprint.bytes_per_entry() < 100.0,
+            "{:.1} bytes per entry",
+            footprint.bytes_per_entry()
+        );
     }
 
     #[test]
