@@ -17,6 +17,7 @@ use serde_json::Value;
 /// runtime), and the planner.
 const CORE_CRATES: &[&str] = &[
     "kvroute-core",
+    "kvroute-prefetch",
     "kvroute-engine",
     "kvroute-planner",
     "kvroute-sim",
@@ -40,7 +41,8 @@ const FORBIDDEN: &[&str] = &[
 /// proxy and the mock, which share only `kvroute-http` and meet through wire formats), then the
 /// CLI. A new crate or a new edge between workspace crates must be added here, deliberately.
 const ALLOWED_EDGES: &[(&str, &[&str])] = &[
-    ("kvroute-core", &[]),
+    ("kvroute-prefetch", &[]),
+    ("kvroute-core", &["kvroute-prefetch"]),
     ("kvroute-engine", &["kvroute-core"]),
     ("kvroute-planner", &["kvroute-core"]),
     ("kvroute-wire", &["kvroute-core"]),

@@ -168,6 +168,22 @@ impl ExtMap {
         keys.fold(0, |acc, key| acc ^ self.lines[self.home(key)].keys[0])
     }
 
+    /// Starts loading `key`'s home line without waiting for it, so that a probe for `key` a few
+    /// keys later finds it in cache (see `kvroute-prefetch`: unlike [`ExtMap::touch`], this
+    /// does not hold up the work that follows).
+    #[inline(always)]
+    pub fn prefetch(&self, key: u64) {
+        if let Some(line) = self.lines.get(self.home_or_zero(key)) {
+            kvroute_prefetch::prefetch_read(line);
+        }
+    }
+
+    /// `key`'s home line, or 0 while the table is unallocated.
+    #[inline(always)]
+    fn home_or_zero(&self, key: u64) -> usize {
+        if self.lines.is_empty() { 0 } else { self.home(key) }
+    }
+
     /// Looks `key` up, reporting the node or the slot to insert it into.
     #[inline]
     pub fn probe(&self, key: u64) -> Probe {
