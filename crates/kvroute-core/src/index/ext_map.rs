@@ -185,7 +185,7 @@ impl ExtMap {
     }
 
     /// Looks `key` up, reporting the node or the slot to insert it into.
-    #[inline]
+    #[inline(always)]
     pub fn probe(&self, key: u64) -> Probe {
         if self.lines.is_empty() {
             return Probe::Vacant(Vacancy::NONE);
@@ -238,7 +238,7 @@ impl ExtMap {
 
     /// Inserts `key` where a [`Probe::Vacant`] for it said, with no other insert or removal in
     /// between.
-    #[inline]
+    #[inline(always)]
     pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         debug_assert!(node != EMPTY);
         if vacancy.at == usize::MAX || self.len >= self.max_len() {
@@ -389,13 +389,22 @@ impl ExtMap {
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
+        // The new table only receives, so a line's first empty slot is the number of keys placed
+        // in it so far: counted here, it needs no scan of the line. (Old line `i`'s keys go to
+        // new lines `2i` and `2i + 1`, so the writes and the counts move forward in order.)
+        let mut used = vec![0u8; new_lines];
         for line in &old {
             for s in 0..LINE_SLOTS {
                 if line.nodes[s] != EMPTY {
                     let key = line.keys[s];
                     let home = self.home(key);
-                    let at = self.first_vacant(home);
-                    self.place(at, home, key, line.nodes[s]);
+                    let mut at = home;
+                    while usize::from(used[at]) == LINE_SLOTS {
+                        at = self.next(at);
+                    }
+                    let slot = usize::from(used[at]);
+                    used[at] += 1;
+                    self.place(at * SLOT_STRIDE + slot, home, key, line.nodes[s]);
                 }
             }
         }
