@@ -80,9 +80,11 @@ type NodeId = u32;
 const NONE: NodeId = u32::MAX;
 const ROOT: NodeId = 0;
 
-/// How many blocks ahead of itself a store's map updates prefetch the blocks' home lines: with
-/// ~200 instructions of work a block, eight blocks cover a miss to memory.
-const PREFETCH_AHEAD: usize = 8;
+/// How many blocks ahead of itself a store's map updates prefetch the blocks' home lines, and
+/// how many a removal's do (a removal's work per block is smaller, so it reaches further to cover
+/// a miss to memory). Both measured (BENCHMARKS.md, "Issue 18, goal 1 in session 14").
+const PREFETCH_AHEAD: usize = 16;
+const REMOVE_AHEAD: usize = 32;
 
 /// One block a worker now holds: its content hash and the engine's id for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -533,13 +535,23 @@ impl PrefixIndex {
         externals: &[ExternalBlockHash],
     ) -> Result<usize, IndexError> {
         let slot = self.slot_index(worker)?;
-        // Three passes, so the independent map probes of the first can overlap their cache
-        // misses instead of waiting behind each block's tree update.
+        // Three passes, so the map updates of the first (each prefetching a line `REMOVE_AHEAD`
+        // blocks ahead) overlap their cache misses instead of waiting behind each block's tree
+        // update.
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
         let blocks = &mut self.slot_mut(slot).blocks;
-        std::hint::black_box(blocks.touch(externals.iter().map(|e| e.0)));
-        dropped.extend(externals.iter().filter_map(|e| blocks.remove(e.0)));
+        for e in externals.iter().take(REMOVE_AHEAD) {
+            blocks.prefetch(e.0);
+        }
+        for (i, e) in externals.iter().enumerate() {
+            if let Some(ahead) = externals.get(i + REMOVE_AHEAD) {
+                blocks.prefetch(ahead.0);
+            }
+            if let Some(node) = blocks.remove(e.0) {
+                dropped.push(node);
+            }
+        }
         if self.rows.wide() {
             // A wide fleet's set updates branch on what a node holds, which keeps the cache
             // misses of one node after another from overlapping: read every node and its parent
