@@ -131,11 +131,13 @@ impl BlockPool {
         out.extend(hashes.iter().take(max).map_while(|&h| self.cached_block(h)));
     }
 
-    /// Looks `hashes` up in the cache map without using the answers, so that the cache misses
-    /// of a run of independent lookups overlap before the blocks are cached one by one.
+    /// Prefetches the cache map's lines for `hashes`, so that the cache misses of a run of
+    /// independent lookups overlap before the blocks are cached one by one.
     pub fn warm(&self, hashes: &[ExternalBlockHash]) {
         if hashes.len() > 1 {
-            std::hint::black_box(self.cached.touch(hashes.iter().map(|h| h.0)));
+            for h in hashes {
+                self.cached.prefetch(h.0);
+            }
         }
     }
 

@@ -155,33 +155,14 @@ impl ExtMap {
         self.lines.capacity() * size_of::<Line>()
     }
 
-    /// Reads the home line of every key, so that the probes which follow find them in cache.
-    ///
-    /// The loads are independent and feed no branch, so the processor issues them all at once
-    /// instead of one cache miss after another (a prefetch in safe code). Returns a value to
-    /// pass to [`std::hint::black_box`], which keeps the loads from being optimized away.
-    #[inline]
-    pub fn touch(&self, keys: impl Iterator<Item = u64>) -> u64 {
-        if self.lines.is_empty() {
-            return 0;
-        }
-        keys.fold(0, |acc, key| acc ^ self.lines[self.home(key)].keys[0])
-    }
-
     /// Starts loading `key`'s home line without waiting for it, so that a probe for `key` a few
-    /// keys later finds it in cache (see `kvroute-prefetch`: unlike [`ExtMap::touch`], this
-    /// does not hold up the work that follows).
+    /// keys later finds it in cache (a prefetch, which unlike a load holds up none of the work
+    /// that follows: see `kvroute-prefetch`).
     #[inline(always)]
     pub fn prefetch(&self, key: u64) {
-        if let Some(line) = self.lines.get(self.home_or_zero(key)) {
-            kvroute_prefetch::prefetch_read(line);
+        if !self.lines.is_empty() {
+            kvroute_prefetch::prefetch_read(&self.lines[self.home(key)]);
         }
-    }
-
-    /// `key`'s home line, or 0 while the table is unallocated.
-    #[inline(always)]
-    fn home_or_zero(&self, key: u64) -> usize {
-        if self.lines.is_empty() { 0 } else { self.home(key) }
     }
 
     /// Looks `key` up, reporting the node or the slot to insert it into.

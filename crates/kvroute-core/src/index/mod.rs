@@ -80,10 +80,12 @@ type NodeId = u32;
 const NONE: NodeId = u32::MAX;
 const ROOT: NodeId = 0;
 
-/// How many blocks ahead of itself a store's map updates prefetch the blocks' home lines, and
-/// how many a removal's do (a removal's work per block is smaller, so it reaches further to cover
-/// a miss to memory). Both measured (BENCHMARKS.md, "Issue 18, goal 1 in session 14").
-const PREFETCH_AHEAD: usize = 16;
+/// How many blocks ahead of itself a store's map updates prefetch the blocks' home lines
+/// (measured: BENCHMARKS.md, "Issue 18, goal 1 in session 14").
+const STORE_AHEAD: usize = 16;
+
+/// `STORE_AHEAD` for removals: a removal's work per block is smaller, so it reaches further to
+/// cover a miss to memory.
 const REMOVE_AHEAD: usize = 32;
 
 /// One block a worker now holds: its content hash and the engine's id for it.
@@ -368,10 +370,10 @@ impl PrefixIndex {
     ) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
         // Start loading the home lines of the first blocks: the map updates (`hold_path`) keep
-        // prefetching `PREFETCH_AHEAD` blocks ahead of themselves, so each block's miss overlaps
+        // prefetching `STORE_AHEAD` blocks ahead of themselves, so each block's miss overlaps
         // with the work on the blocks before it, and the tree walk runs meanwhile.
         let map = &self.slot_ref(slot).blocks;
-        for block in blocks.iter().take(PREFETCH_AHEAD) {
+        for block in blocks.iter().take(STORE_AHEAD) {
             map.prefetch(block.external.0);
         }
         let parent_node = match parent {
@@ -470,7 +472,7 @@ impl PrefixIndex {
         // load and a store the compiler may not keep in a register across the map's writes.
         let mut stored = 0u64;
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
-            if let Some(ahead) = blocks.get(applied + PREFETCH_AHEAD) {
+            if let Some(ahead) = blocks.get(applied + STORE_AHEAD) {
                 map.prefetch(ahead.external.0);
             }
             let set = &mut nodes[node as usize].mask0;
