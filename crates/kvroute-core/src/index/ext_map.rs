@@ -250,7 +250,7 @@ impl ExtMap {
     }
 
     /// Removes `key`, returning its node.
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, key: u64) -> Option<NodeId> {
         if self.lines.is_empty() {
             return None;

@@ -939,6 +939,7 @@ impl PrefixIndex {
     }
 
     /// Frees `node` if no worker holds it and it has no children, then its ancestors likewise.
+    #[inline(always)]
     fn collect(&mut self, mut node: NodeId) {
         while node != ROOT {
             let n = &self.nodes[node as usize];
