@@ -16,12 +16,12 @@
 use super::NodeId;
 use crate::key_hasher::mix;
 
-/// The value marking an empty slot. Node ids never take it (it is the index's `NONE`).
-const EMPTY: NodeId = NodeId::MAX;
-
 /// Slots per cache line: five 8-byte keys and five 4-byte node ids, with 4 bytes left for the
-/// overflow counter.
+/// overflow counter and the bits of the slots in use.
 const LINE_SLOTS: usize = 5;
+
+/// A line's `used` bits when every slot is in use.
+const ALL_USED: u16 = (1 << LINE_SLOTS) - 1;
 
 /// A slot's position as `line * SLOT_STRIDE + slot` (a shift, not a multiply by five).
 const SLOT_STRIDE: usize = 8;
@@ -35,14 +35,21 @@ const MAX_LOAD: (usize, usize) = (5, 8);
 struct Line {
     keys: [u64; LINE_SLOTS],
     nodes: [NodeId; LINE_SLOTS],
-    /// Keys stored in a later line whose probe passed over this one.
-    overflow: u32,
+    /// Keys stored in a later line whose probe passed over this one. It sticks at `u16::MAX`
+    /// (lookups then always go on past this line: slower, never wrong) until the table is
+    /// rebuilt.
+    overflow: u16,
+    /// Bit `s`: slot `s` holds a key. A free slot's key and node are stale.
+    used: u16,
 }
 
+/// A line with no key. The node ids of its free slots are never read; they are not zero
+/// because a table of all-zero lines compiles to a `memset` call per line when it is filled.
 const VACANT_LINE: Line = Line {
     keys: [0; LINE_SLOTS],
-    nodes: [EMPTY; LINE_SLOTS],
+    nodes: [NodeId::MAX; LINE_SLOTS],
     overflow: 0,
+    used: 0,
 };
 
 impl Line {
@@ -55,32 +62,39 @@ impl Line {
     #[inline]
     fn scan(&self, key: u64) -> (u32, u32) {
         let mut same = 0u32;
-        let mut empty = 0u32;
         for s in 0..LINE_SLOTS {
             same |= u32::from(self.keys[s] == key) << s;
-            empty |= u32::from(self.nodes[s] == EMPTY) << s;
         }
-        (same & !empty, empty)
+        let used = u32::from(self.used);
+        (same & used, !used & u32::from(ALL_USED))
     }
 
-    /// The slot holding `key`, if any (a removal's question: one compare per slot, not two).
+    /// The slot holding `key`, if any (a removal's question).
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        let mut hits = 0u32;
-        for s in 0..LINE_SLOTS {
-            hits |= u32::from((self.keys[s] == key) & (self.nodes[s] != EMPTY)) << s;
-        }
+        let (hits, _) = self.scan(key);
         (hits != 0).then(|| hits.trailing_zeros() as usize)
     }
 
-    /// The first empty slot, if any (compared without a branch per slot, like [`Line::scan`]).
+    /// The first empty slot, if any.
     #[inline]
     fn vacant(&self) -> Option<usize> {
-        let mut empty = 0u32;
-        for s in 0..LINE_SLOTS {
-            empty |= u32::from(self.nodes[s] == EMPTY) << s;
-        }
+        let empty = !self.used & ALL_USED;
         (empty != 0).then(|| empty.trailing_zeros() as usize)
+    }
+
+    /// One more key passed over this line.
+    #[inline]
+    fn pass(&mut self) {
+        self.overflow = self.overflow.saturating_add(1);
+    }
+
+    /// A key that had passed over this line is gone (a stuck counter stays stuck).
+    #[inline]
+    fn unpass(&mut self) {
+        if self.overflow != u16::MAX {
+            self.overflow -= 1;
+        }
     }
 }
 
@@ -221,7 +235,6 @@ impl ExtMap {
     /// between.
     #[inline(always)]
     pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
-        debug_assert!(node != EMPTY);
         if vacancy.at == usize::MAX || self.len >= self.max_len() {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow();
@@ -242,9 +255,10 @@ impl ExtMap {
         let l = &mut self.lines[line];
         l.keys[s] = key;
         l.nodes[s] = node;
+        l.used |= 1 << s;
         let mut passed = home;
         while passed != line {
-            self.lines[passed].overflow += 1;
+            self.lines[passed].pass();
             passed = self.next(passed);
         }
     }
@@ -261,11 +275,10 @@ impl ExtMap {
             let l = &mut self.lines[line];
             if let Some(s) = l.find(key) {
                 let removed = l.nodes[s];
-                l.nodes[s] = EMPTY;
+                l.used &= !(1 << s);
                 let mut passed = home;
                 while passed != line {
-                    let o = &mut self.lines[passed].overflow;
-                    *o = o.saturating_sub(1);
+                    self.lines[passed].unpass();
                     passed = self.next(passed);
                 }
                 self.len -= 1;
@@ -282,28 +295,28 @@ impl ExtMap {
     /// Removes every entry, keeping the allocation, and yields the nodes that were mapped.
     pub fn drain_nodes(&mut self) -> impl Iterator<Item = NodeId> + '_ {
         self.len = 0;
-        self.lines
-            .iter_mut()
-            .flat_map(|line| {
-                line.overflow = 0;
-                line.nodes.iter_mut()
-            })
-            .filter(|n| **n != EMPTY)
-            .map(|n| std::mem::replace(n, EMPTY))
+        self.lines.iter_mut().flat_map(|line| {
+            let used = std::mem::take(&mut line.used);
+            line.overflow = 0;
+            let nodes = line.nodes;
+            (0..LINE_SLOTS)
+                .filter(move |&s| used & (1 << s) != 0)
+                .map(move |s| nodes[s])
+        })
     }
 
     /// Every key and its node, in slot order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
-        self.lines
-            .iter()
-            .flat_map(|line| line.keys.iter().copied().zip(line.nodes.iter().copied()))
-            .filter(|&(_, n)| n != EMPTY)
+        self.lines.iter().flat_map(|line| {
+            (0..LINE_SLOTS)
+                .filter(|&s| line.used & (1 << s) != 0)
+                .map(|s| (line.keys[s], line.nodes[s]))
+        })
     }
 
     /// Maps `key`, which is present, to `node` instead; returns false (and changes nothing)
     /// if `key` is absent.
     pub fn replace(&mut self, key: u64, node: NodeId) -> bool {
-        debug_assert!(node != EMPTY);
         if self.lines.is_empty() {
             return false;
         }
@@ -346,7 +359,7 @@ impl ExtMap {
         let mut expected = vec![0u32; self.lines.len()];
         for (line, l) in self.lines.iter().enumerate() {
             for s in 0..LINE_SLOTS {
-                if l.nodes[s] == EMPTY {
+                if l.used & (1 << s) == 0 {
                     continue;
                 }
                 let mut passed = self.home(l.keys[s]);
@@ -357,7 +370,7 @@ impl ExtMap {
             }
         }
         for (line, l) in self.lines.iter().enumerate() {
-            if l.overflow != expected[line] {
+            if u32::from(l.overflow) != expected[line] {
                 return Err(format!(
                     "line {line} counts overflow {}, expected {}",
                     l.overflow, expected[line]
@@ -376,7 +389,7 @@ impl ExtMap {
         let mut used = vec![0u8; new_lines];
         for line in &old {
             for s in 0..LINE_SLOTS {
-                if line.nodes[s] != EMPTY {
+                if line.used & (1 << s) != 0 {
                     let key = line.keys[s];
                     let home = self.home(key);
                     let mut at = home;
