@@ -40,7 +40,7 @@ pub(super) struct FreeRuns {
 
 /// Where the ids of a new chain come from.
 pub(super) enum Source {
-    /// From the free runs: take them with [`FreeRuns::take`].
+    /// From the free runs: take them with [`FreeRuns::take_up_to`].
     Free,
     /// From the arena's end (the free runs are too short and there is room to grow).
     End,
@@ -88,20 +88,20 @@ impl FreeRuns {
         }
     }
 
-    /// One free id, from the front of the most recent run (consecutive calls return consecutive
-    /// ids while that run lasts), and whether that run is now used up.
+    /// Up to `max` (at least one) consecutive free ids from the front of the most recent run:
+    /// the first and how many.
     #[inline]
-    pub(super) fn take(&mut self) -> Option<(NodeId, bool)> {
+    pub(super) fn take_up_to(&mut self, max: usize) -> Option<(NodeId, usize)> {
         let top = self.runs.last_mut()?;
-        let id = top.start;
-        top.start += 1;
-        top.len -= 1;
-        let used_up = top.len == 0;
-        if used_up {
+        let n = (top.len as usize).min(max);
+        let start = top.start;
+        top.start += n as u32;
+        top.len -= n as u32;
+        if top.len == 0 {
             self.runs.pop();
         }
-        self.count -= 1;
-        Some((id, used_up))
+        self.count -= n;
+        Some((start, n))
     }
 }
 
@@ -118,9 +118,10 @@ mod tests {
         free.free(40);
         assert_eq!(free.len(), 11);
         assert!(matches!(free.source(3, 100, 100), Source::Free));
-        assert_eq!(free.take(), Some((40, true)));
-        let taken: Vec<NodeId> = std::iter::from_fn(|| free.take().map(|(id, _)| id)).collect();
-        assert_eq!(taken, (10..20).collect::<Vec<_>>());
+        assert_eq!(free.take_up_to(3), Some((40, 1)));
+        assert_eq!(free.take_up_to(4), Some((10, 4)));
+        assert_eq!(free.take_up_to(100), Some((14, 6)));
+        assert_eq!(free.take_up_to(1), None);
         assert_eq!(free.len(), 0);
         assert!(matches!(free.source(1, 100, 100), Source::End));
     }

@@ -880,49 +880,62 @@ impl PrefixIndex {
     /// where the free runs allow (see `free_runs`), so walks along the chain read consecutive
     /// nodes.
     fn new_chain(&mut self, parent: NodeId, blocks: &[StoredBlock], path: &mut Vec<NodeId>) {
-        if blocks.is_empty() {
-            return;
-        }
-        let mut source = self
-            .free
-            .source(blocks.len(), self.nodes.len(), self.nodes.capacity());
+        path.reserve(blocks.len());
         let mut at = parent;
-        for (i, block) in blocks.iter().enumerate() {
-            let reused = match source {
-                Source::Free => self.free.take().map(|(id, used_up)| {
-                    if used_up {
-                        // Where the rest of the chain goes is decided again, on the next run.
-                        source =
-                            self.free
-                                .source(blocks.len() - i - 1, self.nodes.len(), self.nodes.capacity());
-                    }
-                    id
-                }),
+        let mut rest = blocks;
+        while !rest.is_empty() {
+            // A stretch of consecutive ids: the front of the top free run, or the arena's end.
+            // Where the rest goes is decided again once a run is used up.
+            let source = self
+                .free
+                .source(rest.len(), self.nodes.len(), self.nodes.capacity());
+            let taken = match source {
+                Source::Free => self.free.take_up_to(rest.len()),
                 Source::End => None,
             };
-            let id = match reused {
-                Some(id) => id,
-                None => {
-                    self.nodes.push(Node::FREE);
-                    (self.nodes.len() - 1) as NodeId
+            let (start, n) = taken.unwrap_or_else(|| {
+                let start = self.nodes.len();
+                let end = start + rest.len();
+                // The arena doubles as it would node by node: `FreeRuns::source` reads its
+                // capacity, so the ids (and the memory) do not depend on how chains are batched.
+                let mut capacity = self.nodes.capacity().max(4);
+                while capacity < end {
+                    capacity *= 2;
                 }
-            };
-            self.link_child(at, id, block.local.0);
-            path.push(id);
-            at = id;
+                self.nodes.reserve_exact(capacity - start);
+                self.nodes.resize(end, Node::FREE);
+                (start as NodeId, rest.len())
+            });
+            let (stretch, after) = rest.split_at(n);
+            self.lay_chain(at, start, stretch);
+            path.extend(start..start + n as NodeId);
+            at = start + n as NodeId - 1;
+            rest = after;
         }
     }
 
-    /// Makes the free node `id` the child of `parent` for `local`, held by nobody.
-    fn link_child(&mut self, parent: NodeId, id: NodeId, local: u64) {
-        self.nodes[id as usize] = Node {
-            local,
-            mask0: 0,
-            parent,
-            hint: NONE,
-            hint_tag: 0,
-            children: 0,
-        };
+    /// Writes `stretch` (not empty) into the free nodes from `start` on, as a chain under
+    /// `parent`: each node the only child of the one before it, reached by its hint.
+    fn lay_chain(&mut self, parent: NodeId, start: NodeId, stretch: &[StoredBlock]) {
+        let nodes = &mut self.nodes[start as usize..][..stretch.len()];
+        for (k, (node, block)) in nodes.iter_mut().zip(stretch).enumerate() {
+            let id = start + k as NodeId;
+            let next = stretch.get(k + 1);
+            *node = Node {
+                local: block.local.0,
+                mask0: 0,
+                parent: if k == 0 { parent } else { id - 1 },
+                hint: if next.is_some() { id + 1 } else { NONE },
+                hint_tag: next.map_or(0, |b| b.local.0 as u32),
+                children: u32::from(next.is_some()),
+            };
+        }
+        self.adopt(parent, start, stretch[0].local.0);
+    }
+
+    /// Counts the node `id`, just written as a child of `parent` for `local`, among `parent`'s
+    /// children.
+    fn adopt(&mut self, parent: NodeId, id: NodeId, local: u64) {
         let p = &mut self.nodes[parent as usize];
         p.children += 1;
         if p.hint == NONE && p.children == 1 {
