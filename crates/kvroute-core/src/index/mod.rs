@@ -537,7 +537,7 @@ impl PrefixIndex {
         externals: &[ExternalBlockHash],
     ) -> Result<usize, IndexError> {
         let slot = self.slot_index(worker)?;
-        // Three passes, so the map updates of the first (each prefetching a line `REMOVE_AHEAD`
+        // Two passes, so the map updates of the first (each prefetching a line `REMOVE_AHEAD`
         // blocks ahead) overlap their cache misses instead of waiting behind each block's tree
         // update.
         let mut dropped = std::mem::take(&mut self.scratch);
@@ -565,10 +565,11 @@ impl PrefixIndex {
             });
             std::hint::black_box(ahead);
         }
+        // A node is collected as soon as its bit is cleared: one still held by this worker (in
+        // `dropped` further on) is not freed when a descendant climbs to it, so none is freed
+        // before its turn, and a parent whose last child goes later is collected by that child.
         for &node in &dropped {
             self.clear_bit(node, slot);
-        }
-        for &node in &dropped {
             self.collect(node);
         }
         let count = dropped.len();
@@ -972,7 +973,9 @@ impl PrefixIndex {
             {
                 entry.remove();
             }
-            self.nodes[node as usize] = Node::FREE;
+            // A free node is one without a parent; its other fields are rewritten when it is
+            // taken again (`lay_chain`), and nobody holds it and it has no children already.
+            self.nodes[node as usize].parent = NONE;
             self.free.free(node);
             node = n.parent;
         }
