@@ -685,15 +685,12 @@ impl PrefixIndex {
         out: &mut OverlapScores,
     ) {
         // One loop per kind of index, so the loop reads its word without a branch on which.
-        let nodes = &self.nodes;
         if !self.rows.wide() {
-            self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
-                nodes[n as usize].mask0
-            });
+            self.walk_word(node, rest, word, active, depth, early_exit, out, |n| n.mask0);
         } else {
             let rows = &self.rows;
             self.walk_word(node, rest, word, active, depth, early_exit, out, |n| {
-                rows.word(nodes[n as usize].mask0, word)
+                rows.word(n.mask0, word)
             });
         }
     }
@@ -710,7 +707,7 @@ impl PrefixIndex {
         depth: u32,
         early_exit: bool,
         out: &mut OverlapScores,
-        mask: impl Fn(NodeId) -> u64,
+        mask: impl Fn(&Node) -> u64,
     ) {
         if active == 0 {
             return;
@@ -728,15 +725,19 @@ impl PrefixIndex {
         loop {
             // Along a chain laid out in consecutive nodes (see `free_runs`) where every active
             // worker holds on, a block is a compare of the next node's own fields: its address
-            // does not wait on the current node, and the loop keeps its few values in registers.
-            while let (Some(q), Some(n)) = (rest.get(i), nodes.get(node as usize + 1))
-                && n.parent == node
-                && n.local == q.0
-                && mask(node + 1) & active == active
-            {
-                node += 1;
-                i += 1;
-            }
+            // does not wait on the current node. The two slices are walked in step, so the loop
+            // has no bounds check and keeps its few values in registers.
+            let ahead = nodes.get(node as usize + 1..).unwrap_or_default();
+            let run = ahead
+                .iter()
+                .zip(rest.get(i..).unwrap_or_default())
+                .zip(node..)
+                .take_while(|&((n, q), before)| {
+                    n.parent == before && n.local == q.0 && mask(n) & active == active
+                })
+                .count();
+            node += run as NodeId;
+            i += run;
             let Some(local) = rest.get(i) else {
                 break;
             };
@@ -745,7 +746,7 @@ impl PrefixIndex {
             };
             node = next;
             i += 1;
-            let kept = active & mask(next);
+            let kept = active & mask(&nodes[next as usize]);
             if kept != active {
                 self.emit(word, active & !kept, depth + i as u32 - 1, out);
                 if kept == 0 {
