@@ -104,6 +104,12 @@ impl Line {
 pub struct ExtMap {
     lines: Vec<Line>,
     len: usize,
+    /// Set with the table's size (`grow`): `64 - log2(lines)`, the shift that takes a hash's
+    /// high bits to a home line.
+    shift: u32,
+    /// Set with the table's size: the most entries it takes before it grows, so that no more
+    /// than MAX_LOAD of its slots are full (zero while unallocated).
+    max_len: usize,
 }
 
 /// Where a key is, or where it would go.
@@ -143,15 +149,7 @@ impl ExtMap {
     #[inline]
     fn home(&self, key: u64) -> usize {
         // High bits of the multiplicative hash are the best mixed; shift them down.
-        let bits = self.lines.len().trailing_zeros();
-        (mix(key, 0) >> (64 - bits)) as usize
-    }
-
-    /// The most entries the table takes before it grows: more would fill more than MAX_LOAD of
-    /// its slots (zero while unallocated). A multiply by a constant and a shift.
-    #[inline]
-    fn max_len(&self) -> usize {
-        self.lines.len() * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1
+        (mix(key, 0) >> self.shift) as usize
     }
 
     /// Entries held.
@@ -235,7 +233,7 @@ impl ExtMap {
     /// between.
     #[inline(always)]
     pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
-        if vacancy.at == usize::MAX || self.len >= self.max_len() {
+        if vacancy.at == usize::MAX || self.len >= self.max_len {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow();
             let home = self.home(key);
@@ -383,6 +381,8 @@ impl ExtMap {
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
+        self.shift = 64 - new_lines.trailing_zeros();
+        self.max_len = new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1;
         // The new table only receives, so a line's first empty slot is the number of keys placed
         // in it so far: counted here, it needs no scan of the line. (Old line `i`'s keys go to
         // new lines `2i` and `2i + 1`, so the writes and the counts move forward in order.)
