@@ -383,23 +383,22 @@ impl ExtMap {
         let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
         self.shift = 64 - new_lines.trailing_zeros();
         self.max_len = new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1;
-        // The new table only receives, so a line's first empty slot is the number of keys placed
-        // in it so far: counted here, it needs no scan of the line. (Old line `i`'s keys go to
-        // new lines `2i` and `2i + 1`, so the writes and the counts move forward in order.)
-        let mut used = vec![0u8; new_lines];
+        // The new table only receives, and fills each line's slots in order, so a line's first
+        // empty slot is the number of its slots in use: no scan of the line. (Old line `i`'s keys
+        // go to new lines `2i` and `2i + 1`, so the writes move forward in order.)
         for line in &old {
-            for s in 0..LINE_SLOTS {
-                if line.used & (1 << s) != 0 {
-                    let key = line.keys[s];
-                    let home = self.home(key);
-                    let mut at = home;
-                    while usize::from(used[at]) == LINE_SLOTS {
-                        at = self.next(at);
-                    }
-                    let slot = usize::from(used[at]);
-                    used[at] += 1;
-                    self.place(at * SLOT_STRIDE + slot, home, key, line.nodes[s]);
+            let mut keys = line.used;
+            while keys != 0 {
+                let s = keys.trailing_zeros() as usize;
+                keys &= keys - 1;
+                let key = line.keys[s];
+                let home = self.home(key);
+                let mut at = home;
+                while self.lines[at].used == ALL_USED {
+                    at = self.next(at);
                 }
+                let slot = self.lines[at].used.trailing_ones() as usize;
+                self.place(at * SLOT_STRIDE + slot, home, key, line.nodes[s]);
             }
         }
     }
