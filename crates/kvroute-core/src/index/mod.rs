@@ -542,7 +542,10 @@ impl PrefixIndex {
         // update.
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
-        let blocks = &mut self.slot_mut(slot).blocks;
+        let Self { nodes, slots, .. } = self;
+        let Some(WorkerSlot { blocks, .. }) = &mut slots[slot] else {
+            unreachable!("slot {slot} is registered in slot_of")
+        };
         for e in externals.iter().take(REMOVE_AHEAD) {
             blocks.prefetch(e.0);
         }
@@ -551,6 +554,10 @@ impl PrefixIndex {
                 blocks.prefetch(ahead.0);
             }
             if let Some(node) = blocks.remove(e.0) {
+                // The second pass reads the node: start loading it now.
+                if let Some(n) = nodes.get(node as usize) {
+                    kvroute_prefetch::prefetch_read(n);
+                }
                 dropped.push(node);
             }
         }
