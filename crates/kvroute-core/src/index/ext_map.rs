@@ -102,14 +102,16 @@ impl Line {
 /// line, with per-line overflow counters instead of tombstones or backward shifts.
 #[derive(Clone, Debug, Default)]
 pub struct ExtMap {
-    lines: Vec<Line>,
-    len: usize,
+    lines: Box<[Line]>,
+    /// Entries held: fewer than 2^32, as node ids are `u32` and no two entries share a node.
+    len: u32,
     /// Set with the table's size (`grow`): `64 - log2(lines)`, the shift that takes a hash's
     /// high bits to a home line.
     shift: u32,
     /// Set with the table's size: the most entries it takes before it grows, so that no more
-    /// than MAX_LOAD of its slots are full (zero while unallocated).
-    max_len: usize,
+    /// than MAX_LOAD of its slots are full (zero while unallocated). With the two above, one
+    /// word more than a length: the map is no bigger than a `Vec` and a `usize` length.
+    max_len: u32,
 }
 
 /// Where a key is, or where it would go.
@@ -154,7 +156,7 @@ impl ExtMap {
 
     /// Entries held.
     pub fn len(&self) -> usize {
-        self.len
+        self.len as usize
     }
 
     /// Whether no entry is held.
@@ -164,7 +166,7 @@ impl ExtMap {
 
     /// Heap bytes, by capacity.
     pub fn allocation_size(&self) -> usize {
-        self.lines.capacity() * size_of::<Line>()
+        self.lines.len() * size_of::<Line>()
     }
 
     /// Starts loading `key`'s home line without waiting for it, so that a probe for `key` a few
@@ -380,9 +382,10 @@ impl ExtMap {
 
     fn grow(&mut self) {
         let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
-        let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines]);
+        let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines].into());
         self.shift = 64 - new_lines.trailing_zeros();
-        self.max_len = new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1;
+        // The table holds at most as many entries as node ids (see `len`).
+        self.max_len = u32::try_from(new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1).unwrap_or(u32::MAX);
         // The new table only receives, and fills each line's slots in order, so a line's first
         // empty slot is the number of its slots in use: no scan of the line. (Old line `i`'s keys
         // go to new lines `2i` and `2i + 1`, so the writes move forward in order.)
