@@ -3,8 +3,9 @@
 //! This is the index's hottest table: every stored and every removed block probes it once, and
 //! with thousands of blocks per worker and dozens of workers it does not fit in cache, so its cost
 //! is counted in cache lines. A general Swiss table reads a control group and then a bucket: two
-//! lines per probe. Here a cache line holds five keys, their five node ids and one counter, and a
-//! key lives in its home line unless that line was full when it was inserted.
+//! lines per probe. Here a cache line holds five keys, their five node ids, one counter and the
+//! bits of the slots in use, and a key lives in its home line unless that line was full when it
+//! was inserted.
 //!
 //! The counter (as in folly's F14) is the line's *overflow*: how many keys stored in later lines
 //! passed over this one while looking for room. A lookup that misses in a line whose overflow is
