@@ -404,7 +404,13 @@ impl PrefixIndex {
             known += 1;
         }
         self.new_chain(at, &blocks[known..], &mut path);
-        let result = self.hold_path(worker, slot, blocks, &path);
+        // One copy of the loop per kind of index, so no block branches on which.
+        let result = match (self.rows.wide(), self.cap.is_some()) {
+            (false, false) => self.hold_path::<false, false>(worker, slot, blocks, &path),
+            (false, true) => self.hold_path::<false, true>(worker, slot, blocks, &path),
+            (true, false) => self.hold_path::<true, false>(worker, slot, blocks, &path),
+            (true, true) => self.hold_path::<true, true>(worker, slot, blocks, &path),
+        };
         if result.is_err()
             && let Some(&deepest) = path.last()
         {
@@ -443,8 +449,9 @@ impl PrefixIndex {
         }
     }
 
-    /// Marks `worker` (in `slot`) as holding `blocks`, whose tree nodes are `path`.
-    fn hold_path(
+    /// Marks `worker` (in `slot`) as holding `blocks`, whose tree nodes are `path`. `WIDE` and
+    /// `CAPPED` must be the index's `rows.wide()` and `cap.is_some()`.
+    fn hold_path<const WIDE: bool, const CAPPED: bool>(
         &mut self,
         worker: WorkerKey,
         slot: usize,
@@ -456,12 +463,10 @@ impl PrefixIndex {
             rows,
             slots,
             stats,
-            cap,
             ..
         } = self;
-        let wide = rows.wide();
+        let (wide, capped) = (WIDE, CAPPED);
         let bit = 1u64 << (slot % 64);
-        let capped = cap.is_some();
         let Some(WorkerSlot {
             blocks: map, order, ..
         }) = &mut slots[slot]
