@@ -576,13 +576,9 @@ impl PrefixIndex {
                 acc ^ nodes.get(parent as usize).map_or(0, |p| p.mask0)
             });
             std::hint::black_box(ahead);
-        }
-        // A node is collected as soon as its bit is cleared: one still held by this worker (in
-        // `dropped` further on) is not freed when a descendant climbs to it, so none is freed
-        // before its turn, and a parent whose last child goes later is collected by that child.
-        for &node in &dropped {
-            self.clear_bit(node, slot);
-            self.collect(node);
+            self.release::<true>(&dropped, slot);
+        } else {
+            self.release::<false>(&dropped, slot);
         }
         let count = dropped.len();
         self.scratch = dropped;
@@ -1032,11 +1028,34 @@ impl PrefixIndex {
 
     #[inline]
     fn clear_bit(&mut self, node: NodeId, slot: usize) {
-        let set = &mut self.nodes[node as usize].mask0;
         if self.rows.wide() {
+            self.clear_bit_as::<true>(node, slot);
+        } else {
+            self.clear_bit_as::<false>(node, slot);
+        }
+    }
+
+    /// [`PrefixIndex::clear_bit`] where `WIDE` is `rows.wide()`, for loops compiled once per kind
+    /// of index.
+    #[inline(always)]
+    fn clear_bit_as<const WIDE: bool>(&mut self, node: NodeId, slot: usize) {
+        let set = &mut self.nodes[node as usize].mask0;
+        if WIDE {
             self.rows.remove(set, slot);
         } else {
             *set &= !(1 << (slot % 64));
+        }
+    }
+
+    /// Clears `slot`'s bit on each of `dropped` and collects it (`WIDE` is `rows.wide()`).
+    ///
+    /// A node is collected as soon as its bit is cleared: one still held by this worker (in
+    /// `dropped` further on) is not freed when a descendant climbs to it, so none is freed before
+    /// its turn, and a parent whose last child goes later is collected by that child.
+    fn release<const WIDE: bool>(&mut self, dropped: &[NodeId], slot: usize) {
+        for &node in dropped {
+            self.clear_bit_as::<WIDE>(node, slot);
+            self.collect(node);
         }
     }
 
