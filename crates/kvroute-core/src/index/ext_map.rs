@@ -53,6 +53,12 @@ const VACANT_LINE: Line = Line {
     used: 0,
 };
 
+/// The slots whose bits are set in `used`, in order.
+#[inline]
+fn in_use(used: u16) -> impl Iterator<Item = usize> {
+    (0..LINE_SLOTS).filter(move |&s| used & (1 << s) != 0)
+}
+
 impl Line {
     /// In one pass over the line: the slots holding `key` (bit `s` for slot `s`) and the empty
     /// slots.
@@ -300,19 +306,15 @@ impl ExtMap {
             let used = std::mem::take(&mut line.used);
             line.overflow = 0;
             let nodes = line.nodes;
-            (0..LINE_SLOTS)
-                .filter(move |&s| used & (1 << s) != 0)
-                .map(move |s| nodes[s])
+            in_use(used).map(move |s| nodes[s])
         })
     }
 
     /// Every key and its node, in slot order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, NodeId)> + '_ {
-        self.lines.iter().flat_map(|line| {
-            (0..LINE_SLOTS)
-                .filter(|&s| line.used & (1 << s) != 0)
-                .map(|s| (line.keys[s], line.nodes[s]))
-        })
+        self.lines
+            .iter()
+            .flat_map(|line| in_use(line.used).map(|s| (line.keys[s], line.nodes[s])))
     }
 
     /// Maps `key`, which is present, to `node` instead; returns false (and changes nothing)
@@ -359,10 +361,7 @@ impl ExtMap {
     fn check_overflow(&self) -> Result<(), String> {
         let mut expected = vec![0u32; self.lines.len()];
         for (line, l) in self.lines.iter().enumerate() {
-            for s in 0..LINE_SLOTS {
-                if l.used & (1 << s) == 0 {
-                    continue;
-                }
+            for s in in_use(l.used) {
                 let mut passed = self.home(l.keys[s]);
                 while passed != line {
                     expected[passed] += 1;
@@ -387,22 +386,14 @@ impl ExtMap {
         self.shift = 64 - new_lines.trailing_zeros();
         // The table holds at most as many entries as node ids (see `len`).
         self.max_len = u32::try_from(new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1).unwrap_or(u32::MAX);
-        // The new table only receives, and fills each line's slots in order, so a line's first
-        // empty slot is the number of its slots in use: no scan of the line. (Old line `i`'s keys
-        // go to new lines `2i` and `2i + 1`, so the writes move forward in order.)
+        // Old line `i`'s keys go to new lines `2i` and `2i + 1`, so the writes move forward in
+        // order; a line's free slot is read from its in-use bits, with no scan.
         for line in &old {
-            let mut keys = line.used;
-            while keys != 0 {
-                let s = keys.trailing_zeros() as usize;
-                keys &= keys - 1;
+            for s in in_use(line.used) {
                 let key = line.keys[s];
                 let home = self.home(key);
-                let mut at = home;
-                while self.lines[at].used == ALL_USED {
-                    at = self.next(at);
-                }
-                let slot = self.lines[at].used.trailing_ones() as usize;
-                self.place(at * SLOT_STRIDE + slot, home, key, line.nodes[s]);
+                let at = self.first_vacant(home);
+                self.place(at, home, key, line.nodes[s]);
             }
         }
     }
