@@ -904,16 +904,13 @@ impl PrefixIndex {
                 Source::End => None,
             };
             let (start, n) = taken.unwrap_or_else(|| {
+                // Node by node, so the arena grows by `Vec`'s own doubling: `FreeRuns::source`
+                // reads its capacity (a bulk `resize` may reserve exactly, and ids and memory
+                // would then depend on how chains are batched).
                 let start = self.nodes.len();
-                let end = start + rest.len();
-                // The arena doubles as it would node by node: `FreeRuns::source` reads its
-                // capacity, so the ids (and the memory) do not depend on how chains are batched.
-                let mut capacity = self.nodes.capacity().max(4);
-                while capacity < end {
-                    capacity *= 2;
+                for _ in 0..rest.len() {
+                    self.nodes.push(Node::FREE);
                 }
-                self.nodes.reserve_exact(capacity - start);
-                self.nodes.resize(end, Node::FREE);
                 (start as NodeId, rest.len())
             });
             let (stretch, after) = rest.split_at(n);
