@@ -21,6 +21,7 @@ use std::path::Path;
 use minijinja::{Environment, ErrorKind, Value};
 use serde_json::Value as Json;
 use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
+use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
 
 use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, TextCuts, whole_answer};
 
@@ -271,6 +272,35 @@ impl Model {
         let mut tokens = Vec::with_capacity(text.len() / 3 + 1);
         self.tokenizer
             .encode_into(text, options, &mut tokens)
+            .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))?;
+        Ok(tokens.into_iter().map(PipelineToken::id).collect())
+    }
+
+    /// The token ids of `text` cut to its last `max_length` tokens by the tokenizer's own
+    /// truncation, as Hugging Face's `encode(text, truncation=True, max_length=…)` does with a
+    /// left truncation side: the text's tokens are cut first and the post-processor's added
+    /// after (a BOS stays first), its room taken from `max_length`.
+    pub fn encode_truncated(
+        &self,
+        text: &str,
+        special: SpecialTokens,
+        max_length: usize,
+    ) -> Result<Vec<u32>, PromptError> {
+        let options = EncodeOptions {
+            truncation: Override::With(TruncationParams {
+                direction: TruncationDirection::Left,
+                max_length,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+            }),
+            ..match special {
+                SpecialTokens::Add => self.add.clone(),
+                SpecialTokens::Omit => self.omit.clone(),
+            }
+        };
+        let mut tokens = Vec::with_capacity(max_length.min(text.len()) + 2);
+        self.tokenizer
+            .encode_into(text, &options, &mut tokens)
             .map_err(|e| PromptError(format!("tokenizing the prompt: {e}")))?;
         Ok(tokens.into_iter().map(PipelineToken::id).collect())
     }

@@ -62,6 +62,8 @@ fn field() -> impl Strategy<Value = String> {
         Just("logprobs"),
         Just("echo"),
         Just("add_special_tokens"),
+        Just("truncate_prompt_tokens"),
+        Just("truncation_side"),
         Just("data_parallel_rank"),
     ]
     .prop_map(str::to_owned)

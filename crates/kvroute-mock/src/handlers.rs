@@ -124,6 +124,7 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
     vllm::check_body(&value, &w.model_name)?;
+    vllm::check_truncation(&value, w.max_model_len)?;
     let parsed = w.parse(endpoint, &incoming.body, Some(w.max_model_len as usize))?;
     let form = match parsed.prompt {
         openai::Prompt::TokenIds(_) => vllm::PromptForm::TokenIds,
@@ -241,8 +242,16 @@ impl Server {
         max_model_len: Option<usize>,
     ) -> Result<openai::Parsed, ApiError> {
         const UNCOUNTED: usize = usize::MAX >> 8;
-        openai::parse_with(endpoint, body, UNCOUNTED, |prompt, special| {
-            vllm_tokens(&self.model, prompt, special, max_model_len.unwrap_or(UNCOUNTED))
+        openai::parse_with(endpoint, body, UNCOUNTED, |prompt, special, truncation| {
+            // vLLM's /tokenize ignores `truncate_prompt_tokens` (seen on vLLM 0.32).
+            let truncation = max_model_len.and(truncation);
+            vllm_tokens(
+                &self.model,
+                prompt,
+                special,
+                truncation,
+                max_model_len.unwrap_or(UNCOUNTED),
+            )
         })
     }
 

