@@ -23,21 +23,17 @@ pub(crate) fn vllm_tokens(
     truncation: Option<Truncation>,
     max_model_len: usize,
 ) -> Result<Vec<u32>, ApiError> {
-    if let Some(truncation) = truncation {
-        return vllm_truncated(model, prompt, add_special_tokens, truncation, max_model_len);
-    }
-    match prompt {
-        Prompt::TokenIds(ids) => Ok(ids.clone()),
-        Prompt::Text(text) => {
-            let add = add_special_tokens.unwrap_or(true);
-            encode(
-                model,
-                text,
-                SpecialTokens::from_flag(add),
-                max_model_len,
-                "prompt",
-            )
+    let text = |text: &str, special: bool, param: &'static str| {
+        let special = SpecialTokens::from_flag(special);
+        match truncation {
+            None => encode(model, text, special, max_model_len, param),
+            Some(truncation) => encode_truncating(model, text, special, truncation, max_model_len)
+                .map_err(|e| ApiError::bad_request(param, e.to_string())),
         }
+    };
+    let tokens = match prompt {
+        Prompt::TokenIds(ids) => ids.clone(),
+        Prompt::Text(prompt) => text(prompt, add_special_tokens.unwrap_or(true), "prompt")?,
         Prompt::Chat {
             messages,
             add_generation_prompt,
@@ -45,22 +41,19 @@ pub(crate) fn vllm_tokens(
             let rendered = model
                 .render_chat(messages, *add_generation_prompt)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
-            let add = add_special_tokens.unwrap_or(false);
-            encode(
-                model,
-                &rendered,
-                SpecialTokens::from_flag(add),
-                max_model_len,
-                "messages",
-            )
+            text(&rendered, add_special_tokens.unwrap_or(false), "messages")?
         }
-    }
+    };
+    Ok(match truncation {
+        None => tokens,
+        Some(truncation) => token_truncation(tokens, truncation, max_model_len),
+    })
 }
 
-/// A prompt under vLLM 0.32's `truncate_prompt_tokens` (and `truncation_side`), following
-/// `TokenizeParams` (`vllm/renderers/params.py`) step by step, with the context
-/// `max_model_len` as `max_input_tokens` (the request's bound, `truncate_prompt_tokens` at most
-/// the context, is [`crate::vllm::check_truncation`]):
+/// vLLM 0.32's `truncate_prompt_tokens` (and `truncation_side`) as `TokenizeParams`
+/// (`vllm/renderers/params.py`) applies it, step by step, with the context `max_model_len` as
+/// `max_input_tokens` (the request's bound, `truncate_prompt_tokens` at most the context, is
+/// [`crate::vllm::check_truncation`]):
 /// 1. `-1` is `max_truncation_tokens`: the context, less one when the request's output budget
 ///    is not zero.
 /// 2. `_text_len_check`: with a `truncation_side`, text of more characters than the context's
@@ -69,16 +62,10 @@ pub(crate) fn vllm_tokens(
 ///    (Hugging Face's truncation, from the left side vLLM loads a generation model's tokenizer
 ///    with, room kept for a BOS); a count of 0 is no truncation to Hugging Face. With a side,
 ///    the text is tokenized whole.
-/// 4. `_token_truncation`: what is longer than the count is sliced, from the side given or the
-///    tokenizer's (left); a count of 0 leaves nothing.
-fn vllm_truncated(
-    model: &Model,
-    prompt: &Prompt,
-    add_special_tokens: Option<bool>,
-    truncation: Truncation,
-    max_model_len: usize,
-) -> Result<Vec<u32>, ApiError> {
-    let max_length = match truncation.keep {
+/// 4. `_token_truncation` ([`token_truncation`]): what is longer than the count is sliced, from
+///    the side given or the tokenizer's (left); a count of 0 leaves nothing.
+fn max_length(truncation: Truncation, max_model_len: usize) -> usize {
+    match truncation.keep {
         Keep::Tokens(n) => n,
         Keep::Context {
             reserves_output: true,
@@ -86,47 +73,37 @@ fn vllm_truncated(
         Keep::Context {
             reserves_output: false,
         } => max_model_len,
-    };
-    let tokenize = |text: &str, special: SpecialTokens, param: &'static str| {
-        let text = match (truncation.side, check_text_len(model, text, max_model_len)) {
-            (Some(Side::Left), Err(e)) => {
-                let from = text.chars().count() - e.max_chars;
-                text.char_indices().nth(from).map_or("", |(at, _)| &text[at..])
-            }
-            (Some(Side::Right), Err(e)) => text
-                .char_indices()
-                .nth(e.max_chars)
-                .map_or(text, |(at, _)| &text[..at]),
-            _ => text,
-        };
-        let encoded = if truncation.side.is_none() && max_length > 0 {
-            model.encode_truncated(text, special, max_length)
-        } else {
-            model.encode(text, special)
-        };
-        encoded.map_err(|e| ApiError::bad_request(param, e.to_string()))
-    };
-    let mut tokens = match prompt {
-        Prompt::TokenIds(ids) => ids.clone(),
-        Prompt::Text(text) => tokenize(
-            text,
-            SpecialTokens::from_flag(add_special_tokens.unwrap_or(true)),
-            "prompt",
-        )?,
-        Prompt::Chat {
-            messages,
-            add_generation_prompt,
-        } => {
-            let rendered = model
-                .render_chat(messages, *add_generation_prompt)
-                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
-            tokenize(
-                &rendered,
-                SpecialTokens::from_flag(add_special_tokens.unwrap_or(false)),
-                "messages",
-            )?
+    }
+}
+
+/// Steps 2 and 3 of [`max_length`]'s list: a text prompt under truncation.
+fn encode_truncating(
+    model: &Model,
+    text: &str,
+    special: SpecialTokens,
+    truncation: Truncation,
+    max_model_len: usize,
+) -> Result<Vec<u32>, kvroute_http::model::PromptError> {
+    let text = match (truncation.side, check_text_len(model, text, max_model_len)) {
+        (Some(Side::Left), Err(e)) => {
+            let from = text.chars().count() - e.max_chars;
+            text.char_indices().nth(from).map_or("", |(at, _)| &text[at..])
         }
+        (Some(Side::Right), Err(e)) => text
+            .char_indices()
+            .nth(e.max_chars)
+            .map_or(text, |(at, _)| &text[..at]),
+        _ => text,
     };
+    match max_length(truncation, max_model_len) {
+        n if truncation.side.is_none() && n > 0 => model.encode_truncated(text, special, n),
+        _ => model.encode(text, special),
+    }
+}
+
+/// Step 4 of [`max_length`]'s list: `_token_truncation`.
+fn token_truncation(mut tokens: Vec<u32>, truncation: Truncation, max_model_len: usize) -> Vec<u32> {
+    let max_length = max_length(truncation, max_model_len);
     if max_length < tokens.len() {
         match truncation.side.unwrap_or(Side::Left) {
             Side::Left => {
@@ -135,7 +112,7 @@ fn vllm_truncated(
             Side::Right => tokens.truncate(max_length),
         }
     }
-    Ok(tokens)
+    tokens
 }
 
 /// vLLM's tokenization of a text prompt (a completion's, or a rendered chat): first its check

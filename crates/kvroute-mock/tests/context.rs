@@ -36,14 +36,58 @@ async fn post(http: &HttpClient, worker: &MockWorker, path: &str, body: Value) -
     (status, serde_json::from_slice(&bytes).unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_context_edge_is_answered_as_vllm_answers_it() {
+/// What a request should get: the prompt's tokens (when checked) and the tokens generated, or
+/// the refusal's parameter and message.
+type Answer = Result<(Option<usize>, u64), (Option<&'static str>, String)>;
+
+/// Posts each case's body to its path on `worker` and checks the answer.
+async fn check_answers(http: &HttpClient, worker: &MockWorker, cases: Vec<(&str, Value, Answer)>) {
+    for (path, body, want) in cases {
+        let case = format!(
+            "{path} {}",
+            serde_json::to_string(&body)
+                .unwrap()
+                .chars()
+                .take(120)
+                .collect::<String>()
+        );
+        let (status, answer) = post(http, worker, path, body).await;
+        match want {
+            Ok((prompt, generated)) => {
+                assert_eq!(status, 200, "{case}: {answer}");
+                if let Some(prompt) = prompt {
+                    assert_eq!(answer["usage"]["prompt_tokens"], prompt, "{case}: {answer}");
+                }
+                assert_eq!(
+                    answer["usage"]["completion_tokens"], generated,
+                    "{case}: {answer}"
+                );
+            }
+            Err((param, message)) => {
+                assert_eq!(status, 400, "{case}: {answer}");
+                assert_eq!(
+                    answer,
+                    json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
+                    "{case}"
+                );
+            }
+        }
+    }
+}
+
+/// One mock worker on the tiny model with a context of `N` tokens.
+async fn mock_of_context_n() -> Vec<MockWorker> {
     let mut mc = MockConfig::new(1);
     mc.engine.max_model_len = N as u32;
     mc.engine.speedup = 100.0;
-    let workers = kvroute_mock::start(&mc, Arc::new(Model::tiny().unwrap()))
+    kvroute_mock::start(&mc, Arc::new(Model::tiny().unwrap()))
         .await
-        .unwrap();
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_edge_is_answered_as_vllm_answers_it() {
+    let workers = mock_of_context_n().await;
     let worker = &workers[0];
     let http = client(Duration::from_secs(10));
     let ids = |n: usize| json!(vec![7; n]);
@@ -72,53 +116,51 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
             N + 1
         )
     };
-    /// The tokens generated, or the refusal's parameter and message.
-    type Answer = Result<u64, (&'static str, String)>;
     // (path, body, answer)
     let cases: Vec<(&str, Value, Answer)> = vec![
-        ("/v1/completions", json!({"prompt": ids(N - 1)}), Ok(1)),
+        ("/v1/completions", json!({"prompt": ids(N - 1)}), Ok((None, 1))),
         (
             "/v1/completions",
             json!({"prompt": ids(N - 1), "max_tokens": 1}),
-            Ok(1),
+            Ok((None, 1)),
         ),
         // Past the context together: taken, cut at its end.
         (
             "/v1/completions",
             json!({"prompt": ids(N - 1), "max_tokens": 5}),
-            Ok(1),
+            Ok((None, 1)),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N), "max_tokens": 1}),
-            Err(("max_tokens", no_room.to_owned())),
+            Err((Some("max_tokens"), no_room.to_owned())),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N)}),
-            Err(("max_tokens", no_room.to_owned())),
+            Err((Some("max_tokens"), no_room.to_owned())),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N + 1)}),
-            Err(("input_tokens", too_long("at least ", N + 1))),
+            Err((Some("input_tokens"), too_long("at least ", N + 1))),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N + 1), "max_tokens": 1}),
-            Err(("input_tokens", too_long("at least ", N + 1))),
+            Err((Some("input_tokens"), too_long("at least ", N + 1))),
         ),
         // Token ids are counted whole; text to one token past the context, as vLLM tokenizes it.
         (
             "/v1/completions",
             json!({"prompt": ids(N + 5)}),
-            Err(("input_tokens", too_long("", N + 5))),
+            Err((Some("input_tokens"), too_long("", N + 5))),
         ),
         // Text is counted to one token past the context, as vLLM tokenizes it.
         (
             "/v1/completions",
             json!({"prompt": "x".repeat(3 * N)}),
-            Err(("input_tokens", too_long("at least ", N + 1))),
+            Err((Some("input_tokens"), too_long("at least ", N + 1))),
         ),
         // Text of more characters than the context's tokens can hold (the tiny model's longest
         // token has 13) is refused before it is tokenized, in characters, not bytes. These
@@ -127,57 +169,30 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
         (
             "/v1/completions",
             json!({"prompt": "é".repeat(13 * N)}),
-            Err(("input_tokens", too_long("at least ", N + 1))),
+            Err((Some("input_tokens"), too_long("at least ", N + 1))),
         ),
         (
             "/v1/completions",
             json!({"prompt": "x".repeat(13 * N + 1)}),
-            Err(("input_text", too_many_chars(13 * N + 1))),
+            Err((Some("input_text"), too_many_chars(13 * N + 1))),
         ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x".repeat(13 * N)}]}),
-            Err(("input_text", too_many_chars(13 * N + CHATML_CHARS))),
+            Err((Some("input_text"), too_many_chars(13 * N + CHATML_CHARS))),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(4), "max_tokens": N + 1}),
-            Err(("max_tokens", too_many("max_tokens"))),
+            Err((Some("max_tokens"), too_many("max_tokens"))),
         ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": N + 1}),
-            Err(("max_completion_tokens", too_many("max_completion_tokens"))),
+            Err((Some("max_completion_tokens"), too_many("max_completion_tokens"))),
         ),
     ];
-    for (path, body, want) in cases {
-        let case = format!(
-            "{path} {}",
-            serde_json::to_string(&body)
-                .unwrap()
-                .chars()
-                .take(120)
-                .collect::<String>()
-        );
-        let (status, answer) = post(&http, worker, path, body).await;
-        match want {
-            Ok(generated) => {
-                assert_eq!(status, 200, "{case}: {answer}");
-                assert_eq!(
-                    answer["usage"]["completion_tokens"], generated,
-                    "{case}: {answer}"
-                );
-            }
-            Err((param, message)) => {
-                assert_eq!(status, 400, "{case}: {answer}");
-                assert_eq!(
-                    answer,
-                    json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
-                    "{case}"
-                );
-            }
-        }
-    }
+    check_answers(&http, worker, cases).await;
 }
 
 /// `truncate_prompt_tokens` at the context's edge, over HTTP: each answer is what vLLM 0.32
@@ -185,12 +200,7 @@ async fn the_context_edge_is_answered_as_vllm_answers_it() {
 /// a comment says it follows vLLM's code (`vllm/renderers/params.py`, `TokenizeParams`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_prompts_are_answered_as_vllm_answers_them() {
-    let mut mc = MockConfig::new(1);
-    mc.engine.max_model_len = N as u32;
-    mc.engine.speedup = 100.0;
-    let workers = kvroute_mock::start(&mc, Arc::new(Model::tiny().unwrap()))
-        .await
-        .unwrap();
+    let workers = mock_of_context_n().await;
     let worker = &workers[0];
     let http = client(Duration::from_secs(10));
     let ids = |n: usize| json!(vec![7; n]);
@@ -203,25 +213,23 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
         )
     };
     let empty = "The decoder prompt cannot be empty";
-    /// The prompt's and the generated tokens, or the refusal's parameter and message.
-    type Answer = Result<(usize, usize), (Option<&'static str>, String)>;
     // (path, body, answer)
     let cases: Vec<(&str, Value, Answer)> = vec![
         // `-1`: the context less one, output cut to the one token left.
         (
             "/v1/completions",
             json!({"prompt": ids(N + 50), "truncate_prompt_tokens": -1, "max_tokens": 10}),
-            Ok((N - 1, 1)),
+            Ok((Some(N - 1), 1)),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N + 50), "truncate_prompt_tokens": -1}),
-            Ok((N - 1, 1)),
+            Ok((Some(N - 1), 1)),
         ),
         (
             "/v1/completions",
             json!({"prompt": "x".repeat(3 * N), "truncate_prompt_tokens": -1, "max_tokens": 10}),
-            Ok((N - 1, 1)),
+            Ok((Some(N - 1), 1)),
         ),
         // By vLLM's code: a chat with no output budget keeps the whole context, which leaves no
         // room to generate.
@@ -233,7 +241,7 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
         (
             "/v1/chat/completions",
             json!({"messages": long_chat, "truncate_prompt_tokens": -1, "max_tokens": 3}),
-            Ok((N - 1, 1)),
+            Ok((Some(N - 1), 1)),
         ),
         // At most the context, whatever the prompt.
         (
@@ -249,7 +257,7 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
         (
             "/v1/completions",
             json!({"prompt": ids(4), "truncate_prompt_tokens": N, "max_tokens": 1}),
-            Ok((4, 1)),
+            Ok((Some(4), 1)),
         ),
         (
             "/v1/completions",
@@ -259,18 +267,18 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
         (
             "/v1/completions",
             json!({"prompt": ids(N + 50), "truncate_prompt_tokens": N - 1, "max_tokens": 1}),
-            Ok((N - 1, 1)),
+            Ok((Some(N - 1), 1)),
         ),
         (
             "/v1/completions",
             json!({"prompt": ids(N + 50), "truncate_prompt_tokens": N - 8, "max_tokens": 20}),
-            Ok((N - 8, 8)),
+            Ok((Some(N - 8), 8)),
         ),
         // A count past the prompt keeps it whole.
         (
             "/v1/completions",
             json!({"prompt": ids(10), "truncate_prompt_tokens": 20, "max_tokens": 1}),
-            Ok((10, 1)),
+            Ok((Some(10), 1)),
         ),
         // Nothing kept.
         (
@@ -289,35 +297,7 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
             Err((None, empty.to_owned())),
         ),
     ];
-    for (path, body, want) in cases {
-        let case = format!(
-            "{path} {}",
-            serde_json::to_string(&body)
-                .unwrap()
-                .chars()
-                .take(120)
-                .collect::<String>()
-        );
-        let (status, answer) = post(&http, worker, path, body).await;
-        match want {
-            Ok((prompt, generated)) => {
-                assert_eq!(status, 200, "{case}: {answer}");
-                assert_eq!(answer["usage"]["prompt_tokens"], prompt, "{case}: {answer}");
-                assert_eq!(
-                    answer["usage"]["completion_tokens"], generated,
-                    "{case}: {answer}"
-                );
-            }
-            Err((param, message)) => {
-                assert_eq!(status, 400, "{case}: {answer}");
-                assert_eq!(
-                    answer,
-                    json!({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}),
-                    "{case}"
-                );
-            }
-        }
-    }
+    check_answers(&http, worker, cases).await;
     // `/tokenize` ignores the field: the whole prompt.
     let (status, answer) = post(
         &http,
