@@ -8,7 +8,7 @@
 //! * [`openai`]: request parsing (prompt forms, limits), the OpenAI error shape, and the typed
 //!   response shapes ([`openai::types`]).
 //! * [`model`]: the tokenizer and chat template of a local model directory, or the built-in tiny
-//!   model.
+//!   model; [`chat_template`]: templates rendered as Hugging Face renders them.
 //! * [`prefix_cache`]: tokenize once per conversation: a bounded cache of rendered chat
 //!   prefixes' tokens, exact by the special-token cut rule it documents.
 //! * [`disagg`]: the request bodies of the prefill/decode protocols (vLLM's `kv_transfer_params`,
@@ -16,6 +16,7 @@
 //! * [`EngineKind`]: the engine family, for what OpenAI's API leaves open.
 //! * [`net`]: the accept loop and the pooled upstream client (TCP_NODELAY on both legs).
 
+pub mod chat_template;
 pub mod disagg;
 pub mod model;
 pub mod net;

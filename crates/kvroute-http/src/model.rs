@@ -18,11 +18,12 @@
 
 use std::path::Path;
 
-use minijinja::{Environment, ErrorKind, Value};
+use minijinja::Environment;
 use serde_json::Value as Json;
 use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineTokenizer};
 use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
 
+use crate::chat_template::{self, ChatOptions};
 use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, TextCuts, whole_answer};
 
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
@@ -199,15 +200,8 @@ impl Model {
             other => return Err(ModelError::Config(format!("chat_template is {other}"))),
         };
         if let Some(template) = template {
-            let mut env = Environment::new();
-            env.add_function(
-                "raise_exception",
-                |message: String| -> Result<Value, minijinja::Error> {
-                    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-                },
-            );
-            env.add_template_owned("chat", template)
-                .map_err(|e| ModelError::Template(e.to_string()))?;
+            let env =
+                chat_template::environment(template).map_err(|e| ModelError::Template(e.to_string()))?;
             model.chat = Some(env);
             model.boundaries = Boundaries::new(&model.added, model.probe_render().as_deref())
                 .with_text_cuts(model.text_cuts);
@@ -350,23 +344,29 @@ impl Model {
     }
 
     /// Renders `messages` (OpenAI chat messages, content already flattened to strings) with the
-    /// chat template.
+    /// chat template, nothing given but `add_generation_prompt`.
     pub fn render_chat(&self, messages: &Json, add_generation_prompt: bool) -> Result<String, PromptError> {
+        self.render_chat_with(
+            messages,
+            &ChatOptions {
+                add_generation_prompt,
+                ..ChatOptions::default()
+            },
+        )
+    }
+
+    /// Renders `messages` with the chat template as Hugging Face's `apply_chat_template` does,
+    /// with the request's `options` (see [`chat_template`](crate::chat_template)).
+    pub fn render_chat_with(&self, messages: &Json, options: &ChatOptions) -> Result<String, PromptError> {
         let env = self
             .chat
             .as_ref()
             .ok_or_else(|| PromptError("the model has no chat template".to_owned()))?;
-        let template = env
-            .get_template("chat")
-            .map_err(|e| PromptError(format!("chat template: {e}")))?;
-        template
-            .render(minijinja::context! {
-                messages => Value::from_serialize(messages),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
-            .map_err(|e| PromptError(format!("rendering the chat template: {e}")))
+        let special = [
+            ("bos_token", self.bos_token.as_str()),
+            ("eos_token", self.eos_token.as_str()),
+        ];
+        chat_template::render(env, messages, options, &special).map_err(PromptError)
     }
 
     /// The text of `ids`, special tokens skipped (empty if they do not decode).
