@@ -9,11 +9,14 @@
 
 use kvroute_http::Model;
 use kvroute_http::chat_template::ChatOptions;
+use kvroute_http::openai::{self, Endpoint};
 use serde_json::{Map, Value};
 
 const TOKENIZER: &str = include_str!("data/bos-model/tokenizer.json");
 const CONFIG: &str = include_str!("data/bos-model/tokenizer_config.json");
 const CASES: &str = include_str!("data/chat-templates/cases.json");
+const VLLM_CASES: &str = include_str!("data/chat-templates/vllm_tokenize.json");
+const TEMPLATES: &str = include_str!("data/chat-templates/templates.json");
 
 /// The BOS model with `template` as its chat template.
 fn model(template: &str) -> Model {
@@ -55,4 +58,32 @@ fn templates_render_what_hugging_face_renders() {
         }
     }
     assert_eq!(checked, 84);
+}
+
+/// Chat requests as OpenAI's clients send them (tool calls' arguments as JSON strings, tools
+/// without descriptions, template kwargs, documents, `continue_final_message`) parse to the
+/// token ids a real vLLM 0.32 engine gave the same requests on the same tokenizer and
+/// templates (`data/chat-templates/vllm_tokenize.json`, written by `vllm_tokenize.py` through
+/// the engine's `/tokenize`).
+#[test]
+fn chat_requests_tokenize_as_vllm_tokenizes_them() {
+    let fixture: Value = serde_json::from_str(VLLM_CASES).unwrap();
+    let templates: Value = serde_json::from_str(TEMPLATES).unwrap();
+    let mut checked = 0;
+    for case in fixture["cases"].as_array().unwrap() {
+        let name = case["template"].as_str().unwrap();
+        let model = model(templates[name].as_str().unwrap());
+        let body = serde_json::to_vec(&case["body"]).unwrap();
+        let parsed = openai::parse(Endpoint::Chat, &body, &model, 1 << 20);
+        match case.get("tokens") {
+            Some(tokens) => {
+                let tokens: Vec<u32> = serde_json::from_value(tokens.clone()).unwrap();
+                let ours = parsed.unwrap_or_else(|e| panic!("{name} {}: {e:?}", case["body"]));
+                assert_eq!(ours.tokens, tokens, "{name} {}", case["body"]);
+                checked += 1;
+            }
+            None => assert!(parsed.is_err(), "{name} {}: vLLM refused it", case["body"]),
+        }
+    }
+    assert!(checked > 0);
 }

@@ -64,6 +64,14 @@ fn field() -> impl Strategy<Value = String> {
         Just("add_special_tokens"),
         Just("truncate_prompt_tokens"),
         Just("truncation_side"),
+        Just("tools"),
+        Just("tool_calls"),
+        Just("function"),
+        Just("arguments"),
+        Just("documents"),
+        Just("chat_template_kwargs"),
+        Just("continue_final_message"),
+        Just("reasoning"),
         Just("data_parallel_rank"),
     ]
     .prop_map(str::to_owned)

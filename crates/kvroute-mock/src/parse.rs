@@ -34,12 +34,9 @@ pub(crate) fn vllm_tokens(
     let tokens = match prompt {
         Prompt::TokenIds(ids) => ids.clone(),
         Prompt::Text(prompt) => text(prompt, add_special_tokens.unwrap_or(true), "prompt")?,
-        Prompt::Chat {
-            messages,
-            add_generation_prompt,
-        } => {
+        Prompt::Chat { messages, options } => {
             let rendered = model
-                .render_chat(messages, *add_generation_prompt)
+                .render_chat_with(messages, options)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             text(&rendered, add_special_tokens.unwrap_or(false), "messages")?
         }
@@ -308,7 +305,10 @@ mod tests {
         let text_prompt = Prompt::Text(text.clone());
         let chat = Prompt::Chat {
             messages,
-            add_generation_prompt: true,
+            options: Box::new(kvroute_http::chat_template::ChatOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            }),
         };
         let ids: Vec<u32> = (10..110).collect();
         // (prompt, add_special_tokens, truncation, the ids kept)

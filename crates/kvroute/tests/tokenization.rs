@@ -317,6 +317,37 @@ async fn truncated_prompts_are_routed_as_the_engine_truncates_them() {
     assert_eq!(e.error.code_name(), Some("context_length_exceeded"));
 }
 
+/// A tool-using conversation through the proxy, on a template that writes the tools with
+/// `tojson(indent=4)` on lines of their own: the proxy renders the request's tools, and its
+/// tool calls' arguments (sent as JSON strings) as objects, as the engine does, so the cached
+/// tokens it predicts equal the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_conversations_are_rendered_as_the_engine_renders_them() {
+    let templates: Value = serde_json::from_str(include_str!(
+        "../../kvroute-http/tests/data/chat-templates/templates.json"
+    ))
+    .unwrap();
+    let mut config: Value = serde_json::from_str(BOS_CONFIG).unwrap();
+    config["chat_template"] = templates["multiline_tools"].clone();
+    let model = Arc::new(Model::from_json(BOS_TOKENIZER, Some(&config.to_string())).unwrap());
+    let c = cluster(2, Arc::clone(&model), model).await;
+    let weather = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let body = json!({"model": "tiny", "max_tokens": 2, "tools": [weather], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+        {"role": "user", "content": "And in Rome, a little longer please?"},
+    ]});
+    let (prompt_tokens, cached) = c.predicted_equals_reported(Endpoint::Chat, &body).await;
+    assert!(
+        prompt_tokens > 300,
+        "the tools are in the prompt: {prompt_tokens}"
+    );
+    assert!(cached > 0);
+}
+
 /// The mock tokenizes as vLLM 0.32 did on this tokenizer (`vllm-cpu/README.md`): a text
 /// completion gets BOS, a chat the template's one BOS and no second; `add_special_tokens`
 /// turns either way; `/tokenize` answers vLLM's shape.

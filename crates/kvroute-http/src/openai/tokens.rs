@@ -29,12 +29,9 @@ pub fn engine_tokens(
             encode_text(model, text, special, max_prompt_tokens, "prompt")
         }
         Prompt::TokenIds(ids) => Ok(ids.clone()),
-        Prompt::Chat {
-            messages,
-            add_generation_prompt,
-        } => {
+        Prompt::Chat { messages, options } => {
             let text = model
-                .render_chat(messages, *add_generation_prompt)
+                .render_chat_with(messages, options)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(false));
             check_text_len(model, &text, max_prompt_tokens)
@@ -88,12 +85,9 @@ pub fn truncated_tokens(
             SpecialTokens::from_flag(add_special_tokens.unwrap_or(true)),
             "prompt",
         ),
-        Prompt::Chat {
-            messages,
-            add_generation_prompt,
-        } => {
+        Prompt::Chat { messages, options } => {
             rendered = model
-                .render_chat(messages, *add_generation_prompt)
+                .render_chat_with(messages, options)
                 .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
             (
                 rendered.as_str(),
