@@ -4,7 +4,7 @@
 //! the engine cached.
 //!
 //! Hugging Face's Jinja2 environment differs from minijinja's defaults in what templates
-//! notice: it trims a block's newline and the spaces before a block (`trim_blocks`,
+//! notice (and defines `raise_exception` and `strftime_now`): it trims a block's newline and the spaces before a block (`trim_blocks`,
 //! `lstrip_blocks`), its `tojson` is Python's `json.dumps` (`", "` and `": "` between items,
 //! non-ASCII kept, `indent`, `separators` and `sort_keys` taken), maps keep their insertion order,
 //! and Python's string and dict methods work (`.strip()`, `.startswith()`, `.items()`:
@@ -47,6 +47,7 @@ pub(crate) fn environment(template: String) -> Result<Environment<'static>, Erro
     env.add_function("raise_exception", |message: String| -> Result<Value, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, message))
     });
+    env.add_function("strftime_now", strftime_now);
     env.add_template_owned("chat", template)?;
     Ok(env)
 }
@@ -114,6 +115,21 @@ pub(crate) fn render(
     } else {
         rendered[..at].trim_end().to_owned()
     })
+}
+
+/// Hugging Face's `strftime_now(format)`: `datetime.now().strftime(format)`, the local time in
+/// Python's (C's) `strftime` codes. Llama 3.x templates write today's date into the system
+/// header with it; an engine and a proxy whose clocks agree render the same text.
+fn strftime_now(format: String) -> Result<String, Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} is not a strftime format"),
+        )
+    })?;
+    Ok(out)
 }
 
 /// Hugging Face's `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None,
@@ -286,6 +302,18 @@ mod tests {
             .unwrap()
             .render(minijinja::context! { x => Value::from_serialize(&value) })
             .unwrap()
+    }
+
+    /// Today's date as Python writes it (`datetime.now().strftime("%d %b %Y")`, the Llama 3.x
+    /// template's call), and an unknown code refused rather than written.
+    #[test]
+    fn strftime_now_writes_todays_date() {
+        let env = environment("{{ strftime_now('%d %b %Y') }}".to_owned()).unwrap();
+        let got = env.get_template("chat").unwrap().render(()).unwrap();
+        assert_eq!(got, chrono::Local::now().format("%d %b %Y").to_string());
+        assert_eq!(got.len(), 11, "{got}");
+        let env = environment("{{ strftime_now('%Q') }}".to_owned()).unwrap();
+        assert!(env.get_template("chat").unwrap().render(()).is_err());
     }
 
     /// Python's `json.dumps` on the same values (`python3 -c 'import json; ...'`).
