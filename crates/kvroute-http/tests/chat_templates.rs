@@ -61,10 +61,10 @@ fn templates_render_what_hugging_face_renders() {
 }
 
 /// Chat requests as OpenAI's clients send them (tool calls' arguments as JSON strings, tools
-/// without descriptions, template kwargs, documents, `continue_final_message`) parse to the
-/// token ids a real vLLM 0.32 engine gave the same requests on the same tokenizer and
-/// templates (`data/chat-templates/vllm_tokenize.json`, written by `vllm_tokenize.py` through
-/// the engine's `/tokenize`).
+/// without descriptions or with extra keys, content parts, reasoning, template kwargs,
+/// `reasoning_effort`, documents, `continue_final_message`) parse to the prompt token ids a
+/// real vLLM 0.32 engine ran for the same chat completions on the same tokenizer and templates
+/// (`data/chat-templates/vllm_tokenize.json`, written by `vllm_tokenize.py`).
 #[test]
 fn chat_requests_tokenize_as_vllm_tokenizes_them() {
     let fixture: Value = serde_json::from_str(VLLM_CASES).unwrap();

@@ -359,8 +359,8 @@ fn token_ids(items: &[Value], max: usize) -> Result<Vec<u32>, ApiError> {
 /// What a chat request gives its template besides its messages, as vLLM 0.32 hands it to
 /// `apply_chat_template` (`ChatCompletionRequest.build_chat_params`, `online_renderer.py`):
 /// `chat_template_kwargs`, overridden by the request's own `add_generation_prompt`,
-/// `continue_final_message` and `documents` (when given); `tools` as their request model
-/// writes them back (`ChatCompletionToolsParam.model_dump()`).
+/// `continue_final_message`, `documents` and `reasoning_effort` (when given); `tools` as their
+/// request model writes them back (`ChatCompletionToolsParam.model_dump()`).
 fn chat_options(obj: &Map<String, Value>) -> Result<ChatOptions, ApiError> {
     let flag = |name: &str| obj.get(name).and_then(Value::as_bool);
     let add_generation_prompt = flag("add_generation_prompt").unwrap_or(true);
@@ -381,6 +381,14 @@ fn chat_options(obj: &Map<String, Value>) -> Result<ChatOptions, ApiError> {
             ));
         }
     };
+    // vLLM passes `reasoning_effort` to the template, and as `enable_thinking` (unless the
+    // kwargs set it) for templates that wait to be asked.
+    if let Some(effort) = obj.get("reasoning_effort").filter(|v| !v.is_null()) {
+        if !kwargs.contains_key("enable_thinking") {
+            kwargs.insert("enable_thinking".to_owned(), Value::Bool(effort != "none"));
+        }
+        kwargs.insert("reasoning_effort".to_owned(), effort.clone());
+    }
     let documents = match obj.get("documents") {
         None | Some(Value::Null) => kwargs.remove("documents"),
         Some(docs @ Value::Array(_)) => Some(docs.clone()),
