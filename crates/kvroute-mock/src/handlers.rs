@@ -418,6 +418,17 @@ pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Respo
         }
         Endpoint::Completions
     };
+    // vLLM 0.32's chat /tokenize gives the template neither `documents` nor `reasoning_effort`
+    // (seen on the engine: `kvroute-http/tests/data/chat-templates/vllm_tokenize.py`).
+    let mut value = value;
+    let body = match value.as_object_mut() {
+        Some(obj) if obj.contains_key("documents") || obj.contains_key("reasoning_effort") => {
+            obj.remove("documents");
+            obj.remove("reasoning_effort");
+            Bytes::from(serde_json::to_vec(&value).unwrap_or_default())
+        }
+        _ => body,
+    };
     // vLLM's /tokenize counts a prompt of any length (the body limit bounds it).
     match w.parse(endpoint, &body, None) {
         Ok(parsed) => axum::Json(kvroute_http::openai::types::Tokenized {

@@ -348,6 +348,46 @@ async fn tool_conversations_are_rendered_as_the_engine_renders_them() {
     assert!(cached > 0);
 }
 
+/// As vLLM 0.32 answered on a template that writes `<think></think>` when thinking is off:
+/// a chat completion with `reasoning_effort` "none" runs 45 prompt tokens, its `/tokenize` 30
+/// (it does not pass `reasoning_effort` on); with `enable_thinking` in the kwargs, both 45.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_passes_reasoning_effort_to_chat_but_not_to_tokenize() {
+    let templates: Value = serde_json::from_str(include_str!(
+        "../../kvroute-http/tests/data/chat-templates/templates.json"
+    ))
+    .unwrap();
+    let mut config: Value = serde_json::from_str(BOS_CONFIG).unwrap();
+    config["chat_template"] = templates["python_methods"].clone();
+    let model = Arc::new(Model::from_json(BOS_TOKENIZER, Some(&config.to_string())).unwrap());
+    let mocks = mock::start(&MockConfig::new(1), model).await.unwrap();
+    let url = mocks[0].url();
+    let http = client(Duration::from_secs(2));
+    let messages = json!([{"role": "user", "content": "Think?"}]);
+    // (body, prompt tokens of the chat completion, of /tokenize)
+    let cases = [
+        (json!({"messages": messages}), 30, 30),
+        (json!({"messages": messages, "reasoning_effort": "none"}), 45, 30),
+        (
+            json!({"messages": messages, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}}),
+            45,
+            45,
+        ),
+    ];
+    for (mut body, chat, tokenize) in cases {
+        body["model"] = json!("tiny");
+        let (status, out) = post(&http, &url, "/tokenize", &body).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        let answer: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(answer["count"], tokenize, "/tokenize {body}");
+        body["max_tokens"] = json!(1);
+        let (status, out) = post(&http, &url, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        let answer: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(answer["usage"]["prompt_tokens"], chat, "chat {body}");
+    }
+}
+
 /// The mock tokenizes as vLLM 0.32 did on this tokenizer (`vllm-cpu/README.md`): a text
 /// completion gets BOS, a chat the template's one BOS and no second; `add_special_tokens`
 /// turns either way; `/tokenize` answers vLLM's shape.
