@@ -35,6 +35,17 @@ fn bos_model() -> Arc<Model> {
     Arc::new(Model::from_json(BOS_TOKENIZER, Some(BOS_CONFIG)).unwrap())
 }
 
+/// The BOS model with the chat template `name` of `kvroute-http/tests/data/chat-templates`.
+fn bos_model_with_template(name: &str) -> Arc<Model> {
+    let templates: Value = serde_json::from_str(include_str!(
+        "../../kvroute-http/tests/data/chat-templates/templates.json"
+    ))
+    .unwrap();
+    let mut config: Value = serde_json::from_str(BOS_CONFIG).unwrap();
+    config["chat_template"] = templates[name].clone();
+    Arc::new(Model::from_json(BOS_TOKENIZER, Some(&config.to_string())).unwrap())
+}
+
 /// The BOS model with no post-processor: the same chat template, but a text completion gets
 /// no BOS (an engine that follows `"add_bos_token": false`).
 fn bos_model_without_post_processor() -> Arc<Model> {
@@ -323,13 +334,7 @@ async fn truncated_prompts_are_routed_as_the_engine_truncates_them() {
 /// tokens it predicts equal the engine's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_conversations_are_rendered_as_the_engine_renders_them() {
-    let templates: Value = serde_json::from_str(include_str!(
-        "../../kvroute-http/tests/data/chat-templates/templates.json"
-    ))
-    .unwrap();
-    let mut config: Value = serde_json::from_str(BOS_CONFIG).unwrap();
-    config["chat_template"] = templates["multiline_tools"].clone();
-    let model = Arc::new(Model::from_json(BOS_TOKENIZER, Some(&config.to_string())).unwrap());
+    let model = bos_model_with_template("multiline_tools");
     let c = cluster(2, Arc::clone(&model), model).await;
     let weather = json!({"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
@@ -353,13 +358,7 @@ async fn tool_conversations_are_rendered_as_the_engine_renders_them() {
 /// (it does not pass `reasoning_effort` on); with `enable_thinking` in the kwargs, both 45.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mock_passes_reasoning_effort_to_chat_but_not_to_tokenize() {
-    let templates: Value = serde_json::from_str(include_str!(
-        "../../kvroute-http/tests/data/chat-templates/templates.json"
-    ))
-    .unwrap();
-    let mut config: Value = serde_json::from_str(BOS_CONFIG).unwrap();
-    config["chat_template"] = templates["python_methods"].clone();
-    let model = Arc::new(Model::from_json(BOS_TOKENIZER, Some(&config.to_string())).unwrap());
+    let model = bos_model_with_template("python_methods");
     let mocks = mock::start(&MockConfig::new(1), model).await.unwrap();
     let url = mocks[0].url();
     let http = client(Duration::from_secs(2));
