@@ -62,9 +62,11 @@ pub(crate) fn render(
     let template = env
         .get_template("chat")
         .map_err(|e| format!("chat template: {e}"))?;
-    let mut messages = messages.clone();
-    if options.continue_final_message {
-        let content = messages
+    // Only a conversation to be continued is copied (its final message marked).
+    let marked;
+    let messages = if options.continue_final_message {
+        let mut copy = messages.clone();
+        let content = copy
             .as_array_mut()
             .and_then(|m| m.last_mut())
             .and_then(|m| m.get_mut("content"))
@@ -74,7 +76,11 @@ pub(crate) fn render(
             })
             .ok_or("continue_final_message is set but the final message has no \"content\" to continue!")?;
         content.push_str(CONTINUE_TAG);
-    }
+        marked = copy;
+        &marked
+    } else {
+        messages
+    };
     let mut context: Vec<(String, Value)> = special
         .iter()
         .map(|&(name, token)| (name.to_owned(), Value::from(token)))
@@ -86,7 +92,7 @@ pub(crate) fn render(
             .map(|(k, v)| (k.clone(), Value::from_serialize(v))),
     );
     context.extend([
-        ("messages".to_owned(), Value::from_serialize(&messages)),
+        ("messages".to_owned(), Value::from_serialize(messages)),
         ("tools".to_owned(), Value::from_serialize(&options.tools)),
         ("documents".to_owned(), Value::from_serialize(&options.documents)),
         (
