@@ -356,7 +356,7 @@ impl Model {
     }
 
     /// Renders `messages` with the chat template as Hugging Face's `apply_chat_template` does,
-    /// with the request's `options` (see [`chat_template`](crate::chat_template)).
+    /// with the request's `options` (see the [`crate::chat_template`] module).
     pub fn render_chat_with(&self, messages: &Json, options: &ChatOptions) -> Result<String, PromptError> {
         let env = self
             .chat

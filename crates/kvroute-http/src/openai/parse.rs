@@ -29,7 +29,7 @@ pub enum Prompt {
 
 /// vLLM's `truncate_prompt_tokens` and `truncation_side` of a request: the prompt is cut to
 /// its last (or first) tokens before its length is checked, so a prompt longer than the context
-/// is taken. See [`truncate`](super::truncate) for vLLM's rules.
+/// is taken. See [`truncated_tokens`](super::truncated_tokens) for vLLM's rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Truncation {
     /// How many tokens to keep.
