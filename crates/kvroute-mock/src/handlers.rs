@@ -124,6 +124,9 @@ async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Sub
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
     vllm::check_body(&value, &w.model_name)?;
+    if endpoint == Endpoint::Chat {
+        vllm::check_chat_template(&value)?;
+    }
     vllm::check_truncation(&value, w.max_model_len)?;
     let parsed = w.parse(endpoint, &incoming.body, Some(w.max_model_len as usize))?;
     let form = match parsed.prompt {

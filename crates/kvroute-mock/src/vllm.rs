@@ -88,6 +88,23 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
     }
 }
 
+/// A chat request's own template, which vLLM 0.32 refuses unless it was started with
+/// `--trust-request-chat-template` (`OnlineRenderer.validate_chat_template`): the mock stands for
+/// an engine started without it. A `chat_template` in `chat_template_kwargs` counts too.
+pub(crate) fn check_chat_template(body: &Value) -> Result<(), Refusal> {
+    let given = |v: Option<&Value>| v.is_some_and(|t| !t.is_null());
+    let kwargs = body.get("chat_template_kwargs");
+    if given(body.get("chat_template")) || given(kwargs.and_then(|k| k.get("chat_template"))) {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "Chat template is passed with request, but --trust-request-chat-template is not set. \
+             Refused request with untrusted chat template.",
+            None,
+        ));
+    }
+    Ok(())
+}
+
 /// vLLM's bound on `truncate_prompt_tokens` (`TokenizeParams.__post_init__`,
 /// `vllm/renderers/params.py`): at most the context, `max_model_len`, whatever the prompt or
 /// `max_tokens`. A `max_tokens` past the context is refused before it there, so that is left

@@ -324,3 +324,37 @@ async fn truncated_prompts_are_answered_as_vllm_answers_them() {
         assert_eq!(status, 400, "{bad}: {answer}");
     }
 }
+
+/// A chat request's own template is refused, as vLLM 0.32 refuses it when not started with
+/// `--trust-request-chat-template` (`renderers/online_renderer.py`); a completion ignores it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_chat_template_is_refused_as_vllm_refuses_it() {
+    let workers = mock_of_context_n().await;
+    let http = client(Duration::from_secs(10));
+    let refused = "Chat template is passed with request, but --trust-request-chat-template is not \
+                   set. Refused request with untrusted chat template.";
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(&str, Value, Answer)> = vec![
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "chat_template": "{{ 'x' }}"}),
+            Err((None, refused.to_owned())),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}),
+            Err((None, refused.to_owned())),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "chat_template": null, "max_tokens": 1}),
+            Ok((None, 1)),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "chat_template": "{{ 'x' }}", "max_tokens": 1}),
+            Ok((None, 1)),
+        ),
+    ];
+    check_answers(&http, &workers[0], cases).await;
+}
