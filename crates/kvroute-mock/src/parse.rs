@@ -3,7 +3,7 @@
 
 use kvroute_core::router::WorkerRole;
 use kvroute_http::model::{Model, SpecialTokens};
-use kvroute_http::openai::{ApiError, Keep, Prompt, Side, Truncation, check_text_len};
+use kvroute_http::openai::{ApiError, Prompt, Side, Truncation, check_text_len};
 use serde_json::{Value, json};
 
 use crate::handlers::Server;
@@ -61,16 +61,11 @@ pub(crate) fn vllm_tokens(
 ///    the text is tokenized whole.
 /// 4. `_token_truncation` ([`token_truncation`]): what is longer than the count is sliced, from
 ///    the side given or the tokenizer's (left); a count of 0 leaves nothing.
+///
+/// Step 1 is the request parser's reading of `-1`
+/// ([`Keep::tokens`](kvroute_http::openai::Keep::tokens)), shared with the proxy.
 fn max_length(truncation: Truncation, max_model_len: usize) -> usize {
-    match truncation.keep {
-        Keep::Tokens(n) => n,
-        Keep::Context {
-            reserves_output: true,
-        } => max_model_len.saturating_sub(1),
-        Keep::Context {
-            reserves_output: false,
-        } => max_model_len,
-    }
+    truncation.keep.tokens(max_model_len)
 }
 
 /// Steps 2 and 3 of [`max_length`]'s list: a text prompt under truncation.
@@ -266,6 +261,7 @@ pub(crate) fn transfer_params(w: &Server, prompt_tokens: u32, request_id: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_http::openai::Keep;
 
     const BOS: u32 = 256;
 

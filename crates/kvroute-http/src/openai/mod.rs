@@ -6,6 +6,7 @@
 //! proxy untouched); only the fields needed here are checked, each with a message naming it.
 
 mod body;
+mod chat;
 mod error;
 mod fields;
 mod parse;

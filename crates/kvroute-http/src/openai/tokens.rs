@@ -1,5 +1,7 @@
 //! The prompt's token ids, by vLLM's tokenization rule.
 
+use std::borrow::Cow;
+
 use crate::model::{Model, SpecialTokens};
 use crate::prefix_cache::Encoded;
 
@@ -23,27 +25,77 @@ pub fn engine_tokens(
     if let Some(truncation) = truncation {
         return truncated_tokens(model, prompt, add_special_tokens, truncation, max_prompt_tokens);
     }
-    match prompt {
-        Prompt::Text(text) => {
-            let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(true));
-            encode_text(model, text, special, max_prompt_tokens, "prompt")
+    let text = match PromptText::of(model, prompt, add_special_tokens)? {
+        Err(ids) => return Ok(ids.to_vec()),
+        Ok(text) if !text.chat => {
+            return encode_text(model, &text.text, text.special, max_prompt_tokens, text.param);
         }
-        Prompt::TokenIds(ids) => Ok(ids.clone()),
-        Prompt::Chat { messages, options } => {
-            let text = model
-                .render_chat_with(messages, options)
-                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
-            let special = SpecialTokens::from_flag(add_special_tokens.unwrap_or(false));
-            check_text_len(model, &text, max_prompt_tokens)
-                .map_err(|e| too_long("messages", Length::Chars(e), max_prompt_tokens))?;
-            // Through the conversation cache: a follow-up turn tokenizes only its new text.
-            match model.encode_chat(&text, special, max_prompt_tokens) {
-                Ok((Encoded::Tokens(tokens), _)) => Ok(tokens),
-                Ok((Encoded::TooLong(at_least), _)) => {
-                    Err(too_long("messages", Length::AtLeast(at_least), max_prompt_tokens))
-                }
-                Err(e) => Err(ApiError::bad_request("messages", e.to_string())),
-            }
+        Ok(text) => text,
+    };
+    check_text_len(model, &text.text, max_prompt_tokens)
+        .map_err(|e| too_long("messages", Length::Chars(e), max_prompt_tokens))?;
+    // Through the conversation cache: a follow-up turn tokenizes only its new text.
+    match model.encode_chat(&text.text, text.special, max_prompt_tokens) {
+        Ok((Encoded::Tokens(tokens), _)) => Ok(tokens),
+        Ok((Encoded::TooLong(at_least), _)) => {
+            Err(too_long("messages", Length::AtLeast(at_least), max_prompt_tokens))
+        }
+        Err(e) => Err(ApiError::bad_request("messages", e.to_string())),
+    }
+}
+
+/// The text an engine tokenizes for a prompt: a completion's, or a chat's conversation
+/// rendered; with vLLM's special-token rule (added to a completion's text, not to a rendered
+/// chat, unless `add_special_tokens` says otherwise) and the field an error names.
+struct PromptText<'a> {
+    text: Cow<'a, str>,
+    special: SpecialTokens,
+    param: &'static str,
+    chat: bool,
+}
+
+impl<'a> PromptText<'a> {
+    /// `prompt`'s text, or its token ids when it is given as such.
+    fn of(
+        model: &Model,
+        prompt: &'a Prompt,
+        add_special_tokens: Option<bool>,
+    ) -> Result<Result<Self, &'a [u32]>, ApiError> {
+        Ok(Ok(match prompt {
+            Prompt::TokenIds(ids) => return Ok(Err(ids)),
+            Prompt::Text(text) => PromptText {
+                text: Cow::Borrowed(text),
+                special: SpecialTokens::from_flag(add_special_tokens.unwrap_or(true)),
+                param: "prompt",
+                chat: false,
+            },
+            Prompt::Chat { messages, options } => PromptText {
+                text: Cow::Owned(
+                    model
+                        .render_chat_with(messages, options)
+                        .map_err(|e| ApiError::bad_request("messages", e.to_string()))?,
+                ),
+                special: SpecialTokens::from_flag(add_special_tokens.unwrap_or(false)),
+                param: "messages",
+                chat: true,
+            },
+        }))
+    }
+
+    /// The token ids of `text` (this prompt's, or a cut of it), whole: a chat's through the
+    /// conversation cache.
+    fn encode_whole(&self, model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
+        let failed = |e: crate::model::PromptError| ApiError::bad_request(self.param, e.to_string());
+        if !self.chat {
+            return model.encode(text, self.special).map_err(failed);
+        }
+        match model
+            .encode_chat(text, self.special, usize::MAX)
+            .map_err(failed)?
+        {
+            (Encoded::Tokens(tokens), _) => Ok(tokens),
+            // No limit: not reached.
+            (Encoded::TooLong(_), _) => model.encode(text, self.special).map_err(failed),
         }
     }
 }
@@ -77,60 +129,29 @@ pub fn truncated_tokens(
 ) -> Result<Vec<u32>, ApiError> {
     let keep = truncation.keep.tokens(context);
     let side = truncation.side.unwrap_or(Side::Left);
-    let rendered;
-    let (text, special, param) = match prompt {
-        Prompt::TokenIds(ids) => return Ok(cut(ids.clone(), keep, side)),
-        Prompt::Text(text) => (
-            text.as_str(),
-            SpecialTokens::from_flag(add_special_tokens.unwrap_or(true)),
-            "prompt",
-        ),
-        Prompt::Chat { messages, options } => {
-            rendered = model
-                .render_chat_with(messages, options)
-                .map_err(|e| ApiError::bad_request("messages", e.to_string()))?;
-            (
-                rendered.as_str(),
-                SpecialTokens::from_flag(add_special_tokens.unwrap_or(false)),
-                "messages",
-            )
-        }
+    let prompt = match PromptText::of(model, prompt, add_special_tokens)? {
+        Err(ids) => return Ok(cut(ids.to_vec(), keep, side)),
+        Ok(text) => text,
     };
-    let failed = |e: crate::model::PromptError| ApiError::bad_request(param, e.to_string());
     if keep == 0 {
         return Ok(Vec::new());
     }
-    let tokens = match (truncation.side, special) {
+    let tokens = match (truncation.side, prompt.special) {
         // The tokenizer's own cut; without special tokens that is the text's last tokens, so a
         // chat goes through the conversation cache whole.
-        (None, SpecialTokens::Add) => model.encode_truncated(text, special, keep).map_err(failed)?,
-        (None, SpecialTokens::Omit) => whole(model, prompt, text, special).map_err(failed)?,
+        (None, SpecialTokens::Add) => model
+            .encode_truncated(&prompt.text, prompt.special, keep)
+            .map_err(|e| ApiError::bad_request(prompt.param, e.to_string()))?,
+        (None, SpecialTokens::Omit) => prompt.encode_whole(model, &prompt.text)?,
         (Some(side), _) => {
-            let text = match check_text_len(model, text, context) {
-                Ok(()) => text,
-                Err(e) => cut_text(text, e.max_chars, side),
+            let text = match check_text_len(model, &prompt.text, context) {
+                Ok(()) => &prompt.text,
+                Err(e) => cut_text(&prompt.text, e.max_chars, side),
             };
-            whole(model, prompt, text, special).map_err(failed)?
+            prompt.encode_whole(model, text)?
         }
     };
     Ok(cut(tokens, keep, side))
-}
-
-/// `text`'s token ids, whole: a chat's through the conversation cache.
-fn whole(
-    model: &Model,
-    prompt: &Prompt,
-    text: &str,
-    special: SpecialTokens,
-) -> Result<Vec<u32>, crate::model::PromptError> {
-    if !matches!(prompt, Prompt::Chat { .. }) {
-        return model.encode(text, special);
-    }
-    match model.encode_chat(text, special, usize::MAX)? {
-        (Encoded::Tokens(tokens), _) => Ok(tokens),
-        // No limit: not reached.
-        (Encoded::TooLong(_), _) => model.encode(text, special),
-    }
 }
 
 /// `tokens` cut to `keep` from `side`.
