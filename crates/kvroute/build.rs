@@ -30,10 +30,20 @@ fn main() {
                 .map(|d| d.join(&common))
                 .unwrap_or_default()
         };
-        println!("cargo:rerun-if-changed={}", dir.join("HEAD").display());
+        // Only paths that exist are watched: Cargo counts a missing file as changed on every
+        // build, so watching an absent `packed-refs` (a fresh clone may have none) would rebuild
+        // this crate every time. A branch kept only in `packed-refs` gets its loose ref file when
+        // it next moves, so then its directory is watched instead.
+        let mut watched = vec![dir.join("HEAD"), common.join("packed-refs")];
         if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
-            println!("cargo:rerun-if-changed={}", common.join(branch).display());
+            let loose = common.join(branch);
+            match loose.parent() {
+                Some(parent) if !loose.exists() => watched.push(parent.to_path_buf()),
+                _ => watched.push(loose),
+            }
         }
-        println!("cargo:rerun-if-changed={}", common.join("packed-refs").display());
+        for path in watched.iter().filter(|p| p.exists()) {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
     }
 }

@@ -52,6 +52,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
     ),
     ("kvroute-zmq", &["kvroute-core", "kvroute-wire"]),
     ("kvroute-http", &[]),
+    ("kvroute-testkit", &[]),
     ("kvroute-sync", &["kvroute-core"]),
     (
         "kvroute-proxy",

@@ -14,8 +14,7 @@ use kvroute_mock::{MockConfig, MockWorker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(30);
+use kvroute_testkit::PATIENCE;
 
 /// `name`'s value for rank 0 in `worker`'s `/metrics`.
 async fn metric(http: &HttpClient, worker: &MockWorker, name: &str) -> f64 {

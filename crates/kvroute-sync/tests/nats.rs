@@ -1,5 +1,5 @@
-//! The transport against a real `nats-server` (skipped, saying so, when none is installed):
-//! batches reach peers in order and never their sender, a joining replica gets every peer's
+//! The transport against a real `nats-server` (where none is installed: skipped, saying so, and
+//! a failure in CI): batches reach peers in order and never their sender, a joining replica gets every peer's
 //! snapshot before `start` returns, a silent peer is released within the timeout, prefixes
 //! keep fleets apart, and a server restart ends in a resync.
 
@@ -12,6 +12,7 @@ use std::time::Duration;
 use kvroute_core::router::RouterId;
 use kvroute_sync::server::NatsServer;
 use kvroute_sync::{LinkState, Sync, SyncConfig, SyncHost, SyncMetrics, WireEvent};
+use kvroute_testkit::{External, eventually, require};
 
 /// What a host was told, in order.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,12 +62,10 @@ impl Recorder {
     }
 }
 
+/// A nats-server of the test's own, or `None` where none is installed (outside CI only).
 fn server() -> Option<NatsServer> {
-    if NatsServer::binary().is_none() {
-        eprintln!("SKIPPED: nats-server is not installed (apt-get install nats-server)");
-        return None;
-    }
-    Some(NatsServer::start().expect("nats-server starts"))
+    require(External::NatsServer, NatsServer::binary().is_some())
+        .then(|| NatsServer::start().expect("nats-server starts"))
 }
 
 fn config(url: &str, prefix: &str) -> SyncConfig {
@@ -86,18 +85,6 @@ async fn replica(id: u64, config: SyncConfig) -> (Sync, Arc<Recorder>) {
     (sync, host)
 }
 
-/// Polls `done` until it holds (true) or 20 s pass (false).
-async fn eventually(mut done: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !done() {
-        if tokio::time::Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    true
-}
-
 fn freed(r: u64) -> WireEvent {
     WireEvent::Freed { r }
 }
@@ -113,7 +100,10 @@ async fn batches_reach_peers_in_order_and_never_their_sender() {
     for e in &sent {
         a.outgoing().push(e.clone());
     }
-    assert!(eventually(|| host_b.applied(RouterId(1)).len() >= sent.len()).await);
+    eventually("B applied every batch A sent", || {
+        host_b.applied(RouterId(1)).len() >= sent.len()
+    })
+    .await;
     assert_eq!(host_b.applied(RouterId(1)), sent, "in order, once each");
     assert!(
         host_a.applied(RouterId(1)).is_empty(),
@@ -151,7 +141,7 @@ async fn a_silent_peer_is_released_within_the_timeout() {
     let joined = host_b.lost(RouterId(1));
     a.stop();
     let stopped = tokio::time::Instant::now();
-    assert!(eventually(|| host_b.lost(RouterId(1)) > joined).await);
+    eventually("B lost A", || host_b.lost(RouterId(1)) > joined).await;
     // Timeout 600 ms, checked every 150 ms; a loaded machine gets slack, but not an hour.
     let after = stopped.elapsed();
     assert!(
@@ -169,15 +159,21 @@ async fn a_server_restart_ends_in_a_resync() {
     *host_a.state.lock().unwrap() = vec![freed(7)];
     let joined = host_b.lost(RouterId(1));
     nats.stop();
-    assert!(eventually(|| a.link() == LinkState::Disconnected && b.link() == LinkState::Disconnected).await);
+    eventually("both links down", || {
+        a.link() == LinkState::Disconnected && b.link() == LinkState::Disconnected
+    })
+    .await;
     // Changes made while down are dropped (and counted), not queued without bound.
     a.outgoing().push(freed(8));
-    assert!(
-        eventually(|| host_b.lost(RouterId(1)) > joined).await,
-        "B routes alone"
-    );
+    eventually("B routes alone", || host_b.lost(RouterId(1)) > joined).await;
     nats.restart().unwrap();
-    assert!(eventually(|| a.link() == LinkState::Connected && b.link() == LinkState::Connected).await);
+    eventually("both links up again", || {
+        a.link() == LinkState::Connected && b.link() == LinkState::Connected
+    })
+    .await;
     // A's state reaches B again: announced by A, or answered to B's rejoin.
-    assert!(eventually(|| host_b.applied(RouterId(1)).contains(&freed(7))).await);
+    eventually("A's state reached B again", || {
+        host_b.applied(RouterId(1)).contains(&freed(7))
+    })
+    .await;
 }

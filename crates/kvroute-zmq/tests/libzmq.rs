@@ -3,7 +3,7 @@
 //! frames, replay over DEALER/ROUTER), and a libzmq SUB and DEALER against our publisher.
 //!
 //! The peer needs Python with pyzmq (`pip install pyzmq`; `KVROUTE_PYTHON` names the
-//! interpreter, `python3` by default). Without it these tests pass and say they skipped.
+//! interpreter, `python3` by default). Without it these tests skip, saying so, and fail in CI.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -17,10 +17,10 @@ use tokio::sync::mpsc;
 use tokio::time::timeout;
 
 const PEER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/libzmq_peer.py");
-const PATIENCE: Duration = Duration::from_secs(10);
+use kvroute_testkit::{External, PATIENCE, require};
 const WORKER: WorkerId = WorkerId(9);
 
-/// The Python interpreter with pyzmq, or `None` (after saying so) when there is none.
+/// The Python interpreter with pyzmq, or `None` (after saying so) when there is none outside CI.
 async fn python() -> Option<String> {
     let python = std::env::var("KVROUTE_PYTHON").unwrap_or_else(|_| "python3".into());
     let found = Command::new(&python)
@@ -30,10 +30,7 @@ async fn python() -> Option<String> {
         .status()
         .await
         .is_ok_and(|status| status.success());
-    if !found {
-        println!("skipped: {python} with pyzmq not found (set KVROUTE_PYTHON)");
-    }
-    found.then_some(python)
+    require(External::Pyzmq, found).then_some(python)
 }
 
 fn peer(python: &str, args: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {

@@ -33,8 +33,7 @@ use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(30);
+use kvroute_testkit::PATIENCE;
 
 /// A stub engine whose health the test sets and that holds each completion until the test
 /// lets it answer, or until it is killed (its connections cut, as a dying engine's are).

@@ -22,8 +22,7 @@ use kvroute_mock::{self as mock, MockConfig};
 use kvroute_proxy::{EngineKind, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+use kvroute_testkit::PATIENCE;
 /// How long to wait for the subscribers to report before publishing again while they join.
 const RETRY_PACE: std::time::Duration = std::time::Duration::from_millis(200);
 

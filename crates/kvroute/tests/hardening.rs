@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// Generous: reached only when a test fails.
-const PATIENCE: Duration = Duration::from_secs(30);
+use kvroute_testkit::{PATIENCE, eventually_blocking as eventually};
 
 /// A `kvroute` process whose stderr and stdout are collected; killed when dropped.
 struct Proc {
@@ -437,15 +436,6 @@ fn stub_connection(stream: TcpStream, answer: bool, log: &Mutex<Vec<(String, Opt
         if writer.write_all(response.as_bytes()).is_err() {
             return;
         }
-    }
-}
-
-/// Polls `f` until it holds (each change is the stub's or the proxy's), within `PATIENCE`.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !f() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -20,8 +20,7 @@ use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(10);
+use kvroute_testkit::PATIENCE;
 
 /// `method path` on the proxy: the status and the body.
 async fn request(http: &HttpClient, proxy: &ProxyHandle, method: &str, path: &str) -> (u16, String) {

@@ -23,8 +23,7 @@ use serde_json::{Value, json};
 
 /// How long an engine may take to start on a loaded 2-core machine.
 const ENGINE_START: Duration = Duration::from_secs(600);
-/// How long kvroute may take to see a change of a worker's state.
-const PATIENCE: Duration = Duration::from_secs(60);
+use kvroute_testkit::PATIENCE;
 const BLOCK: u32 = 32;
 
 fn free_port() -> u16 {

@@ -1,6 +1,6 @@
 //! Router replicas on NATS, end to end: three `kvroute serve` proxies sharing a real
-//! `nats-server` (started by each test on a free loopback port; the tests skip, saying so, when
-//! none is installed) in front of one set of mock workers.
+//! `nats-server` (started by each test on a free loopback port; where none is installed the tests
+//! skip, saying so, and fail in CI) in front of one set of mock workers.
 //!
 //! Each test waits on explicit conditions, polled with a generous deadline; none asserts after a
 //! fixed sleep.
@@ -20,24 +20,18 @@ use kvroute_mock::{self as mock, MockConfig, MockWorker};
 use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_sync::server::NatsServer;
+use kvroute_testkit::{External, eventually, eventually_or, require};
 use serde_json::{Value, json};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(60);
 /// Heartbeats and the peer timeout of the replicas under test.
 const HEARTBEAT_MS: u64 = 200;
 const PEER_TIMEOUT_MS: u64 = 1000;
 /// An output no test waits for: the request stays in flight until its client leaves.
 const FOREVER_TOKENS: u32 = 100_000;
 
+/// A nats-server of the test's own, or `None` where none is installed (outside CI only).
 fn nats() -> Option<NatsServer> {
-    if NatsServer::binary().is_none() {
-        eprintln!(
-            "SKIPPED: nats-server is not installed (apt-get install nats-server); replica tests need it"
-        );
-        return None;
-    }
-    Some(NatsServer::start().unwrap())
+    require(External::NatsServer, NatsServer::binary().is_some()).then(|| NatsServer::start().unwrap())
 }
 
 async fn mocks(n: usize) -> Vec<MockWorker> {
@@ -74,20 +68,6 @@ async fn replica(nats: Option<&NatsServer>, workers: &[WorkerConfig]) -> ProxyHa
 /// Requests the proxy's router books now (its own and its peers').
 fn active(p: &ProxyHandle) -> usize {
     p.shared.snapshot().active_now
-}
-
-/// Polls `done` until it holds, or fails naming `what` after [`PATIENCE`].
-async fn eventually(what: &str, done: impl FnMut() -> bool) {
-    eventually_or(|| what.to_owned(), done).await;
-}
-
-/// [`eventually`], naming what failed (and the state it was in) only when it does.
-async fn eventually_or(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !done() {
-        assert!(Instant::now() < deadline, "never happened: {}", what());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn client() -> HttpClient {

@@ -22,8 +22,7 @@ use kvroute_proxy::parity::{self, Parity};
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(30);
+use kvroute_testkit::PATIENCE;
 /// The mock engine's and the proxy's block size.
 const BLOCK: u32 = 16;
 const BOS: u32 = 256;

@@ -26,8 +26,7 @@ use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{CounterSnapshot, EventPublisher, PublisherConfig};
 
-/// Generous: only reached when a test is failing.
-const PATIENCE: Duration = Duration::from_secs(10);
+use kvroute_testkit::PATIENCE;
 /// The proxy's default block size.
 const BLOCK: u32 = 16;
 

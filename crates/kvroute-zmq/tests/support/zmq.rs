@@ -29,8 +29,7 @@ pub use zeromq::{Socket, SocketSend, ZmqMessage};
 pub const WORKER: WorkerId = WorkerId(3);
 /// The stream the subscribers follow: the worker's only rank.
 pub const STREAM: WorkerKey = WorkerKey::new(WORKER, DpRank(0));
-/// Generous: only reached when a test is failing.
-pub const PATIENCE: Duration = Duration::from_secs(10);
+pub use kvroute_testkit::PATIENCE;
 
 /// The next event, or a panic after [`PATIENCE`].
 pub async fn next(rx: &mut mpsc::Receiver<SubscriberEvent>) -> SubscriberEvent {

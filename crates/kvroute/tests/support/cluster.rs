@@ -26,8 +26,7 @@ pub use kvroute_proxy::worker::StateName;
 pub use kvroute_proxy::{EngineKind, ProxyHandle, ServeConfig, WorkerConfig};
 pub use serde_json::{Value, json};
 
-/// Generous: only reached when a test is failing.
-pub const PATIENCE: Duration = Duration::from_secs(30);
+pub use kvroute_testkit::PATIENCE;
 
 pub struct Cluster {
     pub proxy: ProxyHandle,
