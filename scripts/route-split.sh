@@ -7,8 +7,8 @@
 #   e.g. scripts/route-split.sh target/release/kvroute --workers 256 --prompt-tokens 131072 --samples 6000
 #
 # Needs perf (cpu-clock samples are enough) and a binary with line tables (the release profile
-# keeps them). Parts: hash (`prepare`: hashing, and the index walk fed while hashing from
-# session 11 on, counted apart as `index` when its frames are on the stack), index
+# keeps them). Parts: hash (`prepare`: hashing, and in a build that feeds the index walk while
+# hashing, that walk, counted apart as `index` when its frames are on the stack), index
 # (`find_matches`/`MatchWalk`), active_depth (the per-worker active-set probes of the scan),
 # scan_other (the rest of the scan and the policy), book (`commit`), other.
 set -eu
@@ -51,8 +51,8 @@ for s in stacks:
     elif 'choose' in below or 'scan' in below:
         part = 'scan_other'
     elif not below:
-        # Code inlined into handle_request without inline frames: from session 11 on, the
-        # fused hashing loop (its xxh3 constants show in `perf annotate`).
+        # Code inlined into handle_request without inline frames: the fused hashing loop
+        # (its xxh3 constants show in `perf annotate`).
         part = 'inlined'
     else:
         part = 'other'

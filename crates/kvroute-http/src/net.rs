@@ -131,7 +131,7 @@ impl Shutdown {
     /// [`Self::leaving`] for a connection's `select!`, which polls it on every wake of the
     /// connection's task (each read, write and body chunk): polled again only once the switch
     /// has moved. Polling the watch's wait each time cost about 690 instructions a unary request
-    /// and 2,900 a streamed one (BENCHMARKS.md, "Proxy CPU per request, session 13").
+    /// and 2,900 a streamed one (BENCHMARKS.md, "Proxy: CPU per request in instructions").
     fn leaving_polled_on_change(&self) -> LeavingOnChange {
         LeavingOnChange {
             moved: self.0.subscribe(),

@@ -5,7 +5,7 @@
 //! must complete before the instructions after it can retire, so a few loads in flight fill the
 //! processor's reorder window and the batch waits anyway. A prefetch instruction retires at once:
 //! issued a few keys ahead of the update that needs the line, its miss overlaps with the work on
-//! the keys in between (BENCHMARKS.md, "Issue 18, goal 1 in session 14").
+//! the keys in between (BENCHMARKS.md, "Index: prefetch distance").
 //!
 //! Stable Rust has no safe prefetch (`std::hint::prefetch_read` is unstable), and even baseline
 //! SSE intrinsics must be called from `unsafe` code outside a `#[target_feature]` function. This

@@ -95,7 +95,7 @@ pub struct Metrics {
 
 /// The counters a request adds to, found once: looking a series up by its labels (formatting
 /// a worker's id and rank, hashing the labels, a lock) cost about 1,400 instructions a request
-/// (BENCHMARKS.md, "Proxy CPU per request, session 13"). The counts and the series exported are
+/// (BENCHMARKS.md, "Proxy: CPU per request in instructions"). The counts and the series exported are
 /// the same as by label.
 #[derive(Clone, Debug)]
 struct Handles {

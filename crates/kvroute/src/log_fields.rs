@@ -6,7 +6,7 @@
 //! it. [`DefaultFields`] writes each field as `{italic name}{dimmed "="}{value:?}` through
 //! `nu_ansi_term`'s styled strings even when the styles are empty (no terminal): about 3,400
 //! instructions for the request span's three fields, 2,200 of them in the empty styles
-//! (BENCHMARKS.md, "Proxy CPU per request, session 13"). [`PlainFields`] writes `name=value:?`
+//! (BENCHMARKS.md, "Proxy: CPU per request in instructions"). [`PlainFields`] writes `name=value:?`
 //! directly when the writer takes no ANSI escapes (gathered on the stack and handed over in one
 //! piece, so that a span's string grows once rather than with every name, `=` and value), and
 //! hands everything else to

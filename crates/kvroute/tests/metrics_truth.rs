@@ -1,7 +1,7 @@
-//! Metrics that tell the truth (issue 16, part 3), end to end: `kvroute serve` in front of
+//! Metrics that tell the truth, end to end: `kvroute serve` in front of
 //! mock workers and of raw upstream stubs that answer, break off, hang or trickle on purpose:
 //! outcomes, cached tokens predicted and reported, both stream shapes. Misconfiguration that is
-//! loud (part 4) is in `misconfiguration.rs`; both share `support/truth.rs`. Each test waits
+//! loud is in `misconfiguration.rs`; both share `support/truth.rs`. Each test waits
 //! on an explicit signal (a response, a worker state, the router's index), or polls a
 //! condition with a generous deadline.
 

@@ -1,4 +1,4 @@
-//! Misconfiguration that is loud (issue 16, part 4), end to end: a worker serving another
+//! Misconfiguration that is loud, end to end: a worker serving another
 //! model or another block size, one nobody serves, an unknown model, a missing tokenizer, logs
 //! and the command `mock` prints, each said and kept out of routing until its checks pass.
 //! Shares `support/truth.rs` with `metrics_truth.rs`; each test waits on an explicit signal or

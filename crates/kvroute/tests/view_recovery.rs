@@ -480,8 +480,8 @@ fn newly_held(proxy: &ProxyHandle) -> u64 {
     proxy.shared.metrics.index_blocks_stored.get()
 }
 
-/// Issue 16: vLLM re-announces nothing it holds, so a view cleared after events were lost for
-/// good stayed blind to the engine's cached prefixes. Now, while the view is rebuilt, the proxy
+/// vLLM re-announces nothing it holds, so a view cleared after events were lost for good
+/// would stay blind to the engine's cached prefixes. While the view is rebuilt, the proxy
 /// asks the engine (`"vllm_xargs": {"kv_cache_report_mode": "full"}`) to re-announce the blocks
 /// each request reuses: one request per prefix brings it back, and a repeat's predicted cached
 /// tokens equal the engine's reported ones. A re-announcement of blocks the view holds changes

@@ -82,7 +82,7 @@ const NONE: NodeId = u32::MAX;
 const ROOT: NodeId = 0;
 
 /// How many blocks ahead of itself a store's map updates prefetch the blocks' home lines
-/// (measured: BENCHMARKS.md, "Issue 18, goal 1 in session 14").
+/// (measured: BENCHMARKS.md, "Index: prefetch distance").
 const STORE_AHEAD: usize = 16;
 
 /// `STORE_AHEAD` for removals: a removal's work per block is smaller, so it reaches further to

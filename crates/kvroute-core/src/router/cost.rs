@@ -27,7 +27,7 @@
 //! blocks of decode residency. At 1, `kv` kept no more of the Mooncake traces' prefixes than
 //! round-robin (reuse 0.07); at 2 it equals the full projection (Dynamo's default); from 4 to 8
 //! TTFT kept improving on both Mooncake traces and on an overloaded multi-turn workload without
-//! hurting tail latency (EXPERIMENTS.md, "Choosing `kv`'s prefill_load_scale").
+//! hurting tail latency (EXPERIMENTS.md, "Which `prefill_load_scale` should `kv` use?").
 
 use super::load::DecodeProjection;
 use super::policy::Candidate;
