@@ -28,7 +28,7 @@ use crate::vllm::{self, Refusal};
 use kvroute_engine::KvReportMode;
 
 /// The shared state of one mock worker's HTTP server.
-pub(crate) struct Server {
+pub(crate) struct MockWorkerState {
     /// The engine id it names in `kv_transfer_params`.
     pub(crate) engine_id: String,
     /// Its role: which side of an SGLang pair it takes.
@@ -59,11 +59,11 @@ pub(crate) struct Rank {
     pub(crate) stats: Arc<Mutex<Stats>>,
 }
 
-pub(crate) async fn completions(State(w): State<Arc<Server>>, req: Request) -> Response {
+pub(crate) async fn completions(State(w): State<Arc<MockWorkerState>>, req: Request) -> Response {
     generate(&w, Endpoint::Completions, req).await
 }
 
-pub(crate) async fn chat(State(w): State<Arc<Server>>, req: Request) -> Response {
+pub(crate) async fn chat(State(w): State<Arc<MockWorkerState>>, req: Request) -> Response {
     generate(&w, Endpoint::Chat, req).await
 }
 
@@ -101,7 +101,7 @@ fn stopped() -> Refusal {
     Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped", None)
 }
 
-async fn generate(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Response {
+async fn generate(w: &Arc<MockWorkerState>, endpoint: Endpoint, req: Request) -> Response {
     match submit(w, endpoint, req).await {
         Ok(s) if s.stream => stream(w, s),
         Ok(s) => respond(w, s).await,
@@ -119,7 +119,7 @@ struct Submitted {
 }
 
 /// Parses a request, takes its side of a disaggregated flow and sends it to its rank's engine.
-async fn submit(w: &Arc<Server>, endpoint: Endpoint, req: Request) -> Result<Submitted, Refusal> {
+async fn submit(w: &Arc<MockWorkerState>, endpoint: Endpoint, req: Request) -> Result<Submitted, Refusal> {
     let incoming = read(req).await?;
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
@@ -232,7 +232,7 @@ impl Rank {
     }
 }
 
-impl Server {
+impl MockWorkerState {
     /// Parses a request to `endpoint` and tokenizes its prompt as vLLM does. The prompt's
     /// length in tokens is left to [`vllm::check_context`], in vLLM's words; only text of more
     /// characters than a context of `max_model_len` tokens can hold is refused here, before it
@@ -277,7 +277,7 @@ impl Server {
 }
 
 /// A streamed answer: SSE chunks as the engine reports.
-fn stream(w: &Arc<Server>, s: Submitted) -> Response {
+fn stream(w: &Arc<MockWorkerState>, s: Submitted) -> Response {
     let worker = Arc::clone(w);
     let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(64);
     let Submitted {
@@ -340,7 +340,7 @@ fn stream(w: &Arc<Server>, s: Submitted) -> Response {
 }
 
 /// A whole answer, when the engine is done.
-async fn respond(w: &Arc<Server>, mut s: Submitted) -> Response {
+async fn respond(w: &Arc<MockWorkerState>, mut s: Submitted) -> Response {
     let mut cached = 0;
     let mut tokens = Vec::new();
     while let Some(p) = s.rx.recv().await {
@@ -407,7 +407,7 @@ impl hyper::body::Body for ChannelBody {
 /// vLLM's `POST /tokenize`: a completion's `prompt` (a string) or a chat's `messages`
 /// (`TokenizeCompletionRequest`, `TokenizeChatRequest`), tokenized as a generation request of
 /// that kind would be; answers `{"count", "max_model_len", "tokens", "token_strs": null}`.
-pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Response {
+pub(crate) async fn tokenize(State(w): State<Arc<MockWorkerState>>, body: Bytes) -> Response {
     let refuse = |param, message| Refusal::from(ApiError::bad_request(param, message)).into_response();
     let value: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
@@ -445,6 +445,6 @@ pub(crate) async fn tokenize(State(w): State<Arc<Server>>, body: Bytes) -> Respo
     }
 }
 
-pub(crate) async fn models(State(w): State<Arc<Server>>) -> Response {
+pub(crate) async fn models(State(w): State<Arc<MockWorkerState>>) -> Response {
     axum::Json(responses::model_list(&w.model_name)).into_response()
 }

@@ -7,7 +7,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, Registry, TextEncoder};
 
-use crate::handlers::Server;
+use crate::handlers::MockWorkerState;
 
 /// Engine counters for `/metrics`, updated after every pass.
 #[derive(Debug, Default, Clone, Copy)]
@@ -149,7 +149,7 @@ fn registry(stats: &[Stats], model: &str) -> prometheus::Result<Registry> {
 }
 
 /// `/metrics`: a series per data-parallel rank.
-pub(crate) async fn metrics(State(w): State<Arc<Server>>) -> Response {
+pub(crate) async fn metrics(State(w): State<Arc<MockWorkerState>>) -> Response {
     let stats: Vec<Stats> = w
         .ranks
         .iter()

@@ -14,14 +14,14 @@ use kvroute_http::openai::types::{
 };
 use serde_json::Value;
 
-use crate::handlers::Server;
+use crate::handlers::MockWorkerState;
 
 /// The model list of `/v1/models`.
 pub(crate) fn model_list(model_name: &str) -> ModelList {
     ModelList::one(model_name, "kvroute-mock")
 }
 
-impl Server {
+impl MockWorkerState {
     pub(crate) fn text(&self, tokens: &[u32]) -> String {
         let vocab = self.model.vocab_size().max(1);
         let ids: Vec<u32> = tokens

@@ -6,7 +6,7 @@ use kvroute_http::model::{Model, SpecialTokens};
 use kvroute_http::openai::{ApiError, Prompt, Side, Truncation, check_text_len};
 use serde_json::{Value, json};
 
-use crate::handlers::Server;
+use crate::handlers::MockWorkerState;
 use crate::vllm::validation_message;
 
 /// The tokens the engine runs for `prompt`, written from vLLM's serving code rather than taken
@@ -221,7 +221,7 @@ pub(crate) fn kv_role(body: &Value, role: WorkerRole) -> Result<KvRole, ApiError
 
 /// The rank a request names: vLLM's `X-data-parallel-rank` header, else SGLang's
 /// `data_parallel_rank` body field, else the next rank in turn.
-pub(crate) fn pick_rank(w: &Server, header: Option<&str>, body: &Value) -> Result<usize, ApiError> {
+pub(crate) fn pick_rank(w: &MockWorkerState, header: Option<&str>, body: &Value) -> Result<usize, ApiError> {
     let named = match (header, body.get("data_parallel_rank").filter(|v| !v.is_null())) {
         (Some(h), _) => Some(h.trim().parse::<u64>().ok()),
         (None, Some(v)) => Some(v.as_u64()),
@@ -243,7 +243,7 @@ pub(crate) fn pick_rank(w: &Server, header: Option<&str>, body: &Value) -> Resul
 
 /// The `kv_transfer_params` a prefill for a remote decode answers with: this worker as the
 /// remote engine, and the prompt's blocks.
-pub(crate) fn transfer_params(w: &Server, prompt_tokens: u32, request_id: Option<&str>) -> Value {
+pub(crate) fn transfer_params(w: &MockWorkerState, prompt_tokens: u32, request_id: Option<&str>) -> Value {
     let blocks = prompt_tokens.div_ceil(w.block_size.max(1));
     json!({
         "do_remote_prefill": true,

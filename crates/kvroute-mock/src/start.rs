@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::config::{MockConfig, MockError};
 use crate::driver::{Outbox, drive};
-use crate::handlers::{Rank, Server, chat, completions, models, tokenize};
+use crate::handlers::{MockWorkerState, Rank, chat, completions, models, tokenize};
 use crate::metrics::{Stats, metrics};
 use crate::rooms::Rooms;
 
@@ -30,7 +30,7 @@ pub struct MockWorker {
     pub role: WorkerRole,
     /// Its data-parallel ranks.
     pub dp_size: u32,
-    state: Arc<Server>,
+    state: Arc<MockWorkerState>,
     publishers: Vec<Arc<EventPublisher>>,
     shutdown: Shutdown,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -175,7 +175,7 @@ async fn start_one(
         ranks.push(Rank { jobs, stats });
     }
     let shutdown = Shutdown::new();
-    let worker = Arc::new(Server {
+    let worker = Arc::new(MockWorkerState {
         engine_id: format!("kvroute-mock-{addr}"),
         role: config.role(i),
         rooms,

@@ -40,5 +40,5 @@ pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use planner::{
     Action, Change, Hold, Metric, Observation, Planner, PoolStatus, Reason, ScalingDecision,
-    ThroughputRecord, TickOutput, TickRecord, Traffic, WorkerObservation, WorkerState, fit_budget,
+    ThroughputRecord, TickOutput, TickRecord, Traffic, WorkerObservation, WorkerPhase, fit_budget,
 };

@@ -98,7 +98,7 @@ impl Traffic {
 /// A worker's life as the fleet reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum WorkerState {
+pub enum WorkerPhase {
     /// Provisioned, not yet routable.
     Starting,
     /// Taking requests.
@@ -115,7 +115,7 @@ pub struct WorkerObservation {
     /// Its pool.
     pub pool: Pool,
     /// Its state.
-    pub state: WorkerState,
+    pub state: WorkerPhase,
     /// Its forward passes since the previous tick, in order.
     pub passes: Vec<PassSample>,
     /// Prompt tokens of requests sent to it that have not had their first token yet (raw, no
@@ -545,9 +545,16 @@ impl Planner {
                 (to, reason) = (min, Some(Reason::MinReplicas));
             }
             if let Some((_, needs)) = &throughput
-                && let Some(&(n, demand_rps, capacity_rps)) = needs.iter().find(|n| n.0 == pool).map(|n| &n.1)
+                && let Some(&(
+                    _,
+                    PoolNeed {
+                        replicas,
+                        demand_rps,
+                        capacity_rps,
+                    },
+                )) = needs.iter().find(|(p, _)| *p == pool)
             {
-                let n = n.max(min);
+                let n = replicas.max(min);
                 if self.config.load_scaling {
                     self.floors[pool.index()] = n;
                     if to < n {
@@ -641,7 +648,7 @@ impl Planner {
         for w in obs
             .workers
             .iter()
-            .filter(|w| w.pool == pool && w.state == WorkerState::Ready)
+            .filter(|w| w.pool == pool && w.state == WorkerPhase::Ready)
         {
             // Resident KV and decoding requests: time-weighted means over the passes since the
             // last tick (a snapshot when there were none); the queue is a snapshot.
@@ -772,7 +779,7 @@ impl Planner {
     }
 
     /// Closes the throughput window: observes it, predicts the next and sizes each pool.
-    fn throughput_tick(&mut self) -> (ThroughputRecord, Vec<(Pool, Need)>) {
+    fn throughput_tick(&mut self) -> (ThroughputRecord, Vec<(Pool, PoolNeed)>) {
         let w = std::mem::take(&mut self.window);
         let window_s = self.config.throughput_interval_s;
         let observed_rps = w.requests as f64 / window_s;
@@ -823,7 +830,14 @@ impl Planner {
             });
             replicas.push((pool, n));
             if let (Some(n), Some(c)) = (n, capacity) {
-                needs.push((pool, (n, next_rps, c)));
+                needs.push((
+                    pool,
+                    PoolNeed {
+                        replicas: n,
+                        demand_rps: next_rps,
+                        capacity_rps: c,
+                    },
+                ));
             }
         }
         let record = ThroughputRecord {
@@ -906,7 +920,7 @@ impl Planner {
                 let mut victims: Vec<&WorkerObservation> = obs
                     .workers
                     .iter()
-                    .filter(|w| w.pool == pool && w.state == WorkerState::Ready)
+                    .filter(|w| w.pool == pool && w.state == WorkerPhase::Ready)
                     .collect();
                 victims.sort_by(|a, b| {
                     (a.queued_prefill_tokens + a.kv_tokens)
@@ -990,8 +1004,16 @@ pub fn fit_budget(
     out
 }
 
-/// What the throughput loop found for a pool: replicas, demand rps, capacity rps per engine.
-type Need = (u32, f64, f64);
+/// What the throughput loop found a pool needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct PoolNeed {
+    /// Engines that serve the predicted demand.
+    replicas: u32,
+    /// The predicted demand, requests per second.
+    demand_rps: f64,
+    /// What one engine serves within the SLA, requests per second.
+    capacity_rps: f64,
+}
 
 /// One engine's load as the estimates use it.
 #[derive(Clone, Copy, Debug, Default)]
@@ -1018,9 +1040,9 @@ impl Counts {
         let mut c = [[0u32; 3]; 3];
         for w in &obs.workers {
             let s = match w.state {
-                WorkerState::Ready => 0,
-                WorkerState::Starting => 1,
-                WorkerState::Draining => 2,
+                WorkerPhase::Ready => 0,
+                WorkerPhase::Starting => 1,
+                WorkerPhase::Draining => 2,
             };
             c[w.pool.index()][s] += 1;
         }

@@ -3,7 +3,7 @@
 use kvroute_core::time::Timestamp;
 use kvroute_planner::{
     Action, EngineLimits, Mode, Observation, PassSample, Planner, PlannerConfig, Pool, Reason, Traffic,
-    WorkerObservation, WorkerState,
+    WorkerObservation, WorkerPhase,
 };
 use proptest::prelude::*;
 
@@ -59,7 +59,7 @@ fn worker(id: u64, pool: Pool, queued: u64, seqs: u32, kv: u64) -> WorkerObserva
     WorkerObservation {
         id,
         pool,
-        state: WorkerState::Ready,
+        state: WorkerPhase::Ready,
         passes: Vec::new(),
         queued_prefill_tokens: queued,
         decode_seqs: seqs,
@@ -218,7 +218,7 @@ fn no_decision_while_a_worker_is_starting_or_draining() {
     let busy = |id| worker(id, Pool::Prefill, 80_000, 0, 0);
     let mut p = warmed(config, &[busy(0)]);
     let mut starting = busy(1);
-    starting.state = WorkerState::Starting;
+    starting.state = WorkerPhase::Starting;
     let out = p.tick(
         at(5.0),
         &Observation {
@@ -347,7 +347,7 @@ fn bad_configs_are_refused() {
 /// A toy fleet: adds start after `startup` ticks, removals drain for `drain` ticks.
 #[derive(Debug)]
 struct Fleet {
-    workers: Vec<(u64, Pool, WorkerState, u32)>,
+    workers: Vec<(u64, Pool, WorkerPhase, u32)>,
     next_id: u64,
 }
 
@@ -379,7 +379,7 @@ proptest! {
             ..PlannerConfig::default()
         };
         let mut fleet = Fleet {
-            workers: vec![(0, Pool::Prefill, WorkerState::Ready, 0), (1, Pool::Decode, WorkerState::Ready, 0)],
+            workers: vec![(0, Pool::Prefill, WorkerPhase::Ready, 0), (1, Pool::Decode, WorkerPhase::Ready, 0)],
             next_id: 2,
         };
         let mut planner = Planner::new(config.clone(), LIMITS, Timestamp::ZERO).expect("valid");
@@ -399,22 +399,22 @@ proptest! {
             // The fleet moves on: starting workers come up, drained ones go.
             for w in &mut fleet.workers {
                 w.3 += 1;
-                if w.2 == WorkerState::Starting && w.3 > startup {
-                    w.2 = WorkerState::Ready;
+                if w.2 == WorkerPhase::Starting && w.3 > startup {
+                    w.2 = WorkerPhase::Ready;
                 }
             }
-            fleet.workers.retain(|w| !(w.2 == WorkerState::Draining && w.3 > drain));
+            fleet.workers.retain(|w| !(w.2 == WorkerPhase::Draining && w.3 > drain));
             if let Some(d) = out.decision {
                 for a in d.actions {
                     match a {
                         Action::Add { pool } => {
-                            fleet.workers.push((fleet.next_id, pool, WorkerState::Starting, 0));
+                            fleet.workers.push((fleet.next_id, pool, WorkerPhase::Starting, 0));
                             fleet.next_id += 1;
                         }
                         Action::Remove { worker, .. } => {
                             let w = fleet.workers.iter_mut().find(|w| w.0 == worker).expect("a known worker");
-                            prop_assert_eq!(w.2, WorkerState::Ready);
-                            w.2 = WorkerState::Draining;
+                            prop_assert_eq!(w.2, WorkerPhase::Ready);
+                            w.2 = WorkerPhase::Draining;
                             w.3 = 0;
                         }
                     }
@@ -422,7 +422,7 @@ proptest! {
             }
             prop_assert!(gpus_of(&config, &fleet) <= config.max_gpu_budget, "{:?}", fleet);
             for pool in [Pool::Prefill, Pool::Decode] {
-                let live = fleet.workers.iter().filter(|w| w.1 == pool && w.2 != WorkerState::Draining).count();
+                let live = fleet.workers.iter().filter(|w| w.1 == pool && w.2 != WorkerPhase::Draining).count();
                 prop_assert!(live >= 1, "{:?} lost its last worker", pool);
             }
         }

@@ -111,31 +111,31 @@ type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
 /// every later request of the group or session points to), so a million requests generate in
 /// time and memory linear in their new tokens.
 pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
-    let plan = Plan::new(config, block_size);
+    let plan = WorkloadPlan::new(config, block_size);
     let own = plan.hash(0..plan.len());
     plan.build(own.blocks)
 }
 
 /// [`generate`] in three steps, so that a caller can hash on several threads (this crate starts
-/// none): [`Plan::new`] makes every draw; [`Plan::hash`] hashes the blocks made of a range of
+/// none): [`WorkloadPlan::new`] makes every draw; [`WorkloadPlan::hash`] hashes the blocks made of a range of
 /// requests' own tokens (all of a turn's blocks but the one that completes the session's
-/// partial block), each range independently; [`Plan::assemble`] builds the workload from the
+/// partial block), each range independently; [`WorkloadPlan::assemble`] builds the workload from the
 /// ranges: [`generate`]'s, whatever the ranges.
 #[derive(Clone, Debug)]
-pub struct Plan {
+pub struct WorkloadPlan {
     config: SyntheticConfig,
     block_size: u32,
     turns: Vec<PlannedTurn>,
 }
 
-/// The blocks made of the own tokens of a range of a [`Plan`]'s requests, from [`Plan::hash`].
+/// The blocks made of the own tokens of a range of a [`WorkloadPlan`]'s requests, from [`WorkloadPlan::hash`].
 #[derive(Clone, Debug)]
 pub struct OwnBlocks {
     first: usize,
     blocks: Vec<Vec<LocalBlockHash>>,
 }
 
-impl Plan {
+impl WorkloadPlan {
     /// Every draw of the workload `config` describes at `block_size` tokens per block, in order.
     pub fn new(config: &SyntheticConfig, block_size: u32) -> Self {
         Self {
@@ -170,7 +170,7 @@ impl Plan {
     }
 
     /// The workload, from `parts` that cover the requests in order (ranges `0..a`, `a..b`, ...,
-    /// up to [`Plan::len`]); an error says where a request is missing.
+    /// up to [`WorkloadPlan::len`]); an error says where a request is missing.
     pub fn assemble(&self, parts: Vec<OwnBlocks>) -> Result<Workload, SimError> {
         let mut next = 0;
         for part in &parts {
@@ -448,7 +448,7 @@ mod tests {
             assert_eq!(w.requests.len(), requests, "{config:?}");
             assert_eq!(generate(&config, bs), w, "not deterministic: {config:?}");
             // Hashed in ranges (as threads would), the same workload.
-            let plan = Plan::new(&config, bs);
+            let plan = WorkloadPlan::new(&config, bs);
             for cuts in [
                 vec![],
                 vec![0, 1],

@@ -678,11 +678,11 @@ fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
 }
 
 /// The synthetic workload, its prompts' blocks hashed on every core: the simulator's crate starts
-/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::Plan::hash`]) runs
+/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::WorkloadPlan::hash`]) runs
 /// here, one range of requests per thread. The workload is
 /// [`kvroute_sim::synthetic::generate`]'s on any number of cores.
 fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::Result<Workload> {
-    let plan = kvroute_sim::synthetic::Plan::new(config, block_size);
+    let plan = kvroute_sim::synthetic::WorkloadPlan::new(config, block_size);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let chunk = plan.len().div_ceil(threads).max(1);
     let parts = std::thread::scope(|scope| {

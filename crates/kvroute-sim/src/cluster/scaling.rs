@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use kvroute_core::router::WorkerRole;
-use kvroute_planner::{Action, Observation, Pool, WorkerObservation, WorkerState};
+use kvroute_planner::{Action, Observation, Pool, WorkerObservation, WorkerPhase};
 
 use crate::error::SimError;
 
@@ -29,9 +29,9 @@ impl Run<'_> {
                 id: i as u64,
                 pool: w.pool(),
                 state: match w.life {
-                    Life::Starting => WorkerState::Starting,
-                    Life::Draining | Life::Removed => WorkerState::Draining,
-                    Life::Ready => WorkerState::Ready,
+                    Life::Starting => WorkerPhase::Starting,
+                    Life::Draining | Life::Removed => WorkerPhase::Draining,
+                    Life::Ready => WorkerPhase::Ready,
                 },
                 passes: std::mem::take(&mut w.passes),
                 queued_prefill_tokens: w.queued_prefill_tokens,

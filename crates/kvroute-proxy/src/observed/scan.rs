@@ -1,298 +1,19 @@
-//! The worker's response on its way back to the client: passed through while it reports its
-//! chunks (the first is prefill done and the time to first token; the gaps between streamed
-//! ones are inter-token latencies) and its end, error, idle timeout or the client leaving, each
-//! of which frees the request and is counted once as the request's [`RequestOutcome`].
-//!
-//! On its way it reads the engine's usage (the last `usage` of a stream, the body's of a unary
-//! answer) for the cached prompt tokens the engine reports, counted per worker beside the
-//! tokens the router predicted ([`CachedReport`]). A stream whose usage chunk the proxy asked
-//! for itself ([`Shape::Stream`] with `strip_usage`) has that chunk taken out, so the client
-//! gets what it asked for.
+//! What the proxy reads of a worker's answer on its way: a unary body gathered whole, or a
+//! stream of server-sent events read event by event for its last usage and its error events,
+//! with the usage-only chunk taken out when the proxy asked for it itself.
 
-use std::pin::Pin;
 use std::sync::LazyLock;
-use std::task::{Context, Poll};
-use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use bytes::Bytes;
-use hyper::body::{Frame, Incoming, SizeHint};
-use kvroute_http::openai::Endpoint;
 use kvroute_http::openai::types::Usage;
 use memchr::memmem::Finder;
-use serde_json::Value;
-use tokio::time::Sleep;
 
-use crate::driver::RequestGuard;
-use crate::metrics::{CachedReport, RequestKind, RequestOutcome};
-
-/// How the response is read for its usage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Shape {
-    /// One JSON body, read whole (up to [`MAX_SCANNED`]) for its `usage`.
-    Unary,
-    /// Server-sent events, scanned event by event for the last `usage`.
-    Stream {
-        /// The proxy added `stream_options.include_usage` itself: the usage-only chunk is
-        /// taken out of what the client gets.
-        strip_usage: bool,
-    },
-}
-
-/// What a request's observed body reports under: its endpoint, its shape, and whether the
-/// response names the chosen worker in debug headers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Report {
-    /// The endpoint (its path is the metrics' label).
-    pub endpoint: Endpoint,
-    /// How the body is read.
-    pub shape: Shape,
-    /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens`.
-    pub debug_headers: bool,
-}
-
-impl Report {
-    /// The metrics' `request_type`.
-    pub fn kind(&self) -> RequestKind {
-        match self.shape {
-            Shape::Unary => RequestKind::Unary,
-            Shape::Stream { .. } => RequestKind::Stream,
-        }
-    }
-
-    fn streaming(&self) -> bool {
-        matches!(self.shape, Shape::Stream { .. })
-    }
-}
-
-/// The debug headers' names.
-pub const WORKER_HEADER: &str = "x-kvroute-worker";
-/// The chosen worker's data-parallel rank.
-pub const DP_RANK_HEADER: &str = "x-kvroute-dp-rank";
-/// The prompt tokens the router predicted cached on the chosen worker.
-pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
-
-/// Adds the debug headers naming `guard`'s worker and prediction to `headers`, if `report`
-/// asks for them.
-pub fn debug_headers(report: &Report, guard: &RequestGuard, headers: &mut HeaderMap) {
-    if !report.debug_headers {
-        return;
-    }
-    let Some((key, predicted)) = guard.routed() else {
-        return;
-    };
-    headers.insert(WORKER_HEADER, HeaderValue::from(key.worker.0));
-    headers.insert(DP_RANK_HEADER, HeaderValue::from(key.dp_rank.0));
-    headers.insert(PREDICTED_HEADER, HeaderValue::from(predicted));
-}
-
-/// The most bytes of a unary body, or of one server-sent event, read for its usage; past it
-/// the body passes through unread and its usage counts as not seen.
-pub const MAX_SCANNED: usize = 8 << 20;
-
-/// The worker's response body, passed through while it reports to the request's guard and
-/// the metrics.
-pub struct Observed {
-    inner: Incoming,
-    guard: Option<RequestGuard>,
-    report: Report,
-    status: StatusCode,
-    scan: Scan,
-    /// Bytes still to hand out before the end (what a stripped stream held back).
-    tail: Option<Bytes>,
-    /// What becomes of the worker's body once the request is counted.
-    rest: Rest,
-    idle: Pin<Box<Sleep>>,
-    timeout: Duration,
-    /// The worker's failure, handed out one poll after it was seen: the server then flushes
-    /// what it already has (the head, the chunks before it) before it closes the connection,
-    /// so that the client sees the stream break off rather than no answer at all.
-    failed: Option<StreamError>,
-}
-
-impl Observed {
-    /// Observes `inner`, a response of `status`, for `guard`; a streamed body silent for
-    /// `timeout` fails.
-    pub fn new(
-        inner: Incoming,
-        guard: RequestGuard,
-        report: Report,
-        status: StatusCode,
-        timeout: Duration,
-    ) -> Self {
-        let scan = match report.shape {
-            _ if !status.is_success() => Scan::Off,
-            Shape::Unary => Scan::Unary(Vec::new()),
-            Shape::Stream { strip_usage } => Scan::Stream(SseScan::new(strip_usage)),
-        };
-        Self {
-            inner,
-            guard: Some(guard),
-            report,
-            status,
-            scan,
-            tail: None,
-            rest: Rest::End,
-            idle: Box::pin(tokio::time::sleep(timeout)),
-            timeout,
-            failed: None,
-        }
-    }
-
-    /// Ends the request with `outcome`, counted once; its load is freed (cancelled, unless
-    /// [`Self::completed`] finishes it).
-    fn end(&mut self, outcome: RequestOutcome) -> Option<RequestGuard> {
-        let guard = self.guard.take()?;
-        let metrics = &guard.shared().metrics;
-        metrics.record_outcome(self.report.endpoint, self.report.kind(), outcome);
-        Some(guard)
-    }
-
-    /// The body reached its end: `ok` if the worker answered 2xx without an error event (its
-    /// usage is counted then), `upstream_error` otherwise; the request is finished.
-    fn completed(&mut self) {
-        let ok = self.status.is_success() && !self.scan.error_event();
-        let outcome = if ok {
-            RequestOutcome::Ok
-        } else {
-            RequestOutcome::UpstreamError
-        };
-        if let Some(guard) = self.end(outcome) {
-            if let (true, Some((key, _))) = (ok, guard.routed()) {
-                let report = self.scan.cached_report();
-                guard.shared().metrics.record_cached_report(key, report);
-            }
-            guard.finish();
-        }
-    }
-}
-
-impl Drop for Observed {
-    fn drop(&mut self) {
-        // Not ended: the client left (the guard, dropped, cancels the request).
-        self.end(RequestOutcome::ClientCancelled);
-    }
-}
-
-/// What is left of the worker's body once its request is counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rest {
-    /// Nothing: the client's body ends (after what was held back).
-    End,
-    /// The stream passed `data: [DONE]`: the answer is whole and counted, and what the worker
-    /// still sends (its body's end) passes on; if it breaks off or goes silent instead, the
-    /// client's body just ends.
-    PassOn,
-}
-
-/// The error a client sees when the worker's response breaks off.
-#[derive(Debug, thiserror::Error)]
-pub enum StreamError {
-    /// The worker's connection failed.
-    #[error("the worker's response failed: {0}")]
-    Upstream(#[from] hyper::Error),
-    /// The worker went silent.
-    #[error("the worker went silent for longer than the request timeout")]
-    Timeout,
-}
-
-impl hyper::body::Body for Observed {
-    type Data = Bytes;
-    type Error = StreamError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, StreamError>>> {
-        let this = self.get_mut();
-        if let Some(e) = this.failed.take() {
-            return Poll::Ready(Some(Err(e)));
-        }
-        loop {
-            if this.guard.is_none() && this.rest == Rest::End {
-                // Ended: what was held back, then the end.
-                return Poll::Ready(this.tail.take().map(|b| Ok(Frame::data(b))));
-            }
-            match Pin::new(&mut this.inner).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
-                    let frame = match frame.into_data() {
-                        Ok(data) => {
-                            let streaming = this.report.streaming();
-                            if let Some(guard) = &mut this.guard {
-                                guard.chunk(streaming);
-                            }
-                            if streaming {
-                                let deadline = tokio::time::Instant::now() + this.timeout;
-                                this.idle.as_mut().reset(deadline);
-                            }
-                            let mut out = this.scan.feed(data);
-                            if this.inner.is_end_stream() {
-                                // The last bytes (a sized body): end now, so that the request
-                                // is counted before the client has all of it.
-                                if let Some(tail) = this.scan.finish().filter(|b| !b.is_empty()) {
-                                    out = [out, tail].concat().into();
-                                }
-                                this.completed();
-                                this.rest = Rest::End;
-                            } else if this.guard.is_some() && this.scan.done() {
-                                // `[DONE]`: the answer is whole. Counted now, before the client
-                                // reads it (clients stop there and may close at once).
-                                this.completed();
-                                this.rest = Rest::PassOn;
-                            }
-                            if out.is_empty() {
-                                continue;
-                            }
-                            Frame::data(out)
-                        }
-                        Err(other) => other,
-                    };
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                Poll::Ready(Some(Err(_))) if this.rest == Rest::PassOn => this.rest = Rest::End,
-                Poll::Ready(Some(Err(e))) => {
-                    this.end(RequestOutcome::UpstreamReset);
-                    this.failed = Some(e.into());
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                Poll::Ready(None) => {
-                    this.tail = this.scan.finish().filter(|b| !b.is_empty());
-                    this.completed();
-                    this.rest = Rest::End;
-                }
-                Poll::Pending => {
-                    if this.idle.as_mut().poll(cx).is_ready() {
-                        if this.rest == Rest::PassOn {
-                            this.rest = Rest::End;
-                            continue;
-                        }
-                        this.end(RequestOutcome::Timeout);
-                        return Poll::Ready(Some(Err(StreamError::Timeout)));
-                    }
-                    return Poll::Pending;
-                }
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.guard.is_none() && self.tail.is_none() && self.failed.is_none() && self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self.scan {
-            // A stripped stream may be shorter than the worker's.
-            Scan::Stream(SseScan {
-                strip_usage: true, ..
-            }) => SizeHint::default(),
-            _ => self.inner.size_hint(),
-        }
-    }
-}
+use super::MAX_SCANNED;
+use super::skim::ChunkView;
+use crate::metrics::CachedReport;
 
 /// What is read of a body for its usage.
-enum Scan {
+pub(super) enum Scan {
     /// Nothing (an error answer, or a body too large to read).
     Off,
     /// A unary body, gathered whole.
@@ -303,7 +24,7 @@ enum Scan {
 
 impl Scan {
     /// Takes a frame's bytes; returns what goes to the client.
-    fn feed(&mut self, data: Bytes) -> Bytes {
+    pub(super) fn feed(&mut self, data: Bytes) -> Bytes {
         match self {
             Self::Off => data,
             Self::Unary(buf) => {
@@ -319,25 +40,31 @@ impl Scan {
     }
 
     /// The body ended: what is left to hand out.
-    fn finish(&mut self) -> Option<Bytes> {
+    pub(super) fn finish(&mut self) -> Option<Bytes> {
         match self {
             Self::Stream(sse) => sse.finish(),
             Self::Off | Self::Unary(_) => None,
         }
     }
 
+    /// Whether what goes to the client may be shorter than what the worker sent (a stream
+    /// whose usage-only chunk is taken out).
+    pub(super) fn shortens(&self) -> bool {
+        matches!(self, Self::Stream(sse) if sse.strip_usage)
+    }
+
     /// Whether a stream passed its `data: [DONE]`.
-    fn done(&self) -> bool {
+    pub(super) fn done(&self) -> bool {
         matches!(self, Self::Stream(sse) if sse.seen.done)
     }
 
     /// Whether a stream carried an error event.
-    fn error_event(&self) -> bool {
+    pub(super) fn error_event(&self) -> bool {
         matches!(self, Self::Stream(sse) if sse.seen.error_event)
     }
 
     /// What the body said of its cached tokens.
-    fn cached_report(&self) -> CachedReport {
+    pub(super) fn cached_report(&self) -> CachedReport {
         let usage = match self {
             Self::Off => None,
             Self::Unary(buf) => serde_json::from_slice::<UsageOnly>(buf)
@@ -374,7 +101,7 @@ pub fn cached_report(usage: Option<&Usage>) -> CachedReport {
 /// until its end arrives). A frame of whole events is read where it lies and, unless an event
 /// is taken out of it, passed on as it came (no copy); only an event cut across frames is
 /// gathered.
-struct SseScan {
+pub(super) struct SseScan {
     strip_usage: bool,
     /// The start of an event whose end has not arrived.
     partial: Vec<u8>,
@@ -396,7 +123,7 @@ struct Seen {
 }
 
 impl SseScan {
-    fn new(strip_usage: bool) -> Self {
+    pub(super) fn new(strip_usage: bool) -> Self {
         Self {
             strip_usage,
             partial: Vec::new(),
@@ -530,152 +257,6 @@ impl Seen {
 static USAGE_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
 static ERROR_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
 
-/// What [`Seen::inspect`] reads of a chunk (a JSON object): what a parse into a [`Value`] would
-/// show of its `error`, `usage` and `choices` (the last of a repeated key counting), the same
-/// texts accepted, but only `usage` built: the rest is read through and dropped.
-#[derive(Default)]
-struct ChunkView {
-    /// `error` is there and not null.
-    error: bool,
-    /// `usage`, whatever it is.
-    usage: Option<Value>,
-    /// `choices` is a list of at least one.
-    choices: bool,
-}
-
-impl ChunkView {
-    /// The usage, if `usage` is an object that reads as one.
-    fn usage(&self) -> Option<Usage> {
-        match &self.usage {
-            Some(u) if u.is_object() => serde_json::from_value(u.clone()).ok(),
-            _ => None,
-        }
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for ChunkView {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Fields;
-        impl<'de> serde::de::Visitor<'de> for Fields {
-            type Value = ChunkView;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<ChunkView, A::Error> {
-                let mut chunk = ChunkView::default();
-                while let Some(key) = map.next_key::<ChunkKey>()? {
-                    match key {
-                        ChunkKey::Error => chunk.error = !map.next_value::<Skim>()?.null,
-                        ChunkKey::Usage => chunk.usage = Some(map.next_value()?),
-                        ChunkKey::Choices => chunk.choices = map.next_value::<Skim>()?.nonempty_list,
-                        ChunkKey::Other => {
-                            map.next_value::<Skim>()?;
-                        }
-                    }
-                }
-                Ok(chunk)
-            }
-        }
-        d.deserialize_map(Fields)
-    }
-}
-
-/// A key of a chunk, as far as [`ChunkView`] tells them apart.
-enum ChunkKey {
-    Error,
-    Usage,
-    Choices,
-    Other,
-}
-
-impl<'de> serde::Deserialize<'de> for ChunkKey {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Key;
-        impl serde::de::Visitor<'_> for Key {
-            type Value = ChunkKey;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a key")
-            }
-            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<ChunkKey, E> {
-                Ok(match key {
-                    "error" => ChunkKey::Error,
-                    "usage" => ChunkKey::Usage,
-                    "choices" => ChunkKey::Choices,
-                    _ => ChunkKey::Other,
-                })
-            }
-        }
-        d.deserialize_str(Key)
-    }
-}
-
-/// Any JSON value, read as a [`Value`] parse reads it (numbers in range, strings' escapes
-/// valid, the same depth limit) but not built: whether it was `null`, and whether it was a
-/// list of at least one.
-#[derive(Clone, Copy, Default)]
-struct Skim {
-    null: bool,
-    nonempty_list: bool,
-}
-
-impl<'de> serde::Deserialize<'de> for Skim {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(SkimVisitor)
-    }
-}
-
-struct SkimVisitor;
-
-impl<'de> serde::de::Visitor<'de> for SkimVisitor {
-    type Value = Skim;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("any JSON value")
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Skim, E> {
-        Ok(Skim::default())
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Skim, E> {
-        Ok(Skim::default())
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Skim, E> {
-        Ok(Skim::default())
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Skim, E> {
-        Ok(Skim::default())
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Skim, E> {
-        Ok(Skim::default())
-    }
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Skim, E> {
-        Ok(Skim {
-            null: true,
-            nonempty_list: false,
-        })
-    }
-    fn visit_none<E: serde::de::Error>(self) -> Result<Skim, E> {
-        self.visit_unit()
-    }
-    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Skim, D::Error> {
-        d.deserialize_any(self)
-    }
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Skim, A::Error> {
-        let mut len = 0usize;
-        while seq.next_element::<Skim>()?.is_some() {
-            len += 1;
-        }
-        Ok(Skim {
-            null: false,
-            nonempty_list: len > 0,
-        })
-    }
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Skim, A::Error> {
-        while map.next_key::<Skim>()?.is_some() {
-            map.next_value::<Skim>()?;
-        }
-        Ok(Skim::default())
-    }
-}
-
 /// The length of the whole event at the start of `buf` (through its blank line), if it is
 /// all there.
 fn event_len(buf: &[u8]) -> Option<usize> {
@@ -687,6 +268,7 @@ fn event_len(buf: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     const CHUNK: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null}]}\n\n";
     const USAGE: &str = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"total_tokens\":42,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n";
