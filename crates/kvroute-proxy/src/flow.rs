@@ -27,6 +27,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
+use kvroute_core::ids::{DpRank, WorkerKey};
 use kvroute_http::disagg;
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::{self, ApiError, Endpoint, KvCacheReport};
@@ -145,7 +146,13 @@ impl Forwarder {
         let window = ServeConfig::ms(self.shared.config.reannounce_window_ms);
         let full = std::iter::once(&target.decode)
             .chain(&target.prefill)
-            .any(|upstream| self.shared.views.kv_cache_report(upstream, window) == KvCacheReport::Full);
+            .any(|upstream| {
+                let key = WorkerKey::new(upstream.worker, DpRank(upstream.dp_rank));
+                self.shared
+                    .views
+                    .kv_cache_report(key, upstream.engine, upstream.reannounce, window)
+                    == KvCacheReport::Full
+            });
         let report = if full {
             KvCacheReport::Full
         } else {
@@ -310,7 +317,7 @@ fn upstream_request(
     };
     let mut builder = builder.header(header::CONTENT_TYPE, "application/json");
     builder = match (&upstream.api_key, &request.authorization) {
-        (Some(key), _) => crate::health::with_credential(builder, Some(key)),
+        (Some(key), _) => crate::checks::with_credential(builder, Some(key)),
         (None, Some(client)) => builder.header(header::AUTHORIZATION, client.clone()),
         (None, None) => builder,
     };

@@ -28,7 +28,7 @@ use kvroute_http::Model;
 use kvroute_http::net::{self, HttpClient, Shutdown};
 use kvroute_http::openai::types::Usage;
 use kvroute_mock::{self as mock, MockConfig, MockWorker};
-use kvroute_proxy::events::ViewSummary;
+use kvroute_proxy::views::ViewSummary;
 use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
@@ -192,7 +192,7 @@ async fn held_on_stub(
         post(&http, &url, "/v1/completions", &body).await
     });
     stub.arrived().await;
-    p.shared.add_worker(flags(others).remove(0)).unwrap();
+    p.fleet.add(flags(others).remove(0)).unwrap();
     until_gauges_are(p, &[(0, 1)]).await;
     held
 }

@@ -31,9 +31,9 @@ use kvroute_sync::WireEvent;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
-use crate::events::Views;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
+use crate::views::Views;
 use crate::worker::HealthPolicy;
 
 mod guard;
@@ -45,6 +45,7 @@ mod workers;
 
 pub use guard::RequestGuard;
 pub use route::{RouteError, Target, Upstream};
+pub(crate) use workers::Announce;
 
 struct Inner {
     router: Router,
