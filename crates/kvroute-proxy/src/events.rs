@@ -11,7 +11,7 @@
 //! from the engine's new events (and, with `cache = "predict"`, the router's own decisions),
 //! and, for `reannounce-window-ms` after it was cleared, from the engine's re-announcements: a
 //! request routed to the rank asks a vLLM engine (worker key `reannounce = "auto"`) for
-//! `"vllm_xargs": {"kv_cache_report_mode": "full"}` ([`Views::kv_cache_report`]), and the
+//! `"vllm_xargs": {"kv_cache_report_mode": "full"}` (`Views::kv_cache_report`), and the
 //! engine announces the cached blocks the request reuses again, as stored events from the
 //! root. A store of blocks the view holds changes nothing (the index keeps them where they
 //! are; `kvroute_index_blocks_stored_total` counts only blocks newly held).
@@ -24,7 +24,7 @@
 //! when it is removed, by whichever path.
 //!
 //! A worker out of routing for failed health checks keeps its view and its events still
-//! apply; when it is back, [`Views::resync`] has its subscribers check the stream against the
+//! apply; when it is back, `Views::resync` has its subscribers check the stream against the
 //! engine's replay buffer (see [`kvroute_zmq::ResyncTrigger`]).
 //!
 //! Reports are converted (and hashed) outside the router's lock, then applied through the

@@ -2,7 +2,7 @@
 //! can be trusted ([`ViewState`], listed by the admin API as a [`ViewSummary`]), whether a
 //! replay is catching it up, and the subscriber's resync trigger. While a rank's view is rebuilt
 //! after lost batches, a request routed there may ask its engine to re-announce the blocks it
-//! reuses ([`Views::kv_cache_report`]).
+//! reuses (`Views::kv_cache_report`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

@@ -218,10 +218,15 @@ async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_ret
     // The stub's health fails, then passes again; the request is still in flight.
     stub.healthy.store(false, Ordering::SeqCst);
     until_state(&p, 0, StateName::Unhealthy).await;
+    // Out of routing, the request it holds is still booked on it.
+    let booked = |p: &ProxyHandle| p.shared.worker_statuses()[0].active_requests;
+    assert_eq!(booked(&p), 1);
     // Meanwhile requests go to the other worker and succeed.
     all_served(&url, 3, "during").await;
     stub.healthy.store(true, Ordering::SeqCst);
     until_state(&p, 0, StateName::Ready).await;
+    // Back with it still booked: not taken for idle.
+    assert_eq!(booked(&p), 1);
     // The held request finishes, unharmed by the flap.
     stub.release.add_permits(1);
     let (status, out) = held.await.unwrap();
