@@ -108,7 +108,7 @@ fn routed_to(r: &mut Router, t: Timestamp, id: u64) -> WorkerKey {
     };
     match r
         .handle_request(t, &RouteRequest::new(RequestId(id), prompt))
-        .unwrap()
+        .expect("a valid request")
     {
         RouteOutcome::Routed(d) => d.worker,
         other => panic!("{other:?}"),

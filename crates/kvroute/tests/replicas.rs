@@ -472,12 +472,14 @@ fn scrape(proxy: &ProxyHandle) -> String {
     proxy.shared.metrics.render()
 }
 
-/// The series of `scrape` that name worker `id` (by its id label) or `url`.
+/// The series of `scrape` that name worker `id` (by either id label: `worker_id`, or the KV
+/// subscribers' `worker`) or `url`.
 fn series_of(scrape: &str, id: u64, url: &str) -> Vec<String> {
-    let label = format!("worker=\"{id}\"");
+    let labels = [format!("worker_id=\"{id}\""), format!("worker=\"{id}\"")];
     scrape
         .lines()
-        .filter(|l| !l.starts_with('#') && (l.contains(&label) || l.contains(url)))
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| labels.iter().any(|label| l.contains(label.as_str())) || l.contains(url))
         .map(str::to_owned)
         .collect()
 }
