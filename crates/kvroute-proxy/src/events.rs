@@ -11,7 +11,7 @@
 //! from the engine's new events (and, with `cache = "predict"`, the router's own decisions),
 //! and, for `reannounce-window-ms` after it was cleared, from the engine's re-announcements: a
 //! request routed to the rank asks a vLLM engine (worker key `reannounce = "auto"`) for
-//! `"vllm_xargs": {"kv_cache_report_mode": "full"}` (`Views::kv_cache_report`), and the
+//! `"vllm_xargs": {"kv_cache_report_mode": "full"}` (`WorkerViews::kv_cache_report`), and the
 //! engine announces the cached blocks the request reuses again, as stored events from the
 //! root. A store of blocks the view holds changes nothing (the index keeps them where they
 //! are; `kvroute_index_blocks_stored_total` counts only blocks newly held).
@@ -24,13 +24,13 @@
 //! when it is removed, by whichever path.
 //!
 //! A worker out of routing for failed health checks keeps its view and its events still
-//! apply; when it is back, `Views::resync` has its subscribers check the stream against the
+//! apply; when it is back, `WorkerViews::resync` has its subscribers check the stream against the
 //! engine's replay buffer (see [`kvroute_zmq::ResyncTrigger`]).
 //!
 //! Reports are converted (and hashed) outside the router's lock, then applied through the
 //! driver's one door to the router ([`Shared`]); a drained or removed worker takes none.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_core::index::IndexError;
@@ -43,7 +43,6 @@ use crate::config::WorkerConfig;
 use crate::driver::Shared;
 use crate::metrics::KvSubscriberCounters;
 use crate::registry::{Registry, Subscribers};
-use crate::views::Views;
 use crate::worker::WorkerState;
 
 /// Whether worker `id`'s cache view is kept (so its events apply): while it is in the router,
@@ -59,7 +58,9 @@ fn keeps_view(registry: &Registry, id: WorkerId) -> bool {
 pub struct EventFeed {
     tx: mpsc::Sender<SubscriberEvent>,
     exported: KvSubscriberCounters,
-    views: Views,
+    /// Where a started subscriber's resync trigger goes (its worker's views); weak, as the
+    /// driver owns the subscribers.
+    shared: Weak<Shared>,
 }
 
 /// A subscriber's counters exported for as long as this lives (it lives in the subscriber's
@@ -86,7 +87,7 @@ impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
     pub fn start(shared: Arc<Shared>) -> Self {
         let exported = shared.metrics.kv_subscribers.clone();
-        let views = shared.views.clone();
+        let weak = Arc::downgrade(&shared);
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
@@ -94,7 +95,11 @@ impl EventFeed {
                 shared.notify();
             }
         });
-        Self { tx, exported, views }
+        Self {
+            tx,
+            exported,
+            shared: weak,
+        }
     }
 
     /// Starts worker `id`'s subscribers, one per rank, if it has an events endpoint; they run
@@ -140,7 +145,7 @@ impl EventFeed {
         let key = WorkerKey::new(sub.worker, sub.rank);
         let tx = self.tx.clone();
         let exported = self.exported.clone();
-        let views = self.views.clone();
+        let shared = Weak::clone(&self.shared);
         tokio::spawn(async move {
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
@@ -150,7 +155,10 @@ impl EventFeed {
                 }
             };
             let counters = Arc::clone(handle.counters());
-            views.set_trigger(key, handle.resync_trigger());
+            if let Some(shared) = shared.upgrade() {
+                let trigger = handle.resync_trigger();
+                shared.update_views(key.worker, |v| v.set_trigger(key.dp_rank, trigger));
+            }
             exported.insert(key, Arc::clone(&counters));
             let export = Exported {
                 exported,
@@ -182,7 +190,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
                 .any(|e| matches!(e, WireEvent::AllBlocksCleared))
             {
                 // The engine emptied its cache: from here on the view is exact again.
-                shared.views.exact(worker);
+                shared.update_views(worker.worker, |v| v.exact(worker.dp_rank));
             }
             apply_batch(shared, batch.worker_key(worker), &batch);
         }
@@ -195,7 +203,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
             incident("restarted");
             clear(shared, worker);
             // A new engine has an empty cache: the view is exact again.
-            shared.views.exact(worker);
+            shared.update_views(worker.worker, |v| v.exact(worker.dp_rank));
         }
         SubscriberEvent::GapLost { worker, missing } => {
             let lost = missing.end.saturating_sub(missing.start);
@@ -208,7 +216,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
             );
             incident("gap_lost");
             clear(shared, worker);
-            shared.views.lost(worker, lost);
+            shared.update_views(worker.worker, |v| v.lost(worker.dp_rank, lost));
         }
         SubscriberEvent::Replaying {
             worker,
@@ -222,11 +230,13 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
                 endpoint,
                 "catching up through the replay socket"
             );
-            shared.views.replaying(worker, Some((from, endpoint)));
+            shared.update_views(worker.worker, |v| {
+                v.replaying(worker.dp_rank, Some((from, endpoint)));
+            });
             shared.notify();
         }
         SubscriberEvent::Replayed { worker } => {
-            shared.views.replaying(worker, None);
+            shared.update_views(worker.worker, |v| v.replaying(worker.dp_rank, None));
             // Waiters on the view's state (tests, the admin listing's readers) see it end.
             shared.notify();
         }

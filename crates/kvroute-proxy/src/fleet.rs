@@ -3,10 +3,10 @@
 //!
 //! A worker, once added, is one entry of the driver's registry ([`crate::registry`]), and that
 //! entry owns everything the proxy holds for it: its state, its registration checks' verdicts,
-//! its KV-event subscribers; its ranks are in the router, its cache views in the driver's
-//! [`crate::views::Views`], its series in the metrics. [`Fleet::add`] makes all of these;
-//! [`Fleet::remove`] (the driver's one remove path) ends all of them, whoever asks: an
-//! operator, or a peer replica that an operator asked.
+//! its ranks' cache views, its KV-event subscribers; besides, its ranks are in the router and
+//! its series in the metrics. [`Fleet::add`] makes all of these; [`Fleet::remove`] (the
+//! driver's one remove path) ends all of them, whoever asks: an operator, or a peer replica
+//! that an operator asked.
 
 use std::sync::Arc;
 

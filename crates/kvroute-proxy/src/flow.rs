@@ -27,7 +27,6 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use kvroute_core::ids::{DpRank, WorkerKey};
 use kvroute_http::disagg;
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::{self, ApiError, Endpoint, KvCacheReport};
@@ -143,16 +142,9 @@ impl Forwarder {
         request: &Generation<'a>,
         target: &Target,
     ) -> Result<Generation<'a>, ApiError> {
-        let window = ServeConfig::ms(self.shared.config.reannounce_window_ms);
         let full = std::iter::once(&target.decode)
             .chain(&target.prefill)
-            .any(|upstream| {
-                let key = WorkerKey::new(upstream.worker, DpRank(upstream.dp_rank));
-                self.shared
-                    .views
-                    .kv_cache_report(key, upstream.engine, upstream.reannounce, window)
-                    == KvCacheReport::Full
-            });
+            .any(|upstream| upstream.kv_cache_report == KvCacheReport::Full);
         let report = if full {
             KvCacheReport::Full
         } else {

@@ -16,11 +16,12 @@
 //! * [`worker`]: a worker's states and the pure transition function between them.
 //! * [`checks`]: the registration checks (served model, block size, tokenization) and their
 //!   verdicts, which mark a worker misconfigured.
-//! * [`views`]: each worker rank's cache view: how far it can be trusted, its resync trigger.
+//! * [`views`]: a worker's cache views, one per rank: how far each can be trusted, its resync
+//!   trigger.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`registry`]: the workers the proxy knows; each entry holds everything the proxy holds for
-//!   its worker (configuration, state, verdicts, KV-event subscribers).
+//!   its worker (configuration, state, verdicts, cache views, KV-event subscribers).
 //! * [`driver`]: the router driver ([`Shared`]): the router and the registry under one lock,
 //!   the request guard that frees load on every exit path, what a worker's change of state
 //!   means for the router, and the one path that removes a worker.

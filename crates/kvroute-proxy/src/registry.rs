@@ -1,6 +1,7 @@
 //! The worker registry: every worker the proxy knows, and everything the proxy holds for it:
-//! its configuration, its [`WorkerState`], its registration checks' verdicts and its KV-event
-//! subscribers ([`Subscribers`], stopped when its entry goes). What a change of state means for
+//! its configuration, its [`WorkerState`], its registration checks' verdicts, its ranks' cache
+//! views ([`WorkerViews`]) and its KV-event subscribers ([`Subscribers`], stopped when its entry
+//! goes). What a change of state means for
 //! the router (ranks entering, draining or leaving it) is the driver's ([`crate::driver`]),
 //! which is the one place entries are added and removed.
 
@@ -15,6 +16,7 @@ use serde::Serialize;
 
 use crate::checks::{Check, Verdict};
 use crate::config::WorkerConfig;
+use crate::views::WorkerViews;
 use crate::worker::{HealthPolicy, StateName, WorkerEvent, WorkerState};
 
 /// A worker as the proxy knows it.
@@ -32,6 +34,8 @@ pub struct WorkerEntry {
     pub problems: BTreeMap<Check, String>,
     /// The block size of its latest KV events (what [`Check::BlockSize`] last judged).
     pub event_block_size: Option<u32>,
+    /// Its ranks' cache views, as its KV events tell.
+    pub views: WorkerViews,
     /// Its KV-event subscribers (none until they are started, or without events).
     pub subscribers: Subscribers,
 }
@@ -168,6 +172,7 @@ impl Registry {
                 state: WorkerState::ADDED,
                 problems: BTreeMap::new(),
                 event_block_size: None,
+                views: WorkerViews::default(),
                 subscribers: Subscribers::default(),
             },
         );
@@ -236,6 +241,14 @@ impl Registry {
         if let Some(entry) = self.workers.get_mut(&id).filter(|w| w.state != WorkerState::Gone) {
             entry.subscribers = subscribers;
         }
+    }
+
+    /// Worker `id`'s cache views, to change (`None`: no such worker, or gone).
+    pub fn views_mut(&mut self, id: WorkerId) -> Option<&mut WorkerViews> {
+        self.workers
+            .get_mut(&id)
+            .filter(|w| w.state != WorkerState::Gone)
+            .map(|w| &mut w.views)
     }
 
     /// Stops every worker's subscribers (the proxy stops).

@@ -1,14 +1,14 @@
-//! Each worker rank's cache view as the KV-event intake ([`crate::events`]) sees it: whether it
-//! can be trusted ([`ViewState`], listed by the admin API as a [`ViewSummary`]), whether a
-//! replay is catching it up, and the subscriber's resync trigger. While a rank's view is rebuilt
-//! after lost batches, a request routed there may ask its engine to re-announce the blocks it
-//! reuses (`Views::kv_cache_report`).
+//! A worker's cache views, one per rank, as the KV-event intake ([`crate::events`]) sees them:
+//! whether each can be trusted ([`ViewState`], listed by the admin API as a [`ViewSummary`]),
+//! whether a replay is catching it up, and its subscriber's resync trigger. They are the
+//! worker's own ([`WorkerViews`], kept in its registry entry, under the driver's lock). While a
+//! rank's view is rebuilt after lost batches, a request routed there may ask its engine to
+//! re-announce the blocks it reuses (`WorkerViews::kv_cache_report`).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
+use kvroute_core::ids::DpRank;
 use kvroute_http::openai::KvCacheReport;
 use kvroute_zmq::ResyncTrigger;
 use serde::Serialize;
@@ -63,12 +63,9 @@ pub enum ViewSummary {
     },
 }
 
-/// Every subscribed rank's view state and resync trigger.
-#[derive(Clone, Debug, Default)]
-pub struct Views(Arc<Mutex<ViewBook>>);
-
-/// Each rank's view.
-type ViewBook = BTreeMap<WorkerKey, RankView>;
+/// A worker's views, by rank (a rank has one once something was said of it).
+#[derive(Debug, Default)]
+pub struct WorkerViews(BTreeMap<DpRank, RankView>);
 
 /// One rank's view: its state, when it was last cleared for lost batches, and its subscriber's
 /// resync trigger once started.
@@ -94,25 +91,24 @@ impl Default for RankView {
     }
 }
 
-impl Views {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ViewBook> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+impl WorkerViews {
+    fn rank(&mut self, rank: DpRank) -> &mut RankView {
+        self.0.entry(rank).or_default()
     }
 
-    /// Rank `key`'s view is exact again.
-    pub(crate) fn exact(&self, key: WorkerKey) {
-        let mut views = self.lock();
-        let view = views.entry(key).or_default();
+    /// Rank `rank`'s view is exact again.
+    pub(crate) fn exact(&mut self, rank: DpRank) {
+        let view = self.rank(rank);
         view.state = ViewState::Live;
         view.cleared_at = None;
     }
 
-    pub(crate) fn lost(&self, key: WorkerKey, batches: u64) {
-        let mut views = self.lock();
-        let entry = views.entry(key).or_default();
+    /// Rank `rank`'s view was cleared for `batches` lost for good.
+    pub(crate) fn lost(&mut self, rank: DpRank, batches: u64) {
+        let view = self.rank(rank);
         // Cleared again: the window starts again.
-        entry.cleared_at = Some(Instant::now());
-        entry.state = match entry.state {
+        view.cleared_at = Some(Instant::now());
+        view.state = match view.state {
             ViewState::Live => ViewState::RebuiltAfterGap {
                 since_unix_ms: unix_ms(),
                 lost_batches: batches,
@@ -127,36 +123,30 @@ impl Views {
         };
     }
 
-    /// Rank `key`'s replay from `from` (at `endpoint`) started, or (`None`) ended.
-    pub(crate) fn replaying(&self, key: WorkerKey, replay: Option<(u64, String)>) {
-        self.lock().entry(key).or_default().replaying = replay;
+    /// Rank `rank`'s replay from `from` (at `endpoint`) started, or (`None`) ended.
+    pub(crate) fn replaying(&mut self, rank: DpRank, replay: Option<(u64, String)>) {
+        self.rank(rank).replaying = replay;
     }
 
-    pub(crate) fn forget(&self, worker: WorkerId) {
-        self.lock().retain(|key, _| key.worker != worker);
+    /// Keeps rank `rank`'s resync trigger (its subscriber started).
+    pub(crate) fn set_trigger(&mut self, rank: DpRank, trigger: ResyncTrigger) {
+        self.rank(rank).trigger = Some(trigger);
     }
 
-    /// Asks each of worker `id`'s subscribers to resync.
-    pub(crate) fn resync(&self, id: WorkerId) {
-        for view in self.lock().range(rank_keys(id)).map(|(_, v)| v) {
-            if let Some(trigger) = &view.trigger {
-                trigger.request();
-            }
+    /// Asks each rank's subscriber to resync.
+    pub(crate) fn resync(&self) {
+        for trigger in self.0.values().filter_map(|v| v.trigger.as_ref()) {
+            trigger.request();
         }
     }
 
-    /// Keeps rank `key`'s resync trigger (its subscriber started).
-    pub(crate) fn set_trigger(&self, key: WorkerKey, trigger: ResyncTrigger) {
-        self.lock().entry(key).or_default().trigger = Some(trigger);
-    }
-
-    /// What a request routed to rank `key` asks of its engine's KV events: `Full` (re-announce
+    /// What a request routed to rank `rank` asks of its engine's KV events: `Full` (re-announce
     /// the cached blocks it reuses) while the rank's view is rebuilt after lost batches, for at
     /// most `window` after it was cleared, if the worker's engine takes the request field
     /// (`engine` and `reannounce`, [`Reannounce`]); else vLLM's default.
     pub(crate) fn kv_cache_report(
         &self,
-        key: WorkerKey,
+        rank: DpRank,
         engine: EngineKind,
         reannounce: Reannounce,
         window: Duration,
@@ -165,8 +155,8 @@ impl Views {
             return KvCacheReport::Incremental;
         }
         let rebuilding = self
-            .lock()
-            .get(&key)
+            .0
+            .get(&rank)
             .and_then(|v| v.cleared_at)
             .is_some_and(|at| at.elapsed() < window);
         if rebuilding {
@@ -176,18 +166,17 @@ impl Views {
         }
     }
 
-    /// Worker `id`'s view, for the admin API.
-    pub(crate) fn summary(&self, id: WorkerId, has_events: bool) -> ViewSummary {
+    /// The worker's view, for the admin API (`has_events`: whether it has KV events at all).
+    pub(crate) fn summary(&self, has_events: bool) -> ViewSummary {
         if !has_events {
             return ViewSummary::None;
         }
-        let views = self.lock();
         let mut replaying: Option<(u64, String, Vec<u32>)> = None;
-        for (key, view) in views.range(rank_keys(id)) {
+        for (rank, view) in &self.0 {
             if let Some((from, endpoint)) = &view.replaying {
                 let r = replaying.get_or_insert_with(|| (*from, endpoint.clone(), Vec::new()));
                 r.0 = r.0.min(*from);
-                r.2.push(key.dp_rank.0);
+                r.2.push(rank.0);
             }
         }
         if let Some((from_seq, endpoint, ranks)) = replaying {
@@ -198,7 +187,7 @@ impl Views {
             };
         }
         let (mut since, mut lost, mut ranks) = (u64::MAX, 0u64, Vec::new());
-        for (key, view) in views.range(rank_keys(id)) {
+        for (rank, view) in &self.0 {
             if let ViewState::RebuiltAfterGap {
                 since_unix_ms,
                 lost_batches,
@@ -206,7 +195,7 @@ impl Views {
             {
                 since = since.min(since_unix_ms);
                 lost = lost.saturating_add(lost_batches);
-                ranks.push(key.dp_rank.0);
+                ranks.push(rank.0);
             }
         }
         if ranks.is_empty() {
@@ -219,11 +208,6 @@ impl Views {
             }
         }
     }
-}
-
-/// The keys of worker `id`'s ranks.
-fn rank_keys(id: WorkerId) -> std::ops::RangeInclusive<WorkerKey> {
-    WorkerKey::new(id, DpRank(0))..=WorkerKey::new(id, DpRank(u32::MAX))
 }
 
 fn unix_ms() -> u64 {
@@ -240,21 +224,21 @@ mod tests {
     /// the worker allows re-announcements.
     #[derive(Debug)]
     struct Upstream {
-        key: WorkerKey,
+        rank: DpRank,
         engine: EngineKind,
         reannounce: Reannounce,
     }
 
     fn upstream(engine: EngineKind, reannounce: Reannounce) -> Upstream {
         Upstream {
-            key: WorkerKey::new(WorkerId(7), DpRank(1)),
+            rank: DpRank(1),
             engine,
             reannounce,
         }
     }
 
-    fn report(views: &Views, upstream: &Upstream, window: Duration) -> KvCacheReport {
-        views.kv_cache_report(upstream.key, upstream.engine, upstream.reannounce, window)
+    fn report(views: &WorkerViews, upstream: &Upstream, window: Duration) -> KvCacheReport {
+        views.kv_cache_report(upstream.rank, upstream.engine, upstream.reannounce, window)
     }
 
     /// A rank's requests ask for re-announcements only while its view is rebuilt, within the
@@ -262,8 +246,8 @@ mod tests {
     #[test]
     fn reannouncements_are_asked_while_a_view_is_rebuilt_within_the_window_of_vllm_engines() {
         use KvCacheReport::{Full, Incremental};
-        let views = Views::default();
-        let key = WorkerKey::new(WorkerId(7), DpRank(1));
+        let mut views = WorkerViews::default();
+        let key = DpRank(1);
         let long = Duration::from_secs(300);
         let vllm = upstream(EngineKind::Vllm, Reannounce::Auto);
         assert_eq!(report(&views, &vllm, long), Incremental, "live");
@@ -280,7 +264,7 @@ mod tests {
             ),
             (
                 Upstream {
-                    key: WorkerKey::new(WorkerId(7), DpRank(0)),
+                    rank: DpRank(0),
                     ..upstream(EngineKind::Vllm, Reannounce::Auto)
                 },
                 long,

@@ -33,7 +33,6 @@ use tokio::sync::oneshot;
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
-use crate::views::Views;
 use crate::worker::HealthPolicy;
 
 mod guard;
@@ -64,8 +63,6 @@ pub struct Shared {
     pub metrics: Metrics,
     /// The configuration.
     pub config: ServeConfig,
-    /// Each worker rank's cache view: its state, and how to resync it.
-    pub(crate) views: Views,
     /// The sync transport, where this replica's changes go to its peers (set once, when sync
     /// starts).
     sync: OnceLock<kvroute_sync::Sync>,
@@ -133,7 +130,6 @@ impl Shared {
             changes: tokio::sync::watch::Sender::new(0),
             metrics,
             config,
-            views: Views::default(),
             sync: OnceLock::new(),
         })
     }

@@ -8,6 +8,7 @@ use kvroute_sync::WorkerChange;
 use crate::checks::{self, Check, Verdict};
 use crate::config::WorkerConfig;
 use crate::registry::{Subscribers, Transition, WorkerStatus};
+use crate::views::WorkerViews;
 use crate::worker::{WorkerEvent, WorkerState};
 
 use super::{Inner, Shared};
@@ -45,6 +46,13 @@ impl Shared {
     /// Stops every worker's KV-event subscribers (the proxy stops).
     pub(crate) fn stop_subscribers(&self) {
         self.lock().registry.stop_subscribers();
+    }
+
+    /// Runs `f` on worker `id`'s cache views under the lock (not at all if it is gone).
+    pub(crate) fn update_views(&self, id: WorkerId, f: impl FnOnce(&mut WorkerViews)) {
+        if let Some(views) = self.lock().registry.views_mut(id) {
+            f(views);
+        }
     }
 
     /// How many KV-event subscribers worker `id` has running (one per rank with an endpoint);
@@ -112,14 +120,13 @@ impl Shared {
 
     /// Applies `event` to worker `id` under the lock: the pure transition ([`WorkerState::on`]),
     /// then its effects. A worker whose new state is [`WorkerState::Gone`] is forgotten, and
-    /// with its entry go its subscribers and its cache view (its series went in
+    /// with its entry go its subscribers and its cache views (its series went in
     /// [`Self::effect`]).
     fn apply(&self, inner: &mut Inner, id: WorkerId, event: WorkerEvent) -> Option<Transition> {
         let t = inner.registry.apply(id, event)?;
         self.effect(inner, id, t);
         if t.to == WorkerState::Gone {
             inner.registry.forget(id);
-            self.views.forget(id);
         }
         self.settle_drains(inner);
         Some(t)
@@ -139,8 +146,10 @@ impl Shared {
         match (t.from.in_router(), t.to.in_router()) {
             (false, true) => {
                 self.enter(inner, id);
-                if matches!(t.from, WorkerState::Unhealthy { .. }) {
-                    self.views.resync(id);
+                if matches!(t.from, WorkerState::Unhealthy { .. })
+                    && let Some(w) = inner.registry.get(id)
+                {
+                    w.views.resync();
                 }
             }
             (_, false) => {
@@ -317,7 +326,7 @@ impl Shared {
                 }
                 WorkerStatus {
                     id: id.0,
-                    view: self.views.summary(id, w.config.events.is_some()),
+                    view: w.views.summary(w.config.events.is_some()),
                     config: w.config.clone(),
                     state: w.state.name(),
                     routable: w.state.routable(),
