@@ -16,8 +16,8 @@ use kvroute_core::router::WorkerRole;
 use kvroute_http::openai::ApiError;
 use serde_json::json;
 
+use crate::app::{App, read_body};
 use crate::config::{ConfigError, ServeConfig, WorkerConfig};
-use crate::proxy::{App, add_worker, read_body};
 use crate::worker::StateName;
 
 /// The admin API's routes, behind its token.
@@ -167,7 +167,7 @@ async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response 
     if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
         return refused.into_response();
     }
-    match add_worker(&app, config) {
+    match app.fleet.add(config) {
         Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
         Err(e) => ApiError::bad_request("body", e).into_response(),
     }
@@ -199,7 +199,7 @@ async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: 
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
         return refused.into_response();
     }
-    if !app.shared.drain_worker(w) {
+    if !app.fleet.drain(w) {
         return unknown_worker(&id);
     }
     axum::Json(json!({"id": w.0, "draining": true})).into_response()
@@ -213,10 +213,9 @@ async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri:
     if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
         return refused.into_response();
     }
-    if !app.shared.remove_worker(w) {
+    if !app.fleet.remove(w) {
         return unknown_worker(&id);
     }
-    app.feed.unsubscribe(w);
     axum::Json(json!({"id": w.0, "removed": true})).into_response()
 }
 

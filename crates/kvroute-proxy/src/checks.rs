@@ -3,30 +3,28 @@
 //! with the reason on the admin API (`misconfigured`), in `kvroute_worker_misconfigured` and in
 //! one warn log line, until every check passes again.
 //!
-//! Each [`Check`] reports its verdict through [`Shared::report_check`]. The checks in
-//! [`ON_REGISTRATION`] ask the worker over HTTP; they run when a worker is added, when it comes
-//! back from failing, and on each passing health check while it is misconfigured
-//! ([`due`]). [`Check::BlockSize`] is judged on the worker's KV events as they arrive
-//! ([`crate::events`]).
+//! Each [`Check`] reports its verdict through the driver's `Shared::report_check`. The checks
+//! in [`ON_REGISTRATION`] ask the worker over HTTP (run by [`crate::health::Checker`]); they run
+//! when a worker is added, when it comes back from failing, and on each passing health check
+//! while it is misconfigured ([`due`]). [`Check::BlockSize`] is judged on the worker's KV events
+//! as they arrive ([`crate::events`]).
+//!
+//! This module is the checks' vocabulary and the verdicts themselves; it knows nothing of the
+//! driver, so the registry, the metrics and the driver can all name a check.
 //!
 //! **Adding a check:** a variant of [`Check`] (its name is the metric's and the admin API's
-//! label), and either an entry in [`ON_REGISTRATION`] with its arm in `run_one` (an HTTP
-//! check against the worker), or a call to [`Shared::report_check`] where its evidence arrives.
+//! label), and either an entry in [`ON_REGISTRATION`] with its arm in `Checker::run_one` (an
+//! HTTP check against the worker), or a call to `Shared::report_check` where its evidence
+//! arrives.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use kvroute_core::ids::WorkerId;
-use kvroute_http::model::Model;
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::types::ModelList;
 use serde::Serialize;
 
-use crate::config::ServeConfig;
-use crate::driver::Shared;
-use crate::parity;
 use crate::worker::WorkerState;
 
 /// A registration check.
@@ -72,63 +70,26 @@ pub fn due(before: Option<WorkerState>, after: Option<WorkerState>, passed: bool
     }
 }
 
-/// What the HTTP checks need besides the driver: the client that asks the workers and the
-/// tokenizer kvroute routes with.
-#[derive(Clone)]
-pub struct Checker {
-    /// The client that asks the workers.
-    pub client: HttpClient,
-    /// kvroute's tokenizer and chat template.
-    pub model: Arc<Model>,
-}
-
-impl Checker {
-    /// Runs the registration checks of worker `id` in the background.
-    pub fn spawn(&self, shared: &Arc<Shared>, id: WorkerId) {
-        let (shared, checker) = (Arc::clone(shared), self.clone());
-        tokio::spawn(async move { checker.run(&shared, id).await });
-    }
-
-    /// Runs the registration checks of worker `id` and reports each verdict. A check that
-    /// cannot tell (the worker does not answer) reports nothing: health checks deal with that.
-    pub async fn run(&self, shared: &Arc<Shared>, id: WorkerId) {
-        for &check in ON_REGISTRATION {
-            if let Some(verdict) = self.run_one(shared, id, check).await {
-                shared.report_check(id, check, verdict);
-            }
-        }
-    }
-
-    /// One HTTP check of worker `id`; `None` if it cannot tell.
-    async fn run_one(&self, shared: &Shared, id: WorkerId, check: Check) -> Option<Verdict> {
-        let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
-        let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
-        let model_name = &shared.config.model_name;
-        let key = shared.worker_config(id).and_then(|c| c.api_key);
-        let worker = Worker {
-            base: &base,
-            api_key: key.as_deref(),
-        };
-        match check {
-            Check::Model => served_model(&self.client, worker, model_name, timeout).await,
-            // Judged on the worker's events, not asked.
-            Check::BlockSize => None,
-            Check::Tokenization => {
-                let found =
-                    parity::check_and_log(&self.client, worker, model_name, &self.model, timeout).await;
-                parity::verdict(found)
-            }
-        }
-    }
-}
-
 /// A worker as a check asks it: its base URL and its credential, if it has one.
 #[derive(Clone, Copy, Debug)]
 pub struct Worker<'a> {
     /// `http://host:port`.
     pub base: &'a str,
-    /// Sent as `Authorization: Bearer` ([`crate::health::with_credential`]).
+    /// Sent as `Authorization: Bearer` ([`with_credential`]).
     pub api_key: Option<&'a str>,
+}
+
+/// `builder` with the worker's configured credential, if it has one: every call to an engine
+/// goes through here (generation, health checks, registration checks), so an engine behind
+/// `--api-key` answers.
+pub fn with_credential(
+    builder: hyper::http::request::Builder,
+    api_key: Option<&str>,
+) -> hyper::http::request::Builder {
+    match api_key {
+        Some(key) => builder.header(hyper::header::AUTHORIZATION, format!("Bearer {key}")),
+        None => builder,
+    }
 }
 
 /// The largest `/v1/models` answer read.
@@ -143,10 +104,9 @@ pub async fn served_model(
     timeout: Duration,
 ) -> Option<Verdict> {
     let base = worker.base;
-    let request =
-        crate::health::with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
-            .body(Full::new(Bytes::new()))
-            .ok()?;
+    let request = with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
+        .body(Full::new(Bytes::new()))
+        .ok()?;
     let exchange = async {
         let response = match client.request(request).await {
             Ok(response) => response,

@@ -142,10 +142,9 @@ impl Forwarder {
         request: &Generation<'a>,
         target: &Target,
     ) -> Result<Generation<'a>, ApiError> {
-        let window = ServeConfig::ms(self.shared.config.reannounce_window_ms);
         let full = std::iter::once(&target.decode)
             .chain(&target.prefill)
-            .any(|upstream| self.shared.views.kv_cache_report(upstream, window) == KvCacheReport::Full);
+            .any(|upstream| upstream.kv_cache_report == KvCacheReport::Full);
         let report = if full {
             KvCacheReport::Full
         } else {
@@ -310,7 +309,7 @@ fn upstream_request(
     };
     let mut builder = builder.header(header::CONTENT_TYPE, "application/json");
     builder = match (&upstream.api_key, &request.authorization) {
-        (Some(key), _) => crate::health::with_credential(builder, Some(key)),
+        (Some(key), _) => crate::checks::with_credential(builder, Some(key)),
         (None, Some(client)) => builder.header(header::AUTHORIZATION, client.clone()),
         (None, None) => builder,
     };

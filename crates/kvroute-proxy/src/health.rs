@@ -1,48 +1,48 @@
-//! The health prober: checks every worker's `/health` each `health_interval_ms` and reports
-//! each answer to the worker's state machine ([`crate::worker`]), which decides what a streak
-//! of them means. A worker back from failing, or misconfigured and answering, gets the
-//! registration checks again ([`crate::checks`]).
+//! The health prober and the registration checks' runner. The prober checks every worker's
+//! `/health` each `health_interval_ms` and reports each answer to the worker's state machine
+//! ([`crate::worker`]), which decides what a streak of them means; the answer is read and
+//! applied under the driver's one lock. A worker back from failing, or misconfigured and
+//! answering, gets the registration checks again ([`crate::checks`], run by [`Checker`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
+use kvroute_core::ids::WorkerId;
+use kvroute_http::model::Model;
 use kvroute_http::net::HttpClient;
 
-use crate::checks::Checker;
+use crate::checks::{self, Check, ON_REGISTRATION, Verdict, Worker, with_credential};
 use crate::config::ServeConfig;
 use crate::driver::Shared;
+use crate::parity;
 use crate::worker::WorkerEvent;
 
 /// Probes every worker, forever.
 pub async fn run(shared: Arc<Shared>, checker: Checker) {
-    let client = &checker.client;
     let interval = ServeConfig::ms(shared.config.health_interval_ms);
-    let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
     loop {
         tokio::time::sleep(interval).await;
-        for (id, base) in shared.worker_urls() {
-            let key = shared.worker_config(id).and_then(|c| c.api_key);
-            let event = probe(client, &base, key.as_deref(), timeout).await;
-            let before = shared.worker_state(id);
-            let after = shared.worker_event(id, event);
-            if crate::checks::due(before, after, event == WorkerEvent::CheckPassed) {
-                checker.spawn(&shared, id);
-            }
-        }
+        probe_all(&shared, &checker).await;
     }
 }
 
-/// `builder` with the worker's configured credential, if it has one: every call to an engine
-/// goes through here (generation, health checks), so an engine behind `--api-key` answers.
-pub fn with_credential(
-    builder: hyper::http::request::Builder,
-    api_key: Option<&str>,
-) -> hyper::http::request::Builder {
-    match api_key {
-        Some(key) => builder.header(hyper::header::AUTHORIZATION, format!("Bearer {key}")),
-        None => builder,
+/// One round of the prober: every worker's `/health` asked once, each answer applied to its
+/// state machine, and the registration checks started where they are due.
+pub async fn probe_all(shared: &Arc<Shared>, checker: &Checker) {
+    let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
+    for (id, base) in shared.worker_urls() {
+        let key = shared.worker_config(id).and_then(|c| c.api_key);
+        let event = probe(&checker.client, &base, key.as_deref(), timeout).await;
+        let t = shared.apply_worker_event(id, event);
+        if checks::due(
+            t.map(|t| t.from),
+            t.map(|t| t.to),
+            event == WorkerEvent::CheckPassed,
+        ) {
+            checker.spawn(shared, id);
+        }
     }
 }
 
@@ -56,5 +56,55 @@ pub async fn probe(client: &HttpClient, base: &str, api_key: Option<&str>, timeo
     match tokio::time::timeout(timeout, client.request(request)).await {
         Ok(Ok(response)) if response.status().is_success() => WorkerEvent::CheckPassed,
         _ => WorkerEvent::CheckFailed,
+    }
+}
+
+/// What the HTTP checks need besides the driver: the client that asks the workers and the
+/// tokenizer kvroute routes with.
+#[derive(Clone)]
+pub struct Checker {
+    /// The client that asks the workers.
+    pub client: HttpClient,
+    /// kvroute's tokenizer and chat template.
+    pub model: Arc<Model>,
+}
+
+impl Checker {
+    /// Runs the registration checks of worker `id` in the background.
+    pub fn spawn(&self, shared: &Arc<Shared>, id: WorkerId) {
+        let (shared, checker) = (Arc::clone(shared), self.clone());
+        tokio::spawn(async move { checker.run(&shared, id).await });
+    }
+
+    /// Runs the registration checks of worker `id` and reports each verdict. A check that
+    /// cannot tell (the worker does not answer) reports nothing: health checks deal with that.
+    pub async fn run(&self, shared: &Arc<Shared>, id: WorkerId) {
+        for &check in ON_REGISTRATION {
+            if let Some(verdict) = self.run_one(shared, id, check).await {
+                shared.report_check(id, check, verdict);
+            }
+        }
+    }
+
+    /// One HTTP check of worker `id`; `None` if it cannot tell.
+    async fn run_one(&self, shared: &Shared, id: WorkerId, check: Check) -> Option<Verdict> {
+        let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
+        let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
+        let model_name = &shared.config.model_name;
+        let key = shared.worker_config(id).and_then(|c| c.api_key);
+        let worker = Worker {
+            base: &base,
+            api_key: key.as_deref(),
+        };
+        match check {
+            Check::Model => checks::served_model(&self.client, worker, model_name, timeout).await,
+            // Judged on the worker's events, not asked.
+            Check::BlockSize => None,
+            Check::Tokenization => {
+                let found =
+                    parity::check_and_log(&self.client, worker, model_name, &self.model, timeout).await;
+                parity::verdict(found)
+            }
+        }
     }
 }

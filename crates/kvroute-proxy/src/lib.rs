@@ -9,31 +9,43 @@
 //!
 //! # Layout
 //!
+//! The modules form layers, each using only those before it (checked by the crate's
+//! `module_graph` test):
+//!
 //! * [`config`]: `ServeConfig` and `WorkerConfig` (TOML, unknown keys rejected), validated once.
-//! * [`driver`]: the router driver ([`Shared`]), the request guard that frees load on every exit
-//!   path, and what a worker's change of state means for the router.
 //! * [`worker`]: a worker's states and the pure transition function between them.
-//! * [`registry`]: the workers the proxy knows, their configuration and state.
-//! * [`health`]: the health prober.
-//! * [`checks`]: registration checks (served model, block size) that mark a worker misconfigured.
+//! * [`checks`]: the registration checks (served model, block size, tokenization) and their
+//!   verdicts, which mark a worker misconfigured.
+//! * [`views`]: a worker's cache views, one per rank: how far each can be trusted, its resync
+//!   trigger.
+//! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
+//! * [`metrics`]: Prometheus metrics under Dynamo's names.
+//! * [`registry`]: the workers the proxy knows; each entry holds everything the proxy holds for
+//!   its worker (configuration, state, verdicts, cache views, KV-event subscribers).
+//! * [`driver`]: the router driver ([`Shared`]): the router and the registry under one lock,
+//!   the request guard that frees load on every exit path, what a worker's change of state
+//!   means for the router, and the one path that removes a worker.
 //! * [`events`]: the KV-event intake: one ZMQ subscriber per worker rank, applied to the router.
-//! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
-//! * [`admin`]: the admin API on its own listener: token, listing, add/drain/remove with the
-//!   fleet checks.
-//! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
-//!   bootstrap pair; and the observed response body.
+//! * [`health`]: the health prober and the registration checks' runner.
+//! * [`fleet`]: the one door for adding and removing workers ([`Fleet`]), for start-up, the
+//!   admin API and peer replicas.
+//! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`coalesce`]: the response body that hands out, in one frame, the chunks already in.
-//! * [`metrics`]: Prometheus metrics under Dynamo's names.
-//! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
-//! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
+//! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
+//!   bootstrap pair; and the observed response body.
+//! * [`admin`]: the admin API on its own listener: token, listing, add/drain/remove with the
+//!   fleet checks.
+//! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
 
 pub mod admin;
+mod app;
 pub mod checks;
 pub mod coalesce;
 pub mod config;
 pub mod driver;
 pub mod events;
+pub mod fleet;
 pub mod flow;
 pub mod health;
 pub mod metrics;
@@ -42,8 +54,10 @@ pub mod parity;
 pub mod proxy;
 pub mod registry;
 pub mod replicas;
+pub mod views;
 pub mod worker;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};
 pub use driver::Shared;
+pub use fleet::Fleet;
 pub use proxy::{ProxyHandle, start};

@@ -850,9 +850,9 @@ impl Metrics {
     }
 
     /// Refreshes the gauges from a router snapshot. Every rank of `registered` (its key and
-    /// role name) has a series: at the router's numbers while it is in the router, at zero
-    /// while it is out of routing (unhealthy, drained, misconfigured), so that a worker's
-    /// series end only when it is removed.
+    /// role name) has a series: at the router's numbers while it is in the router (an
+    /// unhealthy worker too, with the requests still booked on it), at zero while it is out
+    /// (drained, misconfigured), so that a worker's series end only when it is removed.
     pub fn refresh(&self, snapshot: &RouterMetrics, registered: &[(WorkerKey, &'static str)]) {
         self.queue_pending
             .with_label_values(&["decode"])

@@ -219,7 +219,7 @@ async fn ask(
         url: url.to_owned(),
         message,
     };
-    let request = crate::health::with_credential(hyper::Request::post(url), api_key)
+    let request = crate::checks::with_credential(hyper::Request::post(url), api_key)
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| failed(e.to_string()))?;

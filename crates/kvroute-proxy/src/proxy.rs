@@ -22,24 +22,23 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
-use kvroute_core::ids::WorkerId;
 use kvroute_core::router::Router;
 use kvroute_core::router::WorkerRole;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::config::{ConfigError, ServeConfig, TokenizerSource, WorkerConfig};
+use crate::app::{App, read_body};
+use crate::config::{ConfigError, ServeConfig, TokenizerSource};
 use crate::driver::Shared;
 use crate::events::EventFeed;
+use crate::fleet::Fleet;
 use crate::flow::{Forwarder, Generation};
 use crate::metrics::{Metrics, RequestKind, RequestOutcome};
 use crate::observed::{Report, Shape};
 use kvroute_http::model::Model;
 
 use crate::admin::{bearer, same_secret, unauthorized};
-use crate::checks::Checker;
+use crate::health::Checker;
 use kvroute_http::net::{self, Shutdown};
 use kvroute_http::openai::types::ModelList;
 use kvroute_http::openai::{self, ApiError, Endpoint};
@@ -70,19 +69,6 @@ pub enum ServeError {
     Sync(String),
 }
 
-pub(crate) struct App {
-    pub(crate) shared: Arc<Shared>,
-    model: Arc<Model>,
-    forwarder: Arc<Forwarder>,
-    pub(crate) feed: EventFeed,
-    checker: Checker,
-    /// One admin change at a time: the fleet check and the change it allows are one step.
-    pub(crate) admin: tokio::sync::Mutex<()>,
-    /// The start of the request ids made here (`kvr-{instance tag in hex}-`), and their counter.
-    request_id_prefix: String,
-    next_request_id: AtomicU64,
-}
-
 /// A running proxy.
 pub struct ProxyHandle {
     /// The address the inference API listens on.
@@ -91,6 +77,8 @@ pub struct ProxyHandle {
     pub admin_addr: SocketAddr,
     /// The router driver (for tests and the demo: loads, invariants).
     pub shared: Arc<Shared>,
+    /// The workers' one add and remove path.
+    pub fleet: Arc<Fleet>,
     shutdown: Shutdown,
     servers: Vec<tokio::task::JoinHandle<()>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -120,6 +108,7 @@ impl ProxyHandle {
     pub fn stop(&self) {
         self.shutdown.stop();
         self.shared.stop_sync();
+        self.shared.stop_subscribers();
         for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
         }
@@ -183,6 +172,11 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let shared = Shared::new(router, config, Metrics::new());
     shared.metrics.register(model.chat_cache().collector());
     let feed = EventFeed::start(Arc::clone(&shared));
+    let checker = Checker {
+        client: client.clone(),
+        model: Arc::clone(&model),
+    };
+    let fleet = Arc::new(Fleet::new(Arc::clone(&shared), feed, checker));
     let forwarder = Arc::new(Forwarder {
         shared: Arc::clone(&shared),
         client: client.clone(),
@@ -192,24 +186,18 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     });
     let app = Arc::new(App {
         shared: Arc::clone(&shared),
-        checker: Checker {
-            client: client.clone(),
-            model: Arc::clone(&model),
-        },
         model,
         forwarder: Arc::clone(&forwarder),
-        feed,
+        fleet: Arc::clone(&fleet),
         admin: tokio::sync::Mutex::new(()),
         request_id_prefix: format!("kvr-{:x}-", forwarder.instance),
         next_request_id: AtomicU64::new(0),
     });
     for w in workers {
-        add_worker(&app, w).map_err(ServeError::Worker)?;
+        fleet.add(w).map_err(ServeError::Worker)?;
     }
     // Join the replicas (with `nats`) before serving: the first request sees their load.
-    let peer_app = Arc::clone(&app);
-    let add = Box::new(move |w: WorkerConfig| add_worker(&peer_app, w).map(|_| ()));
-    crate::replicas::start(&shared, replica, add)
+    crate::replicas::start(&fleet, replica)
         .await
         .map_err(ServeError::Sync)?;
     let shutdown = Shutdown::new();
@@ -218,7 +206,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     if shared.config.health_interval_ms > 0 {
         tasks.push(tokio::spawn(crate::health::run(
             Arc::clone(&shared),
-            app.checker.clone(),
+            fleet.checker().clone(),
         )));
     }
     let mut inference = axum::Router::new()
@@ -254,6 +242,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         addr,
         admin_addr,
         shared,
+        fleet,
         shutdown,
         servers,
         tasks,
@@ -316,13 +305,6 @@ async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Nex
     } else {
         unauthorized("a valid API key is required (Authorization: Bearer KEY)")
     }
-}
-
-pub(crate) fn add_worker(app: &App, config: WorkerConfig) -> Result<WorkerId, String> {
-    let id = app.shared.add_worker(config.clone())?;
-    app.feed.subscribe(id, &config);
-    app.checker.spawn(&app.shared, id);
-    Ok(id)
 }
 
 /// Runs the router's timers: request expiry and queue re-checks.
@@ -413,41 +395,6 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
-}
-
-/// Reads a request body whole: at most `limit` bytes, within the body read timeout; else an
-/// OpenAI-shaped 413 or 408.
-pub(crate) async fn read_body(
-    config: &ServeConfig,
-    body: axum::body::Body,
-    limit: usize,
-) -> Result<Bytes, ApiError> {
-    let collect = Limited::new(body, limit).collect();
-    match tokio::time::timeout(ServeConfig::ms(config.body_read_timeout_ms), collect).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "body_too_large",
-            format!("the request body exceeds {limit} bytes"),
-        )),
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "reading a request body failed");
-            Err(ApiError::bad_request(
-                "body",
-                "the request body could not be read",
-            ))
-        }
-        Err(_) => Err(ApiError::new(
-            StatusCode::REQUEST_TIMEOUT,
-            "invalid_request_error",
-            "request_timeout",
-            format!(
-                "the request body did not arrive within {} ms",
-                config.body_read_timeout_ms
-            ),
-        )),
-    }
 }
 
 async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {

@@ -1,6 +1,9 @@
-//! The worker registry: every worker the proxy knows, its configuration and its
-//! [`WorkerState`]. It only keeps the books; what a change of state means for the router
-//! (ranks entering, draining or leaving it) is the driver's ([`crate::driver`]).
+//! The worker registry: every worker the proxy knows, and everything the proxy holds for it:
+//! its configuration, its [`WorkerState`], its registration checks' verdicts, its ranks' cache
+//! views ([`WorkerViews`]) and its KV-event subscribers ([`Subscribers`], stopped when its entry
+//! goes). What a change of state means for
+//! the router (ranks entering, draining or leaving it) is the driver's ([`crate::driver`]),
+//! which is the one place entries are added and removed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -13,6 +16,7 @@ use serde::Serialize;
 
 use crate::checks::{Check, Verdict};
 use crate::config::WorkerConfig;
+use crate::views::WorkerViews;
 use crate::worker::{HealthPolicy, StateName, WorkerEvent, WorkerState};
 
 /// A worker as the proxy knows it.
@@ -30,6 +34,39 @@ pub struct WorkerEntry {
     pub problems: BTreeMap<Check, String>,
     /// The block size of its latest KV events (what [`Check::BlockSize`] last judged).
     pub event_block_size: Option<u32>,
+    /// Its ranks' cache views, as its KV events tell.
+    pub views: WorkerViews,
+    /// Its KV-event subscribers (none until they are started, or without events).
+    pub subscribers: Subscribers,
+}
+
+/// A worker's KV-event subscriber tasks ([`crate::events`]), one per rank: they run while this
+/// lives, so a worker's subscribers stop when its registry entry goes, whichever path removes
+/// it (an operator, a peer replica, the proxy stopping).
+#[derive(Debug, Default)]
+pub struct Subscribers(Vec<tokio::task::JoinHandle<()>>);
+
+impl Subscribers {
+    /// Owns `tasks` (each stops when this is dropped).
+    pub fn new(tasks: Vec<tokio::task::JoinHandle<()>>) -> Self {
+        Self(tasks)
+    }
+
+    /// How many there are (one per rank with an endpoint).
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Drop for Subscribers {
+    fn drop(&mut self) {
+        self.0.iter().for_each(tokio::task::JoinHandle::abort);
+    }
 }
 
 /// A worker's base URL and its generation endpoints' URLs under it, parsed once when it is
@@ -83,7 +120,7 @@ pub struct WorkerStatus {
     /// Blocks the index says it holds (all ranks).
     pub cached_blocks: u64,
     /// How far its cache view can be trusted (from its KV events).
-    pub view: crate::events::ViewSummary,
+    pub view: crate::views::ViewSummary,
 }
 
 /// One worker's change of state.
@@ -135,6 +172,8 @@ impl Registry {
                 state: WorkerState::ADDED,
                 problems: BTreeMap::new(),
                 event_block_size: None,
+                views: WorkerViews::default(),
+                subscribers: Subscribers::default(),
             },
         );
         id
@@ -194,6 +233,29 @@ impl Registry {
     /// Worker `id`.
     pub fn get(&self, id: WorkerId) -> Option<&WorkerEntry> {
         self.workers.get(&id)
+    }
+
+    /// Gives worker `id` its subscribers (replacing, and so stopping, any it had). If there
+    /// is no such worker (it was removed meanwhile) they are dropped, and so stopped, at once.
+    pub fn adopt(&mut self, id: WorkerId, subscribers: Subscribers) {
+        if let Some(entry) = self.workers.get_mut(&id).filter(|w| w.state != WorkerState::Gone) {
+            entry.subscribers = subscribers;
+        }
+    }
+
+    /// Worker `id`'s cache views, to change (`None`: no such worker, or gone).
+    pub fn views_mut(&mut self, id: WorkerId) -> Option<&mut WorkerViews> {
+        self.workers
+            .get_mut(&id)
+            .filter(|w| w.state != WorkerState::Gone)
+            .map(|w| &mut w.views)
+    }
+
+    /// Stops every worker's subscribers (the proxy stops).
+    pub fn stop_subscribers(&mut self) {
+        for entry in self.workers.values_mut() {
+            entry.subscribers = Subscribers::default();
+        }
     }
 
     /// The worker at base URL `url` (without a trailing slash) that is not gone: how replicas

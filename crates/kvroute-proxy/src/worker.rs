@@ -42,8 +42,9 @@ pub enum WorkerState {
         /// Checks failed in a row.
         failed: u32,
     },
-    /// Out of routing after failing; it comes back after enough passing checks in a row, with
-    /// an empty cache view (a worker that died lost its cache).
+    /// Out of routing after failing: its requests in flight stay booked on it until they end,
+    /// and its cache view is kept (its KV events say whether its cache survived); it comes back
+    /// after enough passing checks in a row.
     Unhealthy {
         /// Checks passed in a row.
         passed: u32,
@@ -138,7 +139,8 @@ impl WorkerState {
             (Unhealthy { passed }, CheckPassed) if reached(passed, policy.successes) => Ready { failed: 0 },
             (Unhealthy { passed }, CheckPassed) => Unhealthy { passed: passed + 1 },
             (Unhealthy { .. }, CheckFailed) => Unhealthy { passed: 0 },
-            // An unhealthy worker has nothing in flight: its drain is complete at once.
+            // An unhealthy worker takes no requests: its drain is complete at once (whatever is
+            // still booked on it leaves the router with it).
             (Unhealthy { .. }, DrainRequested) => Drained,
             (Draining { .. }, CheckPassed) => Draining { failed: 0 },
             (Draining { failed }, CheckFailed) if reached(failed, policy.failures) => Drained,

@@ -28,7 +28,7 @@ use kvroute_http::Model;
 use kvroute_http::net::{self, HttpClient, Shutdown};
 use kvroute_http::openai::types::Usage;
 use kvroute_mock::{self as mock, MockConfig, MockWorker};
-use kvroute_proxy::events::ViewSummary;
+use kvroute_proxy::views::ViewSummary;
 use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use serde_json::{Value, json};
@@ -191,7 +191,7 @@ async fn held_on_stub(
         post(&http, &url, "/v1/completions", &body).await
     });
     stub.arrived().await;
-    p.shared.add_worker(flags(others).remove(0)).unwrap();
+    p.fleet.add(flags(others).remove(0)).unwrap();
     until_gauges_are(p, &[(0, 1)]).await;
     held
 }
@@ -217,10 +217,15 @@ async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_ret
     // The stub's health fails, then passes again; the request is still in flight.
     stub.healthy.store(false, Ordering::SeqCst);
     until_state(&p, 0, StateName::Unhealthy).await;
+    // Out of routing, the request it holds is still booked on it.
+    let booked = |p: &ProxyHandle| p.shared.worker_statuses()[0].active_requests;
+    assert_eq!(booked(&p), 1);
     // Meanwhile requests go to the other worker and succeed.
     all_served(&url, 3, "during").await;
     stub.healthy.store(true, Ordering::SeqCst);
     until_state(&p, 0, StateName::Ready).await;
+    // Back with it still booked: not taken for idle.
+    assert_eq!(booked(&p), 1);
     // The held request finishes, unharmed by the flap.
     stub.release.add_permits(1);
     let (status, out) = held.await.unwrap();

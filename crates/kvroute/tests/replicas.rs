@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use kvroute_core::ids::WorkerId;
 use kvroute_http::Model;
 use kvroute_http::net::HttpClient;
 use kvroute_mock::{self as mock, MockConfig, MockWorker};
@@ -431,5 +432,100 @@ async fn an_operators_add_drain_and_remove_on_one_replica_hold_on_all() {
             state_of(p, &url).is_none()
         })
         .await;
+    }
+}
+
+/// Worker `url`'s id in `proxy`'s registry (`None`: not there).
+fn id_of(proxy: &ProxyHandle, url: &str) -> Option<u64> {
+    let url = url.trim_end_matches('/');
+    proxy
+        .shared
+        .worker_statuses()
+        .into_iter()
+        .find(|w| w.config.url.trim_end_matches('/') == url)
+        .map(|w| w.id)
+}
+
+/// `proxy`'s `/metrics` as a scrape sees it (the gauges refreshed first, as the handler does).
+fn scrape(proxy: &ProxyHandle) -> String {
+    proxy.shared.snapshot();
+    proxy.shared.metrics.render()
+}
+
+/// The series of `scrape` that name worker `id` (by either id label: `worker_id`, or the KV
+/// subscribers' `worker`) or `url`.
+fn series_of(scrape: &str, id: u64, url: &str) -> Vec<String> {
+    let labels = [format!("worker_id=\"{id}\""), format!("worker=\"{id}\"")];
+    scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| labels.iter().any(|label| l.contains(label.as_str())) || l.contains(url))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_removed_on_one_replica_is_gone_on_every_replica_with_its_subscribers_and_series() {
+    let Some(nats) = nats() else { return };
+    let mocks = mocks(3).await;
+    let w = workers(&mocks);
+    let proxies = [
+        replica(Some(&nats), &w).await,
+        replica(Some(&nats), &w).await,
+        replica(Some(&nats), &w).await,
+    ];
+    let client = client();
+    let url = mocks[2].url();
+    let url = url.trim_end_matches('/');
+    let ids: Vec<u64> = proxies.iter().map(|p| id_of(p, url).unwrap()).collect();
+    // Before: on every replica the worker has its KV-event subscriber running, its counters
+    // exported (only while the subscriber's task runs) and its per-worker series.
+    for (p, &id) in proxies.iter().zip(&ids) {
+        assert_eq!(p.shared.subscriber_count(WorkerId(id)), Some(1));
+        let subscribed = format!("kvroute_kv_events_received_total{{dp_rank=\"0\",worker=\"{id}\"}}");
+        eventually("the worker's subscriber is exported on every replica", || {
+            scrape(p).contains(&subscribed)
+        })
+        .await;
+        let series = series_of(&scrape(p), id, url);
+        assert!(
+            series.iter().any(|l| l.starts_with("kvroute_worker_up{")),
+            "{series:#?}"
+        );
+    }
+    // An operator removes it on the first replica.
+    let (status, body) = admin(
+        &client,
+        &proxies[0],
+        "DELETE",
+        &format!("/admin/workers/{}", ids[0]),
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    // Gone on every replica: from the registry, with its subscribers stopped (their counters
+    // are exported by their tasks alone) and every series naming it.
+    for (p, &id) in proxies.iter().zip(&ids) {
+        eventually("the removal holds on every replica", || {
+            state_of(p, url).is_none()
+        })
+        .await;
+        eventually_or(
+            || format!("its series are gone: {:#?}", series_of(&scrape(p), id, url)),
+            || series_of(&scrape(p), id, url).is_empty(),
+        )
+        .await;
+        assert_eq!(p.shared.subscriber_count(WorkerId(id)), None);
+    }
+    // The others serve on, and their subscribers and series stay.
+    for p in &proxies {
+        complete(&client, p, json!("after the removal")).await;
+        for other in &mocks[..2] {
+            let id = id_of(p, &other.url()).unwrap();
+            assert_eq!(p.shared.subscriber_count(WorkerId(id)), Some(1));
+            assert!(!series_of(&scrape(p), id, other.url().trim_end_matches('/')).is_empty());
+        }
+        eventually("every view drains", || active(p) == 0).await;
+        p.shared.check_invariants().unwrap();
     }
 }

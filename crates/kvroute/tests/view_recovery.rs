@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerId, WorkerKey};
 use kvroute_http::net::client;
-use kvroute_proxy::events::ViewSummary;
+use kvroute_proxy::views::ViewSummary;
 use kvroute_proxy::worker::WorkerEvent;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};

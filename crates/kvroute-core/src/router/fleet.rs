@@ -33,7 +33,11 @@ pub(crate) type RequestKey = (RouterId, RequestId);
 #[derive(Clone, Debug)]
 pub(crate) struct FleetWorker {
     pub(crate) spec: WorkerSpec,
+    /// Takes no new requests (drained, or suspended).
     pub(crate) draining: bool,
+    /// Out of routing for failing its health checks ([`Fleet::suspend`]): its bookings stay
+    /// until their requests end, and [`Fleet::resume`] brings it back.
+    pub(crate) suspended: bool,
     /// Workers whose specs are equal but for the key share a class (see `Fleet::classes`).
     pub(crate) class: u32,
     load: LoadState,
@@ -177,6 +181,7 @@ impl Fleet {
             FleetWorker {
                 spec,
                 draining: false,
+                suspended: false,
                 class: class as u32,
                 load: LoadState::default(),
                 member: Membership::DrainingIdle,
@@ -187,10 +192,31 @@ impl Fleet {
         true
     }
 
-    /// Marks a worker as taking no new requests; false if unknown.
+    /// Marks a worker as taking no new requests; false if unknown. A drain is for good: a
+    /// suspended worker drained is no longer resumed.
     pub(crate) fn drain(&mut self, key: WorkerKey) -> bool {
+        self.set_intake(key, true, false)
+    }
+
+    /// Takes a worker out of routing until [`Fleet::resume`]: it takes no new requests, and
+    /// keeps what is booked on it until those requests end. False if unknown.
+    pub(crate) fn suspend(&mut self, key: WorkerKey) -> bool {
+        self.set_intake(key, true, true)
+    }
+
+    /// Brings a suspended worker back into routing, with whatever is still booked on it. False
+    /// if it is unknown or not suspended.
+    pub(crate) fn resume(&mut self, key: WorkerKey) -> bool {
+        if !self.get(key).is_some_and(|w| w.suspended) {
+            return false;
+        }
+        self.set_intake(key, false, false)
+    }
+
+    fn set_intake(&mut self, key: WorkerKey, draining: bool, suspended: bool) -> bool {
         let Some(slot) = self.slot(key) else { return false };
-        self.workers[slot].draining = true;
+        let w = &mut self.workers[slot];
+        (w.draining, w.suspended) = (draining, suspended);
         self.settle(slot);
         self.debug_check();
         true

@@ -15,7 +15,7 @@
 //!     [`Router::handle_cancelled`];
 //!   - cache: [`Router::handle_kv_event`];
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
-//!     [`Router::handle_worker_suspended`] (out of the fleet, cache view kept),
+//!     [`Router::handle_worker_suspended`] (out of routing, bookings and cache view kept),
 //!     [`Router::handle_worker_removed`];
 //!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see the `sync` module for
 //!     duplicates, tombstones and ordering), [`Router::handle_peer_lost`] (release a silent
@@ -325,9 +325,9 @@ impl Router {
         Ok(result?)
     }
 
-    /// Adds a worker, idle, with an empty cache view (or, after
-    /// [`Router::handle_worker_suspended`], the view kept since); queued requests may now be
-    /// released to it.
+    /// Adds a worker, idle, with an empty cache view; or brings back one taken out by
+    /// [`Router::handle_worker_suspended`], with the view kept since and the requests still
+    /// booked on it. Queued requests may now be released to it.
     pub fn handle_worker_added(
         &mut self,
         now: Timestamp,
@@ -336,6 +336,9 @@ impl Router {
         let now = self.advance(now);
         if spec.capacity_blocks == 0 {
             return Err(RouterError::ZeroCapacity(spec.key));
+        }
+        if self.fleet.resume(spec.key) {
+            return Ok(self.release(now));
         }
         if !self.fleet.add_worker(spec) {
             return Err(RouterError::DuplicateWorker(spec.key));
@@ -354,48 +357,58 @@ impl Router {
         }
     }
 
-    /// Removes a worker and forgets its cache; its active requests are dropped. A suspended
-    /// worker ([`Router::handle_worker_suspended`]) has only its cache left to forget.
+    /// Removes a worker and forgets its cache; its active requests are dropped (a suspended
+    /// worker's too).
     pub fn handle_worker_removed(
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
     ) -> Result<Vec<Output>, RouterError> {
-        if self.fleet.get(worker).is_none() {
-            self.advance(now);
+        let now = self.advance(now);
+        let Some(dropped) = self.fleet.remove_worker(worker) else {
+            // Known to the index alone: nothing booked, only its cache to forget.
             return match self.index.remove_worker(worker) {
                 Ok(()) => Ok(Vec::new()),
                 Err(_) => Err(RouterError::UnknownWorker(worker)),
             };
-        }
-        let out = self.handle_worker_suspended(now, worker)?;
+        };
+        self.forget_decisions(worker);
         // The index knows every fleet worker, so this cannot fail.
         let _ = self.index.remove_worker(worker);
+        let mut out = self.dropped(dropped, DropReason::WorkerRemoved);
+        out.extend(self.release(now));
         Ok(out)
     }
 
-    /// Takes a worker out of the fleet (its active requests are dropped) but keeps what the
-    /// index knows of its cache: its KV events still apply, and [`Router::handle_worker_added`]
-    /// with the same key brings it back with that view. For a worker that failed its health
-    /// checks, whose cache may well have survived (its event stream tells whether it did).
+    /// Takes a worker out of routing for failing its health checks: it takes no new requests,
+    /// but the requests booked on it stay booked until they end (they may well finish: a
+    /// health check can fail for a loaded engine), and what the index knows of its cache is
+    /// kept: its KV events still apply (its event stream tells whether its cache survived).
+    /// [`Router::handle_worker_added`] with the same key brings it back, with that view and
+    /// whatever is still booked; [`Router::handle_worker_removed`] drops both. The router's
+    /// record of its own decisions there is forgotten. Suspending a suspended worker changes
+    /// nothing.
     pub fn handle_worker_suspended(
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
     ) -> Result<Vec<Output>, RouterError> {
-        let now = self.advance(now);
-        let dropped = self
-            .fleet
-            .remove_worker(worker)
-            .ok_or(RouterError::UnknownWorker(worker))?;
+        self.advance(now);
+        if !self.fleet.suspend(worker) {
+            return Err(RouterError::UnknownWorker(worker));
+        }
+        self.forget_decisions(worker);
+        Ok(Vec::new())
+    }
+
+    /// Forgets the router's record of its own decisions on `worker` (the recent-decision
+    /// record and the policies' views).
+    fn forget_decisions(&mut self, worker: WorkerKey) {
         if let Some(recent) = &mut self.recent {
             recent.remove_worker(worker);
         }
         self.policy.worker_removed(worker);
         self.prefill_policy.worker_removed(worker);
-        let mut out = self.dropped(dropped, DropReason::WorkerRemoved);
-        out.extend(self.release(now));
-        Ok(out)
     }
 
     /// Applies another replica's load change; this router's own events are dropped. Duplicates

@@ -31,7 +31,6 @@ use kvroute_sync::WireEvent;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
-use crate::events::Views;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::worker::HealthPolicy;
@@ -45,6 +44,7 @@ mod workers;
 
 pub use guard::RequestGuard;
 pub use route::{RouteError, Target, Upstream};
+pub(crate) use workers::Announce;
 
 struct Inner {
     router: Router,
@@ -63,8 +63,6 @@ pub struct Shared {
     pub metrics: Metrics,
     /// The configuration.
     pub config: ServeConfig,
-    /// Each worker rank's cache view: its state, and how to resync it.
-    pub(crate) views: Views,
     /// The sync transport, where this replica's changes go to its peers (set once, when sync
     /// starts).
     sync: OnceLock<kvroute_sync::Sync>,
@@ -132,7 +130,6 @@ impl Shared {
             changes: tokio::sync::watch::Sender::new(0),
             metrics,
             config,
-            views: Views::default(),
             sync: OnceLock::new(),
         })
     }

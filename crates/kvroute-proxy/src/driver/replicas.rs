@@ -4,7 +4,7 @@ use kvroute_core::ids::WorkerId;
 use kvroute_core::router::RouterId;
 use kvroute_sync::{LinkState, WireEvent, WorkerChange};
 
-use crate::worker::{WorkerEvent, WorkerState};
+use crate::worker::WorkerState;
 
 use super::{Inner, Shared};
 
@@ -99,17 +99,5 @@ impl Shared {
     /// The worker at base URL `url` (no trailing slash), if any.
     pub fn find_worker(&self, url: &str) -> Option<WorkerId> {
         self.lock().registry.find(url)
-    }
-
-    /// A peer's drain or removal of a worker (not announced again). Adds are the caller's.
-    pub fn apply_peer_worker_change(&self, change: &WorkerChange) {
-        let (url, event) = match change {
-            WorkerChange::Draining { url } => (url, WorkerEvent::DrainRequested),
-            WorkerChange::Removed { url } => (url, WorkerEvent::Removed),
-            WorkerChange::Added { .. } => return,
-        };
-        if let Some(id) = self.find_worker(url) {
-            self.worker_event(id, event);
-        }
     }
 }

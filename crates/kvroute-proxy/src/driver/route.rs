@@ -12,6 +12,7 @@ use kvroute_core::router::{
     max_cached_blocks,
 };
 use kvroute_core::time::Timestamp;
+use kvroute_http::openai::KvCacheReport;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
@@ -59,6 +60,10 @@ pub struct Upstream {
     pub api_key: Option<String>,
     /// Whether its engine may be asked to re-announce reused blocks.
     pub reannounce: crate::config::Reannounce,
+    /// What a request sent there asks of its engine's KV events: `Full` while the rank's view
+    /// is rebuilt after lost batches, within `reannounce-window-ms`, if `reannounce` allows it
+    /// (decided when the request is routed).
+    pub kv_cache_report: KvCacheReport,
 }
 
 /// Where a routed request goes.
@@ -110,7 +115,7 @@ impl Shared {
                     // registered).
                     return Err(RouteError::QueueTimeout);
                 };
-                let target = self.lock().target(&decision);
+                let target = self.lock().target(&decision, self.reannounce_window());
                 (decision, target, guard)
             }
             Admission::Refused(e) => return Err(e),
@@ -131,13 +136,18 @@ impl Shared {
         Ok((guard, target, decision))
     }
 
+    /// `reannounce-window-ms`.
+    fn reannounce_window(&self) -> Duration {
+        ServeConfig::ms(self.config.reannounce_window_ms)
+    }
+
     /// Hands `request` to the router.
     fn admit(&self, request: &RouteRequest<'_>) -> Admission {
         let mut inner = self.lock();
         let now = self.now();
         match inner.router.handle_request(now, request) {
             Ok(RouteOutcome::Routed(d)) => {
-                let target = Box::new(inner.target(&d));
+                let target = Box::new(inner.target(&d, self.reannounce_window()));
                 Admission::Routed(d, target)
             }
             Ok(RouteOutcome::Queued) => {
@@ -189,14 +199,16 @@ impl Shared {
     }
 }
 impl Inner {
-    fn target(&self, d: &Decision) -> Target {
+    /// Where decision `d` sends its request; `window`: how long after a view was cleared its
+    /// requests ask for re-announcements.
+    fn target(&self, d: &Decision, window: Duration) -> Target {
         Target {
-            decode: self.upstream(d.worker),
-            prefill: d.prefill.map(|p| self.upstream(p.worker)),
+            decode: self.upstream(d.worker, window),
+            prefill: d.prefill.map(|p| self.upstream(p.worker, window)),
         }
     }
 
-    fn upstream(&self, key: WorkerKey) -> Upstream {
+    fn upstream(&self, key: WorkerKey, window: Duration) -> Upstream {
         let w = self.registry.get(key.worker);
         Upstream {
             worker: key.worker,
@@ -207,6 +219,10 @@ impl Inner {
             engine: w.map(|w| w.config.engine).unwrap_or_default(),
             api_key: w.and_then(|w| w.config.api_key.clone()),
             reannounce: w.map(|w| w.config.reannounce).unwrap_or_default(),
+            kv_cache_report: w.map_or(KvCacheReport::Incremental, |w| {
+                w.views
+                    .kv_cache_report(key.dp_rank, w.config.engine, w.config.reannounce, window)
+            }),
         }
     }
 }

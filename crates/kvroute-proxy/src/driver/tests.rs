@@ -45,11 +45,8 @@ fn health_checks_flip_a_worker_only_after_enough_in_a_row() {
     for (step, &(passed, want)) in script.iter().enumerate() {
         shared.worker_event(id, check(passed));
         assert_eq!(shared.any_routable(), want, "after check {step} ({passed})");
-        assert_eq!(
-            shared.snapshot().workers.len(),
-            usize::from(want),
-            "in the router"
-        );
+        let taking = shared.snapshot().workers.iter().filter(|w| !w.draining).count();
+        assert_eq!(taking, usize::from(want), "taking requests in the router");
     }
 }
 
@@ -74,15 +71,65 @@ async fn a_draining_worker_keeps_its_requests_and_leaves_when_it_has_none() {
     let (shared, id) = shared();
     let (guard, target, _) = shared.route(&[1, 2, 3], None).await.unwrap();
     assert_eq!(target.decode.worker, id);
-    assert!(shared.drain_worker(id));
+    assert!(shared.drain_worker(id, Announce::ToPeers));
     assert_eq!(state(&shared), StateName::Draining);
     assert_eq!(shared.worker_statuses()[0].active_requests, 1);
     assert_eq!(shared.route(&[4], None).await.unwrap_err(), RouteError::NoWorker);
     guard.finish();
     assert_eq!(state(&shared), StateName::Drained);
     assert!(shared.snapshot().workers.is_empty(), "out of the router");
-    assert!(shared.remove_worker(id));
+    assert!(shared.remove_worker(id, Announce::ToPeers));
     assert!(shared.worker_statuses().is_empty());
-    assert!(!shared.remove_worker(id));
+    assert!(!shared.remove_worker(id, Announce::ToPeers));
+    shared.check_invariants().unwrap();
+}
+
+/// A worker suspended for failing its health checks keeps the bookings of its requests in
+/// flight until they end, and comes back with those still running booked on it (not idle).
+/// The health checks are driven as the prober reports them: one event per check.
+#[tokio::test(start_paused = true)]
+async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
+    let (shared, id) = shared();
+    let other = shared
+        .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:2").unwrap())
+        .unwrap();
+    // Two requests on `id` (the other worker drained meanwhile, so that they go there).
+    assert!(shared.drain_worker(other, Announce::No));
+    let (first, target, _) = shared.route(&[1, 2, 3], None).await.unwrap();
+    assert_eq!(target.decode.worker, id);
+    let (second, _, _) = shared.route(&[4, 5, 6], None).await.unwrap();
+    let booked = |shared: &Shared| {
+        let snapshot = shared.snapshot();
+        let on = |w: WorkerId| {
+            snapshot
+                .workers
+                .iter()
+                .filter(|m| m.spec.key.worker == w)
+                .map(|m| m.load.requests)
+                .sum::<u32>()
+        };
+        (on(id), snapshot.active_now)
+    };
+    assert_eq!(booked(&shared), (2, 2));
+    for _ in 0..3 {
+        shared.apply_worker_event(id, WorkerEvent::CheckFailed);
+    }
+    assert_eq!(state(&shared), StateName::Unhealthy);
+    // Out of routing, but its requests are still booked there, and listed.
+    assert_eq!(booked(&shared), (2, 2));
+    assert_eq!(shared.worker_statuses()[0].active_requests, 2);
+    assert_eq!(shared.route(&[7], None).await.unwrap_err(), RouteError::NoWorker);
+    // One ends while it is out: its booking ends then.
+    first.finish();
+    assert_eq!(booked(&shared), (1, 1));
+    // Back after two passing checks, with the other request still booked on it.
+    for _ in 0..2 {
+        shared.apply_worker_event(id, WorkerEvent::CheckPassed);
+    }
+    assert_eq!(state(&shared), StateName::Ready);
+    assert_eq!(booked(&shared), (1, 1));
+    drop(second);
+    assert_eq!(booked(&shared), (0, 0));
+    assert_eq!(shared.snapshot().counters.dropped_with_worker, 0);
     shared.check_invariants().unwrap();
 }

@@ -1,5 +1,5 @@
-//! The fleet: adding, draining and removing workers, their state machine's effects on the
-//! router, and their registration checks.
+//! The workers in the driver: adding, draining and removing them, their state machine's
+//! effects on the router, and their registration checks' verdicts.
 
 use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
 use kvroute_core::router::WorkerSpec;
@@ -7,14 +7,17 @@ use kvroute_sync::WorkerChange;
 
 use crate::checks::{self, Check, Verdict};
 use crate::config::WorkerConfig;
-use crate::registry::{Transition, WorkerStatus};
+use crate::registry::{Subscribers, Transition, WorkerStatus};
+use crate::views::WorkerViews;
 use crate::worker::{WorkerEvent, WorkerState};
 
 use super::{Inner, Shared};
 
 impl Shared {
-    /// Adds a worker (all its ranks) to routing and returns its id.
-    pub fn add_worker(&self, config: WorkerConfig) -> Result<WorkerId, String> {
+    /// Adds a worker (all its ranks) to routing and returns its id: its registry entry, its
+    /// ranks in the router and its series, told to the peers. Its subscribers and checks are
+    /// started by the proxy's one add path ([`crate::fleet::Fleet::add`]).
+    pub(crate) fn add_worker(&self, config: WorkerConfig) -> Result<WorkerId, String> {
         config
             .validate(self.config.block_size, self.config.disagg_protocol)
             .map_err(|e| e.to_string())?;
@@ -34,40 +37,99 @@ impl Shared {
         Ok(id)
     }
 
-    /// Drains a worker: it keeps its running requests and takes no new ones; once it has none
-    /// it leaves the router. False if there is no such worker.
-    pub fn drain_worker(&self, id: WorkerId) -> bool {
-        let url = self.lock().registry.get(id).map(|w| w.base.clone());
-        let done = self.worker_event(id, WorkerEvent::DrainRequested).is_some();
-        if let Some(url) = url.filter(|_| done) {
-            self.announce(WorkerChange::Draining { url });
-        }
-        done
+    /// Gives worker `id` its KV-event subscribers, which then run until it is removed (at
+    /// once, if it already was).
+    pub(crate) fn adopt_subscribers(&self, id: WorkerId, subscribers: Subscribers) {
+        self.lock().registry.adopt(id, subscribers);
     }
 
-    /// Removes a worker: its requests are dropped from the router's books. False if there is no
-    /// such worker.
-    pub fn remove_worker(&self, id: WorkerId) -> bool {
-        let url = self.lock().registry.get(id).map(|w| w.base.clone());
-        let done = self.worker_event(id, WorkerEvent::Removed).is_some();
-        if let Some(url) = url.filter(|_| done) {
-            self.announce(WorkerChange::Removed { url });
+    /// Stops every worker's KV-event subscribers (the proxy stops).
+    pub(crate) fn stop_subscribers(&self) {
+        self.lock().registry.stop_subscribers();
+    }
+
+    /// Runs `f` on worker `id`'s cache views under the lock (not at all if it is gone).
+    pub(crate) fn update_views(&self, id: WorkerId, f: impl FnOnce(&mut WorkerViews)) {
+        if let Some(views) = self.lock().registry.views_mut(id) {
+            f(views);
         }
-        done
+    }
+
+    /// How many KV-event subscribers worker `id` has running (one per rank with an endpoint);
+    /// `None` if there is no such worker.
+    pub fn subscriber_count(&self, id: WorkerId) -> Option<usize> {
+        self.lock().registry.get(id).map(|w| w.subscribers.len())
+    }
+
+    /// Drains a worker: it keeps its running requests and takes no new ones; once it has none
+    /// it leaves the router. Told to the peers if `announce`. False if there is no such worker.
+    pub(crate) fn drain_worker(&self, id: WorkerId, announce: Announce) -> bool {
+        self.operator_event(id, WorkerEvent::DrainRequested, announce, |url| {
+            WorkerChange::Draining { url }
+        })
+    }
+
+    /// Removes a worker, and everything the proxy holds for it: its requests are dropped from
+    /// the router's books, its subscribers stop, its cache view and its series go. Told to the
+    /// peers if `announce`. False if there is no such worker. The one remove path: an
+    /// operator's, a peer's ([`crate::fleet::Fleet`]).
+    pub(crate) fn remove_worker(&self, id: WorkerId, announce: Announce) -> bool {
+        self.operator_event(id, WorkerEvent::Removed, announce, |url| WorkerChange::Removed {
+            url,
+        })
+    }
+
+    /// An operator's `event` on worker `id` (applied as [`Self::apply_worker_event`] does),
+    /// then told to the peers as `change` of its URL if `announce`.
+    fn operator_event(
+        &self,
+        id: WorkerId,
+        event: WorkerEvent,
+        announce: Announce,
+        change: impl FnOnce(String) -> WorkerChange,
+    ) -> bool {
+        let mut inner = self.lock();
+        let Some(url) = inner.registry.get(id).map(|w| w.base.clone()) else {
+            return false;
+        };
+        self.apply(&mut inner, id, event);
+        drop(inner);
+        self.notify();
+        if announce == Announce::ToPeers {
+            self.announce(change(url));
+        }
+        true
     }
 
     /// Tells worker `id`'s state machine of `event` and carries out what its change of state
-    /// means for the router; the new state, or `None` if there is no such worker. (Health
-    /// checks report here; so does a request that could not connect.)
+    /// means for the router; the new state, or `None` if there is no such worker. (A request
+    /// that could not connect reports here.)
     pub fn worker_event(&self, id: WorkerId, event: WorkerEvent) -> Option<WorkerState> {
+        self.apply_worker_event(id, event).map(|t| t.to)
+    }
+
+    /// [`Self::worker_event`], returning the whole transition: read and applied under one lock
+    /// (the health prober decides from it whether the registration checks are due).
+    pub fn apply_worker_event(&self, id: WorkerId, event: WorkerEvent) -> Option<Transition> {
         let mut inner = self.lock();
-        let t = inner.registry.apply(id, event)?;
-        self.effect(&mut inner, id, t);
-        inner.registry.forget(id);
-        self.settle_drains(&mut inner);
+        let t = self.apply(&mut inner, id, event);
         drop(inner);
         self.notify();
-        Some(t.to)
+        t
+    }
+
+    /// Applies `event` to worker `id` under the lock: the pure transition ([`WorkerState::on`]),
+    /// then its effects. A worker whose new state is [`WorkerState::Gone`] is forgotten, and
+    /// with its entry go its subscribers and its cache views (its series went in
+    /// [`Self::effect`]).
+    fn apply(&self, inner: &mut Inner, id: WorkerId, event: WorkerEvent) -> Option<Transition> {
+        let t = inner.registry.apply(id, event)?;
+        self.effect(inner, id, t);
+        if t.to == WorkerState::Gone {
+            inner.registry.forget(id);
+        }
+        self.settle_drains(inner);
+        Some(t)
     }
 
     /// What worker `id`'s change of state means for the router: its ranks enter it, drain, or
@@ -84,8 +146,10 @@ impl Shared {
         match (t.from.in_router(), t.to.in_router()) {
             (false, true) => {
                 self.enter(inner, id);
-                if matches!(t.from, WorkerState::Unhealthy { .. }) {
-                    self.views.resync(id);
+                if matches!(t.from, WorkerState::Unhealthy { .. })
+                    && let Some(w) = inner.registry.get(id)
+                {
+                    w.views.resync();
                 }
             }
             (_, false) => {
@@ -262,7 +326,7 @@ impl Shared {
                 }
                 WorkerStatus {
                     id: id.0,
-                    view: self.views.summary(id, w.config.events.is_some()),
+                    view: w.views.summary(w.config.events.is_some()),
                     config: w.config.clone(),
                     state: w.state.name(),
                     routable: w.state.routable(),
@@ -278,4 +342,13 @@ impl Shared {
     pub fn any_routable(&self) -> bool {
         self.lock().registry.any_routable()
     }
+}
+
+/// Whether an operator's change to a worker is told to the peer replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// This replica's own change (the admin API's): the peers apply it too.
+    ToPeers,
+    /// A peer's change, applied here: not told again.
+    No,
 }

@@ -1,0 +1,65 @@
+//! What the inference and admin listeners' handlers share ([`App`]), and reading a request's
+//! body within its limits.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use axum::http::StatusCode;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use kvroute_http::model::Model;
+use kvroute_http::openai::ApiError;
+
+use crate::config::ServeConfig;
+use crate::driver::Shared;
+use crate::fleet::Fleet;
+use crate::flow::Forwarder;
+
+/// The state of both listeners' handlers.
+pub(crate) struct App {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) forwarder: Arc<Forwarder>,
+    /// The one door for adding and removing workers.
+    pub(crate) fleet: Arc<Fleet>,
+    /// One admin change at a time: the fleet check and the change it allows are one step.
+    pub(crate) admin: tokio::sync::Mutex<()>,
+    /// The start of the request ids made here (`kvr-{instance tag in hex}-`), and their counter.
+    pub(crate) request_id_prefix: String,
+    pub(crate) next_request_id: AtomicU64,
+}
+
+/// Reads a request body whole: at most `limit` bytes, within the body read timeout; else an
+/// OpenAI-shaped 413 or 408.
+pub(crate) async fn read_body(
+    config: &ServeConfig,
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
+    let collect = Limited::new(body, limit).collect();
+    match tokio::time::timeout(ServeConfig::ms(config.body_read_timeout_ms), collect).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body exceeds {limit} bytes"),
+        )),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request body failed");
+            Err(ApiError::bad_request(
+                "body",
+                "the request body could not be read",
+            ))
+        }
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} ms",
+                config.body_read_timeout_ms
+            ),
+        )),
+    }
+}
