@@ -77,10 +77,10 @@ impl Shared {
             if matches!(w.state, WorkerState::Gone) {
                 continue;
             }
-            let Ok(config) = serde_json::to_value(&w.config) else {
+            let Some(added) = crate::replicas::announced(&w.config) else {
                 continue;
             };
-            events.push(WireEvent::Worker(WorkerChange::Added { config }));
+            events.push(WireEvent::Worker(added));
             if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
                 events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));
             }
