@@ -195,8 +195,15 @@ mod tests {
         }];
         let keyless = [WorkerConfig::new(url)];
         let peer_key = Secret::new("peer-key");
-        // (own tables, peer-worker-api-key, the peer has a credential, the result)
-        let cases: &[(&[WorkerConfig], Option<&Secret>, bool, Result<Option<&str>, &str>)] = &[
+        /// (own tables, peer-worker-api-key, the peer has a credential, the result: the key
+        /// used, or a word of the error)
+        type Case<'a> = (
+            &'a [WorkerConfig],
+            Option<&'a Secret>,
+            bool,
+            Result<Option<&'a str>, &'a str>,
+        );
+        let cases: &[Case] = &[
             (&own, Some(&peer_key), true, Ok(Some("own-key"))),
             (&own, None, false, Ok(Some("own-key"))),
             (&keyless, Some(&peer_key), true, Ok(None)),
