@@ -4,7 +4,7 @@
 //! subscriber and registration checks, as one added through the admin API does).
 //!
 //! **No credential on the wire.** A worker is told to the peers without its `api-key`
-//! ([`announced`]), saying only whether it has one; a replica calls a peer's worker with the
+//! (`announced`), saying only whether it has one; a replica calls a peer's worker with the
 //! `api-key` of its own `[[worker]]` table for that URL, else with `peer-worker-api-key`, and
 //! refuses a worker that needs a credential it does not have.
 

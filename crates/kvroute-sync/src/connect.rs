@@ -3,11 +3,12 @@
 //! mutual TLS), and a first attempt that tells a refusal from a server not reachable yet.
 //!
 //! A refusal (credentials the server does not accept, a certificate that does not verify) is a
-//! configuration error: [`connect`] returns it, naming what to check, and the replica does not
-//! start. A server not reachable yet is not: the connection is made in the background, as it is
-//! remade after any outage, and the replica starts on its own view meanwhile.
+//! configuration error: [`crate::Sync::start`] returns it ([`crate::SyncError::Refused`]),
+//! naming what to check, and the replica does not start. A server not reachable yet is not: the
+//! connection is made in the background, as it is remade after any outage, and the replica
+//! starts on its own view meanwhile.
 //!
-//! Credentials never reach a log line, an error or a [`Debug`] output: [`Secret`] prints as
+//! Credentials never reach a log line, an error or a `Debug` output: [`Secret`] prints as
 //! `Secret(..)`, and the server's refusal names the credential's key, never its value.
 
 use std::fmt;
@@ -275,6 +276,18 @@ mod tests {
     fn a_credentials_file_is_checked_without_naming_its_content() {
         let dir = std::env::temp_dir().join(format!("kvroute-creds-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        // As `nsc` writes one: a user JWT (opaque here) and an NKey user seed.
+        let seed = nkeys::KeyPair::new_user().seed().unwrap();
+        let good = dir.join("good.creds");
+        std::fs::write(
+            &good,
+            format!(
+                "-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVIn0.c2ln\n------END NATS USER JWT------\n\n\
+                 -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+            ),
+        )
+        .unwrap();
+        assert_eq!(check_credentials_file(&good), Ok(()));
         let bad = dir.join("bad.creds");
         std::fs::write(&bad, "SUAsecretseed\n").unwrap();
         let err = check_credentials_file(&bad).unwrap_err();
