@@ -10,6 +10,7 @@ use kvroute_core::router::{
     SyncMode, WorkerRole,
 };
 pub use kvroute_http::EngineKind;
+use kvroute_sync::{ClientCertificate, NatsAuth, NatsTls, Secret};
 use serde::{Deserialize, Serialize};
 
 /// Why a configuration was refused.
@@ -459,6 +460,38 @@ pub struct ServeConfig {
     /// How long a replica may stay silent before its peers release its requests' load.
     /// Default 3,000 ms (must exceed `nats-heartbeat-ms`).
     pub nats_peer_timeout_ms: u64,
+    /// The token the NATS server requires (its `authorization { token }`). Better
+    /// `nats-token-file`: a flag's value shows in the process list. Default none.
+    #[serde(skip_serializing)]
+    pub nats_token: Option<Secret>,
+    /// A file holding the NATS token (one line). Default none.
+    pub nats_token_file: Option<PathBuf>,
+    /// The NATS user, with `nats-password` or `nats-password-file`. Default none.
+    pub nats_user: Option<String>,
+    /// The NATS user's password. Better `nats-password-file`. Default none.
+    #[serde(skip_serializing)]
+    pub nats_password: Option<Secret>,
+    /// A file holding the NATS user's password (one line). Default none.
+    pub nats_password_file: Option<PathBuf>,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes it).
+    /// Default none.
+    pub nats_credentials: Option<PathBuf>,
+    /// PEM file of the CA certificates that verify the NATS server; implies TLS. Default: the
+    /// system's CAs, and TLS only if the URL is `tls://` or the server asks for it.
+    pub nats_tls_ca: Option<PathBuf>,
+    /// This replica's client certificate (PEM), for a NATS server that verifies its clients
+    /// (mutual TLS); with `nats-tls-key`; implies TLS. Default none.
+    pub nats_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `nats-tls-cert`. Default none.
+    pub nats_tls_key: Option<PathBuf>,
+    /// The engine credential (`api-key`) this replica calls a worker added by a peer replica
+    /// with, when that worker has one on the peer and this replica's own `[[worker]]` tables do
+    /// not name it (replicas never send each other credentials). Better
+    /// `peer-worker-api-key-file`. Default none: such a worker is refused.
+    #[serde(skip_serializing)]
+    pub peer_worker_api_key: Option<Secret>,
+    /// A file holding `peer-worker-api-key` (one line). Default none.
+    pub peer_worker_api_key_file: Option<PathBuf>,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     #[serde(rename = "worker")]
     pub workers: Vec<WorkerConfig>,
@@ -504,6 +537,17 @@ impl Default for ServeConfig {
             nats_subject_prefix: "kvroute".to_owned(),
             nats_heartbeat_ms: 1_000,
             nats_peer_timeout_ms: 3_000,
+            nats_token: None,
+            nats_token_file: None,
+            nats_user: None,
+            nats_password: None,
+            nats_password_file: None,
+            nats_credentials: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            peer_worker_api_key: None,
+            peer_worker_api_key_file: None,
             workers: Vec::new(),
         }
     }
@@ -630,9 +674,21 @@ impl ServeConfig {
             let uri: hyper::Uri = url
                 .parse()
                 .map_err(|_| invalid("nats", format!("{url:?} is not a URL")))?;
-            if uri.scheme_str() != Some("nats") || uri.authority().is_none() {
-                return Err(invalid("nats", format!("{url:?}: must be nats://host:port")));
+            if !matches!(uri.scheme_str(), Some("nats" | "tls")) || uri.authority().is_none() {
+                return Err(invalid(
+                    "nats",
+                    format!("{url:?}: must be nats://host:port (or tls://host:port: TLS required)"),
+                ));
             }
+            if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+                return Err(invalid(
+                    "nats",
+                    "has credentials in it, which would be logged: give them as nats-token-file, \
+                     nats-user and nats-password-file, or nats-credentials",
+                ));
+            }
+        } else if let Some(key) = self.nats_security_keys().first() {
+            return Err(invalid(*key, "needs nats (the server it is for)"));
         }
         let token_ok = |t: &str| {
             !t.is_empty()
@@ -657,16 +713,140 @@ impl ServeConfig {
                 ),
             ));
         }
+        self.nats_auth()?;
+        self.nats_tls()?;
+        self.peer_worker_api_key()?;
         Ok(())
     }
 
-    /// The sync transport's settings, when `nats` is set.
-    pub fn sync_config(&self) -> Option<kvroute_sync::SyncConfig> {
-        let url = self.nats.as_ref()?;
+    /// The NATS credential and TLS keys that are set (they need `nats`).
+    fn nats_security_keys(&self) -> Vec<&'static str> {
+        [
+            ("nats-token", self.nats_token.is_some()),
+            ("nats-token-file", self.nats_token_file.is_some()),
+            ("nats-user", self.nats_user.is_some()),
+            ("nats-password", self.nats_password.is_some()),
+            ("nats-password-file", self.nats_password_file.is_some()),
+            ("nats-credentials", self.nats_credentials.is_some()),
+            ("nats-tls-ca", self.nats_tls_ca.is_some()),
+            ("nats-tls-cert", self.nats_tls_cert.is_some()),
+            ("nats-tls-key", self.nats_tls_key.is_some()),
+            ("peer-worker-api-key", self.peer_worker_api_key.is_some()),
+            (
+                "peer-worker-api-key-file",
+                self.peer_worker_api_key_file.is_some(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect()
+    }
+
+    /// How this replica proves itself to the NATS server: a token, a user and password, or a
+    /// credentials file (at most one), each secret given inline or as a file (not both). Reads
+    /// the files.
+    pub fn nats_auth(&self) -> Result<NatsAuth, ConfigError> {
+        let token = secret(
+            ("nats-token", &self.nats_token),
+            ("nats-token-file", &self.nats_token_file),
+        )?;
+        let password = secret(
+            ("nats-password", &self.nats_password),
+            ("nats-password-file", &self.nats_password_file),
+        )?;
+        let ways: Vec<&str> = [
+            ("nats-token", token.is_some()),
+            ("nats-user", self.nats_user.is_some() || password.is_some()),
+            ("nats-credentials", self.nats_credentials.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect();
+        if ways.len() > 1 {
+            return Err(invalid(
+                ways.join("/"),
+                format!(
+                    "one way to authenticate to NATS: a token, a user and password, or a \
+                     credentials file; {} were given",
+                    ways.join(" and ")
+                ),
+            ));
+        }
+        Ok(match (token, &self.nats_user, password, &self.nats_credentials) {
+            (Some(token), ..) => NatsAuth::Token(token),
+            (None, Some(user), Some(password), _) => {
+                if user.is_empty() || user.chars().any(char::is_whitespace) {
+                    return Err(invalid("nats-user", format!("{user:?}: a name without spaces")));
+                }
+                NatsAuth::UserPassword {
+                    user: user.clone(),
+                    password,
+                }
+            }
+            (None, Some(_), None, _) => {
+                return Err(invalid(
+                    "nats-password",
+                    "required with nats-user (or nats-password-file)",
+                ));
+            }
+            (None, None, Some(_), _) => return Err(invalid("nats-user", "required with nats-password")),
+            (None, None, None, Some(path)) => {
+                kvroute_sync::connect::check_credentials_file(path)
+                    .map_err(|e| invalid("nats-credentials", format!("{}: {e}", path.display())))?;
+                NatsAuth::CredentialsFile(path.clone())
+            }
+            (None, None, None, None) => NatsAuth::None,
+        })
+    }
+
+    /// TLS to the NATS server: required by a `tls://` URL or any `nats-tls-*` key; the CA
+    /// and the client certificate and key (both or neither) must be readable files.
+    pub fn nats_tls(&self) -> Result<NatsTls, ConfigError> {
+        let file = |key: &str, path: &Option<PathBuf>| match path {
+            Some(p) if !p.is_file() => Err(invalid(key, format!("{}: no such file", p.display()))),
+            _ => Ok(path.clone()),
+        };
+        let ca = file("nats-tls-ca", &self.nats_tls_ca)?;
+        let client = match (
+            file("nats-tls-cert", &self.nats_tls_cert)?,
+            file("nats-tls-key", &self.nats_tls_key)?,
+        ) {
+            (Some(cert), Some(key)) => Some(ClientCertificate { cert, key }),
+            (None, None) => None,
+            (Some(_), None) => return Err(invalid("nats-tls-key", "required with nats-tls-cert")),
+            (None, Some(_)) => return Err(invalid("nats-tls-cert", "required with nats-tls-key")),
+        };
+        let tls_url = self.nats.as_deref().is_some_and(|u| u.starts_with("tls://"));
+        Ok(NatsTls {
+            required: tls_url || ca.is_some() || client.is_some(),
+            ca,
+            client,
+        })
+    }
+
+    /// `peer-worker-api-key`, inline or from its file (not both).
+    pub fn peer_worker_api_key(&self) -> Result<Option<Secret>, ConfigError> {
+        let key = secret(
+            ("peer-worker-api-key", &self.peer_worker_api_key),
+            ("peer-worker-api-key-file", &self.peer_worker_api_key_file),
+        )?;
+        if key.as_ref().is_some_and(|k| !is_token(k.expose())) {
+            return Err(invalid("peer-worker-api-key", TOKEN_RULE));
+        }
+        Ok(key)
+    }
+
+    /// The sync transport's settings, when `nats` is set (reads the credential files).
+    pub fn sync_config(&self) -> Result<Option<kvroute_sync::SyncConfig>, ConfigError> {
+        let Some(url) = &self.nats else {
+            return Ok(None);
+        };
         let mut config = kvroute_sync::SyncConfig::new(url.clone(), &self.nats_subject_prefix);
         config.heartbeat_interval = Self::ms(self.nats_heartbeat_ms);
         config.peer_timeout = Self::ms(self.nats_peer_timeout_ms);
-        Some(config)
+        config.auth = self.nats_auth()?;
+        config.tls = self.nats_tls()?;
+        Ok(Some(config))
     }
 
     /// Where the tokenizer comes from: `model_dir`, or the built-in one when
@@ -730,6 +910,34 @@ impl ServeConfig {
     pub(crate) fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
     }
+}
+
+/// A secret given inline (`inline`) or as a file (`file`: its first line), not both; an error
+/// names the keys and the file, never the secret.
+fn secret(
+    (inline_key, inline): (&str, &Option<Secret>),
+    (file_key, file): (&str, &Option<PathBuf>),
+) -> Result<Option<Secret>, ConfigError> {
+    let value = match (inline, file) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                format!("{inline_key}/{file_key}"),
+                format!("give {inline_key} or {file_key}, not both"),
+            ));
+        }
+        (Some(s), None) => s.expose().to_owned(),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| invalid(file_key, format!("{}: {e}", path.display())))?;
+            text.lines().next().unwrap_or_default().to_owned()
+        }
+        (None, None) => return Ok(None),
+    };
+    if value.is_empty() || value.contains(['\r', '\n']) {
+        let key = if inline.is_some() { inline_key } else { file_key };
+        return Err(invalid(key, "must not be empty"));
+    }
+    Ok(Some(Secret::new(value)))
 }
 
 /// `text` as the address of `field`.
@@ -972,5 +1180,171 @@ mod event_endpoint_tests {
         )
         .unwrap();
         assert_eq!(c.workers[0].events_mode, Some(kvroute_zmq::SocketMode::Bind));
+    }
+}
+
+#[cfg(test)]
+mod nats_security_tests {
+    use super::*;
+
+    /// A directory of files for one test, removed on drop.
+    struct Files(PathBuf);
+
+    impl Files {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("kvroute-config-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+
+        fn write(&self, name: &str, text: &str) -> String {
+            let path = self.0.join(name);
+            std::fs::write(&path, text).unwrap();
+            path.display().to_string()
+        }
+    }
+
+    impl Drop for Files {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn nats_credentials_and_tls_keys_are_checked_once_with_errors_naming_the_keys() {
+        let files = Files::new("nats");
+        let token = files.write("token", "tok-1\n");
+        let password = files.write("password", "pw-1\n");
+        let empty = files.write("empty", "\n");
+        let ca = files.write("ca.pem", "");
+        let base = "nats = \"tls://127.0.0.1:4222\"\n";
+        // (extra TOML, the error's start, or "" when accepted)
+        let cases: Vec<(String, &str)> = vec![
+            (String::new(), ""),
+            ("nats-token = \"tok-1\"\n".into(), ""),
+            (format!("nats-token-file = \"{token}\"\n"), ""),
+            ("nats-user = \"r\"\nnats-password = \"pw-1\"\n".into(), ""),
+            (
+                format!("nats-user = \"r\"\nnats-password-file = \"{password}\"\n"),
+                "",
+            ),
+            (format!("nats-tls-ca = \"{ca}\"\n"), ""),
+            (
+                format!("nats-tls-ca = \"{ca}\"\nnats-tls-cert = \"{ca}\"\nnats-tls-key = \"{ca}\"\n"),
+                "",
+            ),
+            (
+                format!("nats-token = \"t\"\nnats-token-file = \"{token}\"\n"),
+                "nats-token/nats-token-file: give nats-token or nats-token-file, not both",
+            ),
+            (
+                "nats-token = \"t\"\nnats-user = \"r\"\nnats-password = \"p\"\n".into(),
+                "nats-token/nats-user: one way to authenticate",
+            ),
+            (
+                "nats-token = \"t\"\nnats-credentials = \"/x.creds\"\n".into(),
+                "nats-token/nats-credentials: one way",
+            ),
+            (
+                "nats-user = \"r\"\n".into(),
+                "nats-password: required with nats-user",
+            ),
+            (
+                "nats-password = \"p\"\n".into(),
+                "nats-user: required with nats-password",
+            ),
+            (
+                format!("nats-token-file = \"{empty}\"\n"),
+                "nats-token-file: must not be empty",
+            ),
+            (
+                "nats-token-file = \"/no/such/token\"\n".into(),
+                "nats-token-file: /no/such/token:",
+            ),
+            (
+                "nats-credentials = \"/no/such.creds\"\n".into(),
+                "nats-credentials: /no/such.creds:",
+            ),
+            (
+                "nats-tls-ca = \"/no/ca.pem\"\n".into(),
+                "nats-tls-ca: /no/ca.pem: no such file",
+            ),
+            (
+                format!("nats-tls-cert = \"{ca}\"\n"),
+                "nats-tls-key: required with nats-tls-cert",
+            ),
+            (
+                format!("nats-tls-key = \"{ca}\"\n"),
+                "nats-tls-cert: required with nats-tls-key",
+            ),
+            (
+                "peer-worker-api-key = \"two words\"\n".into(),
+                "peer-worker-api-key:",
+            ),
+            ("peer-worker-api-key = \"sk-1\"\n".into(), ""),
+        ];
+        for (extra, want) in &cases {
+            let text = format!("{base}{extra}");
+            let result = ServeConfig::from_toml_str(&text).and_then(|c| c.validate().map(|_| c));
+            match result {
+                Ok(_) => assert!(want.is_empty(), "{text}: accepted"),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(!want.is_empty() && e.starts_with(want), "{text}: {e}");
+                    for secret in ["tok-1", "pw-1", "sk-1"] {
+                        assert!(!e.contains(secret), "{text}: the error repeats a secret: {e}");
+                    }
+                }
+            }
+        }
+        // Without a server, its keys mean nothing.
+        let err = ServeConfig::from_toml_str("nats-token = \"t\"\n")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().starts_with("nats-token: needs nats"), "{err}");
+        let err = ServeConfig::from_toml_str("nats = \"nats://u:p@h:4222\"\n")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("credentials in it"), "{err}");
+        assert!(
+            ServeConfig::from_toml_str("nats-tokn = \"t\"\n").is_err(),
+            "unknown keys refused"
+        );
+    }
+
+    #[test]
+    fn the_transport_gets_typed_credentials_and_tls_and_debug_output_hides_secrets() {
+        let files = Files::new("typed");
+        let password = files.write("password", "pw-2\r\n");
+        let ca = files.write("ca.pem", "");
+        let c = ServeConfig::from_toml_str(&format!(
+            "nats = \"nats://127.0.0.1:4222\"\nnats-user = \"r\"\nnats-password-file = \"{password}\"\n\
+             nats-tls-ca = \"{ca}\"\npeer-worker-api-key = \"sk-2\"\n"
+        ))
+        .unwrap();
+        c.validate().unwrap();
+        let sync = c.sync_config().unwrap().unwrap();
+        assert_eq!(
+            sync.auth,
+            NatsAuth::UserPassword {
+                user: "r".into(),
+                password: Secret::new("pw-2")
+            },
+            "the file's first line, without its line end"
+        );
+        assert!(sync.tls.required, "a CA implies TLS");
+        assert_eq!(sync.tls.ca, Some(PathBuf::from(&ca)));
+        let shown = format!("{c:?} {sync:?}");
+        assert!(!shown.contains("pw-2") && !shown.contains("sk-2"), "{shown}");
+        let plain = ServeConfig::from_toml_str("nats = \"nats://127.0.0.1:4222\"\n").unwrap();
+        let sync = plain.sync_config().unwrap().unwrap();
+        assert_eq!((sync.auth, sync.tls), (NatsAuth::None, NatsTls::default()));
+        let tls = ServeConfig::from_toml_str("nats = \"tls://127.0.0.1:4222\"\n").unwrap();
+        assert!(
+            tls.sync_config().unwrap().unwrap().tls.required,
+            "a tls:// URL requires TLS"
+        );
     }
 }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use kvroute_core::ids::WorkerId;
-use kvroute_sync::WorkerChange;
+use kvroute_sync::{Secret, WorkerChange};
 
 use crate::config::WorkerConfig;
 use crate::driver::{Announce, Shared};
@@ -75,10 +75,13 @@ impl Fleet {
 
     /// A peer replica's change to its registry, applied here through the same paths (and not
     /// told again). A worker the peer added that this replica already has is left alone; one
-    /// whose configuration is refused is logged.
-    pub fn apply_peer_change(&self, change: &WorkerChange) {
+    /// whose configuration is refused, or that needs a credential this replica lacks, is
+    /// logged. `peer_key` is `peer-worker-api-key` (see [`resolve_credential`]).
+    pub fn apply_peer_change(&self, change: &WorkerChange, peer_key: Option<&Secret>) {
         match change {
-            WorkerChange::Added { config } => self.add_peers(config),
+            WorkerChange::Added { config, credential } => {
+                self.add_peers(config, *credential, peer_key);
+            }
             WorkerChange::Draining { url } => {
                 if let Some(id) = self.shared.find_worker(url) {
                     self.shared.drain_worker(id, Announce::No);
@@ -93,8 +96,8 @@ impl Fleet {
         }
     }
 
-    fn add_peers(&self, config: &serde_json::Value) {
-        let config = match serde_json::from_value::<WorkerConfig>(config.clone()) {
+    fn add_peers(&self, config: &serde_json::Value, credential: bool, peer_key: Option<&Secret>) {
+        let mut config = match serde_json::from_value::<WorkerConfig>(config.clone()) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "a peer's worker configuration was refused");
@@ -109,9 +112,40 @@ impl Fleet {
             return;
         }
         let url = config.url.clone();
+        config.api_key = match resolve_credential(&self.shared.config.workers, peer_key, &url, credential) {
+            Ok(key) => key,
+            Err(e) => {
+                tracing::warn!(url, "a peer's worker was refused: {e}");
+                return;
+            }
+        };
         match self.add(config) {
             Ok(_) => tracing::info!(url, "worker added by a peer replica"),
             Err(e) => tracing::warn!(url, error = e, "a peer's worker was refused"),
         }
+    }
+}
+
+/// The credential this replica calls a peer's worker at `url` with: the `api-key` of its own
+/// `[[worker]]` table for that URL in `own` (none if the table has none), else, when the peer
+/// calls it with one (`credential`), `peer_key` (`peer-worker-api-key`); an error when the
+/// peer does and this replica has none. Replicas never send each other a credential.
+pub(crate) fn resolve_credential(
+    own: &[WorkerConfig],
+    peer_key: Option<&Secret>,
+    url: &str,
+    credential: bool,
+) -> Result<Option<String>, String> {
+    let base = url.trim_end_matches('/');
+    match (own.iter().find(|w| w.url.trim_end_matches('/') == base), peer_key) {
+        (Some(table), _) => Ok(table.api_key.clone()),
+        (None, _) if !credential => Ok(None),
+        (None, Some(key)) => Ok(Some(key.expose().to_owned())),
+        (None, None) => Err(
+            "its peer calls its engine with a credential (api-key), which replicas \
+             never send each other, and this replica has none for it: set \
+             peer-worker-api-key-file, or give the worker a [[worker]] table with its api-key"
+                .to_owned(),
+        ),
     }
 }

@@ -3,11 +3,17 @@
 //! changes to the fleet ([`Fleet::apply_peer_change`]): the same add and remove paths an
 //! operator's change takes (an added worker gets its KV-event subscribers and registration
 //! checks; a removed one loses them, its cache view and its series).
+//!
+//! **No credential on the wire.** A worker is told to the peers without its `api-key`
+//! ([`crate::driver::announced`]), saying only whether it has one; a replica calls a peer's
+//! worker with the `api-key` of its own `[[worker]]` table for that URL, else with
+//! `peer-worker-api-key`, and refuses a worker that needs a credential it does not have
+//! ([`crate::fleet::resolve_credential`]).
 
 use std::sync::Arc;
 
 use kvroute_core::router::RouterId;
-use kvroute_sync::{Sync, SyncHost, SyncMetrics, WireEvent};
+use kvroute_sync::{Secret, Sync, SyncHost, SyncMetrics, WireEvent};
 
 use crate::driver::Shared;
 use crate::fleet::Fleet;
@@ -15,6 +21,8 @@ use crate::fleet::Fleet;
 struct Host {
     shared: Arc<Shared>,
     fleet: Arc<Fleet>,
+    /// The credential for peers' workers that this replica's own tables do not name.
+    peer_key: Option<Secret>,
 }
 
 impl SyncHost for Host {
@@ -24,7 +32,7 @@ impl SyncHost for Host {
         for (i, event) in events.iter().enumerate() {
             if let WireEvent::Worker(change) = event {
                 self.shared.apply_peer_events(from, &events[run..i]);
-                self.fleet.apply_peer_change(change);
+                self.fleet.apply_peer_change(change, self.peer_key.as_ref());
                 run = i + 1;
             }
         }
@@ -47,13 +55,15 @@ impl SyncHost for Host {
 /// driver. Nothing without `nats`.
 pub async fn start(fleet: &Arc<Fleet>, id: RouterId) -> Result<(), String> {
     let shared = fleet.shared();
-    let Some(config) = shared.config.sync_config() else {
+    let Some(config) = shared.config.sync_config().map_err(|e| e.to_string())? else {
         return Ok(());
     };
+    let peer_key = shared.config.peer_worker_api_key().map_err(|e| e.to_string())?;
     let metrics = SyncMetrics::new(shared.metrics.registry()).map_err(|e| e.to_string())?;
     let host = Arc::new(Host {
         shared: Arc::clone(shared),
         fleet: Arc::clone(fleet),
+        peer_key,
     });
     let sync = Sync::start(id, config, host, metrics)
         .await
@@ -61,4 +71,84 @@ pub async fn start(fleet: &Arc<Fleet>, id: RouterId) -> Result<(), String> {
     tracing::info!(replica = format!("{:016x}", id.0), "replica sync on NATS");
     shared.attach_sync(sync);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_sync::wire::{Body, Envelope, WIRE_VERSION, decode, encode};
+    use proptest::prelude::*;
+
+    use kvroute_sync::WorkerChange;
+
+    use super::*;
+    use crate::config::WorkerConfig;
+    use crate::driver::announced;
+    use crate::fleet::resolve_credential;
+
+    proptest! {
+        /// Whatever a worker's credential (as long as real ones are, so that it cannot occur in
+        /// the message by chance), the sync message that announces the worker does not carry
+        /// it, decodes, and gives back the same table without it.
+        #[test]
+        fn no_sync_message_carries_a_workers_credential(key in "[!-~]{24,64}", dp in 1u32..8) {
+            let config = WorkerConfig {
+                api_key: Some(key.clone()),
+                dp_size: dp,
+                ..WorkerConfig::new("http://10.0.0.5:8000")
+            };
+            let added = announced(&config).unwrap();
+            let bytes = encode(&Envelope {
+                v: WIRE_VERSION,
+                from: 1,
+                body: Body::Snapshot { peers: vec![], part: 0, last: true, events: vec![WireEvent::Worker(added)] },
+            });
+            let text = String::from_utf8(bytes.clone()).unwrap();
+            // The key itself, and as JSON escapes it.
+            let escaped = serde_json::to_string(&key).unwrap();
+            prop_assert!(!text.contains(&key) && !text.contains(escaped.trim_matches('"')), "{}", text);
+            let Body::Snapshot { events, .. } = decode(&bytes).unwrap().body else { panic!() };
+            let [WireEvent::Worker(WorkerChange::Added { config: sent, credential })] = &events[..] else {
+                panic!("{events:?}")
+            };
+            prop_assert!(*credential, "the peer is told the worker has one");
+            let back: WorkerConfig = serde_json::from_value(sent.clone()).unwrap();
+            prop_assert_eq!(back, WorkerConfig { api_key: None, ..config });
+        }
+    }
+
+    #[test]
+    fn a_peers_worker_takes_this_replicas_own_credential() {
+        let url = "http://10.0.0.5:8000";
+        let own = [WorkerConfig {
+            api_key: Some("own-key".into()),
+            ..WorkerConfig::new(format!("{url}/"))
+        }];
+        let keyless = [WorkerConfig::new(url)];
+        let peer_key = Secret::new("peer-key");
+        /// (own tables, peer-worker-api-key, the peer has a credential, the result: the key
+        /// used, or a word of the error)
+        type Case<'a> = (
+            &'a [WorkerConfig],
+            Option<&'a Secret>,
+            bool,
+            Result<Option<&'a str>, &'a str>,
+        );
+        let cases: &[Case] = &[
+            (&own, Some(&peer_key), true, Ok(Some("own-key"))),
+            (&own, None, false, Ok(Some("own-key"))),
+            (&keyless, Some(&peer_key), true, Ok(None)),
+            (&[], Some(&peer_key), true, Ok(Some("peer-key"))),
+            (&[], Some(&peer_key), false, Ok(None)),
+            (&[], None, false, Ok(None)),
+            (&[], None, true, Err("set peer-worker-api-key-file")),
+        ];
+        for (i, (tables, key, has, want)) in cases.iter().enumerate() {
+            let got = resolve_credential(tables, *key, url, *has);
+            match (got, want) {
+                (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), *want, "case {i}"),
+                (Err(e), Err(want)) => assert!(e.contains(want), "case {i}: {e}"),
+                (got, want) => panic!("case {i}: {got:?}, want {want:?}"),
+            }
+        }
+    }
 }

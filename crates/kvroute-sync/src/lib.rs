@@ -6,6 +6,7 @@
 //! applies it, through [`SyncHost`].
 //!
 //! * [`wire`]: the versioned JSON format of one message, with a decoder that never panics.
+//! * [`connect`]: the NATS connection's credentials and TLS, and a refusal told from an outage.
 //! * [`transport`]: [`Sync::start`], the tasks, and [`Outgoing`], the bounded queue routing hands
 //!   its events to without ever waiting.
 //! * [`metrics`]: the `kvroute_sync_*` Prometheus metrics.
@@ -18,11 +19,13 @@
 //! reconnects), `<prefix>.heartbeat` heartbeats, and `<prefix>.join` the snapshot requests of a
 //! replica that (re)joins, answered on its reply subject by every replica that hears it.
 
+pub mod connect;
 pub mod metrics;
 pub mod server;
 pub mod transport;
 pub mod wire;
 
+pub use connect::{ClientCertificate, NatsAuth, NatsTls, Secret};
 pub use metrics::SyncMetrics;
 pub use transport::{LinkState, Outgoing, Sync, SyncConfig, SyncError, SyncHost, fresh_router_id};
 pub use wire::{Body, DecodeError, Envelope, WireEvent, WorkerChange, WorkerRef, decode, encode};

@@ -1,5 +1,9 @@
 //! A local `nats-server` child process on a loopback port, for tests and `kvroute demo
 //! --replicas` (Debian's `nats-server` package; CI installs it). Stopped when dropped.
+//!
+//! [`NatsServer::start_with`] starts one that requires credentials and TLS: it writes a
+//! configuration file with an `authorization` block and a `tls` block (certificate files the
+//! caller made), removed with the server.
 
 use std::io;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -13,6 +17,83 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     child: Option<Child>,
+    /// The configuration file written for [`NatsServer::start_with`], if any.
+    config_file: Option<PathBuf>,
+    tls: bool,
+}
+
+/// What a started server demands of its clients.
+#[derive(Clone, Debug, Default)]
+pub struct ServerSecurity {
+    /// The credentials it accepts. None: anyone.
+    pub auth: Option<ServerAuth>,
+    /// TLS. None: plain TCP.
+    pub tls: Option<ServerTls>,
+}
+
+/// The one credential a server accepts (its `authorization` block).
+#[derive(Clone, Debug)]
+pub enum ServerAuth {
+    /// A token.
+    Token(String),
+    /// A user and password.
+    UserPassword {
+        /// The user.
+        user: String,
+        /// The password.
+        password: String,
+    },
+}
+
+/// A server's TLS (its `tls` block): every client must speak TLS.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    /// The server's certificate (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// When set, clients must present a certificate this CA (PEM) signed (mutual TLS).
+    pub verify_clients: Option<PathBuf>,
+}
+
+/// `s` as a quoted string of the server's configuration language (JSON's escapes).
+fn quoted(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+impl ServerSecurity {
+    /// The server's configuration file: its `authorization` and `tls` blocks.
+    fn config_text(&self) -> String {
+        let mut text = String::new();
+        match &self.auth {
+            None => {}
+            Some(ServerAuth::Token(token)) => {
+                text += &format!("authorization {{\n  token: {}\n}}\n", quoted(token));
+            }
+            Some(ServerAuth::UserPassword { user, password }) => {
+                text += &format!(
+                    "authorization {{\n  user: {}\n  password: {}\n}}\n",
+                    quoted(user),
+                    quoted(password)
+                );
+            }
+        }
+        if let Some(tls) = &self.tls {
+            text += &format!(
+                "tls {{\n  cert_file: {}\n  key_file: {}\n  timeout: 5\n",
+                quoted(&tls.cert.display().to_string()),
+                quoted(&tls.key.display().to_string())
+            );
+            if let Some(ca) = &tls.verify_clients {
+                text += &format!(
+                    "  ca_file: {}\n  verify: true\n",
+                    quoted(&ca.display().to_string())
+                );
+            }
+            text += "}\n";
+        }
+        text
+    }
 }
 
 impl NatsServer {
@@ -30,6 +111,12 @@ impl NatsServer {
 
     /// Starts `nats-server` on a free loopback port and waits until it accepts connections.
     pub fn start() -> io::Result<Self> {
+        Self::start_with(ServerSecurity::default())
+    }
+
+    /// Starts `nats-server` on a free loopback port, demanding `security` of its clients, and
+    /// waits until it accepts connections.
+    pub fn start_with(security: ServerSecurity) -> io::Result<Self> {
         let binary = Self::binary().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -37,18 +124,28 @@ impl NatsServer {
             )
         })?;
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port();
+        let config_file = if security.auth.is_none() && security.tls.is_none() {
+            None
+        } else {
+            let path = std::env::temp_dir().join(format!("kvroute-nats-{}-{port}.conf", std::process::id()));
+            std::fs::write(&path, security.config_text())?;
+            Some(path)
+        };
         let mut server = Self {
             binary,
             port,
             child: None,
+            config_file,
+            tls: security.tls.is_some(),
         };
         server.restart()?;
         Ok(server)
     }
 
-    /// `nats://127.0.0.1:PORT`.
+    /// `nats://127.0.0.1:PORT`, or `tls://127.0.0.1:PORT` when it requires TLS.
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Stops the server (clients see the connection drop).
@@ -63,7 +160,11 @@ impl NatsServer {
     /// accepts connections (10 s at most).
     pub fn restart(&mut self) -> io::Result<()> {
         self.stop();
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(file) = &self.config_file {
+            command.arg("-c").arg(file);
+        }
+        let child = command
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -94,5 +195,8 @@ impl NatsServer {
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.stop();
+        if let Some(file) = &self.config_file {
+            let _ = std::fs::remove_file(file);
+        }
     }
 }

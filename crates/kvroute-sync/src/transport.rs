@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::{Client, ConnectOptions, Event, Subscriber};
+use async_nats::{Client, Event, Subscriber};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use kvroute_core::router::{PeerTracker, RouterId};
@@ -37,6 +37,7 @@ use kvroute_core::time::{TimeScale, Timestamp};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use crate::connect::{NatsAuth, NatsTls};
 use crate::metrics::SyncMetrics;
 use crate::wire::{Body, Envelope, WIRE_VERSION, WireEvent, decode, encode, pack};
 
@@ -66,8 +67,14 @@ async fn ask_everyone(
 /// The transport's settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyncConfig {
-    /// The NATS server, `nats://host:port`.
+    /// The NATS server, `nats://host:port` (`tls://host:port` requires TLS). Logged: no
+    /// credentials in it (they go in [`SyncConfig::auth`]).
     pub url: String,
+    /// How this replica proves itself to the server. Default: no credentials.
+    pub auth: NatsAuth,
+    /// TLS to the server. Default: TLS only if the server asks for it, verified by the
+    /// system's CAs.
+    pub tls: NatsTls,
     /// Every subject starts with this (`kvroute`): fleets with different prefixes
     /// share a server without hearing each other.
     pub subject_prefix: String,
@@ -93,6 +100,8 @@ impl SyncConfig {
     pub fn new(url: impl Into<String>, prefix: &str) -> Self {
         Self {
             url: url.into(),
+            auth: NatsAuth::None,
+            tls: NatsTls::default(),
             subject_prefix: prefix.to_owned(),
             heartbeat_interval: Duration::from_millis(1000),
             peer_timeout: Duration::from_millis(3000),
@@ -120,6 +129,14 @@ pub enum SyncError {
         url: String,
         /// What went wrong.
         message: String,
+    },
+    /// The server refused this replica: credentials it did not accept, or TLS that failed.
+    #[error("NATS {url} refused this replica: {reason}")]
+    Refused {
+        /// The server.
+        url: String,
+        /// What was refused and what to check (never a credential's value).
+        reason: String,
     },
     /// A subscription failed.
     #[error("NATS subscribe {subject}: {message}")]
@@ -227,7 +244,8 @@ struct Receiver {
 impl Sync {
     /// Connects to `config.url` as replica `id`, joins (applies every peer's snapshot through
     /// `host`) and starts the tasks. If the server cannot be reached within the join timeout,
-    /// starts anyway on this replica's own view and joins when the connection comes.
+    /// starts anyway on this replica's own view and joins when the connection comes; if it
+    /// refuses this replica (credentials, TLS), fails with [`SyncError::Refused`].
     pub async fn start(
         id: RouterId,
         config: SyncConfig,
@@ -235,25 +253,7 @@ impl Sync {
         metrics: SyncMetrics,
     ) -> Result<Self, SyncError> {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
-        let options = ConnectOptions::new()
-            .name(format!("kvroute-{:016x}", id.0))
-            .no_echo()
-            .retry_on_initial_connect()
-            .connection_timeout(config.join_timeout)
-            .reconnect_delay_callback(|attempts| Duration::from_millis(50 * attempts.min(10) as u64))
-            .event_callback(move |event| {
-                let tx = events_tx.clone();
-                async move {
-                    let _ = tx.send(event);
-                }
-            });
-        let client = options
-            .connect(config.url.as_str())
-            .await
-            .map_err(|e| SyncError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
-            })?;
+        let client = crate::connect::connect(id, &config, &events_tx).await?;
         let subscribe = |subject: String| {
             let client = client.clone();
             async move {

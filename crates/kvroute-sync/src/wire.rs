@@ -6,8 +6,15 @@
 //! replica's mapping as closures.
 //!
 //! [`decode`] never panics: it refuses a message over [`MAX_MESSAGE_BYTES`], bytes that are not
-//! an envelope of this version, and batches past [`MAX_EVENTS`] events or chains past
-//! [`MAX_CHAIN_BLOCKS`] blocks, each with a [`DecodeError`] naming what was wrong.
+//! an envelope of this version, batches past [`MAX_EVENTS`] events or chains past
+//! [`MAX_CHAIN_BLOCKS`] blocks, and a worker's configuration that carries a credential
+//! ([`SECRET_KEYS`]), each with a [`DecodeError`] naming what was wrong.
+//!
+//! **No secret on the wire.** A sync message never carries a credential: a worker's
+//! configuration goes without its `api-key`, and each replica resolves the credential from its
+//! own configuration. Version 2 of the format is the first to hold to this; a replica of
+//! version 1 (which sent the key) and one of version 2 refuse each other's messages, by version,
+//! so a fleet is upgraded whole.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,8 +23,11 @@ use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent};
 use serde::{Deserialize, Serialize};
 
-/// The format version this build writes and reads.
-pub const WIRE_VERSION: u32 = 1;
+/// The format version this build writes and reads (2: a worker's configuration goes without its
+/// credential, and says whether it has one).
+pub const WIRE_VERSION: u32 = 2;
+/// The keys of a worker's configuration that hold a credential: never on the wire.
+pub const SECRET_KEYS: &[&str] = &["api-key"];
 /// The largest message decoded (NATS's default `max_payload` is 1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 /// The most events one message may carry.
@@ -126,10 +136,14 @@ pub enum WireEvent {
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum WorkerChange {
     /// A worker was added, with its configuration (the proxy's `[[worker]]` table, as JSON; the
-    /// receiver validates it as it would its own).
+    /// receiver validates it as it would its own), never its credential ([`SECRET_KEYS`]).
     Added {
-        /// The configuration.
+        /// The configuration, without its credential.
         config: serde_json::Value,
+        /// Whether the sender calls the worker with a credential (the receiver then needs one
+        /// of its own for it).
+        #[serde(default)]
+        credential: bool,
     },
     /// The worker at `url` is draining.
     Draining {
@@ -162,6 +176,9 @@ pub enum DecodeError {
     /// A booking with too long a chain.
     #[error("a booking of {0} blocks; at most {MAX_CHAIN_BLOCKS}")]
     ChainTooLong(usize),
+    /// A worker's configuration that carries a credential (the key, never its value).
+    #[error("a worker's configuration carries {0:?}: sync messages never carry credentials")]
+    Secret(&'static str),
 }
 
 /// About how many bytes `event` takes on the wire (for cutting batches under the size limit).
@@ -171,7 +188,7 @@ pub fn weight(event: &WireEvent) -> usize {
             160 + w.url.len() + pw.as_ref().map_or(0, |p| p.url.len() + 24) + 21 * c.len()
         }
         WireEvent::PrefillDone { .. } | WireEvent::Freed { .. } => 40,
-        WireEvent::Worker(WorkerChange::Added { config }) => 64 + config.to_string().len(),
+        WireEvent::Worker(WorkerChange::Added { config, .. }) => 80 + config.to_string().len(),
         WireEvent::Worker(WorkerChange::Draining { url } | WorkerChange::Removed { url }) => 64 + url.len(),
     }
 }
@@ -194,6 +211,12 @@ pub fn pack(events: Vec<WireEvent>, max_events: usize, max_bytes: usize) -> Vec<
         out.push(run);
     }
     out
+}
+
+/// The first of [`SECRET_KEYS`] that worker configuration `config` holds, if any.
+pub fn secret_key(config: &serde_json::Value) -> Option<&'static str> {
+    let map = config.as_object()?;
+    SECRET_KEYS.iter().copied().find(|k| map.contains_key(*k))
 }
 
 /// Serializes an envelope.
@@ -225,10 +248,16 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
         return Err(DecodeError::TooManyEvents(events.len()));
     }
     for e in events {
-        if let WireEvent::Added { c, .. } = e
-            && c.len() > MAX_CHAIN_BLOCKS
-        {
-            return Err(DecodeError::ChainTooLong(c.len()));
+        match e {
+            WireEvent::Added { c, .. } if c.len() > MAX_CHAIN_BLOCKS => {
+                return Err(DecodeError::ChainTooLong(c.len()));
+            }
+            WireEvent::Worker(WorkerChange::Added { config, .. }) => {
+                if let Some(key) = secret_key(config) {
+                    return Err(DecodeError::Secret(key));
+                }
+            }
+            _ => {}
         }
     }
     Ok(envelope)
@@ -384,27 +413,37 @@ mod tests {
         // (bytes, expected error's text contains)
         let cases: &[(&[u8], &str)] = &[
             (b"", "not a sync message"),
-            (br#"{"v":2,"from":1,"body":{"kind":"heartbeat"}}"#, "version 2"),
+            (br#"{"v":3,"from":1,"body":{"kind":"heartbeat"}}"#, "version 3"),
+            // Version 1 sent workers' credentials: refused by its version.
+            (br#"{"v":1,"from":1,"body":{"kind":"heartbeat"}}"#, "version 1"),
             (
-                br#"{"v":1,"from":1,"body":{"kind":"gossip"}}"#,
+                br#"{"v":2,"from":1,"body":{"kind":"gossip"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":1,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
+                br#"{"v":2,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":1,"from":-1,"body":{"kind":"heartbeat"}}"#,
+                br#"{"v":2,"from":-1,"body":{"kind":"heartbeat"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":1,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
+                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
                 "not a sync message",
+            ),
+            (
+                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":{"url":"http://h:1","api-key":"sk-1"}}]}}"#,
+                "carries \"api-key\"",
             ),
         ];
         for (bytes, want) in cases {
             let err = decode(bytes).unwrap_err().to_string();
             assert!(err.contains(want), "{:?}: {err}", String::from_utf8_lossy(bytes));
+            assert!(
+                !err.contains("sk-1"),
+                "an error never repeats a credential: {err}"
+            );
         }
         let big = vec![b' '; MAX_MESSAGE_BYTES + 1];
         assert!(matches!(decode(&big), Err(DecodeError::TooLarge(_))));

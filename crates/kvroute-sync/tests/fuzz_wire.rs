@@ -1,5 +1,6 @@
-//! The sync decoder never panics on hostile bytes, and whatever it accepts re-encodes to bytes
-//! that decode to the same message.
+//! The sync decoder never panics on hostile bytes, whatever it accepts re-encodes to bytes
+//! that decode to the same message, and it accepts no worker configuration that carries a
+//! credential.
 
 use kvroute_sync::wire::{
     Body, Envelope, WIRE_VERSION, WireEvent, WorkerChange, WorkerRef, decode, encode, pack,
@@ -38,9 +39,12 @@ fn event() -> impl Strategy<Value = WireEvent> {
         any::<u64>().prop_map(|r| WireEvent::Freed { r }),
         "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Draining { url })),
         "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Removed { url })),
-        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Added {
-            config: serde_json::json!({ "url": url, "dp": 2 })
-        })),
+        ("[a-z:/0-9.]{0,24}", any::<bool>()).prop_map(|(url, credential)| WireEvent::Worker(
+            WorkerChange::Added {
+                config: serde_json::json!({ "url": url, "dp": 2 }),
+                credential,
+            }
+        )),
     ]
 }
 
@@ -102,6 +106,39 @@ proptest! {
     }
 
     #[test]
+    fn a_worker_configuration_with_a_credential_is_refused(
+        e in envelope(),
+        key in "[ -~]{1,32}",
+        at in any::<prop::sample::Index>(),
+    ) {
+        // Put a credential into one worker configuration of an otherwise valid message.
+        let mut e = e;
+        let events = match &mut e.body {
+            Body::Events { events } | Body::Snapshot { events, .. } => events,
+            Body::Heartbeat | Body::SnapshotRequest => return Ok(()),
+        };
+        events.push(WireEvent::Worker(WorkerChange::Added {
+            config: serde_json::json!({ "url": "http://h:1" }),
+            credential: true,
+        }));
+        let i = at.index(events.len());
+        let n = events.len() - 1;
+        events.swap(i, n);
+        for event in events.iter_mut() {
+            if let WireEvent::Worker(WorkerChange::Added { config, .. }) = event {
+                config["api-key"] = serde_json::Value::String(key.clone());
+                break;
+            }
+        }
+        // The error names the key, never the value.
+        let err = decode(&encode(&e)).unwrap_err().to_string();
+        prop_assert_eq!(
+            err,
+            "a worker's configuration carries \"api-key\": sync messages never carry credentials"
+        );
+    }
+
+    #[test]
     fn packing_keeps_order_and_limits(
         events in proptest::collection::vec(event(), 0..64),
         max_events in 1usize..10,
@@ -116,7 +153,7 @@ proptest! {
 #[test]
 fn deeply_nested_json_is_refused_not_a_stack_overflow() {
     let mut bytes =
-        br#"{"v":1,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
+        br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
     bytes.extend(std::iter::repeat_n(b'[', 100_000));
     assert!(decode(&bytes).is_err());
 }

@@ -100,6 +100,46 @@ pub struct ServeOptions {
     /// Default 3,000 ms.
     #[arg(long)]
     pub nats_peer_timeout_ms: Option<u64>,
+    /// The token the NATS server requires. Better `--nats-token-file` (a flag's value shows in
+    /// the process list). Default: none.
+    #[arg(long)]
+    pub nats_token: Option<String>,
+    /// A file holding the NATS token (its first line).
+    #[arg(long)]
+    pub nats_token_file: Option<PathBuf>,
+    /// The NATS user (with `--nats-password-file` or `--nats-password`).
+    #[arg(long)]
+    pub nats_user: Option<String>,
+    /// The NATS user's password. Better `--nats-password-file`.
+    #[arg(long)]
+    pub nats_password: Option<String>,
+    /// A file holding the NATS user's password (its first line).
+    #[arg(long)]
+    pub nats_password_file: Option<PathBuf>,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes it).
+    /// One way to authenticate: a token, a user and password, or this.
+    #[arg(long)]
+    pub nats_credentials: Option<PathBuf>,
+    /// PEM file of the CAs that verify the NATS server; implies TLS. Default: the system's, and
+    /// TLS only for a `tls://` URL or a server that asks for it.
+    #[arg(long)]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// This replica's client certificate (PEM) for a NATS server that verifies its clients
+    /// (mutual TLS), with `--nats-tls-key`.
+    #[arg(long)]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--nats-tls-cert`.
+    #[arg(long)]
+    pub nats_tls_key: Option<PathBuf>,
+    /// The engine credential this replica calls a worker added by a peer replica with, when the
+    /// worker has one there and no `[[worker]]` table here names it (replicas never send each
+    /// other credentials). Better `--peer-worker-api-key-file`. Default: none (such a worker is
+    /// refused).
+    #[arg(long)]
+    pub peer_worker_api_key: Option<String>,
+    /// A file holding `--peer-worker-api-key` (its first line).
+    #[arg(long)]
+    pub peer_worker_api_key_file: Option<PathBuf>,
     /// Name the chosen worker and the predicted cached tokens in response headers
     /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]

@@ -43,6 +43,7 @@ mod tests;
 mod workers;
 
 pub use guard::RequestGuard;
+pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
 

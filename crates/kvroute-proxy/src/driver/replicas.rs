@@ -4,6 +4,7 @@ use kvroute_core::ids::WorkerId;
 use kvroute_core::router::RouterId;
 use kvroute_sync::{LinkState, WireEvent, WorkerChange};
 
+use crate::config::WorkerConfig;
 use crate::worker::WorkerState;
 
 use super::{Inner, Shared};
@@ -77,10 +78,10 @@ impl Shared {
             if matches!(w.state, WorkerState::Gone) {
                 continue;
             }
-            let Ok(config) = serde_json::to_value(&w.config) else {
+            let Some(added) = announced(&w.config) else {
                 continue;
             };
-            events.push(WireEvent::Worker(WorkerChange::Added { config }));
+            events.push(WireEvent::Worker(added));
             if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
                 events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));
             }
@@ -100,4 +101,19 @@ impl Shared {
     pub fn find_worker(&self, url: &str) -> Option<WorkerId> {
         self.lock().registry.find(url)
     }
+}
+
+/// How worker `config` is told to the peers: its table without its credential, and whether it
+/// has one. `None` if it does not serialize (it always does: plain data).
+pub(crate) fn announced(config: &WorkerConfig) -> Option<WorkerChange> {
+    let mut value = serde_json::to_value(config).ok()?;
+    if let Some(table) = value.as_object_mut() {
+        for key in kvroute_sync::wire::SECRET_KEYS {
+            table.remove(*key);
+        }
+    }
+    Some(WorkerChange::Added {
+        config: value,
+        credential: config.api_key.is_some(),
+    })
 }

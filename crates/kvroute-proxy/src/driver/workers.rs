@@ -22,7 +22,7 @@ impl Shared {
             .validate(self.config.block_size, self.config.disagg_protocol)
             .map_err(|e| e.to_string())?;
         // Told to the peers (before the registry takes it): an operator's add holds on all.
-        let announced = serde_json::to_value(&config).ok();
+        let announced = super::announced(&config);
         let mut inner = self.lock();
         let (ranks, base) = (config.dp_size, config.url.trim_end_matches('/').to_owned());
         let id = inner.registry.add(config);
@@ -30,8 +30,8 @@ impl Shared {
         self.enter(&mut inner, id);
         self.set_up_gauge(&inner, id, WorkerState::ADDED);
         drop(inner);
-        if let Some(config) = announced {
-            self.announce(WorkerChange::Added { config });
+        if let Some(change) = announced {
+            self.announce(change);
         }
         self.notify();
         Ok(id)
