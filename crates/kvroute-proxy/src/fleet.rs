@@ -76,7 +76,7 @@ impl Fleet {
     /// A peer replica's change to its registry, applied here through the same paths (and not
     /// told again). A worker the peer added that this replica already has is left alone; one
     /// whose configuration is refused, or that needs a credential this replica lacks, is
-    /// logged. `peer_key` is `peer-worker-api-key` (see [`resolve_credential`]).
+    /// logged. `peer_key` is `peer-worker-api-key`: a replica's own `[[worker]]` table for the URL comes first.
     pub fn apply_peer_change(&self, change: &WorkerChange, peer_key: Option<&Secret>) {
         match change {
             WorkerChange::Added { config, credential } => {

@@ -5,10 +5,10 @@
 //! checks; a removed one loses them, its cache view and its series).
 //!
 //! **No credential on the wire.** A worker is told to the peers without its `api-key`
-//! ([`crate::driver::announced`]), saying only whether it has one; a replica calls a peer's
+//! (`driver::announced`), saying only whether it has one; a replica calls a peer's
 //! worker with the `api-key` of its own `[[worker]]` table for that URL, else with
 //! `peer-worker-api-key`, and refuses a worker that needs a credential it does not have
-//! ([`crate::fleet::resolve_credential`]).
+//! (`fleet::resolve_credential`).
 
 use std::sync::Arc;
 
