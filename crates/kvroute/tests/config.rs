@@ -310,3 +310,21 @@ proptest! {
         prop_assert_eq!(as_replay_builds_it(serve_router(&again).unwrap()), replay);
     }
 }
+
+#[test]
+fn a_router_spec_in_either_commands_file_makes_the_same_router() {
+    let keys = "cache = \"approximate:ttl=120\"\ndecider = \"256\"\nblock-size = 64\n";
+    let serve = file("spec-serve", &format!("policy = \"kv:staged:scale=2\"\n{keys}"));
+    let replay = file(
+        "spec-replay",
+        &format!("policy = [\"kv:staged:scale=2\"]\n{keys}"),
+    );
+    let serve = serve_router(&["--config", serve.to_str().unwrap()]).unwrap();
+    let replay = replay_router(&["--config", replay.to_str().unwrap()]).unwrap();
+    assert_eq!(as_replay_builds_it(serve), replay);
+    assert_eq!(
+        RouterSpec::from_config(&replay).unwrap().to_string(),
+        "--policy kv:scale=2 --cache approximate:ttl=120 --decider 256 --block-size 64 --seed 0 \
+         --queue-capacity 1024"
+    );
+}
