@@ -3,10 +3,13 @@
 //!
 //! Options come from an optional TOML file (`--config`) whose keys are the long flag names, then
 //! the flags over it ([`crate::config::layered`]); unknown keys are rejected. Every option is
-//! checked (`ReplayConfig::check`) before the trace is read.
+//! checked (`Plan::new`) before the trace is read. The router's options (policy,
+//! cache view, decider, ...) are the core's vocabulary (`kvroute_core::router::spec`), the same
+//! as `kvroute serve`'s.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+mod output;
+
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -16,10 +19,12 @@ use flate2::read::GzDecoder;
 use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
-    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, ReplicaSync, Replicas, Report, RunResult,
-    SimConfig, Simulation, Spread, Workload,
+    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
+    Simulation, Spread, Workload,
 };
 use serde::{Deserialize, Serialize};
+
+use output::{ProgressBar, write_outputs};
 
 /// The options of `kvroute replay`: the configuration, the file it may come from, and the
 /// outputs.
@@ -735,85 +740,4 @@ fn open_trace<'b>(path: Option<&Path>, bytes: &'b [u8]) -> (Box<dyn BufRead + 'b
         Box::new(BufReader::with_capacity(1 << 20, reader)),
         path.display().to_string(),
     )
-}
-
-fn write_outputs(
-    args: &ReplayArgs,
-    results: &[(String, RunResult)],
-    provenance: &crate::provenance::Provenance,
-) -> anyhow::Result<()> {
-    if let Some(path) = &args.report_json {
-        let reports: Vec<(&str, &Report)> = results.iter().map(|(n, r)| (n.as_str(), &r.report)).collect();
-        let text = serde_json::to_string_pretty(&crate::provenance::ReportFile {
-            reports: &reports,
-            provenance,
-        })?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(path) = &args.per_request_jsonl {
-        let mut out = std::io::BufWriter::new(
-            File::create(path).with_context(|| format!("creating {}", path.display()))?,
-        );
-        for (name, result) in results {
-            for record in &result.requests {
-                let mut value = serde_json::to_value(record)?;
-                if results.len() > 1
-                    && let Some(obj) = value.as_object_mut()
-                {
-                    obj.insert("policy".to_owned(), serde_json::Value::String(name.clone()));
-                }
-                writeln!(out, "{value}")?;
-            }
-        }
-        out.flush()?;
-    }
-    if let Some(path) = &args.html {
-        let page = kvroute_sim::html::page(results);
-        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
-/// A one-line progress bar on stderr, drawn only on a terminal and only after a second.
-struct ProgressBar<'a> {
-    name: &'a str,
-    started: Instant,
-    drawn: bool,
-    tty: bool,
-}
-
-impl<'a> ProgressBar<'a> {
-    fn new(name: &'a str, started: Instant) -> Self {
-        Self {
-            name,
-            started,
-            drawn: false,
-            tty: std::io::stderr().is_terminal(),
-        }
-    }
-
-    fn update(&mut self, p: Progress) {
-        if !self.tty || self.started.elapsed() < Duration::from_secs(1) || p.total == 0 {
-            return;
-        }
-        let frac = p.done as f64 / p.total as f64;
-        let filled = (frac * 30.0) as usize;
-        eprint!(
-            "\r{} [{}{}] {:>3.0}%  {}/{} requests, {:.0} s simulated",
-            self.name,
-            "#".repeat(filled),
-            " ".repeat(30 - filled.min(30)),
-            frac * 100.0,
-            p.done,
-            p.total,
-            p.now.as_secs_f64()
-        );
-        self.drawn = true;
-    }
-
-    fn finish(&self) {
-        if self.drawn {
-            eprintln!();
-        }
-    }
 }
