@@ -48,11 +48,11 @@ pub enum SpecError {
     /// A policy name no policy has.
     #[error(transparent)]
     UnknownPolicy(#[from] UnknownPolicy),
-    /// Options given to a policy that takes none.
-    #[error("{policy} takes no options (in {spec:?})")]
+    /// Options given to a policy or cache view that takes none.
+    #[error("{name} takes no options (in {spec:?})")]
     NoOptions {
-        /// The policy.
-        policy: &'static str,
+        /// The policy or cache view.
+        name: &'static str,
         /// The whole spec.
         spec: String,
     },
@@ -137,7 +137,7 @@ impl FromStr for PolicyConfig {
         for part in parts {
             let (PolicyConfig::Kv(config) | PolicyConfig::Dynamo(config)) = &mut policy else {
                 return Err(SpecError::NoOptions {
-                    policy: policy_name,
+                    name: policy_name,
                     spec: spec.to_owned(),
                 });
             };
@@ -230,7 +230,7 @@ impl FromStr for CacheMode {
             "events" => {
                 if parts.next().is_some() {
                     return Err(SpecError::NoOptions {
-                        policy: "events",
+                        name: "events",
                         spec: spec.to_owned(),
                     });
                 }
