@@ -94,8 +94,8 @@ pub struct ReplayConfig {
     pub policy: Option<Vec<String>>,
     /// Cache view, as `kvroute serve --cache` takes it: `events`, `predict` (events and the
     /// router's record of its own decisions) or `approximate` (that record alone; KV events
-    /// are refused), the last two with options, e.g. `approximate:ttl=120:max-blocks=65536`.
-    /// Default `events`.
+    /// are refused), the last two with options, e.g. `approximate:ttl=120:max-blocks=65536`
+    /// (`--predict-on-route-s S` is `predict:ttl=S`; not both). Default `events`.
     #[arg(long)]
     pub cache: Option<String>,
     /// Router queue capacity (0: reject when every worker is busy). Default 1,024.
@@ -156,8 +156,7 @@ pub struct ReplayConfig {
     /// `round-robin`.
     #[arg(long)]
     pub replica_spread: Option<String>,
-    /// Also use the router's record of its own decisions (TTL in seconds) as a cache view: the
-    /// same as `--cache predict:ttl=S`.
+    /// Also use the router's record of its own decisions (TTL in seconds) as a cache view.
     #[arg(long)]
     pub predict_on_route_s: Option<f64>,
     /// Router queue: requests per worker above which a worker is busy (fraction of
