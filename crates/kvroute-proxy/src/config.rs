@@ -5,10 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute_core::router::{
-    BusyThresholds, CacheMode, Decider, PolicyConfig, QueueConfig, RecentConfig, RouterConfig, SyncConfig,
-    SyncMode, WorkerRole,
-};
+use kvroute_core::router::{RouterConfig, RouterOptions, RouterSpec, SyncConfig, SyncMode, WorkerRole};
 pub use kvroute_http::EngineKind;
 use kvroute_sync::{ClientCertificate, NatsAuth, NatsTls, Secret};
 use serde::{Deserialize, Serialize};
@@ -388,8 +385,8 @@ pub struct ServeConfig {
     /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens` to
     /// each response (debugging and end-to-end checks). Default false.
     pub debug_headers: bool,
-    /// Routing policy name (`kv`, `dynamo`, `sglang-cache-aware`, `round-robin`, ...). Default
-    /// `kv`.
+    /// Routing policy spec (`kv`, `dynamo:full`, `kv:staged:scale=2`, `round-robin`, ...; the
+    /// grammar of `kvroute_core::router::spec`). Default `kv`.
     pub policy: String,
     /// Tokens per KV block, as the engines use. Default 16 (vLLM's default).
     pub block_size: u32,
@@ -405,7 +402,8 @@ pub struct ServeConfig {
     /// Default `vllm`.
     pub disagg_protocol: EngineKind,
     /// Where the router's cache view comes from: `events`, `predict` (events plus its own
-    /// recent decisions) or `approximate` (its decisions only). Default `events`.
+    /// recent decisions) or `approximate` (its decisions only), the last two with options
+    /// (`approximate:ttl=120:max-blocks=N`; `kvroute_core::router::spec`). Default `events`.
     pub cache: String,
     /// Requests that may wait when every worker is busy; past it, 503 with `Retry-After`.
     /// Default 1,024.
@@ -617,34 +615,18 @@ impl ServeConfig {
                 "must be at least 1",
             ));
         }
-        let policy = PolicyConfig::from_name(&self.policy).map_err(|e| invalid("policy", e.to_string()))?;
-        let cache = match self.cache.as_str() {
-            "events" => CacheMode::Events,
-            "predict" => CacheMode::EventsWithPrediction(RecentConfig::PREDICT_ON_ROUTE),
-            "approximate" => CacheMode::Approximate(RecentConfig::PREDICT_ON_ROUTE),
-            other => {
-                return Err(invalid(
-                    "cache",
-                    format!("{other:?}: events, predict or approximate"),
-                ));
-            }
-        };
-        let decider = Decider::from_name(&self.decider).map_err(|e| invalid("decider", e.to_string()))?;
-        self.validate_nats()?;
-        let router = RouterConfig {
+        let spec = RouterSpec::parse(&RouterOptions {
+            policy: &self.policy,
+            cache: &self.cache,
+            decider: &self.decider,
             block_size: self.block_size,
             seed: self.seed,
-            decider,
-            policy,
-            cache,
-            busy: BusyThresholds {
-                requests_fraction: self.busy_requests_fraction,
-                ..BusyThresholds::default()
-            },
-            queue: QueueConfig {
-                capacity: self.queue_capacity,
-                ..QueueConfig::default()
-            },
+            queue_capacity: self.queue_capacity,
+            busy_requests_fraction: self.busy_requests_fraction,
+        })
+        .map_err(|e| invalid(e.key, e.error.to_string()))?;
+        self.validate_nats()?;
+        let router = RouterConfig {
             max_blocks_per_worker: Some(
                 std::num::NonZeroUsize::new(self.max_blocks_per_worker)
                     .ok_or_else(|| invalid("max-blocks-per-worker", "must be at least 1"))?,
@@ -657,7 +639,7 @@ impl ServeConfig {
                 },
                 ..SyncConfig::default()
             },
-            ..RouterConfig::default()
+            ..spec.router_config()
         };
         router.validate()?;
         for w in &self.workers {
@@ -957,6 +939,7 @@ fn socket_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::router::Decider;
 
     #[test]
     fn files_reject_unknown_keys_and_flags_parse() {

@@ -39,7 +39,7 @@
 //! arrival ≤ routing ≤ first token ≤ finish; the clock never goes back (the router saw no
 //! earlier time either); with nothing unfinished, the router's booked load is zero; every
 //! engine's block accounting holds and, without event loss, the router's index holds exactly the
-//! blocks each engine caches.
+//! blocks each engine caches (none in approximate mode, which refuses KV events).
 #![forbid(unsafe_code)]
 
 mod cluster;

@@ -173,3 +173,20 @@ fn shared_traces_replay_where_present() {
         assert_eq!(count(&result, "completed_requests"), 60, "{file}");
     }
 }
+
+#[test]
+fn an_approximate_view_routes_on_its_own_decisions_alone() {
+    // The engines publish their KV events and the router refuses them, as the live proxy's
+    // does; its overlaps come from its record of where it sent each prompt.
+    let workload = small_workload();
+    let mut config = small_config();
+    config.router.cache = "approximate".parse().expect("a cache view");
+    let result = run(config, &workload);
+    assert_eq!(count(&result, "completed_requests"), 120);
+    assert_eq!(count(&result, "kv_events_refused"), 0);
+    let overlap = result
+        .report
+        .number("router_predicted_overlap_ratio")
+        .expect("an overlap ratio");
+    assert!(overlap > 0.0, "shared prefixes were predicted cached: {overlap}");
+}

@@ -49,7 +49,8 @@ pub struct DemoArgs {
     /// The prefill/decode protocol the live proxy speaks to the mocks: vllm or sglang.
     #[arg(long, default_value = "vllm")]
     pub disagg_protocol: kvroute_proxy::EngineKind,
-    /// Routing policy.
+    /// Routing policy spec, as `kvroute serve --policy` and `kvroute replay --policy` take it
+    /// (e.g. `kv:scale=2`, `dynamo`).
     #[arg(long, default_value = "kv")]
     pub policy: String,
     /// Log format on stderr: `text` (the demo's lines only), or `json` (every line a JSON log
@@ -86,7 +87,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     } else {
         SimConfig::new(args.workers)
     };
-    sim.router.policy = kvroute_core::router::PolicyConfig::from_name(&args.policy)?;
+    sim.router.policy = args
+        .policy
+        .parse::<kvroute_core::router::PolicyConfig>()
+        .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
     sim.sample_interval = None;
     let workload = kvroute_sim::trace::read_mooncake(trace(), 512, sim.engine.block_size, Some(args.limit))?;
     let requests = kvroute_sim::trace::read_mooncake_tokens(trace(), 512, Some(args.limit))?;

@@ -2,6 +2,7 @@
 //! seed, and the trace's name and SHA-256, written beside the report so that a JSON file says
 //! how to make it again.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use kvroute_sim::Report;
@@ -23,6 +24,10 @@ pub struct Provenance {
     pub seed: u64,
     /// The trace; null for a generated workload.
     pub trace: Option<TraceFile>,
+    /// For each policy run, by its spec as given: the `kvroute serve` flags of the same router
+    /// (`kvroute_core::router::RouterSpec`). Absent when empty.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub serve_flags: BTreeMap<String, String>,
 }
 
 /// A trace: its name and the SHA-256 of its bytes (as stored, gzip'd or not).
@@ -61,6 +66,7 @@ impl Provenance {
             config: serde_json::to_value(config)?,
             seed,
             trace: trace.cloned(),
+            serve_flags: BTreeMap::new(),
         })
     }
 }

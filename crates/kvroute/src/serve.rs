@@ -144,8 +144,10 @@ pub struct ServeOptions {
     /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub debug_headers: Option<bool>,
-    /// Routing policy (kv, dynamo, sglang-cache-aware, llmd-weighted, least-loaded,
-    /// power-of-two, round-robin, random). Default kv.
+    /// Routing policy spec: a name (kv, dynamo, sglang-cache-aware, llmd-weighted,
+    /// least-loaded, power-of-two, round-robin, random), for kv and dynamo with options, e.g.
+    /// `kv:full`, `kv:staged:scale=2`, `dynamo:temperature=0.1` (the vocabulary of `kvroute
+    /// replay --policy`). Default kv.
     #[arg(long)]
     pub policy: Option<String>,
     /// Tokens per KV block, as the engines use. Default 16.
@@ -164,7 +166,9 @@ pub struct ServeOptions {
     /// Default vllm.
     #[arg(long)]
     pub disagg_protocol: Option<kvroute_proxy::EngineKind>,
-    /// Cache view: events, predict or approximate. Default events.
+    /// Cache view: events, predict (events and the router's own recent decisions) or
+    /// approximate (its decisions only), the last two with options, e.g.
+    /// `approximate:ttl=120:max-blocks=65536` (as `kvroute replay --cache`). Default events.
     #[arg(long)]
     pub cache: Option<String>,
     /// Router queue capacity (0: reject when every worker is busy). Default 1024.

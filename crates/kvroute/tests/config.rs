@@ -4,8 +4,10 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use kvroute::config::layered;
-use kvroute::replay::ReplayConfig;
+use kvroute::replay::{ReplayArgs, ReplayConfig};
 use kvroute::serve::ServeArgs;
+use kvroute_core::router::{RouterConfig, RouterSpec};
+use proptest::prelude::*;
 
 fn file(name: &str, text: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("kvroute-config-{}-{name}.toml", std::process::id()));
@@ -114,4 +116,215 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
     assert_eq!((c.queue_capacity, c.block_size), (5, 32));
     assert_eq!(c.workers.len(), 1, "--worker replaces the file's workers");
     assert_eq!((c.workers[0].dp_size, c.workers[0].max_requests), (4, 9));
+}
+
+/// The router `kvroute serve` would run with `flags` (and the built-in tokenizer), through the
+/// command's own loader: flags, defaults, checks.
+fn serve_router(flags: &[&str]) -> anyhow::Result<RouterConfig> {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let mut argv = vec!["serve", "--approximate-tokenizer"];
+    argv.extend_from_slice(flags);
+    let config = Cli::try_parse_from(argv)?.serve.to_config()?;
+    Ok(config.validate()?)
+}
+
+/// The router `kvroute replay` would simulate with `flags`, through the command's own loader.
+fn replay_router(flags: &[&str]) -> anyhow::Result<RouterConfig> {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        replay: ReplayArgs,
+    }
+    let mut argv = vec!["replay"];
+    argv.extend_from_slice(flags);
+    let mut runs = kvroute::replay::router_configs(&Cli::try_parse_from(argv)?.replay)?;
+    assert_eq!(runs.len(), 1, "{flags:?}");
+    Ok(runs.remove(0).1)
+}
+
+/// `serve`'s router as `replay` builds it: the index bound the live proxy sets on its own
+/// (`max-blocks-per-worker`, a memory bound; in a simulation the engines' own evictions bound
+/// the index) is the one setting beside the shared options.
+fn as_replay_builds_it(serve: RouterConfig) -> RouterConfig {
+    assert_eq!(serve.max_blocks_per_worker.map(|n| n.get()), Some(1 << 20));
+    RouterConfig {
+        max_blocks_per_worker: None,
+        ..serve
+    }
+}
+
+/// The router options of both commands, each flag set as both take it (block size named, as
+/// the two commands' defaults differ).
+const SPECS: &[&[&str]] = &[
+    &[],
+    &["--policy", "kv"],
+    &["--policy", "kv:staged:scale=2", "--cache", "approximate"],
+    &["--policy", "kv:full"],
+    &["--policy", "dynamo"],
+    &["--policy", "dynamo:full"],
+    &["--policy", "dynamo:staged:scale=2:credit=0.5"],
+    &["--policy", "kv:temperature=0.1"],
+    &["--policy", "kv:spread=0.05"],
+    &["--policy", "round-robin"],
+    &["--policy", "random"],
+    &["--policy", "least-loaded"],
+    &["--policy", "power-of-two"],
+    &["--policy", "sglang-cache-aware"],
+    &["--policy", "llmd-weighted"],
+    &["--cache", "events"],
+    &["--cache", "predict"],
+    &["--cache", "predict:ttl=2.5"],
+    &["--cache", "approximate:ttl=120:max-blocks=65536:prune=0.5"],
+    &["--cache", "approximate:ttl=none"],
+    &["--decider", "never"],
+    &["--decider", "always"],
+    &["--decider", "512"],
+    &["--queue-capacity", "0"],
+    &["--queue-capacity", "7"],
+    &["--busy-requests-fraction", "0"],
+    &["--busy-requests-fraction", "0.9"],
+    &["--seed", "7"],
+    &["--block-size", "16"],
+];
+
+#[test]
+fn every_router_spec_one_command_takes_the_other_takes_into_the_same_router() {
+    for flags in SPECS {
+        let mut flags = flags.to_vec();
+        if !flags.contains(&"--block-size") {
+            flags.extend(["--block-size", "64"]);
+        }
+        let serve = serve_router(&flags).unwrap_or_else(|e| panic!("serve {flags:?}: {e:#}"));
+        let replay = replay_router(&flags).unwrap_or_else(|e| panic!("replay {flags:?}: {e:#}"));
+        assert_eq!(as_replay_builds_it(serve), replay, "{flags:?}");
+        // The serve flags a replay report prints run the router it simulated.
+        let printed = RouterSpec::from_config(&replay).unwrap().to_string();
+        let again: Vec<&str> = printed.split(' ').collect();
+        let serve_again = serve_router(&again).unwrap_or_else(|e| panic!("serve {printed}: {e:#}"));
+        assert_eq!(as_replay_builds_it(serve_again), replay, "{printed}");
+    }
+    // replay's `--predict-on-route-s S` is `--cache predict:ttl=S`.
+    assert_eq!(
+        replay_router(&["--predict-on-route-s", "2.5"]).unwrap(),
+        replay_router(&["--cache", "predict:ttl=2.5"]).unwrap()
+    );
+    let both = replay_router(&["--predict-on-route-s", "2", "--cache", "predict"]).unwrap_err();
+    assert!(format!("{both:#}").contains("give one"), "{both:#}");
+}
+
+#[test]
+fn a_bad_router_spec_gets_the_same_error_from_both_commands() {
+    let bad: &[(&[&str], &str)] = &[
+        (&["--policy", "kv:bogus"], "\"bogus\""),
+        (&["--policy", "nosuch"], "valid names"),
+        (&["--policy", "kv-aware:full"], "valid names"),
+        (&["--policy", "kv:scale=x"], "scale"),
+        (&["--policy", "kv:spread=-1"], "spread_tolerance"),
+        (&["--policy", "kv:credit=2"], "overlap_credit"),
+        (&["--policy", "random:full"], "takes no options"),
+        (&["--cache", "approx"], "events, predict or approximate"),
+        (&["--cache", "approximate:ttl=0"], "ttl"),
+        (&["--cache", "predict:size=3"], "unknown option"),
+        (&["--decider", "sometimes"], "decider"),
+        (&["--busy-requests-fraction", "NaN"], "--busy-requests-fraction"),
+        (&["--busy-requests-fraction=-1"], "--busy-requests-fraction"),
+    ];
+    for (flags, word) in bad {
+        let serve = format!("{:#}", serve_router(flags).unwrap_err());
+        let replay = format!("{:#}", replay_router(flags).unwrap_err());
+        assert_eq!(serve, replay, "{flags:?}");
+        assert!(serve.contains(word), "{flags:?}: {serve}");
+        assert!(serve.starts_with(flags[0].split('=').next().unwrap()), "{serve}");
+    }
+}
+
+fn policy_spec() -> impl Strategy<Value = String> {
+    let option = prop_oneof![
+        Just("full".to_owned()),
+        Just("staged".to_owned()),
+        (0u32..64).prop_map(|v| format!("scale={}", f64::from(v) / 4.0)),
+        (0u32..=8).prop_map(|v| format!("credit={}", f64::from(v) / 8.0)),
+        (0u32..10).prop_map(|v| format!("temperature={}", f64::from(v) / 10.0)),
+        (0u32..10).prop_map(|v| format!("spread={}", f64::from(v) / 100.0)),
+    ];
+    let cost = (
+        prop_oneof![Just("kv"), Just("dynamo")],
+        prop::collection::vec(option, 0..4),
+    )
+        .prop_map(|(name, options)| {
+            std::iter::once(name.to_owned())
+                .chain(options)
+                .collect::<Vec<_>>()
+                .join(":")
+        });
+    prop_oneof![
+        prop::sample::select(kvroute_core::router::PolicyConfig::NAMES).prop_map(str::to_owned),
+        cost
+    ]
+}
+
+fn cache_spec() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("events".to_owned()),
+        (
+            prop_oneof![Just("predict"), Just("approximate")],
+            prop_oneof![
+                Just(String::new()),
+                (1u32..600_000).prop_map(|ms| format!(":ttl={}", f64::from(ms) / 1e3))
+            ],
+            prop_oneof![
+                Just(String::new()),
+                (1u64..1 << 24).prop_map(|n| format!(":max-blocks={n}"))
+            ],
+        )
+            .prop_map(|(view, ttl, cap)| format!("{view}{ttl}{cap}")),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Generated specs: both commands take them into the same router, and the flags printed
+    /// for it run the same router again.
+    #[test]
+    fn generated_router_specs_agree_across_commands(
+        policy in policy_spec(),
+        cache in cache_spec(),
+        decider in prop_oneof![Just("always".to_owned()), Just("never".to_owned()), (0u64..100_000).prop_map(|n| n.to_string())],
+        queue in 0usize..4096,
+    ) {
+        let queue = queue.to_string();
+        let flags = [
+            "--policy", &policy, "--cache", &cache, "--decider", &decider,
+            "--queue-capacity", &queue, "--block-size", "32",
+        ];
+        let serve = as_replay_builds_it(serve_router(&flags).unwrap());
+        let replay = replay_router(&flags).unwrap();
+        prop_assert_eq!(&serve, &replay);
+        let printed = RouterSpec::from_config(&replay).unwrap().to_string();
+        let again: Vec<&str> = printed.split(' ').collect();
+        prop_assert_eq!(as_replay_builds_it(serve_router(&again).unwrap()), replay);
+    }
+}
+
+#[test]
+fn a_router_spec_in_either_commands_file_makes_the_same_router() {
+    let keys = "cache = \"approximate:ttl=120\"\ndecider = \"256\"\nblock-size = 64\n";
+    let serve = file("spec-serve", &format!("policy = \"kv:staged:scale=2\"\n{keys}"));
+    let replay = file(
+        "spec-replay",
+        &format!("policy = [\"kv:staged:scale=2\"]\n{keys}"),
+    );
+    let serve = serve_router(&["--config", serve.to_str().unwrap()]).unwrap();
+    let replay = replay_router(&["--config", replay.to_str().unwrap()]).unwrap();
+    assert_eq!(as_replay_builds_it(serve), replay);
+    assert_eq!(
+        RouterSpec::from_config(&replay).unwrap().to_string(),
+        "--policy kv:scale=2 --cache approximate:ttl=120 --decider 256 --block-size 64 --seed 0 \
+         --queue-capacity 1024"
+    );
 }

@@ -408,3 +408,105 @@ async fn positional_events_from_older_engines_feed_the_router_too() {
     assert_eq!(completion(&out).usage.unwrap().cached_tokens(), 464);
     c.assert_drained().await;
 }
+
+/// `kvroute serve --policy kv:staged:scale=2 --cache approximate` serves, routing on its own
+/// decisions alone (the mocks' KV events are refused); `kvroute replay` with the same flags
+/// simulates the same router, and the serve flags its report names run that router again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_spec_with_the_approximate_view_serves_as_replay_simulates_it() {
+    use clap::Parser;
+    use kvroute_core::router::{RouterConfig, RouterSpec};
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        serve: kvroute::serve::ServeArgs,
+    }
+    #[derive(Parser)]
+    struct Replay {
+        #[command(flatten)]
+        replay: kvroute::replay::ReplayArgs,
+    }
+    let router = [
+        "--policy",
+        "kv:staged:scale=2",
+        "--cache",
+        "approximate",
+        "--block-size",
+        "16",
+    ];
+    let mocks = start_mocks(&MockConfig::new(2)).await;
+    let worker_flags: Vec<String> = mocks.iter().map(|m| m.worker_flag()).collect();
+    let mut argv = vec![
+        "serve",
+        "--approximate-tokenizer",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    argv.extend(router);
+    for w in &worker_flags {
+        argv.extend(["--worker", w.as_str()]);
+    }
+    let config = Serve::parse_from(argv).serve.to_config().unwrap();
+    let served = config.validate().unwrap();
+    let c = fronting(Vec::new(), mocks, move |c| *c = config).await;
+
+    let prompt = "A prompt long enough to fill several blocks of sixteen tokens each, twice over. ";
+    for _ in 0..3 {
+        let done = c
+            .complete(json!({"model": "tiny", "prompt": prompt, "max_tokens": 4}))
+            .await;
+        assert_eq!(done.usage.unwrap().completion_tokens, 4);
+    }
+    let metrics = c.http.get("/metrics").await;
+    assert!(
+        metric(&metrics, "kvroute_worker_predicted_cached_tokens_total", "") >= 32.0,
+        "the repeated prompt was predicted cached from the router's own decisions:\n{metrics}"
+    );
+    assert_eq!(
+        c.cached_blocks().iter().sum::<u64>(),
+        0,
+        "an approximate view keeps no index of KV events"
+    );
+    c.assert_drained().await;
+
+    // The replay of the same flags: the same router (but for the live index's memory bound),
+    // simulated, and its report's serve flags make that router again.
+    let report = std::env::temp_dir().join(format!("kvroute-e2e-spec-{}.json", std::process::id()));
+    let mut argv = vec!["replay", "--workers", "2", "--limit", "40"];
+    argv.extend(router);
+    let report_flag = report.to_str().unwrap().to_owned();
+    argv.extend(["--report-json", &report_flag]);
+    let replay = Replay::parse_from(argv).replay;
+    let simulated = kvroute::replay::router_configs(&replay).unwrap();
+    let expected = RouterConfig {
+        max_blocks_per_worker: None,
+        ..served.clone()
+    };
+    assert_eq!(
+        simulated,
+        vec![("kv:staged:scale=2".to_owned(), expected.clone())]
+    );
+    tokio::task::spawn_blocking(move || kvroute::replay::run(replay))
+        .await
+        .unwrap()
+        .unwrap();
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&report);
+    assert_eq!(json["num_requests"].as_u64(), Some(40), "{json}");
+    let flags = json["provenance"]["serve_flags"]["kv:staged:scale=2"]
+        .as_str()
+        .unwrap();
+    assert_eq!(flags, RouterSpec::from_config(&expected).unwrap().to_string());
+    let mut argv = vec!["serve", "--approximate-tokenizer"];
+    argv.extend(flags.split(' '));
+    let again = Serve::parse_from(argv)
+        .serve
+        .to_config()
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(again, served);
+}

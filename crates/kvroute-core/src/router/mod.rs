@@ -72,6 +72,7 @@ mod request;
 mod rng;
 mod scan;
 pub mod select;
+pub mod spec;
 mod sync;
 mod worker;
 
@@ -94,6 +95,7 @@ pub use queue::{QueueConfig, QueueOrder};
 pub use recent::RecentConfig;
 pub use request::{Prompt, RequestView, RouteRequest};
 pub use rng::Rng;
+pub use spec::{OptionError, RouterOptions, RouterSpec, SpecError};
 pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
 

@@ -55,7 +55,9 @@ impl Run<'_> {
     }
 
     /// Applies one KV event to every replica's index. Refusals (an event whose parent was lost)
-    /// are counted, per replica: they are what a lossy channel does.
+    /// are counted, per replica: they are what a lossy channel does. A router whose cache view
+    /// is approximate refuses every KV event, as the live proxy's does: the engines publish
+    /// them, and nothing of the router's view changes.
     pub(super) fn apply_kv(&mut self, w: usize, event: IndexEvent<'_>) -> Result<(), SimError> {
         if self.workers[w].life == Life::Removed {
             if let Some(p) = &mut self.planner {
@@ -68,6 +70,7 @@ impl Run<'_> {
             match router.handle_kv_event(self.now, key, event) {
                 Ok(()) => {}
                 Err(RouterError::Index(_)) => self.totals.kv_events_refused += 1,
+                Err(RouterError::KvEventsDisabled) => {}
                 Err(e) => return Err(e.into()),
             }
         }

@@ -3,24 +3,28 @@
 //!
 //! Options come from an optional TOML file (`--config`) whose keys are the long flag names, then
 //! the flags over it ([`crate::config::layered`]); unknown keys are rejected. Every option is
-//! checked (`ReplayConfig::check`) before the trace is read.
+//! checked (`Plan::new`) before the trace is read. The router's options (policy,
+//! cache view, decider, ...) are the core's vocabulary (`kvroute_core::router::spec`), the same
+//! as `kvroute serve`'s.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+mod output;
+
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
-use kvroute_core::router::policy::CostPolicyConfig;
-use kvroute_core::router::{CacheMode, Decider, DecodeProjection, PolicyConfig, RecentConfig, RouterConfig};
+use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
-    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, Progress, ReplicaSync, Replicas, Report, RunResult,
-    SimConfig, Simulation, Spread, Workload,
+    ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
+    Simulation, Spread, Workload,
 };
 use serde::{Deserialize, Serialize};
+
+use output::{ProgressBar, write_outputs};
 
 /// The options of `kvroute replay`: the configuration, the file it may come from, and the
 /// outputs.
@@ -81,12 +85,22 @@ pub struct ReplayConfig {
     /// mixtral-8x7b, qwen2.5-7b). Default llama-3.1-8b (131,072 bytes per token).
     #[arg(long)]
     pub kv_model: Option<String>,
-    /// Policies, comma-separated; each runs the identical workload. `kv:full` / `kv:staged`
-    /// (and `dynamo:...`) choose the decode projection; `kv:temperature=0.1` samples instead of
-    /// taking the argmin; `kv:spread=0.05` spreads concurrent replicas over the near-best
-    /// workers. Default `kv`.
+    /// Policy specs, comma-separated; each runs the identical workload. The vocabulary of
+    /// `kvroute serve --policy`: `kv:full` / `kv:staged` (and `dynamo:...`) choose the decode
+    /// projection; `kv:scale=2`, `kv:credit=0.5` set the cost's weights; `kv:temperature=0.1`
+    /// samples instead of taking the argmin; `kv:spread=0.05` spreads concurrent replicas over
+    /// the near-best workers. Default `kv`.
     #[arg(long, value_delimiter = ',')]
     pub policy: Option<Vec<String>>,
+    /// Cache view, as `kvroute serve --cache` takes it: `events`, `predict` (events and the
+    /// router's record of its own decisions) or `approximate` (that record alone; KV events
+    /// are refused), the last two with options, e.g. `approximate:ttl=120:max-blocks=65536`
+    /// (`--predict-on-route-s S` is `predict:ttl=S`; not both). Default `events`.
+    #[arg(long)]
+    pub cache: Option<String>,
+    /// Router queue capacity (0: reject when every worker is busy). Default 1,024.
+    #[arg(long)]
+    pub queue_capacity: Option<usize>,
     /// Seed of the router and the simulator. Default 0.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -146,7 +160,7 @@ pub struct ReplayConfig {
     #[arg(long)]
     pub predict_on_route_s: Option<f64>,
     /// Router queue: requests per worker above which a worker is busy (fraction of
-    /// max-num-seqs). Default: never busy.
+    /// max-num-seqs, 0 or above). Default: never busy.
     #[arg(long)]
     pub busy_requests_fraction: Option<f64>,
     /// Synthetic: requests. Default 2,000.
@@ -200,6 +214,7 @@ pub struct ReplayConfig {
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let options = crate::config::layered(args.config.as_deref(), &args.options)?;
     let plan = Plan::new(&options, &args)?;
+    let serve = serve_flags(&plan.runs)?;
     let t0 = Instant::now();
     let trace = plan.trace()?;
     let (workload, source) = plan.workload(&trace)?;
@@ -225,7 +240,11 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         .map(|(n, r)| (n.clone(), r.report.clone()))
         .collect();
     print!("{}", kvroute_sim::report::table(&reports));
-    let provenance = crate::provenance::Provenance::new(&options, plan.seed, trace.file.as_ref())?;
+    for (name, flags) in &serve {
+        println!("serve {name} with: kvroute serve {flags}");
+    }
+    let mut provenance = crate::provenance::Provenance::new(&options, plan.seed, trace.file.as_ref())?;
+    provenance.serve_flags = serve.into_iter().collect();
     write_outputs(&args, &results, &provenance)
 }
 
@@ -322,7 +341,6 @@ impl<'a> Plan<'a> {
             ("--arrival-speedup", o.arrival_speedup),
             ("--engine-speedup", o.engine_speedup),
             ("--predict-on-route-s", o.predict_on_route_s),
-            ("--busy-requests-fraction", o.busy_requests_fraction),
             ("--rate", o.rate),
             ("--arrival-cv", o.arrival_cv),
             ("--sla-window-s", o.sla_window_s),
@@ -351,7 +369,7 @@ impl<'a> Plan<'a> {
         for (i, name) in policies.iter().enumerate() {
             ensure!(!policies[..i].contains(name), "--policy names {name} twice");
             let mut config = base.clone();
-            config.router.policy = parse_policy(name).with_context(|| format!("--policy {name}"))?;
+            config.router = router_spec(o, name, base.engine.block_size, base.seed)?.router_config();
             let sim = Simulation::new(config)?;
             runs.push((name.clone(), sim));
         }
@@ -477,21 +495,6 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
     e.speedup = o.engine_speedup.unwrap_or(e.speedup);
     let seed = o.seed.unwrap_or(0);
     config.seed = seed;
-    config.router = RouterConfig {
-        block_size: e.block_size,
-        seed,
-        ..RouterConfig::default()
-    };
-    if let Some(ttl) = o.predict_on_route_s {
-        config.router.cache = CacheMode::EventsWithPrediction(RecentConfig {
-            ttl: Some(Duration::try_from_secs_f64(ttl).context("--predict-on-route-s")?),
-            ..RecentConfig::PREDICT_ON_ROUTE
-        });
-    }
-    config.router.busy.requests_fraction = o.busy_requests_fraction;
-    if let Some(decider) = &o.decider {
-        config.router.decider = parse_decider(decider)?;
-    }
     config.events = EventChannel {
         lag: Duration::try_from_secs_f64(o.kv_lag_ms.unwrap_or(0.0) / 1e3).context("--kv-lag-ms")?,
         loss: o.kv_loss.unwrap_or(0.0),
@@ -581,55 +584,56 @@ pub(crate) fn kv_link(
     Ok(link)
 }
 
-/// `never`, `always` or a threshold in tokens ([`Decider::from_name`]).
-fn parse_decider(s: &str) -> anyhow::Result<Decider> {
-    Decider::from_name(s).with_context(|| format!("--decider {s:?}"))
+/// The router of the run of policy `policy`: the options [`RouterSpec`] shares with `kvroute
+/// serve`, parsed and checked there, so that both commands accept the same specs, with the
+/// same errors, into the same [`RouterConfig`].
+fn router_spec(o: &ReplayConfig, policy: &str, block_size: u32, seed: u64) -> anyhow::Result<RouterSpec> {
+    let options = RouterOptions {
+        policy,
+        cache: o.cache.as_deref().unwrap_or("events"),
+        decider: o.decider.as_deref().unwrap_or("always"),
+        block_size,
+        seed,
+        queue_capacity: o.queue_capacity.unwrap_or(RouterSpec::default().queue_capacity),
+        busy_requests_fraction: o.busy_requests_fraction,
+    };
+    let flagged = |e: kvroute_core::router::OptionError| anyhow::anyhow!("--{}: {}", e.key, e.error);
+    let mut spec = RouterSpec::parse(&options).map_err(flagged)?;
+    if let Some(ttl) = o.predict_on_route_s {
+        ensure!(
+            o.cache.is_none(),
+            "--predict-on-route-s is --cache predict:ttl=S: give one of the two"
+        );
+        spec.cache = CacheMode::EventsWithPrediction(RecentConfig {
+            ttl: Some(Duration::try_from_secs_f64(ttl).context("--predict-on-route-s")?),
+            ..RecentConfig::PREDICT_ON_ROUTE
+        });
+        spec.validate().map_err(flagged)?;
+    }
+    Ok(spec)
 }
 
-/// A policy spec: a name, then for the cost policies (`kv`, `dynamo`) optional `:`-separated
-/// overrides: `full` or `staged` (the decode projection), `scale=X` (`prefill_load_scale`),
-/// `credit=X` (`overlap_credit`), `temperature=X` (softmax sampling over the normalized costs
-/// instead of the argmin), `spread=X` (replicas: costs within the fraction X of the lowest are
-/// near-best, replica `r` takes the `r`-th). For example `kv:full` or `dynamo:staged:scale=2`.
-fn parse_policy(spec: &str) -> anyhow::Result<PolicyConfig> {
-    let mut parts = spec.split(':');
-    let name = parts.next().unwrap_or_default();
-    let mut policy = PolicyConfig::from_name(name)?;
-    for part in parts {
-        let (PolicyConfig::Kv(CostPolicyConfig {
-            cost,
-            temperature,
-            spread_tolerance,
+/// The router configuration of each run `args` asks for, by the policy spec as given: what
+/// `kvroute replay` would simulate, checked as it checks it (the trace is not read).
+pub fn router_configs(args: &ReplayArgs) -> anyhow::Result<Vec<(String, RouterConfig)>> {
+    let options = crate::config::layered(args.config.as_deref(), &args.options)?;
+    let plan = Plan::new(&options, args)?;
+    Ok(plan
+        .runs
+        .iter()
+        .map(|(name, sim)| (name.clone(), sim.config().router.clone()))
+        .collect())
+}
+
+/// The `kvroute serve` flags of each run's router, by the policy spec as given.
+fn serve_flags(runs: &[(String, Simulation)]) -> anyhow::Result<Vec<(String, String)>> {
+    runs.iter()
+        .map(|(name, sim)| {
+            let spec = RouterSpec::from_config(&sim.config().router)
+                .with_context(|| format!("the serve flags of {name}"))?;
+            Ok((name.clone(), spec.to_string()))
         })
-        | PolicyConfig::Dynamo(CostPolicyConfig {
-            cost,
-            temperature,
-            spread_tolerance,
-        })) = &mut policy
-        else {
-            bail!("{name} takes no options (in {spec:?})");
-        };
-        match part.split_once('=') {
-            None if part == "full" => cost.projection = DecodeProjection::Full,
-            None if part == "staged" => cost.projection = DecodeProjection::Staged,
-            Some(("scale", v)) => {
-                cost.prefill_load_scale = v.parse().with_context(|| format!("scale in {spec:?}"))?
-            }
-            Some(("credit", v)) => {
-                cost.overlap_credit = v.parse().with_context(|| format!("credit in {spec:?}"))?
-            }
-            Some(("temperature", v)) => {
-                *temperature = v.parse().with_context(|| format!("temperature in {spec:?}"))?
-            }
-            Some(("spread", v)) => {
-                *spread_tolerance = v.parse().with_context(|| format!("spread in {spec:?}"))?
-            }
-            _ => bail!(
-                "unknown option {part:?} in {spec:?} (full, staged, scale=X, credit=X, temperature=X, spread=X)"
-            ),
-        }
-    }
-    Ok(policy)
+        .collect()
 }
 
 /// `T:M,T:M,...` as (seconds, multiplier) points, checked as [`Workload::warp_rate`] checks them.
@@ -735,85 +739,4 @@ fn open_trace<'b>(path: Option<&Path>, bytes: &'b [u8]) -> (Box<dyn BufRead + 'b
         Box::new(BufReader::with_capacity(1 << 20, reader)),
         path.display().to_string(),
     )
-}
-
-fn write_outputs(
-    args: &ReplayArgs,
-    results: &[(String, RunResult)],
-    provenance: &crate::provenance::Provenance,
-) -> anyhow::Result<()> {
-    if let Some(path) = &args.report_json {
-        let reports: Vec<(&str, &Report)> = results.iter().map(|(n, r)| (n.as_str(), &r.report)).collect();
-        let text = serde_json::to_string_pretty(&crate::provenance::ReportFile {
-            reports: &reports,
-            provenance,
-        })?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(path) = &args.per_request_jsonl {
-        let mut out = std::io::BufWriter::new(
-            File::create(path).with_context(|| format!("creating {}", path.display()))?,
-        );
-        for (name, result) in results {
-            for record in &result.requests {
-                let mut value = serde_json::to_value(record)?;
-                if results.len() > 1
-                    && let Some(obj) = value.as_object_mut()
-                {
-                    obj.insert("policy".to_owned(), serde_json::Value::String(name.clone()));
-                }
-                writeln!(out, "{value}")?;
-            }
-        }
-        out.flush()?;
-    }
-    if let Some(path) = &args.html {
-        let page = kvroute_sim::html::page(results);
-        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
-/// A one-line progress bar on stderr, drawn only on a terminal and only after a second.
-struct ProgressBar<'a> {
-    name: &'a str,
-    started: Instant,
-    drawn: bool,
-    tty: bool,
-}
-
-impl<'a> ProgressBar<'a> {
-    fn new(name: &'a str, started: Instant) -> Self {
-        Self {
-            name,
-            started,
-            drawn: false,
-            tty: std::io::stderr().is_terminal(),
-        }
-    }
-
-    fn update(&mut self, p: Progress) {
-        if !self.tty || self.started.elapsed() < Duration::from_secs(1) || p.total == 0 {
-            return;
-        }
-        let frac = p.done as f64 / p.total as f64;
-        let filled = (frac * 30.0) as usize;
-        eprint!(
-            "\r{} [{}{}] {:>3.0}%  {}/{} requests, {:.0} s simulated",
-            self.name,
-            "#".repeat(filled),
-            " ".repeat(30 - filled.min(30)),
-            frac * 100.0,
-            p.done,
-            p.total,
-            p.now.as_secs_f64()
-        );
-        self.drawn = true;
-    }
-
-    fn finish(&self) {
-        if self.drawn {
-            eprintln!();
-        }
-    }
 }
