@@ -239,8 +239,8 @@ impl Harness {
                 self.carry_out(actions)
             }
             "nobody-listening" => {
-                self.protocol().handle_nobody_listening();
-                self.joined()
+                let actions = self.protocol().handle_nobody_listening(now);
+                self.carry_out(actions)
             }
             "from" => {
                 let from = RouterId(num("replica", arg(0)));
@@ -426,6 +426,7 @@ scripts!(
     join_alone,
     join_with_peers,
     join_timeout,
+    join_race,
     snapshot_in_parts,
     peer_timeout,
     duplicates_and_gaps,

@@ -46,8 +46,8 @@ fn event() -> impl Strategy<Value = WireEvent> {
 
 fn envelope() -> impl Strategy<Value = Envelope> {
     let body = prop_oneof![
-        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events { events }),
-        Just(Body::Heartbeat),
+        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events { seq: 1, events }),
+        Just(Body::Heartbeat { seq: 2 }),
         Just(Body::SnapshotRequest),
         (
             proptest::collection::vec(any::<u64>(), 0..4),
@@ -59,6 +59,7 @@ fn envelope() -> impl Strategy<Value = Envelope> {
                 peers,
                 part,
                 last,
+                seq: 5,
                 events
             }),
     ];

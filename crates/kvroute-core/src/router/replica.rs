@@ -17,7 +17,8 @@
 //! * **Join.** [`ReplicaProtocol::start`] asks everyone. The join is over once every replica an
 //!   answer names has sent its last part, when the transport reports that nobody listens
 //!   ([`ReplicaProtocol::handle_nobody_listening`], the first replica), or after
-//!   [`ProtocolConfig::join_timeout`]. Meanwhile the replica answers its peers as usual.
+//!   [`ProtocolConfig::join_timeout`]. Meanwhile the replica answers its peers as usual; a peer
+//!   it hears is asked for its snapshot when the join is over, unless its answer came.
 //! * **A peer heard** for the first time, again after it was lost, or for the first time since
 //!   this replica's link came back, is asked for its snapshot: its bookings come from there. An
 //!   unanswered ask is repeated every quarter of the join timeout, [`ProtocolConfig::snapshot_asks`]
@@ -216,6 +217,8 @@ enum Join {
         expected: BTreeSet<RouterId>,
         /// Replicas whose last part came.
         done: BTreeSet<RouterId>,
+        /// Peers heard meanwhile: asked at the end unless their answer came.
+        heard: BTreeSet<RouterId>,
     },
     /// Over (or never started).
     Over,
@@ -313,6 +316,7 @@ impl ReplicaProtocol {
             deadline: now + self.config.join_timeout,
             expected: BTreeSet::new(),
             done: BTreeSet::new(),
+            heard: BTreeSet::new(),
         };
         vec![Action::Send {
             to: To::Everyone,
@@ -350,11 +354,22 @@ impl ReplicaProtocol {
 
     /// The transport learned that nobody listens to a request this replica sent (NATS's "no
     /// responders"): a join with no answer yet is over, since there is nobody to wait for.
-    pub fn handle_nobody_listening(&mut self) {
+    pub fn handle_nobody_listening<E>(&mut self, now: Timestamp) -> Vec<Action<E>> {
+        let mut out = Vec::new();
         if let Join::Waiting { expected, .. } = &self.join
             && expected.is_empty()
         {
-            self.join = Join::Over;
+            self.end_join(now, &mut out);
+        }
+        out
+    }
+
+    /// Ends the join: peers heard meanwhile whose answer did not come are asked now.
+    fn end_join<E>(&mut self, now: Timestamp, out: &mut Vec<Action<E>>) {
+        if let Join::Waiting { done, heard, .. } = std::mem::replace(&mut self.join, Join::Over) {
+            for peer in heard.difference(&done) {
+                self.ask(now, *peer, out);
+            }
         }
     }
 
@@ -465,7 +480,7 @@ impl ReplicaProtocol {
             && *deadline <= now
         {
             self.counters.joins_incomplete += 1;
-            self.join = Join::Over;
+            self.end_join(now, &mut out);
         }
         if let Some(at) = self.next_heartbeat
             && at <= now
@@ -531,12 +546,18 @@ impl ReplicaProtocol {
     }
 
     /// `peer` was heard from (anything but its snapshot). New here, back after it was lost, or
-    /// not synced since the link came back, it is asked for its snapshot.
+    /// not synced since the link came back, it is asked for its snapshot; during a join, at its
+    /// end, unless its answer to the join came.
     fn heard<E>(&mut self, now: Timestamp, peer: RouterId, out: &mut Vec<Action<E>>) {
         let new = self.peers.heard(now, peer);
         let unsynced = self.synced.insert(peer);
         if new || unsynced {
-            self.ask(now, peer, out);
+            match &mut self.join {
+                Join::Waiting { heard, .. } => {
+                    heard.insert(peer);
+                }
+                Join::Over => self.ask(now, peer, out),
+            }
         }
     }
 
@@ -601,7 +622,7 @@ impl ReplicaProtocol {
                 done.insert(from);
             }
             if expected.is_subset(done) {
-                self.join = Join::Over;
+                self.end_join(now, out);
             }
         }
     }
