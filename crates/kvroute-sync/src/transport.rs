@@ -366,6 +366,7 @@ impl Node {
     ) {
         let mut batch: Vec<WireEvent> = Vec::with_capacity(self.config.batch_max_events);
         let mut batch_due = tokio::time::Instant::now();
+        let mut batch_at = 0;
         loop {
             let timeout = self.protocol.poll_timeout().map(|t| self.instant(t));
             tokio::select! {
@@ -376,14 +377,15 @@ impl Node {
                 Some(event) = changes.recv() => {
                     if batch.is_empty() {
                         batch_due = tokio::time::Instant::now() + self.config.batch_max_delay;
+                        batch_at = unix_micros();
                     }
                     batch.push(event);
                     if batch.len() >= self.config.batch_max_events {
-                        self.flush(std::mem::take(&mut batch)).await;
+                        self.flush(std::mem::take(&mut batch), batch_at).await;
                     }
                 }
                 _ = tokio::time::sleep_until(batch_due), if !batch.is_empty() => {
-                    self.flush(std::mem::take(&mut batch)).await;
+                    self.flush(std::mem::take(&mut batch), batch_at).await;
                 }
                 _ = sleep_until(timeout), if timeout.is_some() => {
                     let now = self.now();
@@ -435,8 +437,9 @@ impl Node {
         }
     }
 
-    /// Publishes this replica's changes, in messages under the size limits.
-    async fn flush(&mut self, events: Vec<WireEvent>) {
+    /// Publishes this replica's changes, taken off the queue from `at_us` (Unix microseconds)
+    /// on, in messages under the size limits.
+    async fn flush(&mut self, events: Vec<WireEvent>, at_us: u64) {
         if self.protocol.link() == LinkState::Disconnected {
             self.metrics
                 .events_dropped
@@ -447,7 +450,7 @@ impl Node {
         for events in pack(events, self.config.batch_max_events, self.config.batch_max_bytes) {
             let n = events.len() as u64;
             if let Some(message) = self.protocol.publish(events)
-                && self.send(To::Everyone, message).await
+                && self.send(To::Everyone, message, Some(at_us)).await
             {
                 self.metrics.events_sent.inc_by(n);
             }
@@ -463,11 +466,30 @@ impl Node {
             return;
         }
         let Some(envelope) = self.open(&m) else { return };
+        let sent_at = match &envelope.body {
+            Body::Events { at_us, events, .. } => {
+                let bookings = events
+                    .iter()
+                    .filter(|e| matches!(e, WireEvent::Added { .. }))
+                    .count();
+                at_us.map(|t| (t, bookings))
+            }
+            _ => None,
+        };
         let now = self.now();
         let actions = self
             .protocol
             .handle(now, RouterId(envelope.from), envelope.body.into_message());
+        let applied = actions.iter().any(|a| matches!(a, Action::Apply { .. }));
         self.carry_out(actions).await;
+        if let Some((at_us, n)) = sent_at
+            && applied
+        {
+            let age = unix_micros().saturating_sub(at_us) as f64 / 1e6;
+            for _ in 0..n {
+                self.metrics.booking_age.observe(age);
+            }
+        }
     }
 
     /// Decodes a peer's message; `None` for this replica's own, a status message, or garbage
@@ -496,7 +518,7 @@ impl Node {
         for action in actions {
             match action {
                 Action::Send { to, message } => {
-                    self.send(to, message).await;
+                    self.send(to, message, None).await;
                 }
                 Action::SendSnapshot { to } => {
                     let parts = pack(
@@ -505,7 +527,7 @@ impl Node {
                         self.config.batch_max_bytes,
                     );
                     for message in self.protocol.snapshot_messages(parts) {
-                        self.send(to, message).await;
+                        self.send(to, message, None).await;
                     }
                 }
                 Action::Apply { from, events } => self.host.apply(from, &events),
@@ -532,8 +554,9 @@ impl Node {
         self.joined.send_replace(self.protocol.is_joined());
     }
 
-    /// Publishes one message to `to`; whether it was handed to the connection.
-    async fn send(&self, to: To, message: Message<WireEvent>) -> bool {
+    /// Publishes one message to `to` (a batch stamped with `at_us`); whether it was handed to
+    /// the connection.
+    async fn send(&self, to: To, message: Message<WireEvent>, at_us: Option<u64>) -> bool {
         let (kind, subject) = match (&message, to) {
             (Message::Events { .. }, To::Everyone) => ("events", self.config.subject("events")),
             (Message::Heartbeat { .. }, To::Everyone) => ("heartbeat", self.config.subject("heartbeat")),
@@ -545,10 +568,14 @@ impl Node {
             (Message::Heartbeat { .. }, To::Peer(p)) => ("heartbeat", self.config.direct(p)),
         };
         let asks = matches!(message, Message::SnapshotRequest);
+        let mut body = Body::from_message(message);
+        if let Body::Events { at_us: stamp, .. } = &mut body {
+            *stamp = at_us;
+        }
         let bytes = Bytes::from(encode(&Envelope {
             v: WIRE_VERSION,
             from: self.id.0,
-            body: Body::from_message(message),
+            body,
         }));
         let len = bytes.len() as u64;
         let sent = if asks {
@@ -571,6 +598,13 @@ impl Node {
             }
         }
     }
+}
+
+/// The wall clock, microseconds since the Unix epoch.
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// Sleeps until `at`, or forever.

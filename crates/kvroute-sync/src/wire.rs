@@ -48,6 +48,10 @@ pub enum Body {
         /// The batch's number: a sender numbers its batches 1, 2, ….
         #[serde(default)]
         seq: u64,
+        /// When the sender's transport took the batch's first change off its queue,
+        /// microseconds since the Unix epoch (for the receiver's measure of sync latency).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_us: Option<u64>,
         /// The changes.
         events: Vec<WireEvent>,
     },
@@ -251,7 +255,11 @@ impl Body {
     /// The wire form of a protocol message.
     pub fn from_message(message: Message<WireEvent>) -> Self {
         match message {
-            Message::Events { seq, events } => Body::Events { seq: seq.0, events },
+            Message::Events { seq, events } => Body::Events {
+                seq: seq.0,
+                at_us: None,
+                events,
+            },
             Message::Heartbeat { last } => Body::Heartbeat { seq: last.0 },
             Message::SnapshotRequest => Body::SnapshotRequest,
             Message::Snapshot(p) => Body::Snapshot {
@@ -267,7 +275,7 @@ impl Body {
     /// The protocol message this body carries.
     pub fn into_message(self) -> Message<WireEvent> {
         match self {
-            Body::Events { seq, events } => Message::Events {
+            Body::Events { seq, events, .. } => Message::Events {
                 seq: BatchSeq(seq),
                 events,
             },
@@ -417,7 +425,11 @@ mod tests {
         let envelope = Envelope {
             v: WIRE_VERSION,
             from: 7,
-            body: Body::Events { seq: 3, events: wire },
+            body: Body::Events {
+                seq: 3,
+                at_us: Some(1_700_000_000_000_000),
+                events: wire,
+            },
         };
         let back = decode(&encode(&envelope)).unwrap();
         assert_eq!(back, envelope);

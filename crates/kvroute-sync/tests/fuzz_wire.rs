@@ -46,7 +46,11 @@ fn event() -> impl Strategy<Value = WireEvent> {
 
 fn envelope() -> impl Strategy<Value = Envelope> {
     let body = prop_oneof![
-        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events { seq: 1, events }),
+        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events {
+            seq: 1,
+            at_us: Some(7),
+            events
+        }),
         Just(Body::Heartbeat { seq: 2 }),
         Just(Body::SnapshotRequest),
         (
