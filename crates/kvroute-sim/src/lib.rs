@@ -137,7 +137,7 @@ impl Simulation {
             && !(0.0..=1.0).contains(&loss)
         {
             return Err(SimError::Config(format!(
-                "sync event loss {loss} is not a probability"
+                "sync message loss {loss} is not a probability"
             )));
         }
         let r = &config.replicas;

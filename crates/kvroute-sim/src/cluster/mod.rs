@@ -9,16 +9,19 @@
 //!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
 //!   ties broken in push order);
 //! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
-//! * the replica-sync channel, a heap keyed by (delivery time, exporting replica, export
-//!   sequence): each event goes to every other replica;
+//! * the replica-sync bus, a heap of protocol messages keyed by (delivery time, sending replica,
+//!   send sequence): each goes to every other replica that is up, or to the one addressed;
 //! * each router's own deadline ([`Router::next_deadline`]), while requests are in flight (ties:
-//!   the lowest replica first).
+//!   the lowest replica first);
+//! * each replica's protocol timeout (heartbeats, asks, peer loss), while work is left.
 //!
 //! **Replicas** ([`crate::Replicas`]): each arrival goes to one replica (in turn, or at random);
 //! the request's first token, finish and cancellation go to that replica; KV events and fleet
-//! changes go to every replica. After every input a replica takes, its exported sync events are
-//! put on the sync channel (or lost, with the configured probability). One replica without sync
-//! is exactly the single-router run: no draws, no events.
+//! changes go to every replica. After every input a replica takes, its exported sync events go
+//! out as one numbered batch of its replica-sync protocol (`replicas.rs`), on the bus (or lost,
+//! with the configured probability). A replica may start late (hearing nothing before, KV events
+//! included) and one may die (saying nothing after). One replica without sync is exactly the
+//! single-router run: no draws, no events.
 //!
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
