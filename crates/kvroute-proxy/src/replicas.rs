@@ -100,7 +100,7 @@ mod tests {
             let bytes = encode(&Envelope {
                 v: WIRE_VERSION,
                 from: 1,
-                body: Body::Snapshot { peers: vec![], part: 0, last: true, events: vec![WireEvent::Worker(added)] },
+                body: Body::Snapshot { peers: vec![], part: 0, last: true, seq: 0, events: vec![WireEvent::Worker(added)] },
             });
             let text = String::from_utf8(bytes.clone()).unwrap();
             // The key itself, and as JSON escapes it.

@@ -43,6 +43,14 @@ pub struct Replicas {
     pub sync: ReplicaSync,
     /// How client requests are spread over the replicas.
     pub spread: Spread,
+    /// When the last replica starts (joining its peers, with [`ReplicaSync::On`], as a live one
+    /// does); `None`: with the others, at 0. Before it starts it routes nothing and hears
+    /// nothing, its index included.
+    pub join_at: Option<Duration>,
+    /// When the first replica dies: from then on it routes nothing and says nothing; the requests
+    /// it routed run to their end on their engines, and its peers release its bookings once it
+    /// has been silent past the peer timeout. `None`: it does not.
+    pub fail_at: Option<Duration>,
 }
 
 impl Default for Replicas {
@@ -52,25 +60,30 @@ impl Default for Replicas {
             count: 1,
             sync: ReplicaSync::Off,
             spread: Spread::RoundRobin,
+            join_at: None,
+            fail_at: None,
         }
     }
 }
 
-/// Replica sync in the simulator: the replicas' exported
-/// [`kvroute_core::router::SyncEvent`]s, carried to every other replica.
+/// Replica sync in the simulator: each replica runs the replica-sync protocol that serves
+/// ([`kvroute_core::router::replica::ReplicaProtocol`], its default timing: heartbeats every
+/// second, a peer lost after 3 s of silence), its messages carried by a simulated bus.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum ReplicaSync {
     /// Each replica knows only the requests it routed.
     #[default]
     Off,
-    /// Each replica exports its load changes; every other replica applies them `delay` later.
-    /// Each event is lost, for every peer, with probability `loss` (drawn from the simulation's
-    /// seed), as when a publisher's bounded queue overflows. Events that arrive at the same time
-    /// apply in (router id, export order).
+    /// Each replica publishes its load changes, one numbered batch per input it takes; every
+    /// message (batches, heartbeats, snapshot requests and answers) reaches its receivers
+    /// `delay` later, or is lost, for all of them, with probability `loss` (drawn from the
+    /// simulation's seed), as when a publisher's bounded queue overflows. A receiver that sees a
+    /// gap in a peer's batch numbers asks for its snapshot. Messages that arrive at the same time
+    /// apply in (sender, send order).
     On {
         /// Delay from export to delivery.
         delay: Duration,
-        /// Probability in `[0, 1]` that an event is lost.
+        /// Probability in `[0, 1]` that a message is lost.
         loss: f64,
     },
 }

@@ -137,7 +137,22 @@ impl Simulation {
             && !(0.0..=1.0).contains(&loss)
         {
             return Err(SimError::Config(format!(
-                "sync event loss {loss} is not a probability"
+                "sync message loss {loss} is not a probability"
+            )));
+        }
+        let r = &config.replicas;
+        if (r.join_at.is_some() || r.fail_at.is_some()) && r.count < 2 {
+            return Err(SimError::Config(format!(
+                "a replica joining late or dying needs at least 2 replicas, not {}",
+                r.count
+            )));
+        }
+        if let (Some(join), Some(fail)) = (r.join_at, r.fail_at)
+            && r.count == 2
+            && fail <= join
+        {
+            return Err(SimError::Config(format!(
+                "with 2 replicas, the first dying at {fail:?} before the second joins at {join:?} leaves none"
             )));
         }
         if config.sample_interval.is_some_and(|d| d.is_zero()) {

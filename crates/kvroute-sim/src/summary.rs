@@ -2,6 +2,7 @@
 //! report formula lives), then the planner's keys.
 
 use kvroute_core::router::RouterCounters;
+use kvroute_core::router::replica::ProtocolCounters;
 
 use crate::RunResult;
 use crate::cluster::Run;
@@ -168,6 +169,15 @@ fn replica_keys(config: &SimConfig, run: &Run<'_>, report: &mut Report) {
             .map(|r| r.metrics().counters.sync_stale_added)
             .sum();
         report.count("sync_stale_added", stale);
+        if !run.protocols.is_empty() {
+            let sum = |f: fn(&ProtocolCounters) -> u64| -> u64 {
+                run.protocols.iter().map(|p| f(&p.counters())).sum()
+            };
+            report.count("sync_messages_lost", t.sync_messages_lost);
+            report.count("sync_gaps", sum(|c| c.gaps));
+            report.count("sync_snapshots_sent", sum(|c| c.snapshots_sent));
+            report.count("sync_peers_lost", sum(|c| c.peers_lost));
+        }
     }
 }
 

@@ -19,6 +19,7 @@ fn config(policy: &str, replicas: usize, sync: ReplicaSync) -> SimConfig {
         count: replicas,
         sync,
         spread: Spread::RoundRobin,
+        ..Replicas::default()
     };
     config
 }
@@ -129,4 +130,46 @@ fn synced_replicas_keep_the_single_routers_cache_reuse_and_unsynced_ones_lose_it
     eprintln!("reuse: one router {one:.4}, 4 replicas off {off:.4}, on {on:.4}");
     assert!(off < one - 0.05, "unsynced replicas lose reuse: {off} vs {one}");
     assert!((on - one).abs() <= 0.02, "synced replicas keep it: {on} vs {one}");
+}
+
+#[test]
+fn a_late_replica_joins_and_a_dead_ones_bookings_are_released_by_every_peer() {
+    let w = workload();
+    let mut c = config(
+        "kv",
+        4,
+        ReplicaSync::On {
+            delay: Duration::from_millis(2),
+            loss: 0.0,
+        },
+    );
+    c.replicas.join_at = Some(Duration::from_millis(800));
+    c.replicas.fail_at = Some(Duration::from_millis(1500));
+    let a = run(c.clone(), &w);
+    let b = run(c, &w);
+    assert_eq!(json(&a), json(&b), "byte-identical");
+    // Every request completes: the dead replica's run to their end on their engines.
+    assert_eq!(count(&a, "completed_requests"), w.requests.len() as u64);
+    // The three survivors, the late one included, each lose the dead one.
+    assert_eq!(count(&a, "sync_peers_lost"), 3, "{}", json(&a));
+    assert_eq!(count(&a, "sync_messages_lost"), 0);
+}
+
+#[test]
+fn a_late_join_or_a_death_needs_replicas_to_spare() {
+    let mut c = config("kv", 1, ON);
+    c.replicas.fail_at = Some(Duration::from_secs(1));
+    let Err(err) = kvroute_sim::Simulation::new(c) else {
+        panic!("refused")
+    };
+    let err = err.to_string();
+    assert!(err.contains("at least 2 replicas"), "{err}");
+    let mut c = config("kv", 2, ON);
+    c.replicas.join_at = Some(Duration::from_secs(2));
+    c.replicas.fail_at = Some(Duration::from_secs(1));
+    let Err(err) = kvroute_sim::Simulation::new(c) else {
+        panic!("refused")
+    };
+    let err = err.to_string();
+    assert!(err.contains("leaves none"), "{err}");
 }

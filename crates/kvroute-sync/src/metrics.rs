@@ -1,6 +1,6 @@
 //! The `kvroute_sync_*` metrics, registered in the host's Prometheus registry.
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Replica sync's metrics.
 #[derive(Clone, Debug)]
@@ -30,6 +30,10 @@ pub struct SyncMetrics {
     pub peers_lost: IntCounter,
     /// `kvroute_sync_resyncs_total`: joins and rejoins (snapshot exchanges).
     pub resyncs: IntCounter,
+    /// `kvroute_sync_booking_age_seconds`: how old a peer's booking is when this replica has
+    /// applied it, from the moment the peer's transport took it off its queue (wall clocks; on
+    /// one host, or hosts with synced clocks).
+    pub booking_age: Histogram,
 }
 
 impl SyncMetrics {
@@ -88,6 +92,19 @@ impl SyncMetrics {
                 "kvroute_sync_resyncs_total",
                 "Snapshot exchanges with the peers (joins and rejoins)",
             )?,
+            booking_age: {
+                // 50 µs to about 6 s, 25 % apart.
+                let buckets = prometheus::exponential_buckets(50e-6, 1.25, 54)?;
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvroute_sync_booking_age_seconds",
+                        "Age of a peer's booking when applied here, from its sender's queue",
+                    )
+                    .buckets(buckets),
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
+            },
         })
     }
 }

@@ -1,4 +1,5 @@
-//! The wire format of replica sync: one JSON [`Envelope`] per NATS message, versioned.
+//! The wire format of replica sync: one JSON [`Envelope`] per NATS message, versioned, carrying
+//! one of the protocol's [`Message`]s ([`Body::from_message`], [`Body::into_message`]).
 //!
 //! Workers are named on the wire by their base URL and data-parallel rank ([`WorkerRef`]), never
 //! by a replica's own [`WorkerId`]s, which each replica assigns in the order it learns of its
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
+use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart};
 use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent};
 use serde::{Deserialize, Serialize};
 
@@ -53,11 +55,22 @@ pub struct Envelope {
 pub enum Body {
     /// A batch of the sender's changes, in the order it made them.
     Events {
+        /// The batch's number: a sender numbers its batches 1, 2, ….
+        #[serde(default)]
+        seq: u64,
+        /// When the sender's transport took the batch's first change off its queue,
+        /// microseconds since the Unix epoch (for the receiver's measure of sync latency).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_us: Option<u64>,
         /// The changes.
         events: Vec<WireEvent>,
     },
     /// The sender is alive.
-    Heartbeat,
+    Heartbeat {
+        /// The number of the sender's last batch (0: none yet).
+        #[serde(default)]
+        seq: u64,
+    },
     /// Asks every replica (or the one addressed) for its [`Body::Snapshot`]; sent with a reply
     /// subject.
     SnapshotRequest,
@@ -73,6 +86,10 @@ pub enum Body {
         part: u32,
         /// Whether it is the last part.
         last: bool,
+        /// The number of the sender's last batch before the snapshot: batches up to it are in
+        /// it.
+        #[serde(default)]
+        seq: u64,
         /// Its registry (as [`WireEvent::Worker`]) then its bookings (as [`WireEvent::Added`]
         /// and [`WireEvent::PrefillDone`]).
         events: Vec<WireEvent>,
@@ -241,8 +258,8 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
     }
     let envelope: Envelope = serde_json::from_slice(bytes)?;
     let events = match &envelope.body {
-        Body::Events { events } | Body::Snapshot { events, .. } => events.as_slice(),
-        Body::Heartbeat | Body::SnapshotRequest => &[],
+        Body::Events { events, .. } | Body::Snapshot { events, .. } => events.as_slice(),
+        Body::Heartbeat { .. } | Body::SnapshotRequest => &[],
     };
     if events.len() > MAX_EVENTS {
         return Err(DecodeError::TooManyEvents(events.len()));
@@ -261,6 +278,53 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
         }
     }
     Ok(envelope)
+}
+
+impl Body {
+    /// The wire form of a protocol message.
+    pub fn from_message(message: Message<WireEvent>) -> Self {
+        match message {
+            Message::Events { seq, events } => Body::Events {
+                seq: seq.0,
+                at_us: None,
+                events,
+            },
+            Message::Heartbeat { last } => Body::Heartbeat { seq: last.0 },
+            Message::SnapshotRequest => Body::SnapshotRequest,
+            Message::Snapshot(p) => Body::Snapshot {
+                peers: p.peers.into_iter().map(|p| p.0).collect(),
+                part: p.part,
+                last: p.is_last,
+                seq: p.last.0,
+                events: p.events,
+            },
+        }
+    }
+
+    /// The protocol message this body carries.
+    pub fn into_message(self) -> Message<WireEvent> {
+        match self {
+            Body::Events { seq, events, .. } => Message::Events {
+                seq: BatchSeq(seq),
+                events,
+            },
+            Body::Heartbeat { seq } => Message::Heartbeat { last: BatchSeq(seq) },
+            Body::SnapshotRequest => Message::SnapshotRequest,
+            Body::Snapshot {
+                peers,
+                part,
+                last,
+                seq,
+                events,
+            } => Message::Snapshot(SnapshotPart {
+                peers: peers.into_iter().map(RouterId).collect(),
+                last: BatchSeq(seq),
+                part,
+                is_last: last,
+                events,
+            }),
+        }
+    }
 }
 
 impl WireEvent {
@@ -390,11 +454,15 @@ mod tests {
         let envelope = Envelope {
             v: WIRE_VERSION,
             from: 7,
-            body: Body::Events { events: wire },
+            body: Body::Events {
+                seq: 3,
+                at_us: Some(1_700_000_000_000_000),
+                events: wire,
+            },
         };
         let back = decode(&encode(&envelope)).unwrap();
         assert_eq!(back, envelope);
-        let Body::Events { events: wire } = back.body else {
+        let Body::Events { events: wire, .. } = back.body else {
             panic!()
         };
         let again: Vec<SyncEvent> = wire.iter().map(|e| e.to_sync(RouterId(7), id).unwrap()).collect();

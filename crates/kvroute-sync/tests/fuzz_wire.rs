@@ -50,8 +50,12 @@ fn event() -> impl Strategy<Value = WireEvent> {
 
 fn envelope() -> impl Strategy<Value = Envelope> {
     let body = prop_oneof![
-        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events { events }),
-        Just(Body::Heartbeat),
+        proptest::collection::vec(event(), 0..8).prop_map(|events| Body::Events {
+            seq: 1,
+            at_us: Some(7),
+            events
+        }),
+        Just(Body::Heartbeat { seq: 2 }),
         Just(Body::SnapshotRequest),
         (
             proptest::collection::vec(any::<u64>(), 0..4),
@@ -63,6 +67,7 @@ fn envelope() -> impl Strategy<Value = Envelope> {
                 peers,
                 part,
                 last,
+                seq: 5,
                 events
             }),
     ];
@@ -114,8 +119,8 @@ proptest! {
         // Put a credential into one worker configuration of an otherwise valid message.
         let mut e = e;
         let events = match &mut e.body {
-            Body::Events { events } | Body::Snapshot { events, .. } => events,
-            Body::Heartbeat | Body::SnapshotRequest => return Ok(()),
+            Body::Events { events, .. } | Body::Snapshot { events, .. } => events,
+            Body::Heartbeat { .. } | Body::SnapshotRequest => return Ok(()),
         };
         events.push(WireEvent::Worker(WorkerChange::Added {
             config: serde_json::json!({ "url": "http://h:1" }),

@@ -140,6 +140,34 @@ struct SyncTraffic {
     bytes: f64,
     events: f64,
     requests: usize,
+    /// The replicas' `kvroute_sync_booking_age_seconds` buckets, summed: (upper bound, count).
+    age_buckets: Vec<(f64, f64)>,
+}
+
+impl SyncTraffic {
+    /// The `q` quantile of the bookings' age on reaching a peer, in ms, interpolated within
+    /// its bucket; `None` without bookings.
+    fn age_ms(&self, q: f64) -> Option<f64> {
+        let total = self.age_buckets.last()?.1;
+        if total <= 0.0 {
+            return None;
+        }
+        let rank = q * total;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for &(le, count) in &self.age_buckets {
+            if count >= rank {
+                let upper = if le.is_finite() { le } else { lower };
+                let share = if count > below {
+                    (rank - below) / (count - below)
+                } else {
+                    1.0
+                };
+                return Some((lower + share * (upper - lower)) * 1e3);
+            }
+            (lower, below) = (le, count);
+        }
+        None
+    }
 }
 
 impl std::fmt::Display for SyncTraffic {
@@ -153,8 +181,32 @@ impl std::fmt::Display for SyncTraffic {
             self.events,
             per(self.messages),
             per(self.bytes)
-        )
+        )?;
+        if let (Some(p50), Some(p99)) = (self.age_ms(0.5), self.age_ms(0.99)) {
+            let n = self.age_buckets.last().map_or(0.0, |b| b.1);
+            write!(
+                f,
+                "\nbooking to peer: p50 {p50:.2} ms, p99 {p99:.2} ms ({n} bookings applied by peers)"
+            )?;
+        }
+        Ok(())
     }
+}
+
+/// A histogram's cumulative buckets in a text exposition: (upper bound, count), in order.
+fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix("{le=\"")?;
+            let (le, rest) = rest.split_once("\"}")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, rest.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 /// The sum of metric `name`'s values (all label sets) in a text exposition.
@@ -259,6 +311,15 @@ async fn live(
             s.messages += metric_sum(&text, "kvroute_sync_messages_sent_total");
             s.bytes += metric_sum(&text, "kvroute_sync_bytes_sent_total");
             s.events += metric_sum(&text, "kvroute_sync_events_sent_total");
+            for (i, (le, count)) in buckets(&text, "kvroute_sync_booking_age_seconds_bucket")
+                .into_iter()
+                .enumerate()
+            {
+                match s.age_buckets.get_mut(i) {
+                    Some(b) => b.1 += count,
+                    None => s.age_buckets.push((le, count)),
+                }
+            }
         }
     }
     drop(proxies);
@@ -367,4 +428,29 @@ fn report(
     b.router_overlap_blocks = overlap;
     b.kv_events_lost = lost;
     b.build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn booking_age_quantiles_come_from_the_summed_buckets() {
+        let text = "# HELP x\n\
+            kvroute_sync_booking_age_seconds_bucket{le=\"0.001\"} 50\n\
+            kvroute_sync_booking_age_seconds_bucket{le=\"0.002\"} 98\n\
+            kvroute_sync_booking_age_seconds_bucket{le=\"0.004\"} 100\n\
+            kvroute_sync_booking_age_seconds_bucket{le=\"+Inf\"} 100\n\
+            kvroute_sync_booking_age_seconds_sum 0.1\n";
+        let b = buckets(text, "kvroute_sync_booking_age_seconds_bucket");
+        assert_eq!(b.len(), 4);
+        let s = SyncTraffic {
+            age_buckets: b,
+            ..SyncTraffic::default()
+        };
+        // Half the bookings are at or under 1 ms; the 99th is halfway into (2, 4] ms.
+        assert!((s.age_ms(0.5).unwrap() - 1.0).abs() < 1e-9);
+        assert!((s.age_ms(0.99).unwrap() - 3.0).abs() < 1e-9);
+        assert_eq!(SyncTraffic::default().age_ms(0.5), None);
+    }
 }

@@ -91,6 +91,26 @@ fn speedups_and_limits_must_be_positive() {
         &["--sync-delay-ms"],
     );
     refused(&["replay", "--replica-spread", "sticky"], &["--replica-spread"]);
+    refused(
+        &["replay", "--replica-fail-s", "5"],
+        &["--replica-fail-s", "--replicas 2"],
+    );
+    refused(
+        &["replay", "--replicas", "2", "--replica-join-s=-1"],
+        &["--replica-join-s"],
+    );
+    refused(
+        &[
+            "replay",
+            "--replicas",
+            "2",
+            "--replica-join-s",
+            "9",
+            "--replica-fail-s",
+            "3",
+        ],
+        &["leaves none"],
+    );
     refused(&["replay", "--policy", "kv:spread=-1"], &["spread_tolerance"]);
     refused(&["replay", "--kv-transfer-gbps", "0"], &["--kv-transfer-gbps"]);
     refused(

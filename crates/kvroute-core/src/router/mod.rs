@@ -68,6 +68,7 @@ mod output;
 pub mod policy;
 mod queue;
 mod recent;
+pub mod replica;
 mod request;
 mod rng;
 mod scan;

@@ -6,7 +6,7 @@ use crate::config::ReplicaSync;
 use crate::error::SimError;
 use crate::report::Outcome;
 
-use super::{Life, Run};
+use super::{Life, ReplicaLife, Run};
 
 impl Run<'_> {
     /// Checks the end-of-run invariants.
@@ -45,11 +45,35 @@ impl Run<'_> {
                 self.totals.kv_transfers, self.totals.kv_transfers_done
             ));
         }
-        // Without lost sync events (and none still on the way), every replica holds every
+        // Without lost sync messages (and none still on the way), every replica holds every
         // replica's bookings, so all must be gone; with losses, a replica keeps a peer's booking
-        // whose Freed was lost (until the request TTL), so only its own must be gone.
-        let sync_exact = self.totals.sync_events_lost == 0 && self.sync.is_empty();
+        // whose Freed was lost (until a snapshot or the request TTL), so only its own must be
+        // gone. A dead replica's bookings are gone from a peer once the peer has lost it (unless
+        // the run ended first); the dead replica's own books are left as they were.
+        let sync_exact = self.totals.sync_messages_lost == 0 && self.sync.is_empty();
+        let dead: Vec<_> = (0..self.routers.len())
+            .filter(|&r| self.replica_life[r] == ReplicaLife::Dead)
+            .map(|r| self.routers[r].config().router_id)
+            .collect();
         for (r, router) in self.routers.iter().enumerate() {
+            if self.replica_life[r] == ReplicaLife::Dead {
+                router.check_invariants().map_err(SimError::Invariant)?;
+                continue;
+            }
+            if let Some(p) = self.protocols.get(r)
+                && let Some(peer) = p
+                    .peers()
+                    .find(|peer| !dead.contains(peer) && !self.replica_known(*peer))
+            {
+                return fail(format!(
+                    "router replica {r} hears a replica {} that never ran",
+                    peer.0
+                ));
+            }
+            let dead_heard = self
+                .protocols
+                .get(r)
+                .is_some_and(|p| p.peers().any(|peer| dead.contains(&peer)));
             let metrics = router.metrics();
             if metrics.counters.clock_went_back > 0 {
                 return fail(format!(
@@ -65,7 +89,7 @@ impl Run<'_> {
                         metrics.queued_now
                     ));
                 }
-                if sync_exact || self.config.replicas.sync == ReplicaSync::Off {
+                if (sync_exact && !dead_heard) || self.config.replicas.sync == ReplicaSync::Off {
                     if metrics.active_now != 0 {
                         return fail(format!(
                             "router replica {r}: load not drained: {} active",
@@ -97,6 +121,12 @@ impl Run<'_> {
                 // the number of blocks carrying a hash.
                 let engine_blocks = w.host.engine().num_cached_blocks();
                 for (r, router) in self.routers.iter().enumerate() {
+                    // A dead replica stopped hearing KV events; a late one started hearing them
+                    // late, with the engines' earlier blocks unknown to it.
+                    let late = r + 1 == self.routers.len() && self.config.replicas.join_at.is_some();
+                    if self.replica_life[r] != ReplicaLife::Up || late {
+                        continue;
+                    }
                     let index_blocks = router.index().block_count(w.key);
                     if engine_blocks != index_blocks {
                         return fail(format!(

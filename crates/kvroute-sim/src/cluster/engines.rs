@@ -66,8 +66,12 @@ impl Run<'_> {
         self.reqs[i].in_prefill = false;
         self.uncount(i);
         let r = self.reqs[i].replica as usize;
-        let outputs = self.routers[r].handle_cancelled(self.now, RequestId(i as u64))?;
-        self.export_sync(r);
+        let outputs = if self.up(r) {
+            self.routers[r].handle_cancelled(self.now, RequestId(i as u64))?
+        } else {
+            Vec::new()
+        };
+        self.export_sync(r)?;
         self.done(i);
         self.route_outputs(outputs)
     }
@@ -224,8 +228,12 @@ impl Run<'_> {
                 p.traffic.ttft_n += 1;
             }
             let r = self.reqs[id.0 as usize].replica as usize;
+            if !self.up(r) {
+                // Its router is dead.
+                continue;
+            }
             let result = self.routers[r].handle_first_token(now, id);
-            self.export_sync(r);
+            self.export_sync(r)?;
             let outputs = self.lifecycle(result)?;
             self.route_outputs(outputs)?;
         }
@@ -251,8 +259,13 @@ impl Run<'_> {
             }
             self.uncount(i);
             let r = self.reqs[i].replica as usize;
+            if !self.up(r) {
+                // Its router is dead.
+                self.done(i);
+                continue;
+            }
             let result = self.routers[r].handle_finished(now, f.request);
-            self.export_sync(r);
+            self.export_sync(r)?;
             let outputs = self.lifecycle(result)?;
             self.done(i);
             self.route_outputs(outputs)?;

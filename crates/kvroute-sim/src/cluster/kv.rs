@@ -6,7 +6,7 @@ use kvroute_core::router::RouterError;
 
 use crate::error::SimError;
 
-use super::{Life, Run};
+use super::{Life, ReplicaLife, Run};
 
 impl Run<'_> {
     /// Puts a pass's KV events on the channel (or applies them at once without lag), dropping
@@ -66,7 +66,11 @@ impl Run<'_> {
             return Ok(());
         }
         let key = self.workers[w].key;
-        for router in &mut self.routers {
+        for (router, life) in self.routers.iter_mut().zip(&self.replica_life) {
+            // A replica not started, or dead, hears no KV events.
+            if *life != ReplicaLife::Up {
+                continue;
+            }
             match router.handle_kv_event(self.now, key, event) {
                 Ok(()) => {}
                 Err(RouterError::Index(_)) => self.totals.kv_events_refused += 1,

@@ -9,16 +9,19 @@
 //!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
 //!   ties broken in push order);
 //! * the KV-event channel, a FIFO (its lag is constant, so delivery times never decrease);
-//! * the replica-sync channel, a heap keyed by (delivery time, exporting replica, export
-//!   sequence): each event goes to every other replica;
+//! * the replica-sync bus, a heap of protocol messages keyed by (delivery time, sending replica,
+//!   send sequence): each goes to every other replica that is up, or to the one addressed;
 //! * each router's own deadline ([`Router::next_deadline`]), while requests are in flight (ties:
-//!   the lowest replica first).
+//!   the lowest replica first);
+//! * each replica's protocol timeout (heartbeats, asks, peer loss), while work is left.
 //!
 //! **Replicas** ([`crate::Replicas`]): each arrival goes to one replica (in turn, or at random);
 //! the request's first token, finish and cancellation go to that replica; KV events and fleet
-//! changes go to every replica. After every input a replica takes, its exported sync events are
-//! put on the sync channel (or lost, with the configured probability). One replica without sync
-//! is exactly the single-router run: no draws, no events.
+//! changes go to every replica. After every input a replica takes, its exported sync events go
+//! out as one numbered batch of its replica-sync protocol (`replicas.rs`), on the bus (or lost,
+//! with the configured probability). A replica may start late (hearing nothing before, KV events
+//! included) and one may die (saying nothing after). One replica without sync is exactly the
+//! single-router run: no draws, no events.
 //!
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
@@ -56,6 +59,7 @@ use std::time::Duration;
 
 use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, RequestId};
+use kvroute_core::router::replica::ReplicaProtocol;
 use kvroute_core::router::{
     Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, WorkerRole,
 };
@@ -78,7 +82,8 @@ mod scaling;
 mod worker;
 
 pub(crate) use record::{ReqState, Totals};
-use replicas::{InTransit, replica_config};
+pub(crate) use replicas::ReplicaLife;
+use replicas::{InTransit, replica_config, replica_protocols};
 pub(crate) use worker::{Life, SimWorker};
 use worker::{engine_request, kv_use};
 
@@ -105,6 +110,25 @@ enum Event {
     PlannerTick,
     /// Worker `.0`, added by the planner, becomes routable.
     WorkerReady(u32),
+    /// Replica `.0` starts late.
+    ReplicaJoin(u32),
+    /// Replica `.0` dies.
+    ReplicaFail(u32),
+}
+
+impl Event {
+    /// Whether it is work of the run (not a sample or a planner tick, nor a step, which only runs
+    /// while requests are in flight): the replicas' protocols keep time while work is left.
+    fn is_work(self) -> bool {
+        matches!(
+            self,
+            Event::Arrive(_)
+                | Event::TransferDone(_)
+                | Event::WorkerReady(_)
+                | Event::ReplicaJoin(_)
+                | Event::ReplicaFail(_)
+        )
+    }
 }
 
 /// A heap key: time, the time the event was pushed, class (0, or 1 for steps) and tie-break
@@ -117,7 +141,13 @@ pub(crate) struct Run<'w> {
     workload: &'w Workload,
     /// The router replicas (one without [`crate::Replicas`]).
     pub(crate) routers: Vec<Router>,
-    /// Replica-sync events on their way.
+    /// Each replica's replica-sync protocol (none without sync).
+    pub(crate) protocols: Vec<ReplicaProtocol>,
+    /// Each replica's life: waiting to start, up, dead.
+    pub(crate) replica_life: Vec<ReplicaLife>,
+    /// Work events on the heap ([`Event::is_work`]).
+    work_events: u64,
+    /// Replica-sync messages on their way.
     sync: BinaryHeap<Reverse<InTransit>>,
     sync_seq: u64,
     /// Draws of the replica spread and of sync loss (apart from the simulator's own, so that one
@@ -216,10 +246,17 @@ impl<'w> Run<'w> {
             ..TimeSeries::default()
         });
         let replicas = routers.len();
+        let mut replica_life = vec![ReplicaLife::Up; replicas];
+        if config.replicas.join_at.is_some() {
+            replica_life[replicas - 1] = ReplicaLife::Waiting;
+        }
         Ok(Self {
             config,
             workload,
             routers,
+            protocols: replica_protocols(config),
+            replica_life,
+            work_events: 0,
             sync: BinaryHeap::new(),
             sync_seq: 0,
             spread_rng: Rng::new(config.seed ^ 0x5EED_0000_0000_0001),
@@ -261,6 +298,9 @@ impl<'w> Run<'w> {
         };
         self.heap.push(Reverse((key, event)));
         self.seq += 1;
+        if event.is_work() {
+            self.work_events += 1;
+        }
     }
 
     /// Whether `event` is a step a cut stretch left behind.
@@ -283,6 +323,18 @@ impl<'w> Run<'w> {
             let at = p.planner.next_tick();
             self.push(at, Event::PlannerTick);
         }
+        let n = self.routers.len();
+        if let Some(at) = self.config.replicas.join_at {
+            self.push(Timestamp::ZERO + at, Event::ReplicaJoin(n as u32 - 1));
+        }
+        if let Some(at) = self.config.replicas.fail_at {
+            self.push(Timestamp::ZERO + at, Event::ReplicaFail(0));
+        }
+        for r in 0..n {
+            if self.up(r) {
+                self.replica_join(r)?;
+            }
+        }
         let mut handled: u64 = 0;
         loop {
             while let Some(&Reverse((_, event))) = self.heap.peek()
@@ -304,7 +356,7 @@ impl<'w> Run<'w> {
             self.current = match source.1 {
                 Source::Channel | Source::Sync | Source::Open => (at, Timestamp::ZERO, 0, 0),
                 Source::Heap => self.heap.peek().map_or((at, Timestamp::ZERO, 0, 0), |e| e.0.0),
-                Source::Router(_) => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
+                Source::Router(_) | Source::Protocol(_) => (at, Timestamp(u64::MAX), u8::MAX, u64::MAX),
             };
             match source.1 {
                 Source::Channel => self.deliver_kv()?,
@@ -316,6 +368,9 @@ impl<'w> Run<'w> {
                 }
                 Source::Heap => {
                     if let Some(Reverse((_, event))) = self.heap.pop() {
+                        if event.is_work() {
+                            self.work_events -= 1;
+                        }
                         match event {
                             Event::Arrive(i) => self.arrive(i as usize)?,
                             Event::Step(w, _) => self.step(w as usize)?,
@@ -323,6 +378,8 @@ impl<'w> Run<'w> {
                             Event::Sample => self.sample(),
                             Event::PlannerTick => self.planner_tick()?,
                             Event::WorkerReady(w) => self.worker_ready(w as usize)?,
+                            Event::ReplicaJoin(r) => self.replica_join(r as usize)?,
+                            Event::ReplicaFail(r) => self.replica_fail(r as usize),
                         }
                     }
                 }
@@ -331,8 +388,9 @@ impl<'w> Run<'w> {
                     self.ticked_at[r] = Some(at);
                     let outputs = self.routers[r].handle_tick(at);
                     self.route_outputs(outputs)?;
-                    self.export_sync(r);
+                    self.export_sync(r)?;
                 }
+                Source::Protocol(r) => self.protocol_timeout(r as usize)?,
             }
             handled += 1;
             if handled % (1 << 15) == 0 {
@@ -357,6 +415,11 @@ impl<'w> Run<'w> {
 
     /// The earliest pending source, or `None` when the run is over.
     fn next_source(&self) -> Option<(Timestamp, Source)> {
+        // The protocols keep time while work is left (not after: the run would not end).
+        let protocol =
+            (self.in_flight_requests > 0 || self.open_next < self.open.len() || self.work_events > 0)
+                .then(|| self.next_protocol_timeout())
+                .flatten();
         let mut best: Option<(Timestamp, Source)> = None;
         let mut consider = |t: Option<Timestamp>, s: Source| {
             if let Some(t) = t
@@ -379,6 +442,9 @@ impl<'w> Run<'w> {
         consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
         if self.in_flight_requests > 0 {
             for (r, router) in self.routers.iter().enumerate() {
+                if !self.up(r) {
+                    continue;
+                }
                 let deadline = router.next_deadline().map(|t| t.max(self.now));
                 // A tick that left its own deadline where it was waits for time to move on.
                 consider(
@@ -386,6 +452,9 @@ impl<'w> Run<'w> {
                     Source::Router(r as u32),
                 );
             }
+        }
+        if let Some((t, r)) = protocol {
+            consider(Some(t), Source::Protocol(r as u32));
         }
         best
     }
@@ -420,7 +489,7 @@ impl<'w> Run<'w> {
                 self.done(i);
             }
         }
-        self.export_sync(replica);
+        self.export_sync(replica)?;
         Ok(())
     }
 
@@ -505,4 +574,6 @@ enum Source {
     Open,
     Heap,
     Router(u32),
+    /// A replica's protocol timeout.
+    Protocol(u32),
 }

@@ -70,6 +70,7 @@ pub(crate) struct Totals {
     pub(crate) sync_events_published: u64,
     pub(crate) sync_events_lost: u64,
     pub(crate) sync_events_refused: u64,
+    pub(crate) sync_messages_lost: u64,
     pub(crate) end: Timestamp,
     pub(crate) itl: crate::stats::Sketch,
 }

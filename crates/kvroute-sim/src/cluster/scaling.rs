@@ -91,7 +91,7 @@ impl Run<'_> {
         for r in 0..self.routers.len() {
             let outputs = self.routers[r].handle_worker_added(self.now, spec)?;
             self.route_outputs(outputs)?;
-            self.export_sync(r);
+            self.export_sync(r)?;
         }
         Ok(())
     }
@@ -131,7 +131,7 @@ impl Run<'_> {
         for r in 0..self.routers.len() {
             let outputs = self.routers[r].handle_worker_removed(self.now, self.workers[w].key)?;
             self.route_outputs(outputs)?;
-            self.export_sync(r);
+            self.export_sync(r)?;
         }
         Ok(())
     }

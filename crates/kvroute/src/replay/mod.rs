@@ -149,13 +149,22 @@ pub struct ReplayConfig {
     /// Default 0.
     #[arg(long)]
     pub sync_delay_ms: Option<f64>,
-    /// With `--sync on`: probability that a sync event is lost (for every peer). Default 0.
+    /// With `--sync on`: probability that a sync message is lost (for every peer). Default 0.
     #[arg(long)]
     pub sync_loss: Option<f64>,
     /// How requests are spread over the replicas: `round-robin` or `random` (seeded). Default
     /// `round-robin`.
     #[arg(long)]
     pub replica_spread: Option<String>,
+    /// The last replica starts this many seconds into the run (with `--sync on`, it joins its
+    /// peers as a live replica does). Needs `--replicas` 2 or more. Default: all start at 0.
+    #[arg(long)]
+    pub replica_join_s: Option<f64>,
+    /// The first replica dies this many seconds into the run: it routes nothing more, and its
+    /// peers release its bookings once it has been silent past the peer timeout (3 s). Needs
+    /// `--replicas` 2 or more. Default: none dies.
+    #[arg(long)]
+    pub replica_fail_s: Option<f64>,
     /// Also use the router's record of its own decisions (TTL in seconds) as a cache view.
     #[arg(long)]
     pub predict_on_route_s: Option<f64>,
@@ -350,6 +359,8 @@ impl<'a> Plan<'a> {
         non_negative("--kv-lag-ms", o.kv_lag_ms)?;
         at_least_one("--replicas", o.replicas.map(|v| v as u64))?;
         non_negative("--sync-delay-ms", o.sync_delay_ms)?;
+        non_negative("--replica-join-s", o.replica_join_s)?;
+        non_negative("--replica-fail-s", o.replica_fail_s)?;
         if let Some(p) = o.sync_loss {
             ensure!(
                 (0.0..=1.0).contains(&p),
@@ -545,10 +556,21 @@ fn replicas(o: &ReplayConfig) -> anyhow::Result<Replicas> {
         Some("random") => Spread::Random,
         Some(other) => bail!("--replica-spread {other:?}: round-robin or random"),
     };
+    let seconds = |flag: &str, s: Option<f64>| -> anyhow::Result<Option<Duration>> {
+        s.map(|s| Duration::try_from_secs_f64(s).with_context(|| flag.to_owned()))
+            .transpose()
+    };
+    let count = o.replicas.unwrap_or(1);
+    ensure!(
+        count >= 2 || (o.replica_join_s.is_none() && o.replica_fail_s.is_none()),
+        "--replica-join-s and --replica-fail-s need --replicas 2 or more"
+    );
     Ok(Replicas {
-        count: o.replicas.unwrap_or(1),
+        count,
         sync,
         spread,
+        join_at: seconds("--replica-join-s", o.replica_join_s)?,
+        fail_at: seconds("--replica-fail-s", o.replica_fail_s)?,
     })
 }
 
