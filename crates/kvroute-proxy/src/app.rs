@@ -11,13 +11,13 @@ use kvroute_http::model::Model;
 use kvroute_http::openai::ApiError;
 
 use crate::config::ServeConfig;
-use crate::driver::Shared;
+use crate::driver::Driver;
 use crate::fleet::Fleet;
 use crate::flow::Forwarder;
 
 /// The state of both listeners' handlers.
 pub(crate) struct App {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<Driver>,
     pub(crate) model: Arc<Model>,
     pub(crate) forwarder: Arc<Forwarder>,
     /// The one door for adding and removing workers.

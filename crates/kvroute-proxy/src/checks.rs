@@ -3,7 +3,7 @@
 //! with the reason on the admin API (`misconfigured`), in `kvroute_worker_misconfigured` and in
 //! one warn log line, until every check passes again.
 //!
-//! Each [`Check`] reports its verdict through the driver's `Shared::report_check`. The checks
+//! Each [`Check`] reports its verdict through the driver's `Driver::report_check`. The checks
 //! in [`ON_REGISTRATION`] ask the worker over HTTP (run by [`crate::health::Checker`]); they run
 //! when a worker is added, when it comes back from failing, and on each passing health check
 //! while it is misconfigured ([`due`]). [`Check::BlockSize`] is judged on the worker's KV events
@@ -14,7 +14,7 @@
 //!
 //! **Adding a check:** a variant of [`Check`] (its name is the metric's and the admin API's
 //! label), and either an entry in [`ON_REGISTRATION`] with its arm in `Checker::run_one` (an
-//! HTTP check against the worker), or a call to `Shared::report_check` where its evidence
+//! HTTP check against the worker), or a call to `Driver::report_check` where its evidence
 //! arrives.
 
 use std::time::Duration;

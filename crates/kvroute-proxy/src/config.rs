@@ -819,11 +819,11 @@ impl ServeConfig {
     }
 
     /// The sync transport's settings, when `nats` is set (reads the credential files).
-    pub fn sync_config(&self) -> Result<Option<kvroute_sync::SyncConfig>, ConfigError> {
+    pub fn sync_config(&self) -> Result<Option<kvroute_sync::NatsSyncConfig>, ConfigError> {
         let Some(url) = &self.nats else {
             return Ok(None);
         };
-        let mut config = kvroute_sync::SyncConfig::new(url.clone(), &self.nats_subject_prefix);
+        let mut config = kvroute_sync::NatsSyncConfig::new(url.clone(), &self.nats_subject_prefix);
         config.heartbeat_interval = Self::ms(self.nats_heartbeat_ms);
         config.peer_timeout = Self::ms(self.nats_peer_timeout_ms);
         config.auth = self.nats_auth()?;

@@ -28,7 +28,7 @@
 //! engine's replay buffer (see [`kvroute_zmq::ResyncTrigger`]).
 //!
 //! Reports are converted (and hashed) outside the router's lock, then applied through the
-//! driver's one door to the router ([`Shared`]); a drained or removed worker takes none.
+//! driver's one door to the router ([`Driver`]); a drained or removed worker takes none.
 
 use std::sync::{Arc, Weak};
 
@@ -40,7 +40,7 @@ use kvroute_zmq::{ReplayReports, SubscriberConfig, SubscriberCounters, Subscribe
 use tokio::sync::mpsc;
 
 use crate::config::WorkerConfig;
-use crate::driver::Shared;
+use crate::driver::Driver;
 use crate::metrics::KvSubscriberCounters;
 use crate::registry::{Registry, Subscribers};
 use crate::worker::WorkerState;
@@ -60,7 +60,7 @@ pub struct EventFeed {
     exported: KvSubscriberCounters,
     /// Where a started subscriber's resync trigger goes (its worker's views); weak, as the
     /// driver owns the subscribers.
-    shared: Weak<Shared>,
+    shared: Weak<Driver>,
 }
 
 /// A subscriber's counters exported for as long as this lives (it lives in the subscriber's
@@ -85,7 +85,7 @@ impl std::fmt::Debug for EventFeed {
 
 impl EventFeed {
     /// Starts the task that applies reports to `shared`'s router.
-    pub fn start(shared: Arc<Shared>) -> Self {
+    pub fn start(shared: Arc<Driver>) -> Self {
         let exported = shared.metrics.kv_subscribers.clone();
         let weak = Arc::downgrade(&shared);
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
@@ -174,7 +174,7 @@ impl EventFeed {
 /// Applies what the subscriber of one rank's stream reported. A batch applies to the rank it
 /// names (the engine's publisher fills it in), else to the stream's; a restart or lost batches
 /// clear the stream's rank.
-fn apply_report(shared: &Shared, event: SubscriberEvent) {
+fn apply_report(shared: &Driver, event: SubscriberEvent) {
     let incident = |kind: &str| {
         shared
             .metrics
@@ -252,7 +252,7 @@ fn apply_report(shared: &Shared, event: SubscriberEvent) {
     }
 }
 
-fn clear(shared: &Shared, key: WorkerKey) {
+fn clear(shared: &Driver, key: WorkerKey) {
     shared.with_router(|router, now, registry| {
         if keeps_view(registry, key.worker) {
             let _ = router.handle_kv_event(now, key, IndexEvent::Cleared);
@@ -260,7 +260,7 @@ fn clear(shared: &Shared, key: WorkerKey) {
     });
 }
 
-fn apply_batch(shared: &Shared, key: WorkerKey, batch: &EventBatch) {
+fn apply_batch(shared: &Driver, key: WorkerKey, batch: &EventBatch) {
     let config = ApplyConfig {
         block_size: std::num::NonZeroU32::new(shared.config.block_size).unwrap_or(std::num::NonZeroU32::MIN),
         namespace: None,

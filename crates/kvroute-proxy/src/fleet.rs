@@ -14,13 +14,13 @@ use kvroute_core::ids::WorkerId;
 use kvroute_sync::{Secret, WorkerChange};
 
 use crate::config::WorkerConfig;
-use crate::driver::{Announce, Shared};
+use crate::driver::{Announce, Driver};
 use crate::events::EventFeed;
 use crate::health::Checker;
 
 /// See the module docs.
 pub struct Fleet {
-    shared: Arc<Shared>,
+    shared: Arc<Driver>,
     feed: EventFeed,
     checker: Checker,
 }
@@ -34,7 +34,7 @@ impl std::fmt::Debug for Fleet {
 impl Fleet {
     /// The fleet of `shared`'s workers: their KV events applied by `feed`, their registration
     /// checks run by `checker`.
-    pub fn new(shared: Arc<Shared>, feed: EventFeed, checker: Checker) -> Self {
+    pub fn new(shared: Arc<Driver>, feed: EventFeed, checker: Checker) -> Self {
         Self {
             shared,
             feed,
@@ -43,7 +43,7 @@ impl Fleet {
     }
 
     /// The driver.
-    pub fn shared(&self) -> &Arc<Shared> {
+    pub fn shared(&self) -> &Arc<Driver> {
         &self.shared
     }
 

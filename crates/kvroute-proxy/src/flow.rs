@@ -33,7 +33,7 @@ use kvroute_http::openai::{self, ApiError, Endpoint, KvCacheReport};
 
 use crate::coalesce::Coalesce;
 use crate::config::{EngineKind, ServeConfig};
-use crate::driver::{RequestGuard, RouteError, Shared, Target, Upstream};
+use crate::driver::{Driver, RequestGuard, RouteError, Target, Upstream};
 use crate::observed::{self, Observed, Report};
 use crate::worker::WorkerEvent;
 
@@ -41,7 +41,7 @@ use crate::worker::WorkerEvent;
 #[derive(Debug)]
 pub struct Forwarder {
     /// The router driver.
-    pub shared: Arc<Shared>,
+    pub shared: Arc<Driver>,
     /// The pooled upstream client.
     pub client: HttpClient,
     /// This proxy's instance tag (its start time), which makes the request ids of the

@@ -15,12 +15,12 @@ use kvroute_http::net::HttpClient;
 
 use crate::checks::{self, Check, ON_REGISTRATION, Verdict, Worker, with_credential};
 use crate::config::ServeConfig;
-use crate::driver::Shared;
+use crate::driver::Driver;
 use crate::parity;
 use crate::worker::WorkerEvent;
 
 /// Probes every worker, forever.
-pub async fn run(shared: Arc<Shared>, checker: Checker) {
+pub async fn run(shared: Arc<Driver>, checker: Checker) {
     let interval = ServeConfig::ms(shared.config.health_interval_ms);
     loop {
         tokio::time::sleep(interval).await;
@@ -30,7 +30,7 @@ pub async fn run(shared: Arc<Shared>, checker: Checker) {
 
 /// One round of the prober: every worker's `/health` asked once, each answer applied to its
 /// state machine, and the registration checks started where they are due.
-pub async fn probe_all(shared: &Arc<Shared>, checker: &Checker) {
+pub async fn probe_all(shared: &Arc<Driver>, checker: &Checker) {
     let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
     for (id, base) in shared.worker_urls() {
         let key = shared.worker_config(id).and_then(|c| c.api_key);
@@ -71,14 +71,14 @@ pub struct Checker {
 
 impl Checker {
     /// Runs the registration checks of worker `id` in the background.
-    pub fn spawn(&self, shared: &Arc<Shared>, id: WorkerId) {
+    pub fn spawn(&self, shared: &Arc<Driver>, id: WorkerId) {
         let (shared, checker) = (Arc::clone(shared), self.clone());
         tokio::spawn(async move { checker.run(&shared, id).await });
     }
 
     /// Runs the registration checks of worker `id` and reports each verdict. A check that
     /// cannot tell (the worker does not answer) reports nothing: health checks deal with that.
-    pub async fn run(&self, shared: &Arc<Shared>, id: WorkerId) {
+    pub async fn run(&self, shared: &Arc<Driver>, id: WorkerId) {
         for &check in ON_REGISTRATION {
             if let Some(verdict) = self.run_one(shared, id, check).await {
                 shared.report_check(id, check, verdict);
@@ -87,7 +87,7 @@ impl Checker {
     }
 
     /// One HTTP check of worker `id`; `None` if it cannot tell.
-    async fn run_one(&self, shared: &Shared, id: WorkerId, check: Check) -> Option<Verdict> {
+    async fn run_one(&self, shared: &Driver, id: WorkerId, check: Check) -> Option<Verdict> {
         let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
         let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
         let model_name = &shared.config.model_name;

@@ -22,7 +22,7 @@
 //! * [`metrics`]: Prometheus metrics under Dynamo's names.
 //! * [`registry`]: the workers the proxy knows; each entry holds everything the proxy holds for
 //!   its worker (configuration, state, verdicts, cache views, KV-event subscribers).
-//! * [`driver`]: the router driver ([`Shared`]): the router and the registry under one lock,
+//! * [`driver`]: the router driver ([`Driver`]): the router and the registry under one lock,
 //!   the request guard that frees load on every exit path, what a worker's change of state
 //!   means for the router, and the one path that removes a worker.
 //! * [`events`]: the KV-event intake: one ZMQ subscriber per worker rank, applied to the router.
@@ -58,6 +58,6 @@ pub mod views;
 pub mod worker;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};
-pub use driver::Shared;
+pub use driver::Driver;
 pub use fleet::Fleet;
 pub use proxy::{ProxyHandle, start};

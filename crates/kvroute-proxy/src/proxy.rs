@@ -29,7 +29,7 @@ use tracing::Instrument;
 
 use crate::app::{App, read_body};
 use crate::config::{ConfigError, ServeConfig, TokenizerSource};
-use crate::driver::Shared;
+use crate::driver::Driver;
 use crate::events::EventFeed;
 use crate::fleet::Fleet;
 use crate::flow::{Forwarder, Generation};
@@ -76,7 +76,7 @@ pub struct ProxyHandle {
     /// The address the admin API listens on.
     pub admin_addr: SocketAddr,
     /// The router driver (for tests and the demo: loads, invariants).
-    pub shared: Arc<Shared>,
+    pub shared: Arc<Driver>,
     /// The workers' one add and remove path.
     pub fleet: Arc<Fleet>,
     shutdown: Shutdown,
@@ -169,7 +169,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let client = net::client(ServeConfig::ms(config.connect_timeout_ms));
     let workers = config.workers.clone();
     model.chat_cache().set_limit(config.tokenizer_cache_bytes);
-    let shared = Shared::new(router, config, Metrics::new());
+    let shared = Driver::new(router, config, Metrics::new());
     shared.metrics.register(model.chat_cache().collector());
     let feed = EventFeed::start(Arc::clone(&shared));
     let checker = Checker {
@@ -308,7 +308,7 @@ async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Nex
 }
 
 /// Runs the router's timers: request expiry and queue re-checks.
-async fn ticker(shared: Arc<Shared>) {
+async fn ticker(shared: Arc<Driver>) {
     loop {
         let next = shared
             .tick()

@@ -13,24 +13,24 @@
 use std::sync::Arc;
 
 use kvroute_core::router::RouterId;
-use kvroute_sync::{Secret, Sync, SyncHost, SyncMetrics, WireEvent};
+use kvroute_sync::{Secret, SyncHost, SyncItem, SyncMetrics, SyncTransport};
 
-use crate::driver::Shared;
+use crate::driver::Driver;
 use crate::fleet::Fleet;
 
 struct Host {
-    shared: Arc<Shared>,
+    shared: Arc<Driver>,
     fleet: Arc<Fleet>,
     /// The credential for peers' workers that this replica's own tables do not name.
     peer_key: Option<Secret>,
 }
 
 impl SyncHost for Host {
-    fn apply(&self, from: RouterId, events: &[WireEvent]) {
+    fn apply(&self, from: RouterId, events: &[SyncItem]) {
         // Load changes in runs, registry changes one by one, all in order.
         let mut run = 0;
         for (i, event) in events.iter().enumerate() {
-            if let WireEvent::Worker(change) = event {
+            if let SyncItem::Worker(change) = event {
                 self.shared.apply_peer_events(from, &events[run..i]);
                 self.fleet.apply_peer_change(change, self.peer_key.as_ref());
                 run = i + 1;
@@ -45,7 +45,7 @@ impl SyncHost for Host {
         self.shared.release_peer(peer);
     }
 
-    fn snapshot(&self) -> Vec<WireEvent> {
+    fn snapshot(&self) -> Vec<SyncItem> {
         self.shared.sync_snapshot()
     }
 }
@@ -65,7 +65,7 @@ pub async fn start(fleet: &Arc<Fleet>, id: RouterId) -> Result<(), String> {
         fleet: Arc::clone(fleet),
         peer_key,
     });
-    let sync = Sync::start(id, config, host, metrics)
+    let sync = SyncTransport::start(id, config, host, metrics)
         .await
         .map_err(|e| e.to_string())?;
     tracing::info!(replica = format!("{:016x}", id.0), "replica sync on NATS");
@@ -100,14 +100,14 @@ mod tests {
             let bytes = encode(&Envelope {
                 v: WIRE_VERSION,
                 from: 1,
-                body: Body::Snapshot { peers: vec![], part: 0, last: true, seq: 0, events: vec![WireEvent::Worker(added)] },
+                body: Body::Snapshot { peers: vec![], part: 0, last: true, seq: 0, events: vec![SyncItem::Worker(added)] },
             });
             let text = String::from_utf8(bytes.clone()).unwrap();
             // The key itself, and as JSON escapes it.
             let escaped = serde_json::to_string(&key).unwrap();
             prop_assert!(!text.contains(&key) && !text.contains(escaped.trim_matches('"')), "{}", text);
             let Body::Snapshot { events, .. } = decode(&bytes).unwrap().body else { panic!() };
-            let [WireEvent::Worker(WorkerChange::Added { config: sent, credential })] = &events[..] else {
+            let [SyncItem::Worker(WorkerChange::Added { config: sent, credential })] = &events[..] else {
                 panic!("{events:?}")
             };
             prop_assert!(*credential, "the peer is told the worker has one");

@@ -3,7 +3,7 @@
 //! mutual TLS), and a first attempt that tells a refusal from a server not reachable yet.
 //!
 //! A refusal (credentials the server does not accept, a certificate that does not verify) is a
-//! configuration error: [`crate::Sync::start`] returns it ([`crate::SyncError::Refused`]),
+//! configuration error: [`crate::SyncTransport::start`] returns it ([`crate::SyncError::Refused`]),
 //! naming what to check, and the replica does not start. A server not reachable yet is not: the
 //! connection is made in the background, as it is remade after any outage, and the replica
 //! starts on its own view meanwhile.
@@ -19,7 +19,7 @@ use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event, rustls};
 use kvroute_core::router::RouterId;
 use tokio::sync::mpsc;
 
-use crate::transport::{SyncConfig, SyncError};
+use crate::transport::{NatsSyncConfig, SyncError};
 
 /// A credential (a NATS token or password, an engine's API key). Its [`Debug`] output is
 /// `Secret(..)`; it has no `Display` and no `Serialize` (a configuration reads it, nothing writes
@@ -115,7 +115,7 @@ pub fn check_credentials_file(path: &Path) -> Result<(), String> {
 /// to `events`.
 async fn options(
     id: RouterId,
-    config: &SyncConfig,
+    config: &NatsSyncConfig,
     events: &mpsc::UnboundedSender<Event>,
 ) -> Result<ConnectOptions, SyncError> {
     let events = events.clone();
@@ -160,7 +160,7 @@ async fn options(
 /// background (the client reconnects by itself from then on) and the client returned at once.
 pub(crate) async fn connect(
     id: RouterId,
-    config: &SyncConfig,
+    config: &NatsSyncConfig,
     events: &mpsc::UnboundedSender<Event>,
 ) -> Result<Client, SyncError> {
     let url = config.url.as_str();
@@ -192,7 +192,7 @@ pub(crate) async fn connect(
 /// failed (an untrusted certificate, a server without TLS when TLS is required, a client
 /// certificate missing or refused, a certificate file that would not load). `None` for a server
 /// not reachable.
-fn refusal(e: &async_nats::ConnectError, config: &SyncConfig) -> Option<String> {
+fn refusal(e: &async_nats::ConnectError, config: &NatsSyncConfig) -> Option<String> {
     match e.kind() {
         ConnectErrorKind::AuthorizationViolation => Some(match config.auth.keys() {
             Some(keys) => format!("authorization violation: the server did not accept {keys}"),
@@ -234,7 +234,7 @@ fn tls_error(e: &async_nats::ConnectError) -> Option<&rustls::Error> {
 }
 
 /// What to check for TLS error `tls`.
-fn tls_hint(tls: &rustls::Error, config: &SyncConfig) -> String {
+fn tls_hint(tls: &rustls::Error, config: &NatsSyncConfig) -> String {
     use rustls::AlertDescription as Alert;
     match tls {
         rustls::Error::InvalidCertificate(_) => match &config.tls.ca {

@@ -10,7 +10,7 @@
 //!
 //! * [`wire`]: the versioned JSON format of one message, with a decoder that never panics.
 //! * [`connect`]: the NATS connection's credentials and TLS, and a refusal told from an outage.
-//! * [`transport`]: [`Sync::start`], the task, and [`Outgoing`], the bounded queue routing hands
+//! * [`transport`]: [`SyncTransport::start`], the task, and [`Outgoing`], the bounded queue routing hands
 //!   its events to without ever waiting.
 //! * [`metrics`]: the `kvroute_sync_*` Prometheus metrics.
 //! * [`server`]: a local `nats-server` child process (tests, `kvroute demo --replicas`).
@@ -31,5 +31,7 @@ pub mod wire;
 
 pub use connect::{ClientCertificate, NatsAuth, NatsTls, Secret};
 pub use metrics::SyncMetrics;
-pub use transport::{LinkState, Outgoing, Sync, SyncConfig, SyncError, SyncHost, fresh_router_id};
-pub use wire::{Body, DecodeError, Envelope, WireEvent, WorkerChange, WorkerRef, decode, encode};
+pub use transport::{
+    LinkState, NatsSyncConfig, Outgoing, SyncError, SyncHost, SyncTransport, fresh_router_id,
+};
+pub use wire::{Body, DecodeError, Envelope, SyncItem, WorkerChange, WorkerRef, decode, encode};

@@ -10,7 +10,7 @@
 //! by size or by time, whichever comes first; with no connection a due batch is dropped and
 //! counted (`cause="disconnected"`), since the view is rebuilt from snapshots on reconnect.
 //!
-//! **Join warm.** [`Sync::start`] subscribes, asks every replica for its snapshot (registry and
+//! **Join warm.** [`SyncTransport::start`] subscribes, asks every replica for its snapshot (registry and
 //! in-flight bookings) and returns once the protocol's join is over, so the host serves its
 //! first request with its peers' load. NATS's "no responders" answers at once for the first
 //! replica.
@@ -21,7 +21,7 @@
 //! `to.<id>` as their reply subject, so NATS's "no responders" comes back there.
 //!
 //! **NATS down.** The replica routes on its own view, says so once in the log (warn), in
-//! `kvroute_sync_connected` and in [`Sync::link`]; peers time out and are released. The
+//! `kvroute_sync_connected` and in [`SyncTransport::link`]; peers time out and are released. The
 //! protocol's rules for the link coming back (announce, re-announce, ask everyone) apply.
 
 use std::sync::Arc;
@@ -41,15 +41,15 @@ use tokio::task::JoinHandle;
 
 use crate::connect::{NatsAuth, NatsTls};
 use crate::metrics::SyncMetrics;
-use crate::wire::{Body, Envelope, WIRE_VERSION, WireEvent, decode, encode, pack};
+use crate::wire::{Body, Envelope, SyncItem, WIRE_VERSION, decode, encode, pack};
 
 pub use kvroute_core::router::replica::LinkState;
 
 /// The transport's settings.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SyncConfig {
+pub struct NatsSyncConfig {
     /// The NATS server, `nats://host:port` (`tls://host:port` requires TLS). Logged: no
-    /// credentials in it (they go in [`SyncConfig::auth`]).
+    /// credentials in it (they go in [`NatsSyncConfig::auth`]).
     pub url: String,
     /// How this replica proves itself to the server. Default: no credentials.
     pub auth: NatsAuth,
@@ -75,7 +75,7 @@ pub struct SyncConfig {
     pub join_timeout: Duration,
 }
 
-impl SyncConfig {
+impl NatsSyncConfig {
     /// The defaults, for server `url` and subjects under `prefix` (e.g. `kvroute`, or
     /// `kvroute.<cluster>`).
     pub fn new(url: impl Into<String>, prefix: &str) -> Self {
@@ -149,23 +149,23 @@ pub enum SyncError {
 /// state. Calls come from one task, in arrival order.
 pub trait SyncHost: Send + std::marker::Sync + 'static {
     /// Applies peer `from`'s changes, in order.
-    fn apply(&self, from: RouterId, events: &[WireEvent]);
+    fn apply(&self, from: RouterId, events: &[SyncItem]);
     /// Releases every booking of peer `peer` (it went silent, or a snapshot of it follows).
     fn peer_lost(&self, peer: RouterId);
-    /// This replica's registry (as [`WireEvent::Worker`] changes) and in-flight bookings.
-    fn snapshot(&self) -> Vec<WireEvent>;
+    /// This replica's registry (as [`SyncItem::Worker`] changes) and in-flight bookings.
+    fn snapshot(&self) -> Vec<SyncItem>;
 }
 
 /// Where the host puts its changes for the peers. Never waits.
 #[derive(Clone, Debug)]
 pub struct Outgoing {
-    tx: mpsc::Sender<WireEvent>,
+    tx: mpsc::Sender<SyncItem>,
     metrics: SyncMetrics,
 }
 
 impl Outgoing {
     /// Queues `event` for the next batch, or drops and counts it if the queue is full.
-    pub fn push(&self, event: WireEvent) {
+    pub fn push(&self, event: SyncItem) {
         if self.tx.try_send(event).is_err() {
             self.metrics
                 .events_dropped
@@ -194,7 +194,7 @@ pub fn fresh_router_id() -> RouterId {
 
 /// A running transport. Dropping it stops its task.
 #[derive(Debug)]
-pub struct Sync {
+pub struct SyncTransport {
     id: RouterId,
     outgoing: Outgoing,
     link: watch::Receiver<LinkState>,
@@ -202,14 +202,14 @@ pub struct Sync {
     client: Client,
 }
 
-impl Sync {
+impl SyncTransport {
     /// Connects to `config.url` as replica `id`, joins (applies every peer's snapshot through
     /// `host`) and starts the task. If the server cannot be reached within the join timeout,
     /// starts anyway on this replica's own view and joins when the connection comes; if it
     /// refuses this replica (credentials, TLS), fails with [`SyncError::Refused`].
     pub async fn start(
         id: RouterId,
-        config: SyncConfig,
+        config: NatsSyncConfig,
         host: Arc<dyn SyncHost>,
         metrics: SyncMetrics,
     ) -> Result<Self, SyncError> {
@@ -312,7 +312,7 @@ impl Sync {
     }
 }
 
-impl Drop for Sync {
+impl Drop for SyncTransport {
     fn drop(&mut self) {
         self.stop();
     }
@@ -329,7 +329,7 @@ struct Subscriptions {
 struct Node {
     id: RouterId,
     protocol: ReplicaProtocol,
-    config: SyncConfig,
+    config: NatsSyncConfig,
     client: Client,
     host: Arc<dyn SyncHost>,
     metrics: SyncMetrics,
@@ -351,9 +351,9 @@ impl Node {
         mut self,
         mut subs: Subscriptions,
         mut link_events: mpsc::UnboundedReceiver<Event>,
-        mut changes: mpsc::Receiver<WireEvent>,
+        mut changes: mpsc::Receiver<SyncItem>,
     ) {
-        let mut batch: Vec<WireEvent> = Vec::with_capacity(self.config.batch_max_events);
+        let mut batch: Vec<SyncItem> = Vec::with_capacity(self.config.batch_max_events);
         let mut batch_due = tokio::time::Instant::now();
         let mut batch_at = 0;
         loop {
@@ -428,7 +428,7 @@ impl Node {
 
     /// Publishes this replica's changes, taken off the queue from `at_us` (Unix microseconds)
     /// on, in messages under the size limits.
-    async fn flush(&mut self, events: Vec<WireEvent>, at_us: u64) {
+    async fn flush(&mut self, events: Vec<SyncItem>, at_us: u64) {
         if self.protocol.link() == LinkState::Disconnected {
             self.metrics
                 .events_dropped
@@ -459,7 +459,7 @@ impl Node {
             Body::Events { at_us, events, .. } => {
                 let bookings = events
                     .iter()
-                    .filter(|e| matches!(e, WireEvent::Added { .. }))
+                    .filter(|e| matches!(e, SyncItem::Added { .. }))
                     .count();
                 at_us.map(|t| (t, bookings))
             }
@@ -503,7 +503,7 @@ impl Node {
     }
 
     /// Carries out the protocol's actions, in order.
-    async fn carry_out(&mut self, actions: Vec<Action<WireEvent>>) {
+    async fn carry_out(&mut self, actions: Vec<Action<SyncItem>>) {
         for action in actions {
             match action {
                 Action::Send { to, message } => {
@@ -545,7 +545,7 @@ impl Node {
 
     /// Publishes one message to `to` (a batch stamped with `at_us`); whether it was handed to
     /// the connection.
-    async fn send(&self, to: To, message: Message<WireEvent>, at_us: Option<u64>) -> bool {
+    async fn send(&self, to: To, message: Message<SyncItem>, at_us: Option<u64>) -> bool {
         let (kind, subject) = match (&message, to) {
             (Message::Events { .. }, To::Everyone) => ("events", self.config.subject("events")),
             (Message::Heartbeat { .. }, To::Everyone) => ("heartbeat", self.config.subject("heartbeat")),

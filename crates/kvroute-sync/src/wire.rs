@@ -3,7 +3,7 @@
 //!
 //! Workers are named on the wire by their base URL and data-parallel rank ([`WorkerRef`]), never
 //! by a replica's own [`WorkerId`]s, which each replica assigns in the order it learns of its
-//! workers. The converters ([`WireEvent::from_sync`], [`WireEvent::to_sync`]) take the
+//! workers. The converters ([`SyncItem::from_sync`], [`SyncItem::to_sync`]) take the
 //! replica's mapping as closures.
 //!
 //! [`decode`] never panics: it refuses a message over [`MAX_MESSAGE_BYTES`], bytes that are not
@@ -63,7 +63,7 @@ pub enum Body {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         at_us: Option<u64>,
         /// The changes.
-        events: Vec<WireEvent>,
+        events: Vec<SyncItem>,
     },
     /// The sender is alive.
     Heartbeat {
@@ -90,9 +90,9 @@ pub enum Body {
         /// it.
         #[serde(default)]
         seq: u64,
-        /// Its registry (as [`WireEvent::Worker`]) then its bookings (as [`WireEvent::Added`]
-        /// and [`WireEvent::PrefillDone`]).
-        events: Vec<WireEvent>,
+        /// Its registry (as [`SyncItem::Worker`]) then its bookings (as [`SyncItem::Added`]
+        /// and [`SyncItem::PrefillDone`]).
+        events: Vec<SyncItem>,
     },
 }
 
@@ -109,7 +109,7 @@ pub struct WorkerRef {
 /// One change a replica made.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case", deny_unknown_fields)]
-pub enum WireEvent {
+pub enum SyncItem {
     /// A request was booked ([`LoadChange::Added`]).
     Added {
         /// The sender's request id.
@@ -199,20 +199,20 @@ pub enum DecodeError {
 }
 
 /// About how many bytes `event` takes on the wire (for cutting batches under the size limit).
-pub fn weight(event: &WireEvent) -> usize {
+pub fn weight(event: &SyncItem) -> usize {
     match event {
-        WireEvent::Added { w, pw, c, .. } => {
+        SyncItem::Added { w, pw, c, .. } => {
             160 + w.url.len() + pw.as_ref().map_or(0, |p| p.url.len() + 24) + 21 * c.len()
         }
-        WireEvent::PrefillDone { .. } | WireEvent::Freed { .. } => 40,
-        WireEvent::Worker(WorkerChange::Added { config, .. }) => 80 + config.to_string().len(),
-        WireEvent::Worker(WorkerChange::Draining { url } | WorkerChange::Removed { url }) => 64 + url.len(),
+        SyncItem::PrefillDone { .. } | SyncItem::Freed { .. } => 40,
+        SyncItem::Worker(WorkerChange::Added { config, .. }) => 80 + config.to_string().len(),
+        SyncItem::Worker(WorkerChange::Draining { url } | WorkerChange::Removed { url }) => 64 + url.len(),
     }
 }
 
 /// Cuts `events` into runs of at most `max_events` events and about `max_bytes` bytes each
 /// (an event larger than `max_bytes` goes alone), in order. Empty in, empty out.
-pub fn pack(events: Vec<WireEvent>, max_events: usize, max_bytes: usize) -> Vec<Vec<WireEvent>> {
+pub fn pack(events: Vec<SyncItem>, max_events: usize, max_bytes: usize) -> Vec<Vec<SyncItem>> {
     let mut out = Vec::new();
     let (mut run, mut bytes) = (Vec::new(), 0);
     for e in events {
@@ -266,10 +266,10 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
     }
     for e in events {
         match e {
-            WireEvent::Added { c, .. } if c.len() > MAX_CHAIN_BLOCKS => {
+            SyncItem::Added { c, .. } if c.len() > MAX_CHAIN_BLOCKS => {
                 return Err(DecodeError::ChainTooLong(c.len()));
             }
-            WireEvent::Worker(WorkerChange::Added { config, .. }) => {
+            SyncItem::Worker(WorkerChange::Added { config, .. }) => {
                 if let Some(key) = secret_key(config) {
                     return Err(DecodeError::Secret(key));
                 }
@@ -282,7 +282,7 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
 
 impl Body {
     /// The wire form of a protocol message.
-    pub fn from_message(message: Message<WireEvent>) -> Self {
+    pub fn from_message(message: Message<SyncItem>) -> Self {
         match message {
             Message::Events { seq, events } => Body::Events {
                 seq: seq.0,
@@ -302,7 +302,7 @@ impl Body {
     }
 
     /// The protocol message this body carries.
-    pub fn into_message(self) -> Message<WireEvent> {
+    pub fn into_message(self) -> Message<SyncItem> {
         match self {
             Body::Events { seq, events, .. } => Message::Events {
                 seq: BatchSeq(seq),
@@ -327,7 +327,7 @@ impl Body {
     }
 }
 
-impl WireEvent {
+impl SyncItem {
     /// The wire form of `event`, naming workers through `name` (a worker's base URL); `None` if
     /// `name` knows a worker it books on no longer.
     pub fn from_sync(event: &SyncEvent, name: impl Fn(WorkerId) -> Option<String>) -> Option<Self> {
@@ -339,7 +339,7 @@ impl WireEvent {
             })
         };
         Some(match &event.change {
-            LoadChange::Added(b) => WireEvent::Added {
+            LoadChange::Added(b) => SyncItem::Added {
                 r,
                 w: reference(b.worker)?,
                 pw: match b.prefill_worker {
@@ -356,8 +356,8 @@ impl WireEvent {
                     .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
                 eo: b.expected_output_tokens,
             },
-            LoadChange::PrefillDone => WireEvent::PrefillDone { r },
-            LoadChange::Freed => WireEvent::Freed { r },
+            LoadChange::PrefillDone => SyncItem::PrefillDone { r },
+            LoadChange::Freed => SyncItem::Freed { r },
         })
     }
 
@@ -367,7 +367,7 @@ impl WireEvent {
     pub fn to_sync(&self, from: RouterId, id: impl Fn(&str) -> Option<WorkerId>) -> Option<SyncEvent> {
         let key = |w: &WorkerRef| id(&w.url).map(|worker| WorkerKey::new(worker, DpRank(w.rank)));
         let (r, change) = match self {
-            WireEvent::Added {
+            SyncItem::Added {
                 r,
                 w,
                 pw,
@@ -395,9 +395,9 @@ impl WireEvent {
                 };
                 (*r, LoadChange::Added(booking))
             }
-            WireEvent::PrefillDone { r } => (*r, LoadChange::PrefillDone),
-            WireEvent::Freed { r } => (*r, LoadChange::Freed),
-            WireEvent::Worker(_) => return None,
+            SyncItem::PrefillDone { r } => (*r, LoadChange::PrefillDone),
+            SyncItem::Freed { r } => (*r, LoadChange::Freed),
+            SyncItem::Worker(_) => return None,
         };
         Some(SyncEvent {
             router: from,
@@ -447,9 +447,9 @@ mod tests {
                 change: LoadChange::Freed,
             },
         ];
-        let wire: Vec<WireEvent> = events
+        let wire: Vec<SyncItem> = events
             .iter()
-            .map(|e| WireEvent::from_sync(e, name).unwrap())
+            .map(|e| SyncItem::from_sync(e, name).unwrap())
             .collect();
         let envelope = Envelope {
             v: WIRE_VERSION,
@@ -471,9 +471,9 @@ mod tests {
 
     #[test]
     fn an_unknown_worker_is_no_event() {
-        let wire = WireEvent::from_sync(&booking(), |w| Some(format!("http://w{}", w.0))).unwrap();
+        let wire = SyncItem::from_sync(&booking(), |w| Some(format!("http://w{}", w.0))).unwrap();
         assert!(wire.to_sync(RouterId(7), |_| None).is_none());
-        assert!(WireEvent::from_sync(&booking(), |_| None).is_none());
+        assert!(SyncItem::from_sync(&booking(), |_| None).is_none());
     }
 
     #[test]

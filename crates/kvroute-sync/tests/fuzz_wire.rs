@@ -3,7 +3,7 @@
 //! credential.
 
 use kvroute_sync::wire::{
-    Body, Envelope, WIRE_VERSION, WireEvent, WorkerChange, WorkerRef, decode, encode, pack,
+    Body, Envelope, SyncItem, WIRE_VERSION, WorkerChange, WorkerRef, decode, encode, pack,
 };
 use proptest::prelude::*;
 
@@ -11,7 +11,7 @@ fn worker() -> impl Strategy<Value = WorkerRef> {
     ("[a-z:/0-9.]{0,24}", 0u32..4).prop_map(|(url, rank)| WorkerRef { url, rank })
 }
 
-fn event() -> impl Strategy<Value = WireEvent> {
+fn event() -> impl Strategy<Value = SyncItem> {
     prop_oneof![
         (
             any::<u64>(),
@@ -24,7 +24,7 @@ fn event() -> impl Strategy<Value = WireEvent> {
             proptest::option::of(any::<u64>()),
             proptest::option::of(any::<u32>()),
         )
-            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo)| WireEvent::Added {
+            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo)| SyncItem::Added {
                 r,
                 w,
                 pw,
@@ -35,11 +35,11 @@ fn event() -> impl Strategy<Value = WireEvent> {
                 hd,
                 eo
             }),
-        any::<u64>().prop_map(|r| WireEvent::PrefillDone { r }),
-        any::<u64>().prop_map(|r| WireEvent::Freed { r }),
-        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Draining { url })),
-        "[a-z:/0-9.]{0,24}".prop_map(|url| WireEvent::Worker(WorkerChange::Removed { url })),
-        ("[a-z:/0-9.]{0,24}", any::<bool>()).prop_map(|(url, credential)| WireEvent::Worker(
+        any::<u64>().prop_map(|r| SyncItem::PrefillDone { r }),
+        any::<u64>().prop_map(|r| SyncItem::Freed { r }),
+        "[a-z:/0-9.]{0,24}".prop_map(|url| SyncItem::Worker(WorkerChange::Draining { url })),
+        "[a-z:/0-9.]{0,24}".prop_map(|url| SyncItem::Worker(WorkerChange::Removed { url })),
+        ("[a-z:/0-9.]{0,24}", any::<bool>()).prop_map(|(url, credential)| SyncItem::Worker(
             WorkerChange::Added {
                 config: serde_json::json!({ "url": url, "dp": 2 }),
                 credential,
@@ -122,7 +122,7 @@ proptest! {
             Body::Events { events, .. } | Body::Snapshot { events, .. } => events,
             Body::Heartbeat { .. } | Body::SnapshotRequest => return Ok(()),
         };
-        events.push(WireEvent::Worker(WorkerChange::Added {
+        events.push(SyncItem::Worker(WorkerChange::Added {
             config: serde_json::json!({ "url": "http://h:1" }),
             credential: true,
         }));
@@ -130,7 +130,7 @@ proptest! {
         let n = events.len() - 1;
         events.swap(i, n);
         for event in events.iter_mut() {
-            if let WireEvent::Worker(WorkerChange::Added { config, .. }) = event {
+            if let SyncItem::Worker(WorkerChange::Added { config, .. }) = event {
                 config["api-key"] = serde_json::Value::String(key.clone());
                 break;
             }

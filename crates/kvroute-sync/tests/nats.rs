@@ -11,30 +11,30 @@ use std::time::Duration;
 
 use kvroute_core::router::RouterId;
 use kvroute_sync::server::NatsServer;
-use kvroute_sync::{LinkState, Sync, SyncConfig, SyncHost, SyncMetrics, WireEvent};
+use kvroute_sync::{LinkState, NatsSyncConfig, SyncHost, SyncItem, SyncMetrics, SyncTransport};
 use kvroute_testkit::{External, eventually, require};
 
 /// What a host was told, in order.
 #[derive(Clone, Debug, PartialEq)]
 enum Told {
-    Apply(RouterId, Vec<WireEvent>),
+    Apply(RouterId, Vec<SyncItem>),
     Lost(RouterId),
 }
 
 #[derive(Default)]
 struct Recorder {
     told: Mutex<Vec<Told>>,
-    state: Mutex<Vec<WireEvent>>,
+    state: Mutex<Vec<SyncItem>>,
 }
 
 impl SyncHost for Recorder {
-    fn apply(&self, from: RouterId, events: &[WireEvent]) {
+    fn apply(&self, from: RouterId, events: &[SyncItem]) {
         self.told.lock().unwrap().push(Told::Apply(from, events.to_vec()));
     }
     fn peer_lost(&self, peer: RouterId) {
         self.told.lock().unwrap().push(Told::Lost(peer));
     }
-    fn snapshot(&self) -> Vec<WireEvent> {
+    fn snapshot(&self) -> Vec<SyncItem> {
         self.state.lock().unwrap().clone()
     }
 }
@@ -50,7 +50,7 @@ impl Recorder {
     }
 
     /// The events applied from `from`, flattened.
-    fn applied(&self, from: RouterId) -> Vec<WireEvent> {
+    fn applied(&self, from: RouterId) -> Vec<SyncItem> {
         self.told()
             .into_iter()
             .filter_map(|t| match t {
@@ -68,25 +68,25 @@ fn server() -> Option<NatsServer> {
         .then(|| NatsServer::start().expect("nats-server starts"))
 }
 
-fn config(url: &str, prefix: &str) -> SyncConfig {
-    let mut c = SyncConfig::new(url, prefix);
+fn config(url: &str, prefix: &str) -> NatsSyncConfig {
+    let mut c = NatsSyncConfig::new(url, prefix);
     c.heartbeat_interval = Duration::from_millis(100);
     c.peer_timeout = Duration::from_millis(600);
     c.join_timeout = Duration::from_secs(5);
     c
 }
 
-async fn replica(id: u64, config: SyncConfig) -> (Sync, Arc<Recorder>) {
+async fn replica(id: u64, config: NatsSyncConfig) -> (SyncTransport, Arc<Recorder>) {
     let host = Arc::new(Recorder::default());
     let metrics = SyncMetrics::new(&prometheus::Registry::new()).unwrap();
-    let sync = Sync::start(RouterId(id), config, host.clone(), metrics)
+    let sync = SyncTransport::start(RouterId(id), config, host.clone(), metrics)
         .await
         .unwrap();
     (sync, host)
 }
 
-fn freed(r: u64) -> WireEvent {
-    WireEvent::Freed { r }
+fn freed(r: u64) -> SyncItem {
+    SyncItem::Freed { r }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -96,7 +96,7 @@ async fn batches_reach_peers_in_order_and_never_their_sender() {
     let (_b, host_b) = replica(2, config(&nats.url(), "t1")).await;
     let (_other, host_other) = replica(3, config(&nats.url(), "elsewhere")).await;
     // B joined after A: A knows B from B's join request, so A's events reach B.
-    let sent: Vec<WireEvent> = (0..1000).map(freed).collect();
+    let sent: Vec<SyncItem> = (0..1000).map(freed).collect();
     for e in &sent {
         a.outgoing().push(e.clone());
     }

@@ -18,8 +18,8 @@ use std::time::Duration;
 use kvroute_core::router::RouterId;
 use kvroute_sync::server::{NatsServer, ServerAuth, ServerSecurity, ServerTls};
 use kvroute_sync::{
-    ClientCertificate, NatsAuth, NatsTls, Secret, Sync, SyncConfig, SyncError, SyncHost, SyncMetrics,
-    WireEvent,
+    ClientCertificate, NatsAuth, NatsSyncConfig, NatsTls, Secret, SyncError, SyncHost, SyncItem, SyncMetrics,
+    SyncTransport,
 };
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
 
@@ -109,23 +109,23 @@ fn server(security: ServerSecurity) -> Option<NatsServer> {
 
 #[derive(Default)]
 struct Recorder {
-    applied: Mutex<Vec<(RouterId, WireEvent)>>,
-    state: Mutex<Vec<WireEvent>>,
+    applied: Mutex<Vec<(RouterId, SyncItem)>>,
+    state: Mutex<Vec<SyncItem>>,
 }
 
 impl SyncHost for Recorder {
-    fn apply(&self, from: RouterId, events: &[WireEvent]) {
+    fn apply(&self, from: RouterId, events: &[SyncItem]) {
         let mut applied = self.applied.lock().unwrap();
         applied.extend(events.iter().map(|e| (from, e.clone())));
     }
     fn peer_lost(&self, _: RouterId) {}
-    fn snapshot(&self) -> Vec<WireEvent> {
+    fn snapshot(&self) -> Vec<SyncItem> {
         self.state.lock().unwrap().clone()
     }
 }
 
 impl Recorder {
-    fn from(&self, peer: RouterId) -> Vec<WireEvent> {
+    fn from(&self, peer: RouterId) -> Vec<SyncItem> {
         let applied = self.applied.lock().unwrap();
         applied
             .iter()
@@ -135,8 +135,8 @@ impl Recorder {
     }
 }
 
-fn config(url: &str, auth: NatsAuth, tls: NatsTls) -> SyncConfig {
-    let mut c = SyncConfig::new(url, "secure");
+fn config(url: &str, auth: NatsAuth, tls: NatsTls) -> NatsSyncConfig {
+    let mut c = NatsSyncConfig::new(url, "secure");
     c.heartbeat_interval = Duration::from_millis(100);
     c.peer_timeout = Duration::from_millis(600);
     c.join_timeout = Duration::from_secs(5);
@@ -145,10 +145,10 @@ fn config(url: &str, auth: NatsAuth, tls: NatsTls) -> SyncConfig {
     c
 }
 
-async fn start(id: u64, config: SyncConfig) -> Result<(Sync, Arc<Recorder>), SyncError> {
+async fn start(id: u64, config: NatsSyncConfig) -> Result<(SyncTransport, Arc<Recorder>), SyncError> {
     let host = Arc::new(Recorder::default());
     let metrics = SyncMetrics::new(&prometheus::Registry::new()).unwrap();
-    let sync = Sync::start(RouterId(id), config, host.clone(), metrics).await?;
+    let sync = SyncTransport::start(RouterId(id), config, host.clone(), metrics).await?;
     Ok((sync, host))
 }
 
@@ -168,14 +168,14 @@ async fn eventually(mut done: impl FnMut() -> bool) -> bool {
 /// changes reach B in order.
 async fn two_replicas_sync(url: &str, auth: NatsAuth, tls: NatsTls) {
     let (a, host_a) = start(1, config(url, auth.clone(), tls.clone())).await.unwrap();
-    *host_a.state.lock().unwrap() = vec![WireEvent::Freed { r: 7 }];
+    *host_a.state.lock().unwrap() = vec![SyncItem::Freed { r: 7 }];
     let (_b, host_b) = start(2, config(url, auth, tls)).await.unwrap();
     assert_eq!(
         host_b.from(RouterId(1)),
-        [WireEvent::Freed { r: 7 }],
+        [SyncItem::Freed { r: 7 }],
         "B joined with A's snapshot"
     );
-    let sent: Vec<WireEvent> = (0..100).map(|r| WireEvent::Freed { r }).collect();
+    let sent: Vec<SyncItem> = (0..100).map(|r| SyncItem::Freed { r }).collect();
     for e in &sent {
         a.outgoing().push(e.clone());
     }
@@ -220,8 +220,8 @@ async fn replicas_sync_with_a_user_and_password_over_mutual_tls() {
     two_replicas_sync(&nats.url(), auth, pki.client_tls(true)).await;
 }
 
-/// `Sync::start`'s refusal, as text.
-async fn refusal(config: SyncConfig) -> String {
+/// `SyncTransport::start`'s refusal, as text.
+async fn refusal(config: NatsSyncConfig) -> String {
     match start(9, config).await {
         Err(e @ SyncError::Refused { .. }) => {
             eprintln!("refused, as it should be: {e}");

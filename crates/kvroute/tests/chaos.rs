@@ -338,7 +338,7 @@ async fn a_gap_beyond_the_replay_buffer_fails_no_request_and_the_view_rebuilds()
     }
     // The loss is found and said (the view cleared, then marked), and the view is rebuilt
     // from what follows.
-    let lost = |s: &kvroute_proxy::Shared| {
+    let lost = |s: &kvroute_proxy::Driver| {
         matches!(s.worker_statuses()[0].view, ViewSummary::RebuiltAfterGap { .. })
     };
     let mut i = 0;
@@ -416,7 +416,7 @@ async fn until_view_holds(
 ) {
     publisher.publish(events, Some(0), 1.0).unwrap();
     let deadline = Instant::now() + PATIENCE;
-    let holds = |s: &kvroute_proxy::Shared| s.worker_statuses()[0].cached_blocks == blocks;
+    let holds = |s: &kvroute_proxy::Driver| s.worker_statuses()[0].cached_blocks == blocks;
     while !proxy.shared.wait_for_kv(Duration::from_millis(50), holds).await {
         assert!(
             Instant::now() < deadline,

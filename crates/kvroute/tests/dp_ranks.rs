@@ -143,7 +143,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         // and wait for the proxy to apply reports from both. The short wait only paces the
         // retries; what is checked is the proxy's state.
         let mock_url = format!("{}/v1/completions", mocks[0].url());
-        let joined = |shared: &kvroute_proxy::Shared| {
+        let joined = |shared: &kvroute_proxy::Driver| {
             let subscribers = shared.metrics.kv_subscribers.snapshots();
             (0..2).all(|r| {
                 subscribers
@@ -180,7 +180,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         assert_eq!(first.usage.as_ref().unwrap().cached_tokens(), 0, "{first:?}");
         // The rank that ran it publishes its blocks on its own port; the router books them
         // under that rank.
-        let holds = |shared: &kvroute_proxy::Shared| {
+        let holds = |shared: &kvroute_proxy::Driver| {
             shared
                 .snapshot()
                 .workers

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_core::ids::ExternalBlockHash;
 use kvroute_http::net::{HttpClient, client};
-use kvroute_proxy::Shared;
+use kvroute_proxy::Driver;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_wire::{BlockStored, WireEvent};
 use kvroute_zmq::{EventPublisher, PublisherConfig};
@@ -81,13 +81,13 @@ impl Scrape {
 
 /// At most this long between two scrapes of [`scrape_until`]: some counters (`gaps_recovered`)
 /// move just after the report they follow, and a removed worker's series go when its
-/// subscriber's task ends; neither wakes [`Shared::wait_until`]. A poll, not a guess: the
+/// subscriber's task ends; neither wakes [`Driver::wait_until`]. A poll, not a guess: the
 /// condition is checked again until [`PATIENCE`].
 const POLL: Duration = Duration::from_millis(50);
 
 /// Waits for the proxy's next change (a report applied, a worker added or removed), or at most
 /// `pace`.
-async fn next_change(shared: &Shared, pace: Duration) {
+async fn next_change(shared: &Driver, pace: Duration) {
     let mut first = true;
     // The first check is the state now, not a change: wait for the next one.
     shared
@@ -285,7 +285,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let http = client(Duration::from_secs(2));
-    let cached = |shared: &Shared, rank: u32| {
+    let cached = |shared: &Driver, rank: u32| {
         shared
             .snapshot()
             .workers
@@ -295,7 +295,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
             .cached_blocks
     };
     // A rank's subscriber counters, read straight from the proxy (as `/metrics` reads them).
-    let counters = |shared: &Shared, rank: u32| {
+    let counters = |shared: &Driver, rank: u32| {
         shared
             .metrics
             .kv_subscribers
@@ -304,7 +304,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
             .find(|(key, _)| key.dp_rank.0 == rank)
             .map(|(_, c)| c)
     };
-    let joined = |s: &Shared| (0..2).all(|r| counters(s, r).is_some_and(|c| c.emitted > 0));
+    let joined = |s: &Driver| (0..2).all(|r| counters(s, r).is_some_and(|c| c.emitted > 0));
     // Publish until both ranks' subscribers have joined (PUB/SUB drops what comes before);
     // the short wait only paces the nudges.
     for attempt in 0.. {
@@ -333,7 +333,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     );
     // Batches lost on rank 1's stream (it has no replay socket) clear rank 1 alone. (Joining
     // lost what was published before each subscription: count from here.)
-    let gaps = |s: &Shared, rank: u32| counters(s, rank).map(|c| c.gaps_lost);
+    let gaps = |s: &Driver, rank: u32| counters(s, rank).map(|c| c.gaps_lost);
     let before = (gaps(shared, 0), gaps(shared, 1));
     one.drop_next(1);
     one.publish(Vec::new(), Some(1), 0.0).unwrap();

@@ -90,7 +90,7 @@ async fn a_client_leaving_mid_stream_is_counted_as_cancelled() {
     .await;
     let text = p.metrics().await;
     assert_eq!(outcome(&text, "ok"), 0.0);
-    let idle = |s: &kvroute_proxy::Shared| s.snapshot().active_now == 0;
+    let idle = |s: &kvroute_proxy::Driver| s.snapshot().active_now == 0;
     assert!(
         p.proxy.shared.wait_until(PATIENCE, idle).await,
         "the request's load was freed"

@@ -5,11 +5,11 @@ use std::time::Instant;
 
 use kvroute_core::ids::{RequestId, WorkerKey};
 
-use super::Shared;
+use super::Driver;
 
 /// Owns one routed (or queued) request's load; see the module docs.
 pub struct RequestGuard {
-    shared: Arc<Shared>,
+    shared: Arc<Driver>,
     id: RequestId,
     /// The worker rank it was routed to, and the prompt tokens predicted cached there (`None`
     /// while it waits in the queue).
@@ -30,7 +30,7 @@ impl std::fmt::Debug for RequestGuard {
 }
 
 impl RequestGuard {
-    pub(super) fn new(shared: &Arc<Shared>, id: RequestId, started: Instant) -> Self {
+    pub(super) fn new(shared: &Arc<Driver>, id: RequestId, started: Instant) -> Self {
         Self {
             shared: Arc::clone(shared),
             id,
@@ -55,7 +55,7 @@ impl RequestGuard {
     }
 
     /// The driver the request belongs to.
-    pub fn shared(&self) -> &Arc<Shared> {
+    pub fn shared(&self) -> &Arc<Driver> {
         &self.shared
     }
 

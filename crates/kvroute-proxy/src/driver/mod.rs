@@ -12,12 +12,12 @@
 //! worker was removed, or they outlived the request TTL) are already freed; the guard's later
 //! report is then an unknown request, which the router counts and ignores.
 //!
-//! **Replicas.** With a sync transport attached ([`Shared::attach_sync`]), every change the
+//! **Replicas.** With a sync transport attached ([`Driver::attach_sync`]), every change the
 //! router exports is handed to it when the lock is released (the lock guard drains the router's
 //! outbox: no `handle_*` call can forget to), named by worker URL; an operator's add, drain or
-//! remove is handed to it too. Peers' changes come back through [`Shared::apply_peer_events`],
-//! a silent peer's release through [`Shared::release_peer`], and a joining peer is given
-//! [`Shared::sync_snapshot`].
+//! remove is handed to it too. Peers' changes come back through [`Driver::apply_peer_events`],
+//! a silent peer's release through [`Driver::release_peer`], and a joining peer is given
+//! [`Driver::sync_snapshot`].
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{Decision, Router};
 use kvroute_core::time::{TimeScale, Timestamp};
-use kvroute_sync::WireEvent;
+use kvroute_sync::SyncItem;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
@@ -47,18 +47,20 @@ pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
 
-struct Inner {
+/// What the driver's one lock guards: the router and the worker registry.
+struct DriverState {
     router: Router,
     waiters: HashMap<RequestId, oneshot::Sender<Decision>>,
     registry: Registry,
 }
 
-/// State shared by every request handler and background task.
-pub struct Shared {
-    inner: Mutex<Inner>,
+/// The router driver: the one code that touches the `Router`, shared by every request handler
+/// and background task.
+pub struct Driver {
+    inner: Mutex<DriverState>,
     epoch: Instant,
     next_request: AtomicU64,
-    /// Bumped on each change a waiter may watch (see [`Shared::wait_until`]).
+    /// Bumped on each change a waiter may watch (see [`Driver::wait_until`]).
     changes: tokio::sync::watch::Sender<u64>,
     /// The metrics.
     pub metrics: Metrics,
@@ -66,38 +68,38 @@ pub struct Shared {
     pub config: ServeConfig,
     /// The sync transport, where this replica's changes go to its peers (set once, when sync
     /// starts).
-    sync: OnceLock<kvroute_sync::Sync>,
+    sync: OnceLock<kvroute_sync::SyncTransport>,
 }
 
 /// The router and registry, locked; releasing the lock hands the router's exported changes to
 /// the sync transport (see the module docs).
 struct Locked<'a> {
-    guard: MutexGuard<'a, Inner>,
-    shared: &'a Shared,
+    guard: MutexGuard<'a, DriverState>,
+    shared: &'a Driver,
 }
 
 impl std::ops::Deref for Locked<'_> {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
+    type Target = DriverState;
+    fn deref(&self) -> &DriverState {
         &self.guard
     }
 }
 
 impl std::ops::DerefMut for Locked<'_> {
-    fn deref_mut(&mut self) -> &mut Inner {
+    fn deref_mut(&mut self) -> &mut DriverState {
         &mut self.guard
     }
 }
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        let Inner { router, registry, .. } = &mut *self.guard;
+        let DriverState { router, registry, .. } = &mut *self.guard;
         match self.shared.sync.get() {
             Some(sync) => {
                 let out = sync.outgoing();
                 while let Some(event) = router.poll_sync_event() {
                     let name = |id: WorkerId| registry.get(id).map(|w| w.base.clone());
-                    if let Some(wire) = WireEvent::from_sync(&event, name) {
+                    if let Some(wire) = SyncItem::from_sync(&event, name) {
                         out.push(wire);
                     }
                 }
@@ -108,17 +110,17 @@ impl Drop for Locked<'_> {
     }
 }
 
-impl std::fmt::Debug for Shared {
+impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").finish_non_exhaustive()
+        f.debug_struct("Driver").finish_non_exhaustive()
     }
 }
 
-impl Shared {
+impl Driver {
     /// A driver for `router`, with no workers yet.
     pub fn new(router: Router, config: ServeConfig, metrics: Metrics) -> Arc<Self> {
         Arc::new(Self {
-            inner: Mutex::new(Inner {
+            inner: Mutex::new(DriverState {
                 router,
                 waiters: HashMap::new(),
                 registry: Registry::new(HealthPolicy {
@@ -168,7 +170,7 @@ impl Shared {
     pub(crate) fn with_router<R>(&self, f: impl FnOnce(&mut Router, Timestamp, &Registry) -> R) -> R {
         let mut inner = self.lock();
         let now = self.now();
-        let Inner { router, registry, .. } = &mut *inner;
+        let DriverState { router, registry, .. } = &mut *inner;
         f(router, now, registry)
     }
 

@@ -2,17 +2,17 @@
 
 use kvroute_core::ids::WorkerId;
 use kvroute_core::router::RouterId;
-use kvroute_sync::{LinkState, WireEvent, WorkerChange};
+use kvroute_sync::{LinkState, SyncItem, WorkerChange};
 
 use crate::config::WorkerConfig;
 use crate::worker::WorkerState;
 
-use super::{Inner, Shared};
+use super::{Driver, DriverState};
 
-impl Shared {
+impl Driver {
     /// Sends this replica's changes through `sync` from now on (once; a second transport is
     /// stopped and ignored).
-    pub fn attach_sync(&self, sync: kvroute_sync::Sync) {
+    pub fn attach_sync(&self, sync: kvroute_sync::SyncTransport) {
         if let Err(extra) = self.sync.set(sync) {
             extra.stop();
         }
@@ -20,7 +20,7 @@ impl Shared {
 
     /// Whether this replica is connected to its peers; `None` without sync.
     pub fn sync_link(&self) -> Option<LinkState> {
-        self.sync.get().map(kvroute_sync::Sync::link)
+        self.sync.get().map(kvroute_sync::SyncTransport::link)
     }
 
     /// Stops the sync transport, if any (the replica falls silent to its peers).
@@ -33,18 +33,18 @@ impl Shared {
     /// Hands an operator's registry change to the peers, if synced.
     pub(super) fn announce(&self, change: WorkerChange) {
         if let Some(sync) = self.sync.get() {
-            sync.outgoing().push(WireEvent::Worker(change));
+            sync.outgoing().push(SyncItem::Worker(change));
         }
     }
 
     /// Applies peer `from`'s load changes in order (registry changes are the caller's: they
     /// start tasks). A booking on a worker this replica does not know is skipped.
-    pub fn apply_peer_events(&self, from: RouterId, events: &[WireEvent]) {
+    pub fn apply_peer_events(&self, from: RouterId, events: &[SyncItem]) {
         let mut inner = self.lock();
         let now = self.now();
         let mut out = Vec::new();
         for wire in events {
-            let Inner { router, registry, .. } = &mut *inner;
+            let DriverState { router, registry, .. } = &mut *inner;
             let Some(event) = wire.to_sync(from, |url| registry.find(url)) else {
                 continue;
             };
@@ -71,7 +71,7 @@ impl Shared {
 
     /// This replica's state for a joining peer: its registry (every worker an operator has not
     /// removed, with its drain) and its in-flight bookings.
-    pub fn sync_snapshot(&self) -> Vec<WireEvent> {
+    pub fn sync_snapshot(&self) -> Vec<SyncItem> {
         let inner = self.lock();
         let mut events = Vec::new();
         for (_, w) in inner.registry.iter() {
@@ -81,9 +81,9 @@ impl Shared {
             let Some(added) = announced(&w.config) else {
                 continue;
             };
-            events.push(WireEvent::Worker(added));
+            events.push(SyncItem::Worker(added));
             if matches!(w.state, WorkerState::Draining { .. } | WorkerState::Drained) {
-                events.push(WireEvent::Worker(WorkerChange::Draining { url: w.base.clone() }));
+                events.push(SyncItem::Worker(WorkerChange::Draining { url: w.base.clone() }));
             }
         }
         let name = |id: WorkerId| inner.registry.get(id).map(|w| w.base.clone());
@@ -92,7 +92,7 @@ impl Shared {
                 .router
                 .sync_snapshot()
                 .iter()
-                .filter_map(|e| WireEvent::from_sync(e, name)),
+                .filter_map(|e| SyncItem::from_sync(e, name)),
         );
         events
     }

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 use crate::config::ServeConfig;
 use crate::registry::WorkerUrls;
 
-use super::{Inner, RequestGuard, Shared};
+use super::{Driver, DriverState, RequestGuard};
 
 /// Why a request could not be routed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +75,7 @@ pub struct Target {
     pub prefill: Option<Upstream>,
 }
 
-impl Shared {
+impl Driver {
     /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
     /// is busy. The returned guard owns the request's load.
     pub async fn route(
@@ -162,7 +162,7 @@ impl Shared {
 
     /// Routes the outputs of an input that freed capacity: released requests go to their
     /// waiting handlers (or are cancelled if the handler has gone).
-    pub(super) fn dispatch(&self, inner: &mut Inner, outputs: Vec<Output>) {
+    pub(super) fn dispatch(&self, inner: &mut DriverState, outputs: Vec<Output>) {
         let mut pending = outputs;
         while let Some(out) = pending.pop() {
             if let Output::Routed(d) = out {
@@ -198,7 +198,7 @@ impl Shared {
         self.notify();
     }
 }
-impl Inner {
+impl DriverState {
     /// Where decision `d` sends its request; `window`: how long after a view was cleared its
     /// requests ask for re-announcements.
     fn target(&self, d: &Decision, window: Duration) -> Target {

@@ -2,17 +2,17 @@ use super::*;
 use crate::config::WorkerConfig;
 use crate::worker::{StateName, WorkerEvent};
 
-fn shared() -> (Arc<Shared>, WorkerId) {
+fn shared() -> (Arc<Driver>, WorkerId) {
     let config = ServeConfig::default();
     let router = Router::new(config.validate().unwrap()).unwrap();
-    let shared = Shared::new(router, config, Metrics::new());
+    let shared = Driver::new(router, config, Metrics::new());
     let id = shared
         .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:1").unwrap())
         .unwrap();
     (shared, id)
 }
 
-fn state(shared: &Shared) -> StateName {
+fn state(shared: &Driver) -> StateName {
     shared.worker_statuses()[0].state
 }
 
@@ -98,7 +98,7 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
     let (first, target, _) = shared.route(&[1, 2, 3], None).await.unwrap();
     assert_eq!(target.decode.worker, id);
     let (second, _, _) = shared.route(&[4, 5, 6], None).await.unwrap();
-    let booked = |shared: &Shared| {
+    let booked = |shared: &Driver| {
         let snapshot = shared.snapshot();
         let on = |w: WorkerId| {
             snapshot

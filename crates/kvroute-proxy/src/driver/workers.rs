@@ -11,9 +11,9 @@ use crate::registry::{Subscribers, Transition, WorkerStatus};
 use crate::views::WorkerViews;
 use crate::worker::{WorkerEvent, WorkerState};
 
-use super::{Inner, Shared};
+use super::{Driver, DriverState};
 
-impl Shared {
+impl Driver {
     /// Adds a worker (all its ranks) to routing and returns its id: its registry entry, its
     /// ranks in the router and its series, told to the peers. Its subscribers and checks are
     /// started by the proxy's one add path ([`crate::fleet::Fleet::add`]).
@@ -122,7 +122,7 @@ impl Shared {
     /// then its effects. A worker whose new state is [`WorkerState::Gone`] is forgotten, and
     /// with its entry go its subscribers and its cache views (its series went in
     /// [`Self::effect`]).
-    fn apply(&self, inner: &mut Inner, id: WorkerId, event: WorkerEvent) -> Option<Transition> {
+    fn apply(&self, inner: &mut DriverState, id: WorkerId, event: WorkerEvent) -> Option<Transition> {
         let t = inner.registry.apply(id, event)?;
         self.effect(inner, id, t);
         if t.to == WorkerState::Gone {
@@ -138,7 +138,7 @@ impl Shared {
     /// in its event stream and clears it); when it is back, its view is resynced through the
     /// replay socket, which fetches what was missed and tells whether the engine restarted.
     /// Any other exit forgets the view.
-    fn effect(&self, inner: &mut Inner, id: WorkerId, t: Transition) {
+    fn effect(&self, inner: &mut DriverState, id: WorkerId, t: Transition) {
         if t.from == t.to {
             return;
         }
@@ -198,7 +198,7 @@ impl Shared {
 
     /// Puts worker `id`'s ranks in the router, with an empty cache view (or the one kept while
     /// it was unhealthy).
-    fn enter(&self, inner: &mut Inner, id: WorkerId) {
+    fn enter(&self, inner: &mut DriverState, id: WorkerId) {
         let Some(w) = inner.registry.get(id) else { return };
         let specs: Vec<WorkerSpec> = (0..w.config.dp_size)
             .map(|rank| {
@@ -220,7 +220,7 @@ impl Shared {
     }
 
     /// `kvroute_worker_up`: 1 while the worker takes new requests.
-    fn set_up_gauge(&self, inner: &Inner, id: WorkerId, state: WorkerState) {
+    fn set_up_gauge(&self, inner: &DriverState, id: WorkerId, state: WorkerState) {
         if let Some(w) = inner.registry.get(id) {
             self.metrics
                 .worker_up
@@ -270,7 +270,7 @@ impl Shared {
     }
 
     /// Tells every draining worker the router books nothing on that it is idle.
-    pub(super) fn settle_drains(&self, inner: &mut Inner) {
+    pub(super) fn settle_drains(&self, inner: &mut DriverState) {
         let idle: Vec<(WorkerId, u32)> = inner
             .registry
             .draining()

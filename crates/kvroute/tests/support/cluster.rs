@@ -99,7 +99,7 @@ impl Cluster {
     /// Waits until the router books no request, then checks its invariants. Woken by each
     /// change the proxy reports (a request ending among them), not by a timer.
     pub async fn assert_drained(&self) {
-        let idle = |s: &kvroute_proxy::Shared| {
+        let idle = |s: &kvroute_proxy::Driver| {
             let m = s.snapshot();
             let booked: u64 = m.workers.iter().map(|w| u64::from(w.load.requests)).sum();
             m.active_now == 0 && m.queued_now == 0 && booked == 0
@@ -137,7 +137,7 @@ impl Cluster {
     /// Waits until worker `id` is in `state`, as the proxy's registry reports it.
     pub async fn wait_for_state(&self, id: usize, state: StateName) {
         let reached =
-            |s: &kvroute_proxy::Shared| s.worker_statuses().get(id).is_some_and(|w| w.state == state);
+            |s: &kvroute_proxy::Driver| s.worker_statuses().get(id).is_some_and(|w| w.state == state);
         let arrived = self.proxy.shared.wait_until(PATIENCE, reached).await;
         assert!(
             arrived,
