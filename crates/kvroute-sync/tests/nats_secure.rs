@@ -9,9 +9,7 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,51 +19,19 @@ use kvroute_sync::{
     ClientCertificate, NatsAuth, NatsSyncConfig, NatsTls, Secret, SyncError, SyncHost, SyncItem, SyncMetrics,
     SyncTransport,
 };
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+use kvroute_testkit::{External, Pki, require};
 
 const TOKEN: &str = "tok-5f1e9a";
 const USER: &str = "router";
 const PASSWORD: &str = "pw-c0ffee-42";
 
-/// A CA, a server certificate for 127.0.0.1 it signed, and a client certificate it signed, as
-/// PEM files in a directory removed on drop.
-struct Pki {
-    dir: PathBuf,
+/// The test's TLS settings made from the shared test PKI.
+trait TlsFiles {
+    fn server_tls(&self, mutual: bool) -> ServerTls;
+    fn client_tls(&self, mutual: bool) -> NatsTls;
 }
 
-impl Pki {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvroute-pki-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(DnType::CommonName, "kvroute test CA");
-        let ca_key = KeyPair::generate().unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.self_signed(&ca_key).unwrap().pem()).unwrap();
-        let issuer = Issuer::new(ca, ca_key);
-        for (name, cn) in [("server", "127.0.0.1"), ("client", "kvroute replica")] {
-            let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-            params
-                .subject_alt_names
-                .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
-            params.distinguished_name.push(DnType::CommonName, cn);
-            let key = KeyPair::generate().unwrap();
-            let cert = params.signed_by(&key, &issuer).unwrap();
-            std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-            std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).unwrap();
-        }
-        Self { dir }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
+impl TlsFiles for Pki {
     fn server_tls(&self, mutual: bool) -> ServerTls {
         ServerTls {
             cert: self.path("server.pem"),
@@ -87,24 +53,11 @@ impl Pki {
     }
 }
 
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// A server demanding `security`; `None` (the test skips, saying so) without nats-server,
 /// outside CI.
 fn server(security: ServerSecurity) -> Option<NatsServer> {
-    if NatsServer::binary().is_none() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "nats-server is not installed: CI must install it (apt-get install -y nats-server)"
-        );
-        eprintln!("SKIPPED: nats-server is not installed (apt-get install nats-server)");
-        return None;
-    }
-    Some(NatsServer::start_with(security).expect("nats-server starts"))
+    require(External::NatsServer, NatsServer::binary().is_some())
+        .then(|| NatsServer::start_with(security).expect("nats-server starts"))
 }
 
 #[derive(Default)]

@@ -7,8 +7,12 @@
 //!   (`nats-server`, Python with pyzmq) skips, saying so, where it is absent; in CI (`CI` set to
 //!   `true` or `1`) it fails instead, naming the install step, so a missing install can never
 //!   pass as a green run.
+//! - [`Pki`]: a CA and the certificates it signed, made at test time, for TLS tests.
 
 use std::fmt::Display;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a test waits for what it expects before failing.
@@ -118,6 +122,78 @@ fn require_in(run: Run, dependency: External, found: bool) -> bool {
     );
     println!("skipped: {name} not found (install it with `{install}`)");
     false
+}
+
+/// A CA, and a server and a client certificate it signed (for `localhost` and 127.0.0.1), as PEM
+/// files in a directory of their own, removed on drop: `ca.pem`, `server.pem`, `server-key.pem`,
+/// `client.pem`, `client-key.pem`. A test may write its own files beside them ([`Pki::write`]).
+#[derive(Debug)]
+pub struct Pki {
+    dir: PathBuf,
+}
+
+impl Pki {
+    /// Makes the CA and the certificates.
+    ///
+    /// # Panics
+    /// If the directory cannot be written or a certificate cannot be made (a test's setup).
+    #[allow(clippy::unwrap_used)]
+    pub fn new() -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvroute-pki-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, "kvroute test CA");
+        let ca_key = KeyPair::generate().unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.self_signed(&ca_key).unwrap().pem()).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        for (name, cn) in [("server", "127.0.0.1"), ("client", "kvroute replica")] {
+            let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+            params.distinguished_name.push(DnType::CommonName, cn);
+            let key = KeyPair::generate().unwrap();
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+            std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).unwrap();
+        }
+        Self { dir }
+    }
+
+    /// The file `name` in the directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Writes `contents` to the file `name` in the directory; its path.
+    ///
+    /// # Panics
+    /// If the file cannot be written.
+    #[allow(clippy::unwrap_used)]
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, contents).unwrap();
+        path
+    }
+}
+
+impl Default for Pki {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 #[cfg(test)]

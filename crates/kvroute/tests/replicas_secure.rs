@@ -9,10 +9,8 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -23,7 +21,7 @@ use kvroute_mock::{self as mock, MockConfig, MockWorker};
 use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{ProxyHandle, ServeConfig, WorkerConfig};
 use kvroute_sync::server::{NatsServer, ServerAuth, ServerSecurity, ServerTls};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+use kvroute_testkit::{External, Pki, eventually, require};
 use serde_json::{Value, json};
 
 const USER: &str = "kvroute";
@@ -32,57 +30,20 @@ const PASSWORD: &str = "nats-pw-7c1d2e9f4a0b";
 const WORKER_KEY: &str = "sk-worker-3b8e1f0c9d2a7e64";
 /// Replica B's own credential for workers its peers add.
 const PEER_KEY: &str = "sk-peer-5a9c0e7d1b3f8264";
-const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A directory with a CA, a server certificate for 127.0.0.1 it signed, and the password file.
-struct Files {
-    dir: PathBuf,
-}
-
-impl Files {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(DnType::CommonName, "kvroute test CA");
-        let ca_key = KeyPair::generate().unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.self_signed(&ca_key).unwrap().pem()).unwrap();
-        let issuer = Issuer::new(ca, ca_key);
-        let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-        server
-            .subject_alt_names
-            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
-        let key = KeyPair::generate().unwrap();
-        let cert = server.signed_by(&key, &issuer).unwrap();
-        std::fs::write(dir.join("server.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.join("server-key.pem"), key.serialize_pem()).unwrap();
-        std::fs::write(dir.join("password"), format!("{PASSWORD}\n")).unwrap();
-        std::fs::write(dir.join("peer-key"), format!("{PEER_KEY}\n")).unwrap();
-        std::fs::write(dir.join("wrong-password"), "not-the-password\n").unwrap();
-        Self { dir }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-}
-
-impl Drop for Files {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The test PKI, with the password files beside it.
+fn files() -> Pki {
+    let pki = Pki::new();
+    pki.write("password", &format!("{PASSWORD}\n"));
+    pki.write("peer-key", &format!("{PEER_KEY}\n"));
+    pki.write("wrong-password", "not-the-password\n");
+    pki
 }
 
 /// A server requiring `USER`/`PASSWORD` over TLS; `None` (the test skips, saying so) without
 /// nats-server, outside CI.
-fn nats(files: &Files) -> Option<NatsServer> {
-    if NatsServer::binary().is_none() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "nats-server is not installed: CI must install it (apt-get install -y nats-server)"
-        );
-        eprintln!("SKIPPED: nats-server is not installed (apt-get install nats-server)");
+fn nats(files: &Pki) -> Option<NatsServer> {
+    if !require(External::NatsServer, NatsServer::binary().is_some()) {
         return None;
     }
     let security = ServerSecurity {
@@ -100,7 +61,7 @@ fn nats(files: &Files) -> Option<NatsServer> {
 }
 
 /// Every message the server carries, as text, from a client of its own subscribed to all.
-async fn spy(nats: &NatsServer, files: &Files) -> Arc<Mutex<Vec<String>>> {
+async fn spy(nats: &NatsServer, files: &Pki) -> Arc<Mutex<Vec<String>>> {
     let client = async_nats::ConnectOptions::with_user_and_password(USER.into(), PASSWORD.into())
         .add_root_certificates(files.path("ca.pem"))
         .require_tls(true)
@@ -129,7 +90,7 @@ async fn mocks(n: usize) -> Vec<MockWorker> {
 
 /// A `kvroute serve` configuration synced through `nats` as `USER`, its password from
 /// `password_file`, TLS verified by the test's CA.
-fn config(nats: &NatsServer, files: &Files, password_file: &str, workers: &[WorkerConfig]) -> ServeConfig {
+fn config(nats: &NatsServer, files: &Pki, password_file: &str, workers: &[WorkerConfig]) -> ServeConfig {
     let text = format!(
         "listen = \"127.0.0.1:0\"\nadmin-listen = \"127.0.0.1:0\"\nhealth-interval-ms = 200\n\
          nats = \"{}\"\nnats-heartbeat-ms = 200\nnats-peer-timeout-ms = 1000\n\
@@ -160,14 +121,6 @@ fn worker(proxy: &ProxyHandle, url: &str) -> Option<(StateName, Option<String>)>
         .map(|w| (w.state, w.config.api_key))
 }
 
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !done() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn call(client: &HttpClient, method: &str, url: String, body: &Value) -> (u16, String) {
     let request = hyper::Request::builder()
         .method(method)
@@ -183,7 +136,7 @@ async fn call(client: &HttpClient, method: &str, url: String, body: &Value) -> (
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_sync_through_nats_with_a_password_and_tls_and_no_message_carries_a_secret() {
-    let files = Files::new("secure-sync");
+    let files = files();
     let Some(nats) = nats(&files) else { return };
     let seen = spy(&nats, &files).await;
     let mut mocks = mocks(3).await;
@@ -255,7 +208,7 @@ async fn replicas_sync_through_nats_with_a_password_and_tls_and_no_message_carri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_password_or_an_unknown_ca_stops_a_replica_at_start_naming_the_keys() {
-    let files = Files::new("secure-refused");
+    let files = files();
     let Some(nats) = nats(&files) else { return };
     let err = start(config(&nats, &files, "wrong-password", &[]))
         .await
