@@ -43,7 +43,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use expect_test::expect_file;
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{
     DpRank, ExternalBlockHash, LocalBlockHash, RequestId, SequenceHash, WorkerId, WorkerKey,
@@ -55,6 +54,10 @@ use kvroute_core::router::{
     SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
+
+#[path = "support/script.rs"]
+#[macro_use]
+mod script;
 
 const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/router");
 const REPLICA: RouterId = RouterId(9);
@@ -619,39 +622,18 @@ fn fmt_event(event: &SyncEvent) -> String {
     format!("  router {} r{}: {what}", event.router.0, event.request.0)
 }
 
-fn run_script(name: &str) {
-    let dir = Path::new(DATA);
-    let script = std::fs::read_to_string(dir.join(format!("{name}.txt")))
-        .unwrap_or_else(|e| panic!("reading {name}.txt: {e}"));
-    let mut h = Harness::new();
-    let mut out = String::new();
-    for line in script.lines() {
-        let trimmed = line.trim();
-        if trimmed.is_empty() || trimmed.starts_with('#') {
-            out.push_str(line);
-            out.push('\n');
-            continue;
-        }
-        let result = h.run(trimmed);
-        out.push_str(&format!("{trimmed} => {result}\n"));
-        if let Some(router) = &h.router {
-            if let Err(e) = router.check_invariants() {
-                panic!("{name}: after `{trimmed}`: {e}");
-            }
-        }
+impl script::Harness for Harness {
+    fn run(&mut self, input: &str) -> String {
+        Harness::run(self, input)
     }
-    expect_file![dir.join(format!("{name}.expected"))].assert_eq(&out);
+
+    fn check(&self) -> Result<(), String> {
+        self.router.as_ref().map_or(Ok(()), Router::check_invariants)
+    }
 }
 
-macro_rules! scripts {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $name() {
-                run_script(stringify!($name));
-            }
-        )*
-    };
+fn run_script(name: &str) {
+    script::run_file(Path::new(DATA), name, &mut Harness::new());
 }
 
 scripts!(
