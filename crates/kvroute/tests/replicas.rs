@@ -379,15 +379,19 @@ async fn admin(
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
 }
 
-/// Worker `url`'s state in `proxy`'s registry (`None`: not there).
-fn state_of(proxy: &ProxyHandle, url: &str) -> Option<StateName> {
+/// Worker `url`'s entry in `proxy`'s registry (`None`: not there).
+fn status_of(proxy: &ProxyHandle, url: &str) -> Option<kvroute_proxy::registry::WorkerStatus> {
     let url = url.trim_end_matches('/');
     proxy
         .shared
         .worker_statuses()
         .into_iter()
         .find(|w| w.config.url.trim_end_matches('/') == url)
-        .map(|w| w.state)
+}
+
+/// Worker `url`'s state in `proxy`'s registry (`None`: not there).
+fn state_of(proxy: &ProxyHandle, url: &str) -> Option<StateName> {
+    status_of(proxy, url).map(|w| w.state)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -437,13 +441,7 @@ async fn an_operators_add_drain_and_remove_on_one_replica_hold_on_all() {
 
 /// Worker `url`'s id in `proxy`'s registry (`None`: not there).
 fn id_of(proxy: &ProxyHandle, url: &str) -> Option<u64> {
-    let url = url.trim_end_matches('/');
-    proxy
-        .shared
-        .worker_statuses()
-        .into_iter()
-        .find(|w| w.config.url.trim_end_matches('/') == url)
-        .map(|w| w.id)
+    status_of(proxy, url).map(|w| w.id)
 }
 
 /// `proxy`'s `/metrics` as a scrape sees it (the gauges refreshed first, as the handler does).
