@@ -33,8 +33,9 @@ use crate::driver::Driver;
 use crate::events::EventFeed;
 use crate::fleet::Fleet;
 use crate::flow::{Forwarder, Generation};
-use crate::metrics::{Metrics, RequestKind, RequestOutcome};
+use crate::metrics::Metrics;
 use crate::observed::{Report, Shape};
+use crate::outcome::{RequestKind, RequestOutcome};
 use kvroute_http::model::Model;
 
 use crate::admin::{bearer, same_secret, unauthorized};
