@@ -58,7 +58,7 @@ pub(crate) fn unauthorized(message: &str) -> Response {
 
 /// The admin API's token, when one is configured.
 async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    match &app.shared.config.admin_token {
+    match &app.shared.config.server.admin_token {
         Some(token) if !bearer(request.headers()).is_some_and(|t| same_secret(token, t)) => {
             unauthorized("the admin API needs its token (Authorization: Bearer TOKEN)")
         }

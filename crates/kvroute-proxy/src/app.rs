@@ -37,7 +37,7 @@ pub(crate) async fn read_body(
     limit: usize,
 ) -> Result<Bytes, ApiError> {
     let collect = Limited::new(body, limit).collect();
-    match tokio::time::timeout(ServeConfig::ms(config.body_read_timeout_ms), collect).await {
+    match tokio::time::timeout(ServeConfig::ms(config.server.body_read_timeout_ms), collect).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -58,7 +58,7 @@ pub(crate) async fn read_body(
             "request_timeout",
             format!(
                 "the request body did not arrive within {} ms",
-                config.body_read_timeout_ms
+                config.server.body_read_timeout_ms
             ),
         )),
     }

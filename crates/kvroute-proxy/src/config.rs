@@ -345,11 +345,34 @@ fn role_of(name: &str) -> Option<WorkerRole> {
         .find(|r| r.name() == name)
 }
 
-/// Everything `kvroute serve` needs. Every field has a default, so a file names only what it
-/// changes.
-#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+/// Everything `kvroute serve` needs, grouped by concern. Every field has a default, so a file
+/// names only what it changes.
+///
+/// A file (and the CLI's flags) names the fields flat, by their kebab-case keys (`policy`,
+/// `nats-heartbeat-ms`, `[[worker]]`): each key is the field of the same name in its group.
+/// Unknown keys are refused.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(from = "ServeFile", into = "ServeFile")]
 pub struct ServeConfig {
+    /// Listeners, client connections and the inference API's keys.
+    pub server: ServerConfig,
+    /// The model served and its tokenizer.
+    pub model: ModelConfig,
+    /// The router: policy, cache view, decider, queue and busy threshold, view bounds.
+    pub routing: RoutingConfig,
+    /// The largest request accepted.
+    pub limits: LimitsConfig,
+    /// Calls to workers: their timeouts and health checks.
+    pub upstream: UpstreamConfig,
+    /// Router replicas' sync over NATS: the server, its credentials and TLS, the peers' worker key.
+    pub replicas: ReplicasConfig,
+    /// The workers (`[[worker]]` tables; the CLI's `--worker`).
+    pub workers: Vec<WorkerConfig>,
+}
+
+/// The listeners, the timeouts of client connections, the inference API's keys and the runtime.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServerConfig {
     /// Where to listen. Default `127.0.0.1:8000`.
     pub listen: String,
     /// Where the admin API (`/admin/...`) listens: its own listener, never the inference
@@ -372,6 +395,33 @@ pub struct ServeConfig {
     /// On SIGTERM or Ctrl-C: how long streams in flight may take to finish before the process
     /// exits anyway. Default 30,000 ms.
     pub drain_timeout_ms: u64,
+    /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens` to
+    /// each response (debugging and end-to-end checks). Default false.
+    pub debug_headers: bool,
+    /// Runtime worker threads (0: one per core). Default 0.
+    pub threads: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".to_owned(),
+            admin_listen: "127.0.0.1:8100".to_owned(),
+            admin_token: None,
+            api_key: Vec::new(),
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            drain_timeout_ms: 30_000,
+            debug_headers: false,
+            threads: 0,
+        }
+    }
+}
+
+/// The model served and the tokenizer its prompts are routed by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
     /// The model name served (`/v1/models`). Default `tiny`.
     pub model_name: String,
     /// A local directory with `tokenizer.json` (and `tokenizer_config.json` for chat): the
@@ -382,9 +432,26 @@ pub struct ServeConfig {
     /// for any real engine. Default false: `kvroute serve` refuses to start without a
     /// tokenizer.
     pub approximate_tokenizer: bool,
-    /// Add `x-kvroute-worker`, `x-kvroute-dp-rank` and `x-kvroute-predicted-cached-tokens` to
-    /// each response (debugging and end-to-end checks). Default false.
-    pub debug_headers: bool,
+    /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
+    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
+    pub tokenizer_cache_bytes: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "tiny".to_owned(),
+            model_dir: None,
+            approximate_tokenizer: false,
+            tokenizer_cache_bytes: 256 << 20,
+        }
+    }
+}
+
+/// The router's vocabulary (policy, cache view, decider, queue, busy threshold: the grammar of
+/// `kvroute_core::router::spec`) and the bounds of its cache views.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingConfig {
     /// Routing policy spec (`kv`, `dynamo:full`, `kv:staged:scale=2`, `round-robin`, ...; the
     /// grammar of `kvroute_core::router::spec`). Default `kv`.
     pub policy: String,
@@ -413,10 +480,57 @@ pub struct ServeConfig {
     /// A worker is busy when its requests exceed this fraction of its `max_requests`. Default:
     /// never busy.
     pub busy_requests_fraction: Option<f64>,
+    /// The most KV blocks the router's view keeps per worker rank; past it, the rank's oldest
+    /// blocks are evicted (counted in `kvroute_index_blocks_evicted_total`). Engines' own
+    /// removals keep a view within the engine's cache; this bounds memory when they are lost.
+    /// Default 1,048,576 (about 70 MiB per rank at its fullest).
+    pub max_blocks_per_worker: usize,
+    /// After a rank's view was cleared for lost events, how long requests routed to it ask its
+    /// engine to re-announce the cached blocks they reuse (worker key `reannounce`), unless the
+    /// view is exact again sooner. The hot prefixes come back with their first reuse; the
+    /// window bounds the extra events. Default 300,000 ms.
+    pub reannounce_window_ms: u64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: "kv".to_owned(),
+            block_size: 16,
+            seed: 0,
+            decider: "always".to_owned(),
+            disagg_protocol: EngineKind::Vllm,
+            cache: "events".to_owned(),
+            queue_capacity: 1024,
+            queue_timeout_ms: 30_000,
+            busy_requests_fraction: None,
+            max_blocks_per_worker: 1 << 20,
+            reannounce_window_ms: 300_000,
+        }
+    }
+}
+
+/// The largest request the proxy accepts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LimitsConfig {
     /// Largest request body, bytes (413 past it). Default 4 MiB.
     pub max_body_bytes: usize,
     /// Most prompt tokens (400 past it). Default 131,072.
     pub max_prompt_tokens: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 4 << 20,
+            max_prompt_tokens: 131_072,
+        }
+    }
+}
+
+/// Calls to workers: connect and request timeouts, health checks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpstreamConfig {
     /// Longest silence from a worker while a request runs (before its headers or between two
     /// chunks) before the request fails with 504. Default 600,000 ms.
     pub request_timeout_ms: u64,
@@ -431,21 +545,25 @@ pub struct ServeConfig {
     pub health_failure_threshold: u32,
     /// Passing health checks in a row that bring an unhealthy worker back. Default 2.
     pub health_success_threshold: u32,
-    /// Runtime worker threads (0: one per core). Default 0.
-    pub threads: usize,
-    /// The most KV blocks the router's view keeps per worker rank; past it, the rank's oldest
-    /// blocks are evicted (counted in `kvroute_index_blocks_evicted_total`). Engines' own
-    /// removals keep a view within the engine's cache; this bounds memory when they are lost.
-    /// Default 1,048,576 (about 70 MiB per rank at its fullest).
-    pub max_blocks_per_worker: usize,
-    /// After a rank's view was cleared for lost events, how long requests routed to it ask its
-    /// engine to re-announce the cached blocks they reuse (worker key `reannounce`), unless the
-    /// view is exact again sooner. The hot prefixes come back with their first reuse; the
-    /// window bounds the extra events. Default 300,000 ms.
-    pub reannounce_window_ms: u64,
-    /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
-    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
-    pub tokenizer_cache_bytes: usize,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            request_timeout_ms: 600_000,
+            connect_timeout_ms: 2_000,
+            health_interval_ms: 5_000,
+            health_timeout_ms: 1_000,
+            health_failure_threshold: 3,
+            health_success_threshold: 2,
+        }
+    }
+}
+
+/// Router replicas' sync over NATS: the server, the subjects, heartbeats, credentials and TLS, and
+/// the credential of workers added by peers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicasConfig {
     /// The NATS server through which router replicas share their load and worker registry,
     /// `nats://host:port`. None: no sync (this replica knows only its own requests). Default
     /// none.
@@ -460,14 +578,12 @@ pub struct ServeConfig {
     pub nats_peer_timeout_ms: u64,
     /// The token the NATS server requires (its `authorization { token }`). Better
     /// `nats-token-file`: a flag's value shows in the process list. Default none.
-    #[serde(skip_serializing)]
     pub nats_token: Option<Secret>,
     /// A file holding the NATS token (one line). Default none.
     pub nats_token_file: Option<PathBuf>,
     /// The NATS user, with `nats-password` or `nats-password-file`. Default none.
     pub nats_user: Option<String>,
     /// The NATS user's password. Better `nats-password-file`. Default none.
-    #[serde(skip_serializing)]
     pub nats_password: Option<Secret>,
     /// A file holding the NATS user's password (one line). Default none.
     pub nats_password_file: Option<PathBuf>,
@@ -486,51 +602,14 @@ pub struct ServeConfig {
     /// with, when that worker has one on the peer and this replica's own `[[worker]]` tables do
     /// not name it (replicas never send each other credentials). Better
     /// `peer-worker-api-key-file`. Default none: such a worker is refused.
-    #[serde(skip_serializing)]
     pub peer_worker_api_key: Option<Secret>,
     /// A file holding `peer-worker-api-key` (one line). Default none.
     pub peer_worker_api_key_file: Option<PathBuf>,
-    /// The workers (`[[worker]]` tables; the CLI's `--worker`).
-    #[serde(rename = "worker")]
-    pub workers: Vec<WorkerConfig>,
 }
 
-impl Default for ServeConfig {
+impl Default for ReplicasConfig {
     fn default() -> Self {
         Self {
-            listen: "127.0.0.1:8000".to_owned(),
-            admin_listen: "127.0.0.1:8100".to_owned(),
-            admin_token: None,
-            api_key: Vec::new(),
-            header_read_timeout_ms: 10_000,
-            body_read_timeout_ms: 30_000,
-            idle_timeout_ms: 60_000,
-            drain_timeout_ms: 30_000,
-            model_name: "tiny".to_owned(),
-            model_dir: None,
-            approximate_tokenizer: false,
-            debug_headers: false,
-            policy: "kv".to_owned(),
-            block_size: 16,
-            seed: 0,
-            decider: "always".to_owned(),
-            disagg_protocol: EngineKind::Vllm,
-            cache: "events".to_owned(),
-            queue_capacity: 1024,
-            queue_timeout_ms: 30_000,
-            busy_requests_fraction: None,
-            max_body_bytes: 4 << 20,
-            max_prompt_tokens: 131_072,
-            request_timeout_ms: 600_000,
-            connect_timeout_ms: 2_000,
-            health_interval_ms: 5_000,
-            health_timeout_ms: 1_000,
-            health_failure_threshold: 3,
-            health_success_threshold: 2,
-            threads: 0,
-            max_blocks_per_worker: 1 << 20,
-            reannounce_window_ms: 300_000,
-            tokenizer_cache_bytes: 256 << 20,
             nats: None,
             nats_subject_prefix: "kvroute".to_owned(),
             nats_heartbeat_ms: 1_000,
@@ -546,7 +625,322 @@ impl Default for ServeConfig {
             nats_tls_key: None,
             peer_worker_api_key: None,
             peer_worker_api_key_file: None,
-            workers: Vec::new(),
+        }
+    }
+}
+
+/// [`ServeConfig`] as a file and the flags name it: one flat table of kebab-case keys, unknown
+/// ones refused (serde's `flatten` cannot refuse them, hence this form).
+#[derive(Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+struct ServeFile {
+    // ServeConfig::server
+    listen: String,
+    admin_listen: String,
+    admin_token: Option<String>,
+    api_key: Vec<String>,
+    header_read_timeout_ms: u64,
+    body_read_timeout_ms: u64,
+    idle_timeout_ms: u64,
+    drain_timeout_ms: u64,
+    debug_headers: bool,
+    threads: usize,
+    // ServeConfig::model
+    model_name: String,
+    model_dir: Option<PathBuf>,
+    approximate_tokenizer: bool,
+    tokenizer_cache_bytes: usize,
+    // ServeConfig::routing
+    policy: String,
+    block_size: u32,
+    seed: u64,
+    decider: String,
+    disagg_protocol: EngineKind,
+    cache: String,
+    queue_capacity: usize,
+    queue_timeout_ms: u64,
+    busy_requests_fraction: Option<f64>,
+    max_blocks_per_worker: usize,
+    reannounce_window_ms: u64,
+    // ServeConfig::limits
+    max_body_bytes: usize,
+    max_prompt_tokens: usize,
+    // ServeConfig::upstream
+    request_timeout_ms: u64,
+    connect_timeout_ms: u64,
+    health_interval_ms: u64,
+    health_timeout_ms: u64,
+    health_failure_threshold: u32,
+    health_success_threshold: u32,
+    // ServeConfig::replicas
+    nats: Option<String>,
+    nats_subject_prefix: String,
+    nats_heartbeat_ms: u64,
+    nats_peer_timeout_ms: u64,
+    #[serde(skip_serializing)]
+    nats_token: Option<Secret>,
+    nats_token_file: Option<PathBuf>,
+    nats_user: Option<String>,
+    #[serde(skip_serializing)]
+    nats_password: Option<Secret>,
+    nats_password_file: Option<PathBuf>,
+    nats_credentials: Option<PathBuf>,
+    nats_tls_ca: Option<PathBuf>,
+    nats_tls_cert: Option<PathBuf>,
+    nats_tls_key: Option<PathBuf>,
+    #[serde(skip_serializing)]
+    peer_worker_api_key: Option<Secret>,
+    peer_worker_api_key_file: Option<PathBuf>,
+    #[serde(rename = "worker")]
+    workers: Vec<WorkerConfig>,
+}
+
+impl Default for ServeFile {
+    fn default() -> Self {
+        ServeConfig::default().into()
+    }
+}
+
+impl From<ServeFile> for ServeConfig {
+    fn from(file: ServeFile) -> Self {
+        let ServeFile {
+            listen,
+            admin_listen,
+            admin_token,
+            api_key,
+            header_read_timeout_ms,
+            body_read_timeout_ms,
+            idle_timeout_ms,
+            drain_timeout_ms,
+            model_name,
+            model_dir,
+            approximate_tokenizer,
+            debug_headers,
+            policy,
+            block_size,
+            seed,
+            decider,
+            disagg_protocol,
+            cache,
+            queue_capacity,
+            queue_timeout_ms,
+            busy_requests_fraction,
+            max_body_bytes,
+            max_prompt_tokens,
+            request_timeout_ms,
+            connect_timeout_ms,
+            health_interval_ms,
+            health_timeout_ms,
+            health_failure_threshold,
+            health_success_threshold,
+            threads,
+            max_blocks_per_worker,
+            reannounce_window_ms,
+            tokenizer_cache_bytes,
+            nats,
+            nats_subject_prefix,
+            nats_heartbeat_ms,
+            nats_peer_timeout_ms,
+            nats_token,
+            nats_token_file,
+            nats_user,
+            nats_password,
+            nats_password_file,
+            nats_credentials,
+            nats_tls_ca,
+            nats_tls_cert,
+            nats_tls_key,
+            peer_worker_api_key,
+            peer_worker_api_key_file,
+            workers,
+        } = file;
+        Self {
+            server: ServerConfig {
+                listen,
+                admin_listen,
+                admin_token,
+                api_key,
+                header_read_timeout_ms,
+                body_read_timeout_ms,
+                idle_timeout_ms,
+                drain_timeout_ms,
+                debug_headers,
+                threads,
+            },
+            model: ModelConfig {
+                model_name,
+                model_dir,
+                approximate_tokenizer,
+                tokenizer_cache_bytes,
+            },
+            routing: RoutingConfig {
+                policy,
+                block_size,
+                seed,
+                decider,
+                disagg_protocol,
+                cache,
+                queue_capacity,
+                queue_timeout_ms,
+                busy_requests_fraction,
+                max_blocks_per_worker,
+                reannounce_window_ms,
+            },
+            limits: LimitsConfig {
+                max_body_bytes,
+                max_prompt_tokens,
+            },
+            upstream: UpstreamConfig {
+                request_timeout_ms,
+                connect_timeout_ms,
+                health_interval_ms,
+                health_timeout_ms,
+                health_failure_threshold,
+                health_success_threshold,
+            },
+            replicas: ReplicasConfig {
+                nats,
+                nats_subject_prefix,
+                nats_heartbeat_ms,
+                nats_peer_timeout_ms,
+                nats_token,
+                nats_token_file,
+                nats_user,
+                nats_password,
+                nats_password_file,
+                nats_credentials,
+                nats_tls_ca,
+                nats_tls_cert,
+                nats_tls_key,
+                peer_worker_api_key,
+                peer_worker_api_key_file,
+            },
+            workers,
+        }
+    }
+}
+
+impl From<ServeConfig> for ServeFile {
+    fn from(config: ServeConfig) -> Self {
+        let ServeConfig {
+            server:
+                ServerConfig {
+                    listen,
+                    admin_listen,
+                    admin_token,
+                    api_key,
+                    header_read_timeout_ms,
+                    body_read_timeout_ms,
+                    idle_timeout_ms,
+                    drain_timeout_ms,
+                    debug_headers,
+                    threads,
+                },
+            model:
+                ModelConfig {
+                    model_name,
+                    model_dir,
+                    approximate_tokenizer,
+                    tokenizer_cache_bytes,
+                },
+            routing:
+                RoutingConfig {
+                    policy,
+                    block_size,
+                    seed,
+                    decider,
+                    disagg_protocol,
+                    cache,
+                    queue_capacity,
+                    queue_timeout_ms,
+                    busy_requests_fraction,
+                    max_blocks_per_worker,
+                    reannounce_window_ms,
+                },
+            limits:
+                LimitsConfig {
+                    max_body_bytes,
+                    max_prompt_tokens,
+                },
+            upstream:
+                UpstreamConfig {
+                    request_timeout_ms,
+                    connect_timeout_ms,
+                    health_interval_ms,
+                    health_timeout_ms,
+                    health_failure_threshold,
+                    health_success_threshold,
+                },
+            replicas:
+                ReplicasConfig {
+                    nats,
+                    nats_subject_prefix,
+                    nats_heartbeat_ms,
+                    nats_peer_timeout_ms,
+                    nats_token,
+                    nats_token_file,
+                    nats_user,
+                    nats_password,
+                    nats_password_file,
+                    nats_credentials,
+                    nats_tls_ca,
+                    nats_tls_cert,
+                    nats_tls_key,
+                    peer_worker_api_key,
+                    peer_worker_api_key_file,
+                },
+            workers,
+        } = config;
+        Self {
+            listen,
+            admin_listen,
+            admin_token,
+            api_key,
+            header_read_timeout_ms,
+            body_read_timeout_ms,
+            idle_timeout_ms,
+            drain_timeout_ms,
+            model_name,
+            model_dir,
+            approximate_tokenizer,
+            debug_headers,
+            policy,
+            block_size,
+            seed,
+            decider,
+            disagg_protocol,
+            cache,
+            queue_capacity,
+            queue_timeout_ms,
+            busy_requests_fraction,
+            max_body_bytes,
+            max_prompt_tokens,
+            request_timeout_ms,
+            connect_timeout_ms,
+            health_interval_ms,
+            health_timeout_ms,
+            health_failure_threshold,
+            health_success_threshold,
+            threads,
+            max_blocks_per_worker,
+            reannounce_window_ms,
+            tokenizer_cache_bytes,
+            nats,
+            nats_subject_prefix,
+            nats_heartbeat_ms,
+            nats_peer_timeout_ms,
+            nats_token,
+            nats_token_file,
+            nats_user,
+            nats_password,
+            nats_password_file,
+            nats_credentials,
+            nats_tls_ca,
+            nats_tls_cert,
+            nats_tls_key,
+            peer_worker_api_key,
+            peer_worker_api_key_file,
+            workers,
         }
     }
 }
@@ -567,7 +961,7 @@ impl ServeConfig {
                 "must differ from listen: the admin API has its own listener",
             ));
         }
-        match &self.admin_token {
+        match &self.server.admin_token {
             Some(t) if !is_token(t) => return Err(invalid("admin-token", TOKEN_RULE)),
             None if !admin.ip().is_loopback() => {
                 return Err(invalid(
@@ -580,59 +974,62 @@ impl ServeConfig {
             }
             _ => {}
         }
-        if self.api_key.iter().any(|k| !is_token(k)) {
+        if self.server.api_key.iter().any(|k| !is_token(k)) {
             return Err(invalid("api-key", TOKEN_RULE));
         }
         for (field, ms) in [
-            ("header-read-timeout-ms", self.header_read_timeout_ms),
-            ("body-read-timeout-ms", self.body_read_timeout_ms),
-            ("idle-timeout-ms", self.idle_timeout_ms),
-            ("drain-timeout-ms", self.drain_timeout_ms),
-            ("reannounce-window-ms", self.reannounce_window_ms),
+            ("header-read-timeout-ms", self.server.header_read_timeout_ms),
+            ("body-read-timeout-ms", self.server.body_read_timeout_ms),
+            ("idle-timeout-ms", self.server.idle_timeout_ms),
+            ("drain-timeout-ms", self.server.drain_timeout_ms),
+            ("reannounce-window-ms", self.routing.reannounce_window_ms),
         ] {
             if ms == 0 {
                 return Err(invalid(field, "must be at least 1 ms"));
             }
         }
-        if self.model_name.is_empty() {
+        if self.model.model_name.is_empty() {
             return Err(invalid("model-name", "must not be empty"));
         }
-        if self.max_body_bytes == 0 || self.max_prompt_tokens == 0 {
+        if self.limits.max_body_bytes == 0 || self.limits.max_prompt_tokens == 0 {
             return Err(invalid("max-body-bytes/max-prompt-tokens", "must be at least 1"));
         }
-        if self.request_timeout_ms == 0 || self.connect_timeout_ms == 0 || self.queue_timeout_ms == 0 {
+        if self.upstream.request_timeout_ms == 0
+            || self.upstream.connect_timeout_ms == 0
+            || self.routing.queue_timeout_ms == 0
+        {
             return Err(invalid(
                 "request-timeout-ms/connect-timeout-ms/queue-timeout-ms",
                 "must be at least 1 ms",
             ));
         }
-        if self.health_interval_ms > 0 && self.health_timeout_ms == 0 {
+        if self.upstream.health_interval_ms > 0 && self.upstream.health_timeout_ms == 0 {
             return Err(invalid("health-timeout-ms", "must be at least 1 ms"));
         }
-        if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
+        if self.upstream.health_failure_threshold == 0 || self.upstream.health_success_threshold == 0 {
             return Err(invalid(
                 "health-failure-threshold/health-success-threshold",
                 "must be at least 1",
             ));
         }
         let spec = RouterSpec::parse(&RouterOptions {
-            policy: &self.policy,
-            cache: &self.cache,
-            decider: &self.decider,
-            block_size: self.block_size,
-            seed: self.seed,
-            queue_capacity: self.queue_capacity,
-            busy_requests_fraction: self.busy_requests_fraction,
+            policy: &self.routing.policy,
+            cache: &self.routing.cache,
+            decider: &self.routing.decider,
+            block_size: self.routing.block_size,
+            seed: self.routing.seed,
+            queue_capacity: self.routing.queue_capacity,
+            busy_requests_fraction: self.routing.busy_requests_fraction,
         })
         .map_err(|e| invalid(e.key, e.error.to_string()))?;
         self.validate_nats()?;
         let router = RouterConfig {
             max_blocks_per_worker: Some(
-                std::num::NonZeroUsize::new(self.max_blocks_per_worker)
+                std::num::NonZeroUsize::new(self.routing.max_blocks_per_worker)
                     .ok_or_else(|| invalid("max-blocks-per-worker", "must be at least 1"))?,
             ),
             sync: SyncConfig {
-                mode: if self.nats.is_some() {
+                mode: if self.replicas.nats.is_some() {
                     SyncMode::Export
                 } else {
                     SyncMode::Off
@@ -643,7 +1040,7 @@ impl ServeConfig {
         };
         router.validate()?;
         for w in &self.workers {
-            w.validate(self.block_size, self.disagg_protocol)?;
+            w.validate(self.routing.block_size, self.routing.disagg_protocol)?;
         }
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         Ok(router)
@@ -652,7 +1049,7 @@ impl ServeConfig {
     /// Checks the NATS keys: a `nats://` URL, a prefix of NATS subject tokens, a peer timeout
     /// longer than the heartbeat.
     fn validate_nats(&self) -> Result<(), ConfigError> {
-        if let Some(url) = &self.nats {
+        if let Some(url) = &self.replicas.nats {
             let uri: hyper::Uri = url
                 .parse()
                 .map_err(|_| invalid("nats", format!("{url:?} is not a URL")))?;
@@ -677,21 +1074,23 @@ impl ServeConfig {
                 && t.bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         };
-        if !self.nats_subject_prefix.split('.').all(token_ok) {
+        if !self.replicas.nats_subject_prefix.split('.').all(token_ok) {
             return Err(invalid(
                 "nats-subject-prefix",
                 format!(
                     "{:?}: dot-separated names of letters, digits, '-' and '_'",
-                    self.nats_subject_prefix
+                    self.replicas.nats_subject_prefix
                 ),
             ));
         }
-        if self.nats_heartbeat_ms == 0 || self.nats_peer_timeout_ms <= self.nats_heartbeat_ms {
+        if self.replicas.nats_heartbeat_ms == 0
+            || self.replicas.nats_peer_timeout_ms <= self.replicas.nats_heartbeat_ms
+        {
             return Err(invalid(
                 "nats-peer-timeout-ms",
                 format!(
                     "{} ms must exceed nats-heartbeat-ms ({} ms, at least 1)",
-                    self.nats_peer_timeout_ms, self.nats_heartbeat_ms
+                    self.replicas.nats_peer_timeout_ms, self.replicas.nats_heartbeat_ms
                 ),
             ));
         }
@@ -704,19 +1103,19 @@ impl ServeConfig {
     /// The NATS credential and TLS keys that are set (they need `nats`).
     fn nats_security_keys(&self) -> Vec<&'static str> {
         [
-            ("nats-token", self.nats_token.is_some()),
-            ("nats-token-file", self.nats_token_file.is_some()),
-            ("nats-user", self.nats_user.is_some()),
-            ("nats-password", self.nats_password.is_some()),
-            ("nats-password-file", self.nats_password_file.is_some()),
-            ("nats-credentials", self.nats_credentials.is_some()),
-            ("nats-tls-ca", self.nats_tls_ca.is_some()),
-            ("nats-tls-cert", self.nats_tls_cert.is_some()),
-            ("nats-tls-key", self.nats_tls_key.is_some()),
-            ("peer-worker-api-key", self.peer_worker_api_key.is_some()),
+            ("nats-token", self.replicas.nats_token.is_some()),
+            ("nats-token-file", self.replicas.nats_token_file.is_some()),
+            ("nats-user", self.replicas.nats_user.is_some()),
+            ("nats-password", self.replicas.nats_password.is_some()),
+            ("nats-password-file", self.replicas.nats_password_file.is_some()),
+            ("nats-credentials", self.replicas.nats_credentials.is_some()),
+            ("nats-tls-ca", self.replicas.nats_tls_ca.is_some()),
+            ("nats-tls-cert", self.replicas.nats_tls_cert.is_some()),
+            ("nats-tls-key", self.replicas.nats_tls_key.is_some()),
+            ("peer-worker-api-key", self.replicas.peer_worker_api_key.is_some()),
             (
                 "peer-worker-api-key-file",
-                self.peer_worker_api_key_file.is_some(),
+                self.replicas.peer_worker_api_key_file.is_some(),
             ),
         ]
         .into_iter()
@@ -729,17 +1128,20 @@ impl ServeConfig {
     /// the files.
     pub fn nats_auth(&self) -> Result<NatsAuth, ConfigError> {
         let token = secret(
-            ("nats-token", &self.nats_token),
-            ("nats-token-file", &self.nats_token_file),
+            ("nats-token", &self.replicas.nats_token),
+            ("nats-token-file", &self.replicas.nats_token_file),
         )?;
         let password = secret(
-            ("nats-password", &self.nats_password),
-            ("nats-password-file", &self.nats_password_file),
+            ("nats-password", &self.replicas.nats_password),
+            ("nats-password-file", &self.replicas.nats_password_file),
         )?;
         let ways: Vec<&str> = [
             ("nats-token", token.is_some()),
-            ("nats-user", self.nats_user.is_some() || password.is_some()),
-            ("nats-credentials", self.nats_credentials.is_some()),
+            (
+                "nats-user",
+                self.replicas.nats_user.is_some() || password.is_some(),
+            ),
+            ("nats-credentials", self.replicas.nats_credentials.is_some()),
         ]
         .into_iter()
         .filter_map(|(key, set)| set.then_some(key))
@@ -754,31 +1156,38 @@ impl ServeConfig {
                 ),
             ));
         }
-        Ok(match (token, &self.nats_user, password, &self.nats_credentials) {
-            (Some(token), ..) => NatsAuth::Token(token),
-            (None, Some(user), Some(password), _) => {
-                if user.is_empty() || user.chars().any(char::is_whitespace) {
-                    return Err(invalid("nats-user", format!("{user:?}: a name without spaces")));
+        Ok(
+            match (
+                token,
+                &self.replicas.nats_user,
+                password,
+                &self.replicas.nats_credentials,
+            ) {
+                (Some(token), ..) => NatsAuth::Token(token),
+                (None, Some(user), Some(password), _) => {
+                    if user.is_empty() || user.chars().any(char::is_whitespace) {
+                        return Err(invalid("nats-user", format!("{user:?}: a name without spaces")));
+                    }
+                    NatsAuth::UserPassword {
+                        user: user.clone(),
+                        password,
+                    }
                 }
-                NatsAuth::UserPassword {
-                    user: user.clone(),
-                    password,
+                (None, Some(_), None, _) => {
+                    return Err(invalid(
+                        "nats-password",
+                        "required with nats-user (or nats-password-file)",
+                    ));
                 }
-            }
-            (None, Some(_), None, _) => {
-                return Err(invalid(
-                    "nats-password",
-                    "required with nats-user (or nats-password-file)",
-                ));
-            }
-            (None, None, Some(_), _) => return Err(invalid("nats-user", "required with nats-password")),
-            (None, None, None, Some(path)) => {
-                kvroute_sync::connect::check_credentials_file(path)
-                    .map_err(|e| invalid("nats-credentials", format!("{}: {e}", path.display())))?;
-                NatsAuth::CredentialsFile(path.clone())
-            }
-            (None, None, None, None) => NatsAuth::None,
-        })
+                (None, None, Some(_), _) => return Err(invalid("nats-user", "required with nats-password")),
+                (None, None, None, Some(path)) => {
+                    kvroute_sync::connect::check_credentials_file(path)
+                        .map_err(|e| invalid("nats-credentials", format!("{}: {e}", path.display())))?;
+                    NatsAuth::CredentialsFile(path.clone())
+                }
+                (None, None, None, None) => NatsAuth::None,
+            },
+        )
     }
 
     /// TLS to the NATS server: required by a `tls://` URL or any `nats-tls-*` key; the CA
@@ -788,17 +1197,21 @@ impl ServeConfig {
             Some(p) if !p.is_file() => Err(invalid(key, format!("{}: no such file", p.display()))),
             _ => Ok(path.clone()),
         };
-        let ca = file("nats-tls-ca", &self.nats_tls_ca)?;
+        let ca = file("nats-tls-ca", &self.replicas.nats_tls_ca)?;
         let client = match (
-            file("nats-tls-cert", &self.nats_tls_cert)?,
-            file("nats-tls-key", &self.nats_tls_key)?,
+            file("nats-tls-cert", &self.replicas.nats_tls_cert)?,
+            file("nats-tls-key", &self.replicas.nats_tls_key)?,
         ) {
             (Some(cert), Some(key)) => Some(ClientCertificate { cert, key }),
             (None, None) => None,
             (Some(_), None) => return Err(invalid("nats-tls-key", "required with nats-tls-cert")),
             (None, Some(_)) => return Err(invalid("nats-tls-cert", "required with nats-tls-key")),
         };
-        let tls_url = self.nats.as_deref().is_some_and(|u| u.starts_with("tls://"));
+        let tls_url = self
+            .replicas
+            .nats
+            .as_deref()
+            .is_some_and(|u| u.starts_with("tls://"));
         Ok(NatsTls {
             required: tls_url || ca.is_some() || client.is_some(),
             ca,
@@ -809,8 +1222,11 @@ impl ServeConfig {
     /// `peer-worker-api-key`, inline or from its file (not both).
     pub fn peer_worker_api_key(&self) -> Result<Option<Secret>, ConfigError> {
         let key = secret(
-            ("peer-worker-api-key", &self.peer_worker_api_key),
-            ("peer-worker-api-key-file", &self.peer_worker_api_key_file),
+            ("peer-worker-api-key", &self.replicas.peer_worker_api_key),
+            (
+                "peer-worker-api-key-file",
+                &self.replicas.peer_worker_api_key_file,
+            ),
         )?;
         if key.as_ref().is_some_and(|k| !is_token(k.expose())) {
             return Err(invalid("peer-worker-api-key", TOKEN_RULE));
@@ -820,12 +1236,12 @@ impl ServeConfig {
 
     /// The sync transport's settings, when `nats` is set (reads the credential files).
     pub fn sync_config(&self) -> Result<Option<kvroute_sync::NatsSyncConfig>, ConfigError> {
-        let Some(url) = &self.nats else {
+        let Some(url) = &self.replicas.nats else {
             return Ok(None);
         };
-        let mut config = kvroute_sync::NatsSyncConfig::new(url.clone(), &self.nats_subject_prefix);
-        config.heartbeat_interval = Self::ms(self.nats_heartbeat_ms);
-        config.peer_timeout = Self::ms(self.nats_peer_timeout_ms);
+        let mut config = kvroute_sync::NatsSyncConfig::new(url.clone(), &self.replicas.nats_subject_prefix);
+        config.heartbeat_interval = Self::ms(self.replicas.nats_heartbeat_ms);
+        config.peer_timeout = Self::ms(self.replicas.nats_peer_timeout_ms);
         config.auth = self.nats_auth()?;
         config.tls = self.nats_tls()?;
         Ok(Some(config))
@@ -835,7 +1251,7 @@ impl ServeConfig {
     /// `approximate_tokenizer` asks for it; an error naming both otherwise (routing on a
     /// tokenizer that is not the engines' finds no cached prefix).
     pub fn tokenizer(&self) -> Result<TokenizerSource<'_>, ConfigError> {
-        match (&self.model_dir, self.approximate_tokenizer) {
+        match (&self.model.model_dir, self.model.approximate_tokenizer) {
             (Some(dir), _) => Ok(TokenizerSource::Dir(dir)),
             (None, true) => Ok(TokenizerSource::BuiltIn),
             (None, false) => Err(invalid(
@@ -873,19 +1289,19 @@ impl ServeConfig {
 
     /// The listen address.
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
-        socket_addr("listen", &self.listen)
+        socket_addr("listen", &self.server.listen)
     }
 
     /// The admin API's listen address.
     pub fn admin_listen_addr(&self) -> Result<SocketAddr, ConfigError> {
-        socket_addr("admin-listen", &self.admin_listen)
+        socket_addr("admin-listen", &self.server.admin_listen)
     }
 
     /// The server's timeouts of client connections.
     pub fn conn_timeouts(&self) -> kvroute_http::net::ConnTimeouts {
         kvroute_http::net::ConnTimeouts {
-            header_read: Self::ms(self.header_read_timeout_ms),
-            idle: Self::ms(self.idle_timeout_ms),
+            header_read: Self::ms(self.server.header_read_timeout_ms),
+            idle: Self::ms(self.server.idle_timeout_ms),
         }
     }
 
@@ -980,10 +1396,31 @@ mod tests {
             assert!(w.validate(16, EngineKind::Vllm).is_err(), "{bad}");
         }
         let bad = ServeConfig {
-            policy: "nope".into(),
+            routing: RoutingConfig {
+                policy: "nope".into(),
+                ..Default::default()
+            },
             ..ServeConfig::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn the_file_names_the_groups_fields_flat_and_round_trips() {
+        let c = ServeConfig::from_toml_str(
+            "policy = \"round-robin\"\nnats-heartbeat-ms = 500\nmax-body-bytes = 10\n\
+             [[worker]]\nurl = \"http://h:1\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.routing.policy, "round-robin");
+        assert_eq!(c.replicas.nats_heartbeat_ms, 500);
+        assert_eq!(c.limits.max_body_bytes, 10);
+        assert_eq!(c.workers[0].url, "http://h:1");
+        let text = toml::to_string(&c).unwrap();
+        assert!(text.contains("nats-heartbeat-ms = 500\n"), "{text}");
+        assert_eq!(ServeConfig::from_toml_str(&text).unwrap(), c);
+        // A group's name is no key.
+        assert!(ServeConfig::from_toml_str("[routing]\npolicy = \"kv\"\n").is_err());
     }
 
     #[test]
@@ -994,28 +1431,28 @@ mod tests {
             c.validate().map(|_| ()).map_err(|e| e.to_string())
         };
         assert_eq!(with(&|_| {}), Ok(()));
-        let err = with(&|c| c.admin_listen = "0.0.0.0:8100".into()).unwrap_err();
+        let err = with(&|c| c.server.admin_listen = "0.0.0.0:8100".into()).unwrap_err();
         assert!(err.starts_with("admin-token: required"), "{err}");
         assert_eq!(
             with(&|c| {
-                c.admin_listen = "0.0.0.0:8100".into();
-                c.admin_token = Some("s3cret".into());
+                c.server.admin_listen = "0.0.0.0:8100".into();
+                c.server.admin_token = Some("s3cret".into());
             }),
             Ok(())
         );
-        assert_eq!(with(&|c| c.admin_listen = "[::1]:8100".into()), Ok(()));
-        let err = with(&|c| c.admin_listen = "127.0.0.1:8000".into()).unwrap_err();
+        assert_eq!(with(&|c| c.server.admin_listen = "[::1]:8100".into()), Ok(()));
+        let err = with(&|c| c.server.admin_listen = "127.0.0.1:8000".into()).unwrap_err();
         assert!(err.starts_with("admin-listen:"), "{err}");
-        let err = with(&|c| c.admin_token = Some("two words".into())).unwrap_err();
+        let err = with(&|c| c.server.admin_token = Some("two words".into())).unwrap_err();
         assert!(err.starts_with("admin-token:"), "{err}");
-        let err = with(&|c| c.api_key = vec![String::new()]).unwrap_err();
+        let err = with(&|c| c.server.api_key = vec![String::new()]).unwrap_err();
         assert!(err.starts_with("api-key:"), "{err}");
-        let err = with(&|c| c.header_read_timeout_ms = 0).unwrap_err();
+        let err = with(&|c| c.server.header_read_timeout_ms = 0).unwrap_err();
         assert!(err.starts_with("header-read-timeout-ms:"), "{err}");
-        let err = with(&|c| c.admin_listen = "localhost".into()).unwrap_err();
+        let err = with(&|c| c.server.admin_listen = "localhost".into()).unwrap_err();
         assert!(err.starts_with("admin-listen:"), "{err}");
         let d = ServeConfig::default();
-        assert!(d.header_read_timeout_ms <= 10_000, "well under a minute");
+        assert!(d.server.header_read_timeout_ms <= 10_000, "well under a minute");
         let w = WorkerConfig::parse_flag("http://h:1,api-key=sk-1").unwrap();
         assert_eq!(w.api_key.as_deref(), Some("sk-1"));
         assert!(w.validate(16, EngineKind::Vllm).is_ok());
@@ -1023,7 +1460,7 @@ mod tests {
             "api-key = [\"a\", \"b\"]\n[[worker]]\nurl = \"http://h:1\"\napi-key = \"k\"\n",
         )
         .unwrap();
-        assert_eq!(c.api_key, ["a", "b"]);
+        assert_eq!(c.server.api_key, ["a", "b"]);
         assert_eq!(c.workers[0].api_key.as_deref(), Some("k"));
     }
 
@@ -1062,8 +1499,11 @@ mod tests {
                 })
                 .collect();
             let c = ServeConfig {
+                routing: RoutingConfig {
+                    decider: (*decider).to_owned(),
+                    ..Default::default()
+                },
                 workers,
-                decider: (*decider).to_owned(),
                 ..ServeConfig::default()
             };
             assert_eq!(
@@ -1080,7 +1520,7 @@ mod tests {
         .unwrap();
         let router = c.validate().unwrap();
         assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
-        assert_eq!(c.disagg_protocol, EngineKind::Vllm);
+        assert_eq!(c.routing.disagg_protocol, EngineKind::Vllm);
         assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
     }
 
@@ -1092,7 +1532,7 @@ mod tests {
         )
         .unwrap();
         assert!(c.validate().is_ok());
-        assert_eq!(c.disagg_protocol, EngineKind::Sglang);
+        assert_eq!(c.routing.disagg_protocol, EngineKind::Sglang);
         assert_eq!(c.workers[0].bootstrap_port, Some(8998));
         let err = ServeConfig::from_toml_str("disagg-protocol = \"nixl\"").unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");

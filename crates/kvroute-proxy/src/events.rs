@@ -262,7 +262,8 @@ fn clear(shared: &Driver, key: WorkerKey) {
 
 fn apply_batch(shared: &Driver, key: WorkerKey, batch: &EventBatch) {
     let config = ApplyConfig {
-        block_size: std::num::NonZeroU32::new(shared.config.block_size).unwrap_or(std::num::NonZeroU32::MIN),
+        block_size: std::num::NonZeroU32::new(shared.config.routing.block_size)
+            .unwrap_or(std::num::NonZeroU32::MIN),
         namespace: None,
         group_idx: 0,
     };

@@ -112,7 +112,7 @@ impl Forwarder {
         t0: Instant,
     ) -> Result<Response, ApiError> {
         let shared = &self.shared;
-        let timeout = ServeConfig::ms(shared.config.request_timeout_ms);
+        let timeout = ServeConfig::ms(shared.config.upstream.request_timeout_ms);
         for attempt in 0..2 {
             let (mut guard, target, _) = shared
                 .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
@@ -169,7 +169,7 @@ impl Forwarder {
         guard: &mut RequestGuard,
         timeout: Duration,
     ) -> Result<hyper::Response<Incoming>, HopError> {
-        match (&target.prefill, self.shared.config.disagg_protocol) {
+        match (&target.prefill, self.shared.config.routing.disagg_protocol) {
             (None, _) => aggregated(self, request, &target.decode, timeout).await,
             (Some(prefill), EngineKind::Vllm) => {
                 vllm_two_hops(self, request, prefill, &target.decode, guard, timeout).await

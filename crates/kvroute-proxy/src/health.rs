@@ -21,7 +21,7 @@ use crate::worker::WorkerEvent;
 
 /// Probes every worker, forever.
 pub async fn run(shared: Arc<Driver>, checker: Checker) {
-    let interval = ServeConfig::ms(shared.config.health_interval_ms);
+    let interval = ServeConfig::ms(shared.config.upstream.health_interval_ms);
     loop {
         tokio::time::sleep(interval).await;
         probe_all(&shared, &checker).await;
@@ -31,7 +31,7 @@ pub async fn run(shared: Arc<Driver>, checker: Checker) {
 /// One round of the prober: every worker's `/health` asked once, each answer applied to its
 /// state machine, and the registration checks started where they are due.
 pub async fn probe_all(shared: &Arc<Driver>, checker: &Checker) {
-    let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
+    let timeout = ServeConfig::ms(shared.config.upstream.health_timeout_ms);
     for (id, base) in shared.worker_urls() {
         let key = shared.worker_config(id).and_then(|c| c.api_key);
         let event = probe(&checker.client, &base, key.as_deref(), timeout).await;
@@ -89,8 +89,8 @@ impl Checker {
     /// One HTTP check of worker `id`; `None` if it cannot tell.
     async fn run_one(&self, shared: &Driver, id: WorkerId, check: Check) -> Option<Verdict> {
         let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
-        let timeout = ServeConfig::ms(shared.config.health_timeout_ms);
-        let model_name = &shared.config.model_name;
+        let timeout = ServeConfig::ms(shared.config.upstream.health_timeout_ms);
+        let model_name = &shared.config.model.model_name;
         let key = shared.worker_config(id).and_then(|c| c.api_key);
         let worker = Worker {
             base: &base,

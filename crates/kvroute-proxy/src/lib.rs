@@ -19,7 +19,9 @@
 //! * [`views`]: a worker's cache views, one per rank: how far each can be trusted, its resync
 //!   trigger.
 //! * [`parity`]: does a worker tokenize as kvroute does (its `/tokenize` against ours)?
-//! * [`metrics`]: Prometheus metrics under Dynamo's names.
+//! * [`outcome`]: how a request ended (streamed or not, its outcome by cause, its cached-token
+//!   report), the vocabulary the request path speaks and the metrics count.
+//! * [`metrics`]: Prometheus metrics under Dynamo's names, exported.
 //! * [`registry`]: the workers the proxy knows; each entry holds everything the proxy holds for
 //!   its worker (configuration, state, verdicts, cache views, KV-event subscribers).
 //! * [`driver`]: the router driver ([`Driver`]): the router and the registry under one lock,
@@ -50,6 +52,7 @@ pub mod flow;
 pub mod health;
 pub mod metrics;
 pub mod observed;
+pub mod outcome;
 pub mod parity;
 pub mod proxy;
 pub mod registry;

@@ -33,8 +33,9 @@ use crate::driver::Driver;
 use crate::events::EventFeed;
 use crate::fleet::Fleet;
 use crate::flow::{Forwarder, Generation};
-use crate::metrics::{Metrics, RequestKind, RequestOutcome};
+use crate::metrics::Metrics;
 use crate::observed::{Report, Shape};
+use crate::outcome::{RequestKind, RequestOutcome};
 use kvroute_http::model::Model;
 
 use crate::admin::{bearer, same_secret, unauthorized};
@@ -166,9 +167,9 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let (listener, addr) = bind(config.listen_addr()?).await?;
     let (admin_listener, admin_addr) = bind(config.admin_listen_addr()?).await?;
     let timeouts = config.conn_timeouts();
-    let client = net::client(ServeConfig::ms(config.connect_timeout_ms));
+    let client = net::client(ServeConfig::ms(config.upstream.connect_timeout_ms));
     let workers = config.workers.clone();
-    model.chat_cache().set_limit(config.tokenizer_cache_bytes);
+    model.chat_cache().set_limit(config.model.tokenizer_cache_bytes);
     let shared = Driver::new(router, config, Metrics::new());
     shared.metrics.register(model.chat_cache().collector());
     let feed = EventFeed::start(Arc::clone(&shared));
@@ -203,7 +204,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let shutdown = Shutdown::new();
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
-    if shared.config.health_interval_ms > 0 {
+    if shared.config.upstream.health_interval_ms > 0 {
         tasks.push(tokio::spawn(crate::health::run(
             Arc::clone(&shared),
             fleet.checker().clone(),
@@ -216,7 +217,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         .route("/v1/models/{id}", get(model_card));
     // Without keys every request passes: no layer then (one costs a service clone and a boxed
     // future per request).
-    if !app.shared.config.api_key.is_empty() {
+    if !app.shared.config.server.api_key.is_empty() {
         inference = inference.route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth));
     }
     let inference = inference
@@ -299,7 +300,7 @@ fn made_request_id(prefix: &str, n: u64) -> String {
 /// The inference API's keys: with `api-key` set, a request needs one of them (the layer is
 /// only added then).
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let keys = &app.shared.config.api_key;
+    let keys = &app.shared.config.server.api_key;
     if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
         next.run(request).await
     } else {
@@ -401,11 +402,11 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     let t0 = Instant::now();
     let config = &app.shared.config;
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
-    let body = match read_body(config, req.into_body(), config.max_body_bytes).await {
+    let body = match read_body(config, req.into_body(), config.limits.max_body_bytes).await {
         Ok(body) => body,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
-    let parsed = match openai::parse(endpoint, &body, &app.model, config.max_prompt_tokens) {
+    let parsed = match openai::parse(endpoint, &body, &app.model, config.limits.max_prompt_tokens) {
         Ok(parsed) => parsed,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
@@ -416,7 +417,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     };
     *kind_seen = kind;
     if let Some(model) = &parsed.model
-        && *model != config.model_name
+        && *model != config.model.model_name
     {
         return Outcome::Failed(kind, model_not_found(model));
     }
@@ -431,7 +432,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         },
     };
     // The client's credential goes on to the engine, unless it was kvroute's own API key.
-    let authorization = authorization.filter(|_| config.api_key.is_empty());
+    let authorization = authorization.filter(|_| config.server.api_key.is_empty());
     // The client's body: made the engine's once routed (`Forwarder::forward`).
     let generation = Generation {
         endpoint,
@@ -440,7 +441,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         report: Report {
             endpoint,
             shape,
-            debug_headers: config.debug_headers,
+            debug_headers: config.server.debug_headers,
         },
         authorization,
     };
@@ -461,12 +462,16 @@ fn model_not_found(model: &str) -> ApiError {
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(ModelList::one(app.shared.config.model_name.clone(), "kvroute")).into_response()
+    axum::Json(ModelList::one(
+        app.shared.config.model.model_name.clone(),
+        "kvroute",
+    ))
+    .into_response()
 }
 
 /// `GET /v1/models/{id}`: the model object, or OpenAI's 404.
 async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    let name = &app.shared.config.model_name;
+    let name = &app.shared.config.model.model_name;
     if id != *name {
         return model_not_found(&id).into_response();
     }

@@ -24,6 +24,7 @@ use flate2::read::GzDecoder;
 use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_mock::{self as mock, MockConfig};
+use kvroute_proxy::config::{LimitsConfig, RoutingConfig, ServerConfig, UpstreamConfig};
 use kvroute_proxy::{ServeConfig, WorkerConfig};
 use kvroute_sim::report::{CompletedRequest, Report, ReportBuilder};
 use kvroute_sim::stats::Summary;
@@ -237,14 +238,25 @@ async fn live(
         .map(|m| WorkerConfig::parse_flag(&m.worker_flag()))
         .collect::<Result<Vec<_>, _>>()?;
     let config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        policy: args.policy.clone(),
-        block_size: sim.engine.block_size,
-        max_body_bytes: 64 << 20,
-        max_prompt_tokens: 1 << 21,
-        health_interval_ms: 1000,
-        disagg_protocol: args.disagg_protocol,
+        server: ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        routing: RoutingConfig {
+            policy: args.policy.clone(),
+            block_size: sim.engine.block_size,
+            disagg_protocol: args.disagg_protocol,
+            ..Default::default()
+        },
+        limits: LimitsConfig {
+            max_body_bytes: 64 << 20,
+            max_prompt_tokens: 1 << 21,
+        },
+        upstream: UpstreamConfig {
+            health_interval_ms: 1000,
+            ..Default::default()
+        },
         workers,
         ..ServeConfig::default()
     };
@@ -262,10 +274,8 @@ async fn live(
     };
     let mut proxies = Vec::with_capacity(args.replicas);
     for _ in 0..args.replicas {
-        let config = ServeConfig {
-            nats: nats.as_ref().map(kvroute_sync::server::NatsServer::url),
-            ..config.clone()
-        };
+        let mut config = config.clone();
+        config.replicas.nats = nats.as_ref().map(kvroute_sync::server::NatsServer::url);
         proxies.push(kvroute_proxy::start(config, Some(Arc::clone(&model))).await?);
     }
     // Let the event subscribers connect (they would recover through replay anyway).

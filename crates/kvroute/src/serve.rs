@@ -298,8 +298,8 @@ pub fn init_logging_as(format: LogFormat) {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let format = args.log_format;
     let config = args.to_config()?;
-    let drain = std::time::Duration::from_millis(config.drain_timeout_ms);
-    runtime(config.threads)?.block_on(async move {
+    let drain = std::time::Duration::from_millis(config.server.drain_timeout_ms);
+    runtime(config.server.threads)?.block_on(async move {
         let stop = stop_signal()?;
         let proxy = kvroute_proxy::start(config, None).await?;
         let (url, admin_url) = (proxy.url(), proxy.admin_url());

@@ -105,10 +105,16 @@ impl Stub {
 /// A proxy in front of `workers`, health checked every 50 ms, with `tweak` applied.
 async fn proxy(workers: Vec<WorkerConfig>, tweak: impl FnOnce(&mut ServeConfig)) -> ProxyHandle {
     let mut config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 50,
-        request_timeout_ms: PATIENCE.as_millis() as u64,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 50,
+            request_timeout_ms: PATIENCE.as_millis() as u64,
+            ..Default::default()
+        },
         workers,
         ..ServeConfig::default()
     };
@@ -258,7 +264,7 @@ async fn an_engine_killed_with_a_request_in_flight_fails_only_that_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_client_is_cut_off_alone_and_books_nothing() {
     let workers = mocks(1, |_| {}).await;
-    let p = proxy(flags(&workers), |c| c.header_read_timeout_ms = 300).await;
+    let p = proxy(flags(&workers), |c| c.server.header_read_timeout_ms = 300).await;
     // A client that never finishes its headers, on a thread of its own (blocking I/O).
     let addr = p.addr;
     let slow = std::thread::spawn(move || {
@@ -440,8 +446,8 @@ async fn an_engine_restarted_with_a_request_in_flight_fails_only_that_request_an
     };
     // Health checks slower than the restart: the proxy learns of it from the event stream.
     let p = proxy(vec![engine], |c| {
-        c.health_interval_ms = 0;
-        c.approximate_tokenizer = true;
+        c.upstream.health_interval_ms = 0;
+        c.model.approximate_tokenizer = true;
     })
     .await;
     until_view_holds(&p, &events, vec![stored(1, 4, None)], 4).await;

@@ -103,7 +103,7 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
         Cli::parse_from(argv).serve.to_config().unwrap()
     };
     let c = args(&[]);
-    assert_eq!((c.queue_capacity, c.block_size), (64, 32));
+    assert_eq!((c.routing.queue_capacity, c.routing.block_size), (64, 32));
     assert_eq!(c.workers.len(), 2);
     assert_eq!(c.workers[0].dp_size, 2);
     assert_eq!(c.workers[1].max_requests, 8);
@@ -113,7 +113,7 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
         "--worker",
         "http://127.0.0.1:3,dp=4,max-requests=9",
     ]);
-    assert_eq!((c.queue_capacity, c.block_size), (5, 32));
+    assert_eq!((c.routing.queue_capacity, c.routing.block_size), (5, 32));
     assert_eq!(c.workers.len(), 1, "--worker replaces the file's workers");
     assert_eq!((c.workers[0].dp_size, c.workers[0].max_requests), (4, 9));
 }

@@ -59,17 +59,29 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
     for engine in [EngineKind::Vllm, EngineKind::Sglang] {
         let (url, seen) = recording_upstream().await;
         let config = ServeConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            policy: "round-robin".into(),
-            health_interval_ms: 0,
+            server: kvroute_proxy::config::ServerConfig {
+                listen: "127.0.0.1:0".into(),
+                admin_listen: "127.0.0.1:0".into(),
+                ..Default::default()
+            },
+            model: kvroute_proxy::config::ModelConfig {
+                // No model directory: the built-in tokenizer.
+                approximate_tokenizer: true,
+                ..Default::default()
+            },
+            routing: kvroute_proxy::config::RoutingConfig {
+                policy: "round-robin".into(),
+                ..Default::default()
+            },
+            upstream: kvroute_proxy::config::UpstreamConfig {
+                health_interval_ms: 0,
+                ..Default::default()
+            },
             workers: vec![WorkerConfig {
                 dp_size: 2,
                 engine,
                 ..WorkerConfig::new(url)
             }],
-            // No model directory: the built-in tokenizer.
-            approximate_tokenizer: true,
             ..ServeConfig::default()
         };
         let proxy = kvroute_proxy::start(config, None).await.unwrap();
@@ -125,9 +137,15 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         mc.engine.speedup = 20.0;
         let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
         let config = ServeConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            health_interval_ms: 0,
+            server: kvroute_proxy::config::ServerConfig {
+                listen: "127.0.0.1:0".into(),
+                admin_listen: "127.0.0.1:0".into(),
+                ..Default::default()
+            },
+            upstream: kvroute_proxy::config::UpstreamConfig {
+                health_interval_ms: 0,
+                ..Default::default()
+            },
             workers: vec![WorkerConfig {
                 engine,
                 ..WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()

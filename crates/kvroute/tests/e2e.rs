@@ -245,10 +245,10 @@ async fn overload_returns_503_and_nothing_leaks() {
         ..WorkerConfig::new(held.url.clone())
     };
     let c = fronting(vec![worker], Vec::new(), |config| {
-        config.busy_requests_fraction = Some(1.0);
-        config.queue_capacity = 0;
+        config.routing.busy_requests_fraction = Some(1.0);
+        config.routing.queue_capacity = 0;
         // Only reached if the test is failing.
-        config.request_timeout_ms = PATIENCE.as_millis() as u64;
+        config.upstream.request_timeout_ms = PATIENCE.as_millis() as u64;
     })
     .await;
     let body = serde_json::to_vec(&json!({"prompt": "slow", "max_tokens": 30})).unwrap();
@@ -290,8 +290,8 @@ async fn overload_returns_503_and_nothing_leaks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_json_errors_naming_the_problem() {
     let c = cluster(1, 20.0, |config| {
-        config.max_body_bytes = 1000;
-        config.max_prompt_tokens = 50;
+        config.limits.max_body_bytes = 1000;
+        config.limits.max_prompt_tokens = 50;
     })
     .await;
     let cases: &[(&str, &[u8], u16, &str)] = &[

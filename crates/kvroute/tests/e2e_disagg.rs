@@ -167,8 +167,8 @@ async fn a_dead_prefill_worker_is_retried_around_and_taken_out_of_routing() {
         // No health checks: the dead worker leaves routing by the failed connect, not by a
         // prober that may or may not have run before the request.
         let c = disagg_cluster(1, 1, 20.0, |config| {
-            config.disagg_protocol = protocol;
-            config.health_interval_ms = 0;
+            config.routing.disagg_protocol = protocol;
+            config.upstream.health_interval_ms = 0;
         })
         .await;
         c.mocks[0].kill();
@@ -213,8 +213,8 @@ async fn a_dead_decode_worker_of_an_sglang_pair_is_routed_around() {
     // No health checks: whether the dead worker is routed to depends on the policy alone, not
     // on whether a prober ran first.
     let c = disagg_cluster(1, 2, 20.0, |config| {
-        config.disagg_protocol = EngineKind::Sglang;
-        config.health_interval_ms = 0;
+        config.routing.disagg_protocol = EngineKind::Sglang;
+        config.upstream.health_interval_ms = 0;
     })
     .await;
     c.mocks[2].kill();
@@ -241,8 +241,8 @@ async fn a_second_unreachable_prefill_worker_fails_the_request_cleanly() {
     // the second dead worker, and the request ends with a 502 naming it.
     // No health checks: a prober that ran first would take both out before the request.
     let c = disagg_cluster(2, 1, 20.0, |config| {
-        config.decider = "always".to_owned();
-        config.health_interval_ms = 0;
+        config.routing.decider = "always".to_owned();
+        config.upstream.health_interval_ms = 0;
     })
     .await;
     c.mocks[0].kill();
@@ -274,9 +274,9 @@ async fn a_client_leaving_during_the_prefill_hop_frees_its_load() {
     mc.engine.speedup = 20.0;
     let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
     let c = fronting(vec![prefill], mocks, |config| {
-        config.decider = "always".to_owned();
+        config.routing.decider = "always".to_owned();
         config.workers[1].role = "decode".to_owned();
-        config.request_timeout_ms = PATIENCE.as_millis() as u64;
+        config.upstream.request_timeout_ms = PATIENCE.as_millis() as u64;
     })
     .await;
     let body = serde_json::to_vec(&json!({"prompt": "leave me", "max_tokens": 4, "stream": true})).unwrap();
@@ -302,7 +302,7 @@ async fn deciders_choose_which_requests_take_the_prefill_hop() {
         ("always", &[short], 1.0),
     ];
     for &(decider, prompts, want) in cases {
-        let c = disagg_cluster(1, 1, 20.0, |config| config.decider = decider.to_owned()).await;
+        let c = disagg_cluster(1, 1, 20.0, |config| config.routing.decider = decider.to_owned()).await;
         for p in prompts {
             let body = serde_json::to_vec(&json!({"prompt": p, "max_tokens": 3})).unwrap();
             let (status, _, out) = c.http.request("POST", "/v1/completions", body).await;
@@ -369,7 +369,7 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
                 mc.prefill_workers = 1;
                 mc.engine.speedup = 20.0;
                 mc.engine.max_model_len = 1000;
-                cluster_of(mc, |config| config.request_timeout_ms = timeout_ms).await
+                cluster_of(mc, |config| config.upstream.request_timeout_ms = timeout_ms).await
             }
             Prefill::Held => {
                 let stub = Held::start().await;
@@ -382,9 +382,9 @@ async fn a_failed_prefill_hop_ends_the_request_and_frees_its_load() {
                 mc.engine.speedup = 20.0;
                 let mocks = mock::start(&mc, Arc::new(Model::tiny().unwrap())).await.unwrap();
                 fronting(vec![prefill], mocks, |config| {
-                    config.decider = "always".to_owned();
+                    config.routing.decider = "always".to_owned();
                     config.workers[1].role = "decode".to_owned();
-                    config.request_timeout_ms = timeout_ms;
+                    config.upstream.request_timeout_ms = timeout_ms;
                 })
                 .await
             }
@@ -459,7 +459,7 @@ async fn sglang_pairs_send_one_bootstrap_room_to_both_workers() {
     // One decode worker, so a repeated prompt finds its blocks there whatever the policy's
     // tie-break (decode workers are chosen by load alone).
     let c = disagg_cluster(2, 1, 20.0, |config| {
-        config.disagg_protocol = EngineKind::Sglang;
+        config.routing.disagg_protocol = EngineKind::Sglang;
         // One prefill worker names its bootstrap port, the other leaves it to the engine.
         config.workers[0].bootstrap_port = Some(8998);
     })

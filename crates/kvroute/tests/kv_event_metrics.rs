@@ -139,12 +139,21 @@ async fn subscriber_counters_are_exported_per_worker() {
         ..WorkerConfig::new("http://127.0.0.1:9")
     };
     let config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 0,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        model: kvroute_proxy::config::ModelConfig {
+            // No model directory: the built-in tokenizer.
+            approximate_tokenizer: true,
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 0,
+            ..Default::default()
+        },
         workers: vec![worker(&replayed), worker(&lossy)],
-        // No model directory: the built-in tokenizer.
-        approximate_tokenizer: true,
         ..ServeConfig::default()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
@@ -270,17 +279,26 @@ fn stored(hash: u64) -> Vec<WireEvent> {
 async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     let (zero, one) = rank_publishers().await;
     let config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 0,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        model: kvroute_proxy::config::ModelConfig {
+            // No model directory: the built-in tokenizer.
+            approximate_tokenizer: true,
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 0,
+            ..Default::default()
+        },
         workers: vec![WorkerConfig {
             // Rank 0's endpoint; rank 1 publishes on the next port.
             events: Some(zero.endpoint().to_owned()),
             dp_size: 2,
             ..WorkerConfig::new("http://127.0.0.1:9")
         }],
-        // No model directory: the built-in tokenizer.
-        approximate_tokenizer: true,
         ..ServeConfig::default()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();

@@ -42,7 +42,7 @@ async fn a_silent_stream_is_a_timeout_and_an_error_answer_an_upstream_error() {
     const CHUNK: &str = "data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
     let silent = raw_stub(200, "text/event-stream", &[CHUNK], Then::Hang).await;
     let p = proxy(vec![WorkerConfig::new(silent)], Vec::new(), |c| {
-        c.request_timeout_ms = 300
+        c.upstream.request_timeout_ms = 300
     })
     .await;
     let response = p
@@ -171,7 +171,7 @@ async fn usage_without_cached_tokens_and_no_usage_are_kept_apart_from_reported_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_and_reported_cached_tokens_agree_on_a_repeated_prompt() {
     let p = proxy(Vec::new(), start_mocks(&MockConfig::new(1)).await, |c| {
-        c.debug_headers = true
+        c.server.debug_headers = true
     })
     .await;
     let prompt = long_prompt('k');

@@ -231,7 +231,7 @@ async fn a_misconfigured_worker_returns_once_its_checks_pass() {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
     let p = proxy(vec![WorkerConfig::new(url)], Vec::new(), |c| {
-        c.health_interval_ms = 50
+        c.upstream.health_interval_ms = 50
     })
     .await;
     p.wait_for_state(0, StateName::Misconfigured).await;

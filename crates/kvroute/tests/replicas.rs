@@ -52,12 +52,21 @@ fn workers(mocks: &[MockWorker]) -> Vec<WorkerConfig> {
 /// A proxy in front of `workers`, synced through `nats` if given.
 async fn replica(nats: Option<&NatsServer>, workers: &[WorkerConfig]) -> ProxyHandle {
     let config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 200,
-        nats: nats.map(NatsServer::url),
-        nats_heartbeat_ms: HEARTBEAT_MS,
-        nats_peer_timeout_ms: PEER_TIMEOUT_MS,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 200,
+            ..Default::default()
+        },
+        replicas: kvroute_proxy::config::ReplicasConfig {
+            nats: nats.map(NatsServer::url),
+            nats_heartbeat_ms: HEARTBEAT_MS,
+            nats_peer_timeout_ms: PEER_TIMEOUT_MS,
+            ..Default::default()
+        },
         workers: workers.to_vec(),
         ..ServeConfig::default()
     };

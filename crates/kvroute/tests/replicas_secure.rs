@@ -147,7 +147,7 @@ async fn replicas_sync_through_nats_with_a_password_and_tls_and_no_message_carri
         .collect();
     let a = start(config(&nats, &files, "password", &w)).await.unwrap();
     let mut with_peer_key = config(&nats, &files, "password", &w);
-    with_peer_key.peer_worker_api_key_file = Some(files.path("peer-key"));
+    with_peer_key.replicas.peer_worker_api_key_file = Some(files.path("peer-key"));
     let b = start(with_peer_key).await.unwrap();
     assert_eq!(a.shared.sync_link().map(|l| l.name()), Some("connected"));
     let client = kvroute_http::net::client(Duration::from_secs(5));
@@ -222,7 +222,7 @@ async fn a_wrong_password_or_an_unknown_ca_stops_a_replica_at_start_naming_the_k
         "{err}"
     );
     let mut no_ca = config(&nats, &files, "password", &[]);
-    no_ca.nats_tls_ca = None;
+    no_ca.replicas.nats_tls_ca = None;
     let err = start(no_ca).await.unwrap_err();
     assert!(
         err.contains("TLS handshake failed") && err.contains("nats-tls-ca"),

@@ -79,10 +79,19 @@ async fn cluster_of_context(
     let mocks = mock::start(&mc, engine_model).await.unwrap();
     let defaults = ServeConfig::default();
     let config = ServeConfig {
-        max_prompt_tokens: context.map_or(defaults.max_prompt_tokens, |c| c as usize),
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 200,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        limits: kvroute_proxy::config::LimitsConfig {
+            max_prompt_tokens: context.map_or(defaults.limits.max_prompt_tokens, |c| c as usize),
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 200,
+            ..Default::default()
+        },
         workers: mocks
             .iter()
             .map(|m| WorkerConfig::parse_flag(&m.worker_flag()).unwrap())

@@ -74,17 +74,29 @@ async fn restart(old: EventPublisher, buffer: usize) -> EventPublisher {
 
 /// A proxy following `publisher` as worker 0, health checks off.
 async fn proxy_for(publisher: &EventPublisher) -> ProxyHandle {
-    proxy_capped(publisher, ServeConfig::default().max_blocks_per_worker).await
+    proxy_capped(publisher, ServeConfig::default().routing.max_blocks_per_worker).await
 }
 
 /// [`proxy_for`], keeping at most `cap` blocks per worker.
 async fn proxy_capped(publisher: &EventPublisher, cap: usize) -> ProxyHandle {
     let config = ServeConfig {
-        max_blocks_per_worker: cap,
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        approximate_tokenizer: true,
-        health_interval_ms: 0,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        model: kvroute_proxy::config::ModelConfig {
+            approximate_tokenizer: true,
+            ..Default::default()
+        },
+        routing: kvroute_proxy::config::RoutingConfig {
+            max_blocks_per_worker: cap,
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 0,
+            ..Default::default()
+        },
         workers: vec![WorkerConfig {
             events: Some(publisher.endpoint().to_owned()),
             replay: publisher.replay_endpoint().map(str::to_owned),
@@ -498,10 +510,16 @@ async fn a_view_lost_beyond_the_replay_buffer_is_rebuilt_from_the_engines_reanno
         .await
         .unwrap();
     let config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 0,
-        debug_headers: true,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            debug_headers: true,
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 0,
+            ..Default::default()
+        },
         workers: vec![WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()],
         ..ServeConfig::default()
     };

@@ -124,8 +124,8 @@ impl Driver {
                 router,
                 waiters: HashMap::new(),
                 registry: Registry::new(HealthPolicy {
-                    failures: config.health_failure_threshold,
-                    successes: config.health_success_threshold,
+                    failures: config.upstream.health_failure_threshold,
+                    successes: config.upstream.health_success_threshold,
                 }),
             }),
             epoch: Instant::now(),

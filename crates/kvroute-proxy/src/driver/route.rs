@@ -88,7 +88,7 @@ impl Driver {
             lora_name: None,
             namespace: cache_salt,
         };
-        let locals = BlockHasher::new(self.config.block_size as usize, &salt).local_hashes(tokens);
+        let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let request = RouteRequest::new(
@@ -109,7 +109,7 @@ impl Driver {
                 // The guard owns the queued request: a timeout (or the handler going away)
                 // cancels it in the queue.
                 let guard = RequestGuard::new(self, id, t0);
-                let timeout = ServeConfig::ms(self.config.queue_timeout_ms);
+                let timeout = ServeConfig::ms(self.config.routing.queue_timeout_ms);
                 let Ok(Ok(decision)) = tokio::time::timeout(timeout, rx).await else {
                     // Timed out, or the router dropped the waiter (cannot happen while it is
                     // registered).
@@ -120,7 +120,7 @@ impl Driver {
             }
             Admission::Refused(e) => return Err(e),
         };
-        let predicted = predicted_cached_tokens(&decision, tokens.len(), self.config.block_size);
+        let predicted = predicted_cached_tokens(&decision, tokens.len(), self.config.routing.block_size);
         self.metrics.record_prediction(decision.worker, predicted);
         let mut guard = guard;
         guard.routed = Some((decision.worker, predicted));
@@ -138,7 +138,7 @@ impl Driver {
 
     /// `reannounce-window-ms`.
     fn reannounce_window(&self) -> Duration {
-        ServeConfig::ms(self.config.reannounce_window_ms)
+        ServeConfig::ms(self.config.routing.reannounce_window_ms)
     }
 
     /// Hands `request` to the router.

@@ -19,7 +19,10 @@ impl Driver {
     /// started by the proxy's one add path ([`crate::fleet::Fleet::add`]).
     pub(crate) fn add_worker(&self, config: WorkerConfig) -> Result<WorkerId, String> {
         config
-            .validate(self.config.block_size, self.config.disagg_protocol)
+            .validate(
+                self.config.routing.block_size,
+                self.config.routing.disagg_protocol,
+            )
             .map_err(|e| e.to_string())?;
         // Told to the peers (before the registry takes it): an operator's add holds on all.
         let announced = super::announced(&config);
@@ -264,7 +267,7 @@ impl Driver {
     /// router's ([`Check::BlockSize`]) when it changes.
     pub fn observe_event_block_size(&self, id: WorkerId, block_size: u32) {
         if self.lock().registry.note_event_block_size(id, block_size) {
-            let verdict = checks::block_size_verdict(block_size, self.config.block_size);
+            let verdict = checks::block_size_verdict(block_size, self.config.routing.block_size);
             self.report_check(id, Check::BlockSize, verdict);
         }
     }

@@ -5,7 +5,7 @@
 //!
 //! On its way it reads the engine's usage (the last `usage` of a stream, the body's of a unary
 //! answer) for the cached prompt tokens the engine reports, counted per worker beside the
-//! tokens the router predicted ([`crate::metrics::CachedReport`]). A stream whose usage chunk the proxy asked
+//! tokens the router predicted ([`crate::outcome::CachedReport`]). A stream whose usage chunk the proxy asked
 //! for itself ([`Shape::Stream`] with `strip_usage`) has that chunk taken out, so the client
 //! gets what it asked for.
 
@@ -20,7 +20,7 @@ use kvroute_http::openai::Endpoint;
 use tokio::time::Sleep;
 
 use crate::driver::RequestGuard;
-use crate::metrics::{RequestKind, RequestOutcome};
+use crate::outcome::{RequestKind, RequestOutcome};
 
 mod scan;
 mod skim;

@@ -10,7 +10,7 @@ use memchr::memmem::Finder;
 
 use super::MAX_SCANNED;
 use super::skim::ChunkView;
-use crate::metrics::CachedReport;
+use crate::outcome::CachedReport;
 
 /// What is read of a body for its usage.
 pub(super) enum Scan {

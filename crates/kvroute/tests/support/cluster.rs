@@ -62,9 +62,15 @@ pub async fn fronting(
 ) -> Cluster {
     let model = Arc::new(Model::tiny().unwrap());
     let mut config = ServeConfig {
-        listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        health_interval_ms: 200,
+        server: kvroute_proxy::config::ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        upstream: kvroute_proxy::config::UpstreamConfig {
+            health_interval_ms: 200,
+            ..Default::default()
+        },
         workers: workers
             .into_iter()
             .chain(

@@ -51,7 +51,7 @@ pub async fn proxy(
     tweak: impl FnOnce(&mut ServeConfig),
 ) -> Proxy {
     let cluster = fronting(workers, mocks, |c| {
-        c.health_interval_ms = 0;
+        c.upstream.health_interval_ms = 0;
         tweak(c);
     })
     .await;
@@ -243,7 +243,7 @@ pub fn cache_reports(text: &str, report: &str) -> f64 {
 
 impl Proxy {
     pub fn block_size(&self) -> u32 {
-        self.proxy.shared.config.block_size
+        self.proxy.shared.config.routing.block_size
     }
 }
 
