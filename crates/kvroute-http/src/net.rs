@@ -465,8 +465,7 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Generous: reached only when a test fails.
-    const PATIENCE: Duration = Duration::from_secs(20);
+    use kvroute_testkit::PATIENCE;
 
     async fn server(timeouts: ConnTimeouts) -> (std::net::SocketAddr, Shutdown) {
         let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
