@@ -58,7 +58,7 @@ pub(crate) fn unauthorized(message: &str) -> Response {
 
 /// The admin API's token, when one is configured.
 async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    match &app.shared.config.server.admin_token {
+    match &app.driver.config.server.admin_token {
         Some(token) if !bearer(request.headers()).is_some_and(|t| same_secret(token, t)) => {
             unauthorized("the admin API needs its token (Authorization: Bearer TOKEN)")
         }
@@ -67,7 +67,7 @@ async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -
 }
 
 async fn list_workers(State(app): State<Arc<App>>) -> Response {
-    let mut workers = json!(app.shared.worker_statuses());
+    let mut workers = json!(app.driver.worker_statuses());
     // Credentials are never listed.
     for w in workers.as_array_mut().into_iter().flatten() {
         if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
@@ -97,7 +97,7 @@ fn servable(roles: &[WorkerRole]) -> bool {
 /// drained or removed, healthy or not), unless it is `forced`.
 fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
     let members: Vec<(WorkerId, WorkerRole)> = app
-        .shared
+        .driver
         .worker_statuses()
         .into_iter()
         .filter(|w| matches!(w.state, StateName::Ready | StateName::Unhealthy))
@@ -155,7 +155,7 @@ const MAX_ADMIN_BODY: usize = 1 << 20;
 
 async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response {
     let forced = forced(request.uri());
-    let body = match read_body(&app.shared.config, request.into_body(), MAX_ADMIN_BODY).await {
+    let body = match read_body(&app.driver.config, request.into_body(), MAX_ADMIN_BODY).await {
         Ok(body) => body,
         Err(e) => return e.into_response(),
     };
@@ -188,7 +188,7 @@ fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
     id.parse()
         .ok()
         .map(WorkerId)
-        .filter(|&w| app.shared.worker_state(w).is_some())
+        .filter(|&w| app.driver.worker_state(w).is_some())
 }
 
 async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {

@@ -17,7 +17,7 @@ use crate::flow::Forwarder;
 
 /// The state of both listeners' handlers.
 pub(crate) struct App {
-    pub(crate) shared: Arc<Driver>,
+    pub(crate) driver: Arc<Driver>,
     pub(crate) model: Arc<Model>,
     pub(crate) forwarder: Arc<Forwarder>,
     /// The one door for adding and removing workers.

@@ -60,7 +60,7 @@ pub struct EventFeed {
     exported: KvSubscriberCounters,
     /// Where a started subscriber's resync trigger goes (its worker's views); weak, as the
     /// driver owns the subscribers.
-    shared: Weak<Driver>,
+    driver: Weak<Driver>,
 }
 
 /// A subscriber's counters exported for as long as this lives (it lives in the subscriber's
@@ -84,21 +84,21 @@ impl std::fmt::Debug for EventFeed {
 }
 
 impl EventFeed {
-    /// Starts the task that applies reports to `shared`'s router.
-    pub fn start(shared: Arc<Driver>) -> Self {
-        let exported = shared.metrics.kv_subscribers.clone();
-        let weak = Arc::downgrade(&shared);
+    /// Starts the task that applies reports to `driver`'s router.
+    pub fn start(driver: Arc<Driver>) -> Self {
+        let exported = driver.metrics.kv_subscribers.clone();
+        let weak = Arc::downgrade(&driver);
         let (tx, mut rx) = mpsc::channel::<SubscriberEvent>(4096);
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
-                apply_report(&shared, event);
-                shared.notify();
+                apply_report(&driver, event);
+                driver.notify();
             }
         });
         Self {
             tx,
             exported,
-            shared: weak,
+            driver: weak,
         }
     }
 
@@ -145,7 +145,7 @@ impl EventFeed {
         let key = WorkerKey::new(sub.worker, sub.rank);
         let tx = self.tx.clone();
         let exported = self.exported.clone();
-        let shared = Weak::clone(&self.shared);
+        let driver = Weak::clone(&self.driver);
         tokio::spawn(async move {
             let handle: SubscriberHandle = match kvroute_zmq::spawn_subscriber(sub, tx).await {
                 Ok(h) => h,
@@ -155,9 +155,9 @@ impl EventFeed {
                 }
             };
             let counters = Arc::clone(handle.counters());
-            if let Some(shared) = shared.upgrade() {
+            if let Some(driver) = driver.upgrade() {
                 let trigger = handle.resync_trigger();
-                shared.update_views(key.worker, |v| v.set_trigger(key.dp_rank, trigger));
+                driver.update_views(key.worker, |v| v.set_trigger(key.dp_rank, trigger));
             }
             exported.insert(key, Arc::clone(&counters));
             let export = Exported {
@@ -174,9 +174,9 @@ impl EventFeed {
 /// Applies what the subscriber of one rank's stream reported. A batch applies to the rank it
 /// names (the engine's publisher fills it in), else to the stream's; a restart or lost batches
 /// clear the stream's rank.
-fn apply_report(shared: &Driver, event: SubscriberEvent) {
+fn apply_report(driver: &Driver, event: SubscriberEvent) {
     let incident = |kind: &str| {
-        shared
+        driver
             .metrics
             .kv_stream_incidents
             .with_label_values(&[kind])
@@ -190,9 +190,9 @@ fn apply_report(shared: &Driver, event: SubscriberEvent) {
                 .any(|e| matches!(e, WireEvent::AllBlocksCleared))
             {
                 // The engine emptied its cache: from here on the view is exact again.
-                shared.update_views(worker.worker, |v| v.exact(worker.dp_rank));
+                driver.update_views(worker.worker, |v| v.exact(worker.dp_rank));
             }
-            apply_batch(shared, batch.worker_key(worker), &batch);
+            apply_batch(driver, batch.worker_key(worker), &batch);
         }
         SubscriberEvent::Restarted { worker } => {
             tracing::info!(
@@ -201,9 +201,9 @@ fn apply_report(shared: &Driver, event: SubscriberEvent) {
                 "KV-event publisher restarted; clearing the rank's cache view"
             );
             incident("restarted");
-            clear(shared, worker);
+            clear(driver, worker);
             // A new engine has an empty cache: the view is exact again.
-            shared.update_views(worker.worker, |v| v.exact(worker.dp_rank));
+            driver.update_views(worker.worker, |v| v.exact(worker.dp_rank));
         }
         SubscriberEvent::GapLost { worker, missing } => {
             let lost = missing.end.saturating_sub(missing.start);
@@ -215,8 +215,8 @@ fn apply_report(shared: &Driver, event: SubscriberEvent) {
                 "KV events lost for good; clearing the rank's cache view, rebuilt from new events"
             );
             incident("gap_lost");
-            clear(shared, worker);
-            shared.update_views(worker.worker, |v| v.lost(worker.dp_rank, lost));
+            clear(driver, worker);
+            driver.update_views(worker.worker, |v| v.lost(worker.dp_rank, lost));
         }
         SubscriberEvent::Replaying {
             worker,
@@ -230,15 +230,15 @@ fn apply_report(shared: &Driver, event: SubscriberEvent) {
                 endpoint,
                 "catching up through the replay socket"
             );
-            shared.update_views(worker.worker, |v| {
+            driver.update_views(worker.worker, |v| {
                 v.replaying(worker.dp_rank, Some((from, endpoint)));
             });
-            shared.notify();
+            driver.notify();
         }
         SubscriberEvent::Replayed { worker } => {
-            shared.update_views(worker.worker, |v| v.replaying(worker.dp_rank, None));
+            driver.update_views(worker.worker, |v| v.replaying(worker.dp_rank, None));
             // Waiters on the view's state (tests, the admin listing's readers) see it end.
-            shared.notify();
+            driver.notify();
         }
         SubscriberEvent::Error { worker, error } => {
             tracing::debug!(
@@ -252,17 +252,17 @@ fn apply_report(shared: &Driver, event: SubscriberEvent) {
     }
 }
 
-fn clear(shared: &Driver, key: WorkerKey) {
-    shared.with_router(|router, now, registry| {
+fn clear(driver: &Driver, key: WorkerKey) {
+    driver.with_router(|router, now, registry| {
         if keeps_view(registry, key.worker) {
             let _ = router.handle_kv_event(now, key, IndexEvent::Cleared);
         }
     });
 }
 
-fn apply_batch(shared: &Driver, key: WorkerKey, batch: &EventBatch) {
+fn apply_batch(driver: &Driver, key: WorkerKey, batch: &EventBatch) {
     let config = ApplyConfig {
-        block_size: std::num::NonZeroU32::new(shared.config.routing.block_size)
+        block_size: std::num::NonZeroU32::new(driver.config.routing.block_size)
             .unwrap_or(std::num::NonZeroU32::MIN),
         namespace: None,
         group_idx: 0,
@@ -272,7 +272,7 @@ fn apply_batch(shared: &Driver, key: WorkerKey, batch: &EventBatch) {
         WireEvent::BlockStored(b) => Some(b.block_size),
         _ => None,
     }) {
-        shared.observe_event_block_size(key.worker, block_size);
+        driver.observe_event_block_size(key.worker, block_size);
     }
     // Convert (and hash) outside the lock.
     let converted: Vec<_> = batch
@@ -280,8 +280,8 @@ fn apply_batch(shared: &Driver, key: WorkerKey, batch: &EventBatch) {
         .iter()
         .map(|e| (event_type(e), e.to_kv_event(&config)))
         .collect();
-    let counter = &shared.metrics.kv_events;
-    shared.with_router(|router, now, registry| {
+    let counter = &driver.metrics.kv_events;
+    driver.with_router(|router, now, registry| {
         if !keeps_view(registry, key.worker) {
             return;
         }

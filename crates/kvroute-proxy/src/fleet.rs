@@ -20,7 +20,7 @@ use crate::health::Checker;
 
 /// See the module docs.
 pub struct Fleet {
-    shared: Arc<Driver>,
+    driver: Arc<Driver>,
     feed: EventFeed,
     checker: Checker,
 }
@@ -32,19 +32,19 @@ impl std::fmt::Debug for Fleet {
 }
 
 impl Fleet {
-    /// The fleet of `shared`'s workers: their KV events applied by `feed`, their registration
+    /// The fleet of `driver`'s workers: their KV events applied by `feed`, their registration
     /// checks run by `checker`.
-    pub fn new(shared: Arc<Driver>, feed: EventFeed, checker: Checker) -> Self {
+    pub fn new(driver: Arc<Driver>, feed: EventFeed, checker: Checker) -> Self {
         Self {
-            shared,
+            driver,
             feed,
             checker,
         }
     }
 
     /// The driver.
-    pub fn shared(&self) -> &Arc<Driver> {
-        &self.shared
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.driver
     }
 
     /// The registration checks' runner.
@@ -55,22 +55,22 @@ impl Fleet {
     /// Adds a worker and returns its id: it enters routing, its KV-event subscribers start
     /// (one per rank), its registration checks run, and the peers are told.
     pub fn add(&self, config: WorkerConfig) -> Result<WorkerId, String> {
-        let id = self.shared.add_worker(config.clone())?;
-        self.shared
+        let id = self.driver.add_worker(config.clone())?;
+        self.driver
             .adopt_subscribers(id, self.feed.subscribe(id, &config));
-        self.checker.spawn(&self.shared, id);
+        self.checker.spawn(&self.driver, id);
         Ok(id)
     }
 
     /// An operator drains worker `id` (the peers are told). False if there is no such worker.
     pub fn drain(&self, id: WorkerId) -> bool {
-        self.shared.drain_worker(id, Announce::ToPeers)
+        self.driver.drain_worker(id, Announce::ToPeers)
     }
 
     /// An operator removes worker `id` (the peers are told): out of the router, its
     /// subscribers stopped, its cache view and series gone. False if there is no such worker.
     pub fn remove(&self, id: WorkerId) -> bool {
-        self.shared.remove_worker(id, Announce::ToPeers)
+        self.driver.remove_worker(id, Announce::ToPeers)
     }
 
     /// A peer replica's change to its registry, applied here through the same paths (and not
@@ -83,13 +83,13 @@ impl Fleet {
                 self.add_peers(config, *credential, peer_key);
             }
             WorkerChange::Draining { url } => {
-                if let Some(id) = self.shared.find_worker(url) {
-                    self.shared.drain_worker(id, Announce::No);
+                if let Some(id) = self.driver.find_worker(url) {
+                    self.driver.drain_worker(id, Announce::No);
                 }
             }
             WorkerChange::Removed { url } => {
-                if let Some(id) = self.shared.find_worker(url) {
-                    self.shared.remove_worker(id, Announce::No);
+                if let Some(id) = self.driver.find_worker(url) {
+                    self.driver.remove_worker(id, Announce::No);
                     tracing::info!(url, "worker removed by a peer replica");
                 }
             }
@@ -105,14 +105,14 @@ impl Fleet {
             }
         };
         if self
-            .shared
+            .driver
             .find_worker(config.url.trim_end_matches('/'))
             .is_some()
         {
             return;
         }
         let url = config.url.clone();
-        config.api_key = match resolve_credential(&self.shared.config.workers, peer_key, &url, credential) {
+        config.api_key = match resolve_credential(&self.driver.config.workers, peer_key, &url, credential) {
             Ok(key) => key,
             Err(e) => {
                 tracing::warn!(url, "a peer's worker was refused: {e}");

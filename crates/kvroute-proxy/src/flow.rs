@@ -41,7 +41,7 @@ use crate::worker::WorkerEvent;
 #[derive(Debug)]
 pub struct Forwarder {
     /// The router driver.
-    pub shared: Arc<Driver>,
+    pub driver: Arc<Driver>,
     /// The pooled upstream client.
     pub client: HttpClient,
     /// This proxy's instance tag (its start time), which makes the request ids of the
@@ -111,15 +111,15 @@ impl Forwarder {
         request: &Generation<'_>,
         t0: Instant,
     ) -> Result<Response, ApiError> {
-        let shared = &self.shared;
-        let timeout = ServeConfig::ms(shared.config.upstream.request_timeout_ms);
+        let driver = &self.driver;
+        let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
         for attempt in 0..2 {
-            let (mut guard, target, _) = shared
+            let (mut guard, target, _) = driver
                 .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
                 .await
                 .map_err(route_error)?;
             if attempt == 0 {
-                shared
+                driver
                     .metrics
                     .overhead_total
                     .observe(t0.elapsed().as_secs_f64() * 1e3);
@@ -127,7 +127,7 @@ impl Forwarder {
             let routed = self.engine_request(request, &target)?;
             match self.send_in_flow(&routed, &target, &mut guard, timeout).await {
                 Ok(response) => return Ok(observe(response, guard, request.report, timeout)),
-                Err(HopError::Connect(_)) if attempt == 0 => shared.metrics.upstream_retries.inc(),
+                Err(HopError::Connect(_)) if attempt == 0 => driver.metrics.upstream_retries.inc(),
                 Err(HopError::Connect(e) | HopError::Failed(e)) => return Err(e),
             }
         }
@@ -169,7 +169,7 @@ impl Forwarder {
         guard: &mut RequestGuard,
         timeout: Duration,
     ) -> Result<hyper::Response<Incoming>, HopError> {
-        match (&target.prefill, self.shared.config.routing.disagg_protocol) {
+        match (&target.prefill, self.driver.config.routing.disagg_protocol) {
             (None, _) => aggregated(self, request, &target.decode, timeout).await,
             (Some(prefill), EngineKind::Vllm) => {
                 vllm_two_hops(self, request, prefill, &target.decode, guard, timeout).await
@@ -356,7 +356,7 @@ async fn send(
         ))),
         Ok(Err(e)) if e.is_connect() => {
             tracing::warn!(worker = upstream.worker.0, error = %e, "worker unreachable; out of routing");
-            fwd.shared.worker_event(upstream.worker, WorkerEvent::Unreachable);
+            fwd.driver.worker_event(upstream.worker, WorkerEvent::Unreachable);
             Err(HopError::Connect(ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
@@ -402,7 +402,7 @@ async fn prefill_exchange(
             let error = failed("request failed".to_owned());
             if e.is_connect() {
                 tracing::warn!(worker = prefill.worker.0, error = %e, "prefill worker unreachable; out of routing");
-                fwd.shared.worker_event(prefill.worker, WorkerEvent::Unreachable);
+                fwd.driver.worker_event(prefill.worker, WorkerEvent::Unreachable);
                 HopError::Connect(error)
             } else {
                 HopError::Failed(error)

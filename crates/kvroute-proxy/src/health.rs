@@ -20,28 +20,28 @@ use crate::parity;
 use crate::worker::WorkerEvent;
 
 /// Probes every worker, forever.
-pub async fn run(shared: Arc<Driver>, checker: Checker) {
-    let interval = ServeConfig::ms(shared.config.upstream.health_interval_ms);
+pub async fn run(driver: Arc<Driver>, checker: Checker) {
+    let interval = ServeConfig::ms(driver.config.upstream.health_interval_ms);
     loop {
         tokio::time::sleep(interval).await;
-        probe_all(&shared, &checker).await;
+        probe_all(&driver, &checker).await;
     }
 }
 
 /// One round of the prober: every worker's `/health` asked once, each answer applied to its
 /// state machine, and the registration checks started where they are due.
-pub async fn probe_all(shared: &Arc<Driver>, checker: &Checker) {
-    let timeout = ServeConfig::ms(shared.config.upstream.health_timeout_ms);
-    for (id, base) in shared.worker_urls() {
-        let key = shared.worker_config(id).and_then(|c| c.api_key);
+pub async fn probe_all(driver: &Arc<Driver>, checker: &Checker) {
+    let timeout = ServeConfig::ms(driver.config.upstream.health_timeout_ms);
+    for (id, base) in driver.worker_urls() {
+        let key = driver.worker_config(id).and_then(|c| c.api_key);
         let event = probe(&checker.client, &base, key.as_deref(), timeout).await;
-        let t = shared.apply_worker_event(id, event);
+        let t = driver.apply_worker_event(id, event);
         if checks::due(
             t.map(|t| t.from),
             t.map(|t| t.to),
             event == WorkerEvent::CheckPassed,
         ) {
-            checker.spawn(shared, id);
+            checker.spawn(driver, id);
         }
     }
 }
@@ -71,27 +71,27 @@ pub struct Checker {
 
 impl Checker {
     /// Runs the registration checks of worker `id` in the background.
-    pub fn spawn(&self, shared: &Arc<Driver>, id: WorkerId) {
-        let (shared, checker) = (Arc::clone(shared), self.clone());
-        tokio::spawn(async move { checker.run(&shared, id).await });
+    pub fn spawn(&self, driver: &Arc<Driver>, id: WorkerId) {
+        let (driver, checker) = (Arc::clone(driver), self.clone());
+        tokio::spawn(async move { checker.run(&driver, id).await });
     }
 
     /// Runs the registration checks of worker `id` and reports each verdict. A check that
     /// cannot tell (the worker does not answer) reports nothing: health checks deal with that.
-    pub async fn run(&self, shared: &Arc<Driver>, id: WorkerId) {
+    pub async fn run(&self, driver: &Arc<Driver>, id: WorkerId) {
         for &check in ON_REGISTRATION {
-            if let Some(verdict) = self.run_one(shared, id, check).await {
-                shared.report_check(id, check, verdict);
+            if let Some(verdict) = self.run_one(driver, id, check).await {
+                driver.report_check(id, check, verdict);
             }
         }
     }
 
     /// One HTTP check of worker `id`; `None` if it cannot tell.
-    async fn run_one(&self, shared: &Driver, id: WorkerId, check: Check) -> Option<Verdict> {
-        let base = shared.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
-        let timeout = ServeConfig::ms(shared.config.upstream.health_timeout_ms);
-        let model_name = &shared.config.model.model_name;
-        let key = shared.worker_config(id).and_then(|c| c.api_key);
+    async fn run_one(&self, driver: &Driver, id: WorkerId, check: Check) -> Option<Verdict> {
+        let base = driver.worker_urls().into_iter().find(|(w, _)| *w == id)?.1;
+        let timeout = ServeConfig::ms(driver.config.upstream.health_timeout_ms);
+        let model_name = &driver.config.model.model_name;
+        let key = driver.worker_config(id).and_then(|c| c.api_key);
         let worker = Worker {
             base: &base,
             api_key: key.as_deref(),

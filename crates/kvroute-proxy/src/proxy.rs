@@ -77,7 +77,7 @@ pub struct ProxyHandle {
     /// The address the admin API listens on.
     pub admin_addr: SocketAddr,
     /// The router driver (for tests and the demo: loads, invariants).
-    pub shared: Arc<Driver>,
+    pub driver: Arc<Driver>,
     /// The workers' one add and remove path.
     pub fleet: Arc<Fleet>,
     shutdown: Shutdown,
@@ -108,8 +108,8 @@ impl ProxyHandle {
     /// Stops the proxy: the listeners, every connection and the background tasks.
     pub fn stop(&self) {
         self.shutdown.stop();
-        self.shared.stop_sync();
-        self.shared.stop_subscribers();
+        self.driver.stop_sync();
+        self.driver.stop_subscribers();
         for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
         }
@@ -170,23 +170,23 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let client = net::client(ServeConfig::ms(config.upstream.connect_timeout_ms));
     let workers = config.workers.clone();
     model.chat_cache().set_limit(config.model.tokenizer_cache_bytes);
-    let shared = Driver::new(router, config, Metrics::new());
-    shared.metrics.register(model.chat_cache().collector());
-    let feed = EventFeed::start(Arc::clone(&shared));
+    let driver = Driver::new(router, config, Metrics::new());
+    driver.metrics.register(model.chat_cache().collector());
+    let feed = EventFeed::start(Arc::clone(&driver));
     let checker = Checker {
         client: client.clone(),
         model: Arc::clone(&model),
     };
-    let fleet = Arc::new(Fleet::new(Arc::clone(&shared), feed, checker));
+    let fleet = Arc::new(Fleet::new(Arc::clone(&driver), feed, checker));
     let forwarder = Arc::new(Forwarder {
-        shared: Arc::clone(&shared),
+        driver: Arc::clone(&driver),
         client: client.clone(),
         instance: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
     });
     let app = Arc::new(App {
-        shared: Arc::clone(&shared),
+        driver: Arc::clone(&driver),
         model,
         forwarder: Arc::clone(&forwarder),
         fleet: Arc::clone(&fleet),
@@ -203,10 +203,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         .map_err(ServeError::Sync)?;
     let shutdown = Shutdown::new();
     let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(ticker(Arc::clone(&shared))));
-    if shared.config.upstream.health_interval_ms > 0 {
+    tasks.push(tokio::spawn(ticker(Arc::clone(&driver))));
+    if driver.config.upstream.health_interval_ms > 0 {
         tasks.push(tokio::spawn(crate::health::run(
-            Arc::clone(&shared),
+            Arc::clone(&driver),
             fleet.checker().clone(),
         )));
     }
@@ -217,7 +217,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         .route("/v1/models/{id}", get(model_card));
     // Without keys every request passes: no layer then (one costs a service clone and a boxed
     // future per request).
-    if !app.shared.config.server.api_key.is_empty() {
+    if !app.driver.config.server.api_key.is_empty() {
         inference = inference.route_layer(middleware::from_fn_with_state(Arc::clone(&app), inference_auth));
     }
     let inference = inference
@@ -242,7 +242,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     Ok(ProxyHandle {
         addr,
         admin_addr,
-        shared,
+        driver,
         fleet,
         shutdown,
         servers,
@@ -300,7 +300,7 @@ fn made_request_id(prefix: &str, n: u64) -> String {
 /// The inference API's keys: with `api-key` set, a request needs one of them (the layer is
 /// only added then).
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let keys = &app.shared.config.server.api_key;
+    let keys = &app.driver.config.server.api_key;
     if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
         next.run(request).await
     } else {
@@ -309,9 +309,9 @@ async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Nex
 }
 
 /// Runs the router's timers: request expiry and queue re-checks.
-async fn ticker(shared: Arc<Driver>) {
+async fn ticker(driver: Arc<Driver>) {
     loop {
-        let next = shared
+        let next = driver
             .tick()
             .unwrap_or(Duration::MAX)
             .min(Duration::from_millis(250));
@@ -373,7 +373,7 @@ impl Drop for Unanswered<'_> {
 
 async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response {
     let mut unanswered = Unanswered {
-        metrics: &app.shared.metrics,
+        metrics: &app.driver.metrics,
         endpoint,
         kind: RequestKind::Unary,
         answered: false,
@@ -400,7 +400,7 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
 
 async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {
     let t0 = Instant::now();
-    let config = &app.shared.config;
+    let config = &app.driver.config;
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
     let body = match read_body(config, req.into_body(), config.limits.max_body_bytes).await {
         Ok(body) => body,
@@ -421,7 +421,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     {
         return Outcome::Failed(kind, model_not_found(model));
     }
-    app.shared
+    app.driver
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
@@ -463,7 +463,7 @@ fn model_not_found(model: &str) -> ApiError {
 
 async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(ModelList::one(
-        app.shared.config.model.model_name.clone(),
+        app.driver.config.model.model_name.clone(),
         "kvroute",
     ))
     .into_response()
@@ -471,7 +471,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 
 /// `GET /v1/models/{id}`: the model object, or OpenAI's 404.
 async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    let name = &app.shared.config.model.model_name;
+    let name = &app.driver.config.model.model_name;
     if id != *name {
         return model_not_found(&id).into_response();
     }
@@ -485,12 +485,12 @@ async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
 async fn health(State(app): State<Arc<App>>) -> Response {
     // Healthy when a request can be served: some worker in routing decodes.
     let serving = app
-        .shared
+        .driver
         .worker_statuses()
         .iter()
         .any(|w| w.routable && w.config.role() != WorkerRole::Prefill);
     // With replica sync, whether the peers are heard (routing goes on either way).
-    let sync = app.shared.sync_link().map(kvroute_sync::LinkState::name);
+    let sync = app.driver.sync_link().map(kvroute_sync::LinkState::name);
     if serving {
         let body = match sync {
             Some(sync) => json!({"status": "ok", "sync": sync}),
@@ -509,8 +509,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    app.shared.snapshot();
-    let mut response = app.shared.metrics.render().into_response();
+    app.driver.snapshot();
+    let mut response = app.driver.metrics.render().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

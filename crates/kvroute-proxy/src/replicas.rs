@@ -19,7 +19,7 @@ use crate::driver::Driver;
 use crate::fleet::Fleet;
 
 struct Host {
-    shared: Arc<Driver>,
+    driver: Arc<Driver>,
     fleet: Arc<Fleet>,
     /// The credential for peers' workers that this replica's own tables do not name.
     peer_key: Option<Secret>,
@@ -31,22 +31,22 @@ impl SyncHost for Host {
         let mut run = 0;
         for (i, event) in events.iter().enumerate() {
             if let SyncItem::Worker(change) = event {
-                self.shared.apply_peer_events(from, &events[run..i]);
+                self.driver.apply_peer_events(from, &events[run..i]);
                 self.fleet.apply_peer_change(change, self.peer_key.as_ref());
                 run = i + 1;
             }
         }
         if run < events.len() {
-            self.shared.apply_peer_events(from, &events[run..]);
+            self.driver.apply_peer_events(from, &events[run..]);
         }
     }
 
     fn peer_lost(&self, peer: RouterId) {
-        self.shared.release_peer(peer);
+        self.driver.release_peer(peer);
     }
 
     fn snapshot(&self) -> Vec<SyncItem> {
-        self.shared.sync_snapshot()
+        self.driver.sync_snapshot()
     }
 }
 
@@ -54,14 +54,14 @@ impl SyncHost for Host {
 /// peers' registry and in-flight load before it serves), and attaches the transport to the
 /// driver. Nothing without `nats`.
 pub async fn start(fleet: &Arc<Fleet>, id: RouterId) -> Result<(), String> {
-    let shared = fleet.shared();
-    let Some(config) = shared.config.sync_config().map_err(|e| e.to_string())? else {
+    let driver = fleet.driver();
+    let Some(config) = driver.config.sync_config().map_err(|e| e.to_string())? else {
         return Ok(());
     };
-    let peer_key = shared.config.peer_worker_api_key().map_err(|e| e.to_string())?;
-    let metrics = SyncMetrics::new(shared.metrics.registry()).map_err(|e| e.to_string())?;
+    let peer_key = driver.config.peer_worker_api_key().map_err(|e| e.to_string())?;
+    let metrics = SyncMetrics::new(driver.metrics.registry()).map_err(|e| e.to_string())?;
     let host = Arc::new(Host {
-        shared: Arc::clone(shared),
+        driver: Arc::clone(driver),
         fleet: Arc::clone(fleet),
         peer_key,
     });
@@ -69,7 +69,7 @@ pub async fn start(fleet: &Arc<Fleet>, id: RouterId) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     tracing::info!(replica = format!("{:016x}", id.0), "replica sync on NATS");
-    shared.attach_sync(sync);
+    driver.attach_sync(sync);
     Ok(())
 }
 

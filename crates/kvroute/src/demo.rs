@@ -307,17 +307,17 @@ async fn live(
         ..SyncTraffic::default()
     });
     for proxy in &proxies {
-        let c = proxy.shared.snapshot().counters;
+        let c = proxy.driver.snapshot().counters;
         overlap.0 += c.overlap_blocks;
         overlap.1 += c.prompt_blocks;
         lost += proxy
-            .shared
+            .driver
             .metrics
             .kv_stream_incidents
             .with_label_values(&["gap_lost"])
             .get();
         if let Some(s) = &mut sync {
-            let text = proxy.shared.metrics.render();
+            let text = proxy.driver.metrics.render();
             s.messages += metric_sum(&text, "kvroute_sync_messages_sent_total");
             s.bytes += metric_sum(&text, "kvroute_sync_bytes_sent_total");
             s.events += metric_sum(&text, "kvroute_sync_events_sent_total");

@@ -311,7 +311,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "kvroute serve: listening on {url}; admin API on {admin_url}"
             ),
         }
-        if proxy.shared.worker_urls().is_empty() {
+        if proxy.driver.worker_urls().is_empty() {
             say(
                 format,
                 &format!("no workers yet: add them with --worker or POST {admin_url}/admin/workers"),

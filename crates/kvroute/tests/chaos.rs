@@ -172,12 +172,12 @@ async fn until_gauges_are(proxy: &ProxyHandle, in_flight: &[(u64, u64)]) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    proxy.shared.check_invariants().unwrap();
+    proxy.driver.check_invariants().unwrap();
 }
 
 async fn until_state(proxy: &ProxyHandle, id: usize, state: StateName) {
     let reached = proxy
-        .shared
+        .driver
         .wait_until(PATIENCE, |s| s.worker_statuses()[id].state == state)
         .await;
     assert!(reached, "worker {id} never became {state:?}");
@@ -224,7 +224,7 @@ async fn a_health_flap_with_a_request_in_flight_loses_nothing_and_the_gauges_ret
     stub.healthy.store(false, Ordering::SeqCst);
     until_state(&p, 0, StateName::Unhealthy).await;
     // Out of routing, the request it holds is still booked on it.
-    let booked = |p: &ProxyHandle| p.shared.worker_statuses()[0].active_requests;
+    let booked = |p: &ProxyHandle| p.driver.worker_statuses()[0].active_requests;
     assert_eq!(booked(&p), 1);
     // Meanwhile requests go to the other worker and succeed.
     all_served(&url, 3, "during").await;
@@ -312,7 +312,7 @@ async fn a_drain_with_streams_in_flight_finishes_every_one_and_frees_their_load(
             })
         })
         .collect();
-    let shared = Arc::clone(&p.shared);
+    let shared = Arc::clone(&p.driver);
     let both = shared
         .wait_until(PATIENCE, |s| s.snapshot().active_now == 2)
         .await;
@@ -348,7 +348,7 @@ async fn a_gap_beyond_the_replay_buffer_fails_no_request_and_the_view_rebuilds()
         matches!(s.worker_statuses()[0].view, ViewSummary::RebuiltAfterGap { .. })
     };
     let mut i = 0;
-    while !p.shared.wait_for_kv(Duration::from_millis(200), lost).await {
+    while !p.driver.wait_for_kv(Duration::from_millis(200), lost).await {
         // The gap shows only with a later batch: send more traffic until it does.
         i += 1;
         assert!(i < 150, "the lost gap was never reported");
@@ -357,7 +357,7 @@ async fn a_gap_beyond_the_replay_buffer_fails_no_request_and_the_view_rebuilds()
         assert_eq!(status, 200, "{out}");
     }
     let incidents = p
-        .shared
+        .driver
         .metrics
         .kv_stream_incidents
         .with_label_values(&["gap_lost"])
@@ -374,13 +374,13 @@ async fn a_gap_beyond_the_replay_buffer_fails_no_request_and_the_view_rebuilds()
     .await;
     assert_eq!(status, 200, "{out}");
     let rebuilt = p
-        .shared
+        .driver
         .wait_for_kv(PATIENCE, |s| s.worker_statuses()[0].cached_blocks >= 20)
         .await;
     assert!(
         rebuilt,
         "the view was not rebuilt: {:?}",
-        p.shared.worker_statuses()[0]
+        p.driver.worker_statuses()[0]
     );
     until_gauges_are(&p, &[]).await;
 }
@@ -423,11 +423,11 @@ async fn until_view_holds(
     publisher.publish(events, Some(0), 1.0).unwrap();
     let deadline = Instant::now() + PATIENCE;
     let holds = |s: &kvroute_proxy::Driver| s.worker_statuses()[0].cached_blocks == blocks;
-    while !proxy.shared.wait_for_kv(Duration::from_millis(50), holds).await {
+    while !proxy.driver.wait_for_kv(Duration::from_millis(50), holds).await {
         assert!(
             Instant::now() < deadline,
             "the view never held {blocks} blocks: {:?}",
-            proxy.shared.worker_statuses()[0]
+            proxy.driver.worker_statuses()[0]
         );
         // A later batch shows the subscriber what it missed, which it replays.
         publisher.publish(Vec::new(), Some(0), 1.0).unwrap();
@@ -468,7 +468,7 @@ async fn an_engine_restarted_with_a_request_in_flight_fails_only_that_request_an
     // Its new run's first blocks replace the old view, which is gone.
     until_view_holds(&p, &events, vec![stored(100, 2, None)], 2).await;
     let restarts = p
-        .shared
+        .driver
         .metrics
         .kv_stream_incidents
         .with_label_values(&["restarted"])

@@ -177,7 +177,7 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
                     json!({"prompt": format!("{attempt:06}: warming up rank {rank}"), "max_tokens": 1});
                 post_json(&client, &mock_url, &warm, Some(rank)).await;
             }
-            if proxy.shared.wait_for_kv(RETRY_PACE, joined).await {
+            if proxy.driver.wait_for_kv(RETRY_PACE, joined).await {
                 break;
             }
         }
@@ -207,10 +207,10 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
                 .map(|w| w.spec.key.dp_rank.0)
         };
         assert!(
-            proxy.shared.wait_for_kv(PATIENCE, |s| holds(s).is_some()).await,
+            proxy.driver.wait_for_kv(PATIENCE, |s| holds(s).is_some()).await,
             "{engine:?}: no rank's events arrived"
         );
-        let holder = holds(&proxy.shared).unwrap();
+        let holder = holds(&proxy.driver).unwrap();
         let again = completion(post_json(&client, &url, &body, None).await);
         // All 20 blocks but the last, which the engine computes again for the first token.
         assert_eq!(

@@ -142,7 +142,7 @@ async fn killing_a_worker_mid_stream_ends_the_request_and_frees_its_load() {
     for _ in 0..3 {
         stream.next().await.unwrap().unwrap();
     }
-    let m = c.proxy.shared.snapshot();
+    let m = c.proxy.driver.snapshot();
     let busy = m.workers.iter().position(|w| w.load.requests == 1).unwrap();
     let other = 1 - busy;
     // A second stream, on the other worker, in flight when the first one's worker dies.

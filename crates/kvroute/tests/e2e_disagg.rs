@@ -284,7 +284,7 @@ async fn a_client_leaving_during_the_prefill_hop_frees_its_load() {
     let task = tokio::spawn(async move { http.request("POST", "/v1/completions", body).await });
     let hop1 = held.arrived().await;
     assert_eq!(hop1["kv_transfer_params"]["do_remote_decode"], true, "{hop1}");
-    assert_eq!(c.proxy.shared.snapshot().active_now, 1);
+    assert_eq!(c.proxy.driver.snapshot().active_now, 1);
     task.abort();
     c.assert_drained().await;
     assert!(c.kv_requests().1.is_empty(), "the client left before hop 2");

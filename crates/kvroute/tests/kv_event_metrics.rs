@@ -116,7 +116,7 @@ async fn scrape_until(
             return scrape;
         }
         assert!(t0.elapsed() < PATIENCE, "never: {what}\n{}", scrape.0);
-        next_change(&proxy.shared, POLL).await;
+        next_change(&proxy.driver, POLL).await;
     }
 }
 
@@ -159,7 +159,7 @@ async fn subscriber_counters_are_exported_per_worker() {
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let id = |publisher: &EventPublisher| {
         proxy
-            .shared
+            .driver
             .worker_statuses()
             .iter()
             .find(|w| w.config.events.as_deref() == Some(publisher.endpoint()))
@@ -330,7 +330,7 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
         for publisher in [&zero, &one] {
             publisher.publish(Vec::new(), None, 0.0).unwrap();
         }
-        if proxy.shared.wait_for_kv(Duration::from_millis(200), joined).await {
+        if proxy.driver.wait_for_kv(Duration::from_millis(200), joined).await {
             break;
         }
     }
@@ -339,10 +339,10 @@ async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     one.publish(stored(2), None, 0.0).unwrap();
     zero.publish(stored(3), Some(0), 0.0).unwrap();
     let held = proxy
-        .shared
+        .driver
         .wait_for_kv(PATIENCE, |s| (cached(s, 0), cached(s, 1)) == (1, 2))
         .await;
-    let shared = &proxy.shared;
+    let shared = &proxy.driver;
     assert!(
         held,
         "ranks hold {} and {} blocks",

@@ -92,7 +92,7 @@ async fn a_client_leaving_mid_stream_is_counted_as_cancelled() {
     assert_eq!(outcome(&text, "ok"), 0.0);
     let idle = |s: &kvroute_proxy::Driver| s.snapshot().active_now == 0;
     assert!(
-        p.proxy.shared.wait_until(PATIENCE, idle).await,
+        p.proxy.driver.wait_until(PATIENCE, idle).await,
         "the request's load was freed"
     );
 }
@@ -126,7 +126,7 @@ async fn a_client_leaving_after_done_is_a_success_counted_before_it_has_done() {
     );
     assert_eq!(cache_reports(&text, "reported"), 1.0, "{text}");
     assert_eq!(
-        p.proxy.shared.snapshot().active_now,
+        p.proxy.driver.snapshot().active_now,
         0,
         "the request's load was freed"
     );

@@ -53,7 +53,7 @@ async fn a_worker_whose_events_have_another_block_size_is_misconfigured() {
         .await;
     assert_eq!(status, 200);
     p.wait_for_state(0, StateName::Misconfigured).await;
-    let status = &p.proxy.shared.worker_statuses()[0];
+    let status = &p.proxy.driver.worker_statuses()[0];
     assert_eq!(
         status.misconfigured.values().next().map(String::as_str),
         Some("its KV events have blocks of 32 tokens, the router's block size is 16")
@@ -238,7 +238,7 @@ async fn a_misconfigured_worker_returns_once_its_checks_pass() {
     serves_tiny.store(true, Ordering::SeqCst);
     // Its next passing health check runs the checks again.
     p.wait_for_state(0, StateName::Ready).await;
-    assert!(p.proxy.shared.worker_statuses()[0].misconfigured.is_empty());
+    assert!(p.proxy.driver.worker_statuses()[0].misconfigured.is_empty());
     let text = p.metrics().await;
     assert_eq!(
         metric(&text, "kvroute_worker_misconfigured", "check=\"model\""),

@@ -77,7 +77,7 @@ async fn replica(nats: Option<&NatsServer>, workers: &[WorkerConfig]) -> ProxyHa
 
 /// Requests the proxy's router books now (its own and its peers').
 fn active(p: &ProxyHandle) -> usize {
-    p.shared.snapshot().active_now
+    p.driver.snapshot().active_now
 }
 
 fn client() -> HttpClient {
@@ -147,7 +147,7 @@ async fn cached_share(proxies: &[&ProxyHandle], groups: u32, rounds: u32) -> f64
         let want = u64::from(groups) * 8;
         for p in proxies {
             let held = |p: &ProxyHandle| {
-                p.shared
+                p.driver
                     .snapshot()
                     .workers
                     .iter()
@@ -186,7 +186,7 @@ async fn three_synced_replicas_cache_as_well_as_one_router() {
         [&a, &b, &c]
             .iter()
             .flat_map(|p| {
-                let text = p.shared.metrics.render();
+                let text = p.driver.metrics.render();
                 text.lines()
                     .filter(|l| l.starts_with(name))
                     .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -210,7 +210,7 @@ async fn three_synced_replicas_cache_as_well_as_one_router() {
     );
     for p in [&a, &b, &c] {
         eventually("every request freed in every view", || active(p) == 0).await;
-        p.shared.check_invariants().unwrap();
+        p.driver.check_invariants().unwrap();
     }
 }
 
@@ -254,7 +254,7 @@ async fn a_killed_replicas_load_is_released_by_its_peers_and_no_other_request_fa
         })
     };
     // Killed: silent at once (no goodbye, no frees), then gone.
-    c.shared.stop_sync();
+    c.driver.stop_sync();
     let killed = Instant::now();
     drop(c);
     drop(held);
@@ -276,7 +276,7 @@ async fn a_killed_replicas_load_is_released_by_its_peers_and_no_other_request_fa
     traffic.abort();
     for p in [&a, &b] {
         eventually("A and B drain", || active(p) == 0).await;
-        p.shared.check_invariants().unwrap();
+        p.driver.check_invariants().unwrap();
     }
 }
 
@@ -291,7 +291,7 @@ async fn routing_goes_on_without_nats_and_the_view_converges_when_it_returns() {
         replica(Some(&nats), &w).await,
     ];
     let client = client();
-    let health = |p: &ProxyHandle| p.shared.sync_link().map(kvroute_sync::LinkState::name);
+    let health = |p: &ProxyHandle| p.driver.sync_link().map(kvroute_sync::LinkState::name);
     nats.stop();
     for p in &proxies {
         eventually("each replica says sync is down", || {
@@ -333,7 +333,7 @@ async fn routing_goes_on_without_nats_and_the_view_converges_when_it_returns() {
     drop(held);
     for p in &proxies {
         eventually("every view drains", || active(p) == 0).await;
-        p.shared.check_invariants().unwrap();
+        p.driver.check_invariants().unwrap();
     }
 }
 
@@ -353,7 +353,7 @@ async fn a_replica_started_mid_run_routes_with_its_peers_load_from_its_first_req
         eventually("A and B see all six", || active(p) == 6).await;
     }
     let per_worker = |p: &ProxyHandle| {
-        let m = p.shared.snapshot();
+        let m = p.driver.snapshot();
         m.workers.iter().map(|w| w.load.requests).collect::<Vec<_>>()
     };
     let c = replica(Some(&nats), &w).await;
@@ -364,7 +364,7 @@ async fn a_replica_started_mid_run_routes_with_its_peers_load_from_its_first_req
     drop(held);
     for p in [&a, &b, &c] {
         eventually("every view drains", || active(p) == 0).await;
-        p.shared.check_invariants().unwrap();
+        p.driver.check_invariants().unwrap();
     }
 }
 
@@ -392,7 +392,7 @@ async fn admin(
 fn status_of(proxy: &ProxyHandle, url: &str) -> Option<kvroute_proxy::registry::WorkerStatus> {
     let url = url.trim_end_matches('/');
     proxy
-        .shared
+        .driver
         .worker_statuses()
         .into_iter()
         .find(|w| w.config.url.trim_end_matches('/') == url)
@@ -455,8 +455,8 @@ fn id_of(proxy: &ProxyHandle, url: &str) -> Option<u64> {
 
 /// `proxy`'s `/metrics` as a scrape sees it (the gauges refreshed first, as the handler does).
 fn scrape(proxy: &ProxyHandle) -> String {
-    proxy.shared.snapshot();
-    proxy.shared.metrics.render()
+    proxy.driver.snapshot();
+    proxy.driver.metrics.render()
 }
 
 /// The series of `scrape` that name worker `id` (by either id label: `worker_id`, or the KV
@@ -488,7 +488,7 @@ async fn a_worker_removed_on_one_replica_is_gone_on_every_replica_with_its_subsc
     // Before: on every replica the worker has its KV-event subscriber running, its counters
     // exported (only while the subscriber's task runs) and its per-worker series.
     for (p, &id) in proxies.iter().zip(&ids) {
-        assert_eq!(p.shared.subscriber_count(WorkerId(id)), Some(1));
+        assert_eq!(p.driver.subscriber_count(WorkerId(id)), Some(1));
         let subscribed = format!("kvroute_kv_events_received_total{{dp_rank=\"0\",worker=\"{id}\"}}");
         eventually("the worker's subscriber is exported on every replica", || {
             scrape(p).contains(&subscribed)
@@ -522,17 +522,17 @@ async fn a_worker_removed_on_one_replica_is_gone_on_every_replica_with_its_subsc
             || series_of(&scrape(p), id, url).is_empty(),
         )
         .await;
-        assert_eq!(p.shared.subscriber_count(WorkerId(id)), None);
+        assert_eq!(p.driver.subscriber_count(WorkerId(id)), None);
     }
     // The others serve on, and their subscribers and series stay.
     for p in &proxies {
         complete(&client, p, json!("after the removal")).await;
         for other in &mocks[..2] {
             let id = id_of(p, &other.url()).unwrap();
-            assert_eq!(p.shared.subscriber_count(WorkerId(id)), Some(1));
+            assert_eq!(p.driver.subscriber_count(WorkerId(id)), Some(1));
             assert!(!series_of(&scrape(p), id, other.url().trim_end_matches('/')).is_empty());
         }
         eventually("every view drains", || active(p) == 0).await;
-        p.shared.check_invariants().unwrap();
+        p.driver.check_invariants().unwrap();
     }
 }

@@ -114,7 +114,7 @@ async fn start(config: ServeConfig) -> Result<ProxyHandle, String> {
 /// Worker `url` in `proxy`'s registry: its state and the credential it is called with.
 fn worker(proxy: &ProxyHandle, url: &str) -> Option<(StateName, Option<String>)> {
     proxy
-        .shared
+        .driver
         .worker_statuses()
         .into_iter()
         .find(|w| w.config.url.trim_end_matches('/') == url.trim_end_matches('/'))
@@ -149,7 +149,7 @@ async fn replicas_sync_through_nats_with_a_password_and_tls_and_no_message_carri
     let mut with_peer_key = config(&nats, &files, "password", &w);
     with_peer_key.replicas.peer_worker_api_key_file = Some(files.path("peer-key"));
     let b = start(with_peer_key).await.unwrap();
-    assert_eq!(a.shared.sync_link().map(|l| l.name()), Some("connected"));
+    assert_eq!(a.driver.sync_link().map(|l| l.name()), Some("connected"));
     let client = kvroute_http::net::client(Duration::from_secs(5));
     // An operator adds a worker with its engine's credential on A.
     let mut added = WorkerConfig::parse_flag(&extra.worker_flag()).unwrap();

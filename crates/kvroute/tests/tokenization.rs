@@ -171,7 +171,7 @@ impl Cluster {
     /// Blocks the router's index holds, over all workers.
     fn indexed_blocks(&self) -> u64 {
         self.proxy
-            .shared
+            .driver
             .snapshot()
             .workers
             .iter()
@@ -194,7 +194,7 @@ impl Cluster {
         // The first request's stored blocks reached the router.
         let stored = self
             .proxy
-            .shared
+            .driver
             .wait_for_kv(PATIENCE, |_| {
                 self.indexed_blocks() >= before + u64::from(full_blocks)
             })

@@ -112,7 +112,7 @@ const KEY: WorkerKey = WorkerKey::new(WorkerId(0), DpRank(0));
 
 fn counters(proxy: &ProxyHandle) -> CounterSnapshot {
     proxy
-        .shared
+        .driver
         .metrics
         .kv_subscribers
         .snapshots()
@@ -123,16 +123,16 @@ fn counters(proxy: &ProxyHandle) -> CounterSnapshot {
 }
 
 fn cached(proxy: &ProxyHandle) -> u64 {
-    proxy.shared.worker_statuses()[0].cached_blocks
+    proxy.driver.worker_statuses()[0].cached_blocks
 }
 
 fn view(proxy: &ProxyHandle) -> ViewSummary {
-    proxy.shared.worker_statuses()[0].view.clone()
+    proxy.driver.worker_statuses()[0].view.clone()
 }
 
 fn incidents(proxy: &ProxyHandle, kind: &str) -> u64 {
     proxy
-        .shared
+        .driver
         .metrics
         .kv_stream_incidents
         .with_label_values(&[kind])
@@ -141,7 +141,7 @@ fn incidents(proxy: &ProxyHandle, kind: &str) -> u64 {
 
 /// Waits until `done` holds of the proxy, checked after each change it reports.
 async fn until(proxy: &ProxyHandle, what: &str, done: impl Fn(&ProxyHandle) -> bool) {
-    let reached = proxy.shared.wait_for_kv(PATIENCE, |_| done(proxy)).await;
+    let reached = proxy.driver.wait_for_kv(PATIENCE, |_| done(proxy)).await;
     assert!(
         reached,
         "never: {what} (cached {}, view {:?}, {:?})",
@@ -163,7 +163,7 @@ async fn join(proxy: &ProxyHandle, publisher: &EventPublisher) {
             c.received > 0 && c.emitted + c.batches_lost >= publisher.next_seq()
         };
         if proxy
-            .shared
+            .driver
             .wait_for_kv(Duration::from_millis(50), |_| accounted(proxy))
             .await
         {
@@ -208,7 +208,7 @@ async fn an_engine_restart_clears_the_view_before_the_new_run_publishes() {
     publish(&second, vec![stored(50, 2, None)]);
     until(&proxy, "the new run's 2 blocks", |p| cached(p) == 2).await;
     assert_eq!(counters(&proxy).gaps_lost, 0);
-    proxy.shared.check_invariants().unwrap();
+    proxy.driver.check_invariants().unwrap();
     second.shutdown().await;
 }
 
@@ -299,18 +299,18 @@ async fn a_health_flap_without_restart_keeps_the_view_and_replays_what_was_misse
 
     // Out after three failed checks.
     for _ in 0..3 {
-        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckFailed);
+        proxy.driver.worker_event(WorkerId(0), WorkerEvent::CheckFailed);
     }
-    assert!(!proxy.shared.any_routable());
+    assert!(!proxy.driver.any_routable());
     // During the outage the engine stores more, and none of it reaches the proxy.
     publisher.drop_next(2);
     publish(&publisher, vec![stored(4, 2, Some(3))]);
     publish(&publisher, vec![stored(6, 1, Some(5))]);
     // Back after two passing checks: the view it had, plus what the replay brings.
     for _ in 0..2 {
-        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
+        proxy.driver.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
     }
-    assert!(proxy.shared.any_routable());
+    assert!(proxy.driver.any_routable());
     until(&proxy, "the kept view and the 3 missed blocks", |p| {
         cached(p) == 6 && !matches!(view(p), ViewSummary::Replaying { .. })
     })
@@ -319,7 +319,7 @@ async fn a_health_flap_without_restart_keeps_the_view_and_replays_what_was_misse
     assert_eq!((c.restarts, c.gaps_lost), (0, 0), "{c:?}");
     assert!(c.resyncs >= 2, "at startup and when back: {c:?}");
     assert_eq!(view(&proxy), ViewSummary::Live);
-    proxy.shared.check_invariants().unwrap();
+    proxy.driver.check_invariants().unwrap();
     publisher.shutdown().await;
 }
 
@@ -332,7 +332,7 @@ async fn the_view_is_bounded_per_worker_and_evictions_are_counted() {
     publish(&publisher, vec![stored(1, 3, None)]);
     publish(&publisher, vec![stored(10, 3, None)]);
     until(&proxy, "both chains applied", |p| {
-        p.shared
+        p.driver
             .metrics
             .kv_events
             .with_label_values(&["stored", "ok"])
@@ -341,9 +341,9 @@ async fn the_view_is_bounded_per_worker_and_evictions_are_counted() {
     })
     .await;
     assert_eq!(cached(&proxy), 4);
-    proxy.shared.snapshot();
-    assert_eq!(proxy.shared.metrics.index_blocks_evicted.get(), 2);
-    let page = proxy.shared.metrics.render();
+    proxy.driver.snapshot();
+    assert_eq!(proxy.driver.metrics.index_blocks_evicted.get(), 2);
+    let page = proxy.driver.metrics.render();
     assert!(page.contains("kvroute_index_blocks_evicted_total 2"), "{page}");
     publisher.shutdown().await;
 }
@@ -403,13 +403,13 @@ async fn while_a_replay_runs_the_view_says_replaying_then_live_or_rebuilt() {
     // A health flap: a batch missed meanwhile; when the worker is back, its resync asks the
     // replay from the last batch applied, which the engine holds back.
     for _ in 0..3 {
-        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckFailed);
+        proxy.driver.worker_event(WorkerId(0), WorkerEvent::CheckFailed);
     }
     publisher.drop_next(1);
     publish(&publisher, vec![stored(4, 2, Some(3))]);
     let mut hold = publisher.hold_replays();
     for _ in 0..2 {
-        proxy.shared.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
+        proxy.driver.worker_event(WorkerId(0), WorkerEvent::CheckPassed);
     }
     let asked = tokio::time::timeout(PATIENCE, hold.requested()).await.unwrap();
     assert_eq!(asked, Some(last));
@@ -480,7 +480,7 @@ async fn predicted_and_reported(
 
 fn stored_ok(proxy: &ProxyHandle) -> u64 {
     proxy
-        .shared
+        .driver
         .metrics
         .kv_events
         .with_label_values(&["stored", "ok"])
@@ -488,8 +488,8 @@ fn stored_ok(proxy: &ProxyHandle) -> u64 {
 }
 
 fn newly_held(proxy: &ProxyHandle) -> u64 {
-    proxy.shared.snapshot();
-    proxy.shared.metrics.index_blocks_stored.get()
+    proxy.driver.snapshot();
+    proxy.driver.metrics.index_blocks_stored.get()
 }
 
 /// vLLM re-announces nothing it holds, so a view cleared after events were lost for good
@@ -532,7 +532,7 @@ async fn a_view_lost_beyond_the_replay_buffer_is_rebuilt_from_the_engines_reanno
     for warm in 200.. {
         predicted_and_reported(&http, &proxy, &request(&prompt(warm))).await;
         if proxy
-            .shared
+            .driver
             .wait_for_kv(Duration::from_millis(500), |_| counters(&proxy).emitted > 0)
             .await
         {
@@ -590,5 +590,5 @@ async fn a_view_lost_beyond_the_replay_buffer_is_rebuilt_from_the_engines_reanno
         assert_eq!(cached(&proxy), blocks + 6);
         assert_eq!(newly_held(&proxy), held, "no block newly held");
     }
-    proxy.shared.check_invariants().unwrap();
+    proxy.driver.check_invariants().unwrap();
 }

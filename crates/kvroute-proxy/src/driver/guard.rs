@@ -9,7 +9,7 @@ use super::Driver;
 
 /// Owns one routed (or queued) request's load; see the module docs.
 pub struct RequestGuard {
-    shared: Arc<Driver>,
+    driver: Arc<Driver>,
     id: RequestId,
     /// The worker rank it was routed to, and the prompt tokens predicted cached there (`None`
     /// while it waits in the queue).
@@ -30,9 +30,9 @@ impl std::fmt::Debug for RequestGuard {
 }
 
 impl RequestGuard {
-    pub(super) fn new(shared: &Arc<Driver>, id: RequestId, started: Instant) -> Self {
+    pub(super) fn new(driver: &Arc<Driver>, id: RequestId, started: Instant) -> Self {
         Self {
-            shared: Arc::clone(shared),
+            driver: Arc::clone(driver),
             id,
             routed: None,
             started,
@@ -55,8 +55,8 @@ impl RequestGuard {
     }
 
     /// The driver the request belongs to.
-    pub fn shared(&self) -> &Arc<Driver> {
-        &self.shared
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.driver
     }
 
     /// A disaggregated request's prefill worker answered (its first token is out, the prompt's
@@ -66,7 +66,7 @@ impl RequestGuard {
         if !self.prefill_reported {
             self.prefill_reported = true;
             let id = self.id;
-            self.shared.lifecycle(|r, t| r.handle_first_token(t, id));
+            self.driver.lifecycle(|r, t| r.handle_first_token(t, id));
         }
     }
 
@@ -78,14 +78,14 @@ impl RequestGuard {
         if !self.first_token {
             self.first_token = true;
             if streaming {
-                self.shared
+                self.driver
                     .metrics
                     .ttft
                     .observe((now - self.started).as_secs_f64());
             }
             self.prefill_done();
         } else if streaming && let Some(last) = self.last_chunk {
-            self.shared.metrics.itl.observe((now - last).as_secs_f64());
+            self.driver.metrics.itl.observe((now - last).as_secs_f64());
         }
         self.last_chunk = Some(now);
     }
@@ -94,7 +94,7 @@ impl RequestGuard {
     pub fn finish(mut self) {
         self.done = true;
         let id = self.id;
-        self.shared.lifecycle(|r, t| r.handle_finished(t, id));
+        self.driver.lifecycle(|r, t| r.handle_finished(t, id));
     }
 
     /// The request is given up (before it reached a worker); the same as dropping the guard.
@@ -107,7 +107,7 @@ impl Drop for RequestGuard {
             return;
         }
         let id = self.id;
-        self.shared.lock().waiters.remove(&id);
-        self.shared.lifecycle(|r, t| r.handle_cancelled(t, id));
+        self.driver.lock().waiters.remove(&id);
+        self.driver.lifecycle(|r, t| r.handle_cancelled(t, id));
     }
 }

@@ -75,7 +75,7 @@ pub struct Driver {
 /// the sync transport (see the module docs).
 struct Locked<'a> {
     guard: MutexGuard<'a, DriverState>,
-    shared: &'a Driver,
+    driver: &'a Driver,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -94,7 +94,7 @@ impl std::ops::DerefMut for Locked<'_> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let DriverState { router, registry, .. } = &mut *self.guard;
-        match self.shared.sync.get() {
+        match self.driver.sync.get() {
             Some(sync) => {
                 let out = sync.outgoing();
                 while let Some(event) = router.poll_sync_event() {
@@ -142,7 +142,7 @@ impl Driver {
         // matters more than stopping: keep serving.
         Locked {
             guard: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
-            shared: self,
+            driver: self,
         }
     }
 

@@ -2,18 +2,18 @@ use super::*;
 use crate::config::WorkerConfig;
 use crate::worker::{StateName, WorkerEvent};
 
-fn shared() -> (Arc<Driver>, WorkerId) {
+fn driver() -> (Arc<Driver>, WorkerId) {
     let config = ServeConfig::default();
     let router = Router::new(config.validate().unwrap()).unwrap();
-    let shared = Driver::new(router, config, Metrics::new());
-    let id = shared
+    let driver = Driver::new(router, config, Metrics::new());
+    let id = driver
         .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:1").unwrap())
         .unwrap();
-    (shared, id)
+    (driver, id)
 }
 
-fn state(shared: &Driver) -> StateName {
-    shared.worker_statuses()[0].state
+fn state(driver: &Driver) -> StateName {
+    driver.worker_statuses()[0].state
 }
 
 fn check(passed: bool) -> WorkerEvent {
@@ -41,47 +41,47 @@ fn health_checks_flip_a_worker_only_after_enough_in_a_row() {
         (true, true), // second in a row: back
         (true, true),
     ];
-    let (shared, id) = shared();
+    let (driver, id) = driver();
     for (step, &(passed, want)) in script.iter().enumerate() {
-        shared.worker_event(id, check(passed));
-        assert_eq!(shared.any_routable(), want, "after check {step} ({passed})");
-        let taking = shared.snapshot().workers.iter().filter(|w| !w.draining).count();
+        driver.worker_event(id, check(passed));
+        assert_eq!(driver.any_routable(), want, "after check {step} ({passed})");
+        let taking = driver.snapshot().workers.iter().filter(|w| !w.draining).count();
         assert_eq!(taking, usize::from(want), "taking requests in the router");
     }
 }
 
 #[test]
 fn an_unreachable_worker_leaves_at_once_and_needs_fresh_passes_to_return() {
-    let (shared, id) = shared();
-    shared.worker_event(id, WorkerEvent::CheckPassed);
-    shared.worker_event(id, WorkerEvent::Unreachable);
-    assert_eq!(state(&shared), StateName::Unhealthy);
-    shared.worker_event(id, WorkerEvent::CheckPassed);
+    let (driver, id) = driver();
+    driver.worker_event(id, WorkerEvent::CheckPassed);
+    driver.worker_event(id, WorkerEvent::Unreachable);
+    assert_eq!(state(&driver), StateName::Unhealthy);
+    driver.worker_event(id, WorkerEvent::CheckPassed);
     assert_eq!(
-        state(&shared),
+        state(&driver),
         StateName::Unhealthy,
         "a pass before the failure does not count"
     );
-    shared.worker_event(id, WorkerEvent::CheckPassed);
-    assert_eq!(state(&shared), StateName::Ready);
+    driver.worker_event(id, WorkerEvent::CheckPassed);
+    assert_eq!(state(&driver), StateName::Ready);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_draining_worker_keeps_its_requests_and_leaves_when_it_has_none() {
-    let (shared, id) = shared();
-    let (guard, target, _) = shared.route(&[1, 2, 3], None).await.unwrap();
+    let (driver, id) = driver();
+    let (guard, target, _) = driver.route(&[1, 2, 3], None).await.unwrap();
     assert_eq!(target.decode.worker, id);
-    assert!(shared.drain_worker(id, Announce::ToPeers));
-    assert_eq!(state(&shared), StateName::Draining);
-    assert_eq!(shared.worker_statuses()[0].active_requests, 1);
-    assert_eq!(shared.route(&[4], None).await.unwrap_err(), RouteError::NoWorker);
+    assert!(driver.drain_worker(id, Announce::ToPeers));
+    assert_eq!(state(&driver), StateName::Draining);
+    assert_eq!(driver.worker_statuses()[0].active_requests, 1);
+    assert_eq!(driver.route(&[4], None).await.unwrap_err(), RouteError::NoWorker);
     guard.finish();
-    assert_eq!(state(&shared), StateName::Drained);
-    assert!(shared.snapshot().workers.is_empty(), "out of the router");
-    assert!(shared.remove_worker(id, Announce::ToPeers));
-    assert!(shared.worker_statuses().is_empty());
-    assert!(!shared.remove_worker(id, Announce::ToPeers));
-    shared.check_invariants().unwrap();
+    assert_eq!(state(&driver), StateName::Drained);
+    assert!(driver.snapshot().workers.is_empty(), "out of the router");
+    assert!(driver.remove_worker(id, Announce::ToPeers));
+    assert!(driver.worker_statuses().is_empty());
+    assert!(!driver.remove_worker(id, Announce::ToPeers));
+    driver.check_invariants().unwrap();
 }
 
 /// A worker suspended for failing its health checks keeps the bookings of its requests in
@@ -89,17 +89,17 @@ async fn a_draining_worker_keeps_its_requests_and_leaves_when_it_has_none() {
 /// The health checks are driven as the prober reports them: one event per check.
 #[tokio::test(start_paused = true)]
 async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
-    let (shared, id) = shared();
-    let other = shared
+    let (driver, id) = driver();
+    let other = driver
         .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:2").unwrap())
         .unwrap();
     // Two requests on `id` (the other worker drained meanwhile, so that they go there).
-    assert!(shared.drain_worker(other, Announce::No));
-    let (first, target, _) = shared.route(&[1, 2, 3], None).await.unwrap();
+    assert!(driver.drain_worker(other, Announce::No));
+    let (first, target, _) = driver.route(&[1, 2, 3], None).await.unwrap();
     assert_eq!(target.decode.worker, id);
-    let (second, _, _) = shared.route(&[4, 5, 6], None).await.unwrap();
-    let booked = |shared: &Driver| {
-        let snapshot = shared.snapshot();
+    let (second, _, _) = driver.route(&[4, 5, 6], None).await.unwrap();
+    let booked = |driver: &Driver| {
+        let snapshot = driver.snapshot();
         let on = |w: WorkerId| {
             snapshot
                 .workers
@@ -110,26 +110,26 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
         };
         (on(id), snapshot.active_now)
     };
-    assert_eq!(booked(&shared), (2, 2));
+    assert_eq!(booked(&driver), (2, 2));
     for _ in 0..3 {
-        shared.apply_worker_event(id, WorkerEvent::CheckFailed);
+        driver.apply_worker_event(id, WorkerEvent::CheckFailed);
     }
-    assert_eq!(state(&shared), StateName::Unhealthy);
+    assert_eq!(state(&driver), StateName::Unhealthy);
     // Out of routing, but its requests are still booked there, and listed.
-    assert_eq!(booked(&shared), (2, 2));
-    assert_eq!(shared.worker_statuses()[0].active_requests, 2);
-    assert_eq!(shared.route(&[7], None).await.unwrap_err(), RouteError::NoWorker);
+    assert_eq!(booked(&driver), (2, 2));
+    assert_eq!(driver.worker_statuses()[0].active_requests, 2);
+    assert_eq!(driver.route(&[7], None).await.unwrap_err(), RouteError::NoWorker);
     // One ends while it is out: its booking ends then.
     first.finish();
-    assert_eq!(booked(&shared), (1, 1));
+    assert_eq!(booked(&driver), (1, 1));
     // Back after two passing checks, with the other request still booked on it.
     for _ in 0..2 {
-        shared.apply_worker_event(id, WorkerEvent::CheckPassed);
+        driver.apply_worker_event(id, WorkerEvent::CheckPassed);
     }
-    assert_eq!(state(&shared), StateName::Ready);
-    assert_eq!(booked(&shared), (1, 1));
+    assert_eq!(state(&driver), StateName::Ready);
+    assert_eq!(booked(&driver), (1, 1));
     drop(second);
-    assert_eq!(booked(&shared), (0, 0));
-    assert_eq!(shared.snapshot().counters.dropped_with_worker, 0);
-    shared.check_invariants().unwrap();
+    assert_eq!(booked(&driver), (0, 0));
+    assert_eq!(driver.snapshot().counters.dropped_with_worker, 0);
+    driver.check_invariants().unwrap();
 }

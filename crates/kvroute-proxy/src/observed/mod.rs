@@ -145,7 +145,7 @@ impl Observed {
     /// [`Self::completed`] finishes it).
     fn end(&mut self, outcome: RequestOutcome) -> Option<RequestGuard> {
         let guard = self.guard.take()?;
-        let metrics = &guard.shared().metrics;
+        let metrics = &guard.driver().metrics;
         metrics.record_outcome(self.report.endpoint, self.report.kind(), outcome);
         Some(guard)
     }
@@ -162,7 +162,7 @@ impl Observed {
         if let Some(guard) = self.end(outcome) {
             if let (true, Some((key, _))) = (ok, guard.routed()) {
                 let report = self.scan.cached_report();
-                guard.shared().metrics.record_cached_report(key, report);
+                guard.driver().metrics.record_cached_report(key, report);
             }
             guard.finish();
         }

@@ -110,14 +110,14 @@ impl Cluster {
             let booked: u64 = m.workers.iter().map(|w| u64::from(w.load.requests)).sum();
             m.active_now == 0 && m.queued_now == 0 && booked == 0
         };
-        let drained = self.proxy.shared.wait_until(PATIENCE, idle).await;
-        let m = self.proxy.shared.snapshot();
+        let drained = self.proxy.driver.wait_until(PATIENCE, idle).await;
+        let m = self.proxy.driver.snapshot();
         assert!(
             drained,
             "load leaked: {} active, {} queued",
             m.active_now, m.queued_now
         );
-        self.proxy.shared.check_invariants().unwrap();
+        self.proxy.driver.check_invariants().unwrap();
         // And what an operator reads says so: every worker's booked requests, blocks and
         // prefill tokens at zero.
         let metrics = self.http.get("/metrics").await;
@@ -144,11 +144,11 @@ impl Cluster {
     pub async fn wait_for_state(&self, id: usize, state: StateName) {
         let reached =
             |s: &kvroute_proxy::Driver| s.worker_statuses().get(id).is_some_and(|w| w.state == state);
-        let arrived = self.proxy.shared.wait_until(PATIENCE, reached).await;
+        let arrived = self.proxy.driver.wait_until(PATIENCE, reached).await;
         assert!(
             arrived,
             "worker {id} never became {state:?}: {:?}",
-            self.proxy.shared.worker_statuses()
+            self.proxy.driver.worker_statuses()
         );
     }
 
@@ -170,7 +170,7 @@ impl Cluster {
             |cached: &[u64]| (0..cached.len()).find(|&i| only.is_none_or(|o| o == i) && cached[i] >= blocks);
         let arrived = self
             .proxy
-            .shared
+            .driver
             .wait_for_kv(PATIENCE, |_| held(&self.cached_blocks()).is_some())
             .await;
         let cached = self.cached_blocks();
@@ -181,7 +181,7 @@ impl Cluster {
     /// Blocks the router's index holds for each worker, by worker id.
     pub fn cached_blocks(&self) -> Vec<u64> {
         self.proxy
-            .shared
+            .driver
             .snapshot()
             .workers
             .iter()

@@ -243,7 +243,7 @@ pub fn cache_reports(text: &str, report: &str) -> f64 {
 
 impl Proxy {
     pub fn block_size(&self) -> u32 {
-        self.proxy.shared.config.routing.block_size
+        self.proxy.driver.config.routing.block_size
     }
 }
 
