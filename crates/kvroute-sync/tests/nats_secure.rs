@@ -19,7 +19,7 @@ use kvroute_sync::{
     ClientCertificate, NatsAuth, NatsSyncConfig, NatsTls, Secret, SyncError, SyncHost, SyncItem, SyncMetrics,
     SyncTransport,
 };
-use kvroute_testkit::{External, Pki, require};
+use kvroute_testkit::{External, Pki, eventually, require};
 
 const TOKEN: &str = "tok-5f1e9a";
 const USER: &str = "router";
@@ -105,18 +105,6 @@ async fn start(id: u64, config: NatsSyncConfig) -> Result<(SyncTransport, Arc<Re
     Ok((sync, host))
 }
 
-/// Polls `done` until it holds (true) or 20 s pass (false).
-async fn eventually(mut done: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !done() {
-        if tokio::time::Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    true
-}
-
 /// Two replicas sync through `url` with `auth` and `tls`: B's join takes A's snapshot, and A's
 /// changes reach B in order.
 async fn two_replicas_sync(url: &str, auth: NatsAuth, tls: NatsTls) {
@@ -132,7 +120,10 @@ async fn two_replicas_sync(url: &str, auth: NatsAuth, tls: NatsTls) {
     for e in &sent {
         a.outgoing().push(e.clone());
     }
-    assert!(eventually(|| host_b.from(RouterId(1)).len() > sent.len()).await);
+    eventually("B applied every batch A sent", || {
+        host_b.from(RouterId(1)).len() > sent.len()
+    })
+    .await;
     assert_eq!(host_b.from(RouterId(1))[1..], sent[..], "in order, once each");
 }
 
