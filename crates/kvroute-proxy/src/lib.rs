@@ -42,6 +42,7 @@
 
 pub mod admin;
 mod app;
+pub mod autoscale;
 pub mod checks;
 pub mod coalesce;
 pub mod config;
