@@ -330,6 +330,28 @@ impl PrefixIndex {
         self.slot(worker).map_or(0, |s| s.blocks.len())
     }
 
+    /// How many of `worker`'s blocks no other worker holds: the cached prefix the fleet loses
+    /// with it. Walks the worker's blocks (for scale-down choices, not the routing path).
+    pub fn sole_blocks(&self, worker: WorkerKey) -> usize {
+        let Some(s) = self.slot(worker) else {
+            return 0;
+        };
+        s.blocks
+            .iter()
+            .filter(|&(_, node)| self.holder_count(node) == 1)
+            .count()
+    }
+
+    /// How many workers hold `node`.
+    fn holder_count(&self, node: NodeId) -> usize {
+        let set = self.nodes[node as usize].mask0;
+        if self.rows.wide() {
+            self.rows.count(set)
+        } else {
+            set.count_ones() as usize
+        }
+    }
+
     /// The counters of what the index was asked to do.
     pub fn stats(&self) -> IndexStats {
         self.stats

@@ -136,3 +136,37 @@ fn a_new_chain_takes_consecutive_nodes_when_the_free_ids_are_scattered() {
     index.check_invariants().unwrap();
     assert_eq!(index.find_matches(&[d[0].local, d[1].local], false).depth(w), 2);
 }
+
+/// `sole_blocks` against the brute-force answer (a worker's blocks that no other worker's
+/// `holds` names), narrow and past 64 slots.
+#[test]
+fn sole_blocks_are_those_no_other_worker_holds() {
+    for workers in [3u64, 70] {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        for i in 0..workers {
+            index.add_worker(key(i));
+            // Worker i holds a chain shared with every worker to depth 1 + i % 5, and a chain of
+            // its own of i % 4 blocks.
+            index.apply_stored(key(i), None, &chain(1, 1 + i % 5)).unwrap();
+            index.apply_stored(key(i), None, &chain(100 + i, i % 4)).unwrap();
+        }
+        for i in 0..workers {
+            let brute = index
+                .held_blocks(key(i))
+                .filter(|&b| (0..workers).filter(|&j| j != i).all(|j| !index.holds(key(j), b)))
+                .count();
+            assert_eq!(index.sole_blocks(key(i)), brute, "{workers} workers, worker {i}");
+        }
+        let own: usize = (0..workers).map(|i| (i % 4) as usize).sum();
+        let total: usize = (0..workers).map(|i| index.sole_blocks(key(i))).sum();
+        assert!(
+            total >= own,
+            "every worker's own chain is its alone: {total} < {own}"
+        );
+        assert_eq!(
+            index.sole_blocks(key(workers + 5)),
+            0,
+            "an unknown worker holds nothing"
+        );
+    }
+}
