@@ -152,8 +152,21 @@ pub struct PlannerConfig {
     pub prefill_gpus: u32,
     /// GPUs per decode worker.
     pub decode_gpus: u32,
-    /// Fewest replicas of every scaled pool.
+    /// Fewest replicas of every scaled pool (0: a pool may stop when idle, and starts again when
+    /// a request arrives; the router's queue must hold requests meanwhile).
     pub min_replicas: u32,
+    /// Most replicas of every scaled pool (none: only the GPU budget bounds them).
+    pub max_replicas: Option<u32>,
+    /// Most actions (adds and removals) one decision takes; the rest wait for later ticks.
+    pub max_changes_per_tick: Option<u32>,
+    /// With `min_replicas = 0`: seconds without a request before a pool stops.
+    pub idle_to_zero_s: f64,
+    /// Whether estimates are corrected by observed over predicted latency (smoothed, within
+    /// 0.25x to 4x): a model profiled on other hardware, or too ideal, is pulled to the fleet.
+    pub latency_correction: bool,
+    /// Seconds after a worker becomes ready during which its latencies are not observed (cold
+    /// start: compilation, first allocations); its requests still count as load.
+    pub warmup_s: f64,
     /// Seconds a new worker takes to become routable (the fleet applies it; a live fleet
     /// ignores it).
     pub startup_delay_s: f64,
@@ -191,6 +204,11 @@ impl Default for PlannerConfig {
             prefill_gpus: 1,
             decode_gpus: 1,
             min_replicas: 1,
+            max_replicas: None,
+            max_changes_per_tick: None,
+            idle_to_zero_s: 300.0,
+            latency_correction: false,
+            warmup_s: 0.0,
             startup_delay_s: 30.0,
             max_samples: 64,
             sample_buckets: 16,
@@ -204,6 +222,12 @@ impl Default for PlannerConfig {
 }
 
 impl PlannerConfig {
+    /// Whether a worker ready for `ready_for_s` seconds is past its warm-up, so that its
+    /// latencies are observed.
+    pub fn warm(&self, ready_for_s: f64) -> bool {
+        ready_for_s >= self.warmup_s
+    }
+
     /// GPUs per worker of `pool`.
     pub fn gpus(&self, pool: Pool) -> u32 {
         match pool {
@@ -236,8 +260,22 @@ impl PlannerConfig {
         if !(self.startup_delay_s.is_finite() && self.startup_delay_s >= 0.0) {
             return bad(format!("startup delay {} s", self.startup_delay_s));
         }
-        if self.min_replicas == 0 {
-            return bad("min_replicas must be at least 1".to_owned());
+        if let Some(max) = self.max_replicas
+            && (max == 0 || max < self.min_replicas)
+        {
+            return bad(format!(
+                "max_replicas {max} must be at least 1 and at least min_replicas {}",
+                self.min_replicas
+            ));
+        }
+        if self.max_changes_per_tick == Some(0) {
+            return bad("max_changes_per_tick must be at least 1".to_owned());
+        }
+        if !(self.idle_to_zero_s.is_finite() && self.idle_to_zero_s > 0.0) {
+            return bad(format!("idle_to_zero_s {} must be positive", self.idle_to_zero_s));
+        }
+        if !(self.warmup_s.is_finite() && self.warmup_s >= 0.0) {
+            return bad(format!("warmup_s {} must be 0 or more", self.warmup_s));
         }
         for &pool in self.mode.pools() {
             if self.gpus(pool) == 0 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvroute_core::time::Timestamp;
 use serde::Serialize;
 
-use crate::config::{EngineLimits, Mode, PlannerConfig, Pool};
+use crate::config::{EngineLimits, Mode, PlannerConfig, Pool, Sla};
 use crate::error::PlannerError;
 use crate::model::{PassSample, PoolModel, clamp_hit_rate};
 use crate::predictor::Predictor;
@@ -41,6 +41,41 @@ pub struct Traffic {
 }
 
 impl Traffic {
+    /// A request arrived with a prompt of `isl` tokens (offered load, counted at arrival).
+    pub fn arrival(&mut self, isl: u64) {
+        self.requests += 1;
+        self.isl_sum += isl as f64;
+    }
+
+    /// A request was routed with `overlap` of its `blocks` full prompt blocks predicted cached;
+    /// a prompt without a full block says nothing of reuse and is left out.
+    pub fn routed(&mut self, overlap: u32, blocks: u32) {
+        if blocks > 0 {
+            self.hit_sum += f64::from(overlap) / f64::from(blocks);
+            self.hit_n += 1;
+        }
+    }
+
+    /// A request's first token came `ttft_ms` after its arrival.
+    pub fn first_token(&mut self, ttft_ms: f64) {
+        self.ttft_sum_ms += ttft_ms;
+        self.ttft_n += 1;
+    }
+
+    /// A request completed with `output_tokens`, the last `decode_ms` after its first token
+    /// (its mean inter-token latency counts when it had two tokens or more; `None`: its
+    /// latency is not observed, as on a worker still warming up).
+    pub fn completed(&mut self, output_tokens: u32, decode_ms: Option<f64>) {
+        self.completed += 1;
+        self.osl_sum += f64::from(output_tokens);
+        if let Some(decode_ms) = decode_ms
+            && output_tokens > 1
+        {
+            self.itl_sum_ms += decode_ms / f64::from(output_tokens - 1);
+            self.itl_n += 1;
+        }
+    }
+
     /// Adds `other`'s sums and counts.
     pub fn merge(&mut self, other: &Traffic) {
         self.duration_s += other.duration_s;
@@ -125,6 +160,10 @@ pub struct WorkerObservation {
     pub decode_seqs: u32,
     /// KV tokens resident now.
     pub kv_tokens: u64,
+    /// Requests routed to it and not finished.
+    pub in_flight: u32,
+    /// Cached blocks no other worker holds: the prefix the fleet loses with it.
+    pub sole_blocks: u64,
 }
 
 /// Everything the planner learns at a tick.
@@ -134,6 +173,23 @@ pub struct Observation {
     pub traffic: Traffic,
     /// Every provisioned worker, in id order.
     pub workers: Vec<WorkerObservation>,
+    /// Requests waiting in the router's queue now.
+    pub queued_requests: u64,
+}
+
+/// The order to remove `workers` in, cheapest first: the fewest cached blocks only it holds,
+/// then the fewest requests in flight, then the newest (highest id). The planner's scale-down
+/// and the ranking the proxy exports for outside autoscalers are this one rule.
+pub fn removal_order<'a>(workers: impl IntoIterator<Item = &'a WorkerObservation>) -> Vec<u64> {
+    let mut ranked: Vec<&WorkerObservation> = workers.into_iter().collect();
+    ranked.sort_by(|a, b| {
+        (a.sole_blocks, a.in_flight, std::cmp::Reverse(a.id)).cmp(&(
+            b.sole_blocks,
+            b.in_flight,
+            std::cmp::Reverse(b.id),
+        ))
+    });
+    ranked.into_iter().map(|w| w.id).collect()
 }
 
 /// Which latency an estimate is about.
@@ -182,6 +238,23 @@ pub enum Reason {
     },
     /// Fewer replicas than the minimum.
     MinReplicas,
+    /// More replicas than the maximum.
+    MaxReplicas,
+    /// A pool at zero has requests waiting: start one.
+    FromZero {
+        /// Requests that arrived since the previous tick or wait in the queue.
+        waiting: u64,
+    },
+    /// Fewer workers than the last decision wanted (one was lost): replace them.
+    Replace {
+        /// Workers missing.
+        missing: u32,
+    },
+    /// A pool whose minimum is 0 saw no request for `idle_s`: stop its workers.
+    Idle {
+        /// Seconds without a request.
+        idle_s: f64,
+    },
     /// The wanted counts exceed the GPU budget: cut proportionally.
     BudgetCut {
         /// Replicas wanted before the cut.
@@ -226,6 +299,14 @@ impl fmt::Display for Reason {
                 "predicted demand {demand_rps:.2} req/s at {capacity_rps:.2} req/s per engine"
             ),
             Reason::MinReplicas => write!(f, "below the minimum replicas"),
+            Reason::MaxReplicas => write!(f, "above the maximum replicas"),
+            Reason::FromZero { waiting } => {
+                write!(f, "no worker, and {waiting} requests arrived or wait")
+            }
+            Reason::Replace { missing } => {
+                write!(f, "{missing} fewer workers than decided (lost): replace")
+            }
+            Reason::Idle { idle_s } => write!(f, "no request for {idle_s:.0} s"),
             Reason::BudgetCut { wanted, budget } => {
                 write!(f, "{wanted} wanted, cut to fit the budget of {budget} GPUs")
             }
@@ -349,6 +430,10 @@ pub struct TickRecord {
     pub throughput: Option<ThroughputRecord>,
     /// Why nothing was decided, if a loop ran and nothing was.
     pub hold: Option<Hold>,
+    /// Observed over predicted TTFT, smoothed (1 without latency correction or a sample).
+    pub ttft_correction: f64,
+    /// Observed over predicted ITL, smoothed (1 without latency correction or a sample).
+    pub itl_correction: f64,
 }
 
 /// A tick's result.
@@ -384,7 +469,18 @@ pub struct Planner {
     recent_isl: f64,
     recent_osl: f64,
     recent_hit: f64,
+    /// Replicas the last decision wanted, per pool (a lost worker is replaced up to it).
+    desired: [Option<u32>; 3],
+    /// The last tick that saw a request arrive, wait or run.
+    last_busy: Timestamp,
+    /// The mean estimates of the previous tick, per metric, set against what was observed since.
+    last_estimate: [Option<f64>; 2],
+    /// Observed over predicted latency, per metric, smoothed.
+    correction: [f64; 2],
 }
+
+/// The latency correction stays within these factors: one odd window cannot swing the fleet.
+const CORRECTION_RANGE: (f64, f64) = (0.25, 4.0);
 
 fn secs(d: f64) -> Duration {
     Duration::from_secs_f64(d)
@@ -429,6 +525,10 @@ impl Planner {
             recent_isl: 0.0,
             recent_osl: 0.0,
             recent_hit: 0.0,
+            desired: [None; 3],
+            last_busy: start,
+            last_estimate: [None; 2],
+            correction: [1.0; 2],
             config,
         })
     }
@@ -501,6 +601,10 @@ impl Planner {
             estimates.push((pool, est));
         }
 
+        self.correct(t, &pools);
+        if t.requests > 0 || obs.queued_requests > 0 || obs.workers.iter().any(|w| w.in_flight > 0) {
+            self.last_busy = now;
+        }
         let in_force = self.predicted_rps;
         let throughput = throughput_due.then(|| self.throughput_tick());
         let mut record = TickRecord {
@@ -515,7 +619,28 @@ impl Planner {
             pools,
             throughput: throughput.as_ref().map(|(r, _)| r.clone()),
             hold: None,
+            ttft_correction: self.correction[0],
+            itl_correction: self.correction[1],
         };
+        // A pool at zero with requests waiting starts a worker at any tick.
+        let waiting = t.requests + obs.queued_requests;
+        let from_zero: Vec<Change> = self
+            .config
+            .mode
+            .pools()
+            .iter()
+            .filter(|&&p| waiting > 0 && counts.get(p)[0] + counts.get(p)[1] == 0)
+            .map(|&pool| Change {
+                pool,
+                from: 0,
+                to: self.config.min_replicas.max(1),
+                reason: Reason::FromZero { waiting },
+            })
+            .collect();
+        if !from_zero.is_empty() {
+            let decision = self.decide(at_s, from_zero, obs, &counts);
+            return TickOutput { decision, record };
+        }
         if !load_due && !throughput_due {
             return TickOutput {
                 decision: None,
@@ -537,12 +662,20 @@ impl Planner {
         // Targets per scaled pool, with the reason of each change.
         let mut changes: Vec<Change> = Vec::new();
         let min = self.config.min_replicas;
+        let idle_s = now.saturating_since(self.last_busy).as_secs_f64();
         for &pool in self.config.mode.pools() {
             let ready = counts.get(pool)[0];
             let mut to = ready;
             let mut reason = None;
             if ready < min {
                 (to, reason) = (min, Some(Reason::MinReplicas));
+            } else if let Some(want) = self.desired[pool.index()]
+                && ready < want.max(min)
+            {
+                let missing = want.max(min) - ready;
+                (to, reason) = (ready + missing, Some(Reason::Replace { missing }));
+            } else if min == 0 && ready > 0 && load_due && idle_s >= self.config.idle_to_zero_s {
+                (to, reason) = (0, Some(Reason::Idle { idle_s }));
             }
             if let Some((_, needs)) = &throughput
                 && let Some(&(
@@ -595,6 +728,11 @@ impl Planner {
                     None => *streak = 0,
                 }
             }
+            if let Some(max) = self.config.max_replicas
+                && to > max
+            {
+                (to, reason) = (max, Some(Reason::MaxReplicas));
+            }
             if let Some(reason) = reason {
                 changes.push(Change {
                     pool,
@@ -613,8 +751,66 @@ impl Planner {
                 record,
             };
         }
-        let decision = self.carry_out(at_s, changes, obs, &counts);
+        let decision = self.decide(at_s, changes, obs, &counts);
         TickOutput { decision, record }
+    }
+
+    /// Carries `changes` out, and remembers what they want (a lost worker is replaced up to it).
+    fn decide(
+        &mut self,
+        at_s: f64,
+        changes: Vec<Change>,
+        obs: &Observation,
+        counts: &Counts,
+    ) -> Option<ScalingDecision> {
+        let decision = self.carry_out(at_s, changes, obs, counts)?;
+        for c in &decision.changes {
+            self.desired[c.pool.index()] = Some(c.to);
+        }
+        Some(decision)
+    }
+
+    /// The targets the estimates are held to: the SLA divided by the latency correction (an
+    /// engine observed slower than the model predicts must be predicted further below it).
+    fn sla(&self) -> Sla {
+        let sla = self.config.sla;
+        Sla {
+            ttft_ms: sla.ttft_ms / self.correction[0],
+            itl_ms: sla.itl_ms / self.correction[1],
+        }
+    }
+
+    /// Sets what was observed since the previous tick against what that tick estimated, and
+    /// smooths the ratio into the latency correction (when it is on).
+    fn correct(&mut self, t: &Traffic, pools: &[PoolStatus]) {
+        let mean = |v: Vec<f64>| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+        let now = [
+            mean(pools.iter().filter_map(|p| p.est_ttft_ms).collect()),
+            mean(pools.iter().filter_map(|p| p.est_itl_ms).collect()),
+        ];
+        if self.config.latency_correction {
+            for (i, observed) in [t.ttft_ms(), t.itl_ms()].into_iter().enumerate() {
+                if let (Some(o), Some(e)) = (observed, self.last_estimate[i])
+                    && o > 0.0
+                    && e > 0.0
+                {
+                    let ratio = (o / e).clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1);
+                    self.correction[i] = 0.5 * (self.correction[i] + ratio);
+                }
+            }
+        }
+        self.last_estimate = now;
+    }
+
+    /// Feeds `samples` to `pool`'s model as if they were passes of warm engines (a profile of
+    /// the engine taken before serving, as Dynamo's pre-deployment profiling gives) and refits.
+    pub fn seed(&mut self, pool: Pool, samples: &[PassSample]) {
+        if let Some((_, model)) = self.models.iter_mut().find(|(p, _)| *p == pool) {
+            for s in samples {
+                model.add(s);
+            }
+            model.refit();
+        }
     }
 
     /// Feeds the passes of every worker past its cold start to its pool's model.
@@ -707,7 +903,7 @@ impl Planner {
 
     /// The load loop's verdict for `pool` with `ready` engines: +1, -1 or nothing.
     fn load_decision(&self, pool: Pool, est: &Estimates, ready: u32) -> Option<(i32, Reason)> {
-        let sla = self.config.sla;
+        let sla = self.sla();
         let min_of = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
         if !est.ttft.is_empty() && est.ttft.iter().all(|&t| t > sla.ttft_ms) {
             return Some((
@@ -742,7 +938,7 @@ impl Planner {
     /// the load of `ready` (`< 1` passes); `None` if a model is missing.
     pub(crate) fn consolidation_share(&self, pool: Pool, est: &Estimates, ready: u32) -> Option<f64> {
         let model = self.model(pool)?;
-        let sla = self.config.sla;
+        let sla = self.sla();
         let sens = self.config.scale_down_sensitivity;
         let r = f64::from(ready) / f64::from(ready - 1);
         let h = if self.config.kv_hit_discount {
@@ -817,7 +1013,7 @@ impl Planner {
         let mut replicas = Vec::new();
         for &(pool, ref model) in &self.models {
             let capacity = model
-                .capacity_rps(&self.config.sla, next_isl, next_osl, next_hit)
+                .capacity_rps(&self.sla(), next_isl, next_osl, next_hit)
                 .map(|c| c * self.config.throughput_headroom)
                 .filter(|c| c.is_finite() && *c > 0.0);
             let n = capacity.map(|c| {
@@ -917,18 +1113,12 @@ impl Planner {
         for &(pool, n) in &wanted {
             let ready = counts.get(pool)[0];
             if n < ready {
-                let mut victims: Vec<&WorkerObservation> = obs
+                let ready_ones = obs
                     .workers
                     .iter()
-                    .filter(|w| w.pool == pool && w.state == WorkerPhase::Ready)
-                    .collect();
-                victims.sort_by(|a, b| {
-                    (a.queued_prefill_tokens + a.kv_tokens)
-                        .cmp(&(b.queued_prefill_tokens + b.kv_tokens))
-                        .then(b.id.cmp(&a.id))
-                });
-                for w in victims.into_iter().take((ready - n) as usize) {
-                    actions.push(Action::Remove { pool, worker: w.id });
+                    .filter(|w| w.pool == pool && w.state == WorkerPhase::Ready);
+                for worker in removal_order(ready_ones).into_iter().take((ready - n) as usize) {
+                    actions.push(Action::Remove { pool, worker });
                 }
             }
         }
@@ -946,6 +1136,12 @@ impl Planner {
                 }
             }
         }
+        if let Some(limit) = self.config.max_changes_per_tick
+            && actions.len() > limit as usize
+        {
+            actions.truncate(limit as usize);
+            deferred = true;
+        }
         if actions.is_empty() {
             return None;
         }
@@ -955,7 +1151,7 @@ impl Planner {
             .collect::<Vec<_>>()
             .join("; ");
         if deferred {
-            text.push_str(" (adds wait until draining workers free their GPUs)");
+            text.push_str(" (the rest waits: for draining workers' GPUs, or the limit of changes a tick)");
         }
         Some(ScalingDecision {
             at_s,

@@ -64,6 +64,8 @@ fn worker(id: u64, pool: Pool, queued: u64, seqs: u32, kv: u64) -> WorkerObserva
         queued_prefill_tokens: queued,
         decode_seqs: seqs,
         kv_tokens: kv,
+        in_flight: 0,
+        sole_blocks: 0,
     }
 }
 
@@ -99,6 +101,7 @@ fn warmed(config: PlannerConfig, workers: &[WorkerObservation]) -> Planner {
         &Observation {
             traffic: Traffic::default(),
             workers: warm,
+            queued_requests: 0,
         },
     );
     assert!(out.decision.is_none(), "no loop is due at 1 s");
@@ -139,6 +142,7 @@ fn scale_up_only_when_every_engine_breaks_the_sla() {
     let obs = Observation {
         traffic: traffic(20, 4000.0, 100.0, None, 4.0),
         workers: vec![busy.clone(), idle],
+        queued_requests: 0,
     };
     let out = p.tick(at(5.0), &obs);
     assert!(
@@ -151,6 +155,7 @@ fn scale_up_only_when_every_engine_breaks_the_sla() {
     let both = Observation {
         traffic: traffic(20, 4000.0, 100.0, None, 4.0),
         workers: vec![busy, worker(1, Pool::Prefill, 40_000, 0, 0)],
+        queued_requests: 0,
     };
     let d = p.tick(at(5.0), &both).decision.expect("scale up");
     assert_eq!(d.actions, vec![Action::Add { pool: Pool::Prefill }]);
@@ -175,6 +180,7 @@ fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
     let obs = Observation {
         traffic: traffic(10, 4000.0, 100.0, None, 4.0),
         workers: vec![heavy(0), heavy(1)],
+        queued_requests: 0,
     };
     let out = p.tick(at(5.0), &obs);
     assert!(out.decision.is_none(), "{:?}", out.decision);
@@ -187,6 +193,7 @@ fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
     let obs = Observation {
         traffic: traffic(10, 4000.0, 100.0, None, 4.0),
         workers: vec![light(0), light(1)],
+        queued_requests: 0,
     };
     let d = p.tick(at(5.0), &obs).decision.expect("scale down");
     assert_eq!(
@@ -207,6 +214,7 @@ fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
         &Observation {
             traffic: traffic(10, 4000.0, 100.0, None, 5.0),
             workers: vec![one],
+            queued_requests: 0,
         },
     );
     assert!(out.decision.is_none(), "{:?}", out.decision);
@@ -224,6 +232,7 @@ fn no_decision_while_a_worker_is_starting_or_draining() {
         &Observation {
             traffic: traffic(10, 4000.0, 1.0, None, 4.0),
             workers: vec![busy(0), starting],
+            queued_requests: 0,
         },
     );
     assert!(out.decision.is_none());
@@ -252,6 +261,7 @@ fn throughput_replicas(discount: bool, hit: f64) -> (u32, u32) {
     let obs = Observation {
         traffic: traffic(1200, 6000.0, 200.0, Some(hit), 59.0),
         workers: workers.to_vec(),
+        queued_requests: 0,
     };
     let out = p.tick(at(60.0), &obs);
     let rec = out.record.throughput.expect("throughput tick");
@@ -298,6 +308,7 @@ fn throughput_floor_raises_a_load_planner() {
     let obs = Observation {
         traffic: traffic(3000, 3000.0, 200.0, None, 59.0),
         workers: workers.to_vec(),
+        queued_requests: 0,
     };
     let d = p.tick(at(60.0), &obs).decision.expect("floor");
     assert!(
@@ -311,7 +322,16 @@ fn throughput_floor_raises_a_load_planner() {
 fn bad_configs_are_refused() {
     let cases = [
         PlannerConfig {
-            min_replicas: 0,
+            min_replicas: 3,
+            max_replicas: Some(2),
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            max_changes_per_tick: Some(0),
+            ..PlannerConfig::default()
+        },
+        PlannerConfig {
+            warmup_s: -1.0,
             ..PlannerConfig::default()
         },
         PlannerConfig {
@@ -394,7 +414,7 @@ proptest! {
                     ..worker(id, pool, queued, seqs, kv)
                 })
                 .collect();
-            let obs = Observation { traffic: traffic(requests, 3000.0, 150.0, Some(0.3), 5.0), workers };
+            let obs = Observation { traffic: traffic(requests, 3000.0, 150.0, Some(0.3), 5.0), workers, queued_requests: 0 };
             let out = planner.tick(now, &obs);
             // The fleet moves on: starting workers come up, drained ones go.
             for w in &mut fleet.workers {
@@ -426,5 +446,199 @@ proptest! {
                 prop_assert!(live >= 1, "{:?} lost its last worker", pool);
             }
         }
+    }
+}
+
+/// Two light decode engines where one consolidation is due; `scale_down_ticks = 1`.
+fn consolidating() -> PlannerConfig {
+    PlannerConfig {
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 20.0,
+        },
+        scale_down_ticks: 1,
+        ..load_only(Mode::Decode)
+    }
+}
+
+#[test]
+fn scale_down_keeps_the_worker_whose_cache_only_it_holds() {
+    let light = |id, sole| WorkerObservation {
+        sole_blocks: sole,
+        ..worker(id, Pool::Decode, 0, 10, 50_000)
+    };
+    // Worker 1 is the newest, which alone would make it the one to go; it holds 900 blocks no one
+    // else does, worker 0 holds 3: worker 0 goes.
+    let fleet = vec![light(0, 3), light(1, 900)];
+    let mut p = warmed(consolidating(), &fleet);
+    let obs = Observation {
+        traffic: traffic(10, 4000.0, 100.0, None, 4.0),
+        workers: fleet,
+        queued_requests: 0,
+    };
+    let d = p.tick(at(5.0), &obs).decision.expect("scale down");
+    assert_eq!(
+        d.actions,
+        vec![Action::Remove {
+            pool: Pool::Decode,
+            worker: 0
+        }]
+    );
+    // The order rule itself: sole blocks, then requests in flight, then the newest first.
+    let w = |id, sole, in_flight| WorkerObservation {
+        sole_blocks: sole,
+        in_flight,
+        ..worker(id, Pool::Decode, 0, 0, 0)
+    };
+    let ws = [w(0, 5, 0), w(1, 5, 2), w(2, 0, 9), w(3, 5, 0)];
+    assert_eq!(kvroute_planner::removal_order(&ws), vec![2, 3, 0, 1]);
+}
+
+#[test]
+fn an_empty_pool_starts_a_worker_when_requests_wait_and_stops_when_idle() {
+    let config = PlannerConfig {
+        min_replicas: 0,
+        idle_to_zero_s: 30.0,
+        ..load_only(Mode::Agg)
+    };
+    let mut p = Planner::new(config, LIMITS, Timestamp::ZERO).expect("min 0 is valid");
+    // Nothing provisioned, nothing waiting: nothing to do.
+    let empty = Observation::default();
+    assert!(p.tick(at(5.0), &empty).decision.is_none());
+    // A request waits in the queue: one worker, at once (not only at a load tick).
+    let waiting = Observation {
+        queued_requests: 1,
+        ..Observation::default()
+    };
+    let d = p.tick(at(6.0), &waiting).decision.expect("from zero");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Agg }]);
+    assert!(matches!(d.changes[0].reason, Reason::FromZero { waiting: 1 }));
+    // While it starts, no second one.
+    let starting = Observation {
+        queued_requests: 1,
+        workers: vec![WorkerObservation {
+            state: WorkerPhase::Starting,
+            ..worker(0, Pool::Agg, 0, 0, 0)
+        }],
+        ..Observation::default()
+    };
+    assert!(p.tick(at(7.0), &starting).decision.is_none());
+    // Ready and busy until 20 s, then idle: stopped once 30 s pass without a request.
+    let busy = Observation {
+        traffic: traffic(3, 100.0, 10.0, None, 5.0),
+        workers: vec![worker(0, Pool::Agg, 0, 1, 100)],
+        ..Observation::default()
+    };
+    assert!(p.tick(at(20.0), &busy).decision.is_none());
+    let idle = Observation {
+        workers: vec![worker(0, Pool::Agg, 0, 0, 0)],
+        ..Observation::default()
+    };
+    assert!(p.tick(at(45.0), &idle).decision.is_none(), "idle 25 s only");
+    let d = p.tick(at(50.0), &idle).decision.expect("idle to zero");
+    assert_eq!(
+        d.actions,
+        vec![Action::Remove {
+            pool: Pool::Agg,
+            worker: 0
+        }]
+    );
+    assert!(matches!(d.changes[0].reason, Reason::Idle { .. }));
+}
+
+#[test]
+fn a_lost_worker_is_replaced_up_to_the_last_decision_within_the_limits() {
+    let config = PlannerConfig {
+        min_replicas: 3,
+        max_changes_per_tick: Some(2),
+        ..load_only(Mode::Agg)
+    };
+    let mut p = Planner::new(config, LIMITS, Timestamp::ZERO).expect("valid");
+    // Below the minimum by three: two adds now (the limit), the third later.
+    let d = p.tick(at(5.0), &Observation::default()).decision.expect("min");
+    assert_eq!(d.actions.len(), 2, "{d:?}");
+    let two = Observation {
+        workers: vec![worker(0, Pool::Agg, 0, 0, 0), worker(1, Pool::Agg, 0, 0, 0)],
+        ..Observation::default()
+    };
+    let d = p.tick(at(10.0), &two).decision.expect("the rest of the minimum");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Agg }]);
+    // A decision wanted 5 (max 5); one of them dies: it is replaced.
+    let mut p = Planner::new(
+        PlannerConfig {
+            min_replicas: 5,
+            max_replicas: Some(5),
+            ..load_only(Mode::Agg)
+        },
+        LIMITS,
+        Timestamp::ZERO,
+    )
+    .expect("valid");
+    let d = p.tick(at(5.0), &Observation::default()).decision.expect("min");
+    assert_eq!(d.actions.len(), 5);
+    let four = Observation {
+        workers: (0..4).map(|i| worker(i, Pool::Agg, 0, 0, 0)).collect(),
+        ..Observation::default()
+    };
+    let d = p.tick(at(10.0), &four).decision.expect("replace");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Agg }]);
+}
+
+#[test]
+fn latency_correction_pulls_the_estimates_to_what_is_observed() {
+    // Engines observed twice as slow as the model: with the correction, a load the model alone
+    // finds within the SLA breaches it.
+    let config = PlannerConfig {
+        latency_correction: true,
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 20.0,
+        },
+        ..load_only(Mode::Decode)
+    };
+    let heavy = |id| worker(id, Pool::Decode, 0, 100, 300_000);
+    let mut p = warmed(config.clone(), &[heavy(0), heavy(1)]);
+    let mut corrected = None;
+    for tick in 1..=4 {
+        let est = 12.1;
+        let obs = Observation {
+            traffic: Traffic {
+                itl_sum_ms: 2.0 * est * 10.0,
+                itl_n: 10,
+                ..traffic(10, 4000.0, 100.0, None, 5.0)
+            },
+            workers: vec![heavy(0), heavy(1)],
+            ..Observation::default()
+        };
+        let out = p.tick(at(5.0 * f64::from(tick)), &obs);
+        if let Some(d) = out.decision {
+            corrected = Some((out.record.itl_correction, d));
+            break;
+        }
+    }
+    let (factor, d) = corrected.expect("the corrected ITL breaches the SLA");
+    assert!(factor > 1.4, "{factor}");
+    assert!(matches!(d.changes[0].reason, Reason::SlaBreached { .. }), "{d:?}");
+    // Without it, the same observations change nothing.
+    let mut p = warmed(
+        PlannerConfig {
+            latency_correction: false,
+            ..config
+        },
+        &[heavy(0), heavy(1)],
+    );
+    for tick in 1..=4 {
+        let obs = Observation {
+            traffic: Traffic {
+                itl_sum_ms: 2.0 * 12.1 * 10.0,
+                itl_n: 10,
+                ..traffic(10, 4000.0, 100.0, None, 5.0)
+            },
+            workers: vec![heavy(0), heavy(1)],
+            ..Observation::default()
+        };
+        let out = p.tick(at(5.0 * f64::from(tick)), &obs);
+        assert!(out.decision.is_none(), "{:?}", out.decision);
+        assert_eq!(out.record.itl_correction, 1.0);
     }
 }

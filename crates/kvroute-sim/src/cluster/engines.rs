@@ -28,11 +28,8 @@ impl Run<'_> {
             let overlap = decision
                 .prefill
                 .map_or(decision.overlap_blocks, |a| a.overlap_blocks);
-            let blocks = r.prompt_tokens / self.workload.block_size;
-            if blocks > 0 {
-                p.traffic.hit_sum += f64::from(overlap) / f64::from(blocks);
-                p.traffic.hit_n += 1;
-            }
+            p.traffic
+                .routed(overlap, r.prompt_tokens / self.workload.block_size);
         }
         let mut request = engine_request(decision.request, r);
         // A prefill-only instance samples the first token; a request of at most one token is
@@ -221,11 +218,12 @@ impl Run<'_> {
         for &id in &out.first_token {
             self.reqs[id.0 as usize].first_token = Some(now);
             self.unqueue(id.0 as usize);
-            if let Some(p) = &mut self.planner
-                && let Some(arrived) = self.reqs[id.0 as usize].arrived
+            if let Some(arrived) = self.reqs[id.0 as usize].arrived
+                && self.warm(self.reqs[id.0 as usize].worker)
+                && let Some(p) = &mut self.planner
             {
-                p.traffic.ttft_sum_ms += now.saturating_since(arrived).as_secs_f64() * 1e3;
-                p.traffic.ttft_n += 1;
+                p.traffic
+                    .first_token(now.saturating_since(arrived).as_secs_f64() * 1e3);
             }
             let r = self.reqs[id.0 as usize].replica as usize;
             if !self.up(r) {
@@ -245,17 +243,14 @@ impl Run<'_> {
             }
             self.reqs[i].finished = Some(now);
             self.totals.completed += 1;
+            let warm = self.warm(self.reqs[i].worker);
             if let Some(p) = &mut self.planner {
                 let s = &self.reqs[i];
-                p.traffic.completed += 1;
-                p.traffic.osl_sum += f64::from(s.output_tokens);
-                if let Some(first) = s.first_token
-                    && s.output_tokens > 1
-                {
-                    let span = s.last_token.saturating_since(first).as_secs_f64() * 1e3;
-                    p.traffic.itl_sum_ms += span / f64::from(s.output_tokens - 1);
-                    p.traffic.itl_n += 1;
-                }
+                let decode_ms = s
+                    .first_token
+                    .filter(|_| warm)
+                    .map(|first| s.last_token.saturating_since(first).as_secs_f64() * 1e3);
+                p.traffic.completed(s.output_tokens, decode_ms);
             }
             self.uncount(i);
             let r = self.reqs[i].replica as usize;

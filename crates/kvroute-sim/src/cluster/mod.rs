@@ -465,8 +465,7 @@ impl<'w> Run<'w> {
         self.reqs[i].arrived = Some(self.now);
         self.totals.arrived += 1;
         if let Some(p) = &mut self.planner {
-            p.traffic.requests += 1;
-            p.traffic.isl_sum += f64::from(r.prompt_tokens);
+            p.traffic.arrival(u64::from(r.prompt_tokens));
         }
         self.in_flight_requests += 1;
         let replica = self.pick_replica();

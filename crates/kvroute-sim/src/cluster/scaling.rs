@@ -10,6 +10,18 @@ use crate::error::SimError;
 use super::{Event, Life, Run, SimWorker};
 
 impl Run<'_> {
+    /// Whether worker `w` (if any) is past the planner's warm-up, so its latencies are observed.
+    pub(super) fn warm(&self, w: Option<u32>) -> bool {
+        let (Some(p), Some(w)) = (&self.planner, w) else {
+            return true;
+        };
+        self.workers[w as usize].ready_at.is_some_and(|at| {
+            p.planner
+                .config()
+                .warm(self.now.saturating_since(at).as_secs_f64())
+        })
+    }
+
     /// The planner's tick: observe, decide, act; then schedule the next while work remains.
     pub(super) fn planner_tick(&mut self) -> Result<(), SimError> {
         let now = self.now;
@@ -37,9 +49,22 @@ impl Run<'_> {
                 queued_prefill_tokens: w.queued_prefill_tokens,
                 decode_seqs: w.host.engine().num_running() as u32,
                 kv_tokens: u64::from(w.host.engine().kv_blocks().0) * bs,
+                in_flight: w.in_flight,
+                sole_blocks: self
+                    .routers
+                    .first()
+                    .map_or(0, |r| r.index().sole_blocks(w.key) as u64),
             })
             .collect();
-        let out = p.planner.tick(now, &Observation { traffic, workers });
+        let queued_requests = self.routers.first().map_or(0, |r| r.metrics().queued_now as u64);
+        let out = p.planner.tick(
+            now,
+            &Observation {
+                traffic,
+                workers,
+                queued_requests,
+            },
+        );
         p.ticks.push(out.record);
         if let Some(decision) = out.decision {
             let actions = decision.actions.clone();
