@@ -124,6 +124,19 @@ impl Default for PredictorConfig {
     }
 }
 
+/// Where the planner's performance model starts from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelSeed {
+    /// Nothing: the model is fitted from observed forward passes only (none before
+    /// `min_observations`).
+    #[default]
+    None,
+    /// A profile of the engine, timed by its timing model, before any pass is observed; observed
+    /// passes join it. The live planner needs it: a live fleet reports no forward passes.
+    Profile,
+}
+
 /// Everything the planner needs besides its inputs.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -161,6 +174,8 @@ pub struct PlannerConfig {
     pub max_changes_per_tick: Option<u32>,
     /// With `min_replicas = 0`: seconds without a request before a pool stops.
     pub idle_to_zero_s: f64,
+    /// Where the performance model starts from.
+    pub model_seed: ModelSeed,
     /// Whether estimates are corrected by observed over predicted latency (smoothed, within
     /// 0.25x to 4x): a model profiled on other hardware, or too ideal, is pulled to the fleet.
     pub latency_correction: bool,
@@ -207,6 +222,7 @@ impl Default for PlannerConfig {
             max_replicas: None,
             max_changes_per_tick: None,
             idle_to_zero_s: 300.0,
+            model_seed: ModelSeed::None,
             latency_correction: false,
             warmup_s: 0.0,
             startup_delay_s: 30.0,

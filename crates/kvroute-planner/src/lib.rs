@@ -35,7 +35,7 @@ mod planner;
 pub mod predictor;
 pub mod regression;
 
-pub use config::{EngineLimits, Mode, PlannerConfig, Pool, PredictorConfig, Sla};
+pub use config::{EngineLimits, Mode, ModelSeed, PlannerConfig, Pool, PredictorConfig, Sla};
 pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use planner::{

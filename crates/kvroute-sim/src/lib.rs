@@ -34,6 +34,8 @@
 //! * [`report`]: the report, per-request records, time series and the text table.
 //! * [`stats`]: percentiles and the inter-token-latency sketch.
 //! * [`html`]: a self-contained HTML page of plots.
+//! * [`profile`]: the engine's limits and profiled passes, and the planner built from them (for
+//!   the simulator and the live planner alike).
 //!
 //! **Invariants checked at the end of every run:** arrived = completed + rejected + unfinished;
 //! arrival ≤ routing ≤ first token ≤ finish; the clock never goes back (the router saw no
@@ -47,6 +49,7 @@ pub mod config;
 mod error;
 pub mod html;
 mod planned;
+pub mod profile;
 pub mod report;
 pub mod stats;
 mod summary;

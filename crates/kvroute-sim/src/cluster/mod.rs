@@ -64,7 +64,6 @@ use kvroute_core::router::{
     Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, WorkerRole,
 };
 use kvroute_core::time::Timestamp;
-use kvroute_planner::{EngineLimits, Planner};
 
 use crate::config::{ArrivalMode, SimConfig, Topology};
 use crate::error::SimError;
@@ -204,13 +203,7 @@ impl<'w> Run<'w> {
         }
         let planner = match &config.planner {
             Some(setup) => {
-                let e = &config.engine;
-                let limits = EngineLimits {
-                    max_num_batched_tokens: e.max_num_batched_tokens,
-                    max_num_seqs: e.max_num_seqs,
-                    kv_capacity_tokens: u64::from(e.num_blocks) * u64::from(e.block_size),
-                };
-                let planner = Planner::new(setup.config.clone(), limits, Timestamp::ZERO)?;
+                let planner = crate::profile::planner(&setup.config, &config.engine, Timestamp::ZERO)?;
                 let startup = Duration::try_from_secs_f64(setup.config.startup_delay_s)
                     .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
                 Some(PlannerState::new(planner, startup))
