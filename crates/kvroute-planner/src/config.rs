@@ -4,12 +4,12 @@
 //! every 5 s, throughput loop every 180 s, 64 samples in 16 buckets, 5 observations before a
 //! fit, scale-down sensitivity 0.8, GPU budget 8, one replica per pool at least).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::PlannerError;
 
 /// Which pools the planner scales.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// One pool of aggregated workers (prefill and decode on the same engine).
@@ -64,7 +64,7 @@ impl Pool {
 }
 
 /// Service-level targets, in milliseconds (means, as the planner estimates them).
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Sla {
     /// Time to first token.
@@ -83,7 +83,7 @@ impl Default for Sla {
 }
 
 /// How the throughput loop predicts the next window from the past ones.
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PredictorConfig {
     /// The last window again.
@@ -125,7 +125,7 @@ impl Default for PredictorConfig {
 }
 
 /// Where the planner's performance model starts from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelSeed {
     /// Nothing: the model is fitted from observed forward passes only (none before
@@ -138,7 +138,7 @@ pub enum ModelSeed {
 }
 
 /// Everything the planner needs besides its inputs.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PlannerConfig {
     /// Which pools are scaled.

@@ -47,9 +47,13 @@ impl Traffic {
         self.isl_sum += isl as f64;
     }
 
-    /// A request was routed with `overlap` of its `blocks` full prompt blocks predicted cached;
-    /// a prompt without a full block says nothing of reuse and is left out.
-    pub fn routed(&mut self, overlap: u32, blocks: u32) {
+    /// A request of `blocks` full prompt blocks was routed by `decision`: its hit rate is the
+    /// overlap of the worker that prefills it (the one whose work the cache saves). A prompt
+    /// without a full block says nothing of reuse and is left out.
+    pub fn routed(&mut self, decision: &kvroute_core::router::Decision, blocks: u32) {
+        let overlap = decision
+            .prefill
+            .map_or(decision.overlap_blocks, |p| p.overlap_blocks);
         if blocks > 0 {
             self.hit_sum += f64::from(overlap) / f64::from(blocks);
             self.hit_n += 1;

@@ -26,7 +26,24 @@ pub(crate) fn routes(app: &Arc<App>) -> axum::Router<Arc<App>> {
         .route("/admin/workers", get(list_workers).post(post_worker))
         .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
         .route("/admin/workers/{id}/drain", post(drain_worker))
+        .route("/admin/planner", get(planner_report))
         .route_layer(middleware::from_fn_with_state(Arc::clone(app), admin_auth))
+}
+
+/// The planner's recent ticks and decisions, the workers it is starting and retiring, and
+/// the counts it wants; 404 without a planner.
+async fn planner_report(State(app): State<Arc<App>>) -> Response {
+    let report = app.planner.to_json();
+    if report.get("config").is_none_or(|c| c.is_null()) {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "not_found",
+            "no planner runs in this proxy (kvroute serve --planner FILE starts one)",
+        )
+        .into_response();
+    }
+    axum::Json(report).into_response()
 }
 
 /// The bearer token of `headers`, if any.

@@ -22,6 +22,8 @@ pub(crate) struct App {
     pub(crate) forwarder: Arc<Forwarder>,
     /// The one door for adding and removing workers.
     pub(crate) fleet: Arc<Fleet>,
+    /// The planner's report (empty without a planner).
+    pub(crate) planner: Arc<crate::autoscale::Status>,
     /// One admin change at a time: the fleet check and the change it allows are one step.
     pub(crate) admin: tokio::sync::Mutex<()>,
     /// The start of the request ids made here (`kvr-{instance tag in hex}-`), and their counter.

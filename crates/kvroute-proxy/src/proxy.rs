@@ -80,6 +80,9 @@ pub struct ProxyHandle {
     pub driver: Arc<Driver>,
     /// The workers' one add and remove path.
     pub fleet: Arc<Fleet>,
+    /// The planner's report, shown on `GET /admin/planner` (empty without a planner; see
+    /// [`Self::start_planner`]).
+    pub planner: Arc<crate::autoscale::Status>,
     shutdown: Shutdown,
     servers: Vec<tokio::task::JoinHandle<()>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -95,6 +98,24 @@ impl std::fmt::Debug for ProxyHandle {
 }
 
 impl ProxyHandle {
+    /// Runs `planner` on this proxy's fleet, its decisions carried out by `actuator`, until the
+    /// proxy stops.
+    pub fn start_planner(
+        &mut self,
+        planner: kvroute_planner::Planner,
+        actuator: Arc<dyn crate::autoscale::Actuator>,
+        settings: crate::autoscale::Settings,
+    ) {
+        let task = crate::autoscale::start(
+            Arc::clone(&self.fleet),
+            planner,
+            actuator,
+            settings,
+            Arc::clone(&self.planner),
+        );
+        self.tasks.push(task);
+    }
+
     /// The base URL, `http://addr`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
@@ -185,7 +206,9 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
     });
+    let planner = Arc::new(crate::autoscale::Status::default());
     let app = Arc::new(App {
+        planner: Arc::clone(&planner),
         driver: Arc::clone(&driver),
         model,
         forwarder: Arc::clone(&forwarder),
@@ -244,6 +267,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         admin_addr,
         driver,
         fleet,
+        planner,
         shutdown,
         servers,
         tasks,

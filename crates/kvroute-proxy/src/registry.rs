@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::http::Uri;
 use kvroute_http::openai::Endpoint;
@@ -38,6 +39,9 @@ pub struct WorkerEntry {
     pub views: WorkerViews,
     /// Its KV-event subscribers (none until they are started, or without events).
     pub subscribers: Subscribers,
+    /// Since when it has taken requests (`None` while it takes none): the planner leaves a
+    /// worker's latencies out while it warms up.
+    pub routable_since: Option<Instant>,
 }
 
 /// A worker's KV-event subscriber tasks ([`crate::events`]), one per rank: they run while this
@@ -174,6 +178,7 @@ impl Registry {
                 event_block_size: None,
                 views: WorkerViews::default(),
                 subscribers: Subscribers::default(),
+                routable_since: WorkerState::ADDED.routable().then(Instant::now),
             },
         );
         id
@@ -187,6 +192,11 @@ impl Registry {
         let from = entry.state;
         let to = from.on(event, self.policy);
         entry.state = to;
+        match (from.routable(), to.routable()) {
+            (false, true) => entry.routable_since = Some(Instant::now()),
+            (_, false) => entry.routable_since = None,
+            (true, true) => {}
+        }
         if matches!(to, WorkerState::Draining { .. }) {
             self.draining.insert(id);
         } else {

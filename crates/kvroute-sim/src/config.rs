@@ -176,6 +176,9 @@ pub struct PlannerSetup {
     pub config: kvroute_planner::PlannerConfig,
     /// Length of the windows SLA attainment is reported over (requests by arrival time).
     pub sla_window: Duration,
+    /// Whether the run keeps every observation it handed the planner
+    /// ([`crate::PlannerRun::observations`]).
+    pub keep_observations: bool,
 }
 
 impl SimConfig {

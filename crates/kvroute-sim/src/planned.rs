@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use kvroute_core::time::Timestamp;
-use kvroute_planner::{Planner, PlannerConfig, Pool, ScalingDecision, TickRecord, Traffic};
+use kvroute_planner::{Observation, Planner, PlannerConfig, Pool, ScalingDecision, TickRecord, Traffic};
 use serde::Serialize;
 
 /// The planner's state during a run.
@@ -23,6 +23,8 @@ pub(crate) struct PlannerState {
     pub(crate) last_tick: Timestamp,
     pub(crate) decisions: Vec<ScalingDecision>,
     pub(crate) ticks: Vec<TickRecord>,
+    /// What the planner was handed, when kept.
+    pub(crate) observations: Option<Vec<(Timestamp, Observation)>>,
     pub(crate) startup: Duration,
     /// KV events that reached the router after their worker was removed (dropped).
     pub(crate) late_kv_events: u64,
@@ -36,6 +38,7 @@ impl PlannerState {
             last_tick: Timestamp::ZERO,
             decisions: Vec::new(),
             ticks: Vec::new(),
+            observations: None,
             startup,
             late_kv_events: 0,
         }
@@ -98,6 +101,10 @@ pub struct PlannerRun {
     pub ticks: Vec<TickRecord>,
     /// Every worker's life.
     pub workers: Vec<WorkerLife>,
+    /// With [`crate::PlannerSetup::keep_observations`]: what the planner was handed at each
+    /// tick, and when (for feeding another driver the same sequence).
+    #[serde(skip)]
+    pub observations: Vec<(Timestamp, Observation)>,
 }
 
 impl PlannerRun {

@@ -273,6 +273,7 @@ fn planner_run(
         decisions: state.decisions.clone(),
         ticks: state.ticks.clone(),
         workers,
+        observations: state.observations.clone().unwrap_or_default(),
     };
     let (met, counted) = result.attainment();
     let actions = |add: bool| {

@@ -46,6 +46,7 @@ fn planner(mode: Mode) -> PlannerSetup {
             ..PlannerConfig::default()
         },
         sla_window: Duration::from_secs(30),
+        keep_observations: false,
     }
 }
 

@@ -9,6 +9,7 @@ pub mod config;
 pub mod demo;
 pub mod log_fields;
 pub mod opstream;
+pub mod plan;
 pub mod provenance;
 pub mod replay;
 pub mod serve;

@@ -5,6 +5,7 @@
 //! panic.
 
 use kvroute::config::{layered, parse};
+use kvroute::plan::PlanFile;
 use kvroute::replay::ReplayConfig;
 use kvroute::serve::{ServeArgs, ServeOptions};
 use kvroute_planner::PlannerConfig;
@@ -82,6 +83,7 @@ proptest! {
         if let Err(e) = parse::<ReplayConfig>(&text) { check_refusal(&e)?; }
         if let Err(e) = parse::<ServeOptions>(&text) { check_refusal(&e)?; }
         if let Err(e) = parse::<PlannerConfig>(&text) { check_refusal(&e)?; }
+        if let Err(e) = parse::<PlanFile>(&text) { check_refusal(&e)?; }
     }
 
     #[test]

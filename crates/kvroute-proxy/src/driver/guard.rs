@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use kvroute_core::ids::{RequestId, WorkerKey};
 
-use super::Driver;
+use super::{Driver, DriverState};
 
 /// Owns one routed (or queued) request's load; see the module docs.
 pub struct RequestGuard {
@@ -16,6 +16,7 @@ pub struct RequestGuard {
     pub(super) routed: Option<(WorkerKey, u64)>,
     started: Instant,
     first_token: bool,
+    first_chunk: Option<Instant>,
     prefill_reported: bool,
     last_chunk: Option<Instant>,
     done: bool,
@@ -37,6 +38,7 @@ impl RequestGuard {
             routed: None,
             started,
             first_token: false,
+            first_chunk: None,
             prefill_reported: false,
             last_chunk: None,
             done: false,
@@ -77,24 +79,51 @@ impl RequestGuard {
         let now = Instant::now();
         if !self.first_token {
             self.first_token = true;
+            self.first_chunk = Some(now);
+            let ttft = now - self.started;
             if streaming {
-                self.driver
-                    .metrics
-                    .ttft
-                    .observe((now - self.started).as_secs_f64());
+                self.driver.metrics.ttft.observe(ttft.as_secs_f64());
             }
-            self.prefill_done();
+            // A unary answer's first byte is its last: its TTFT is not known.
+            let worker = self.routed.map(|(key, _)| key.worker);
+            let observe = move |s: &mut DriverState| {
+                if let (true, Some(w)) = (streaming, worker) {
+                    s.observe_first_token(w, ttft);
+                }
+            };
+            if self.prefill_reported {
+                observe(&mut self.driver.lock());
+            } else {
+                self.prefill_reported = true;
+                let id = self.id;
+                self.driver
+                    .lifecycle_observed(|r, t| r.handle_first_token(t, id), observe);
+            }
         } else if streaming && let Some(last) = self.last_chunk {
             self.driver.metrics.itl.observe((now - last).as_secs_f64());
         }
         self.last_chunk = Some(now);
     }
 
-    /// The response ended: the request is finished.
-    pub fn finish(mut self) {
+    /// The response ended: the request is finished. `output_tokens`: what the engine's usage
+    /// said it generated (if it said); `streamed`: whether its tokens came as chunks, so that
+    /// the span from the first to the last is its decode time.
+    pub fn finish(mut self, output_tokens: Option<u32>, streamed: bool) {
         self.done = true;
         let id = self.id;
-        self.driver.lifecycle(|r, t| r.handle_finished(t, id));
+        let worker = self.routed.map(|(key, _)| key.worker);
+        let decode = match (streamed, self.first_chunk, self.last_chunk) {
+            (true, Some(first), Some(last)) => Some(last - first),
+            _ => None,
+        };
+        self.driver.lifecycle_observed(
+            |r, t| r.handle_finished(t, id),
+            |s| {
+                if let (Some(n), Some(w)) = (output_tokens, worker) {
+                    s.observe_completed(w, n, decode);
+                }
+            },
+        );
     }
 
     /// The request is given up (before it reached a worker); the same as dropping the guard.

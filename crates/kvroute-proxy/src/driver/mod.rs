@@ -36,6 +36,7 @@ use crate::registry::Registry;
 use crate::worker::HealthPolicy;
 
 mod guard;
+mod observe;
 mod replicas;
 mod route;
 #[cfg(test)]
@@ -43,6 +44,7 @@ mod tests;
 mod workers;
 
 pub use guard::RequestGuard;
+pub use observe::pool_of;
 pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
@@ -52,6 +54,8 @@ struct DriverState {
     router: Router,
     waiters: HashMap<RequestId, oneshot::Sender<Decision>>,
     registry: Registry,
+    /// Traffic gathered for the live planner (none without one).
+    gathering: Option<observe::Gathering>,
 }
 
 /// The router driver: the one code that touches the `Router`, shared by every request handler
@@ -127,6 +131,7 @@ impl Driver {
                     failures: config.upstream.health_failure_threshold,
                     successes: config.upstream.health_success_threshold,
                 }),
+                gathering: None,
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(0),

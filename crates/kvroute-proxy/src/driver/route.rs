@@ -98,7 +98,7 @@ impl Driver {
                 prompt_tokens: tokens.len() as u64,
             },
         );
-        let admission = self.admit(&request);
+        let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));
         self.metrics.overhead_scheduling.observe(ms(t1.elapsed()));
@@ -115,7 +115,10 @@ impl Driver {
                     // registered).
                     return Err(RouteError::QueueTimeout);
                 };
-                let target = self.lock().target(&decision, self.reannounce_window());
+                let mut inner = self.lock();
+                inner.observe_routed(&decision, locals.len() as u32);
+                let target = inner.target(&decision, self.reannounce_window());
+                drop(inner);
                 (decision, target, guard)
             }
             Admission::Refused(e) => return Err(e),
@@ -141,12 +144,14 @@ impl Driver {
         ServeConfig::ms(self.config.routing.reannounce_window_ms)
     }
 
-    /// Hands `request` to the router.
-    fn admit(&self, request: &RouteRequest<'_>) -> Admission {
+    /// Hands `request`, of `prompt_tokens` in `blocks` full blocks, to the router.
+    fn admit(&self, request: &RouteRequest<'_>, prompt_tokens: u64, blocks: u32) -> Admission {
         let mut inner = self.lock();
         let now = self.now();
+        inner.observe_arrival(prompt_tokens);
         match inner.router.handle_request(now, request) {
             Ok(RouteOutcome::Routed(d)) => {
+                inner.observe_routed(&d, blocks);
                 let target = Box::new(inner.target(&d, self.reannounce_window()));
                 Admission::Routed(d, target)
             }
@@ -186,7 +191,18 @@ impl Driver {
         &self,
         f: impl FnOnce(&mut Router, Timestamp) -> Result<Vec<Output>, RouterError>,
     ) {
+        self.lifecycle_observed(f, |_| {});
+    }
+
+    /// [`Self::lifecycle`], with what the planner observes of that step taken under the same
+    /// lock.
+    pub(super) fn lifecycle_observed(
+        &self,
+        f: impl FnOnce(&mut Router, Timestamp) -> Result<Vec<Output>, RouterError>,
+        observe: impl FnOnce(&mut DriverState),
+    ) {
         let mut inner = self.lock();
+        observe(&mut inner);
         let now = self.now();
         if let Ok(out) = f(&mut inner.router, now)
             && !out.is_empty()

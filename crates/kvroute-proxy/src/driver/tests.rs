@@ -75,7 +75,7 @@ async fn a_draining_worker_keeps_its_requests_and_leaves_when_it_has_none() {
     assert_eq!(state(&driver), StateName::Draining);
     assert_eq!(driver.worker_statuses()[0].active_requests, 1);
     assert_eq!(driver.route(&[4], None).await.unwrap_err(), RouteError::NoWorker);
-    guard.finish();
+    guard.finish(None, false);
     assert_eq!(state(&driver), StateName::Drained);
     assert!(driver.snapshot().workers.is_empty(), "out of the router");
     assert!(driver.remove_worker(id, Announce::ToPeers));
@@ -120,7 +120,7 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
     assert_eq!(driver.worker_statuses()[0].active_requests, 2);
     assert_eq!(driver.route(&[7], None).await.unwrap_err(), RouteError::NoWorker);
     // One ends while it is out: its booking ends then.
-    first.finish();
+    first.finish(None, false);
     assert_eq!(booked(&driver), (1, 1));
     // Back after two passing checks, with the other request still booked on it.
     for _ in 0..2 {

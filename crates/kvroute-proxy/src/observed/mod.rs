@@ -160,11 +160,12 @@ impl Observed {
             RequestOutcome::UpstreamError
         };
         if let Some(guard) = self.end(outcome) {
+            let usage = ok.then(|| self.scan.usage()).flatten();
             if let (true, Some((key, _))) = (ok, guard.routed()) {
-                let report = self.scan.cached_report();
+                let report = scan::cached_report(usage.as_ref());
                 guard.driver().metrics.record_cached_report(key, report);
             }
-            guard.finish();
+            guard.finish(usage.map(|u| u.completion_tokens), self.scan.streamed());
         }
     }
 }

@@ -63,16 +63,20 @@ impl Scan {
         matches!(self, Self::Stream(sse) if sse.seen.error_event)
     }
 
-    /// What the body said of its cached tokens.
-    pub(super) fn cached_report(&self) -> CachedReport {
-        let usage = match self {
+    /// The body's usage (a stream's last), if it had one.
+    pub(super) fn usage(&self) -> Option<Usage> {
+        match self {
             Self::Off => None,
             Self::Unary(buf) => serde_json::from_slice::<UsageOnly>(buf)
                 .ok()
                 .and_then(|u| u.usage),
             Self::Stream(sse) => sse.seen.usage.clone(),
-        };
-        cached_report(usage.as_ref())
+        }
+    }
+
+    /// Whether the answer came as a stream of chunks.
+    pub(super) fn streamed(&self) -> bool {
+        matches!(self, Self::Stream(_))
     }
 }
 
@@ -500,8 +504,8 @@ mod tests {
         let (a, b) = body.split_at(30);
         assert_eq!(scan.feed(Bytes::from(a)), a);
         assert_eq!(scan.feed(Bytes::from(b)), b);
-        assert_eq!(scan.cached_report(), CachedReport::Reported(16));
-        assert_eq!(Scan::Unary(b"{}".to_vec()).cached_report(), CachedReport::NoUsage);
+        assert_eq!(cached_report(scan.usage().as_ref()), CachedReport::Reported(16));
+        assert_eq!(cached_report(Scan::Unary(b"{}".to_vec()).usage().as_ref()), CachedReport::NoUsage);
         // Only `usage` is read: what it is not, or a body that is not an object, is no usage.
         for body in [
             &b"{\"usage\":null}"[..],
@@ -510,9 +514,9 @@ mod tests {
             b"[1]",
             b"not json",
         ] {
-            assert_eq!(Scan::Unary(body.to_vec()).cached_report(), CachedReport::NoUsage);
+            assert_eq!(cached_report(Scan::Unary(body.to_vec()).usage().as_ref()), CachedReport::NoUsage);
         }
         let absent = b"{\"choices\":[{\"usage\":1}],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":1,\"total_tokens\":5}}";
-        assert_eq!(Scan::Unary(absent.to_vec()).cached_report(), CachedReport::Absent);
+        assert_eq!(cached_report(Scan::Unary(absent.to_vec()).usage().as_ref()), CachedReport::Absent);
     }
 }

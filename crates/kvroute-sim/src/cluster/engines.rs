@@ -24,12 +24,8 @@ impl Run<'_> {
         self.workers[w].count_in_flight(self.now, 1);
         let state = &mut self.reqs[i];
         if let Some(p) = &mut self.planner {
-            // The hit rate that discounts prefill work is the one of the worker that prefills.
-            let overlap = decision
-                .prefill
-                .map_or(decision.overlap_blocks, |a| a.overlap_blocks);
             p.traffic
-                .routed(overlap, r.prompt_tokens / self.workload.block_size);
+                .routed(&decision, r.prompt_tokens / self.workload.block_size);
         }
         let mut request = engine_request(decision.request, r);
         // A prefill-only instance samples the first token; a request of at most one token is

@@ -206,7 +206,9 @@ impl<'w> Run<'w> {
                 let planner = crate::profile::planner(&setup.config, &config.engine, Timestamp::ZERO)?;
                 let startup = Duration::try_from_secs_f64(setup.config.startup_delay_s)
                     .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
-                Some(PlannerState::new(planner, startup))
+                let mut state = PlannerState::new(planner, startup);
+                state.observations = setup.keep_observations.then(Vec::new);
+                Some(state)
             }
             None => None,
         };

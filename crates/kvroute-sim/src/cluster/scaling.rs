@@ -57,14 +57,15 @@ impl Run<'_> {
             })
             .collect();
         let queued_requests = self.routers.first().map_or(0, |r| r.metrics().queued_now as u64);
-        let out = p.planner.tick(
-            now,
-            &Observation {
-                traffic,
-                workers,
-                queued_requests,
-            },
-        );
+        let obs = Observation {
+            traffic,
+            workers,
+            queued_requests,
+        };
+        let out = p.planner.tick(now, &obs);
+        if let Some(kept) = &mut p.observations {
+            kept.push((now, obs));
+        }
         p.ticks.push(out.record);
         if let Some(decision) = out.decision {
             let actions = decision.actions.clone();

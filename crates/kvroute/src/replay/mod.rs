@@ -199,7 +199,8 @@ pub struct ReplayConfig {
     /// Synthetic: think time between turns, ms. Default 5,000.
     #[arg(long)]
     pub think_ms: Option<u64>,
-    /// A planner TOML file (`kvroute_planner::PlannerConfig`): the planner adds and removes
+    /// The planner's TOML file, as `kvroute serve --planner` takes it (`[planner]`, and
+    /// `[engine]`: the workers, under the engine flags here): the planner adds and removes
     /// workers during the run, starting from `--workers` (or the two pools); its mode must fit
     /// the topology. The report gains the planner's keys, decisions and ticks.
     #[arg(long)]
@@ -498,6 +499,14 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
         _ => bail!("--prefill-workers and --decode-workers go together"),
     };
     config.transfer = kv_transfer(o)?;
+    let plan = o
+        .planner
+        .as_deref()
+        .map(crate::plan::PlanFile::read)
+        .transpose()?;
+    if let Some(plan) = &plan {
+        config.engine = plan.engine.over(&config.engine);
+    }
     let e = &mut config.engine;
     e.block_size = o.block_size.unwrap_or(e.block_size);
     e.num_blocks = o.num_blocks.unwrap_or(e.num_blocks);
@@ -515,13 +524,11 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
         config.arrivals = ArrivalMode::Closed { concurrency };
     }
     config.keep_requests = args.per_request_jsonl.is_some();
-    if let Some(path) = &o.planner {
-        let text = std::fs::read_to_string(path).with_context(|| format!("--planner {}", path.display()))?;
-        let planner: kvroute_planner::PlannerConfig =
-            crate::config::parse(&text).with_context(|| format!("--planner {}", path.display()))?;
+    if let Some(plan) = plan {
         let window = o.sla_window_s.unwrap_or(60.0);
         config.planner = Some(PlannerSetup {
-            config: planner,
+            config: plan.planner,
+            keep_observations: false,
             sla_window: Duration::try_from_secs_f64(window).context("--sla-window-s")?,
         });
     }

@@ -1,0 +1,173 @@
+//! What the live planner observes, taken under the driver's lock: the traffic as it happens,
+//! recorded by the planner's own [`Traffic`] methods (the simulator calls the same), and every
+//! worker's load at a tick, from the router's books.
+//!
+//! Nothing is recorded until a planner asks ([`Driver::observe_traffic`]): a proxy without
+//! one pays nothing per request. A latency is observed only where it is known: TTFT on
+//! streamed answers (a unary answer's first byte is its last), ITL on streamed answers of two
+//! tokens or more, output length from the engine's usage; and never from a worker still within
+//! the warm-up. What is not known is left out, never counted as zero.
+
+use std::time::Duration;
+
+use kvroute_core::ids::{WorkerId, WorkerKey};
+use kvroute_core::router::{Decision, WorkerRole};
+use kvroute_planner::{Pool, Traffic, WorkerObservation, WorkerPhase};
+
+use super::{Driver, DriverState};
+use crate::worker::WorkerState;
+
+/// The traffic being gathered for the planner, and its warm-up.
+#[derive(Debug)]
+pub(super) struct Gathering {
+    pub(super) traffic: Traffic,
+    warmup: Duration,
+}
+
+impl DriverState {
+    /// Whether worker `id` has taken requests for at least the planner's warm-up.
+    fn warm(&self, id: WorkerId, warmup: Duration) -> bool {
+        self.registry
+            .get(id)
+            .and_then(|w| w.routable_since)
+            .is_some_and(|since| since.elapsed() >= warmup)
+    }
+
+    /// A request of `prompt_tokens` arrived.
+    pub(super) fn observe_arrival(&mut self, prompt_tokens: u64) {
+        if let Some(g) = &mut self.gathering {
+            g.traffic.arrival(prompt_tokens);
+        }
+    }
+
+    /// A request of `blocks` full prompt blocks was routed by `decision`.
+    pub(super) fn observe_routed(&mut self, decision: &Decision, blocks: u32) {
+        if let Some(g) = &mut self.gathering {
+            g.traffic.routed(decision, blocks);
+        }
+    }
+
+    /// A streamed request's first token, `ttft` after its arrival, from `worker`.
+    pub(super) fn observe_first_token(&mut self, worker: WorkerId, ttft: Duration) {
+        let Some(warmup) = self.gathering.as_ref().map(|g| g.warmup) else {
+            return;
+        };
+        let warm = self.warm(worker, warmup);
+        if let Some(g) = &mut self.gathering
+            && warm
+        {
+            g.traffic.first_token(ttft.as_secs_f64() * 1e3);
+        }
+    }
+
+    /// A request completed on `worker` with `output_tokens` (from the engine's usage);
+    /// `decode`: its first-to-last token span, when it streamed.
+    pub(super) fn observe_completed(
+        &mut self,
+        worker: WorkerId,
+        output_tokens: u32,
+        decode: Option<Duration>,
+    ) {
+        let Some(warmup) = self.gathering.as_ref().map(|g| g.warmup) else {
+            return;
+        };
+        let warm = self.warm(worker, warmup);
+        if let Some(g) = &mut self.gathering {
+            let decode_ms = decode.filter(|_| warm).map(|d| d.as_secs_f64() * 1e3);
+            g.traffic.completed(output_tokens, decode_ms);
+        }
+    }
+}
+
+/// The planner's pool of a worker of `role`.
+pub fn pool_of(role: WorkerRole) -> Pool {
+    match role {
+        WorkerRole::Aggregated => Pool::Agg,
+        WorkerRole::Prefill => Pool::Prefill,
+        WorkerRole::Decode => Pool::Decode,
+    }
+}
+
+impl Driver {
+    /// Starts gathering traffic for the planner, whose warm-up leaves out the latencies of a
+    /// worker that has taken requests for less than `warmup`.
+    pub fn observe_traffic(&self, warmup: Duration) {
+        self.lock().gathering = Some(Gathering {
+            traffic: Traffic::default(),
+            warmup,
+        });
+    }
+
+    /// The traffic gathered since the previous call (its `duration_s` is the caller's).
+    pub fn take_traffic(&self) -> Traffic {
+        self.lock()
+            .gathering
+            .as_mut()
+            .map(|g| std::mem::take(&mut g.traffic))
+            .unwrap_or_default()
+    }
+
+    /// Requests waiting in the router's queue now.
+    pub fn queued_requests(&self) -> u64 {
+        self.lock().router.metrics().queued_now as u64
+    }
+
+    /// Every worker in the router (taking requests, or draining) as the planner sees it, in id
+    /// order: its load from the router's books (summed over its ranks) and the cached blocks
+    /// only it holds. Workers out of routing (failed, misconfigured) are not the planner's
+    /// capacity and are left out.
+    pub fn planner_workers(&self) -> Vec<WorkerObservation> {
+        let inner = self.lock();
+        let bs = u64::from(self.config.routing.block_size);
+        let mut out = Vec::new();
+        for (id, w) in inner.registry.iter() {
+            let state = match w.state {
+                WorkerState::Ready { .. } => WorkerPhase::Ready,
+                WorkerState::Draining { .. } => WorkerPhase::Draining,
+                _ => continue,
+            };
+            let mut o = WorkerObservation {
+                id: id.0,
+                pool: pool_of(w.config.role()),
+                state,
+                passes: Vec::new(),
+                queued_prefill_tokens: 0,
+                decode_seqs: 0,
+                kv_tokens: 0,
+                in_flight: 0,
+                sole_blocks: 0,
+            };
+            for rank in 0..w.config.dp_size {
+                let key = WorkerKey::new(id, kvroute_core::ids::DpRank(rank));
+                if let Some(load) = inner.router.worker_load(key) {
+                    o.queued_prefill_tokens += load.prefill_tokens;
+                    o.decode_seqs += load.requests - load.prefill_requests;
+                    o.kv_tokens += load.decode_blocks * bs;
+                    o.in_flight += load.requests;
+                }
+                o.sole_blocks += inner.router.index().sole_blocks(key) as u64;
+            }
+            out.push(o);
+        }
+        out
+    }
+
+    /// Requests in flight on worker `id` (all its ranks), from the router's books.
+    pub fn in_flight(&self, id: WorkerId) -> u32 {
+        let inner = self.lock();
+        let ranks = inner.registry.get(id).map_or(0, |w| w.config.dp_size);
+        (0..ranks)
+            .filter_map(|r| {
+                inner
+                    .router
+                    .worker_load(WorkerKey::new(id, kvroute_core::ids::DpRank(r)))
+            })
+            .map(|l| l.requests)
+            .sum()
+    }
+
+    /// The driver's time now, as the router sees it.
+    pub fn timestamp(&self) -> kvroute_core::time::Timestamp {
+        self.now()
+    }
+}
