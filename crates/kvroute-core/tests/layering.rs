@@ -59,6 +59,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
         &[
             "kvroute-core",
             "kvroute-http",
+            "kvroute-planner",
             "kvroute-sync",
             "kvroute-wire",
             "kvroute-zmq",
@@ -78,6 +79,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
         "kvroute",
         &[
             "kvroute-core",
+            "kvroute-engine",
             "kvroute-http",
             "kvroute-mock",
             "kvroute-planner",
