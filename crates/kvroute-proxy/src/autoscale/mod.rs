@@ -77,6 +77,11 @@ pub struct Report {
 pub struct Status(Mutex<Report>);
 
 impl Status {
+    /// The latest decisions, oldest first.
+    pub fn decisions(&self) -> Vec<ScalingDecision> {
+        self.lock().decisions.iter().cloned().collect()
+    }
+
     /// The report as JSON.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(&*self.lock()).unwrap_or_default()
