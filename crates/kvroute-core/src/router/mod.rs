@@ -557,14 +557,17 @@ impl Router {
     }
 
     /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
-    /// decision expiring, or a queue re-check. A tick before then is harmless.
+    /// decision expiring, or a queue re-check (none while no worker is eligible: only a worker
+    /// added or back in routing can release a request then, and that input releases it). A
+    /// tick before then is harmless.
     pub fn next_deadline(&self) -> Option<Timestamp> {
         let expiry = self
             .fleet
             .oldest()
             .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
         let recent = self.recent.as_ref().and_then(RecentChains::next_expiry);
-        let recheck = (!self.queue.is_empty()).then(|| self.last_now + self.queue.recheck_interval());
+        let recheck = (!self.queue.is_empty() && self.has_eligible_worker())
+            .then(|| self.last_now + self.queue.recheck_interval());
         let tombstone = self
             .tombstones
             .oldest()
