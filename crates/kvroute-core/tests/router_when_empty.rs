@@ -74,7 +74,10 @@ proptest! {
             now = now + Duration::from_millis(*gap);
             model.expire(&mut r, now);
             let outcome = route(&mut r, now, id as u64);
-            if model.waiting.len() < capacity {
+            if capacity == 0 {
+                // No queue to wait in.
+                prop_assert_eq!(outcome, RouteOutcome::Rejected(RejectReason::NoEligibleWorker));
+            } else if model.waiting.len() < capacity {
                 prop_assert_eq!(outcome, RouteOutcome::Queued);
                 model.waiting.push((id as u64, now));
             } else {

@@ -260,7 +260,10 @@ impl Router {
         let placed = self.place(now, &prepared, &locals);
         let outcome = match placed {
             Ok(decision) => RouteOutcome::Routed(decision),
-            Err(Blocked::NoWorker) if self.config.queue.when_empty == WhenEmpty::Reject => {
+            // A queue of no capacity is no queue: nothing to wait in.
+            Err(Blocked::NoWorker)
+                if self.config.queue.when_empty == WhenEmpty::Reject || self.config.queue.capacity == 0 =>
+            {
                 self.counters.rejected_no_worker += 1;
                 RouteOutcome::Rejected(RejectReason::NoEligibleWorker)
             }

@@ -34,9 +34,9 @@ pub enum WhenEmpty {
     /// Turned away at once ([`super::RejectReason::NoEligibleWorker`]).
     #[default]
     Reject,
-    /// Queued as a request is when every worker is busy (within the same capacity), and
-    /// released when a worker is added or back in routing: a fleet scaled to zero starts a
-    /// worker while its first requests wait.
+    /// Queued as a request is when every worker is busy (within the same capacity; with none,
+    /// rejected as with `Reject`), and released when a worker is added or back in routing: a
+    /// fleet scaled to zero starts a worker while its first requests wait.
     Queue,
 }
 
