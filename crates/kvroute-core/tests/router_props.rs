@@ -17,8 +17,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, WorkerSpec,
-    stored_blocks,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, WhenEmpty,
+    WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -138,25 +138,29 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
         any::<u64>(),
         any::<bool>(),
         any::<bool>(),
+        prop::sample::select(WhenEmpty::ALL.to_vec()),
     )
-        .prop_map(|(policy, cache, busy, decider, queue, seed, track_output, pd)| {
-            let drawn = Drawn {
-                policy,
-                cache,
-                decider,
-                seed,
-                track_output_blocks: track_output,
-            };
-            let config = RouterConfig {
-                busy,
-                queue: kvroute_core::router::QueueConfig {
-                    capacity: queue,
-                    ..Default::default()
-                },
-                ..exporting_config(BLOCK, std::time::Duration::from_secs(20), drawn)
-            };
-            (config, pd)
-        })
+        .prop_map(
+            |(policy, cache, busy, decider, queue, seed, track_output, pd, when_empty)| {
+                let drawn = Drawn {
+                    policy,
+                    cache,
+                    decider,
+                    seed,
+                    track_output_blocks: track_output,
+                };
+                let config = RouterConfig {
+                    busy,
+                    queue: kvroute_core::router::QueueConfig {
+                        capacity: queue,
+                        when_empty,
+                        ..Default::default()
+                    },
+                    ..exporting_config(BLOCK, std::time::Duration::from_secs(20), drawn)
+                };
+                (config, pd)
+            },
+        )
 }
 
 /// Drives a router (and a replica that applies its exported events) through `ops`.

@@ -107,7 +107,8 @@ fn options<'a>(args: &[&'a str]) -> BTreeMap<&'a str, &'a str> {
 /// `credit`, `scale`, `req_weight`, `temperature` (cost policies); `threshold`, `abs`, `rel`,
 /// `tree` (sglang); `w_prefix`, `w_queue`, `w_kv` (llm-d); `decider=never|always|N`;
 /// `cache=events|predict:TTL_MS|approx:TTL_MS[:MAX_BLOCKS]`; `busy_decode`, `busy_prefill`,
-/// `busy_prefill_frac`, `busy_requests`; `queue` (capacity), `order=fcfs|spf`;
+/// `busy_prefill_frac`, `busy_requests`; `queue` (capacity), `order=fcfs|spf`,
+/// `when_empty=reject|queue`;
 /// `request_ttl` (ms); `track_output=1`; `export=1`.
 fn config(args: &[&str]) -> RouterConfig {
     let mut c = RouterConfig::default();
@@ -140,6 +141,7 @@ fn config(args: &[&str]) -> RouterConfig {
             "busy_prefill_frac" => c.busy.prefill_tokens_fraction = Some(num(key, value)),
             "busy_requests" => c.busy.requests_fraction = Some(num(key, value)),
             "queue" => c.queue.capacity = num(key, value),
+            "when_empty" => c.queue.when_empty = value.parse().unwrap_or_else(|e| panic!("{e}")),
             "order" => {
                 c.queue.order = match value {
                     "fcfs" => QueueOrder::Fcfs,
@@ -575,6 +577,9 @@ impl Harness {
             })
             .collect();
         let mut text = format!("{} active, {} queued", metrics.active_now, metrics.queued_now);
+        if metrics.queued_without_worker_now > 0 {
+            text += &format!(" ({} for want of any worker)", metrics.queued_without_worker_now);
+        }
         for line in lines {
             text = text + "\n" + &line;
         }
@@ -644,6 +649,7 @@ scripts!(
     expiry,
     queue_fcfs,
     queue_spf,
+    queue_when_empty,
     decider,
     decider_always,
     decider_never,

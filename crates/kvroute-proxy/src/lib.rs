@@ -62,6 +62,6 @@ pub mod views;
 pub mod worker;
 
 pub use config::{EngineKind, ServeConfig, WorkerConfig};
-pub use driver::Driver;
+pub use driver::{Driver, QueuedRequests};
 pub use fleet::Fleet;
 pub use proxy::{ProxyHandle, start};

@@ -53,6 +53,9 @@ pub struct Metrics {
     pub overhead_tokenize: Histogram,
     /// Requests waiting in the router's queue.
     pub queue_pending: IntGaugeVec,
+    /// `kvroute_router_queue_empty_fleet`: of those, requests waiting for want of any worker
+    /// (`when-empty = queue` with no worker in routing).
+    pub queue_empty_fleet: IntGauge,
     /// KV events applied, by type and status.
     pub kv_events: IntCounterVec,
     /// Per worker: active decode blocks the router books.
@@ -594,6 +597,10 @@ impl Metrics {
                 "Requests waiting in the router's queue.",
                 &["worker_type"],
             ),
+            queue_empty_fleet: r.gauge(
+                "kvroute_router_queue_empty_fleet",
+                "Requests waiting in the router's queue for want of any worker (when-empty = queue).",
+            ),
             kv_events: r.counters(
                 "dynamo_component_kv_cache_events_applied",
                 "KV events by type and status (ok, parent_block_not_found, block_not_found, invalid_block, skipped).",
@@ -747,6 +754,8 @@ impl Metrics {
         self.queue_pending
             .with_label_values(&["decode"])
             .set(snapshot.queued_now as i64);
+        self.queue_empty_fleet
+            .set(snapshot.queued_without_worker_now as i64);
         self.active_requests.set(snapshot.active_now as i64);
         let evicted = snapshot.index.blocks_evicted;
         if evicted > self.index_blocks_evicted.get() {

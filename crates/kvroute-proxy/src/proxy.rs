@@ -515,11 +515,17 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         .any(|w| w.routable && w.config.role() != WorkerRole::Prefill);
     // With replica sync, whether the peers are heard (routing goes on either way).
     let sync = app.driver.sync_link().map(kvroute_sync::LinkState::name);
-    if serving {
-        let body = match sync {
-            Some(sync) => json!({"status": "ok", "sync": sync}),
-            None => json!({"status": "ok"}),
-        };
+    // With `when-empty = queue` requests wait for a worker (a fleet scaled to zero starts one):
+    // the proxy takes them, so it is ready.
+    let waits = !serving && app.driver.queues_when_empty();
+    if serving || waits {
+        let mut body = json!({"status": "ok"});
+        if let Some(sync) = sync {
+            body["sync"] = json!(sync);
+        }
+        if waits {
+            body["workers"] = json!("none routable: requests wait in the queue");
+        }
         (StatusCode::OK, axum::Json(body)).into_response()
     } else {
         ApiError::new(

@@ -177,6 +177,11 @@ pub struct ServeOptions {
     /// How long a request may wait in the queue before a 503, ms. Default 30,000.
     #[arg(long)]
     pub queue_timeout_ms: Option<u64>,
+    /// When no worker can take a request (none added, or none in routing): `reject` (503 at
+    /// once) or `queue` (it waits in the queue, within --queue-capacity and
+    /// --queue-timeout-ms, for a worker to be added: scale from zero). Default reject.
+    #[arg(long)]
+    pub when_empty: Option<String>,
     /// A worker is busy above this fraction of its max requests. Default: never.
     #[arg(long)]
     pub busy_requests_fraction: Option<f64>,

@@ -185,6 +185,9 @@ const SPECS: &[&[&str]] = &[
     &["--decider", "512"],
     &["--queue-capacity", "0"],
     &["--queue-capacity", "7"],
+    &["--when-empty", "reject"],
+    &["--when-empty", "queue"],
+    &["--when-empty", "queue", "--queue-capacity", "0"],
     &["--busy-requests-fraction", "0"],
     &["--busy-requests-fraction", "0.9"],
     &["--seed", "7"],
@@ -232,6 +235,7 @@ fn a_bad_router_spec_gets_the_same_error_from_both_commands() {
         (&["--decider", "sometimes"], "decider"),
         (&["--busy-requests-fraction", "NaN"], "--busy-requests-fraction"),
         (&["--busy-requests-fraction=-1"], "--busy-requests-fraction"),
+        (&["--when-empty", "wait"], "reject or queue"),
     ];
     for (flags, word) in bad {
         let serve = format!("{:#}", serve_router(flags).unwrap_err());
@@ -296,11 +300,12 @@ proptest! {
         cache in cache_spec(),
         decider in prop_oneof![Just("always".to_owned()), Just("never".to_owned()), (0u64..100_000).prop_map(|n| n.to_string())],
         queue in 0usize..4096,
+        when_empty in prop_oneof![Just("reject"), Just("queue")],
     ) {
         let queue = queue.to_string();
         let flags = [
             "--policy", &policy, "--cache", &cache, "--decider", &decider,
-            "--queue-capacity", &queue, "--block-size", "32",
+            "--queue-capacity", &queue, "--when-empty", when_empty, "--block-size", "32",
         ];
         let serve = as_replay_builds_it(serve_router(&flags).unwrap());
         let replay = replay_router(&flags).unwrap();
@@ -325,6 +330,6 @@ fn a_router_spec_in_either_commands_file_makes_the_same_router() {
     assert_eq!(
         RouterSpec::from_config(&replay).unwrap().to_string(),
         "--policy kv:scale=2 --cache approximate:ttl=120 --decider 256 --block-size 64 --seed 0 \
-         --queue-capacity 1024"
+         --queue-capacity 1024 --when-empty reject"
     );
 }

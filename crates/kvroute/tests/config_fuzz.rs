@@ -27,6 +27,7 @@ const KEYS: &[&str] = &[
     "requests",
     "listen",
     "queue-capacity",
+    "when-empty",
     "health-interval-ms",
     "max-prompt-tokens",
     "threads",

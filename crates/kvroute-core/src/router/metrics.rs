@@ -11,6 +11,9 @@ pub struct RouterCounters {
     pub routed: u64,
     /// Requests that entered the queue.
     pub queued: u64,
+    /// Of those, requests queued because no worker was eligible at all
+    /// ([`super::WhenEmpty::Queue`]).
+    pub queued_without_worker: u64,
     /// Queued requests routed later.
     pub released: u64,
     /// Requests rejected because no worker could serve them.
@@ -79,6 +82,9 @@ pub struct RouterMetrics {
     pub counters: RouterCounters,
     /// Requests waiting in the queue now.
     pub queued_now: usize,
+    /// Of those, requests waiting for want of any worker: all of them while no worker that
+    /// decodes is in routing (with [`super::WhenEmpty::Queue`]), none otherwise.
+    pub queued_without_worker_now: usize,
     /// Requests booked now (this router's and other replicas').
     pub active_now: usize,
     /// Tombstones of peers' requests kept now.

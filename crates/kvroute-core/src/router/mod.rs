@@ -36,7 +36,8 @@
 //! 2. Overlap per worker: the KV-event [`PrefixIndex`], and/or the router's record of its own
 //!    recent decisions ([`CacheMode`]); the larger of the two.
 //! 3. Candidates: workers that decode (aggregated and decode workers), not draining, not busy
-//!    ([`BusyThresholds`]). None eligible: rejected. All busy: queued ([`QueueConfig`]).
+//!    ([`BusyThresholds`]). None eligible: rejected, or queued with [`WhenEmpty::Queue`]. All
+//!    busy: queued ([`QueueConfig`]).
 //! 4. The policy picks one ([`policy`]). If it is a decode worker and the [`Decider`] says so, a
 //!    prefill worker is picked from the prefill pool by the prefill policy.
 //! 5. The prefill load hint is computed once ([`PrefillLoadHint::new`]) and the decision is
@@ -53,8 +54,8 @@
 //!   randomness is the router's seeded [`Rng`], and everything that reaches an output is iterated
 //!   in worker-key order or in an order set by the inputs alone (the fleet's idle and loaded
 //!   sets, in the order workers joined them).
-//! * The queue is non-empty only while every eligible worker is busy: every input that frees
-//!   capacity re-checks it.
+//! * The queue is non-empty only while every eligible worker is busy (or none is eligible):
+//!   every input that frees capacity or adds a worker re-checks it.
 
 mod busy;
 mod chain_trie;
@@ -92,7 +93,7 @@ pub use load::{
 pub use metrics::{RouterCounters, RouterMetrics, WorkerMetrics};
 pub use output::{Decision, DropReason, Output, PrefillAssignment, RejectReason, RouteOutcome};
 pub use policy::{Candidate, Policy, PolicyConfig, UnknownPolicy};
-pub use queue::{QueueConfig, QueueOrder};
+pub use queue::{QueueConfig, QueueOrder, WhenEmpty};
 pub use recent::RecentConfig;
 pub use request::{Prompt, RequestView, RouteRequest};
 pub use rng::Rng;
@@ -259,14 +260,23 @@ impl Router {
         let placed = self.place(now, &prepared, &locals);
         let outcome = match placed {
             Ok(decision) => RouteOutcome::Routed(decision),
-            Err(Blocked::NoWorker) => {
+            // A queue of no capacity is no queue: nothing to wait in.
+            Err(Blocked::NoWorker)
+                if self.config.queue.when_empty == WhenEmpty::Reject || self.config.queue.capacity == 0 =>
+            {
                 self.counters.rejected_no_worker += 1;
                 RouteOutcome::Rejected(RejectReason::NoEligibleWorker)
             }
-            Err(Blocked::Busy) => self.enqueue(Waiting {
-                request: prepared,
-                locals: locals.as_slice().into(),
-            }),
+            Err(blocked) => {
+                let outcome = self.enqueue(Waiting {
+                    request: prepared,
+                    locals: locals.as_slice().into(),
+                });
+                if blocked == Blocked::NoWorker && outcome == RouteOutcome::Queued {
+                    self.counters.queued_without_worker += 1;
+                }
+                outcome
+            }
         };
         self.scratch.locals = locals;
         Ok(outcome)
@@ -550,14 +560,17 @@ impl Router {
     }
 
     /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
-    /// decision expiring, or a queue re-check. A tick before then is harmless.
+    /// decision expiring, or a queue re-check (none while no worker is eligible: only a worker
+    /// added or back in routing can release a request then, and that input releases it). A
+    /// tick before then is harmless.
     pub fn next_deadline(&self) -> Option<Timestamp> {
         let expiry = self
             .fleet
             .oldest()
             .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
         let recent = self.recent.as_ref().and_then(RecentChains::next_expiry);
-        let recheck = (!self.queue.is_empty()).then(|| self.last_now + self.queue.recheck_interval());
+        let recheck = (!self.queue.is_empty() && self.has_eligible_worker())
+            .then(|| self.last_now + self.queue.recheck_interval());
         let tombstone = self
             .tombstones
             .oldest()
@@ -581,6 +594,11 @@ impl Router {
         RouterMetrics {
             counters: self.counters,
             queued_now: self.queue.len(),
+            queued_without_worker_now: if self.has_eligible_worker() {
+                0
+            } else {
+                self.queue.len()
+            },
             active_now: self.fleet.active_count(),
             tombstones_now: self.tombstones.len(),
             index: self.index.stats(),
@@ -856,6 +874,15 @@ impl Router {
         self.fleet.workers().iter().any(|w| {
             w.spec.role.tracks_decode() && !w.draining && !self.config.busy.is_busy(&w.spec, &w.load())
         })
+    }
+
+    /// Whether some worker that decodes is not draining (busy or not): without one, the
+    /// queue's requests wait for want of any worker.
+    fn has_eligible_worker(&self) -> bool {
+        self.fleet
+            .workers()
+            .iter()
+            .any(|w| w.spec.role.tracks_decode() && !w.draining)
     }
 
     // ---- helpers ----

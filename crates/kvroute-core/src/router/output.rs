@@ -35,7 +35,8 @@ pub struct Decision {
 /// Why a request was turned away.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RejectReason {
-    /// No worker can serve it: none that decodes, or all of them draining.
+    /// No worker can serve it: none that decodes, or all of them draining (with
+    /// [`super::WhenEmpty::Reject`]).
     NoEligibleWorker,
     /// Every eligible worker is busy and the queue is full (or disabled).
     QueueFull,
@@ -46,8 +47,9 @@ pub enum RejectReason {
 pub enum RouteOutcome {
     /// Routed now.
     Routed(Decision),
-    /// Every eligible worker is busy; the request waits, and its decision comes out of a later
-    /// call that frees capacity.
+    /// Every eligible worker is busy (or, with [`super::WhenEmpty::Queue`], none is eligible);
+    /// the request waits, and its decision comes out of a later call that frees capacity or
+    /// adds a worker.
     Queued,
     /// Turned away.
     Rejected(RejectReason),

@@ -1,10 +1,11 @@
-//! The wait queue: requests that arrived while every eligible worker was busy.
+//! The wait queue: requests that arrived while every eligible worker was busy, or, with
+//! [`WhenEmpty::Queue`], while no worker was eligible at all.
 //!
 //! Order is a strict priority tier (higher [`RouteRequest::priority`](super::RouteRequest)
 //! first), then the policy key: arrival for FCFS, prompt length for shortest-prefill-first
 //! (Dynamo's WSPT key `(1 + priority) / isl` without the priority weighting, which the strict tier
 //! replaces), then arrival. The router re-checks the head whenever load falls, a worker is
-//! added, and on every tick; the queue is bounded and a full queue rejects.
+//! added or back in routing, and on every tick; the queue is bounded and a full queue rejects.
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -26,11 +27,26 @@ pub enum QueueOrder {
     ShortestPrefillFirst,
 }
 
+/// What a request meets when no worker is eligible at all (none that decodes, or all of them
+/// draining or out of routing), as opposed to every eligible worker being busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WhenEmpty {
+    /// Turned away at once ([`super::RejectReason::NoEligibleWorker`]).
+    #[default]
+    Reject,
+    /// Queued as a request is when every worker is busy (within the same capacity; with none,
+    /// rejected as with `Reject`), and released when a worker is added or back in routing: a
+    /// fleet scaled to zero starts a worker while its first requests wait.
+    Queue,
+}
+
 /// The queue's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueueConfig {
     /// The most requests that may wait; 0 rejects instead of queueing.
     pub capacity: usize,
+    /// Whether a request for which no worker is eligible waits or is rejected.
+    pub when_empty: WhenEmpty,
     /// Release order.
     pub order: QueueOrder,
     /// While requests wait, [`super::Router::next_deadline`] asks for a tick this often, as a
@@ -39,10 +55,11 @@ pub struct QueueConfig {
 }
 
 impl Default for QueueConfig {
-    /// 1,024 requests, FCFS, a re-check every second.
+    /// 1,024 requests, rejected when no worker is eligible, FCFS, a re-check every second.
     fn default() -> Self {
         Self {
             capacity: 1024,
+            when_empty: WhenEmpty::Reject,
             order: QueueOrder::Fcfs,
             recheck_interval: Duration::from_secs(1),
         }

@@ -27,6 +27,8 @@
 //!
 //! A **decider** ([`Decider`]) is `always`, `never`, or N (uncached prompt tokens).
 //!
+//! What a request meets **when no worker is eligible** ([`WhenEmpty`]) is `reject` or `queue`.
+//!
 //! Printing gives the canonical spec: the name, then only the options that differ from its
 //! defaults, in the order of the tables above. A printed spec parses back to the same value.
 
@@ -38,7 +40,7 @@ use super::config::{CacheMode, ConfigError, RouterConfig};
 use super::disagg::{Decider, UnknownDecider};
 use super::load::DecodeProjection;
 use super::policy::{CostPolicyConfig, PolicyConfig, UnknownPolicy};
-use super::queue::QueueConfig;
+use super::queue::{QueueConfig, WhenEmpty};
 use super::recent::RecentConfig;
 
 /// A spec the vocabulary refuses.
@@ -108,6 +110,42 @@ pub enum SpecError {
     /// A [`RouterConfig`] with a setting no option names, so no spec makes it.
     #[error("{0} has no spec: no option of the router's vocabulary sets it")]
     Inexpressible(&'static str),
+}
+
+// ---- when no worker is eligible ----
+
+impl WhenEmpty {
+    /// Every value, in the order of its names.
+    pub const ALL: [WhenEmpty; 2] = [WhenEmpty::Reject, WhenEmpty::Queue];
+
+    /// The name in flags and files.
+    pub fn name(self) -> &'static str {
+        match self {
+            WhenEmpty::Reject => "reject",
+            WhenEmpty::Queue => "queue",
+        }
+    }
+}
+
+impl FromStr for WhenEmpty {
+    type Err = SpecError;
+
+    /// `reject` or `queue`.
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        Self::ALL
+            .into_iter()
+            .find(|w| w.name() == s)
+            .ok_or_else(|| SpecError::Invalid {
+                rule: "reject or queue",
+                value: format!("{s:?}"),
+            })
+    }
+}
+
+impl fmt::Display for WhenEmpty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// An option of a [`RouterSpec`] that was refused: its key (the flag's long name and the
@@ -389,6 +427,8 @@ pub struct RouterSpec {
     pub queue_capacity: usize,
     /// `busy-requests-fraction`: a worker is busy past this fraction of its max requests.
     pub busy_requests_fraction: Option<f64>,
+    /// `when-empty`: whether a request for which no worker is eligible waits in the queue.
+    pub when_empty: WhenEmpty,
 }
 
 /// The options of a [`RouterSpec`] as a front end reads them: the specs as text, the numbers as
@@ -409,6 +449,8 @@ pub struct RouterOptions<'a> {
     pub queue_capacity: usize,
     /// `busy-requests-fraction`.
     pub busy_requests_fraction: Option<f64>,
+    /// `when-empty`: `reject` or `queue`.
+    pub when_empty: &'a str,
 }
 
 impl Default for RouterSpec {
@@ -423,6 +465,7 @@ impl Default for RouterSpec {
             seed: c.seed,
             queue_capacity: c.queue.capacity,
             busy_requests_fraction: c.busy.requests_fraction,
+            when_empty: c.queue.when_empty,
         }
     }
 }
@@ -439,6 +482,7 @@ impl RouterSpec {
             seed: options.seed,
             queue_capacity: options.queue_capacity,
             busy_requests_fraction: options.busy_requests_fraction,
+            when_empty: options.when_empty.parse().map_err(key("when-empty"))?,
         };
         spec.validate()?;
         Ok(spec)
@@ -491,6 +535,7 @@ impl RouterSpec {
             seed: self.seed,
             queue: QueueConfig {
                 capacity: self.queue_capacity,
+                when_empty: self.when_empty,
                 ..QueueConfig::default()
             },
             ..RouterConfig::default()
@@ -512,6 +557,7 @@ impl RouterSpec {
             seed: config.seed,
             queue_capacity: config.queue.capacity,
             busy_requests_fraction: config.busy.requests_fraction,
+            when_empty: config.queue.when_empty,
         };
         if spec.policy.to_string().parse::<PolicyConfig>().ok() != Some(spec.policy) {
             return Err(SpecError::Inexpressible("policy"));
@@ -549,13 +595,20 @@ impl RouterSpec {
 
 impl fmt::Display for RouterSpec {
     /// The flags that make this router, e.g. `--policy kv:full --cache approximate --decider
-    /// always --block-size 64 --seed 0 --queue-capacity 1024`: every option, so that the
-    /// defaults of the command they are given to do not matter.
+    /// always --block-size 64 --seed 0 --queue-capacity 1024 --when-empty reject`: every
+    /// option, so that the defaults of the command they are given to do not matter.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "--policy {} --cache {} --decider {} --block-size {} --seed {} --queue-capacity {}",
-            self.policy, self.cache, self.decider, self.block_size, self.seed, self.queue_capacity
+            "--policy {} --cache {} --decider {} --block-size {} --seed {} --queue-capacity {} \
+             --when-empty {}",
+            self.policy,
+            self.cache,
+            self.decider,
+            self.block_size,
+            self.seed,
+            self.queue_capacity,
+            self.when_empty
         )?;
         if let Some(fraction) = self.busy_requests_fraction {
             write!(f, " --busy-requests-fraction {fraction}")?;
@@ -686,13 +739,15 @@ mod tests {
             seed: 7,
             queue_capacity: 0,
             busy_requests_fraction: Some(0.9),
+            when_empty: "queue",
         })
         .unwrap();
         assert_eq!(
             spec.to_string(),
             "--policy kv:scale=2 --cache approximate --decider 512 --block-size 64 --seed 7 \
-             --queue-capacity 0 --busy-requests-fraction 0.9"
+             --queue-capacity 0 --when-empty queue --busy-requests-fraction 0.9"
         );
+        assert_eq!(spec.router_config().queue.when_empty, WhenEmpty::Queue);
         assert_eq!(RouterSpec::from_config(&spec.router_config()), Ok(spec.clone()));
         let mut config = spec.router_config();
         config.busy.prefill_tokens = Some(1);
@@ -710,6 +765,7 @@ mod tests {
                 seed: 0,
                 queue_capacity: 1,
                 busy_requests_fraction: None,
+                when_empty: "reject",
             }
         };
         let err = RouterSpec::parse(&bad).unwrap_err();
@@ -718,6 +774,19 @@ mod tests {
             err.to_string(),
             "busy-requests-fraction: must be a number 0 or above, not NaN"
         );
+        let err = RouterSpec::parse(&RouterOptions {
+            when_empty: "wait",
+            busy_requests_fraction: None,
+            ..bad
+        })
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "when-empty: must be reject or queue, not \"wait\""
+        );
+        for w in WhenEmpty::ALL {
+            assert_eq!(w.to_string().parse(), Ok(w));
+        }
     }
 
     fn number() -> impl Strategy<Value = f64> {
@@ -778,14 +847,20 @@ mod tests {
 
     proptest! {
         #[test]
-        fn a_printed_spec_parses_back_to_the_same(policy in policy_spec(), cache in cache_spec(), threshold in any::<u64>()) {
+        fn a_printed_spec_parses_back_to_the_same(
+            policy in policy_spec(),
+            cache in cache_spec(),
+            threshold in any::<u64>(),
+            when_empty in prop::sample::select(WhenEmpty::ALL.to_vec()),
+        ) {
             let p: PolicyConfig = policy.parse().unwrap();
             prop_assert_eq!(p.to_string().parse::<PolicyConfig>(), Ok(p));
             let c: CacheMode = cache.parse().unwrap();
             prop_assert_eq!(c.to_string().parse::<CacheMode>(), Ok(c));
             let d = Decider::PrefixThreshold { uncached_tokens: threshold };
             prop_assert_eq!(d.to_string().parse::<Decider>(), Ok(d));
-            let spec = RouterSpec { policy: p, cache: c, decider: d, ..RouterSpec::default() };
+            prop_assert_eq!(when_empty.to_string().parse::<WhenEmpty>(), Ok(when_empty));
+            let spec = RouterSpec { policy: p, cache: c, decider: d, when_empty, ..RouterSpec::default() };
             prop_assert_eq!(RouterSpec::from_config(&spec.router_config()), Ok(spec));
         }
 
@@ -794,6 +869,7 @@ mod tests {
             let _ = s.parse::<PolicyConfig>();
             let _ = s.parse::<CacheMode>();
             let _ = s.parse::<Decider>();
+            let _ = s.parse::<WhenEmpty>();
         }
     }
 }

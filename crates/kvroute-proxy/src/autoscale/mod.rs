@@ -291,7 +291,7 @@ impl Autoscaler {
                 return;
             }
             tokio::time::sleep(left.min(self.settings.queue_check)).await;
-            if self.driver.queued_requests() > 0 && self.a_pool_is_empty() {
+            if self.driver.queued_requests().total > 0 && self.a_pool_is_empty() {
                 return;
             }
         }
@@ -334,7 +334,7 @@ impl Autoscaler {
         Observation {
             traffic,
             workers,
-            queued_requests: self.driver.queued_requests(),
+            queued_requests: self.driver.queued_requests().total as u64,
         }
     }
 

@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute_core::router::{RouterConfig, RouterOptions, RouterSpec, SyncConfig, SyncMode, WorkerRole};
+use kvroute_core::router::{
+    RouterConfig, RouterOptions, RouterSpec, SyncConfig, SyncMode, WhenEmpty, WorkerRole,
+};
 pub use kvroute_http::EngineKind;
 use kvroute_sync::{ClientCertificate, NatsAuth, NatsTls, Secret};
 use serde::{Deserialize, Serialize};
@@ -185,6 +187,11 @@ pub struct RoutingConfig {
     pub queue_capacity: usize,
     /// How long a request may wait in the queue before a 503. Default 30,000 ms.
     pub queue_timeout_ms: u64,
+    /// What a request meets when no worker can take it (none added, or none in routing):
+    /// `reject` (503 at once) or `queue` (it waits in the queue, within `queue-capacity` and
+    /// `queue-timeout-ms`, for a worker to be added or come back: a fleet scaled to zero).
+    /// Default `reject`.
+    pub when_empty: String,
     /// A worker is busy when its requests exceed this fraction of its `max_requests`. Default:
     /// never busy.
     pub busy_requests_fraction: Option<f64>,
@@ -211,6 +218,7 @@ impl Default for RoutingConfig {
             cache: "events".to_owned(),
             queue_capacity: 1024,
             queue_timeout_ms: 30_000,
+            when_empty: WhenEmpty::default().name().to_owned(),
             busy_requests_fraction: None,
             max_blocks_per_worker: 1 << 20,
             reannounce_window_ms: 300_000,
@@ -412,6 +420,7 @@ impl ServeConfig {
             seed: self.routing.seed,
             queue_capacity: self.routing.queue_capacity,
             busy_requests_fraction: self.routing.busy_requests_fraction,
+            when_empty: &self.routing.when_empty,
         })
         .map_err(|e| invalid(e.key, e.error.to_string()))?;
         self.validate_nats()?;

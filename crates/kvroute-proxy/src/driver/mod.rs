@@ -49,6 +49,16 @@ pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
 
+/// The requests waiting in the router's queue ([`Driver::queued_requests`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueuedRequests {
+    /// Every request waiting.
+    pub total: usize,
+    /// Of those, the requests waiting for want of any worker: all of them while no worker
+    /// that decodes is in routing (with `when-empty = queue`), none otherwise.
+    pub without_worker: usize,
+}
+
 /// What the driver's one lock guards: the router and the worker registry.
 struct DriverState {
     router: Router,
@@ -225,6 +235,16 @@ impl Driver {
         drop(inner);
         self.metrics.refresh(&snapshot, &registered);
         snapshot
+    }
+
+    /// The requests waiting in the router's queue now, read live (the autoscaler's demand
+    /// signal while a pool is at zero).
+    pub fn queued_requests(&self) -> QueuedRequests {
+        let metrics = self.lock().router.metrics();
+        QueuedRequests {
+            total: metrics.queued_now,
+            without_worker: metrics.queued_without_worker_now,
+        }
     }
 
     /// Checks the router's invariants (tests).

@@ -107,11 +107,6 @@ impl Driver {
             .unwrap_or_default()
     }
 
-    /// Requests waiting in the router's queue now.
-    pub fn queued_requests(&self) -> u64 {
-        self.lock().router.metrics().queued_now as u64
-    }
-
     /// Every worker in the router (taking requests, or draining) as the planner sees it, in id
     /// order: its load from the router's books (summed over its ranks) and the cached blocks
     /// only it holds. Workers out of routing (failed, misconfigured) are not the planner's
@@ -150,6 +145,14 @@ impl Driver {
             out.push(o);
         }
         out
+    }
+
+    /// Whether a request no worker can take waits in the queue (`when-empty = queue`, with
+    /// room in it).
+    pub fn queues_when_empty(&self) -> bool {
+        let inner = self.lock();
+        let queue = &inner.router.config().queue;
+        queue.when_empty == kvroute_core::router::WhenEmpty::Queue && queue.capacity > 0
     }
 
     /// Requests in flight on worker `id` (all its ranks), from the router's books.

@@ -77,7 +77,9 @@ pub struct Target {
 
 impl Driver {
     /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
-    /// is busy. The returned guard owns the request's load.
+    /// is busy, or, with `when-empty = queue`, if no worker can take it (until one is added or
+    /// back in routing); `queue-timeout-ms` bounds the wait. The returned guard owns the
+    /// request's load.
     pub async fn route(
         self: &Arc<Self>,
         tokens: &[u32],
@@ -109,6 +111,8 @@ impl Driver {
                 // The guard owns the queued request: a timeout (or the handler going away)
                 // cancels it in the queue.
                 let guard = RequestGuard::new(self, id, t0);
+                // A change `wait_until` may watch (the queue grew).
+                self.notify();
                 let timeout = ServeConfig::ms(self.config.routing.queue_timeout_ms);
                 let Ok(Ok(decision)) = tokio::time::timeout(timeout, rx).await else {
                     // Timed out, or the router dropped the waiter (cannot happen while it is

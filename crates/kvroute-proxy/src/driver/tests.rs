@@ -133,3 +133,71 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
     assert_eq!(driver.snapshot().counters.dropped_with_worker, 0);
     driver.check_invariants().unwrap();
 }
+
+/// With `when-empty = queue`, a request no worker can take waits, counted by
+/// `queued_requests`, and is routed once a worker is routable: added, or back from failing its
+/// health checks. With none, the queue timeout answers.
+#[tokio::test(start_paused = true)]
+async fn with_when_empty_queue_a_request_waits_for_a_routable_worker() {
+    let mut config = ServeConfig::default();
+    config.routing.when_empty = "queue".into();
+    config.routing.queue_timeout_ms = 60_000;
+    let router = Router::new(config.validate().unwrap()).unwrap();
+    let driver = Driver::new(router, config, Metrics::new());
+    // No worker ever comes: the queue timeout, and nothing left waiting.
+    assert_eq!(
+        driver.route(&[1], None).await.unwrap_err(),
+        RouteError::QueueTimeout
+    );
+    assert_eq!(driver.queued_requests(), QueuedRequests::default());
+    // A worker is added while a request waits: it goes there.
+    let waiting = tokio::spawn({
+        let driver = Arc::clone(&driver);
+        async move {
+            driver
+                .route(&[1, 2, 3], None)
+                .await
+                .map(|(_, t, _)| t.decode.worker)
+        }
+    });
+    let queued = QueuedRequests {
+        total: 1,
+        without_worker: 1,
+    };
+    assert!(
+        driver
+            .wait_until(Duration::from_secs(60), |d| d.queued_requests() == queued)
+            .await
+    );
+    assert_eq!(driver.snapshot().queued_without_worker_now, 1);
+    let id = driver
+        .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:1").unwrap())
+        .unwrap();
+    assert_eq!(waiting.await.unwrap(), Ok(id));
+    assert_eq!(driver.queued_requests(), QueuedRequests::default());
+    // Out of routing for failed checks: requests wait again, and go to it when it is back.
+    for _ in 0..3 {
+        driver.apply_worker_event(id, WorkerEvent::CheckFailed);
+    }
+    assert_eq!(state(&driver), StateName::Unhealthy);
+    let waiting = tokio::spawn({
+        let driver = Arc::clone(&driver);
+        async move {
+            driver
+                .route(&[4, 5, 6], None)
+                .await
+                .map(|(_, t, _)| t.decode.worker)
+        }
+    });
+    assert!(
+        driver
+            .wait_until(Duration::from_secs(60), |d| d.queued_requests() == queued)
+            .await
+    );
+    for _ in 0..2 {
+        driver.apply_worker_event(id, WorkerEvent::CheckPassed);
+    }
+    assert_eq!(waiting.await.unwrap(), Ok(id));
+    assert_eq!(driver.snapshot().counters.queued_without_worker, 3);
+    driver.check_invariants().unwrap();
+}

@@ -505,7 +505,10 @@ mod tests {
         assert_eq!(scan.feed(Bytes::from(a)), a);
         assert_eq!(scan.feed(Bytes::from(b)), b);
         assert_eq!(cached_report(scan.usage().as_ref()), CachedReport::Reported(16));
-        assert_eq!(cached_report(Scan::Unary(b"{}".to_vec()).usage().as_ref()), CachedReport::NoUsage);
+        assert_eq!(
+            cached_report(Scan::Unary(b"{}".to_vec()).usage().as_ref()),
+            CachedReport::NoUsage
+        );
         // Only `usage` is read: what it is not, or a body that is not an object, is no usage.
         for body in [
             &b"{\"usage\":null}"[..],
@@ -514,9 +517,15 @@ mod tests {
             b"[1]",
             b"not json",
         ] {
-            assert_eq!(cached_report(Scan::Unary(body.to_vec()).usage().as_ref()), CachedReport::NoUsage);
+            assert_eq!(
+                cached_report(Scan::Unary(body.to_vec()).usage().as_ref()),
+                CachedReport::NoUsage
+            );
         }
         let absent = b"{\"choices\":[{\"usage\":1}],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":1,\"total_tokens\":5}}";
-        assert_eq!(cached_report(Scan::Unary(absent.to_vec()).usage().as_ref()), CachedReport::Absent);
+        assert_eq!(
+            cached_report(Scan::Unary(absent.to_vec()).usage().as_ref()),
+            CachedReport::Absent
+        );
     }
 }

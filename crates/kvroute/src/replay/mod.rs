@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
-use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec};
+use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
@@ -101,6 +101,11 @@ pub struct ReplayConfig {
     /// Router queue capacity (0: reject when every worker is busy). Default 1,024.
     #[arg(long)]
     pub queue_capacity: Option<usize>,
+    /// When no worker can take a request (none in the fleet, or none in routing), as `kvroute
+    /// serve --when-empty` takes it: `reject`, or `queue` (it waits in the router's queue for a
+    /// worker). Default reject.
+    #[arg(long)]
+    pub when_empty: Option<String>,
     /// Seed of the router and the simulator. Default 0.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -625,6 +630,7 @@ fn router_spec(o: &ReplayConfig, policy: &str, block_size: u32, seed: u64) -> an
         seed,
         queue_capacity: o.queue_capacity.unwrap_or(RouterSpec::default().queue_capacity),
         busy_requests_fraction: o.busy_requests_fraction,
+        when_empty: o.when_empty.as_deref().unwrap_or(WhenEmpty::default().name()),
     };
     let flagged = |e: kvroute_core::router::OptionError| anyhow::anyhow!("--{}: {}", e.key, e.error);
     let mut spec = RouterSpec::parse(&options).map_err(flagged)?;
