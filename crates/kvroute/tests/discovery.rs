@@ -1,7 +1,8 @@
 //! Workers found, not listed, end to end: a proxy discovering mock workers through a real DNS
-//! server (`dnsmasq`, started by the test on a free loopback port and restarted to change its
-//! answer; where none is installed the DNS test skips, saying so, and fails in CI) and through a
-//! real file replaced by a rename, as a ConfigMap update does.
+//! server (`dnsmasq`, started by each test on a free loopback port; its SRV answers changed by a
+//! restart, its A answers by a hosts file it reads again on SIGHUP; where none is installed the
+//! DNS tests skip, saying so, and fail in CI) and through a real file replaced by a rename, as a
+//! ConfigMap update does.
 //!
 //! Each test waits on explicit conditions (the driver's change notifications, or a generous
 //! deadline); none asserts after a fixed sleep.
@@ -103,6 +104,18 @@ impl Dnsmasq {
         self.child = Some(child);
     }
 
+    /// Tells it to read its hosts files (`--addn-hosts`) again (SIGHUP).
+    fn reload(&self) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        let status = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+        assert!(status.success(), "kill -HUP {pid}");
+    }
+
+    /// A file in its directory.
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
     /// Stops it: every question goes unanswered.
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -135,7 +148,14 @@ fn srv_records(mocks: &[&MockWorker]) -> Vec<String> {
 }
 
 async fn mocks(n: usize) -> Vec<MockWorker> {
+    mocks_on(n, "127.0.0.1".parse().unwrap(), 0).await
+}
+
+/// `n` mock workers on `host`, from `port` on (0: free ports).
+async fn mocks_on(n: usize, host: std::net::IpAddr, port: u16) -> Vec<MockWorker> {
     let mut mc = MockConfig::new(n);
+    mc.host = host;
+    mc.port = port;
     // Real time: a long output takes a while, so a request stays in flight while a test looks.
     mc.engine.speedup = 1.0;
     mc.events = false;
@@ -428,4 +448,53 @@ async fn workers_follow_a_file_replaced_by_rename_and_a_bad_or_missing_file_remo
     complete(&client, &proxy).await;
     proxy.driver.check_invariants().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A records: one worker per address, all at `discover-port`. The mocks listen on 127.0.0.2 and
+/// 127.0.0.3 (loopback addresses Linux answers on) at one port; the answer comes from a hosts
+/// file dnsmasq reads again on SIGHUP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_follow_a_names_a_records_at_the_discovery_port() {
+    let hosts = |ips: &[&str]| -> String { ips.iter().map(|ip| format!("{ip} workers.test\n")).collect() };
+    let Some(mut dns) = Dnsmasq::start("a", &[]) else {
+        return;
+    };
+    let addn_hosts = dns.file("hosts");
+    std::fs::write(&addn_hosts, hosts(&["127.0.0.2"])).unwrap();
+    dns.serve(&[format!("--addn-hosts={}", addn_hosts.display())]);
+    // A port free on both addresses.
+    let port = std::net::TcpListener::bind("127.0.0.2:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let first = mocks_on(1, "127.0.0.2".parse().unwrap(), port).await;
+    let second = mocks_on(1, "127.0.0.3".parse().unwrap(), port).await;
+    let (a, b) = (first[0].url(), second[0].url());
+    let proxy = proxy(
+        DiscoveryConfig {
+            discover_dns: Some("workers.test".into()),
+            discover_dns_server: Some(dns.addr()),
+            discover_port: Some(port),
+            ..Default::default()
+        },
+        Vec::new(),
+    )
+    .await;
+    let client = client();
+    until_fleet_is(&proxy.driver, std::slice::from_ref(&a)).await;
+    complete(&client, &proxy).await;
+
+    std::fs::write(&addn_hosts, hosts(&["127.0.0.2", "127.0.0.3"])).unwrap();
+    dns.reload();
+    until_fleet_is(&proxy.driver, &[a.clone(), b.clone()]).await;
+    until_discovered(&proxy, "dns", 2).await;
+
+    // An idle worker no longer answered is drained at once and removed.
+    std::fs::write(&addn_hosts, hosts(&["127.0.0.3"])).unwrap();
+    dns.reload();
+    until_fleet_is(&proxy.driver, std::slice::from_ref(&b)).await;
+    until_discovered(&proxy, "dns", 1).await;
+    complete(&client, &proxy).await;
+    proxy.driver.check_invariants().unwrap();
 }
