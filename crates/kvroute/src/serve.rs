@@ -346,10 +346,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "kvroute serve: listening on {url}; admin API on {admin_url}"
             ),
         }
-        if proxy.driver.worker_urls().is_empty() {
+        let discovering = matches!(proxy.driver.config.discovery(), Ok(Some(_)));
+        if proxy.driver.worker_urls().is_empty() && !discovering {
             say(
                 format,
-                &format!("no workers yet: add them with --worker or POST {admin_url}/admin/workers"),
+                &format!(
+                    "no workers yet: add them with --worker, --discover-dns, --discover-file or \
+                     POST {admin_url}/admin/workers"
+                ),
             );
         }
         tokio::select! {
