@@ -15,6 +15,9 @@
 //! * **The fleet converges to the last answer**: after a successful answer, the workers the
 //!   source added are exactly those it lists (but those another path had added first).
 //!
+//! Workers are known by base URL: a line changed for a URL already in the fleet (its `dp`, its
+//! events endpoint) is not applied to the running worker; list it without, then with, the change.
+//!
 //! The IO around it is thin: the resolver ([`hickory_resolver`]) or the file read, on a Tokio
 //! interval. Workers that appear join through [`Fleet::add`] (their registration checks run, as
 //! for the admin API's); one that disappears leaves through [`Fleet::retire`] (drained, then
