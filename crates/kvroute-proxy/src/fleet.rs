@@ -7,8 +7,14 @@
 //! its series in the metrics. [`Fleet::add`] makes all of these; [`Fleet::remove`] (the
 //! driver's one remove path) ends all of them, whoever asks: an operator, or a peer replica
 //! that an operator asked.
+//!
+//! [`Fleet::retire`] is the one way a worker is drained and then removed: out of routing (the
+//! peers told), its requests in flight left to finish (or the drain timeout to pass), then
+//! removed. Discovery ([`crate::discovery`]) retires the workers its sources stop listing this
+//! way, and the planner's scale-down takes the same path.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvroute_core::ids::WorkerId;
 use kvroute_sync::{Secret, WorkerChange};
@@ -17,6 +23,22 @@ use crate::config::WorkerConfig;
 use crate::driver::{Announce, Driver};
 use crate::events::EventFeed;
 use crate::health::Checker;
+use crate::worker::WorkerState;
+
+/// How [`Fleet::retire`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetireOutcome {
+    /// Its requests in flight all ended within the drain timeout; then it was removed.
+    Drained,
+    /// The drain timeout passed with `in_flight` requests still booked on it; it was removed
+    /// anyway (the router forgets those requests; their streams are not cut by the proxy).
+    TimedOut {
+        /// Requests still booked on it when the timeout passed.
+        in_flight: u64,
+    },
+    /// There was no such worker, or it was removed by another path meanwhile.
+    Gone,
+}
 
 /// See the module docs.
 pub struct Fleet {
@@ -71,6 +93,30 @@ impl Fleet {
     /// subscribers stopped, its cache view and series gone. False if there is no such worker.
     pub fn remove(&self, id: WorkerId) -> bool {
         self.driver.remove_worker(id, Announce::ToPeers)
+    }
+
+    /// Retires worker `id`: drains it (out of routing, the peers told), waits until it has no
+    /// request in flight or `drain_timeout` passes (woken by each change the driver reports,
+    /// a request ending among them: no polling), then removes it ([`Self::remove`]). The one
+    /// drain-then-remove path, for discovery and the planner's scale-down alike.
+    pub async fn retire(&self, id: WorkerId, drain_timeout: Duration) -> RetireOutcome {
+        if !self.drain(id) {
+            return RetireOutcome::Gone;
+        }
+        let settled = |d: &Driver| !matches!(d.worker_state(id), Some(WorkerState::Draining { .. }));
+        let drained = self.driver.wait_until(drain_timeout, settled).await;
+        let in_flight = match self.driver.worker_state(id) {
+            None | Some(WorkerState::Gone) => return RetireOutcome::Gone,
+            Some(_) => self.driver.in_flight(id).unwrap_or(0),
+        };
+        if !self.remove(id) {
+            return RetireOutcome::Gone;
+        }
+        if drained {
+            RetireOutcome::Drained
+        } else {
+            RetireOutcome::TimedOut { in_flight }
+        }
     }
 
     /// A peer replica's change to its registry, applied here through the same paths (and not
@@ -147,5 +193,84 @@ pub(crate) fn resolve_credential(
              peer-worker-api-key-file, or give the worker a [[worker]] table with its api-key"
                 .to_owned(),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ServeConfig;
+    use crate::metrics::Metrics;
+    use kvroute_core::router::Router;
+    use kvroute_http::model::Model;
+
+    /// A fleet of one worker that is never called (its ranks are only booked on).
+    fn fleet() -> (Arc<Fleet>, WorkerId) {
+        let config = ServeConfig::default();
+        let router = Router::new(config.validate().unwrap()).unwrap();
+        let driver = Driver::new(router, config, Metrics::new());
+        let feed = EventFeed::start(Arc::clone(&driver));
+        let checker = Checker {
+            client: kvroute_http::net::client(Duration::from_secs(1)),
+            model: Arc::new(Model::tiny().unwrap()),
+        };
+        // Added to the driver only: no registration checks against a worker that is not there.
+        let id = driver
+            .add_worker(WorkerConfig::parse_flag("http://127.0.0.1:1").unwrap())
+            .unwrap();
+        (Arc::new(Fleet::new(driver, feed, checker)), id)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retired_worker_keeps_its_request_until_it_ends_and_is_removed_then() {
+        let (fleet, id) = fleet();
+        let (guard, target, _) = fleet.driver().route(&[1, 2, 3], None).await.unwrap();
+        assert_eq!(target.decode.worker, id);
+        let retiring = tokio::spawn({
+            let fleet = Arc::clone(&fleet);
+            async move { fleet.retire(id, Duration::from_secs(3600)).await }
+        });
+        // Draining: out of routing, its request still booked, not removed.
+        let draining = |d: &Driver| matches!(d.worker_state(id), Some(WorkerState::Draining { .. }));
+        assert!(fleet.driver().wait_until(Duration::from_secs(1), draining).await);
+        tokio::time::advance(Duration::from_secs(600)).await;
+        assert!(!retiring.is_finished(), "removed with a request in flight");
+        assert_eq!(fleet.driver().in_flight(id), Some(1));
+        guard.finish();
+        assert_eq!(retiring.await.unwrap(), RetireOutcome::Drained);
+        assert_eq!(fleet.driver().worker_state(id), None, "removed");
+        fleet.driver().check_invariants().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retired_worker_is_removed_when_its_drain_times_out() {
+        let (fleet, id) = fleet();
+        let (guard, _, _) = fleet.driver().route(&[1, 2, 3], None).await.unwrap();
+        let outcome = fleet.retire(id, Duration::from_secs(30)).await;
+        assert_eq!(outcome, RetireOutcome::TimedOut { in_flight: 1 });
+        assert_eq!(fleet.driver().worker_state(id), None, "removed");
+        // The request's end, after its worker went, is no leak and no error.
+        guard.finish();
+        assert_eq!(fleet.driver().snapshot().active_now, 0);
+        fleet.driver().check_invariants().unwrap();
+        // Retiring it again, or a worker that never was: gone.
+        assert_eq!(
+            fleet.retire(id, Duration::from_secs(1)).await,
+            RetireOutcome::Gone
+        );
+        assert_eq!(
+            fleet.retire(WorkerId(99), Duration::from_secs(1)).await,
+            RetireOutcome::Gone
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_worker_is_retired_at_once() {
+        let (fleet, id) = fleet();
+        assert_eq!(
+            fleet.retire(id, Duration::from_secs(3600)).await,
+            RetireOutcome::Drained
+        );
+        assert!(fleet.driver().worker_urls().is_empty());
     }
 }

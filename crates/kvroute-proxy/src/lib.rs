@@ -31,6 +31,8 @@
 //! * [`health`]: the health prober and the registration checks' runner.
 //! * [`fleet`]: the one door for adding and removing workers ([`Fleet`]), for start-up, the
 //!   admin API and peer replicas.
+//! * [`discovery`]: workers found rather than listed (DNS names, a watched file): the sans-IO
+//!   membership step (what to add, what to retire) and its resolver and file-reading shell.
 //! * [`replicas`]: router replicas sharing load and registry over NATS (`kvroute-sync`).
 //! * [`observed`]: the response body that reports chunks and the end to the request guard.
 //! * [`coalesce`]: the response body that hands out, in one frame, the chunks already in.
@@ -46,6 +48,7 @@ pub mod autoscale;
 pub mod checks;
 pub mod coalesce;
 pub mod config;
+pub mod discovery;
 pub mod driver;
 pub mod events;
 pub mod fleet;

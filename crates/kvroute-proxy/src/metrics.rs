@@ -92,6 +92,11 @@ pub struct Metrics {
     /// `kvroute_index_blocks_stored_total`: blocks newly held by the router's view (a store of
     /// a block already held, as an engine's re-announcement of its reused blocks, adds none).
     pub index_blocks_stored: IntCounter,
+    /// Per discovery source (`dns`, `file`): the workers it added that are in the fleet.
+    pub discovery_workers: IntGaugeVec,
+    /// Per discovery source: answers refused (a failed resolution or read, an empty or bad
+    /// answer) and workers it found that were refused.
+    pub discovery_errors: IntCounterVec,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
     /// The request path's counters, found once rather than by label on every request.
@@ -619,6 +624,16 @@ impl Metrics {
             index_blocks_stored: r.counter(
                 "kvroute_index_blocks_stored_total",
                 "KV blocks newly held by the router's view (a stored event of blocks already held, as an engine's re-announcement, adds none).",
+            ),
+            discovery_workers: r.gauges(
+                "kvroute_discovery_workers",
+                "Workers a discovery source (dns, file) added that are in the fleet.",
+                &["source"],
+            ),
+            discovery_errors: r.counters(
+                "kvroute_discovery_errors_total",
+                "Discovery answers refused (failed resolution or read, empty or bad answer) and discovered workers refused, by source.",
+                &["source"],
             ),
             kv_subscribers,
             registry: r.0,

@@ -1,7 +1,8 @@
 //! `kvroute serve`: the OpenAI-compatible proxy's HTTP front.
 //!
 //! [`start`] binds, adds the configured workers, and starts their KV-event subscribers
-//! ([`crate::events`]), the health prober ([`crate::health`]) and the router's timers. A
+//! ([`crate::events`]), discovery's sources ([`crate::discovery`]), the health prober
+//! ([`crate::health`]) and the router's timers. A
 //! generation request is read (bounded), parsed and tokenized here, then forwarded in its flow
 //! ([`crate::flow`]); its outcome is counted by endpoint, type and cause when it ends (here if
 //! the proxy answers it, by the observed body if a worker does). The rest are `/v1/models`,
@@ -68,6 +69,9 @@ pub enum ServeError {
     /// Replica sync did not start.
     #[error("replica sync: {0}")]
     Sync(String),
+    /// Discovery did not start (its resolver could not be made).
+    #[error("discovery: {0}")]
+    Discovery(String),
 }
 
 /// A running proxy.
@@ -227,6 +231,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let shutdown = Shutdown::new();
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(ticker(Arc::clone(&driver))));
+    // Workers found rather than listed, once the listed ones and the peers' are in.
+    if let Some(spec) = driver.config.discovery()? {
+        tasks.extend(crate::discovery::start(&fleet, &spec).map_err(ServeError::Discovery)?);
+    }
     if driver.config.upstream.health_interval_ms > 0 {
         tasks.push(tokio::spawn(crate::health::run(
             Arc::clone(&driver),

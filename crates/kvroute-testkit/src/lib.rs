@@ -4,7 +4,7 @@
 //!   when a test is failing, so it is generous; no test's outcome depends on it being short.
 //! - [`eventually`] and [`eventually_blocking`]: wait for a condition, or fail naming it.
 //! - [`External`] and [`require`]: a test that needs a program from outside the workspace
-//!   (`nats-server`, Python with pyzmq) skips, saying so, where it is absent; in CI (`CI` set to
+//!   (`nats-server`, Python with pyzmq, `dnsmasq`) skips, saying so, where it is absent; in CI (`CI` set to
 //!   `true` or `1`) it fails instead, naming the install step, so a missing install can never
 //!   pass as a green run.
 //! - [`Pki`]: a CA and the certificates it signed, made at test time, for TLS tests.
@@ -63,6 +63,8 @@ pub enum External {
     NatsServer,
     /// Python 3 with the `pyzmq` package, a libzmq peer.
     Pyzmq,
+    /// `dnsmasq` (Debian's `dnsmasq-base`), a DNS server for worker discovery.
+    Dnsmasq,
 }
 
 impl External {
@@ -71,6 +73,7 @@ impl External {
         match self {
             External::NatsServer => "apt-get install nats-server",
             External::Pyzmq => "python3 -m pip install pyzmq",
+            External::Dnsmasq => "apt-get install dnsmasq-base",
         }
     }
 
@@ -78,6 +81,7 @@ impl External {
         match self {
             External::NatsServer => "nats-server",
             External::Pyzmq => "python3 with pyzmq",
+            External::Dnsmasq => "dnsmasq",
         }
     }
 }

@@ -140,6 +140,41 @@ pub struct ServeOptions {
     /// A file holding `--peer-worker-api-key` (its first line).
     #[arg(long)]
     pub peer_worker_api_key_file: Option<PathBuf>,
+    /// Find workers in DNS: a name's A/AAAA records (with `--discover-port`), or SRV records
+    /// with a `srv:` prefix (`srv:_http._tcp.vllm.ns.svc.cluster.local`, as a Kubernetes
+    /// headless service gives), re-resolved every `--discover-interval-ms`. Workers that appear
+    /// are added (their registration checks run); one that disappears is drained, then
+    /// removed. A failed or empty answer changes nothing. Default: none.
+    #[arg(long)]
+    pub discover_dns: Option<String>,
+    /// The records of `--discover-dns`: `a` (A and AAAA) or `srv`. Default a (srv with the
+    /// `srv:` prefix).
+    #[arg(long)]
+    pub discover_dns_type: Option<kvroute_proxy::config::DnsRecordKind>,
+    /// The DNS server `--discover-dns` asks, `IP:PORT`. Default: the system's
+    /// (/etc/resolv.conf).
+    #[arg(long)]
+    pub discover_dns_server: Option<String>,
+    /// Find workers in a file: one `--worker` line a line (`#` comments and blank lines
+    /// ignored), as a mounted ConfigMap gives; re-read every `--discover-interval-ms`, by path.
+    /// A file that cannot be read or has a bad line changes nothing. Default: none.
+    #[arg(long)]
+    pub discover_file: Option<PathBuf>,
+    /// How often discovery's sources are resolved or read again, ms. Default 5,000.
+    #[arg(long)]
+    pub discover_interval_ms: Option<u64>,
+    /// The worker line a DNS answer makes: `{host}` is the address, `{port}` the SRV record's
+    /// port (or `--discover-port`), e.g. `http://{host}:{port},events=tcp://{host}:5557`.
+    /// Default `http://{host}:{port}`.
+    #[arg(long)]
+    pub discover_worker_template: Option<String>,
+    /// The port of workers found by A records (`{port}` in the template).
+    #[arg(long)]
+    pub discover_port: Option<u16>,
+    /// How long a worker that discovery lets go may take to finish its requests before it is
+    /// removed anyway, ms. Default 60,000.
+    #[arg(long)]
+    pub discover_drain_timeout_ms: Option<u64>,
     /// Name the chosen worker and the predicted cached tokens in response headers
     /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
@@ -316,10 +351,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "kvroute serve: listening on {url}; admin API on {admin_url}"
             ),
         }
-        if proxy.driver.worker_urls().is_empty() {
+        let discovering = matches!(proxy.driver.config.discovery(), Ok(Some(_)));
+        if proxy.driver.worker_urls().is_empty() && !discovering {
             say(
                 format,
-                &format!("no workers yet: add them with --worker or POST {admin_url}/admin/workers"),
+                &format!(
+                    "no workers yet: add them with --worker, --discover-dns, --discover-file or \
+                     POST {admin_url}/admin/workers"
+                ),
             );
         }
         tokio::select! {

@@ -118,6 +118,56 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
     assert_eq!((c.workers[0].dp_size, c.workers[0].max_requests), (4, 9));
 }
 
+#[test]
+fn serve_discovery_keys_and_flags_agree() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let serve = |argv: &[&str]| {
+        let mut all = vec!["serve", "--approximate-tokenizer"];
+        all.extend_from_slice(argv);
+        Cli::try_parse_from(all)
+            .map_err(anyhow::Error::from)
+            .and_then(|c| c.serve.to_config())
+    };
+    let path = file(
+        "discovery",
+        "discover-dns = \"srv:_http._tcp.vllm\"\ndiscover-dns-server = \"127.0.0.1:5353\"\n\
+         discover-file = \"/etc/kvroute/workers\"\ndiscover-interval-ms = 250\n\
+         discover-worker-template = \"http://{host}:{port},events=tcp://{host}:5557\"\n\
+         discover-drain-timeout-ms = 9000\n",
+    );
+    let from_file = serve(&["--config", path.to_str().unwrap()]).unwrap();
+    let from_flags = serve(&[
+        "--discover-dns",
+        "srv:_http._tcp.vllm",
+        "--discover-dns-server",
+        "127.0.0.1:5353",
+        "--discover-file",
+        "/etc/kvroute/workers",
+        "--discover-interval-ms",
+        "250",
+        "--discover-worker-template",
+        "http://{host}:{port},events=tcp://{host}:5557",
+        "--discover-drain-timeout-ms",
+        "9000",
+    ])
+    .unwrap();
+    assert_eq!(from_file, from_flags);
+    let spec = from_flags.discovery().unwrap().unwrap();
+    assert_eq!(spec.dns.unwrap().name, "_http._tcp.vllm");
+    assert_eq!(spec.interval.as_millis(), 250);
+    // A flag beats the file's key; a bad value is named by its flag.
+    let c = serve(&["--config", path.to_str().unwrap(), "--discover-interval-ms", "40"]).unwrap();
+    assert_eq!(c.discovery.discover_interval_ms, 40);
+    let err = format!("{:#}", serve(&["--discover-dns", "workers"]).unwrap_err());
+    assert!(err.starts_with("--discover-port:"), "{err}");
+    let err = format!("{:#}", serve(&["--discover-dns-type", "mx"]).unwrap_err());
+    assert!(err.contains("a or srv"), "{err}");
+}
+
 /// The router `kvroute serve` would run with `flags` (and the built-in tokenizer), through the
 /// command's own loader: flags, defaults, checks.
 fn serve_router(flags: &[&str]) -> anyhow::Result<RouterConfig> {

@@ -68,6 +68,15 @@ pub(super) struct ServeFile {
     #[serde(skip_serializing)]
     peer_worker_api_key: Option<Secret>,
     peer_worker_api_key_file: Option<PathBuf>,
+    // ServeConfig::discovery
+    discover_dns: Option<String>,
+    discover_dns_type: Option<DnsRecordKind>,
+    discover_dns_server: Option<String>,
+    discover_file: Option<PathBuf>,
+    discover_interval_ms: u64,
+    discover_worker_template: Option<String>,
+    discover_port: Option<u16>,
+    discover_drain_timeout_ms: u64,
     #[serde(rename = "worker")]
     workers: Vec<WorkerConfig>,
 }
@@ -130,6 +139,14 @@ impl From<ServeFile> for ServeConfig {
             nats_tls_key,
             peer_worker_api_key,
             peer_worker_api_key_file,
+            discover_dns,
+            discover_dns_type,
+            discover_dns_server,
+            discover_file,
+            discover_interval_ms,
+            discover_worker_template,
+            discover_port,
+            discover_drain_timeout_ms,
             workers,
         } = file;
         Self {
@@ -193,6 +210,16 @@ impl From<ServeFile> for ServeConfig {
                 nats_tls_key,
                 peer_worker_api_key,
                 peer_worker_api_key_file,
+            },
+            discovery: DiscoveryConfig {
+                discover_dns,
+                discover_dns_type,
+                discover_dns_server,
+                discover_file,
+                discover_interval_ms,
+                discover_worker_template,
+                discover_port,
+                discover_drain_timeout_ms,
             },
             workers,
         }
@@ -269,6 +296,17 @@ impl From<ServeConfig> for ServeFile {
                     peer_worker_api_key,
                     peer_worker_api_key_file,
                 },
+            discovery:
+                DiscoveryConfig {
+                    discover_dns,
+                    discover_dns_type,
+                    discover_dns_server,
+                    discover_file,
+                    discover_interval_ms,
+                    discover_worker_template,
+                    discover_port,
+                    discover_drain_timeout_ms,
+                },
             workers,
         } = config;
         Self {
@@ -321,6 +359,14 @@ impl From<ServeConfig> for ServeFile {
             nats_tls_key,
             peer_worker_api_key,
             peer_worker_api_key_file,
+            discover_dns,
+            discover_dns_type,
+            discover_dns_server,
+            discover_file,
+            discover_interval_ms,
+            discover_worker_template,
+            discover_port,
+            discover_drain_timeout_ms,
             workers,
         }
     }

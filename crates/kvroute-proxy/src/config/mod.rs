@@ -12,10 +12,12 @@ pub use kvroute_http::EngineKind;
 use kvroute_sync::{ClientCertificate, NatsAuth, NatsTls, Secret};
 use serde::{Deserialize, Serialize};
 
+pub use discovery::{DiscoveryConfig, DiscoverySpec, DnsRecordKind, DnsSource, WorkerTemplate};
 use file::ServeFile;
 pub use worker::{Reannounce, WorkerConfig};
 use worker::{TOKEN_RULE, is_token};
 
+mod discovery;
 mod file;
 mod worker;
 
@@ -76,6 +78,8 @@ pub struct ServeConfig {
     pub upstream: UpstreamConfig,
     /// Router replicas' sync over NATS: the server, its credentials and TLS, the peers' worker key.
     pub replicas: ReplicasConfig,
+    /// Workers found rather than listed: a DNS name, a watched file.
+    pub discovery: DiscoveryConfig,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     pub workers: Vec<WorkerConfig>,
 }
@@ -444,6 +448,7 @@ impl ServeConfig {
             w.validate(self.routing.block_size, self.routing.disagg_protocol)?;
         }
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
+        self.discovery()?;
         Ok(router)
     }
 

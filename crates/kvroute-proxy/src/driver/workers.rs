@@ -294,6 +294,19 @@ impl Driver {
         }
     }
 
+    /// Requests the router books on worker `id` (all its ranks); `None` if there is no such
+    /// worker. A worker out of the router (drained, unhealthy) books none.
+    pub fn in_flight(&self, id: WorkerId) -> Option<u64> {
+        let inner = self.lock();
+        let w = inner.registry.get(id)?;
+        Some(
+            (0..w.config.dp_size)
+                .filter_map(|rank| inner.router.worker_load(WorkerKey::new(id, DpRank(rank))))
+                .map(|load| u64::from(load.requests))
+                .sum(),
+        )
+    }
+
     /// Every worker's id and base URL.
     pub fn worker_urls(&self) -> Vec<(WorkerId, String)> {
         self.lock()
