@@ -28,7 +28,7 @@ use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 use serde::Serialize;
 
 use crate::driver::Driver;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, RetireOutcome};
 
 pub use actuator::Actuator;
 
@@ -149,7 +149,7 @@ impl Metrics {
             retired: IntCounterVec::new(
                 Opts::new(
                     "kvroute_planner_retired_total",
-                    "Workers the planner removed, by how their drain ended (drained, timed_out)",
+                    "Workers the planner removed, by how their drain ended (drained, timed_out, gone)",
                 ),
                 &["drain"],
             )
@@ -355,8 +355,8 @@ impl Autoscaler {
         }
     }
 
-    /// Drains worker `id`, waits until its requests end (or the drain timeout), removes it
-    /// from the fleet and has the actuator end it.
+    /// Retires worker `id` by the fleet's one drain-then-remove path ([`Fleet::retire`]) and
+    /// has the actuator end it.
     fn retire(&self, id: WorkerId) {
         let Some(url) = self.driver.worker_config(id).map(|c| c.url) else {
             return;
@@ -368,27 +368,26 @@ impl Autoscaler {
         let retired = self.metrics.retired.clone();
         let timeout = self.settings.drain_timeout;
         tokio::spawn(async move {
-            let driver = Arc::clone(fleet.driver());
-            fleet.drain(id);
-            let drained = driver.wait_until(timeout, |d| d.in_flight(id) == 0).await;
-            if !drained {
-                tracing::warn!(
-                    worker = id.0,
-                    url,
-                    in_flight = driver.in_flight(id),
-                    "drain timed out; removing the worker with requests in flight"
-                );
-            }
-            fleet.remove(id);
+            let drain = match fleet.retire(id, timeout).await {
+                RetireOutcome::Drained => "drained",
+                RetireOutcome::TimedOut { in_flight } => {
+                    tracing::warn!(
+                        worker = id.0,
+                        url,
+                        in_flight,
+                        "drain timed out; the worker was removed with requests in flight"
+                    );
+                    "timed_out"
+                }
+                RetireOutcome::Gone => "gone",
+            };
             actuator.release(id, &url);
-            retired
-                .with_label_values(&[if drained { "drained" } else { "timed_out" }])
-                .inc();
+            retired.with_label_values(&[drain]).inc();
             retiring
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .retain(|&w| w != id);
-            tracing::info!(worker = id.0, url, drained, "worker retired by the planner");
+            tracing::info!(worker = id.0, url, drain, "worker retired by the planner");
         });
     }
 

@@ -155,20 +155,6 @@ impl Driver {
         queue.when_empty == kvroute_core::router::WhenEmpty::Queue && queue.capacity > 0
     }
 
-    /// Requests in flight on worker `id` (all its ranks), from the router's books.
-    pub fn in_flight(&self, id: WorkerId) -> u32 {
-        let inner = self.lock();
-        let ranks = inner.registry.get(id).map_or(0, |w| w.config.dp_size);
-        (0..ranks)
-            .filter_map(|r| {
-                inner
-                    .router
-                    .worker_load(WorkerKey::new(id, kvroute_core::ids::DpRank(r)))
-            })
-            .map(|l| l.requests)
-            .sum()
-    }
-
     /// The driver's time now, as the router sees it.
     pub fn timestamp(&self) -> kvroute_core::time::Timestamp {
         self.now()
