@@ -236,7 +236,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(600)).await;
         assert!(!retiring.is_finished(), "removed with a request in flight");
         assert_eq!(fleet.driver().in_flight(id), Some(1));
-        guard.finish();
+        guard.finish(None, false);
         assert_eq!(retiring.await.unwrap(), RetireOutcome::Drained);
         assert_eq!(fleet.driver().worker_state(id), None, "removed");
         fleet.driver().check_invariants().unwrap();
@@ -250,7 +250,7 @@ mod tests {
         assert_eq!(outcome, RetireOutcome::TimedOut { in_flight: 1 });
         assert_eq!(fleet.driver().worker_state(id), None, "removed");
         // The request's end, after its worker went, is no leak and no error.
-        guard.finish();
+        guard.finish(None, false);
         assert_eq!(fleet.driver().snapshot().active_now, 0);
         fleet.driver().check_invariants().unwrap();
         // Retiring it again, or a worker that never was: gone.
