@@ -2,3 +2,5 @@
 //! the proxy observes, its decisions carried out by an [`actuator::Actuator`].
 
 pub mod actuator;
+pub mod process;
+pub mod removal;

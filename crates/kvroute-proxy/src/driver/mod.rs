@@ -46,6 +46,7 @@ pub use guard::RequestGuard;
 pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
+pub use workers::RemovalFigures;
 
 /// What the driver's one lock guards: the router and the worker registry.
 struct DriverState {
