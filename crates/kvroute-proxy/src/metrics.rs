@@ -100,8 +100,9 @@ pub struct Metrics {
     /// `kvroute_worker_removal_rank{worker}`: the worker's place in the removal order (0:
     /// removed first), refreshed when `/metrics` is scraped.
     pub worker_removal_rank: IntGaugeVec,
-    /// `kvroute_worker_removal_cost{worker}`: the reverse of the rank (a higher cost is removed
-    /// later), for Kubernetes' `controller.kubernetes.io/pod-deletion-cost`.
+    /// `kvroute_worker_removal_cost{worker}`: the order as a deletion cost, for Kubernetes'
+    /// `controller.kubernetes.io/pod-deletion-cost` (a lower cost is removed first, so it
+    /// equals the rank).
     pub worker_removal_cost: IntGaugeVec,
     /// The request path's counters, found once rather than by label on every request.
     handles: Handles,
@@ -645,8 +646,8 @@ impl Metrics {
             ),
             worker_removal_cost: r.gauges(
                 "kvroute_worker_removal_cost",
-                "The reverse of kvroute_worker_removal_rank (a higher cost is removed later), \
-                 for a pod-deletion-cost annotation.",
+                "The removal order as a pod-deletion-cost (a lower cost is removed first, a \
+                 higher one later): equal to kvroute_worker_removal_rank.",
                 &["worker"],
             ),
             registry: r.0,

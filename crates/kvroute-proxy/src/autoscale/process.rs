@@ -208,6 +208,31 @@ impl Inner {
             p.phase = phase;
         }
     }
+
+    /// Moves worker `index` from starting to `phase`; false if it is no longer starting
+    /// (released, or the proxy stops), when it is left as it is.
+    fn leave_starting(&self, index: u64, phase: Phase) -> bool {
+        match self.state().procs.get_mut(&index) {
+            Some(p) if p.phase == Phase::Starting => {
+                p.phase = phase;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A worker process the actuator started and has not reaped ([`ProcessActuator::running`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// Its pool.
+    pub pool: Pool,
+    /// Its process id (also its process group's).
+    pub pid: Option<u32>,
+    /// Its fleet id, once it is added.
+    pub worker: Option<WorkerId>,
+    /// Its base URL, from its worker line.
+    pub url: String,
 }
 
 /// See the module docs.
@@ -263,14 +288,18 @@ impl ProcessActuator {
         }
     }
 
-    /// Every started worker process still running: its pool, process id and fleet id (once
-    /// added), in start order.
-    pub fn running(&self) -> Vec<(Pool, Option<u32>, Option<WorkerId>)> {
+    /// Every started worker process not yet reaped, in start order.
+    pub fn running(&self) -> Vec<Started> {
         self.inner
             .state()
             .procs
             .values()
-            .map(|p| (p.pool, p.pid, p.worker))
+            .map(|p| Started {
+                pool: p.pool,
+                pid: p.pid,
+                worker: p.worker,
+                url: p.url.clone(),
+            })
             .collect()
     }
 
@@ -408,10 +437,10 @@ async fn supervise(inner: Arc<Inner>, mut s: Supervised) {
                 readying = false;
                 match ready {
                     Ok(id) => {
-                        inner.set_phase(s.index, Phase::Running);
+                        inner.leave_starting(s.index, Phase::Running);
                         tracing::info!(pool = s.pool.name(), index = s.index, worker = id.0, "worker ready");
                     }
-                    Err(why) => {
+                    Err(why) if inner.leave_starting(s.index, Phase::NotReady) => {
                         tracing::warn!(
                             pool = s.pool.name(),
                             index = s.index,
@@ -419,34 +448,42 @@ async fn supervise(inner: Arc<Inner>, mut s: Supervised) {
                             timeout_s = inner.config.ready_timeout_s,
                             "worker not ready in time ({why}); killed"
                         );
-                        inner.set_phase(s.index, Phase::NotReady);
                         signal(&mut s.child, Signal::SIGKILL);
                     }
+                    // Released or stopping meanwhile: that path ends it.
+                    Err(_) => {}
                 }
             }
         }
     };
     // `readiness` may hold nothing past here: it is not polled again.
     let _ = s.exited.send(true);
-    let Some(proc) = inner.state().procs.remove(&s.index) else {
+    // Counted, then out of the fleet, then forgotten: whoever sees it gone sees it counted.
+    let Some((phase, worker, url)) = inner
+        .state()
+        .procs
+        .get(&s.index)
+        .map(|p| (p.phase, p.worker, p.url.clone()))
+    else {
         return;
     };
-    let cause = match proc.phase {
+    let cause = match phase {
         Phase::Starting | Phase::Running => ExitCause::Exited,
         Phase::NotReady => ExitCause::NotReady,
         Phase::Releasing => ExitCause::Released,
         Phase::Killed => ExitCause::Killed,
         Phase::Shutdown => ExitCause::Shutdown,
     };
+    inner.count_exit(s.pool, cause);
     let status = status.map_or_else(|e| format!("unknown ({e})"), |st: ExitStatus| st.to_string());
-    if let Some(id) = proc.worker
+    if let Some(id) = worker
         && inner.fleet.remove(id)
         && cause == ExitCause::Exited
     {
         tracing::warn!(
             pool = s.pool.name(),
             worker = id.0,
-            url = proc.url,
+            url,
             %status,
             "worker process exited on its own; removed from the fleet"
         );
@@ -454,13 +491,13 @@ async fn supervise(inner: Arc<Inner>, mut s: Supervised) {
         tracing::info!(
             pool = s.pool.name(),
             index = s.index,
-            url = proc.url,
+            url,
             cause = cause.label(),
             %status,
             "worker process ended"
         );
     }
-    inner.count_exit(s.pool, cause);
+    inner.state().procs.remove(&s.index);
 }
 
 /// Waits until the worker lists the served model, adds it to the fleet, and waits until the
@@ -494,13 +531,18 @@ async fn become_ready(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
-    let id = inner
-        .fleet
-        .add(worker)
-        .map_err(|e| format!("the fleet refused it: {e}"))?;
-    if let Some(p) = inner.state().procs.get_mut(&index) {
-        p.worker = Some(id);
-    }
+    let id = {
+        // Its fleet id is known as soon as it is in the fleet: never both pending and there.
+        let mut state = inner.state();
+        let id = inner
+            .fleet
+            .add(worker)
+            .map_err(|e| format!("the fleet refused it: {e}"))?;
+        if let Some(p) = state.procs.get_mut(&index) {
+            p.worker = Some(id);
+        }
+        id
+    };
     let patience = deadline.saturating_duration_since(tokio::time::Instant::now());
     let routable = driver
         .wait_until(patience, |d| d.worker_state(id).is_some_and(|s| s.routable()))

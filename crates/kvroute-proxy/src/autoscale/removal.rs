@@ -3,8 +3,8 @@
 //! the fleet loses with it), then the fewest requests in flight, then the newest. The same
 //! order is served by `GET /admin/planner/removal-order` and exported as
 //! `kvroute_worker_removal_rank{worker}` and `kvroute_worker_removal_cost{worker}` (for
-//! Kubernetes' `controller.kubernetes.io/pod-deletion-cost`, where a higher cost is removed
-//! later).
+//! Kubernetes' `controller.kubernetes.io/pod-deletion-cost`, where a lower cost is removed
+//! first and a higher one later: the cost is the rank).
 
 use std::cmp::Reverse;
 
@@ -55,7 +55,6 @@ pub fn refresh_gauges(driver: &Driver) {
     let metrics = &driver.metrics;
     metrics.worker_removal_rank.reset();
     metrics.worker_removal_cost.reset();
-    let n = ranked.len() as i64;
     for (rank, w) in ranked.iter().enumerate() {
         let label = w.id.0.to_string();
         let rank = rank as i64;
@@ -66,7 +65,7 @@ pub fn refresh_gauges(driver: &Driver) {
         metrics
             .worker_removal_cost
             .with_label_values(&[label.as_str()])
-            .set(n - 1 - rank);
+            .set(rank);
     }
 }
 
