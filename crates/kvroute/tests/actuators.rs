@@ -434,3 +434,24 @@ async fn the_removal_order_puts_the_cheapest_worker_first_and_exports_it() {
         0.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_actuator_sigterms_its_workers() {
+    let c = empty_proxy().await;
+    let dir = log_dir("shutdown");
+    let a = ProcessActuator::new(
+        process_config(mock_template(&[]), Some(dir.clone())),
+        Arc::clone(&c.proxy.fleet),
+    );
+    a.provision(Pool::Agg);
+    assert!(c.proxy.driver.wait_until(PATIENCE, |d| d.any_routable()).await);
+    let [Started { pid: Some(pid), .. }] = a.running()[..] else {
+        panic!("{:?}", a.running());
+    };
+    // The proxy stops: its actuator goes, and its workers are told to stop.
+    drop(a);
+    until_group_gone(pid).await;
+    let log = std::fs::read_to_string(dir.join("worker-0.log")).unwrap();
+    assert!(log.contains("SIGTERM; exiting"), "{log}");
+    let _ = std::fs::remove_dir_all(dir);
+}
