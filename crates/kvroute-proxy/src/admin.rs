@@ -245,7 +245,8 @@ async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Res
         Ok(wait) => wait,
         Err(bad) => return ApiError::bad_request("timeout_ms", bad).into_response(),
     };
-    {
+    let w = {
+        // Released before waiting: other admin changes go on meanwhile.
         let _one_at_a_time = app.admin.lock().await;
         let Some(w) = found.filter(|&w| app.driver.worker_state(w).is_some()) else {
             return unknown_worker(name);
@@ -256,9 +257,7 @@ async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Res
         if !app.fleet.drain(w) {
             return unknown_worker(name);
         }
-    }
-    let Some(w) = found else {
-        return unknown_worker(name);
+        w
     };
     let Some(patience) = wait else {
         return axum::Json(json!({"id": w.0, "draining": true})).into_response();
