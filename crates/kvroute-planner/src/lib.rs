@@ -41,5 +41,5 @@ pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use planner::{
     Action, Change, Hold, Metric, Observation, Planner, PoolStatus, Reason, ScalingDecision,
     ThroughputRecord, TickOutput, TickRecord, Traffic, WorkerObservation, WorkerPhase, fit_budget,
-    removal_order,
+    removal_order, removal_rank,
 };

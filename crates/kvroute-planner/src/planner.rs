@@ -186,14 +186,14 @@ pub struct Observation {
 /// and the ranking the proxy exports for outside autoscalers are this one rule.
 pub fn removal_order<'a>(workers: impl IntoIterator<Item = &'a WorkerObservation>) -> Vec<u64> {
     let mut ranked: Vec<&WorkerObservation> = workers.into_iter().collect();
-    ranked.sort_by(|a, b| {
-        (a.sole_blocks, a.in_flight, std::cmp::Reverse(a.id)).cmp(&(
-            b.sole_blocks,
-            b.in_flight,
-            std::cmp::Reverse(b.id),
-        ))
-    });
+    ranked.sort_by_key(|w| removal_rank(w.sole_blocks, w.in_flight, w.id));
     ranked.into_iter().map(|w| w.id).collect()
+}
+
+/// The key [`removal_order`] sorts by, lowest first, for a worker holding `sole_blocks` cached
+/// blocks no other worker holds, with `in_flight` requests, of id `id` (ids grow with age).
+pub fn removal_rank(sole_blocks: u64, in_flight: u32, id: u64) -> (u64, u32, std::cmp::Reverse<u64>) {
+    (sole_blocks, in_flight, std::cmp::Reverse(id))
 }
 
 /// Which latency an estimate is about.

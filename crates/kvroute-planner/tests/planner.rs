@@ -642,3 +642,38 @@ fn latency_correction_pulls_the_estimates_to_what_is_observed() {
         assert_eq!(out.record.itl_correction, 1.0);
     }
 }
+
+proptest::proptest! {
+    /// The removal order against a reference: a permutation of the ids, each worker no later
+    /// than any other it beats on the rule compared field by field.
+    #[test]
+    fn the_removal_order_is_the_rule(raw in proptest::collection::btree_map(0u64..50, (0u64..4, 0u32..3), 0..12)) {
+        let workers: Vec<WorkerObservation> = raw
+            .iter()
+            .map(|(&id, &(sole, in_flight))| WorkerObservation {
+                sole_blocks: sole,
+                in_flight,
+                ..worker(id, Pool::Agg, 0, 0, 0)
+            })
+            .collect();
+        let order = kvroute_planner::removal_order(&workers);
+        let mut ids: Vec<u64> = workers.iter().map(|w| w.id).collect();
+        let mut got = order.clone();
+        ids.sort_unstable();
+        got.sort_unstable();
+        proptest::prop_assert_eq!(got, ids);
+        let beats = |a: &WorkerObservation, b: &WorkerObservation| {
+            a.sole_blocks < b.sole_blocks
+                || (a.sole_blocks == b.sole_blocks
+                    && (a.in_flight < b.in_flight || (a.in_flight == b.in_flight && a.id > b.id)))
+        };
+        let at = |id: u64| order.iter().position(|&x| x == id).unwrap_or(usize::MAX);
+        for a in &workers {
+            for b in &workers {
+                if beats(a, b) {
+                    proptest::prop_assert!(at(a.id) < at(b.id), "{:?} before {:?}: {:?}", a, b, order);
+                }
+            }
+        }
+    }
+}

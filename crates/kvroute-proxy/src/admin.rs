@@ -3,6 +3,13 @@
 //! inference port. It lists the workers (credentials redacted), adds, drains and removes them;
 //! a change that would leave the fleet unable to serve is refused with 409 unless forced
 //! (`?force=true`). The bearer-token checks here also guard the inference API's keys.
+//!
+//! A drain can wait (`?wait=true[&timeout_ms=N]`): it answers only once the worker has no
+//! request in flight, or 504 when `timeout_ms` passes first, so a pod's pre-stop hook can let
+//! the pod go after it. It is addressed by id (`/admin/workers/{id}/drain`) or by the worker's
+//! URL (`/admin/drain?url=...`), which is what a pre-stop hook knows. The planner's removal
+//! order (cheapest to remove first, [`crate::autoscale::removal`]) is
+//! `GET /admin/planner/removal-order`.
 
 use std::sync::Arc;
 
@@ -27,6 +34,8 @@ pub(crate) fn routes(app: &Arc<App>) -> axum::Router<Arc<App>> {
         .route("/admin/workers/{id}", axum::routing::delete(delete_worker))
         .route("/admin/workers/{id}/drain", post(drain_worker))
         .route("/admin/planner", get(planner_report))
+        .route("/admin/drain", post(drain_by_url))
+        .route("/admin/planner/removal-order", get(removal_order))
         .route_layer(middleware::from_fn_with_state(Arc::clone(app), admin_auth))
 }
 
@@ -208,18 +217,115 @@ fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
         .filter(|&w| app.driver.worker_state(w).is_some())
 }
 
-async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
-    let _one_at_a_time = app.admin.lock().await;
-    let Some(w) = known_worker(&app, &id) else {
-        return unknown_worker(&id);
+/// The value of query parameter `name` of `uri`, decoded, if it is there.
+fn query_param(uri: &Uri, name: &str) -> Option<String> {
+    form_urlencoded::parse(uri.query()?.as_bytes())
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
+}
+
+/// How long a drain waits for its worker's requests (`?wait=true`), from `timeout_ms`; none
+/// without `wait`. A `timeout_ms` that is no number is a 400.
+fn drain_wait(uri: &Uri) -> Result<Option<std::time::Duration>, String> {
+    let wait = query_param(uri, "wait").is_some_and(|v| matches!(v.as_str(), "" | "true" | "1"));
+    let timeout_ms = match query_param(uri, "timeout_ms") {
+        None => DEFAULT_DRAIN_WAIT_MS,
+        Some(v) => v
+            .parse()
+            .map_err(|_| format!("timeout_ms={v:?} is no number of milliseconds"))?,
     };
-    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
-        return refused.into_response();
+    Ok(wait.then(|| std::time::Duration::from_millis(timeout_ms)))
+}
+
+/// How long `?wait=true` waits without `timeout_ms`: 120 s.
+const DEFAULT_DRAIN_WAIT_MS: u64 = 120_000;
+
+async fn drain_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
+    let found = known_worker(&app, &id);
+    drain(&app, found, &id, &uri).await
+}
+
+async fn drain_by_url(State(app): State<Arc<App>>, uri: Uri) -> Response {
+    let Some(url) = query_param(&uri, "url") else {
+        return ApiError::bad_request("url", "name the worker: /admin/drain?url=http://host:port")
+            .into_response();
+    };
+    let found = app.driver.find_worker(url.trim_end_matches('/'));
+    drain(&app, found, &url, &uri).await
+}
+
+/// Drains worker `found` (named `name` in answers), and with `?wait=true` answers only once it
+/// has no request in flight: woken by the driver's changes (a request ending among them), not
+/// by a timer; 504 if `timeout_ms` passes first.
+async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Response {
+    let wait = match drain_wait(uri) {
+        Ok(wait) => wait,
+        Err(bad) => return ApiError::bad_request("timeout_ms", bad).into_response(),
+    };
+    let w = {
+        // Released before waiting: other admin changes go on meanwhile.
+        let _one_at_a_time = app.admin.lock().await;
+        let Some(w) = found.filter(|&w| app.driver.worker_state(w).is_some()) else {
+            return unknown_worker(name);
+        };
+        if let Err(refused) = check_fleet(app, FleetChange::Leave(w), forced(uri)) {
+            return refused.into_response();
+        }
+        if !app.fleet.drain(w) {
+            return unknown_worker(name);
+        }
+        w
+    };
+    let Some(patience) = wait else {
+        return axum::Json(json!({"id": w.0, "draining": true})).into_response();
+    };
+    // Done once it is out of the draining state: drained (nothing in flight), or gone.
+    let settled = |d: &crate::Driver| {
+        !matches!(
+            d.worker_state(w),
+            Some(crate::worker::WorkerState::Draining { .. })
+        )
+    };
+    if app.driver.wait_until(patience, settled).await {
+        return axum::Json(json!({"id": w.0, "draining": true, "drained": true})).into_response();
     }
-    if !app.fleet.drain(w) {
-        return unknown_worker(&id);
-    }
-    axum::Json(json!({"id": w.0, "draining": true})).into_response()
+    let in_flight = app
+        .driver
+        .removal_figures()
+        .into_iter()
+        .find(|f| f.id == w)
+        .map_or(0, |f| f.in_flight);
+    ApiError::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        "invalid_request_error",
+        "drain_timeout",
+        format!(
+            "worker {} still has {in_flight} request(s) in flight after {} ms; it stays draining",
+            w.0,
+            patience.as_millis()
+        ),
+    )
+    .into_response()
+}
+
+/// The workers, cheapest to remove first, with the figures that rank them.
+async fn removal_order(State(app): State<Arc<App>>) -> Response {
+    let workers: Vec<serde_json::Value> = crate::autoscale::removal::ranked(&app.driver)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, w)| {
+            json!({
+                "rank": rank,
+                "id": w.id.0,
+                "url": w.url,
+                "role": w.role,
+                "state": w.state,
+                "cached_unique_blocks": w.cached_unique_blocks,
+                "in_flight": w.in_flight,
+            })
+        })
+        .collect();
+    axum::Json(json!({ "workers": workers })).into_response()
 }
 
 async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
@@ -293,5 +399,30 @@ mod tests {
         ] {
             assert_eq!(forced(&uri.parse().unwrap()), want, "{uri}");
         }
+    }
+
+    #[test]
+    fn drain_wait_and_url_are_read_from_the_query() {
+        use std::time::Duration;
+        // (uri, wait)
+        let cases = [
+            ("/admin/workers/0/drain", Some(None)),
+            (
+                "/admin/workers/0/drain?wait=true",
+                Some(Some(DEFAULT_DRAIN_WAIT_MS)),
+            ),
+            ("/admin/workers/0/drain?wait=true&timeout_ms=250", Some(Some(250))),
+            ("/admin/workers/0/drain?wait=false&timeout_ms=250", Some(None)),
+            ("/admin/workers/0/drain?wait=true&timeout_ms=soon", None),
+        ];
+        for (uri, want) in cases {
+            let got = drain_wait(&uri.parse().unwrap()).ok();
+            assert_eq!(got, want.map(|w| w.map(Duration::from_millis)), "{uri}");
+        }
+        let uri: Uri = "/admin/drain?url=http%3A%2F%2F10.0.0.5%3A8000&wait=true"
+            .parse()
+            .unwrap();
+        assert_eq!(query_param(&uri, "url").as_deref(), Some("http://10.0.0.5:8000"));
+        assert_eq!(query_param(&uri, "force"), None);
     }
 }

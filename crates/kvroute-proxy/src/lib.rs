@@ -38,8 +38,10 @@
 //! * [`coalesce`]: the response body that hands out, in one frame, the chunks already in.
 //! * [`flow`]: a generation request's way to its workers: aggregated, vLLM's two hops, SGLang's
 //!   bootstrap pair; and the observed response body.
+//! * [`autoscale`]: the planner's actuators (`process`, `external`, `dry-run`) and the
+//!   removal order.
 //! * [`admin`]: the admin API on its own listener: token, listing, add/drain/remove with the
-//!   fleet checks.
+//!   fleet checks, the drain that waits, the removal order.
 //! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
 
 pub mod admin;

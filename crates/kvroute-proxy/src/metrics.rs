@@ -99,6 +99,19 @@ pub struct Metrics {
     pub discovery_errors: IntCounterVec,
     /// The KV-event subscribers whose counters are exported, per worker.
     pub kv_subscribers: KvSubscriberCounters,
+    /// `kvroute_planner_desired_workers{pool}`: the workers the planner wants per pool (what
+    /// an outside autoscaler, KEDA or an HPA, scales on).
+    pub planner_desired_workers: IntGaugeVec,
+    /// `kvroute_planner_worker_exits_total{pool,cause}`: worker processes the process actuator
+    /// started that ended, by cause (`released`, `exited`, `not_ready`).
+    pub planner_worker_exits: IntCounterVec,
+    /// `kvroute_worker_removal_rank{worker}`: the worker's place in the removal order (0:
+    /// removed first), refreshed when `/metrics` is scraped.
+    pub worker_removal_rank: IntGaugeVec,
+    /// `kvroute_worker_removal_cost{worker}`: the order as a deletion cost, for Kubernetes'
+    /// `controller.kubernetes.io/pod-deletion-cost` (a lower cost is removed first, so it
+    /// equals the rank).
+    pub worker_removal_cost: IntGaugeVec,
     /// The request path's counters, found once rather than by label on every request.
     handles: Handles,
 }
@@ -636,6 +649,29 @@ impl Metrics {
                 &["source"],
             ),
             kv_subscribers,
+            planner_desired_workers: r.gauges(
+                "kvroute_planner_desired_workers",
+                "Workers the planner wants, per pool (agg, prefill, decode).",
+                &["pool"],
+            ),
+            planner_worker_exits: r.counters(
+                "kvroute_planner_worker_exits_total",
+                "Worker processes the process actuator started that ended, by pool and cause \
+                 (released, exited, not_ready).",
+                &["pool", "cause"],
+            ),
+            worker_removal_rank: r.gauges(
+                "kvroute_worker_removal_rank",
+                "The worker's place in the removal order (0: removed first): fewest cached blocks \
+                 no other worker holds, then fewest requests in flight, then newest.",
+                &["worker"],
+            ),
+            worker_removal_cost: r.gauges(
+                "kvroute_worker_removal_cost",
+                "The removal order as a pod-deletion-cost (a lower cost is removed first, a \
+                 higher one later): equal to kvroute_worker_removal_rank.",
+                &["worker"],
+            ),
             registry: r.0,
             handles: Handles::new(),
         }

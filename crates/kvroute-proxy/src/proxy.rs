@@ -548,6 +548,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.driver.snapshot();
+    crate::autoscale::removal::refresh_gauges(&app.driver);
     let mut response = app.driver.metrics.render().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -548,7 +548,7 @@ fn check_mock(args: &MockArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `kvroute mock` until the process is stopped.
+/// Runs `kvroute mock` until SIGTERM or Ctrl-C, then exits with status 0.
 pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     check_mock(&args)?;
     let mut config = MockConfig::new(args.workers);
@@ -575,6 +575,7 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
         None => Model::tiny()?,
     });
     runtime(0)?.block_on(async move {
+        let stop = stop_signal()?;
         let workers = mock::start(&config, model).await?;
         let format = args.log_format;
         let mut flags = Vec::new();
@@ -604,7 +605,10 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
                 "(vLLM's kv_transfer_params flow; add --disagg-protocol sglang for SGLang's bootstrap rooms)",
             );
         }
-        std::future::pending::<()>().await;
+        // As vLLM's server does: SIGTERM (or Ctrl-C) ends it with status 0.
+        let signal = stop.await?;
+        say(format, &format!("kvroute mock: {signal}; exiting"));
+        drop(workers);
         Ok(())
     })
 }

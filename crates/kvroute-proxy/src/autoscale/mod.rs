@@ -15,6 +15,8 @@
 //! `cluster::scaling` does.
 
 pub mod actuator;
+pub mod process;
+pub mod removal;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};

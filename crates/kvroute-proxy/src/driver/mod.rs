@@ -48,6 +48,7 @@ pub use observe::pool_of;
 pub(crate) use replicas::announced;
 pub use route::{RouteError, Target, Upstream};
 pub(crate) use workers::Announce;
+pub use workers::RemovalFigures;
 
 /// The requests waiting in the router's queue ([`Driver::queued_requests`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -299,12 +299,7 @@ impl Driver {
     pub fn in_flight(&self, id: WorkerId) -> Option<u64> {
         let inner = self.lock();
         let w = inner.registry.get(id)?;
-        Some(
-            (0..w.config.dp_size)
-                .filter_map(|rank| inner.router.worker_load(WorkerKey::new(id, DpRank(rank))))
-                .map(|load| u64::from(load.requests))
-                .sum(),
-        )
+        Some(u64::from(inner.books(id, w.config.dp_size).in_flight))
     }
 
     /// Every worker's id and base URL.
@@ -358,6 +353,56 @@ impl Driver {
     pub fn any_routable(&self) -> bool {
         self.lock().registry.any_routable()
     }
+
+    /// Whether worker `id` has sent a KV event that stored a block (the block-size check's
+    /// evidence, [`Self::observe_event_block_size`]): its event stream reaches the router.
+    /// False if there is no such worker.
+    pub fn has_kv_events(&self, id: WorkerId) -> bool {
+        self.lock()
+            .registry
+            .get(id)
+            .is_some_and(|w| w.event_block_size.is_some())
+    }
+
+    /// Every worker's figures for the removal order, in id order: the cached blocks that no
+    /// other worker holds (the router index's `sole_blocks`, summed over its ranks) and the
+    /// requests the router books on it. Walks each worker's blocks: for scale-down choices and
+    /// scrapes, not the request path.
+    pub fn removal_figures(&self) -> Vec<RemovalFigures> {
+        let inner = self.lock();
+        inner
+            .registry
+            .iter()
+            .map(|(id, w)| {
+                let books = inner.books(id, w.config.dp_size);
+                RemovalFigures {
+                    id,
+                    url: w.base.clone(),
+                    role: w.config.role().name(),
+                    state: w.state.name(),
+                    cached_unique_blocks: inner.sole_blocks(id, w.config.dp_size),
+                    in_flight: books.in_flight,
+                }
+            })
+            .collect()
+    }
+}
+
+/// One worker's figures for the removal order ([`Driver::removal_figures`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemovalFigures {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its base URL.
+    pub url: String,
+    /// Its role's name.
+    pub role: &'static str,
+    /// Its state.
+    pub state: crate::worker::StateName,
+    /// Cached blocks no other worker holds (all ranks): the cache value the fleet loses with it.
+    pub cached_unique_blocks: u64,
+    /// Requests the router books on it (all ranks).
+    pub in_flight: u32,
 }
 
 /// Whether an operator's change to a worker is told to the peer replicas.
