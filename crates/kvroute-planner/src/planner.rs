@@ -627,7 +627,7 @@ impl Planner {
             itl_correction: self.correction[1],
         };
         // A pool at zero with requests waiting starts a worker at any tick.
-        let waiting = t.requests + obs.queued_requests;
+        let waiting = t.requests.max(obs.queued_requests);
         let from_zero: Vec<Change> = self
             .config
             .mode

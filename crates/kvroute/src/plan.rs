@@ -27,6 +27,7 @@ use anyhow::Context;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{EngineConfig, TimingConfig};
 use kvroute_planner::{Planner, PlannerConfig};
+use kvroute_proxy::autoscale::actuator::ActuatorConfig;
 use serde::Deserialize;
 
 /// The whole file.
@@ -39,7 +40,7 @@ pub struct PlanFile {
     #[serde(default)]
     pub engine: EngineKeys,
     /// How a live fleet grows and shrinks.
-    pub actuator: Option<toml::Value>,
+    pub actuator: Option<ActuatorConfig>,
     /// How long a removed worker's requests may take.
     #[serde(default)]
     pub drain: Drain,
@@ -113,6 +114,9 @@ impl PlanFile {
     pub fn parse(text: &str) -> anyhow::Result<Self> {
         let file: Self = crate::config::parse(text)?;
         file.planner.validate()?;
+        if let Some(a) = &file.actuator {
+            a.validate()?;
+        }
         Ok(file)
     }
 

@@ -28,6 +28,11 @@ pub struct ServeArgs {
     /// The configuration (flags; `--config` keys under the same names).
     #[command(flatten)]
     pub options: ServeOptions,
+    /// Run the SLA planner on this proxy's fleet: a planner file (`[planner]`, `[engine]`,
+    /// `[actuator]`, `[drain]`; the file `kvroute replay --planner` takes), its decisions carried
+    /// out by its `[actuator]` (process, external or dry-run).
+    #[arg(long, value_name = "FILE")]
+    pub planner: Option<PathBuf>,
 }
 
 /// The configuration of `kvroute serve`: every option is a flag and a key of the `--config`
@@ -338,10 +343,33 @@ pub fn init_logging_as(format: LogFormat) {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let format = args.log_format;
     let config = args.to_config()?;
+    let plan = match &args.planner {
+        Some(path) => {
+            let plan = crate::plan::PlanFile::read(path)?;
+            let Some(actuator) = plan.actuator.clone() else {
+                bail!(
+                    "--planner {}: serve needs an [actuator] table (kind = \"process\", \"external\" or \"dry-run\")",
+                    path.display()
+                );
+            };
+            Some((plan, actuator))
+        }
+        None => None,
+    };
     let drain = std::time::Duration::from_millis(config.server.drain_timeout_ms);
     runtime(config.server.threads)?.block_on(async move {
         let stop = stop_signal()?;
-        let proxy = kvroute_proxy::start(config, None).await?;
+        let mut proxy = kvroute_proxy::start(config, None).await?;
+        if let Some((plan, actuator)) = plan {
+            let actuator = kvroute_proxy::autoscale::actuator::build(&actuator, Arc::clone(&proxy.fleet))?;
+            let planner = plan.live_planner(proxy.driver.timestamp())?;
+            let settings = kvroute_proxy::autoscale::Settings {
+                drain_timeout: plan.drain.timeout()?,
+                ..Default::default()
+            };
+            proxy.start_planner(planner, actuator, settings);
+            say(format, "kvroute serve: the planner runs (GET /admin/planner shows its decisions)");
+        }
         let (url, admin_url) = (proxy.url(), proxy.admin_url());
         match format {
             LogFormat::Text => eprintln!("kvroute serve: listening on {url}; admin API on {admin_url}"),

@@ -102,3 +102,270 @@ fn one_observation_sequence_gives_the_same_decisions_live_and_simulated() {
         .collect();
     assert_eq!(decisions, sim.decisions);
 }
+
+#[path = "support/cluster.rs"]
+#[allow(clippy::unwrap_used)]
+mod cluster;
+
+const KVROUTE: &str = env!("CARGO_BIN_EXE_kvroute");
+
+use kvroute_proxy::autoscale::process::ProcessActuator;
+
+/// The live planner's file: one to three mock workers whose KV fills with a burst (2,048
+/// blocks), so the burst breaks the ITL target and the quiet after it does not; load ticks every
+/// 250 ms.
+const LIVE_PLAN: &str = r#"
+[planner]
+mode = "agg"
+min_replicas = 1
+max_replicas = 3
+max_gpu_budget = 3
+model_seed = "profile"
+load_interval_s = 0.25
+throughput_scaling = false
+scale_down_ticks = 4
+
+[planner.sla]
+ttft_ms = 5000
+itl_ms = 15
+
+[engine]
+block_size = 16
+num_blocks = 2048
+
+[drain]
+timeout_s = 60
+"#;
+
+/// A proxy with no worker, a `process` actuator starting `kvroute mock` processes, and the
+/// planner of `plan` on it; returns the cluster and the actuator (to end workers from outside).
+async fn planned(plan: &PlanFile, test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
+    use kvroute_proxy::autoscale::actuator::{ProcessConfig, WorkerTemplate};
+    let mut c = cluster::fronting(Vec::new(), Vec::new(), |c| {
+        c.routing.block_size = 16;
+        c.routing.queue_timeout_ms = 120_000;
+        c.routing.when_empty = "queue".to_owned();
+    })
+    .await;
+    let command = [
+        KVROUTE,
+        "mock",
+        "--workers",
+        "1",
+        "--port",
+        "{port}",
+        "--event-port",
+        "{events_port}",
+        "--num-blocks",
+        "2048",
+        "--block-size",
+        "16",
+        "--model-name",
+        "{model}",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let log_dir = std::env::temp_dir().join(format!("kvroute-planner-live-{}-{test}", std::process::id()));
+    let config = ProcessConfig {
+        agg: Some(WorkerTemplate {
+            command,
+            worker: "http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port},replay=tcp://127.0.0.1:{replay_port}"
+                .to_owned(),
+        }),
+        prefill: None,
+        decode: None,
+        ready_timeout_s: 60,
+        stop_grace_s: 5,
+        log_dir: Some(log_dir),
+        host: "127.0.0.1".to_owned(),
+    };
+    let actuator = std::sync::Arc::new(ProcessActuator::new(
+        config,
+        std::sync::Arc::clone(&c.proxy.fleet),
+    ));
+    let planner = plan
+        .live_planner(c.proxy.driver.timestamp())
+        .expect("the live planner");
+    c.proxy.start_planner(
+        planner,
+        std::sync::Arc::clone(&actuator) as std::sync::Arc<dyn kvroute_proxy::autoscale::Actuator>,
+        kvroute_proxy::autoscale::Settings {
+            drain_timeout: plan.drain.timeout().expect("a timeout"),
+            ..Default::default()
+        },
+    );
+    (c, actuator)
+}
+
+/// A completion of `tokens` distinct prompt tokens (seeded by `i`) and `max_tokens` outputs;
+/// its HTTP status.
+async fn send(c: &cluster::Cluster, i: u32, tokens: u32, max_tokens: u32) -> u16 {
+    let prompt: Vec<u32> = (0..tokens).map(|t| 1 + (i * 7919 + t * 31) % 250).collect();
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens});
+    c.http
+        .request(
+            "POST",
+            "/v1/completions",
+            serde_json::to_vec(&body).expect("json"),
+        )
+        .await
+        .0
+}
+
+fn ready(c: &cluster::Cluster) -> usize {
+    c.proxy
+        .driver
+        .planner_workers()
+        .iter()
+        .filter(|w| w.state == kvroute_planner::WorkerPhase::Ready)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_ramp_grows_the_fleet_and_shrinks_it_back_without_failing_a_request() {
+    let plan = PlanFile::parse(LIVE_PLAN).expect("a valid planner file");
+    let (c, _actuator) = planned(&plan, "ramp").await;
+    // Scale from zero: the first request waits in the queue while the planner starts a worker.
+    assert_eq!(
+        send(&c, 0, 64, 4).await,
+        200,
+        "the first request is served once a worker is up"
+    );
+    assert_eq!(ready(&c), 1);
+    // Low: one request at a time.
+    for i in 1..4 {
+        assert_eq!(send(&c, i, 256, 8).await, 200);
+    }
+    // High: a burst that fills one worker's KV.
+    let burst: Vec<_> = (0..48u32)
+        .map(|i| {
+            let c = &c;
+            async move { send(c, 100 + i, 1024, 48).await }
+        })
+        .collect();
+    let statuses = futures_util::future::join_all(burst).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let status = c.proxy.planner.to_json();
+    let adds = c
+        .proxy
+        .planner
+        .decisions()
+        .iter()
+        .flat_map(|d| d.actions.clone())
+        .filter(|a| matches!(a, Action::Add { .. }))
+        .count();
+    assert!(
+        adds >= 2,
+        "the burst scaled the fleet up (one from zero, then more): {status}"
+    );
+    // Low again, a request at a time: the fleet shrinks back to one, every request served.
+    let deadline = tokio::time::Instant::now() + kvroute_testkit::PATIENCE;
+    let mut i = 1000;
+    while !(ready(&c) == 1
+        && c.proxy.planner.to_json()["retiring"]
+            .as_array()
+            .is_some_and(Vec::is_empty))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the fleet did not shrink back: {}",
+            c.proxy.planner.to_json()
+        );
+        i += 1;
+        assert_eq!(send(&c, i, 128, 4).await, 200);
+    }
+    let removes = c
+        .proxy
+        .planner
+        .decisions()
+        .iter()
+        .flat_map(|d| d.actions.clone())
+        .filter(|a| matches!(a, Action::Remove { .. }))
+        .count();
+    assert!(removes >= 1, "{}", c.proxy.planner.to_json());
+    for d in c.proxy.planner.decisions() {
+        eprintln!("{:.2} s: {}", d.at_s, d.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_worker_is_replaced_and_only_its_own_requests_fail() {
+    // Two workers, neither more nor fewer: only a loss changes the fleet.
+    let plan = PlanFile::parse(
+        &LIVE_PLAN
+            .replace("min_replicas = 1", "min_replicas = 2")
+            .replace("max_replicas = 3", "max_replicas = 2"),
+    )
+    .expect("a valid planner file");
+    let (c, actuator) = planned(&plan, "kill").await;
+    let driver = &c.proxy.driver;
+    assert!(
+        driver
+            .wait_until(kvroute_testkit::PATIENCE, |_| ready(&c) == 2)
+            .await,
+        "the planner starts its minimum: {}",
+        c.proxy.planner.to_json()
+    );
+    // Requests long enough to be in flight when a worker dies.
+    let burst: Vec<_> = (0..16u32)
+        .map(|i| {
+            let c = &c;
+            async move { send(c, 500 + i, 512, 400).await }
+        })
+        .collect();
+    let all = futures_util::future::join_all(burst);
+    let killer = async {
+        // Once every request is routed, and both workers have some, kill one from outside.
+        let booked = |d: &kvroute_proxy::Driver| {
+            let w = d.planner_workers();
+            w.iter().filter(|w| w.in_flight > 0).count() == 2
+                && w.iter().map(|w| w.in_flight).sum::<u32>() == 16
+        };
+        assert!(
+            driver.wait_until(kvroute_testkit::PATIENCE, booked).await,
+            "every request is booked, on both workers: {:?}",
+            driver.planner_workers()
+        );
+        let victim = actuator
+            .running()
+            .into_iter()
+            .find(|s| s.worker.is_some() && s.pid.is_some())
+            .expect("a running worker");
+        let id = victim.worker.expect("registered");
+        let in_flight = driver.in_flight(id).unwrap_or(0);
+        let pid = victim.pid.expect("a pid").to_string();
+        let before = c.proxy.planner.decisions().len();
+        let killed = std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .expect("kill");
+        assert!(killed.success());
+        (in_flight, before)
+    };
+    let (statuses, (in_flight, before)) = tokio::join!(all, killer);
+    let failed = statuses.iter().filter(|&&s| s != 200).count() as u64;
+    assert!(
+        failed <= in_flight,
+        "{failed} requests failed, more than the {in_flight} in flight on the killed worker: {statuses:?}"
+    );
+    // The planner replaces it: two ready workers again, and requests are served.
+    assert!(
+        driver
+            .wait_until(kvroute_testkit::PATIENCE, |_| ready(&c) == 2)
+            .await,
+        "the lost worker is replaced: {}",
+        c.proxy.planner.to_json()
+    );
+    // A decision after the kill started the replacement (below the minimum, here).
+    let added_after_kill = c.proxy.planner.decisions().iter().skip(before).any(|d| {
+        d.actions.iter().any(|a| matches!(a, Action::Add { .. }))
+            && d.changes.iter().any(|ch| {
+                matches!(
+                    ch.reason,
+                    kvroute_planner::Reason::Replace { .. } | kvroute_planner::Reason::MinReplicas
+                )
+            })
+    });
+    assert!(added_after_kill, "{}", c.proxy.planner.to_json());
+    assert_eq!(send(&c, 9999, 64, 4).await, 200);
+}

@@ -31,6 +31,8 @@ use kvroute_sim::stats::Summary;
 use kvroute_sim::trace::TokenRequest;
 use kvroute_sim::{SimConfig, Simulation};
 
+mod planner;
+
 /// The options of `kvroute demo`.
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -64,6 +66,11 @@ pub struct DemoArgs {
     /// Run the replicas without sync (to measure what sync buys and costs).
     #[arg(long)]
     pub no_sync: bool,
+    /// The planner, live and simulated, on a load ramp (low, high, low) of the example trace:
+    /// the live proxy's planner starts and stops `kvroute mock` processes. With a FILE, its
+    /// planner file (as `serve --planner` takes it); without, the demo's own.
+    #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "FILE")]
+    pub planner: Option<std::path::PathBuf>,
 }
 
 /// One request's measurements, in wall-clock time.
@@ -82,6 +89,10 @@ struct Measured {
 
 /// Runs the demo.
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.planner {
+        let file = (!file.as_os_str().is_empty()).then_some(file.as_path());
+        return planner::run(&args, file);
+    }
     let trace = || BufReader::new(GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
     let mut sim = if args.prefill > 0 {
         SimConfig::disaggregated(args.prefill, args.workers)
@@ -338,7 +349,11 @@ async fn live(
     let done = measured.iter().filter(|m| m.ok);
     let (cached, prompt) = done.fold((0, 0), |(c, p), m| (c + m.cached_tokens, p + m.prompt_tokens));
     let share = cached as f64 / prompt.max(1) as f64;
-    Ok((report(args, sim, &measured, start, overlap, lost), share, sync))
+    Ok((
+        report(args, sim, &measured, start, overlap, lost, None),
+        share,
+        sync,
+    ))
 }
 
 /// Sends one streaming completion and measures it.
@@ -410,6 +425,7 @@ fn report(
     start: Instant,
     overlap: (u64, u64),
     lost: u64,
+    worker_seconds: Option<f64>,
 ) -> Report {
     // Modeled nanoseconds from the start.
     let ns = |t: Instant| ((t - start).as_nanos() as f64 * args.speedup) as u64;
@@ -437,6 +453,7 @@ fn report(
     b.prefix_cache_tokens = (cached, input);
     b.router_overlap_blocks = overlap;
     b.kv_events_lost = lost;
+    b.worker_seconds = worker_seconds;
     b.build()
 }
 

@@ -1,0 +1,362 @@
+//! `kvroute demo --planner`: the planner live and simulated on one load ramp.
+//!
+//! The example trace's rows are re-timed into a ramp (low, high, low: `RAMP`), replayed by the
+//! simulator with the planner in the loop, then sent live through a proxy whose planner starts
+//! and stops `kvroute mock` processes through the `process` actuator (the mocks run the
+//! simulator's engine model, sped up). Live time is modeled time divided by the speedup, so the
+//! live planner's intervals, targets and drain timeout are the file's divided by it, and live
+//! figures are multiplied back. The demo ends with `GPU-hours: live L, simulated S`, the
+//! directions of both runs' scaling decisions, and the count of failed requests.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use kvroute_core::ids::WorkerId;
+use kvroute_http::Model;
+use kvroute_planner::{Action, PlannerConfig, Pool, ScalingDecision};
+use kvroute_proxy::ServeConfig;
+use kvroute_proxy::autoscale::actuator::{self, ActuatorConfig, ProcessConfig, WorkerTemplate};
+use kvroute_proxy::autoscale::{Actuator, Settings};
+use kvroute_proxy::config::{LimitsConfig, RoutingConfig, ServerConfig, UpstreamConfig};
+use kvroute_sim::report::Report;
+use kvroute_sim::trace::TokenRequest;
+use kvroute_sim::{PlannerSetup, SimConfig, Simulation};
+
+use crate::plan::PlanFile;
+
+use super::{DemoArgs, Measured};
+
+/// The ramp: the trace's rate times these multipliers (seconds of modeled time, multiplier),
+/// piecewise linear: low, a climb, high, a descent, low again until the rows run out.
+const RAMP: &[(f64, f64)] = &[(0.0, 0.3), (60.0, 0.3), (90.0, 2.0), (150.0, 2.0), (180.0, 0.3)];
+
+/// The planner file the demo uses without `--planner FILE`: an aggregated pool of at least one
+/// worker, within six, profiled from the engine, scaled by the load loop.
+pub const DEFAULT_PLAN: &str = r#"
+[planner]
+mode = "agg"
+min_replicas = 1
+max_replicas = 6
+max_gpu_budget = 6
+model_seed = "profile"
+latency_correction = false
+load_interval_s = 5
+throughput_scaling = false
+scale_down_ticks = 4
+startup_delay_s = 2
+
+[planner.sla]
+ttft_ms = 1500
+itl_ms = 40
+
+[drain]
+timeout_s = 120
+"#;
+
+/// The figures of one run the demo compares.
+struct Run {
+    report: Report,
+    decisions: Vec<ScalingDecision>,
+}
+
+/// Runs the planner demo.
+pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
+    let plan = match file {
+        Some(path) => PlanFile::read(path)?,
+        None => PlanFile::parse(DEFAULT_PLAN).context("the demo's planner file")?,
+    };
+    ensure!(
+        plan.planner.mode == kvroute_planner::Mode::Agg,
+        "demo --planner runs an aggregated pool (mode = \"agg\")"
+    );
+    let trace = || std::io::BufReader::new(flate2::read::GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
+    let mut sim = SimConfig::new(plan.planner.min_replicas.max(1) as usize);
+    sim.engine = plan.engine.over(&sim.engine);
+    sim.router.block_size = sim.engine.block_size;
+    sim.router.policy = args
+        .policy
+        .parse::<kvroute_core::router::PolicyConfig>()
+        .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    sim.sample_interval = None;
+    sim.planner = Some(PlannerSetup {
+        config: plan.planner.clone(),
+        sla_window: Duration::from_secs(30),
+        keep_observations: false,
+    });
+    let mut workload =
+        kvroute_sim::trace::read_mooncake(trace(), 512, sim.engine.block_size, Some(args.limit))?;
+    workload
+        .warp_rate(RAMP)
+        .map_err(|e| anyhow::anyhow!("the ramp: {e}"))?;
+    let mut requests = kvroute_sim::trace::read_mooncake_tokens(trace(), 512, Some(args.limit))?;
+    for (r, w) in requests.iter_mut().zip(&workload.requests) {
+        if let kvroute_sim::workload::Arrival::At(at) = w.arrival {
+            r.arrival = at;
+        }
+    }
+    crate::serve::say(
+        args.log_format,
+        &format!(
+            "demo --planner: {} requests of the example trace on a ramp (x0.3, x2, x0.3), policy {}, {}x speed",
+            requests.len(),
+            args.policy,
+            args.speedup
+        ),
+    );
+    let result = Simulation::new(sim.clone())?.run(&workload, &mut |_| {})?;
+    let simulated = Run {
+        decisions: result.planner.map(|p| p.decisions).unwrap_or_default(),
+        report: result.report,
+    };
+    let (live, failed) = crate::serve::runtime(0)?.block_on(live(args, &sim, &plan, requests))?;
+    let table = kvroute_sim::report::table(&[
+        ("planner (simulated)".to_owned(), simulated.report.clone()),
+        ("planner (live HTTP)".to_owned(), live.report.clone()),
+    ]);
+    let gpu = |r: &Report| r.number("gpu_hours").unwrap_or(f64::NAN);
+    let lines = [
+        format!("scaling, simulated: {}", directions(&simulated.decisions)),
+        format!("scaling, live:      {}", directions(&live.decisions)),
+        format!(
+            "GPU-hours: live {:.4}, simulated {:.4}",
+            gpu(&live.report),
+            gpu(&simulated.report)
+        ),
+        format!("failed requests: {failed}"),
+    ];
+    match args.log_format {
+        crate::serve::LogFormat::Text => {
+            print!("{table}");
+            for l in &lines {
+                println!("{l}");
+            }
+        }
+        crate::serve::LogFormat::Json => {
+            tracing::info!(%table, summary = lines.join("\n"), "demo: the result");
+        }
+    }
+    Ok(())
+}
+
+/// A run's decisions as their directions in order, e.g. `+1 +1 -1` (the net change of each).
+fn directions(decisions: &[ScalingDecision]) -> String {
+    if decisions.is_empty() {
+        return "none".to_owned();
+    }
+    decisions
+        .iter()
+        .map(|d| {
+            let net: i64 = d
+                .actions
+                .iter()
+                .map(|a| match a {
+                    Action::Add { .. } => 1,
+                    Action::Remove { .. } => -1,
+                })
+                .sum();
+            format!("{net:+}")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `config` in live time: every duration and latency target divided by `speedup`.
+fn sped_up(config: &PlannerConfig, speedup: f64) -> PlannerConfig {
+    let mut c = config.clone();
+    c.load_interval_s /= speedup;
+    c.throughput_interval_s /= speedup;
+    c.startup_delay_s /= speedup;
+    c.idle_to_zero_s /= speedup;
+    c.warmup_s /= speedup;
+    c.sla.ttft_ms /= speedup;
+    c.sla.itl_ms /= speedup;
+    c
+}
+
+/// Wraps the actuator to time each worker's life (provisioned to released), for GPU-hours.
+struct Timed {
+    inner: Arc<dyn Actuator>,
+    /// Provisions (when) and releases (when), in order.
+    lives: Mutex<(Vec<Instant>, Vec<Instant>)>,
+}
+
+impl Actuator for Timed {
+    fn set_desired(&self, pool: Pool, n: u32) {
+        self.inner.set_desired(pool, n);
+    }
+
+    fn provision(&self, pool: Pool) {
+        self.lives
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .push(Instant::now());
+        self.inner.provision(pool);
+    }
+
+    fn release(&self, id: WorkerId, url: &str) {
+        self.lives
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .push(Instant::now());
+        self.inner.release(id, url);
+    }
+
+    fn pending(&self) -> Vec<Pool> {
+        self.inner.pending()
+    }
+}
+
+impl Timed {
+    /// Worker-seconds (wall) from `t0` to `end`, each worker counted from its provisioning (or
+    /// `t0`, for the starting fleet) to its release (or `end`): which release ends which
+    /// worker changes no sum.
+    fn worker_seconds(&self, t0: Instant, end: Instant) -> f64 {
+        let (provisioned, released) = &*self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        let left = |t: &Instant| end.saturating_duration_since((*t).max(t0)).as_secs_f64();
+        provisioned.iter().map(left).sum::<f64>() - released.iter().map(left).sum::<f64>()
+    }
+}
+
+async fn live(
+    args: &DemoArgs,
+    sim: &SimConfig,
+    plan: &PlanFile,
+    requests: Vec<TokenRequest>,
+) -> anyhow::Result<(Run, usize)> {
+    let model = Arc::new(Model::tiny()?);
+    let e = &sim.engine;
+    let speedup = e.speedup * args.speedup;
+    let exe = std::env::current_exe().context("the kvroute binary's path")?;
+    let command = [
+        exe.to_string_lossy().into_owned(),
+        "mock".into(),
+        "--workers".into(),
+        "1".into(),
+        "--port".into(),
+        "{port}".into(),
+        "--event-port".into(),
+        "{events_port}".into(),
+        "--speedup".into(),
+        speedup.to_string(),
+        "--block-size".into(),
+        e.block_size.to_string(),
+        "--num-blocks".into(),
+        e.num_blocks.to_string(),
+        "--log-format".into(),
+        "json".into(),
+    ];
+    let log_dir = std::env::temp_dir().join(format!("kvroute-demo-planner-{}", std::process::id()));
+    let actuator_config = ActuatorConfig::Process(Box::new(ProcessConfig {
+        agg: Some(WorkerTemplate {
+            command: command.to_vec(),
+            worker: format!(
+                "http://127.0.0.1:{{port}},events=tcp://127.0.0.1:{{events_port}},replay=tcp://127.0.0.1:{{replay_port}},block-size={}",
+                e.block_size
+            ),
+        }),
+        prefill: None,
+        decode: None,
+        ready_timeout_s: 60,
+        stop_grace_s: 10,
+        log_dir: Some(log_dir.clone()),
+        host: "127.0.0.1".into(),
+    }));
+    let config = ServeConfig {
+        server: ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        routing: RoutingConfig {
+            policy: args.policy.clone(),
+            block_size: e.block_size,
+            queue_timeout_ms: 600_000,
+            ..Default::default()
+        },
+        limits: LimitsConfig {
+            max_body_bytes: 64 << 20,
+            max_prompt_tokens: 1 << 21,
+        },
+        upstream: UpstreamConfig {
+            health_interval_ms: 1000,
+            ..Default::default()
+        },
+        ..ServeConfig::default()
+    };
+    let mut proxy = kvroute_proxy::start(config, Some(Arc::clone(&model))).await?;
+    let mut engine = e.clone();
+    engine.speedup = speedup;
+    let live_config = sped_up(&plan.planner, args.speedup);
+    let planner = kvroute_sim::profile::planner(&live_config, &engine, proxy.driver.timestamp())?;
+    let timed = Arc::new(Timed {
+        inner: actuator::build(&actuator_config, Arc::clone(&proxy.fleet))?,
+        lives: Mutex::new((Vec::new(), Vec::new())),
+    });
+    // The starting fleet, as the simulator's: provisioned now, traffic once it is routable.
+    let initial = plan.planner.min_replicas.max(1);
+    for _ in 0..initial {
+        timed.provision(Pool::Agg);
+    }
+    let ready = proxy
+        .driver
+        .wait_until(Duration::from_secs(60), |d| {
+            d.planner_workers().len() >= initial as usize
+        })
+        .await;
+    ensure!(
+        ready,
+        "the first mock workers did not become ready within 60 s (logs in {})",
+        log_dir.display()
+    );
+    let drain = plan.drain.timeout()?.div_f64(args.speedup);
+    proxy.start_planner(
+        planner,
+        Arc::clone(&timed) as Arc<dyn Actuator>,
+        Settings {
+            drain_timeout: drain,
+            ..Settings::default()
+        },
+    );
+    let client = kvroute_http::net::client(Duration::from_secs(5));
+    let url: Arc<str> = format!("{}/v1/completions", proxy.url()).into();
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for r in requests {
+        let at = t0 + Duration::from_secs_f64(r.arrival.as_secs_f64() / args.speedup);
+        let (client, url) = (client.clone(), Arc::clone(&url));
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            let mut m = super::send(&client, &url, &r).await.unwrap_or_default();
+            m.arrival = Some(at);
+            m
+        }));
+    }
+    let mut measured: Vec<Measured> = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        measured.push(t.await.context("a request task failed")?);
+    }
+    let end = measured
+        .iter()
+        .filter_map(|m| m.end)
+        .max()
+        .unwrap_or_else(Instant::now);
+    let failed = measured.iter().filter(|m| !m.ok).count();
+    let decisions = proxy.planner.decisions();
+    let c = proxy.driver.snapshot().counters;
+    let worker_seconds = timed.worker_seconds(t0, end) * args.speedup;
+    let report = super::report(
+        args,
+        sim,
+        &measured,
+        t0,
+        (c.overlap_blocks, c.prompt_blocks),
+        0,
+        Some(worker_seconds),
+    );
+    drop(proxy);
+    Ok((Run { report, decisions }, failed))
+}
