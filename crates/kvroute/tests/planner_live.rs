@@ -137,11 +137,11 @@ num_blocks = 2048
 timeout_s = 60
 "#;
 
-/// A proxy with no worker, a `process` actuator starting `kvroute mock` processes, and the
-/// planner of `plan` on it; returns the cluster and the actuator (to end workers from outside).
-async fn planned(plan: &PlanFile, test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
+/// A proxy with no worker (requests wait for one) and a `process` actuator starting
+/// `kvroute mock` processes for it.
+async fn empty_fleet(test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
     use kvroute_proxy::autoscale::actuator::{ProcessConfig, WorkerTemplate};
-    let mut c = cluster::fronting(Vec::new(), Vec::new(), |c| {
+    let c = cluster::fronting(Vec::new(), Vec::new(), |c| {
         c.routing.block_size = 16;
         c.routing.queue_timeout_ms = 120_000;
         c.routing.when_empty = "queue".to_owned();
@@ -183,17 +183,28 @@ async fn planned(plan: &PlanFile, test: &str) -> (cluster::Cluster, std::sync::A
         config,
         std::sync::Arc::clone(&c.proxy.fleet),
     ));
+    (c, actuator)
+}
+
+/// Runs the planner of `plan` on `c`'s fleet through `actuator`.
+fn start_planner(c: &mut cluster::Cluster, plan: &PlanFile, actuator: &std::sync::Arc<ProcessActuator>) {
     let planner = plan
         .live_planner(c.proxy.driver.timestamp())
         .expect("the live planner");
     c.proxy.start_planner(
         planner,
-        std::sync::Arc::clone(&actuator) as std::sync::Arc<dyn kvroute_proxy::autoscale::Actuator>,
+        std::sync::Arc::clone(actuator) as std::sync::Arc<dyn kvroute_proxy::autoscale::Actuator>,
         kvroute_proxy::autoscale::Settings {
             drain_timeout: plan.drain.timeout().expect("a timeout"),
             ..Default::default()
         },
     );
+}
+
+/// [`empty_fleet`] with the planner of `plan` running on it.
+async fn planned(plan: &PlanFile, test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
+    let (mut c, actuator) = empty_fleet(test).await;
+    start_planner(&mut c, plan, &actuator);
     (c, actuator)
 }
 
@@ -368,4 +379,116 @@ async fn a_killed_worker_is_replaced_and_only_its_own_requests_fail() {
     });
     assert!(added_after_kill, "{}", c.proxy.planner.to_json());
     assert_eq!(send(&c, 9999, 64, 4).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_at_zero_serves_its_first_request_once_a_worker_is_ready_and_goes_back_to_zero() {
+    let plan =
+        PlanFile::parse(&LIVE_PLAN.replace("min_replicas = 1", "min_replicas = 0\nidle_to_zero_s = 1"))
+            .expect("a valid planner file");
+    let (c, _actuator) = planned(&plan, "zero").await;
+    for round in 0..2u32 {
+        assert_eq!(ready(&c), 0, "round {round}: no worker");
+        // The request waits in the queue while the planner starts a worker, then is served.
+        assert_eq!(send(&c, 7000 + round, 64, 4).await, 200, "round {round}");
+        // Idle for a second: the pool goes back to zero.
+        assert!(
+            c.proxy
+                .driver
+                .wait_until(kvroute_testkit::PATIENCE, |d| d.planner_workers().is_empty())
+                .await,
+            "round {round}: the idle pool stops: {}",
+            c.proxy.planner.to_json()
+        );
+    }
+    let reasons: Vec<String> = c
+        .proxy
+        .planner
+        .decisions()
+        .iter()
+        .map(|d| d.text.clone())
+        .collect();
+    let from_zero = c
+        .proxy
+        .planner
+        .decisions()
+        .iter()
+        .filter(|d| {
+            d.changes
+                .iter()
+                .any(|ch| matches!(ch.reason, kvroute_planner::Reason::FromZero { .. }))
+        })
+        .count();
+    let idle = c
+        .proxy
+        .planner
+        .decisions()
+        .iter()
+        .filter(|d| {
+            d.changes
+                .iter()
+                .any(|ch| matches!(ch.reason, kvroute_planner::Reason::Idle { .. }))
+        })
+        .count();
+    assert_eq!((from_zero, idle), (2, 2), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scale_down_keeps_the_worker_that_holds_the_hot_prefix() {
+    use kvroute_proxy::autoscale::Actuator;
+    let (mut c, actuator) = empty_fleet("warm").await;
+    let driver = std::sync::Arc::clone(&c.proxy.driver);
+    // Two workers before the planner runs.
+    actuator.provision(kvroute_planner::Pool::Agg);
+    actuator.provision(kvroute_planner::Pool::Agg);
+    assert!(
+        driver
+            .wait_until(kvroute_testkit::PATIENCE, |_| ready(&c) == 2)
+            .await
+    );
+    // One hot prefix, asked for again and again: the router keeps it where it is cached.
+    for _ in 0..6 {
+        assert_eq!(send(&c, 42, 1024, 2).await, 200);
+    }
+    assert!(
+        driver
+            .wait_for_kv(kvroute_testkit::PATIENCE, |d| d
+                .removal_figures()
+                .iter()
+                .any(|f| f.cached_unique_blocks >= 32))
+            .await,
+        "the prefix is cached: {:?}",
+        driver.removal_figures()
+    );
+    let figures = driver.removal_figures();
+    let hot = figures
+        .iter()
+        .max_by_key(|f| f.cached_unique_blocks)
+        .expect("two workers");
+    let cold = figures
+        .iter()
+        .min_by_key(|f| f.cached_unique_blocks)
+        .expect("two workers");
+    assert!(
+        hot.cached_unique_blocks > cold.cached_unique_blocks,
+        "{figures:?}"
+    );
+    let hot = hot.id.0;
+    // A planner with a minimum of one: the quiet fleet consolidates, keeping the hot worker.
+    let plan = PlanFile::parse(LIVE_PLAN).expect("a valid planner file");
+    start_planner(&mut c, &plan, &actuator);
+    assert!(
+        driver
+            .wait_until(kvroute_testkit::PATIENCE, |d| d.worker_statuses().len() == 1)
+            .await,
+        "one worker is let go: {}",
+        c.proxy.planner.to_json()
+    );
+    let kept: Vec<_> = driver.worker_statuses().iter().map(|w| w.id).collect();
+    assert_eq!(
+        kept,
+        [hot],
+        "the worker holding the hot prefix stays: {}",
+        c.proxy.planner.to_json()
+    );
 }
