@@ -492,3 +492,14 @@ async fn scale_down_keeps_the_worker_that_holds_the_hot_prefix() {
         c.proxy.planner.to_json()
     );
 }
+
+#[test]
+fn the_readmes_planner_file_is_read_as_written() {
+    let readme = include_str!("../../../README.md");
+    let section = &readme[readme.find("### The planner, live").expect("the section")..];
+    let start = section.find("```toml\n").expect("a TOML block") + "```toml\n".len();
+    let text = &section[start..start + section[start..].find("```").expect("its end")];
+    let plan = PlanFile::parse(text).expect("the README's planner file is valid");
+    assert_eq!(plan.planner.min_replicas, 0);
+    assert!(plan.actuator.is_some());
+}
