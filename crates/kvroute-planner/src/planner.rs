@@ -38,6 +38,11 @@ pub struct Traffic {
     pub hit_sum: f64,
     /// ... and how many (requests with no full prompt block are left out).
     pub hit_n: u64,
+    /// Prompt tokens the engines reported cached, of the completed requests whose usage said
+    /// (a live fleet's engines; the simulator's do not report per request) ...
+    pub engine_cached_tokens: u64,
+    /// ... of these prompt tokens.
+    pub engine_prompt_tokens: u64,
 }
 
 impl Traffic {
@@ -93,6 +98,20 @@ impl Traffic {
         self.itl_n += other.itl_n;
         self.hit_sum += other.hit_sum;
         self.hit_n += other.hit_n;
+        self.engine_cached_tokens += other.engine_cached_tokens;
+        self.engine_prompt_tokens += other.engine_prompt_tokens;
+    }
+
+    /// An engine reported `cached` of a completed request's `prompt` tokens cached.
+    pub fn engine_reported(&mut self, cached: u32, prompt: u32) {
+        self.engine_cached_tokens += u64::from(cached);
+        self.engine_prompt_tokens += u64::from(prompt);
+    }
+
+    /// The engines' reported hit rate (cached over prompt tokens), if any reported.
+    pub fn engine_hit_rate(&self) -> Option<f64> {
+        (self.engine_prompt_tokens > 0)
+            .then(|| self.engine_cached_tokens as f64 / self.engine_prompt_tokens as f64)
     }
 
     fn mean(sum: f64, n: u64) -> Option<f64> {
@@ -428,6 +447,9 @@ pub struct TickRecord {
     pub observed_itl_ms: Option<f64>,
     /// Observed router-predicted hit rate (raw).
     pub observed_hit_rate: Option<f64>,
+    /// The engines' own hit rate over the same interval (cached over prompt tokens of the
+    /// completed requests whose usage reported it), beside the prediction.
+    pub engine_hit_rate: Option<f64>,
     /// The pools.
     pub pools: Vec<PoolStatus>,
     /// The throughput loop's record, at its ticks.
@@ -620,6 +642,7 @@ impl Planner {
             observed_ttft_ms: t.ttft_ms(),
             observed_itl_ms: t.itl_ms(),
             observed_hit_rate: t.hit_rate(),
+            engine_hit_rate: t.engine_hit_rate(),
             pools,
             throughput: throughput.as_ref().map(|(r, _)| r.clone()),
             hold: None,

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_core::ids::{RequestId, WorkerKey};
+use kvroute_http::openai::types::Usage;
 
 use super::{Driver, DriverState};
 
@@ -105,10 +106,10 @@ impl RequestGuard {
         self.last_chunk = Some(now);
     }
 
-    /// The response ended: the request is finished. `output_tokens`: what the engine's usage
-    /// said it generated (if it said); `streamed`: whether its tokens came as chunks, so that
-    /// the span from the first to the last is its decode time.
-    pub fn finish(mut self, output_tokens: Option<u32>, streamed: bool) {
+    /// The response ended: the request is finished. `usage`: the engine's (if it sent one);
+    /// `streamed`: whether its tokens came as chunks, so that the span from the first to the
+    /// last is its decode time.
+    pub fn finish(mut self, usage: Option<&Usage>, streamed: bool) {
         self.done = true;
         let id = self.id;
         let worker = self.routed.map(|(key, _)| key.worker);
@@ -119,8 +120,8 @@ impl RequestGuard {
         self.driver.lifecycle_observed(
             |r, t| r.handle_finished(t, id),
             |s| {
-                if let (Some(n), Some(w)) = (output_tokens, worker) {
-                    s.observe_completed(w, n, decode);
+                if let (Some(u), Some(w)) = (usage, worker) {
+                    s.observe_completed(w, u, decode);
                 }
             },
         );

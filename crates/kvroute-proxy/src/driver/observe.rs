@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kvroute_core::ids::{WorkerId, WorkerKey};
 use kvroute_core::router::{Decision, WorkerRole};
+use kvroute_http::openai::types::Usage;
 use kvroute_planner::{Pool, Traffic, WorkerObservation, WorkerPhase};
 
 use super::{Driver, DriverState};
@@ -99,21 +100,19 @@ impl DriverState {
         }
     }
 
-    /// A request completed on `worker` with `output_tokens` (from the engine's usage);
-    /// `decode`: its first-to-last token span, when it streamed.
-    pub(super) fn observe_completed(
-        &mut self,
-        worker: WorkerId,
-        output_tokens: u32,
-        decode: Option<Duration>,
-    ) {
+    /// A request completed on `worker` as the engine's `usage` says; `decode`: its
+    /// first-to-last token span, when it streamed.
+    pub(super) fn observe_completed(&mut self, worker: WorkerId, usage: &Usage, decode: Option<Duration>) {
         let Some(warmup) = self.gathering.as_ref().map(|g| g.warmup) else {
             return;
         };
         let warm = self.warm(worker, warmup);
         if let Some(g) = &mut self.gathering {
             let decode_ms = decode.filter(|_| warm).map(|d| d.as_secs_f64() * 1e3);
-            g.traffic.completed(output_tokens, decode_ms);
+            g.traffic.completed(usage.completion_tokens, decode_ms);
+            if let Some(cached) = usage.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens) {
+                g.traffic.engine_reported(cached, usage.prompt_tokens);
+            }
         }
     }
 }

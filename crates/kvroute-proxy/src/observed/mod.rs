@@ -165,7 +165,7 @@ impl Observed {
                 let report = scan::cached_report(usage.as_ref());
                 guard.driver().metrics.record_cached_report(key, report);
             }
-            guard.finish(usage.map(|u| u.completion_tokens), self.scan.streamed());
+            guard.finish(usage.as_ref(), self.scan.streamed());
         }
     }
 }
