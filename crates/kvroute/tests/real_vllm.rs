@@ -7,7 +7,9 @@
 //! worker it chose equal the `cached_tokens` the engine reports, for text completions, chat and
 //! token-id prompts, and prompts cut by `truncate_prompt_tokens`; a repeated prompt goes back to
 //! the same worker; after an engine restart and after a health flap (the engine stopped, then
-//! continued) the same holds without any manual step.
+//! continued) the same holds without any manual step. From zero: a request waits in the queue
+//! while the planner's `process` actuator starts an engine, is served once it registers, its
+//! repeat is predicted exactly, and the engine stops with the proxy.
 
 #![allow(clippy::unwrap_used)]
 
@@ -151,6 +153,18 @@ struct Reply {
 
 impl Http {
     async fn call(&self, method: &str, url: &str, body: Option<&Value>) -> Option<Reply> {
+        self.call_within(method, url, body, Duration::from_secs(120))
+            .await
+    }
+
+    /// [`Self::call`] that waits at most `patience` for the answer.
+    async fn call_within(
+        &self,
+        method: &str,
+        url: &str,
+        body: Option<&Value>,
+        patience: Duration,
+    ) -> Option<Reply> {
         let req = hyper::Request::builder()
             .method(method)
             .uri(url)
@@ -159,7 +173,7 @@ impl Http {
                 body.map(Value::to_string).unwrap_or_default(),
             )))
             .unwrap();
-        let resp = tokio::time::timeout(Duration::from_secs(120), self.0.request(req))
+        let resp = tokio::time::timeout(patience, self.0.request(req))
             .await
             .ok()?
             .ok()?;
@@ -210,8 +224,13 @@ struct Seen {
 }
 
 async fn send(http: &Http, base: &str, path: &str, body: &Value) -> Seen {
+    send_within(http, base, path, body, Duration::from_secs(120)).await
+}
+
+/// [`send`] that waits at most `patience` for the answer (one held in the router's queue).
+async fn send_within(http: &Http, base: &str, path: &str, body: &Value, patience: Duration) -> Seen {
     let reply = http
-        .call("POST", &format!("{base}{path}"), Some(body))
+        .call_within("POST", &format!("{base}{path}"), Some(body), patience)
         .await
         .unwrap();
     assert_eq!(reply.status, 200, "{path}: {}", reply.body);
@@ -238,15 +257,21 @@ async fn send(http: &Http, base: &str, path: &str, body: &Value) -> Seen {
 /// reported (the router had not heard yet, and load sent it elsewhere) is tried again.
 async fn affinity(http: &Http, base: &str, path: &str, body: &Value) -> Seen {
     let first = send(http, base, path, body).await;
+    again(http, base, path, body, &first).await
+}
+
+/// Sends `body`, which `first` warmed, until the engine reports a cache hit (see [`affinity`]);
+/// the hit, on `first`'s worker and predicted exactly.
+async fn again(http: &Http, base: &str, path: &str, body: &Value, first: &Seen) -> Seen {
     let start = Instant::now();
     loop {
-        let again = send(http, base, path, body).await;
-        if again.reported > 0 {
+        let seen = send(http, base, path, body).await;
+        if seen.reported > 0 {
             assert_eq!(
-                again.worker, first.worker,
+                seen.worker, first.worker,
                 "{path}: a repeated prompt changed worker"
             );
-            return again;
+            return seen;
         }
         assert!(
             start.elapsed() < PATIENCE,
@@ -411,5 +436,222 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
         );
     }
     affinity(&http, &base, "/v1/completions", &completion("after flap")).await;
+    let _ = std::fs::remove_dir_all(&run);
+}
+
+/// Whether process group `pgid` still has a member that is not a zombie (from `/proc`: an
+/// engine core orphaned by its killed parent may wait a while to be reaped).
+fn group_alive(pgid: u32) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after its ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
+    })
+}
+
+/// The planner's file of the scale-from-zero check: one agg pool from 0 to 1 worker, started
+/// by the `process` actuator as a real vLLM engine of `dir` whose events and logs go in `run`.
+fn plan_from_zero(dir: &Path, run: &Path) -> String {
+    let kv_events = json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("ipc://{}/ev-{{index}}.sock", run.display()),
+        "replay_endpoint": "tcp://127.0.0.1:{replay_port}",
+        "topic": "kv-events",
+    });
+    let mut command: Vec<String> = [
+        "env",
+        "HF_HUB_OFFLINE=1",
+        "VLLM_NO_USAGE_STATS=1",
+        "DO_NOT_TRACK=1",
+        "VLLM_HOST_IP=127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE=1",
+        "VLLM_CPU_OMP_THREADS_BIND=nobind",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    command.push(dir.join("venv/bin/python").display().to_string());
+    command.extend(["-m", "vllm.entrypoints.openai.api_server", "--model"].map(str::to_owned));
+    command.push(dir.join("model").display().to_string());
+    command.extend(
+        [
+            "--served-model-name",
+            "{model}",
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--block-size",
+            &BLOCK.to_string(),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            &kv_events.to_string(),
+        ]
+        .map(str::to_owned),
+    );
+    let worker = format!(
+        "http://{{host}}:{{port}},events=ipc://{}/ev-{{index}}.sock,replay=tcp://127.0.0.1:{{replay_port}},block-size={BLOCK}",
+        run.display()
+    );
+    // The planner's part as a user writes it; the argv and paths inserted as TOML values.
+    let mut plan: toml::Table = format!(
+        r#"
+        [planner]
+        mode = "agg"
+        min_replicas = 0
+        max_replicas = 1
+        max_gpu_budget = 1
+        throughput_scaling = false
+        idle_to_zero_s = 3600.0
+
+        [engine]
+        block_size = {BLOCK}
+
+        [actuator]
+        kind = "process"
+        ready_timeout_s = 600
+        stop_grace_s = 30
+        "#
+    )
+    .parse()
+    .unwrap();
+    let actuator = plan["actuator"].as_table_mut().unwrap();
+    actuator.insert("log_dir".to_owned(), run.display().to_string().into());
+    let mut agg = toml::Table::new();
+    agg.insert("command".to_owned(), command.into());
+    agg.insert("worker".to_owned(), worker.into());
+    actuator.insert("agg".to_owned(), agg.into());
+    plan.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_starts_a_real_vllm_for_a_request_waiting_at_zero_and_stops_it() {
+    use kvroute_proxy::autoscale::actuator::{Actuator, ActuatorConfig};
+    use kvroute_proxy::autoscale::process::{ProcessActuator, Started};
+    use std::sync::Arc;
+
+    let Some(dir) = std::env::var_os("KVROUTE_REAL_VLLM").map(PathBuf::from) else {
+        eprintln!(
+            "skipped: KVROUTE_REAL_VLLM is not set (run scripts/real-vllm/setup.sh DIR, then set it to DIR)"
+        );
+        return;
+    };
+    let run = std::env::temp_dir().join(format!("kvroute-real-vllm-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&run).unwrap();
+
+    // A proxy with no worker whose requests wait in the queue for one.
+    let mut config = kvroute_proxy::ServeConfig::default();
+    config.server.listen = "127.0.0.1:0".to_owned();
+    config.server.admin_listen = "127.0.0.1:0".to_owned();
+    config.server.debug_headers = true;
+    config.model.model_dir = Some(dir.join("model"));
+    config.routing.block_size = BLOCK;
+    config.routing.when_empty = "queue".to_owned();
+    config.routing.queue_timeout_ms = ENGINE_START.as_millis() as u64;
+    config.upstream.health_interval_ms = 500;
+    let mut proxy = kvroute_proxy::start(config, None).await.unwrap();
+
+    // The planner and its actuator, as the planner's file describes them.
+    let plan = kvroute::plan::PlanFile::parse(&plan_from_zero(&dir, &run)).unwrap();
+    let table = plan.actuator.clone().unwrap();
+    let toml::Value::Table(table) = table else {
+        panic!("[actuator] is a table")
+    };
+    let ActuatorConfig::Process(process) = ActuatorConfig::from_toml(table).unwrap() else {
+        panic!("a process actuator")
+    };
+    let actuator = Arc::new(ProcessActuator::new(*process, Arc::clone(&proxy.fleet)));
+    let planner = plan.live_planner(proxy.driver.timestamp()).unwrap();
+    proxy.start_planner(
+        planner,
+        Arc::clone(&actuator) as Arc<dyn Actuator>,
+        kvroute_proxy::autoscale::Settings::default(),
+    );
+
+    // The first request arrives with no worker: it waits while the planner starts one.
+    let http = Arc::new(Http(client(Duration::from_secs(5))));
+    let base = proxy.url();
+    let body = json!({"model": "tiny", "prompt": text("from zero"), "max_tokens": 2});
+    let started = Instant::now();
+    let first = {
+        let (http, base, body) = (Arc::clone(&http), base.clone(), body.clone());
+        tokio::spawn(async move { send_within(&http, &base, "/v1/completions", &body, ENGINE_START).await })
+    };
+    let (mut spawned, mut registered) = (None, None);
+    while !first.is_finished() {
+        let procs = actuator.running();
+        if spawned.is_none() && !procs.is_empty() {
+            spawned = Some(started.elapsed());
+            eprintln!("engine process started after {:?}: {procs:?}", started.elapsed());
+        }
+        if registered.is_none() && procs.iter().any(|p| p.worker.is_some()) {
+            registered = Some(started.elapsed());
+            eprintln!("engine registered after {:?}", started.elapsed());
+        }
+        assert!(
+            started.elapsed() < ENGINE_START,
+            "no answer after {ENGINE_START:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let first = first.await.unwrap();
+    eprintln!("the waiting request was served after {:?}", started.elapsed());
+    assert!(spawned.is_some(), "answered with no engine started");
+    let decisions = proxy.planner.decisions();
+    assert!(
+        decisions
+            .iter()
+            .any(|d| d.changes.iter().any(|c| c.pool == kvroute_planner::Pool::Agg
+                && (c.from, c.to) == (0, 1)
+                && matches!(c.reason, kvroute_planner::Reason::FromZero { .. }))),
+        "no scale-from-zero decision: {decisions:?}"
+    );
+    let [
+        Started {
+            pid: Some(pid),
+            worker: Some(worker),
+            ..
+        },
+    ] = actuator.running()[..]
+    else {
+        panic!("one engine, registered: {:?}", actuator.running());
+    };
+    assert_eq!(first.worker, worker.0.to_string());
+    assert_eq!(first.reported, 0, "a cold engine");
+
+    // The same prompt again: routed with the cached prefix predicted as the engine reports.
+    let hit = again(&http, &base, "/v1/completions", &body, &first).await;
+    assert!(hit.reported >= u64::from(BLOCK), "{hit:?}");
+
+    // The proxy stops: the planner and its actuator go, and the engine is told to stop.
+    let engine_url = actuator.running()[0].url.clone();
+    drop(proxy);
+    drop(actuator);
+    let stopping = Instant::now();
+    while group_alive(pid) {
+        assert!(
+            stopping.elapsed() < PATIENCE,
+            "the engine (process group {pid}) still runs {PATIENCE:?} after the proxy stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("engine gone {:?} after the proxy stopped", stopping.elapsed());
+    assert!(
+        http.call("GET", &format!("{engine_url}/health"), None)
+            .await
+            .is_none(),
+        "the engine's port still answers"
+    );
     let _ = std::fs::remove_dir_all(&run);
 }

@@ -82,7 +82,10 @@ pub struct ProcessConfig {
 pub struct WorkerTemplate {
     /// The command, as an argv array (no shell): the program, then its arguments. Placeholders
     /// `{port}`, `{events_port}`, `{replay_port}` (`{events_port}` + 1), `{model}`, `{host}`
-    /// and `{index}` are filled in each time.
+    /// and `{index}` are filled in each time. A `{` not followed by a name is kept as is, so
+    /// JSON arguments need no escaping (vLLM's `--kv-events-config`, with
+    /// `"endpoint": "ipc:///run/ev-{index}.sock"` filled in). An argv has no shell: environment
+    /// variables are set with `env` as the program (`["env", "VLLM_HOST_IP=127.0.0.1", "vllm", ...]`).
     pub command: Vec<String>,
     /// The worker line (the `--worker` flag's form) of the started worker, with the same
     /// placeholders, e.g. `http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port}`.
@@ -394,6 +397,28 @@ mod tests {
             p.templates().map(|(pool, _)| pool).collect::<Vec<_>>(),
             [Pool::Agg]
         );
+    }
+
+    /// A real vLLM's template: environment through `env`, a JSON argument whose braces are
+    /// kept and whose placeholders are filled, events on an `ipc://` socket vLLM binds.
+    #[test]
+    fn a_vllm_template_with_a_json_argument_is_accepted() {
+        let text = r#"
+            kind = "process"
+            [agg]
+            command = ["env", "VLLM_HOST_IP=127.0.0.1", "python", "-m", "vllm.entrypoints.openai.api_server",
+                       "--port", "{port}", "--kv-events-config",
+                       '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"ipc:///run/ev-{index}.sock","replay_endpoint":"tcp://127.0.0.1:{replay_port}","topic":"kv-events"}']
+            worker = "http://127.0.0.1:{port},events=ipc:///run/ev-{index}.sock,replay=tcp://127.0.0.1:{replay_port},block-size=32"
+        "#;
+        let ActuatorConfig::Process(p) = parse(text).unwrap() else {
+            panic!("not a process actuator");
+        };
+        let json = p.agg.as_ref().unwrap().command.last().unwrap();
+        let filled = Placeholder::fill(json, &Placeholder::sample("127.0.0.1"));
+        let value: serde_json::Value = serde_json::from_str(&filled).unwrap();
+        assert_eq!(value["endpoint"], "ipc:///run/ev-0.sock");
+        assert_eq!(value["replay_endpoint"], "tcp://127.0.0.1:5558");
     }
 
     /// Every wrong table is refused, with an error naming what is wrong.

@@ -93,19 +93,33 @@ impl Placeholder {
         .unwrap_or_else(|_| text.to_owned())
     }
 
+    /// `text` with each `{name}` replaced by `value(name)`. A `{` starts a placeholder only
+    /// when a name (letters, digits, `_`) follows it; any other `{` is kept as is, so a JSON
+    /// argument (vLLM's `--kv-events-config '{"endpoint": "ipc:///run/ev-{index}.sock"}'`)
+    /// needs no escaping and its placeholders are filled.
     fn expand(text: &str, value: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+        let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_';
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
         while let Some(open) = rest.find('{') {
             out.push_str(&rest[..open]);
             let after = &rest[open + 1..];
-            let close = after.find('}').ok_or_else(|| "an unclosed '{'".to_owned())?;
-            let name = &after[..close];
+            let name_len = after.find(|c: char| !is_name(c)).unwrap_or(after.len());
+            if name_len == 0 {
+                // Not a placeholder: a literal brace.
+                out.push('{');
+                rest = after;
+                continue;
+            }
+            let name = &after[..name_len];
+            if !after[name_len..].starts_with('}') {
+                return Err(format!("an unclosed '{{' before {name:?}"));
+            }
             if !Self::NAMES.contains(&name) {
                 return Err(format!("unknown placeholder {{{name}}}"));
             }
             out.push_str(&value(name).ok_or_else(|| format!("unknown placeholder {{{name}}}"))?);
-            rest = &after[close + 1..];
+            rest = &after[name_len + 1..];
         }
         out.push_str(rest);
         Ok(out)
@@ -662,6 +676,13 @@ mod tests {
             ("{host}:{events_port}/{replay_port}", "127.0.0.1:6000/6001"),
             ("{model}-{index}", "m-3"),
             ("no placeholder }", "no placeholder }"),
+            // Braces not followed by a name are kept: JSON arguments need no escaping.
+            ("{}", "{}"),
+            ("{ {{port}} }", "{ {9000} }"),
+            (
+                r#"{"endpoint":"ipc:///run/ev-{index}.sock","replay_endpoint":"tcp://{host}:{replay_port}","topic":"kv-events"}"#,
+                r#"{"endpoint":"ipc:///run/ev-3.sock","replay_endpoint":"tcp://127.0.0.1:6001","topic":"kv-events"}"#,
+            ),
         ];
         for (text, want) in cases {
             assert_eq!(Placeholder::check(text), Ok(()), "{text}");
@@ -669,6 +690,12 @@ mod tests {
         }
         assert!(Placeholder::check("{nope}").unwrap_err().contains("{nope}"));
         assert!(Placeholder::check("{port").unwrap_err().contains("unclosed"));
+        assert!(Placeholder::check("{port x}").unwrap_err().contains("unclosed"));
+        assert!(
+            Placeholder::check(r#"{"a": {nope}}"#)
+                .unwrap_err()
+                .contains("{nope}")
+        );
     }
 
     #[test]
