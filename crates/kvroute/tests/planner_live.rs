@@ -223,6 +223,27 @@ async fn send(c: &cluster::Cluster, i: u32, tokens: u32, max_tokens: u32) -> u16
         .0
 }
 
+/// The planner's actions so far that `which` picks.
+fn actions(c: &cluster::Cluster, which: impl Fn(&Action) -> bool) -> usize {
+    c.proxy
+        .planner
+        .decisions()
+        .iter()
+        .flat_map(|d| d.actions.clone())
+        .filter(|a| which(a))
+        .count()
+}
+
+/// The planner's decisions so far with a change for a reason `which` picks.
+fn decided(c: &cluster::Cluster, which: impl Fn(&kvroute_planner::Reason) -> bool) -> usize {
+    c.proxy
+        .planner
+        .decisions()
+        .iter()
+        .filter(|d| d.changes.iter().any(|ch| which(&ch.reason)))
+        .count()
+}
+
 fn ready(c: &cluster::Cluster) -> usize {
     c.proxy
         .driver
@@ -257,14 +278,7 @@ async fn the_ramp_grows_the_fleet_and_shrinks_it_back_without_failing_a_request(
     let statuses = futures_util::future::join_all(burst).await;
     assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
     let status = c.proxy.planner.to_json();
-    let adds = c
-        .proxy
-        .planner
-        .decisions()
-        .iter()
-        .flat_map(|d| d.actions.clone())
-        .filter(|a| matches!(a, Action::Add { .. }))
-        .count();
+    let adds = actions(&c, |a| matches!(a, Action::Add { .. }));
     assert!(
         adds >= 2,
         "the burst scaled the fleet up (one from zero, then more): {status}"
@@ -285,14 +299,7 @@ async fn the_ramp_grows_the_fleet_and_shrinks_it_back_without_failing_a_request(
         i += 1;
         assert_eq!(send(&c, i, 128, 4).await, 200);
     }
-    let removes = c
-        .proxy
-        .planner
-        .decisions()
-        .iter()
-        .flat_map(|d| d.actions.clone())
-        .filter(|a| matches!(a, Action::Remove { .. }))
-        .count();
+    let removes = actions(&c, |a| matches!(a, Action::Remove { .. }));
     assert!(removes >= 1, "{}", c.proxy.planner.to_json());
     for d in c.proxy.planner.decisions() {
         eprintln!("{:.2} s: {}", d.at_s, d.text);
@@ -408,28 +415,8 @@ async fn a_pool_at_zero_serves_its_first_request_once_a_worker_is_ready_and_goes
         .iter()
         .map(|d| d.text.clone())
         .collect();
-    let from_zero = c
-        .proxy
-        .planner
-        .decisions()
-        .iter()
-        .filter(|d| {
-            d.changes
-                .iter()
-                .any(|ch| matches!(ch.reason, kvroute_planner::Reason::FromZero { .. }))
-        })
-        .count();
-    let idle = c
-        .proxy
-        .planner
-        .decisions()
-        .iter()
-        .filter(|d| {
-            d.changes
-                .iter()
-                .any(|ch| matches!(ch.reason, kvroute_planner::Reason::Idle { .. }))
-        })
-        .count();
+    let from_zero = decided(&c, |r| matches!(r, kvroute_planner::Reason::FromZero { .. }));
+    let idle = decided(&c, |r| matches!(r, kvroute_planner::Reason::Idle { .. }));
     assert_eq!((from_zero, idle), (2, 2), "{reasons:?}");
 }
 

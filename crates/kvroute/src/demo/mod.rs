@@ -248,29 +248,7 @@ async fn live(
         .iter()
         .map(|m| WorkerConfig::parse_flag(&m.worker_flag()))
         .collect::<Result<Vec<_>, _>>()?;
-    let config = ServeConfig {
-        server: ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..Default::default()
-        },
-        routing: RoutingConfig {
-            policy: args.policy.clone(),
-            block_size: sim.engine.block_size,
-            disagg_protocol: args.disagg_protocol,
-            ..Default::default()
-        },
-        limits: LimitsConfig {
-            max_body_bytes: 64 << 20,
-            max_prompt_tokens: 1 << 21,
-        },
-        upstream: UpstreamConfig {
-            health_interval_ms: 1000,
-            ..Default::default()
-        },
-        workers,
-        ..ServeConfig::default()
-    };
+    let config = serve_config(args, sim.engine.block_size, workers);
     // Replicas: a local NATS server when one is installed.
     let nats = if args.replicas > 1 && !args.no_sync {
         match kvroute_sync::server::NatsServer::start() {
@@ -296,22 +274,7 @@ async fn live(
         .iter()
         .map(|p| format!("{}/v1/completions", p.url()).into())
         .collect();
-    let start = Instant::now();
-    let mut tasks = Vec::with_capacity(requests.len());
-    for (i, r) in requests.into_iter().enumerate() {
-        let at = start + Duration::from_secs_f64(r.arrival.as_secs_f64() / args.speedup);
-        let (client, url) = (client.clone(), Arc::clone(&urls[i % urls.len()]));
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep_until(at.into()).await;
-            let mut m = send(&client, &url, &r).await.unwrap_or_default();
-            m.arrival = Some(at);
-            m
-        }));
-    }
-    let mut measured = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        measured.push(t.await.context("a request task failed")?);
-    }
+    let (start, measured) = replay(&client, &urls, requests, args.speedup).await?;
     let (mut overlap, mut lost) = ((0, 0), 0);
     let mut sync = nats.as_ref().map(|_| SyncTraffic {
         requests: measured.len(),
@@ -354,6 +317,61 @@ async fn live(
         share,
         sync,
     ))
+}
+
+/// The demo's proxy configuration: loopback listeners, `args`' policy, `block_size`, room for
+/// the trace's long prompts, `workers`.
+fn serve_config(args: &DemoArgs, block_size: u32, workers: Vec<WorkerConfig>) -> ServeConfig {
+    ServeConfig {
+        server: ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..Default::default()
+        },
+        routing: RoutingConfig {
+            policy: args.policy.clone(),
+            block_size,
+            disagg_protocol: args.disagg_protocol,
+            ..Default::default()
+        },
+        limits: LimitsConfig {
+            max_body_bytes: 64 << 20,
+            max_prompt_tokens: 1 << 21,
+        },
+        upstream: UpstreamConfig {
+            health_interval_ms: 1000,
+            ..Default::default()
+        },
+        workers,
+        ..ServeConfig::default()
+    }
+}
+
+/// Sends `requests` at their arrival times divided by `speedup`, in turn to `urls`, and
+/// measures each; returns when the first was due, and the measurements in order.
+async fn replay(
+    client: &kvroute_http::net::HttpClient,
+    urls: &[Arc<str>],
+    requests: Vec<TokenRequest>,
+    speedup: f64,
+) -> anyhow::Result<(Instant, Vec<Measured>)> {
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (i, r) in requests.into_iter().enumerate() {
+        let at = start + Duration::from_secs_f64(r.arrival.as_secs_f64() / speedup);
+        let (client, url) = (client.clone(), Arc::clone(&urls[i % urls.len()]));
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            let mut m = send(&client, &url, &r).await.unwrap_or_default();
+            m.arrival = Some(at);
+            m
+        }));
+    }
+    let mut measured = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        measured.push(t.await.context("a request task failed")?);
+    }
+    Ok((start, measured))
 }
 
 /// Sends one streaming completion and measures it.

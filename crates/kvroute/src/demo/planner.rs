@@ -16,17 +16,15 @@ use anyhow::{Context, ensure};
 use kvroute_core::ids::WorkerId;
 use kvroute_http::Model;
 use kvroute_planner::{Action, PlannerConfig, Pool, ScalingDecision};
-use kvroute_proxy::ServeConfig;
 use kvroute_proxy::autoscale::actuator::{self, ActuatorConfig, ProcessConfig, WorkerTemplate};
 use kvroute_proxy::autoscale::{Actuator, Settings};
-use kvroute_proxy::config::{LimitsConfig, RoutingConfig, ServerConfig, UpstreamConfig};
 use kvroute_sim::report::Report;
 use kvroute_sim::trace::TokenRequest;
 use kvroute_sim::{PlannerSetup, SimConfig, Simulation};
 
 use crate::plan::PlanFile;
 
-use super::{DemoArgs, Measured};
+use super::DemoArgs;
 
 /// The ramp: the trace's rate times these multipliers (seconds of modeled time, multiplier),
 /// piecewise linear: low, a climb, high, a descent, low again until the rows run out.
@@ -265,28 +263,9 @@ async fn live(
         log_dir: Some(log_dir.clone()),
         host: "127.0.0.1".into(),
     }));
-    let config = ServeConfig {
-        server: ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..Default::default()
-        },
-        routing: RoutingConfig {
-            policy: args.policy.clone(),
-            block_size: e.block_size,
-            queue_timeout_ms: 600_000,
-            ..Default::default()
-        },
-        limits: LimitsConfig {
-            max_body_bytes: 64 << 20,
-            max_prompt_tokens: 1 << 21,
-        },
-        upstream: UpstreamConfig {
-            health_interval_ms: 1000,
-            ..Default::default()
-        },
-        ..ServeConfig::default()
-    };
+    let mut config = super::serve_config(args, e.block_size, Vec::new());
+    // Requests wait while the planner adds workers.
+    config.routing.queue_timeout_ms = 600_000;
     let mut proxy = kvroute_proxy::start(config, Some(Arc::clone(&model))).await?;
     let mut engine = e.clone();
     engine.speedup = speedup;
@@ -323,22 +302,7 @@ async fn live(
     );
     let client = kvroute_http::net::client(Duration::from_secs(5));
     let url: Arc<str> = format!("{}/v1/completions", proxy.url()).into();
-    let t0 = Instant::now();
-    let mut tasks = Vec::with_capacity(requests.len());
-    for r in requests {
-        let at = t0 + Duration::from_secs_f64(r.arrival.as_secs_f64() / args.speedup);
-        let (client, url) = (client.clone(), Arc::clone(&url));
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep_until(at.into()).await;
-            let mut m = super::send(&client, &url, &r).await.unwrap_or_default();
-            m.arrival = Some(at);
-            m
-        }));
-    }
-    let mut measured: Vec<Measured> = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        measured.push(t.await.context("a request task failed")?);
-    }
+    let (t0, measured) = super::replay(&client, &[url], requests, args.speedup).await?;
     let end = measured
         .iter()
         .filter_map(|m| m.end)
