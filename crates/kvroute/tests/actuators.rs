@@ -90,25 +90,12 @@ async fn until_none_running(a: &ProcessActuator) {
     .await;
 }
 
-/// Whether process group `pgid` still has a member that is not a zombie (from `/proc`: a
-/// killed grandchild may wait a while for its new parent to reap it).
-fn group_alive(pgid: u32) -> bool {
-    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            return false;
-        };
-        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after its ')'.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
-    })
-}
-
 /// Waits until process group `pgid` has no live member.
 async fn until_group_gone(pgid: u32) {
-    eventually(format!("process group {pgid} gone"), || !group_alive(pgid)).await;
+    eventually(format!("process group {pgid} gone"), || {
+        !kvroute_testkit::process_group_alive(pgid)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +135,7 @@ async fn a_started_worker_joins_when_it_serves_the_model_warms_and_leaves_on_sig
         panic!("{:?}", a.running());
     };
     assert_eq!(in_fleet, id);
-    assert!(group_alive(pid));
+    assert!(kvroute_testkit::process_group_alive(pid));
 
     // Its KV events reach the router once it caches something.
     c.complete(json!({"prompt": "The actuator's first worker serves this prompt.", "max_tokens": 4}))
@@ -198,7 +185,7 @@ async fn a_worker_that_ignores_sigterm_is_killed_when_its_grace_runs_out() {
     else {
         panic!("{:?}", a.running());
     };
-    assert!(group_alive(pid));
+    assert!(kvroute_testkit::process_group_alive(pid));
     // Released by its URL (it has no fleet id).
     a.release(kvroute_core::ids::WorkerId(u64::MAX), &url.clone());
     assert_eq!(a.pending(), [], "a released worker is not pending");

@@ -439,22 +439,6 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     let _ = std::fs::remove_dir_all(&run);
 }
 
-/// Whether process group `pgid` still has a member that is not a zombie (from `/proc`: an
-/// engine core orphaned by its killed parent may wait a while to be reaped).
-fn group_alive(pgid: u32) -> bool {
-    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            return false;
-        };
-        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after its ')'.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
-    })
-}
-
 /// The planner's file of the scale-from-zero check: one agg pool from 0 to 1 worker, started
 /// by the `process` actuator as a real vLLM engine of `dir` whose events and logs go in `run`.
 fn plan_from_zero(dir: &Path, run: &Path) -> String {
@@ -635,7 +619,7 @@ async fn the_planner_starts_a_real_vllm_for_a_request_waiting_at_zero_and_stops_
     drop(proxy);
     drop(actuator);
     let stopping = Instant::now();
-    while group_alive(pid) {
+    while kvroute_testkit::process_group_alive(pid) {
         assert!(
             stopping.elapsed() < PATIENCE,
             "the engine (process group {pid}) still runs {PATIENCE:?} after the proxy stopped"
