@@ -137,6 +137,19 @@ pub enum ModelSeed {
     Profile,
 }
 
+/// How a simulated fleet is observed by its planner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Observe {
+    /// The engines themselves: their forward passes and resident KV (what an engine that
+    /// reports per-pass metrics gives).
+    #[default]
+    Engines,
+    /// The router's books only, as the live proxy observes its workers ([`crate::books`]): no
+    /// forward passes, the load the router booked.
+    Router,
+}
+
 /// Everything the planner needs besides its inputs.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]

@@ -28,6 +28,7 @@
 //! that would not fit beside them wait for a later tick.
 #![forbid(unsafe_code)]
 
+pub mod books;
 pub mod config;
 mod error;
 pub mod model;
@@ -35,7 +36,7 @@ mod planner;
 pub mod predictor;
 pub mod regression;
 
-pub use config::{EngineLimits, Mode, ModelSeed, PlannerConfig, Pool, PredictorConfig, Sla};
+pub use config::{EngineLimits, Mode, ModelSeed, Observe, PlannerConfig, Pool, PredictorConfig, Sla};
 pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use planner::{

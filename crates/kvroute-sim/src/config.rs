@@ -179,6 +179,9 @@ pub struct PlannerSetup {
     /// Whether the run keeps every observation it handed the planner
     /// ([`crate::PlannerRun::observations`]).
     pub keep_observations: bool,
+    /// What the planner sees of the workers: the engines (their passes and KV), or the router's
+    /// books, as the live proxy's planner sees them.
+    pub observe: kvroute_planner::Observe,
 }
 
 impl SimConfig {

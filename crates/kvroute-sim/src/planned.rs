@@ -25,6 +25,8 @@ pub(crate) struct PlannerState {
     pub(crate) ticks: Vec<TickRecord>,
     /// What the planner was handed, when kept.
     pub(crate) observations: Option<Vec<(Timestamp, Observation)>>,
+    /// What the planner sees of the workers.
+    pub(crate) observe: kvroute_planner::Observe,
     pub(crate) startup: Duration,
     /// KV events that reached the router after their worker was removed (dropped).
     pub(crate) late_kv_events: u64,
@@ -39,6 +41,7 @@ impl PlannerState {
             decisions: Vec::new(),
             ticks: Vec::new(),
             observations: None,
+            observe: kvroute_planner::Observe::Engines,
             startup,
             late_kv_events: 0,
         }

@@ -47,6 +47,7 @@ fn planner(mode: Mode) -> PlannerSetup {
         },
         sla_window: Duration::from_secs(30),
         keep_observations: false,
+        observe: kvroute_planner::Observe::Engines,
     }
 }
 

@@ -70,6 +70,7 @@ fn one_observation_sequence_gives_the_same_decisions_live_and_simulated() {
         config: plan.planner.clone(),
         sla_window: Duration::from_secs(30),
         keep_observations: true,
+        observe: kvroute_planner::Observe::Engines,
     });
     let workload = ramp(config.engine.block_size);
     let run = Simulation::new(config)

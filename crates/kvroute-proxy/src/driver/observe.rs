@@ -25,44 +25,13 @@ pub(super) struct Gathering {
     warmup: Duration,
 }
 
-/// One worker's books in the router, summed over its ranks.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Books {
-    /// Prompt tokens of its requests still in prefill.
-    pub(super) prefill_tokens: u64,
-    /// Its requests past prefill.
-    pub(super) decode_seqs: u32,
-    /// Its active decode blocks.
-    pub(super) decode_blocks: u64,
-    /// Its requests.
-    pub(super) in_flight: u32,
-}
-
 impl DriverState {
-    /// Worker `id`'s books, over its `ranks`.
-    pub(super) fn books(&self, id: WorkerId, ranks: u32) -> Books {
-        let mut b = Books::default();
-        for rank in 0..ranks {
-            let key = WorkerKey::new(id, kvroute_core::ids::DpRank(rank));
-            if let Some(load) = self.router.worker_load(key) {
-                b.prefill_tokens += load.prefill_tokens;
-                b.decode_seqs += load.requests - load.prefill_requests;
-                b.decode_blocks += load.decode_blocks;
-                b.in_flight += load.requests;
-            }
-        }
-        b
-    }
-
-    /// Cached blocks only worker `id` holds, over its `ranks` (walks its blocks: for ticks and
-    /// scrapes, not the request path).
-    pub(super) fn sole_blocks(&self, id: WorkerId, ranks: u32) -> u64 {
+    /// Worker `id`'s ranks, as the router names them.
+    pub(super) fn keys(&self, id: WorkerId) -> Vec<WorkerKey> {
+        let ranks = self.registry.get(id).map_or(0, |w| w.config.dp_size);
         (0..ranks)
-            .map(|rank| {
-                let key = WorkerKey::new(id, kvroute_core::ids::DpRank(rank));
-                self.router.index().sole_blocks(key) as u64
-            })
-            .sum()
+            .map(|rank| WorkerKey::new(id, kvroute_core::ids::DpRank(rank)))
+            .collect()
     }
 
     /// Whether worker `id` has taken requests for at least the planner's warm-up.
@@ -151,7 +120,6 @@ impl Driver {
     /// capacity and are left out.
     pub fn planner_workers(&self) -> Vec<WorkerObservation> {
         let inner = self.lock();
-        let bs = u64::from(self.config.routing.block_size);
         let mut out = Vec::new();
         for (id, w) in inner.registry.iter() {
             let state = match w.state {
@@ -159,18 +127,14 @@ impl Driver {
                 WorkerState::Draining { .. } => WorkerPhase::Draining,
                 _ => continue,
             };
-            let b = inner.books(id, w.config.dp_size);
-            out.push(WorkerObservation {
-                id: id.0,
-                pool: pool_of(w.config.role()),
+            out.push(kvroute_planner::books::observe(
+                &inner.router,
+                id.0,
+                pool_of(w.config.role()),
                 state,
-                passes: Vec::new(),
-                queued_prefill_tokens: b.prefill_tokens,
-                decode_seqs: b.decode_seqs,
-                kv_tokens: b.decode_blocks * bs,
-                in_flight: b.in_flight,
-                sole_blocks: inner.sole_blocks(id, w.config.dp_size),
-            });
+                &inner.keys(id),
+                self.config.routing.block_size,
+            ));
         }
         out
     }

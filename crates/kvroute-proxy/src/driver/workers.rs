@@ -298,8 +298,10 @@ impl Driver {
     /// worker. A worker out of the router (drained, unhealthy) books none.
     pub fn in_flight(&self, id: WorkerId) -> Option<u64> {
         let inner = self.lock();
-        let w = inner.registry.get(id)?;
-        Some(u64::from(inner.books(id, w.config.dp_size).in_flight))
+        inner.registry.get(id)?;
+        Some(u64::from(
+            kvroute_planner::books::booked(&inner.router, inner.keys(id)).in_flight,
+        ))
     }
 
     /// Every worker's id and base URL.
@@ -374,14 +376,17 @@ impl Driver {
             .registry
             .iter()
             .map(|(id, w)| {
-                let books = inner.books(id, w.config.dp_size);
+                let keys = inner.keys(id);
                 RemovalFigures {
                     id,
                     url: w.base.clone(),
                     role: w.config.role().name(),
                     state: w.state.name(),
-                    cached_unique_blocks: inner.sole_blocks(id, w.config.dp_size),
-                    in_flight: books.in_flight,
+                    cached_unique_blocks: kvroute_planner::books::sole_blocks(
+                        &inner.router,
+                        keys.iter().copied(),
+                    ),
+                    in_flight: kvroute_planner::books::booked(&inner.router, keys).in_flight,
                 }
             })
             .collect()

@@ -208,6 +208,7 @@ impl<'w> Run<'w> {
                     .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
                 let mut state = PlannerState::new(planner, startup);
                 state.observations = setup.keep_observations.then(Vec::new);
+                state.observe = setup.observe;
                 Some(state)
             }
             None => None,

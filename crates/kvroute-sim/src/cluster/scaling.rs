@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use kvroute_core::router::WorkerRole;
-use kvroute_planner::{Action, Observation, Pool, WorkerObservation, WorkerPhase};
+use kvroute_planner::{Action, Observation, Observe, Pool, WorkerObservation, WorkerPhase, books};
 
 use crate::error::SimError;
 
@@ -32,28 +32,41 @@ impl Run<'_> {
         traffic.duration_s = now.saturating_since(p.last_tick).as_secs_f64();
         p.last_tick = now;
         let bs = u64::from(self.config.engine.block_size);
+        let view = p.observe;
+        let router = self.routers.first();
         let workers = self
             .workers
             .iter_mut()
             .enumerate()
             .filter(|(_, w)| w.life != Life::Removed)
-            .map(|(i, w)| WorkerObservation {
-                id: i as u64,
-                pool: w.pool(),
-                state: match w.life {
+            .map(|(i, w)| {
+                let state = match w.life {
                     Life::Starting => WorkerPhase::Starting,
                     Life::Draining | Life::Removed => WorkerPhase::Draining,
                     Life::Ready => WorkerPhase::Ready,
-                },
-                passes: std::mem::take(&mut w.passes),
-                queued_prefill_tokens: w.queued_prefill_tokens,
-                decode_seqs: w.host.engine().num_running() as u32,
-                kv_tokens: u64::from(w.host.engine().kv_blocks().0) * bs,
-                in_flight: w.in_flight,
-                sole_blocks: self
-                    .routers
-                    .first()
-                    .map_or(0, |r| r.index().sole_blocks(w.key) as u64),
+                };
+                let passes = std::mem::take(&mut w.passes);
+                match (view, router) {
+                    (Observe::Router, Some(router)) => books::observe(
+                        router,
+                        i as u64,
+                        w.pool(),
+                        state,
+                        &[w.key],
+                        self.config.engine.block_size,
+                    ),
+                    _ => WorkerObservation {
+                        id: i as u64,
+                        pool: w.pool(),
+                        state,
+                        passes,
+                        queued_prefill_tokens: w.queued_prefill_tokens,
+                        decode_seqs: w.host.engine().num_running() as u32,
+                        kv_tokens: u64::from(w.host.engine().kv_blocks().0) * bs,
+                        in_flight: w.in_flight,
+                        sole_blocks: router.map_or(0, |r| r.index().sole_blocks(w.key) as u64),
+                    },
+                }
             })
             .collect();
         let queued_requests = self.routers.first().map_or(0, |r| r.metrics().queued_now as u64);

@@ -69,8 +69,9 @@ pub struct DemoArgs {
     /// The planner, live and simulated, on a load ramp (low, high, low) of the example trace:
     /// the live proxy's planner starts and stops `kvroute mock` processes. With a FILE, its
     /// planner file (as `serve --planner` takes it); without, the demo's own.
-    #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "FILE")]
-    pub planner: Option<std::path::PathBuf>,
+    #[arg(long, num_args = 0..=1, value_name = "FILE")]
+    #[allow(clippy::option_option)]
+    pub planner: Option<Option<std::path::PathBuf>>,
 }
 
 /// One request's measurements, in wall-clock time.
@@ -90,8 +91,7 @@ struct Measured {
 /// Runs the demo.
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     if let Some(file) = &args.planner {
-        let file = (!file.as_os_str().is_empty()).then_some(file.as_path());
-        return planner::run(&args, file);
+        return planner::run(&args, file.as_deref());
     }
     let trace = || BufReader::new(GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
     let mut sim = if args.prefill > 0 {

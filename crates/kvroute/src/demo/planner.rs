@@ -82,6 +82,8 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
         config: plan.planner.clone(),
         sla_window: Duration::from_secs(30),
         keep_observations: false,
+        // As the live planner sees its workers.
+        observe: kvroute_planner::Observe::Router,
     });
     let mut workload =
         kvroute_sim::trace::read_mooncake(trace(), 512, sim.engine.block_size, Some(args.limit))?;

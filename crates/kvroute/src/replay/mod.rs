@@ -213,6 +213,11 @@ pub struct ReplayConfig {
     /// With `--planner`: seconds per SLA-attainment window. Default 60.
     #[arg(long)]
     pub sla_window_s: Option<f64>,
+    /// With `--planner`: what the planner sees of the workers, `engines` (their forward passes
+    /// and KV) or `router` (the router's books only, as `kvroute serve --planner` sees a live
+    /// fleet). Default engines.
+    #[arg(long)]
+    pub planner_observe: Option<String>,
     /// Time-varying load: re-time the arrivals so that the rate is the trace's times a
     /// piecewise-linear multiplier, `T:M,T:M,...` (seconds after the other arrival options,
     /// multiplier), e.g. `0:0.5,1800:3,3600:0.5`.
@@ -330,6 +335,10 @@ impl<'a> Plan<'a> {
         ensure!(
             o.sla_window_s.is_none() || o.planner.is_some(),
             "--sla-window-s applies only with --planner"
+        );
+        ensure!(
+            o.planner_observe.is_none() || o.planner.is_some(),
+            "--planner-observe applies only with --planner"
         );
         for (flag, v) in [
             ("--workers", o.workers),
@@ -534,6 +543,11 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
         config.planner = Some(PlannerSetup {
             config: plan.planner,
             keep_observations: false,
+            observe: match o.planner_observe.as_deref() {
+                None | Some("engines") => kvroute_planner::Observe::Engines,
+                Some("router") => kvroute_planner::Observe::Router,
+                Some(other) => bail!("--planner-observe {other}: engines or router"),
+            },
             sla_window: Duration::try_from_secs_f64(window).context("--sla-window-s")?,
         });
     }
