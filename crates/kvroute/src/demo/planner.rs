@@ -117,8 +117,8 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     ]);
     let gpu = |r: &Report| r.number("gpu_hours").unwrap_or(f64::NAN);
     let lines = [
-        format!("scaling, simulated: {}", directions(&simulated.decisions)),
-        format!("scaling, live:      {}", directions(&live.decisions)),
+        format!("scaling, simulated: {}", directions(&simulated.decisions, 1.0)),
+        format!("scaling, live:      {}", directions(&live.decisions, args.speedup)),
         format!(
             "GPU-hours: live {:.4}, simulated {:.4}",
             gpu(&live.report),
@@ -140,8 +140,9 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A run's decisions as their directions in order, e.g. `+1 +1 -1` (the net change of each).
-fn directions(decisions: &[ScalingDecision]) -> String {
+/// A run's decisions as their directions in order with their times, modeled seconds (a live
+/// run's times are multiplied by `speedup`), e.g. `+1@35 +1@40 -1@220`.
+fn directions(decisions: &[ScalingDecision], speedup: f64) -> String {
     if decisions.is_empty() {
         return "none".to_owned();
     }
@@ -156,7 +157,7 @@ fn directions(decisions: &[ScalingDecision]) -> String {
                     Action::Remove { .. } => -1,
                 })
                 .sum();
-            format!("{net:+}")
+            format!("{net:+}@{:.0}", d.at_s * speedup)
         })
         .collect::<Vec<_>>()
         .join(" ")
