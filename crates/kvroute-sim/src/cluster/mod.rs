@@ -424,6 +424,11 @@ impl<'w> Run<'w> {
                 best = Some((t, s));
             }
         };
+        // A planner tick observes what happened before its instant, as a live tick does (a
+        // request arriving at the same instant reaches a live proxy after it): it goes first.
+        if let Some(Reverse((k, Event::PlannerTick))) = self.heap.peek() {
+            consider(Some(k.0), Source::Heap);
+        }
         consider(self.channel.front().map(|e| e.0), Source::Channel);
         consider(self.sync.peek().map(|Reverse(e)| e.key.0), Source::Sync);
         consider(

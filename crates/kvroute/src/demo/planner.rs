@@ -42,7 +42,7 @@ model_seed = "profile"
 latency_correction = false
 load_interval_s = 5
 throughput_scaling = false
-scale_down_ticks = 4
+scale_down_ticks = 12
 startup_delay_s = 2
 
 [planner.sla]
