@@ -200,6 +200,26 @@ impl Drop for Pki {
     }
 }
 
+/// Whether process group `pgid` still has a member that is not a zombie, read from `/proc` (a
+/// killed process's orphaned child may wait a while for its new parent to reap it). False where
+/// `/proc` cannot be read.
+pub fn process_group_alive(pgid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after its ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,24 +251,4 @@ mod tests {
         });
         assert_eq!(calls, 3);
     }
-}
-
-/// Whether process group `pgid` still has a member that is not a zombie, read from `/proc` (a
-/// killed process's orphaned child may wait a while for its new parent to reap it). False where
-/// `/proc` cannot be read.
-pub fn process_group_alive(pgid: u32) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    entries.flatten().any(|entry| {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            return false;
-        };
-        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after its ')'.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
-    })
 }

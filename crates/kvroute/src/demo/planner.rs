@@ -118,7 +118,10 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     let gpu = |r: &Report| r.number("gpu_hours").unwrap_or(f64::NAN);
     let lines = [
         format!("scaling, simulated: {}", directions(&simulated.decisions, 1.0)),
-        format!("scaling, live:      {}", directions(&live.decisions, args.speedup)),
+        format!(
+            "scaling, live:      {}",
+            directions(&live.decisions, args.speedup)
+        ),
         format!(
             "GPU-hours: live {:.4}, simulated {:.4}",
             gpu(&live.report),
