@@ -64,7 +64,7 @@ pub use config::{
 pub use error::SimError;
 /// The prefill-to-decode KV link, the engine crate's (the mock workers price imports with it too).
 pub use kvroute_engine::KvTransfer;
-pub use planned::{PlannerRun, SlaWindow};
+pub use planned::{PlannerRun, RequestSla, SlaWindow, sla_windows};
 pub use report::{CompletedRequest, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
 pub use workload::{Arrival, PromptBlocks, SimRequest, Workload};
 

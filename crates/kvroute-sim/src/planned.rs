@@ -123,3 +123,89 @@ impl PlannerRun {
 pub(crate) fn sla_of(config: &PlannerConfig) -> (f64, f64) {
     (config.sla.ttft_ms, config.sla.itl_ms)
 }
+
+/// One request as SLA attainment counts it.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestSla {
+    /// When it arrived.
+    pub arrived: Timestamp,
+    /// How it ended.
+    pub outcome: crate::report::Outcome,
+    /// Its first token, if any.
+    pub first_token: Option<Timestamp>,
+    /// Its last token.
+    pub last_token: Timestamp,
+    /// Its output tokens.
+    pub output_tokens: u32,
+}
+
+/// SLA attainment per `window` of arrivals: a window meets `sla` when something in it completed,
+/// nothing was turned away, and the mean TTFT and mean inter-token latency of its completed
+/// requests are within the targets (the planner plans for means). For the simulator's requests
+/// and, the same way, for a live run's (`kvroute demo --planner`).
+pub fn sla_windows(
+    requests: impl IntoIterator<Item = RequestSla>,
+    window: Duration,
+    sla: &kvroute_planner::Sla,
+) -> Vec<SlaWindow> {
+    let (ttft_sla, itl_sla) = (sla.ttft_ms, sla.itl_ms);
+    let window = window.as_nanos().max(1) as u64;
+    let ms = |a: Timestamp, b: Timestamp| crate::report::ms_between(a.as_nanos(), b.as_nanos());
+    let mut windows: Vec<SlaWindow> = Vec::new();
+    let mut sums: Vec<(f64, u64, f64, u64, u64)> = Vec::new();
+    for s in requests {
+        let k = (s.arrived.as_nanos() / window) as usize;
+        while windows.len() <= k {
+            windows.push(SlaWindow {
+                start_s: (windows.len() as u64 * window) as f64 / 1e9,
+                arrived: 0,
+                completed: 0,
+                rejected: 0,
+                mean_ttft_ms: None,
+                mean_itl_ms: None,
+                good_fraction: 0.0,
+                met: false,
+            });
+            sums.push((0.0, 0, 0.0, 0, 0));
+        }
+        let w = &mut windows[k];
+        let sum = &mut sums[k];
+        w.arrived += 1;
+        match s.outcome {
+            crate::report::Outcome::Rejected => w.rejected += 1,
+            crate::report::Outcome::Unfinished => {}
+            crate::report::Outcome::Completed => {
+                w.completed += 1;
+                let ttft = s.first_token.map_or(0.0, |t| ms(s.arrived, t));
+                sum.0 += ttft;
+                sum.1 += 1;
+                let mut itl_ok = true;
+                if let Some(first) = s.first_token
+                    && s.output_tokens > 1
+                {
+                    let itl = ms(first, s.last_token) / f64::from(s.output_tokens - 1);
+                    sum.2 += itl;
+                    sum.3 += 1;
+                    itl_ok = itl <= itl_sla;
+                }
+                if ttft <= ttft_sla && itl_ok {
+                    sum.4 += 1;
+                }
+            }
+        }
+    }
+    for (w, sum) in windows.iter_mut().zip(&sums) {
+        w.mean_ttft_ms = (sum.1 > 0).then(|| sum.0 / sum.1 as f64);
+        w.mean_itl_ms = (sum.3 > 0).then(|| sum.2 / sum.3 as f64);
+        w.good_fraction = if w.completed == 0 {
+            0.0
+        } else {
+            sum.4 as f64 / w.completed as f64
+        };
+        w.met = w.completed > 0
+            && w.rejected == 0
+            && w.mean_ttft_ms.is_none_or(|t| t <= ttft_sla)
+            && w.mean_itl_ms.is_none_or(|t| t <= itl_sla);
+    }
+    windows
+}

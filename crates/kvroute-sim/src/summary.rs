@@ -7,7 +7,7 @@ use kvroute_core::router::replica::ProtocolCounters;
 use crate::RunResult;
 use crate::cluster::Run;
 use crate::config::{PlannerSetup, ReplicaSync, SimConfig, Topology};
-use crate::planned::{PlannerRun, PlannerState, SlaWindow, WorkerLife, sla_of};
+use crate::planned::{PlannerRun, PlannerState, WorkerLife, sla_of};
 use crate::report::{
     CompletedRequest, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
     ms_between,
@@ -191,67 +191,16 @@ fn planner_run(
     duration_s: f64,
 ) -> PlannerRun {
     let (ttft_sla, itl_sla) = sla_of(&setup.config);
-    let window = setup.sla_window.as_nanos().max(1) as u64;
-    let mut windows: Vec<SlaWindow> = Vec::new();
-    let mut sums: Vec<(f64, u64, f64, u64, u64)> = Vec::new();
-    for s in &run.reqs {
-        let Some(arrived) = s.arrived else { continue };
-        let k = (arrived.as_nanos() / window) as usize;
-        while windows.len() <= k {
-            windows.push(SlaWindow {
-                start_s: (windows.len() as u64 * window) as f64 / 1e9,
-                arrived: 0,
-                completed: 0,
-                rejected: 0,
-                mean_ttft_ms: None,
-                mean_itl_ms: None,
-                good_fraction: 0.0,
-                met: false,
-            });
-            sums.push((0.0, 0, 0.0, 0, 0));
-        }
-        let w = &mut windows[k];
-        let sum = &mut sums[k];
-        w.arrived += 1;
-        match s.outcome() {
-            Outcome::Rejected => w.rejected += 1,
-            Outcome::Unfinished => {}
-            Outcome::Completed => {
-                w.completed += 1;
-                let ttft = s
-                    .first_token
-                    .map_or(0.0, |t| ms_between(arrived.as_nanos(), t.as_nanos()));
-                sum.0 += ttft;
-                sum.1 += 1;
-                let mut itl_ok = true;
-                if let Some(first) = s.first_token
-                    && s.output_tokens > 1
-                {
-                    let itl = ms_between(first.as_nanos(), s.last_token.as_nanos())
-                        / f64::from(s.output_tokens - 1);
-                    sum.2 += itl;
-                    sum.3 += 1;
-                    itl_ok = itl <= itl_sla;
-                }
-                if ttft <= ttft_sla && itl_ok {
-                    sum.4 += 1;
-                }
-            }
-        }
-    }
-    for (w, sum) in windows.iter_mut().zip(&sums) {
-        w.mean_ttft_ms = (sum.1 > 0).then(|| sum.0 / sum.1 as f64);
-        w.mean_itl_ms = (sum.3 > 0).then(|| sum.2 / sum.3 as f64);
-        w.good_fraction = if w.completed == 0 {
-            0.0
-        } else {
-            sum.4 as f64 / w.completed as f64
-        };
-        w.met = w.completed > 0
-            && w.rejected == 0
-            && w.mean_ttft_ms.is_none_or(|t| t <= ttft_sla)
-            && w.mean_itl_ms.is_none_or(|t| t <= itl_sla);
-    }
+    let requests = run.reqs.iter().filter_map(|s| {
+        Some(crate::planned::RequestSla {
+            arrived: s.arrived?,
+            outcome: s.outcome(),
+            first_token: s.first_token,
+            last_token: s.last_token,
+            output_tokens: s.output_tokens,
+        })
+    });
+    let windows = crate::planned::sla_windows(requests, setup.sla_window, &setup.config.sla);
     let workers: Vec<WorkerLife> = run
         .workers
         .iter()

@@ -14,11 +14,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use kvroute_core::ids::WorkerId;
+use kvroute_core::time::Timestamp;
 use kvroute_http::Model;
 use kvroute_planner::{Action, PlannerConfig, Pool, ScalingDecision};
 use kvroute_proxy::autoscale::actuator::{self, ActuatorConfig, ProcessConfig, WorkerTemplate};
 use kvroute_proxy::autoscale::{Actuator, Settings};
-use kvroute_sim::report::Report;
+use kvroute_sim::report::{Outcome, Report};
 use kvroute_sim::trace::TokenRequest;
 use kvroute_sim::{PlannerSetup, SimConfig, Simulation};
 
@@ -57,7 +58,12 @@ timeout_s = 120
 struct Run {
     report: Report,
     decisions: Vec<ScalingDecision>,
+    /// SLA windows met, and windows with arrivals.
+    attainment: (u64, u64),
 }
+
+/// The length of an SLA window, modeled time.
+const SLA_WINDOW: Duration = Duration::from_secs(30);
 
 /// Runs the planner demo.
 pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
@@ -80,7 +86,7 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     sim.sample_interval = None;
     sim.planner = Some(PlannerSetup {
         config: plan.planner.clone(),
-        sla_window: Duration::from_secs(30),
+        sla_window: SLA_WINDOW,
         keep_observations: false,
         // As the live planner sees its workers.
         observe: kvroute_planner::Observe::Router,
@@ -106,8 +112,10 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
         ),
     );
     let result = Simulation::new(sim.clone())?.run(&workload, &mut |_| {})?;
+    let planned = result.planner.context("a planned run")?;
     let simulated = Run {
-        decisions: result.planner.map(|p| p.decisions).unwrap_or_default(),
+        attainment: planned.attainment(),
+        decisions: planned.decisions,
         report: result.report,
     };
     let (live, failed) = crate::serve::runtime(0)?.block_on(live(args, &sim, &plan, requests))?;
@@ -121,6 +129,10 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
         format!(
             "scaling, live:      {}",
             directions(&live.decisions, args.speedup)
+        ),
+        format!(
+            "SLA windows met: live {}/{}, simulated {}/{}",
+            live.attainment.0, live.attainment.1, simulated.attainment.0, simulated.attainment.1
         ),
         format!(
             "GPU-hours: live {:.4}, simulated {:.4}",
@@ -328,5 +340,32 @@ async fn live(
         Some(worker_seconds),
     );
     drop(proxy);
-    Ok((Run { report, decisions }, failed))
+    // SLA attainment as the simulator counts it, on the live requests in modeled time.
+    let modeled =
+        |t: Instant| Timestamp(((t.saturating_duration_since(t0)).as_nanos() as f64 * args.speedup) as u64);
+    let requests = measured.iter().filter_map(|m| {
+        let arrived = modeled(m.arrival?);
+        Some(kvroute_sim::RequestSla {
+            arrived,
+            outcome: if m.ok {
+                Outcome::Completed
+            } else {
+                Outcome::Rejected
+            },
+            first_token: m.first.map(modeled),
+            last_token: m.last_token.map_or(arrived, modeled),
+            output_tokens: m.completion_tokens as u32,
+        })
+    });
+    let windows = kvroute_sim::sla_windows(requests, SLA_WINDOW, &plan.planner.sla);
+    let met = windows.iter().filter(|w| w.met).count() as u64;
+    let counted = windows.iter().filter(|w| w.arrived > 0).count() as u64;
+    Ok((
+        Run {
+            report,
+            decisions,
+            attainment: (met, counted),
+        },
+        failed,
+    ))
 }
