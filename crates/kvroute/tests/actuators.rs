@@ -20,8 +20,6 @@ use kvroute_proxy::autoscale::actuator::{self, Actuator, ActuatorConfig, Process
 use kvroute_proxy::autoscale::process::{ProcessActuator, Started};
 use kvroute_testkit::{eventually, eventually_or};
 
-const KVROUTE: &str = env!("CARGO_BIN_EXE_kvroute");
-
 /// A fresh folder for worker logs.
 fn log_dir(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvroute-actuators-{}-{test}", std::process::id()));
@@ -29,30 +27,11 @@ fn log_dir(test: &str) -> PathBuf {
     dir
 }
 
-/// `kvroute mock` as the agg pool's worker command, with its worker line.
+/// `kvroute mock` at 20x as the agg pool's worker command, with its worker line.
 fn mock_template(extra: &[&str]) -> WorkerTemplate {
-    let mut command: Vec<String> = [
-        KVROUTE,
-        "mock",
-        "--workers",
-        "1",
-        "--port",
-        "{port}",
-        "--event-port",
-        "{events_port}",
-        "--speedup",
-        "20",
-        "--model-name",
-        "{model}",
-    ]
-    .map(str::to_owned)
-    .to_vec();
-    command.extend(extra.iter().map(|&a| a.to_owned()));
-    WorkerTemplate {
-        command,
-        worker: "http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port},replay=tcp://127.0.0.1:{replay_port}"
-            .to_owned(),
-    }
+    let mut args = vec!["--speedup", "20"];
+    args.extend_from_slice(extra);
+    cluster::mock_template(&args)
 }
 
 fn process_config(agg: WorkerTemplate, dir: Option<PathBuf>) -> ProcessConfig {

@@ -108,8 +108,6 @@ fn one_observation_sequence_gives_the_same_decisions_live_and_simulated() {
 #[allow(clippy::unwrap_used)]
 mod cluster;
 
-const KVROUTE: &str = env!("CARGO_BIN_EXE_kvroute");
-
 use kvroute_proxy::autoscale::process::ProcessActuator;
 
 /// The live planner's file: one to three mock workers whose KV fills with a burst (2,048
@@ -141,38 +139,21 @@ timeout_s = 60
 /// A proxy with no worker (requests wait for one) and a `process` actuator starting
 /// `kvroute mock` processes for it.
 async fn empty_fleet(test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
-    use kvroute_proxy::autoscale::actuator::{ProcessConfig, WorkerTemplate};
+    use kvroute_proxy::autoscale::actuator::ProcessConfig;
     let c = cluster::fronting(Vec::new(), Vec::new(), |c| {
         c.routing.block_size = 16;
         c.routing.queue_timeout_ms = 120_000;
         c.routing.when_empty = "queue".to_owned();
     })
     .await;
-    let command = [
-        KVROUTE,
-        "mock",
-        "--workers",
-        "1",
-        "--port",
-        "{port}",
-        "--event-port",
-        "{events_port}",
-        "--num-blocks",
-        "2048",
-        "--block-size",
-        "16",
-        "--model-name",
-        "{model}",
-    ]
-    .map(str::to_owned)
-    .to_vec();
     let log_dir = std::env::temp_dir().join(format!("kvroute-planner-live-{}-{test}", std::process::id()));
     let config = ProcessConfig {
-        agg: Some(WorkerTemplate {
-            command,
-            worker: "http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port},replay=tcp://127.0.0.1:{replay_port}"
-                .to_owned(),
-        }),
+        agg: Some(cluster::mock_template(&[
+            "--num-blocks",
+            "2048",
+            "--block-size",
+            "16",
+        ])),
         prefill: None,
         decode: None,
         ready_timeout_s: 60,

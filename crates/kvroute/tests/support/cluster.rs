@@ -362,3 +362,28 @@ pub async fn stream_completion(client: &Client<OpenAIConfig>, completion: Create
     }
     text
 }
+
+/// `kvroute mock` (the built binary) as a `process` actuator's worker: its command, with `extra`
+/// arguments, and its worker line.
+pub fn mock_template(extra: &[&str]) -> kvroute_proxy::autoscale::actuator::WorkerTemplate {
+    let mut command: Vec<String> = [
+        env!("CARGO_BIN_EXE_kvroute"),
+        "mock",
+        "--workers",
+        "1",
+        "--port",
+        "{port}",
+        "--event-port",
+        "{events_port}",
+        "--model-name",
+        "{model}",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    command.extend(extra.iter().map(|&a| a.to_owned()));
+    kvroute_proxy::autoscale::actuator::WorkerTemplate {
+        command,
+        worker: "http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port},replay=tcp://127.0.0.1:{replay_port}"
+            .to_owned(),
+    }
+}
