@@ -578,6 +578,21 @@ impl Router {
         [expiry, recent, recheck, tombstone].into_iter().flatten().min()
     }
 
+    /// Requests waiting in the queue now.
+    pub fn queued_now(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests waiting in the queue now for want of any eligible worker (all of them, while no
+    /// worker is eligible; none otherwise).
+    pub fn queued_without_worker_now(&self) -> usize {
+        if self.queue.is_empty() || self.has_eligible_worker() {
+            0
+        } else {
+            self.queue.len()
+        }
+    }
+
     /// A snapshot of the counters and of every worker's state.
     pub fn metrics(&self) -> RouterMetrics {
         let workers = self
@@ -593,12 +608,8 @@ impl Router {
             .collect();
         RouterMetrics {
             counters: self.counters,
-            queued_now: self.queue.len(),
-            queued_without_worker_now: if self.has_eligible_worker() {
-                0
-            } else {
-                self.queue.len()
-            },
+            queued_now: self.queued_now(),
+            queued_without_worker_now: self.queued_without_worker_now(),
             active_now: self.fleet.active_count(),
             tombstones_now: self.tombstones.len(),
             index: self.index.stats(),

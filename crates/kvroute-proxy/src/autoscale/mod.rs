@@ -41,9 +41,6 @@ pub struct Settings {
     pub drain_timeout: Duration,
     /// Ticks and decisions kept for `GET /admin/planner`.
     pub history: usize,
-    /// How often the queue is looked at between ticks, for a pool at zero with requests
-    /// waiting.
-    pub queue_check: Duration,
 }
 
 impl Default for Settings {
@@ -51,7 +48,6 @@ impl Default for Settings {
         Self {
             drain_timeout: Duration::from_secs(300),
             history: 100,
-            queue_check: Duration::from_millis(200),
         }
     }
 }
@@ -283,31 +279,19 @@ impl Autoscaler {
         }
     }
 
-    /// Waits until the planner's next tick, or until requests wait in the queue while a pool
-    /// has no worker, ready or starting (a pool at zero starts one at once).
+    /// Waits until the planner's next tick, or until requests start waiting in the queue for
+    /// want of any worker while none is starting (a pool at zero starts one at once). Woken by
+    /// the driver's changes (a request queued, a worker's change of state), not by polling;
+    /// while such requests already wait, only the tick's time ends the wait.
     async fn wait_for_tick(&self) {
-        let due = self.planner.next_tick();
-        loop {
-            let left = due.saturating_since(self.driver.timestamp());
-            if left.is_zero() {
-                return;
-            }
-            tokio::time::sleep(left.min(self.settings.queue_check)).await;
-            if self.driver.queued_requests().total > 0 && self.a_pool_is_empty() {
-                return;
-            }
+        let left = self.planner.next_tick().saturating_since(self.driver.timestamp());
+        let stranded =
+            |d: &Driver| d.queued_requests().without_worker > 0 && self.actuator.pending().is_empty();
+        if stranded(&self.driver) {
+            tokio::time::sleep(left).await;
+        } else {
+            self.driver.wait_until(left, stranded).await;
         }
-    }
-
-    fn a_pool_is_empty(&self) -> bool {
-        let workers = self.driver.planner_workers();
-        let starting = self.actuator.pending();
-        self.planner.config().mode.pools().iter().any(|&pool| {
-            !workers
-                .iter()
-                .any(|w| w.pool == pool && w.state == WorkerPhase::Ready)
-                && !starting.contains(&pool)
-        })
     }
 
     /// What the planner sees now, with `traffic` since the previous tick.

@@ -241,10 +241,10 @@ impl Driver {
     /// The requests waiting in the router's queue now, read live (the autoscaler's demand
     /// signal while a pool is at zero).
     pub fn queued_requests(&self) -> QueuedRequests {
-        let metrics = self.lock().router.metrics();
+        let inner = self.lock();
         QueuedRequests {
-            total: metrics.queued_now,
-            without_worker: metrics.queued_without_worker_now,
+            total: inner.router.queued_now(),
+            without_worker: inner.router.queued_without_worker_now(),
         }
     }
 

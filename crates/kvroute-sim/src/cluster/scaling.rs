@@ -69,7 +69,7 @@ impl Run<'_> {
                 }
             })
             .collect();
-        let queued_requests = self.routers.first().map_or(0, |r| r.metrics().queued_now as u64);
+        let queued_requests = self.routers.first().map_or(0, |r| r.queued_now() as u64);
         let obs = Observation {
             traffic,
             workers,
