@@ -7,7 +7,7 @@ use kvroute_core::ids::WorkerKey;
 use kvroute_core::router::Router;
 
 use crate::config::Pool;
-use crate::planner::{WorkerObservation, WorkerPhase};
+use crate::observation::{WorkerObservation, WorkerPhase};
 
 /// One worker's load as the router books it, summed over its ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

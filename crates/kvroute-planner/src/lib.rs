@@ -32,6 +32,7 @@ pub mod books;
 pub mod config;
 mod error;
 pub mod model;
+pub mod observation;
 mod planner;
 pub mod predictor;
 pub mod regression;
@@ -39,8 +40,8 @@ pub mod regression;
 pub use config::{EngineLimits, Mode, ModelSeed, Observe, PlannerConfig, Pool, PredictorConfig, Sla};
 pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
+pub use observation::{Observation, Traffic, WorkerObservation, WorkerPhase, removal_order, removal_rank};
 pub use planner::{
-    Action, Change, Hold, Metric, Observation, Planner, PoolStatus, Reason, ScalingDecision,
-    ThroughputRecord, TickOutput, TickRecord, Traffic, WorkerObservation, WorkerPhase, fit_budget,
-    removal_order, removal_rank,
+    Action, Change, Hold, Metric, Planner, PoolStatus, Reason, ScalingDecision, ThroughputRecord, TickOutput,
+    TickRecord, fit_budget,
 };
