@@ -64,7 +64,7 @@ impl Run<'_> {
                         decode_seqs: w.host.engine().num_running() as u32,
                         kv_tokens: u64::from(w.host.engine().kv_blocks().0) * bs,
                         in_flight: w.in_flight,
-                        sole_blocks: router.map_or(0, |r| r.index().sole_blocks(w.key) as u64),
+                        sole_blocks: router.map_or(0, |r| books::sole_blocks(r, [w.key])),
                     },
                 }
             })
