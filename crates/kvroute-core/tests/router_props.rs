@@ -5,12 +5,16 @@
 //! * After every input, [`Router::check_invariants`] holds: every worker's running totals equal a
 //!   recomputation from the active requests (debug builds also check inside every mutation, and
 //!   a negative total would overflow and panic).
+//! * After every input, each worker's booked prefill tokens integrated over time
+//!   ([`Router::prefill_token_ns`]) equal a sum recomputed from the loads between inputs.
 //! * After every request is finished, every worker's load is exactly zero: no phantom load.
 //! * A replica that applies every event another router exports ends with the same per-worker
 //!   load as that router (output blocks aside: they are not synced).
 
 #[path = "support/fleet.rs"]
 mod fleet;
+
+use std::collections::BTreeMap;
 
 use fleet::{Drawn, exporting_config, synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
@@ -324,6 +328,16 @@ impl Run {
     }
 }
 
+/// Every worker's booked prefill tokens.
+fn prefill_tokens(router: &Router) -> Vec<(WorkerKey, u64)> {
+    router
+        .metrics()
+        .workers
+        .iter()
+        .map(|w| (w.spec.key, w.load.prefill_tokens))
+        .collect()
+}
+
 proptest! {
     #![proptest_config(Config { cases: 256, ..Config::default() })]
 
@@ -333,12 +347,26 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let mut run = Run::new(config, pd);
+        // The booked prefill tokens integrated over time, recomputed from snapshots: loads
+        // change only at inputs, so between two inputs each worker's tokens are constant.
+        let mut area: BTreeMap<WorkerKey, u128> = BTreeMap::new();
         for op in &ops {
+            let (before, then) = (prefill_tokens(&run.router), run.now);
             run.apply(op);
             if let Err(e) = run.router.check_invariants() {
                 return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
             }
             prop_assert!(run.replica.check_invariants().is_ok());
+            let span = u128::from(run.now.0 - then.0);
+            area.retain(|key, _| run.router.worker_load(*key).is_some());
+            for (key, tokens) in before {
+                if run.router.worker_load(key).is_some() {
+                    *area.entry(key).or_default() += u128::from(tokens) * span;
+                }
+            }
+            for (key, expected) in &area {
+                prop_assert_eq!(run.router.prefill_token_ns(*key, run.now), Some(*expected), "worker {} after {:?}", key, op);
+            }
         }
         // The replica holds exactly the router's own requests: its loads are the router's minus
         // the requests the router got from replica 7. Compare once those are gone.

@@ -27,13 +27,15 @@ pub(crate) struct PlannerState {
     pub(crate) observations: Option<Vec<(Timestamp, Observation)>>,
     /// What the planner sees of the workers.
     pub(crate) observe: kvroute_planner::Observe,
+    /// With `Observe::Router`: each worker's queue integral at the previous tick.
+    pub(crate) reader: kvroute_planner::books::Reader,
     pub(crate) startup: Duration,
     /// KV events that reached the router after their worker was removed (dropped).
     pub(crate) late_kv_events: u64,
 }
 
 impl PlannerState {
-    pub(crate) fn new(planner: Planner, startup: Duration) -> Self {
+    pub(crate) fn new(planner: Planner, startup: Duration, block_size: u32) -> Self {
         Self {
             planner,
             traffic: Traffic::default(),
@@ -42,6 +44,7 @@ impl PlannerState {
             ticks: Vec::new(),
             observations: None,
             observe: kvroute_planner::Observe::Engines,
+            reader: kvroute_planner::books::Reader::new(block_size),
             startup,
             late_kv_events: 0,
         }

@@ -60,6 +60,11 @@ impl FleetWorker {
         self.load.snapshot()
     }
 
+    /// See `LoadState::prefill_area_at`.
+    pub(crate) fn prefill_area_at(&self, now: Timestamp) -> u128 {
+        self.load.prefill_area_at(now)
+    }
+
     pub(crate) fn depth(&self, chain: &[SequenceHash], hint: u32) -> ActiveDepth {
         self.load.depth(chain, hint)
     }
@@ -124,9 +129,17 @@ pub(crate) struct Fleet {
     requests: HashMap<RequestKey, Active, BuildKeyHasher>,
     by_age: BTreeSet<(Timestamp, RequestKey)>,
     scratch: Touched,
+    /// The router's time: load changes are integrated up to it (`LoadState::accrue`).
+    clock: Timestamp,
 }
 
 impl Fleet {
+    /// Sets the time that load changes from now on happen at (the router's clock, which never
+    /// goes back).
+    pub(crate) fn set_clock(&mut self, now: Timestamp) {
+        self.clock = now;
+    }
+
     // ---- workers ----
 
     /// Every worker, ordered by key.
@@ -387,8 +400,10 @@ impl Fleet {
         };
         if active.prefill_pending {
             let (decode, slot) = self.decode_share(&active);
+            self.workers[slot].load.accrue(self.clock);
             self.workers[slot].load.finish_prefill(decode, &mut self.scratch);
             if let Some((share, slot)) = self.prefill_share(&active) {
+                self.workers[slot].load.accrue(self.clock);
                 self.workers[slot].load.free(share, &mut self.scratch);
                 self.settle(slot);
             }
@@ -467,9 +482,11 @@ impl Fleet {
     /// Applies `op` (book or free) to every share of `active`.
     fn apply(&mut self, active: &Active, op: fn(&mut LoadState, Share<'_>, &mut Touched)) {
         let (decode, slot) = self.decode_share(active);
+        self.workers[slot].load.accrue(self.clock);
         op(&mut self.workers[slot].load, decode, &mut self.scratch);
         self.settle(slot);
         if let Some((share, slot)) = self.prefill_share(active) {
+            self.workers[slot].load.accrue(self.clock);
             op(&mut self.workers[slot].load, share, &mut self.scratch);
             self.settle(slot);
         }

@@ -22,6 +22,7 @@ use std::time::Duration;
 use super::chain_trie::{ChainTrie, Touched};
 use super::worker::WorkerRole;
 use crate::ids::SequenceHash;
+use crate::time::Timestamp;
 
 /// Tokens a worker computes for a prompt of `prompt_tokens` tokens when `cached_tokens` of them
 /// are already in its cache: the prompt minus the cached tokens, the cached count clamped to the
@@ -227,9 +228,27 @@ pub(crate) struct LoadState {
     prefill_tokens: u64,
     prefill_requests: u32,
     requests: u32,
+    /// `prefill_tokens` integrated over time, in token-nanoseconds, up to `area_at`.
+    prefill_area: u128,
+    area_at: Timestamp,
 }
 
 impl LoadState {
+    /// Brings the time integral of the prefill tokens up to `now`, before they change (a
+    /// time before the last one adds nothing).
+    pub(crate) fn accrue(&mut self, now: Timestamp) {
+        self.prefill_area = self.prefill_area_at(now);
+        self.area_at = self.area_at.max(now);
+    }
+
+    /// The prefill tokens integrated over time from the first booking to `now`, in
+    /// token-nanoseconds: divided by a span, the difference of two readings is the mean queue
+    /// over that span, whatever the instants at which it was read.
+    pub(crate) fn prefill_area_at(&self, now: Timestamp) -> u128 {
+        let span = now.as_nanos().saturating_sub(self.area_at.as_nanos());
+        self.prefill_area + u128::from(span) * u128::from(self.prefill_tokens)
+    }
+
     /// The load as a plain snapshot.
     pub(crate) fn snapshot(&self) -> WorkerLoad {
         WorkerLoad {

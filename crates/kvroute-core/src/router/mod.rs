@@ -622,6 +622,16 @@ impl Router {
         self.fleet.get(worker).map(|w| w.load())
     }
 
+    /// `worker`'s booked prefill tokens ([`WorkerLoad::prefill_tokens`]) integrated over time,
+    /// in token-nanoseconds, from when it joined up to `now` (a reading before the router's
+    /// clock counts up to that clock). Two readings give the mean queue between them, however
+    /// the bookings came and went: what the planner observes as a worker's queue.
+    pub fn prefill_token_ns(&self, worker: WorkerKey, now: Timestamp) -> Option<u128> {
+        self.fleet
+            .get(worker)
+            .map(|w| w.prefill_area_at(now.max(self.last_now)))
+    }
+
     /// How deep `chain` is in this router's own views of `worker` at `now`: the record of recent
     /// decisions (if the cache mode keeps one) and the decode policy's view (if it keeps one).
     /// For diagnostics and tests: replicas that applied each other's bookings answer alike.
@@ -960,6 +970,7 @@ impl Router {
             return self.last_now;
         }
         self.last_now = now;
+        self.fleet.set_clock(now);
         now
     }
 }

@@ -223,6 +223,7 @@ pub fn start(
             actuator.set_desired(pool, ready);
         }
     }
+    let reader = driver.planner_reader();
     let autoscaler = Autoscaler {
         fleet,
         driver,
@@ -232,6 +233,7 @@ pub fn start(
         status,
         metrics,
         retiring: Arc::new(Mutex::new(Vec::new())),
+        reader,
     };
     tokio::spawn(autoscaler.run())
 }
@@ -246,6 +248,8 @@ struct Autoscaler {
     metrics: Metrics,
     /// Workers being drained for removal.
     retiring: Arc<Mutex<Vec<WorkerId>>>,
+    /// Each worker's queue integral at the previous tick.
+    reader: kvroute_planner::books::Reader,
 }
 
 impl Autoscaler {
@@ -295,8 +299,8 @@ impl Autoscaler {
     }
 
     /// What the planner sees now, with `traffic` since the previous tick.
-    fn observe(&self, traffic: kvroute_planner::Traffic) -> Observation {
-        let mut workers = self.driver.planner_workers();
+    fn observe(&mut self, traffic: kvroute_planner::Traffic) -> Observation {
+        let mut workers = self.driver.planner_observe(&mut self.reader);
         let retiring = self.retiring.lock().unwrap_or_else(|p| p.into_inner()).clone();
         // A worker being retired is draining, whatever its state says.
         for w in &mut workers {

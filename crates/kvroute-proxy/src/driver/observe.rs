@@ -13,7 +13,7 @@ use std::time::Duration;
 use kvroute_core::ids::{WorkerId, WorkerKey};
 use kvroute_core::router::{Decision, WorkerRole};
 use kvroute_http::openai::types::Usage;
-use kvroute_planner::{Pool, Traffic, WorkerObservation, WorkerPhase};
+use kvroute_planner::{Pool, Traffic, WorkerObservation, WorkerPhase, books};
 
 use super::{Driver, DriverState};
 use crate::worker::WorkerState;
@@ -116,9 +116,21 @@ impl Driver {
 
     /// Every worker in the router (taking requests, or draining) as the planner sees it, in id
     /// order: its load from the router's books (summed over its ranks) and the cached blocks
-    /// only it holds. Workers out of routing (failed, misconfigured) are not the planner's
-    /// capacity and are left out.
+    /// only it holds; its queue as booked now. Workers out of routing (failed, misconfigured)
+    /// are not the planner's capacity and are left out.
     pub fn planner_workers(&self) -> Vec<WorkerObservation> {
+        self.planner_observe(&mut self.planner_reader())
+    }
+
+    /// A reader of this driver's workers for one planner ([`Driver::planner_observe`]).
+    pub fn planner_reader(&self) -> books::Reader {
+        books::Reader::new(self.config.routing.block_size)
+    }
+
+    /// [`Driver::planner_workers`] read by the planner's `reader`: each worker's queue is its
+    /// mean since the reader's previous tick. Ends the reader's tick.
+    pub fn planner_observe(&self, reader: &mut books::Reader) -> Vec<WorkerObservation> {
+        let now = self.now();
         let inner = self.lock();
         let mut out = Vec::new();
         for (id, w) in inner.registry.iter() {
@@ -127,15 +139,16 @@ impl Driver {
                 WorkerState::Draining { .. } => WorkerPhase::Draining,
                 _ => continue,
             };
-            out.push(kvroute_planner::books::observe(
+            out.push(reader.observe(
                 &inner.router,
+                now,
                 id.0,
                 pool_of(w.config.role()),
                 state,
                 &inner.keys(id),
-                self.config.routing.block_size,
             ));
         }
+        reader.end_tick();
         out
     }
 

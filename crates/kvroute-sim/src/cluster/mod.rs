@@ -206,7 +206,7 @@ impl<'w> Run<'w> {
                 let planner = crate::profile::planner(&setup.config, &config.engine, Timestamp::ZERO)?;
                 let startup = Duration::try_from_secs_f64(setup.config.startup_delay_s)
                     .map_err(|e| SimError::Config(format!("startup delay: {e}")))?;
-                let mut state = PlannerState::new(planner, startup);
+                let mut state = PlannerState::new(planner, startup, config.engine.block_size);
                 state.observations = setup.keep_observations.then(Vec::new);
                 state.observe = setup.observe;
                 Some(state)

@@ -47,14 +47,9 @@ impl Run<'_> {
                 };
                 let passes = std::mem::take(&mut w.passes);
                 match (view, router) {
-                    (Observe::Router, Some(router)) => books::observe(
-                        router,
-                        i as u64,
-                        w.pool(),
-                        state,
-                        &[w.key],
-                        self.config.engine.block_size,
-                    ),
+                    (Observe::Router, Some(router)) => {
+                        p.reader.observe(router, now, i as u64, w.pool(), state, &[w.key])
+                    }
                     _ => WorkerObservation {
                         id: i as u64,
                         pool: w.pool(),
@@ -69,6 +64,7 @@ impl Run<'_> {
                 }
             })
             .collect();
+        p.reader.end_tick();
         let queued_requests = self.routers.first().map_or(0, |r| r.queued_now() as u64);
         let obs = Observation {
             traffic,
