@@ -171,8 +171,9 @@ pub struct WorkerObservation {
     pub state: WorkerPhase,
     /// Its forward passes since the previous tick, in order.
     pub passes: Vec<PassSample>,
-    /// Prompt tokens of requests sent to it that have not had their first token yet (raw, no
-    /// cache discount).
+    /// Prompt tokens of requests sent to it that have not had their first token yet: the
+    /// engine's queue at the tick (raw, no cache discount), or, read from the router's books
+    /// ([`crate::books::Reader`]), the uncached tokens booked, averaged since the previous tick.
     pub queued_prefill_tokens: u64,
     /// Requests decoding on it now.
     pub decode_seqs: u32,

@@ -672,7 +672,8 @@ impl Planner {
             .filter(|w| w.pool == pool && w.state == WorkerPhase::Ready)
         {
             // Resident KV and decoding requests: time-weighted means over the passes since the
-            // last tick (a snapshot when there were none); the queue is a snapshot.
+            // last tick (a snapshot when there were none); the queue is as observed (the
+            // engine's at the tick, or the router's books' mean since the last one).
             let span: f64 = w.passes.iter().map(|p| p.duration_s).sum();
             let (kv, seqs) = if span > 0.0 {
                 let kv = w
