@@ -86,7 +86,7 @@ impl Deployment<'_> {
         let allowed = self.allowed_bytes();
         let taken = self.weight_bytes() + self.activation_reserve_bytes(limits);
         let blocks = ((allowed - taken) / self.kv_block_bytes(limits.block_size)).floor();
-        if !(blocks >= 1.0) {
+        if blocks.is_nan() || blocks < 1.0 {
             return Err(SpecError::DoesNotFit {
                 model: self.model.name.clone(),
                 gpu: self.gpu.name.clone(),

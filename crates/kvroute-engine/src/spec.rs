@@ -43,9 +43,11 @@ pub enum SpecError {
     },
     /// The model does not fit on its GPUs with room for a KV block.
     #[error(
-        "{model} on {tensor_parallel} x {gpu}: weights and activations take {taken_bytes} bytes of \
-         each GPU, of the {allowed_bytes} the engine may use: no room for the KV cache (more \
-         tensor parallelism, a larger GPU or a higher gpu-memory-utilization)"
+        "{model} on {tensor_parallel} x {gpu}: weights and activations take {taken:.1} GB of each \
+         GPU, of the {allowed:.1} GB the engine may use: no room for the KV cache (more tensor \
+         parallelism, a larger GPU or a higher gpu-memory-utilization)",
+        taken = *.taken_bytes as f64 / 1e9,
+        allowed = *.allowed_bytes as f64 / 1e9
     )]
     DoesNotFit {
         /// The model's name.

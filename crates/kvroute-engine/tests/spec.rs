@@ -136,7 +136,7 @@ fn kv_blocks_of_llama_70b_split_over_gpus_by_hand() {
     // Block: 16 · 2 · 80 · 2 · 128 · 2 = 1,310,720 bytes.
     // (72e9 − 35,276,193,792 − 1,976,827,904) / 1,310,720 = 26,509.8.
     assert_eq!(d.kv_blocks(LIMITS), Ok(26_509));
-    // On two 40 GB A100s the weights alone (35.3 GB a GPU) leave no room.
+    // On two 40 GB A100s the weights alone (70.6 GB a GPU) leave no room.
     let a100 = GpuSpec::builtin("A100-40GB").unwrap();
     let err = Deployment {
         gpu: &a100,
