@@ -63,6 +63,7 @@
 //! * `scheduler`: vLLM v1's scheduling loop.
 //! * [`timing`]: the [`TimingModel`] trait and the polynomial, roofline and table models.
 //! * [`spec`]: model and GPU descriptions for the roofline model.
+//! * [`capacity`]: the KV blocks that fit on a worker's GPUs.
 //! * KV events are `kvroute_core::events::KvEvent`, as vLLM emits them.
 //! * [`metrics`]: forward-pass composition and per-step load.
 //!
@@ -71,6 +72,7 @@
 //! every step of random workloads.
 #![forbid(unsafe_code)]
 
+pub mod capacity;
 pub mod config;
 mod engine;
 pub mod host;

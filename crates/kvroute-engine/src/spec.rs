@@ -41,6 +41,26 @@ pub enum SpecError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The model does not fit on its GPUs with room for a KV block.
+    #[error(
+        "{model} on {tensor_parallel} x {gpu}: weights and activations take {taken:.1} GB of each \
+         GPU, of the {allowed:.1} GB the engine may use: no room for the KV cache (more tensor \
+         parallelism, a larger GPU or a higher gpu-memory-utilization)",
+        taken = *.taken_bytes as f64 / 1e9,
+        allowed = *.allowed_bytes as f64 / 1e9
+    )]
+    DoesNotFit {
+        /// The model's name.
+        model: String,
+        /// The GPU's name.
+        gpu: String,
+        /// GPUs the model is split over.
+        tensor_parallel: u32,
+        /// Bytes of each GPU the weights and activations take.
+        taken_bytes: u64,
+        /// Bytes of each GPU the engine may use.
+        allowed_bytes: u64,
+    },
 }
 
 /// Mixture-of-experts shape of a model's feed-forward layers.
@@ -111,6 +131,27 @@ const BUILTIN_MODELS: &[(&str, &str)] = &[
     ("llama-3.1-70b", include_str!("../data/models/llama-3.1-70b.toml")),
     ("qwen2.5-7b", include_str!("../data/models/qwen2.5-7b.toml")),
     ("mixtral-8x7b", include_str!("../data/models/mixtral-8x7b.toml")),
+    ("llama-3.3-70b", include_str!("../data/models/llama-3.3-70b.toml")),
+    ("llama-2-7b", include_str!("../data/models/llama-2-7b.toml")),
+    ("llama-2-70b", include_str!("../data/models/llama-2-70b.toml")),
+    ("codellama-34b", include_str!("../data/models/codellama-34b.toml")),
+    ("qwen3-8b", include_str!("../data/models/qwen3-8b.toml")),
+    ("qwen3-14b", include_str!("../data/models/qwen3-14b.toml")),
+    ("qwen3-32b", include_str!("../data/models/qwen3-32b.toml")),
+    (
+        "mistral-nemo-12b",
+        include_str!("../data/models/mistral-nemo-12b.toml"),
+    ),
+    ("mixtral-8x22b", include_str!("../data/models/mixtral-8x22b.toml")),
+];
+
+/// Other spellings of the built-in models (lower-cased, organisation and `-instruct` /
+/// `-hf` suffixes dropped first): Hugging Face's repository names and common short names.
+const MODEL_ALIASES: &[(&str, &str)] = &[
+    ("meta-llama-3.1-8b", "llama-3.1-8b"),
+    ("meta-llama-3.1-70b", "llama-3.1-70b"),
+    ("mistral-nemo", "mistral-nemo-12b"),
+    ("mistral-nemo-2407", "mistral-nemo-12b"),
 ];
 
 /// The GPU descriptions compiled into the crate: (name, TOML text).
@@ -119,7 +160,41 @@ const BUILTIN_GPUS: &[(&str, &str)] = &[
     ("h200-sxm", include_str!("../data/gpus/h200-sxm.toml")),
     ("a100-sxm-80gb", include_str!("../data/gpus/a100-sxm-80gb.toml")),
     ("l40s", include_str!("../data/gpus/l40s.toml")),
+    ("a100-sxm-40gb", include_str!("../data/gpus/a100-sxm-40gb.toml")),
 ];
+
+/// Other spellings of the built-in GPUs (lower-cased first).
+const GPU_ALIASES: &[(&str, &str)] = &[
+    ("h100", "h100-sxm"),
+    ("h100-80gb", "h100-sxm"),
+    ("h100-sxm5", "h100-sxm"),
+    ("h100-sxm-80gb", "h100-sxm"),
+    ("h200", "h200-sxm"),
+    ("h200-141gb", "h200-sxm"),
+    ("a100", "a100-sxm-80gb"),
+    ("a100-80gb", "a100-sxm-80gb"),
+    ("a100-sxm", "a100-sxm-80gb"),
+    ("a100-40gb", "a100-sxm-40gb"),
+    ("l40s-48gb", "l40s"),
+];
+
+/// The built-in name `name` stands for: itself lower-cased, with `prefixes` and `suffixes`
+/// dropped, through `aliases`.
+fn canonical(name: &str, aliases: &[(&str, &'static str)], suffixes: &[&str]) -> String {
+    let mut n = name.trim().to_ascii_lowercase();
+    if let Some((_, last)) = n.rsplit_once('/') {
+        n = last.to_owned();
+    }
+    for suffix in suffixes {
+        if let Some(stripped) = n.strip_suffix(suffix) {
+            n = stripped.to_owned();
+        }
+    }
+    match aliases.iter().find(|(a, _)| *a == n) {
+        Some((_, canonical)) => (*canonical).to_owned(),
+        None => n,
+    }
+}
 
 /// Parses `text` as TOML into `T`, naming `what` in the error.
 pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(
@@ -148,20 +223,36 @@ fn names(table: &'static [(&'static str, &'static str)]) -> impl Iterator<Item =
     table.iter().map(|(name, _)| *name)
 }
 
-/// The built-in text named `name` in `table`, or the error listing the known names.
-fn builtin_text(
-    table: &[(&str, &'static str)],
-    what: &'static str,
-    name: &str,
-) -> Result<&'static str, SpecError> {
-    match table.iter().find(|(n, _)| *n == name) {
-        Some((_, text)) => Ok(text),
-        None => Err(SpecError::UnknownBuiltin {
-            what,
-            name: name.to_owned(),
-            known: table.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
-        }),
+/// The built-in text named `name` in `table`.
+fn builtin_text(table: &[(&str, &'static str)], name: &str) -> Option<&'static str> {
+    table.iter().find(|(n, _)| *n == name).map(|(_, text)| *text)
+}
+
+/// The error for a built-in `name` that `table` does not hold.
+fn unknown(table: &[(&str, &'static str)], what: &'static str, name: &str) -> SpecError {
+    SpecError::UnknownBuiltin {
+        what,
+        name: name.to_owned(),
+        known: table.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
     }
+}
+
+/// The keys of a Hugging Face `config.json` a [`ModelSpec`] is read from; others are ignored.
+#[derive(Deserialize)]
+struct HfConfig {
+    num_hidden_layers: u32,
+    hidden_size: u32,
+    num_attention_heads: u32,
+    num_key_value_heads: Option<u32>,
+    head_dim: Option<u32>,
+    intermediate_size: u32,
+    vocab_size: u32,
+    num_local_experts: Option<u32>,
+    num_experts: Option<u32>,
+    num_experts_per_tok: Option<u32>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+    tie_word_embeddings: Option<bool>,
 }
 
 /// `Ok` if `ok`, else the [`SpecError::Invalid`] for `field`.
@@ -194,9 +285,87 @@ impl ModelSpec {
         names(BUILTIN_MODELS)
     }
 
-    /// The built-in description named `name` (see [`ModelSpec::builtin_names`]).
+    /// The built-in description named `name` (see [`ModelSpec::builtin_names`]). Case does not
+    /// matter, and a Hugging Face repository name names its model (`meta-llama/Llama-3.1-8B-Instruct`
+    /// is `llama-3.1-8b`): the organisation and an `-instruct` or `-hf` suffix are dropped.
     pub fn builtin(name: &str) -> Result<Self, SpecError> {
-        Self::from_toml_str(builtin_text(BUILTIN_MODELS, "model", name)?)
+        let canonical = canonical(
+            name,
+            MODEL_ALIASES,
+            &["-hf", "-instruct-2407", "-instruct-v0.1", "-v0.1", "-instruct"],
+        );
+        let text =
+            builtin_text(BUILTIN_MODELS, &canonical).ok_or_else(|| unknown(BUILTIN_MODELS, "model", name))?;
+        Self::from_toml_str(text)
+    }
+
+    /// Reads a Hugging Face `config.json` (its text): `num_hidden_layers`, `hidden_size`,
+    /// `num_attention_heads`, `num_key_value_heads` (default: as many as the query heads),
+    /// `head_dim` (default `hidden_size / num_attention_heads`), `intermediate_size`,
+    /// `vocab_size`, `num_local_experts` (or `num_experts`) with `num_experts_per_tok`,
+    /// `torch_dtype` (or `dtype`; default bfloat16) and `tie_word_embeddings` (default false).
+    /// Other keys are ignored: a config.json has many this model does not use. The result is
+    /// named `name`.
+    pub fn from_hf_config(name: &str, text: &str) -> Result<Self, SpecError> {
+        let c: HfConfig = serde_json::from_str(text).map_err(|e| SpecError::Parse {
+            what: "config.json",
+            message: e.to_string(),
+        })?;
+        let heads = c.num_attention_heads;
+        let head_dim = match c.head_dim {
+            Some(d) => d,
+            None => {
+                check(
+                    heads > 0,
+                    "config.json",
+                    "num_attention_heads",
+                    "must be above zero",
+                )?;
+                c.hidden_size / heads
+            }
+        };
+        let dtype = c.torch_dtype.or(c.dtype).unwrap_or_else(|| "bfloat16".to_owned());
+        let dtype_bytes = match dtype.as_str() {
+            "bfloat16" | "float16" | "half" => 2,
+            "float32" | "float" => 4,
+            "float8_e4m3fn" | "float8_e5m2" | "int8" | "uint8" => 1,
+            _ => {
+                return Err(SpecError::Invalid {
+                    what: "config.json",
+                    field: "torch_dtype",
+                    reason: "is not one of bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int8",
+                });
+            }
+        };
+        let moe = match (c.num_local_experts.or(c.num_experts), c.num_experts_per_tok) {
+            (Some(e), Some(k)) if e > 1 => Some(MoeSpec {
+                num_experts: e,
+                experts_per_token: k,
+            }),
+            (Some(e), None) if e > 1 => {
+                return Err(SpecError::Invalid {
+                    what: "config.json",
+                    field: "num_experts_per_tok",
+                    reason: "is needed with num_local_experts",
+                });
+            }
+            _ => None,
+        };
+        let spec = Self {
+            name: name.to_owned(),
+            num_layers: c.num_hidden_layers,
+            hidden_size: c.hidden_size,
+            num_attention_heads: heads,
+            num_kv_heads: c.num_key_value_heads.unwrap_or(heads),
+            head_dim,
+            intermediate_size: c.intermediate_size,
+            vocab_size: c.vocab_size,
+            dtype_bytes,
+            tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            moe,
+        };
+        spec.validate()?;
+        Ok(spec)
     }
 
     /// Parses and validates a model description written in TOML (the format of the files in
@@ -264,6 +433,31 @@ impl ModelSpec {
         2.0 * f64::from(self.num_kv_heads) * f64::from(self.head_dim) * f64::from(self.dtype_bytes)
     }
 
+    /// Every weight: each layer's attention, experts and (for MoE) router, the output
+    /// projection, and the embedding unless tied to it.
+    pub fn total_params(&self) -> f64 {
+        let (experts, _) = self.experts();
+        let router = if self.moe.is_some() {
+            f64::from(self.hidden_size) * f64::from(experts)
+        } else {
+            0.0
+        };
+        let embedding = if self.tie_word_embeddings {
+            0.0
+        } else {
+            self.lm_head_params()
+        };
+        f64::from(self.num_layers)
+            * (self.attention_params_per_layer() + router + f64::from(experts) * self.expert_params())
+            + self.lm_head_params()
+            + embedding
+    }
+
+    /// Bytes of every weight ([`ModelSpec::total_params`] at `dtype_bytes`).
+    pub fn weight_bytes(&self) -> f64 {
+        self.total_params() * f64::from(self.dtype_bytes)
+    }
+
     /// Bytes of KV cache one token takes over all layers (keys and values): what a
     /// prefill/decode transfer moves per token.
     pub fn kv_bytes_per_token(&self) -> u64 {
@@ -280,9 +474,14 @@ impl GpuSpec {
         names(BUILTIN_GPUS)
     }
 
-    /// The built-in description named `name` (see [`GpuSpec::builtin_names`]).
+    /// The built-in description named `name` (see [`GpuSpec::builtin_names`]), whatever its
+    /// case, or a common alias: `h100`, `H100-80GB`, `h200`, `a100`, `A100-80GB`, `A100-40GB`,
+    /// `l40s-48gb`.
     pub fn builtin(name: &str) -> Result<Self, SpecError> {
-        Self::from_toml_str(builtin_text(BUILTIN_GPUS, "gpu", name)?)
+        let canonical = canonical(name, GPU_ALIASES, &[]);
+        let text =
+            builtin_text(BUILTIN_GPUS, &canonical).ok_or_else(|| unknown(BUILTIN_GPUS, "gpu", name))?;
+        Self::from_toml_str(text)
     }
 
     /// Parses and validates a GPU description written in TOML (the format of the files in

@@ -1,7 +1,8 @@
 //! A self-contained HTML page of plots: inline SVG, no script, nothing fetched, so a browser
 //! opens it offline.
 //!
-//! Plots: TTFT and E2E distributions (CDFs, every policy overlaid), and per policy the requests
+//! Plots: TTFT, ITL and E2E distributions (CDFs, every policy overlaid), a sweep's latencies
+//! against its fleet sizes ([`sweep_section`]), and per policy the requests
 //! and KV use of each worker over time, the engines' prefix hit rate over time and the number of
 //! waiting requests; with a planner, its replicas over time, observed vs predicted load, SLA
 //! attainment per window and the decision log.
@@ -10,10 +11,20 @@ use std::fmt::Write;
 
 use crate::RunResult;
 
-const PALETTE: &[&str] = &[
+/// 32 colours, each at least 60 apart (RGB distance) from every other, so 32 workers' lines
+/// stay apart: the ten of matplotlib's `tab10`, then 22 more picked greedily (each the farthest
+/// from those before it, over a grid of hue, lightness and saturation).
+const PALETTE: [&str; 32] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-    "#17becf",
+    "#17becf", "#000080", "#4d00e6", "#e600e5", "#4dff6a", "#6a0080", "#ffff4d", "#800000", "#79d2c3",
+    "#ff1a8c", "#1aff1a", "#205560", "#73e600", "#d2b579", "#4d88ff", "#00b277", "#4dffff", "#7f8000",
+    "#e96363", "#0026e6", "#a6ff4d", "#c44dff", "#4c39ac",
 ];
+
+/// The colour of line `i` (distinct for the first 32, then repeating).
+pub fn color(i: usize) -> &'static str {
+    PALETTE[i % PALETTE.len()]
+}
 const MAX_POINTS: usize = 800;
 
 /// One line of a chart.
@@ -24,6 +35,11 @@ struct Line<'a> {
 
 /// The page for `results` (name, result), one section per policy after the shared CDFs.
 pub fn page(results: &[(String, RunResult)]) -> String {
+    page_with(results, "")
+}
+
+/// [`page`] with `extra` (HTML, such as a [`sweep_section`]) after the table.
+pub fn page_with(results: &[(String, RunResult)], extra: &str) -> String {
     let mut html = String::from(
         "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>kvroute replay</title>\
          <style>body{font-family:sans-serif;margin:2em;max-width:1100px}svg{background:#fff}\
@@ -35,6 +51,7 @@ pub fn page(results: &[(String, RunResult)]) -> String {
         .map(|(n, r)| (n.clone(), r.report.clone()))
         .collect();
     let _ = write!(html, "<pre>{}</pre>", escape(&crate::report::table(&reports)));
+    html.push_str(extra);
     let cdf = |pick: fn(&RunResult) -> &Vec<f64>| -> Vec<Line<'_>> {
         results
             .iter()
@@ -49,6 +66,20 @@ pub fn page(results: &[(String, RunResult)]) -> String {
         "TTFT ms (log)",
         "fraction",
         &cdf(|r| &r.ttft_ms),
+        true,
+    ));
+    let itl: Vec<Line<'_>> = results
+        .iter()
+        .map(|(name, r)| Line {
+            name,
+            points: r.itl_cdf.clone(),
+        })
+        .collect();
+    html.push_str(&chart(
+        "ITL distribution (every gap between tokens)",
+        "ITL ms (log)",
+        "fraction",
+        &itl,
         true,
     ));
     html.push_str(&chart(
@@ -315,7 +346,7 @@ fn chart(title: &str, x_label: &str, y_label: &str, lines: &[Line<'_>], log_x: b
         escape(y_label)
     );
     for (i, line) in lines.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
+        let color = color(i);
         let step = line.points.len().div_ceil(MAX_POINTS).max(1);
         let mut path = String::new();
         for (j, &(x, y)) in line.points.iter().step_by(step).enumerate() {
@@ -331,13 +362,89 @@ fn chart(title: &str, x_label: &str, y_label: &str, lines: &[Line<'_>], log_x: b
             svg,
             "<path d=\"{path}\" fill=\"none\" stroke=\"{color}\" stroke-width=\"1.3\"/>\
              <text x=\"{}\" y=\"{}\" fill=\"{color}\">{}</text>",
-            w - right + 8.0,
-            top + 12.0 + 13.0 * i as f64,
+            // Legend columns of 24 names.
+            w - right + 8.0 + 64.0 * (i / 24) as f64,
+            top + 12.0 + 13.0 * (i % 24) as f64,
             escape(line.name)
         );
     }
     svg.push_str("</svg>");
     svg
+}
+
+/// One point of a sweep: its name, workers, GPUs and report.
+pub struct SweepPoint<'a> {
+    /// Workers in the fleet.
+    pub workers: usize,
+    /// GPUs in the fleet.
+    pub gpus: u64,
+    /// The run's report.
+    pub report: &'a crate::Report,
+}
+
+/// A sweep's section: TTFT and ITL percentiles against the fleet size, the SLO's targets as
+/// flat lines, and the smallest fleet meeting it.
+pub fn sweep_section(points: &[SweepPoint<'_>], slo: Option<&crate::slo::Slo>) -> String {
+    let mut html = String::from("<h2>Sweep</h2>");
+    let series = |key: &str| -> Vec<(f64, f64)> {
+        points
+            .iter()
+            .filter_map(|p| Some((p.workers as f64, p.report.number(key)?)))
+            .collect()
+    };
+    for (title, keys) in [
+        (
+            "TTFT against fleet size",
+            ["median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"],
+        ),
+        (
+            "ITL against fleet size",
+            ["median_itl_ms", "p90_itl_ms", "p99_itl_ms"],
+        ),
+    ] {
+        let mut lines: Vec<Line<'_>> = keys
+            .iter()
+            .map(|k| Line {
+                name: k,
+                points: series(k),
+            })
+            .collect();
+        let prefix = if title.starts_with("TTFT") { "ttft" } else { "itl" };
+        let targets: Vec<(String, f64)> = slo
+            .map(|s| {
+                s.targets
+                    .iter()
+                    .filter(|t| t.to_string().starts_with(prefix))
+                    .map(|t| (format!("SLO {t}"), t.limit_ms))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (lo, hi) = points.iter().fold((f64::INFINITY, 0.0_f64), |(lo, hi), p| {
+            (lo.min(p.workers as f64), hi.max(p.workers as f64))
+        });
+        for (name, limit) in &targets {
+            lines.push(Line {
+                name,
+                points: vec![(lo, *limit), (hi, *limit)],
+            });
+        }
+        html.push_str(&chart(title, "workers", "ms", &lines, false));
+    }
+    if let Some(slo) = slo {
+        let first = points.iter().find(|p| slo.met(p.report));
+        let _ = write!(
+            html,
+            "<p>{}</p>",
+            escape(&match first {
+                Some(p) => format!(
+                    "smallest fleet meeting the SLO: {} workers ({} GPUs)",
+                    p.workers, p.gpus
+                ),
+                None => "no fleet size tried meets the SLO".to_owned(),
+            })
+        );
+    }
+    html
 }
 
 fn tick(v: f64) -> String {
@@ -347,5 +454,26 @@ fn tick(v: f64) -> String {
         format!("{v:.1}")
     } else {
         format!("{v:.2}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rgb(hex: &str) -> [f64; 3] {
+        let v = u32::from_str_radix(&hex[1..], 16).expect("hex");
+        [v >> 16, (v >> 8) & 0xff, v & 0xff].map(f64::from)
+    }
+
+    #[test]
+    fn thirty_two_workers_get_thirty_two_distinct_colours() {
+        let colours: Vec<[f64; 3]> = (0..32).map(|i| rgb(color(i))).collect();
+        for (i, a) in colours.iter().enumerate() {
+            for (j, b) in colours.iter().enumerate().skip(i + 1) {
+                let d = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f64>().sqrt();
+                assert!(d >= 60.0, "colours {i} and {j} are {d:.1} apart");
+            }
+        }
     }
 }

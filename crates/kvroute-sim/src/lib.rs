@@ -51,6 +51,7 @@ pub mod html;
 mod planned;
 pub mod profile;
 pub mod report;
+pub mod slo;
 pub mod stats;
 mod summary;
 pub mod synthetic;
@@ -91,6 +92,8 @@ pub struct RunResult {
     pub ttft_ms: Vec<f64>,
     /// E2E latency of every completed request, ms, in request order (for plots).
     pub e2e_ms: Vec<f64>,
+    /// The inter-token latencies' distribution: (ms, fraction at or below), for plots.
+    pub itl_cdf: Vec<(f64, f64)>,
     /// What the planner saw and did, when one ran.
     pub planner: Option<PlannerRun>,
 }

@@ -80,7 +80,8 @@ macro_rules! latency_keys {
 }
 
 impl Latency {
-    fn keys(self) -> [&'static str; 9] {
+    /// Its report keys: mean, min, max, median, p75, p90, p95, p99, std.
+    pub fn keys(self) -> [&'static str; 9] {
         match self {
             Latency::Ttft => latency_keys!("ttft"),
             Latency::Itl => latency_keys!("itl"),
@@ -412,6 +413,7 @@ const TABLE_ROWS: &[(&str, &str)] = &[
     ("planner_mean_workers", "workers mean (planner)"),
     ("planner_decisions", "planner decisions"),
     ("sla_attainment", "SLA windows met"),
+    ("slo_met", "SLO met"),
 ];
 
 /// A text table with one column per named report, side by side.
@@ -425,7 +427,10 @@ pub fn table(reports: &[(String, Report)]) -> String {
     out.push('\n');
     for (key, label) in TABLE_ROWS {
         // The planner's and the sync rows appear only in runs that have them.
-        let planner_row = key.starts_with("planner_") || key.starts_with("sla_") || key.starts_with("sync_");
+        let planner_row = key.starts_with("planner_")
+            || key.starts_with("sla_")
+            || key.starts_with("slo_")
+            || key.starts_with("sync_");
         if planner_row && reports.iter().all(|(_, r)| r.get(key).is_none()) {
             continue;
         }
@@ -484,6 +489,15 @@ pub struct RequestRecord {
     pub ttft_ms: Option<f64>,
     /// Arrival to last token.
     pub e2e_latency_ms: Option<f64>,
+    /// Prompt tokens its engine found cached when it first scheduled it (vLLM's
+    /// `cached_tokens`).
+    pub cached_tokens: Option<u32>,
+    /// Waiting in the router's queue: arrival to routing.
+    pub router_queue_ms: Option<f64>,
+    /// Waiting in its engine: routing to the start of the pass that first scheduled it.
+    pub engine_queue_ms: Option<f64>,
+    /// Both waits: arrival to first scheduling.
+    pub queue_ms: Option<f64>,
 }
 
 /// Samples at a fixed interval of simulated time, for plots.

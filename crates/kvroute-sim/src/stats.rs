@@ -151,6 +151,37 @@ impl Sketch {
         }
     }
 
+    /// The distribution as (value ms, fraction of samples at or below it), one point per
+    /// non-empty bucket (at its upper edge, clamped to `[min, max]`), at most `max_points`
+    /// points (the last always kept).
+    pub fn cdf(&self, max_points: usize) -> Vec<(f64, f64)> {
+        if self.count == 0 {
+            return Vec::new();
+        }
+        let n = self.count as f64;
+        let mut points = Vec::new();
+        if self.zeros > 0 {
+            points.push((0.0, self.zeros as f64 / n));
+        }
+        let mut seen = self.zeros;
+        for (i, &c) in self.buckets.iter().enumerate() {
+            if c == 0 {
+                continue;
+            }
+            seen += c;
+            let upper = (LOW_LN + (i as f64 + 1.0) * GAMMA_LN).exp();
+            points.push((upper.clamp(self.min, self.max), seen as f64 / n));
+        }
+        let step = points.len().div_ceil(max_points.max(1)).max(1);
+        let last = points.len() - 1;
+        points
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % step == 0 || *i == last)
+            .map(|(_, p)| *p)
+            .collect()
+    }
+
     /// The value of rank `rank` (0-based), at its bucket's middle, clamped to `[min, max]`.
     fn quantile(&self, rank: u64) -> f64 {
         if rank < self.zeros {
@@ -195,5 +226,13 @@ mod tests {
             assert!((x - y).abs() / y < 0.002, "{x} vs {y}");
         }
         assert!((a.mean - b.mean).abs() < 1e-9);
+        // The CDF rises to 1 and agrees with the exact fractions within a bucket.
+        let cdf = sketch.cdf(200);
+        assert!(cdf.len() <= 201 && cdf.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1));
+        assert_eq!(cdf.last().map(|p| p.1), Some(1.0));
+        for &(x, f) in &cdf {
+            let below = exact.iter().filter(|&&v| v <= x * 1.002).count() as f64 / exact.len() as f64;
+            assert!((below - f).abs() < 0.002, "{x}: {f} vs {below}");
+        }
     }
 }

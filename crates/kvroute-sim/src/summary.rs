@@ -82,6 +82,13 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
                 predicted_overlap_blocks: s.overlap_blocks,
                 ttft_ms: s.first_token.map(|t| ms_between(arrived, t.as_nanos())),
                 e2e_latency_ms: s.finished.map(|t| ms_between(arrived, t.as_nanos())),
+                cached_tokens: s.cached_tokens,
+                router_queue_ms: s.routed.map(|t| ms_between(arrived, t.as_nanos())),
+                engine_queue_ms: s
+                    .routed
+                    .zip(s.admitted)
+                    .map(|(r, a)| ms_between(r.as_nanos(), a.as_nanos().max(r.as_nanos()))),
+                queue_ms: s.admitted.map(|a| ms_between(arrived, a.as_nanos().max(arrived))),
             });
         }
     }
@@ -138,6 +145,7 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         series: run.series,
         ttft_ms: b.ttft_ms().to_vec(),
         e2e_ms: b.e2e_ms().to_vec(),
+        itl_cdf: t.itl.cdf(800),
         planner,
     }
 }

@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod config;
 pub mod demo;
+pub mod hardware;
 pub mod log_fields;
 pub mod opstream;
 pub mod plan;

@@ -46,13 +46,15 @@ pub struct PlanFile {
     pub drain: Drain,
 }
 
-/// `[engine]`: the keys of the workers' engine that differ from `kvroute mock`'s.
+/// `[engine]`: the keys of the workers' engine that differ from `kvroute mock`'s, and where
+/// its model runs (as `replay`'s and `mock`'s flags of the same names:
+/// [`crate::hardware::EngineChoice`]).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineKeys {
     /// Tokens per KV block.
     pub block_size: Option<u32>,
-    /// KV blocks per worker.
+    /// KV blocks per worker (default: what fits, with `model`).
     pub num_blocks: Option<u32>,
     /// Most requests running at once.
     pub max_num_seqs: Option<u32>,
@@ -60,23 +62,39 @@ pub struct EngineKeys {
     pub max_num_batched_tokens: Option<u32>,
     /// Modelled step times are divided by this.
     pub speedup: Option<f64>,
-    /// The timing model (`{ kind = "polynomial" }`, roofline, table).
+    /// The timing model (`{ kind = "polynomial" }`, roofline, table; default: the roofline,
+    /// with `model`).
     pub timing: Option<TimingConfig>,
+    /// The model: a built-in name, a model TOML or a Hugging Face `config.json`.
+    pub model: Option<String>,
+    /// The GPU: a built-in name or a GPU TOML (default h100-sxm).
+    pub gpu: Option<String>,
+    /// Tensor-parallel GPUs per worker (default 1).
+    pub tp: Option<u32>,
+    /// Share of each GPU's memory the engine may use (default 0.9).
+    pub gpu_memory_utilization: Option<f64>,
 }
 
 impl EngineKeys {
-    /// `base` with these keys over it.
-    pub fn over(&self, base: &EngineConfig) -> EngineConfig {
-        let mut e = base.clone();
-        e.block_size = self.block_size.unwrap_or(e.block_size);
-        e.num_blocks = self.num_blocks.unwrap_or(e.num_blocks);
-        e.max_num_seqs = self.max_num_seqs.unwrap_or(e.max_num_seqs);
-        e.max_num_batched_tokens = self.max_num_batched_tokens.unwrap_or(e.max_num_batched_tokens);
-        e.speedup = self.speedup.unwrap_or(e.speedup);
-        if let Some(t) = &self.timing {
-            e.timing = t.clone();
+    /// The keys as one source of [`crate::hardware::EngineChoice`].
+    pub fn choice(&self) -> crate::hardware::EngineChoice {
+        crate::hardware::EngineChoice {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            speedup: self.speedup,
+            timing: self.timing.clone().map(crate::hardware::Timing::Config),
+            model: self.model.clone(),
+            gpu: self.gpu.clone(),
+            tp: self.tp,
+            gpu_memory_utilization: self.gpu_memory_utilization,
         }
-        e
+    }
+
+    /// `base` with these keys over it.
+    pub fn over(&self, base: &EngineConfig) -> anyhow::Result<EngineConfig> {
+        Ok(self.choice().build(base).context("[engine]")?.engine)
     }
 }
 
@@ -121,7 +139,7 @@ impl PlanFile {
     }
 
     /// The workers' engine: `[engine]` over `kvroute mock`'s.
-    pub fn live_engine(&self) -> EngineConfig {
+    pub fn live_engine(&self) -> anyhow::Result<EngineConfig> {
         self.engine.over(&kvroute_mock::MockConfig::default_engine())
     }
 
@@ -131,7 +149,7 @@ impl PlanFile {
     pub fn live_planner(&self, start: Timestamp) -> anyhow::Result<Planner> {
         Ok(kvroute_sim::profile::planner(
             &self.planner,
-            &self.live_engine(),
+            &self.live_engine()?,
             start,
         )?)
     }

@@ -477,9 +477,33 @@ pub struct MockArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
-    /// KV blocks per worker.
-    #[arg(long, default_value_t = 16_384)]
-    pub num_blocks: u32,
+    /// KV blocks per worker (also `--kv-blocks`). Default 16,384, or with `--model` what fits
+    /// in the GPUs' memory (as `kvroute replay --model`).
+    #[arg(long, alias = "kv-blocks")]
+    pub num_blocks: Option<u32>,
+    /// Most requests running at once. Default 256.
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Token budget of one forward pass. Default 8,192.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
+    /// The engine's model, as `kvroute replay --model` takes it: a built-in name, a Hugging
+    /// Face `config.json` or a model TOML. Default: none (the tiny polynomial engine).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The GPU `--model` runs on, as `kvroute replay --gpu` takes it. Default h100-sxm.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Tensor-parallel GPUs per worker. Default 1.
+    #[arg(long)]
+    pub tp: Option<u32>,
+    /// Share of each GPU's memory the engine may use. Default 0.9.
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// The timing model, as `kvroute replay --timing` takes it. Default: roofline with
+    /// `--model`, else polynomial.
+    #[arg(long)]
+    pub timing: Option<String>,
     /// Output tokens of a request that names no max_tokens.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u32,
@@ -553,7 +577,13 @@ fn check_mock(args: &MockArgs) -> anyhow::Result<()> {
         args.speedup
     );
     ensure!(args.block_size >= 1, "--block-size must be at least 1");
-    ensure!(args.num_blocks >= 1, "--num-blocks must be at least 1");
+    for (flag, v) in [
+        ("--num-blocks", args.num_blocks),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+    ] {
+        ensure!(v != Some(0), "{flag} must be at least 1");
+    }
     ensure!(
         args.default_max_tokens >= 1,
         "--default-max-tokens must be at least 1"
@@ -581,11 +611,6 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     check_mock(&args)?;
     let mut config = MockConfig::new(args.workers);
     config.prefill_workers = args.prefill;
-    config.transfer = crate::replay::kv_link(
-        args.kv_transfer_gbps,
-        args.kv_transfer_latency_ms,
-        args.kv_bytes_per_token,
-    )?;
     config.host = args.host;
     config.port = args.port;
     config.event_port = args.event_port;
@@ -593,9 +618,28 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     config.events = !args.no_events;
     config.encoding = encoding(&args.encoding)?;
     config.replay_buffer_steps = args.replay_buffer;
-    config.engine.speedup = args.speedup;
-    config.engine.block_size = args.block_size;
-    config.engine.num_blocks = args.num_blocks;
+    let built = crate::hardware::EngineChoice {
+        block_size: Some(args.block_size),
+        num_blocks: args.num_blocks,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        speedup: Some(args.speedup),
+        timing: args.timing.clone().map(crate::hardware::Timing::Named),
+        model: args.model.clone(),
+        gpu: args.gpu.clone(),
+        tp: args.tp,
+        gpu_memory_utilization: args.gpu_memory_utilization,
+    }
+    .build(&config.engine)?;
+    config.engine = built.engine;
+    config.transfer = crate::replay::kv_link(
+        args.kv_transfer_gbps,
+        args.kv_transfer_latency_ms,
+        args.kv_bytes_per_token.or(built.kv_bytes_per_token),
+    )?;
+    if let Some(line) = &built.description {
+        say(args.log_format, line);
+    }
     config.default_max_tokens = args.default_max_tokens;
     config.model_name = args.model_name.clone();
     let model = Arc::new(match &args.model_dir {

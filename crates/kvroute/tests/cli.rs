@@ -328,3 +328,220 @@ fn reports_are_byte_identical_across_runs() {
     };
     assert_eq!(run("a.json"), run("b.json"));
 }
+
+#[test]
+fn model_and_hardware_flags_are_checked_and_named() {
+    let base = ["replay", "--limit", "5"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> { base.iter().chain(extra).copied().collect() };
+    refused(&with(&["--tp", "0"]), &["--tp"]);
+    refused(
+        &with(&["--model", "llama-3.1-8b", "--gpu-memory-utilization", "1.5"]),
+        &["--gpu-memory-utilization", "1.5"],
+    );
+    refused(&with(&["--model", "gpt-9"]), &["--model gpt-9", "llama-3.1-8b"]);
+    refused(
+        &with(&["--model", "llama-3.1-8b", "--gpu", "b200"]),
+        &["--gpu b200", "a100-sxm-40gb"],
+    );
+    refused(&with(&["--gpu", "h100"]), &["--gpu", "--model"]);
+    refused(
+        &with(&["--timing", "roofline"]),
+        &["--timing roofline", "--model"],
+    );
+    refused(&with(&["--timing", "table"]), &["--timing table:FILE"]);
+    refused(
+        &with(&["--timing", "/no/such/timing.toml"]),
+        &["--timing /no/such/timing.toml"],
+    );
+    refused(&with(&["--kv-blocks", "0"]), &["--num-blocks"]);
+    refused(
+        &with(&["--model", "llama-3.1-70b", "--gpu", "A100-40GB", "--tp", "2"]),
+        &["llama-3.1-70b on 2 x a100-sxm-40gb", "no room"],
+    );
+    let dir = scratch("bad-timing");
+    let bad = dir.join("timing.toml");
+    std::fs::write(&bad, "kind = \"roofline\"\n").unwrap();
+    refused(
+        &["replay", "--limit", "5", "--timing", bad.to_str().unwrap()],
+        &["--timing", "timing.toml"],
+    );
+}
+
+#[test]
+fn slo_and_sweep_flags_are_checked_and_named() {
+    refused(&["replay", "--slo", "ttft-p42=5"], &["--slo", "ttft-p42=5"]);
+    refused(&["replay", "--slo", "ttft-p90=0ms"], &["--slo"]);
+    refused(&["replay", "--sweep", "workers=0..3"], &["--sweep"]);
+    refused(&["replay", "--sweep", "workers=5..3"], &["--sweep", "above"]);
+    refused(&["replay", "--sweep", "replicas=1..3"], &["--sweep"]);
+    refused(
+        &["replay", "--sweep", "workers=1..3", "--workers", "4"],
+        &["--sweep", "--workers"],
+    );
+    refused(
+        &["replay", "--sweep", "workers=1,2", "--policy", "kv,random"],
+        &["--sweep", "--policy"],
+    );
+}
+
+/// The report's keys of each run of a `--report-json` file with several runs, by name.
+fn runs_of(path: &std::path::Path) -> serde_json::Map<String, serde_json::Value> {
+    let bytes = std::fs::read(path).expect("the report");
+    let v: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+    let mut runs = v.as_object().expect("an object").clone();
+    runs.remove("provenance");
+    runs
+}
+
+/// A sweep's verdict is the first size meeting the SLO, recomputed from its own report; its
+/// runs, made at once on every core, are the same as run again.
+#[test]
+fn a_sweep_names_the_first_fleet_size_that_meets_the_slo() {
+    let dir = scratch("sweep");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mooncake_30.jsonl");
+    let sweep = |name: &str, slo: Option<&str>| {
+        let path = dir.join(name);
+        let mut args = vec![
+            "replay",
+            trace,
+            "--arrival-speedup",
+            "20",
+            "--sweep",
+            "workers=1..4",
+            "--report-json",
+            path.to_str().unwrap(),
+        ];
+        if let Some(slo) = slo {
+            args.extend(["--slo", slo]);
+        }
+        let out = kvroute(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8(out.stdout).unwrap(), runs_of(&path))
+    };
+    let (_, plain) = sweep("plain.json", None);
+    let p90 = |r: &serde_json::Value| r["p90_ttft_ms"].as_f64().unwrap();
+    let names: Vec<String> = (1..=4).map(|n| format!("workers={n}")).collect();
+    assert_eq!(plain.keys().cloned().collect::<Vec<_>>(), names);
+    // A bound between the best and the worst p90, so some sizes meet it and some do not.
+    let (lo, hi) = plain
+        .values()
+        .map(p90)
+        .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    assert!(lo < hi, "the sweep's sizes all gave a TTFT p90 of {lo}");
+    let limit = (lo + hi) / 2.0;
+    let (stdout, judged) = sweep("judged.json", Some(&format!("ttft-p90={limit}ms")));
+    let first = names.iter().find(|n| {
+        let r = &judged[n.as_str()];
+        p90(r) <= limit && r["rejected_requests"] == 0 && r["unfinished_requests"] == 0
+    });
+    let expected = match first {
+        Some(n) => {
+            let workers = &n["workers=".len()..];
+            format!("smallest fleet meeting the SLO: {workers} workers ({workers} GPUs)")
+        }
+        None => "no fleet size tried meets the SLO".to_owned(),
+    };
+    assert!(
+        stdout.lines().any(|l| l == expected),
+        "{expected:?} not in\n{stdout}"
+    );
+    for n in &names {
+        let r = &judged[n.as_str()];
+        let met = p90(r) <= limit && r["rejected_requests"] == 0 && r["unfinished_requests"] == 0;
+        assert_eq!(r["slo_met"], if met { "yes" } else { "no" }, "{n}");
+        // The verdict aside, the parallel runs are the plain ones.
+        let mut r = judged[n.as_str()].as_object().unwrap().clone();
+        r.remove("slo");
+        r.remove("slo_met");
+        assert_eq!(serde_json::Value::Object(r), plain[n.as_str()], "{n}");
+    }
+}
+
+/// `--model` (a config.json), `--gpu` (an alias) and `--tp`: the engine's blocks are what the
+/// deployment fits, GPU-hours count every GPU, and each request's record has its cached tokens
+/// and its waits.
+#[test]
+fn a_model_from_its_config_json_sizes_the_engine_and_gpu_hours_count_tp() {
+    use kvroute_engine::capacity::{Deployment, PassLimits};
+    let dir = scratch("model");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mooncake_30.jsonl");
+    let config_json = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../kvroute-engine/tests/data/hf/qwen3-8b.config.json"
+    );
+    let (report, requests) = (dir.join("r.json"), dir.join("r.jsonl"));
+    let out = kvroute(&[
+        "replay",
+        trace,
+        "--workers",
+        "2",
+        "--model",
+        config_json,
+        "--gpu",
+        "H100-80GB",
+        "--tp",
+        "2",
+        "--report-json",
+        report.to_str().unwrap(),
+        "--per-request-jsonl",
+        requests.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let model = kvroute_engine::ModelSpec::builtin("qwen3-8b").unwrap();
+    let gpu = kvroute_engine::GpuSpec::builtin("h100-sxm").unwrap();
+    let blocks = Deployment {
+        model: &model,
+        gpu: &gpu,
+        tensor_parallel: 2,
+        gpu_memory_utilization: 0.9,
+    }
+    .kv_blocks(PassLimits {
+        block_size: 64,
+        max_num_batched_tokens: 8192,
+        max_num_seqs: 256,
+    })
+    .unwrap();
+    assert!(
+        stderr.contains(&format!(
+            "engine: qwen3-8b on 2 x h100-sxm, {blocks} KV blocks of 64 tokens"
+        )),
+        "{stderr}"
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let (gpu_hours, worker_s) = (
+        r["gpu_hours"].as_f64().unwrap(),
+        r["worker_seconds"].as_f64().unwrap(),
+    );
+    assert!(
+        (gpu_hours - worker_s * 2.0 / 3600.0).abs() < 1e-9,
+        "{gpu_hours} {worker_s}"
+    );
+    assert_eq!(r["provenance"]["config"]["tp"], 2);
+    let text = std::fs::read_to_string(&requests).unwrap();
+    let mut cached = 0;
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if v["outcome"] != "completed" {
+            continue;
+        }
+        let ms = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {line}"));
+        assert!(
+            (ms("queue_ms") - ms("router_queue_ms") - ms("engine_queue_ms")).abs() < 1e-6,
+            "{line}"
+        );
+        assert!(ms("queue_ms") <= ms("ttft_ms"), "{line}");
+        let c = v["cached_tokens"].as_u64().unwrap();
+        assert!(c < v["input_tokens"].as_u64().unwrap(), "{line}");
+        cached += c;
+    }
+    // The engines' total, from the report, is the sum of the first admissions' hits here (no
+    // preemption on an idle two-worker fleet).
+    assert_eq!(r["preemptions"], 0);
+    let reuse = r["prefix_cache_reused_ratio"].as_f64().unwrap();
+    let input = r["total_input_tokens"].as_f64().unwrap();
+    assert!(
+        (cached as f64 / input - reuse).abs() < 1e-9,
+        "{cached} / {input} vs {reuse}"
+    );
+}

@@ -383,3 +383,68 @@ fn a_router_spec_in_either_commands_file_makes_the_same_router() {
          --queue-capacity 1024 --when-empty reject"
     );
 }
+
+/// The planner file's `[engine]` takes the model and its GPUs as `replay` does: the blocks are
+/// what fits, the timing model the roofline; a wrong key or value is named.
+#[test]
+fn the_planner_files_engine_takes_a_model_and_its_gpus() {
+    use kvroute::plan::PlanFile;
+    use kvroute_engine::capacity::{Deployment, PassLimits};
+    let text =
+        "[planner]\nmode = \"agg\"\n\n[engine]\nmodel = \"Qwen/Qwen3-14B\"\ngpu = \"A100-80GB\"\ntp = 2\n";
+    let engine = PlanFile::parse(text).unwrap().live_engine().unwrap();
+    let (model, gpu) = (
+        kvroute_engine::ModelSpec::builtin("qwen3-14b").unwrap(),
+        kvroute_engine::GpuSpec::builtin("a100-sxm-80gb").unwrap(),
+    );
+    let mock = kvroute_mock::MockConfig::default_engine();
+    let blocks = Deployment {
+        model: &model,
+        gpu: &gpu,
+        tensor_parallel: 2,
+        gpu_memory_utilization: 0.9,
+    }
+    .kv_blocks(PassLimits {
+        block_size: mock.block_size,
+        max_num_batched_tokens: mock.max_num_batched_tokens,
+        max_num_seqs: mock.max_num_seqs,
+    })
+    .unwrap();
+    assert_eq!(engine.num_blocks, blocks);
+    match &engine.timing {
+        kvroute_engine::TimingConfig::Roofline(r) => {
+            assert_eq!((&r.model, &r.gpu, r.tensor_parallel), (&model, &gpu, 2));
+        }
+        other => panic!("not the roofline: {other:?}"),
+    }
+    let typo = PlanFile::parse(&text.replace("tp = 2", "tensor_parallel = 2")).unwrap_err();
+    assert!(format!("{typo:#}").contains("tensor_parallel"), "{typo:#}");
+    let bad = PlanFile::parse(&text.replace("A100-80GB", "tpu-v5"))
+        .unwrap()
+        .live_engine()
+        .unwrap_err();
+    assert!(format!("{bad:#}").contains("tpu-v5"), "{bad:#}");
+}
+
+/// `--timing FILE` reads a whole timing model (as `[timing]`), over the roofline a model
+/// would otherwise get.
+#[test]
+fn a_timing_file_beats_the_models_roofline() {
+    use kvroute::hardware::{EngineChoice, Timing};
+    let path = file("timing", "kind = \"polynomial\"\n");
+    let choice = EngineChoice {
+        model: Some("llama-3.1-8b".to_owned()),
+        ..EngineChoice::default()
+    };
+    let base = kvroute_mock::MockConfig::default_engine();
+    let roofline = choice.build(&base).unwrap().engine.timing;
+    assert!(matches!(roofline, kvroute_engine::TimingConfig::Roofline(_)));
+    let with_file = EngineChoice {
+        timing: Some(Timing::Named(path.display().to_string())),
+        ..choice
+    };
+    assert_eq!(
+        with_file.build(&base).unwrap().engine.timing,
+        kvroute_engine::TimingConfig::Polynomial
+    );
+}

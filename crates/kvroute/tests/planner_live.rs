@@ -54,8 +54,8 @@ fn ramp(block_size: u32) -> kvroute_sim::workload::Workload {
 fn one_observation_sequence_gives_the_same_decisions_live_and_simulated() {
     let plan = PlanFile::parse(PLAN).expect("a valid planner file");
     let mut config = SimConfig::new(2);
-    config.engine = plan.engine.over(&config.engine);
-    let live_engine = plan.live_engine();
+    config.engine = plan.engine.over(&config.engine).expect("a valid engine");
+    let live_engine = plan.live_engine().expect("a valid engine");
     assert_eq!(
         kvroute_sim::profile::passes(&config.engine).expect("timed"),
         kvroute_sim::profile::passes(&live_engine).expect("timed"),

@@ -61,6 +61,14 @@ pub enum TimingConfig {
 }
 
 impl TimingConfig {
+    /// Parses and validates a timing model written in TOML: `kind = "polynomial" | "roofline" |
+    /// "table"` and that model's keys, as under an engine configuration's `[timing]`.
+    pub fn from_toml_str(text: &str) -> Result<Self, SpecError> {
+        let config: Self = crate::spec::parse_toml(text, "timing model")?;
+        config.validate()?;
+        Ok(config)
+    }
+
     /// Checks the model's parameters.
     pub fn validate(&self) -> Result<(), SpecError> {
         match self {

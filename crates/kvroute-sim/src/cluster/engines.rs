@@ -203,6 +203,13 @@ impl Run<'_> {
             });
         }
         self.publish(w, out.events)?;
+        for &(id, cached) in &out.prefix_hits {
+            let s = &mut self.reqs[id.0 as usize];
+            if s.admitted.is_none() {
+                s.admitted = Some(out.start);
+                s.cached_tokens = Some(cached);
+            }
+        }
         for e in &out.emitted {
             let s = &mut self.reqs[e.request.0 as usize];
             if s.first_token.is_some() {

@@ -27,6 +27,10 @@ pub(crate) struct ReqState {
     pub(crate) replica: u32,
     /// Whether it counts in its decode worker's in-flight requests (load imbalance).
     pub(crate) counted: bool,
+    /// When an engine first scheduled it (the start of that pass).
+    pub(crate) admitted: Option<Timestamp>,
+    /// Prompt tokens its engine found cached at that first scheduling.
+    pub(crate) cached_tokens: Option<u32>,
 }
 
 impl ReqState {

@@ -77,7 +77,9 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     );
     let trace = || std::io::BufReader::new(flate2::read::GzDecoder::new(kvroute_sim::EXAMPLE_MOONCAKE_GZ));
     let mut sim = SimConfig::new(plan.planner.min_replicas.max(1) as usize);
-    sim.engine = plan.engine.over(&sim.engine);
+    let built = plan.engine.choice().build(&sim.engine).context("[engine]")?;
+    sim.engine = built.engine;
+    sim.gpus_per_worker = built.gpus_per_worker;
     sim.router.block_size = sim.engine.block_size;
     sim.router.policy = args
         .policy

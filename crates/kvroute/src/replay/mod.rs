@@ -26,6 +26,8 @@ use serde::{Deserialize, Serialize};
 
 use output::{ProgressBar, write_outputs};
 
+use crate::hardware::{EngineChoice, Timing};
+
 /// The options of `kvroute replay`: the configuration, the file it may come from, and the
 /// outputs.
 #[derive(Args, Debug, Default)]
@@ -124,8 +126,11 @@ pub struct ReplayConfig {
     /// Engine tokens per KV block (also the router's). Default 64 (Dynamo mocker).
     #[arg(long)]
     pub block_size: Option<u32>,
-    /// Engine KV blocks per worker. Default 16,384.
-    #[arg(long)]
+    /// Engine KV blocks per worker (also `--kv-blocks`). Default 16,384, or with `--model`
+    /// what fits: GPU memory x `--gpu-memory-utilization` less the weights and an activation
+    /// reserve, over the bytes of one block.
+    #[arg(long, alias = "kv-blocks")]
+    #[serde(alias = "kv-blocks")]
     pub num_blocks: Option<u32>,
     /// Engine max running requests. Default 256.
     #[arg(long)]
@@ -136,6 +141,32 @@ pub struct ReplayConfig {
     /// Divide modelled step times by this. Default 1.
     #[arg(long)]
     pub engine_speedup: Option<f64>,
+    /// The workers' model: a built-in name or alias (llama-3.1-8b, llama-3.1-70b,
+    /// llama-3.3-70b, llama-2-7b, llama-2-70b, codellama-34b, qwen2.5-7b, qwen3-8b, qwen3-14b,
+    /// qwen3-32b, mistral-nemo-12b, mixtral-8x7b, mixtral-8x22b; Hugging Face names such as
+    /// `meta-llama/Llama-3.1-8B-Instruct` too), a Hugging Face `config.json` or its directory,
+    /// or a model TOML. With it the timing model defaults to the roofline, the KV blocks to
+    /// what fits, and the KV bytes per token to the model's. Default: none (the mocker's
+    /// engine).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The GPU `--model` runs on: h100-sxm, h200-sxm, a100-sxm-80gb, a100-sxm-40gb, l40s (or
+    /// aliases: h100, H100-80GB, A100-40GB, ...), or a GPU TOML. Default h100-sxm.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Tensor-parallel GPUs per worker: the model's weights and KV heads are split over them,
+    /// and GPU-hours count them. Default 1.
+    #[arg(long)]
+    pub tp: Option<u32>,
+    /// Share of each GPU's memory the engine may use, for the derived KV blocks. Default 0.9
+    /// (vLLM's).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// The timing model: `roofline` (needs `--model`), `polynomial` (Dynamo's mocker fit),
+    /// `table:FILE` (a measured profile), or FILE, a TOML timing model (`kind = ...`, e.g. one
+    /// written by `kvroute calibrate`). Default: roofline with `--model`, else polynomial.
+    #[arg(long)]
+    pub timing: Option<String>,
     /// KV-event lag in milliseconds. Default 0.
     #[arg(long)]
     pub kv_lag_ms: Option<f64>,
@@ -223,6 +254,18 @@ pub struct ReplayConfig {
     /// multiplier), e.g. `0:0.5,1800:3,3600:0.5`.
     #[arg(long)]
     pub rate_profile: Option<String>,
+    /// Service-level objective, judged on each run: `METRIC-STAT=LIMIT`, comma-separated;
+    /// METRIC ttft, itl, tpot or e2e; STAT mean, p50, p90, p95 or p99; LIMIT in ms or s, e.g.
+    /// `ttft-p90=500ms,itl-p99=50ms`. A run meets it when every target holds and no request
+    /// was turned away or left unfinished. The report gains `slo` and `slo_met`.
+    #[arg(long)]
+    pub slo: Option<String>,
+    /// Run the trace at each fleet size: `workers=A..B` (every size from A to B),
+    /// `workers=A..B:STEP`, or `workers=A,B,C`; one run per core at once, one policy. Prints
+    /// one column per size and, with `--slo`, the smallest fleet meeting it; `--html` gains a
+    /// plot of latency against fleet size. Not with `--workers`, the two pools or `--planner`.
+    #[arg(long)]
+    pub sweep: Option<String>,
     /// Trace multiplier: play the workload (after `--limit`) as N independent copies at once,
     /// each with its own prompts (no block shared across copies) and the original arrival
     /// times, so N times the requests at N times the rate. Default 1.
@@ -235,6 +278,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let options = crate::config::layered(args.config.as_deref(), &args.options)?;
     let plan = Plan::new(&options, &args)?;
     let serve = serve_flags(&plan.runs)?;
+    if let Some(line) = &plan.engine_line {
+        eprintln!("{line}");
+    }
     let t0 = Instant::now();
     let trace = plan.trace()?;
     let (workload, source) = plan.workload(&trace)?;
@@ -243,29 +289,156 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         workload.requests.len(),
         t0.elapsed().as_secs_f64()
     );
-    let mut results: Vec<(String, RunResult)> = Vec::new();
-    for (name, sim) in &plan.runs {
-        let started = Instant::now();
-        let mut bar = ProgressBar::new(name, started);
-        let result = sim.run(&workload, &mut |p| bar.update(p))?;
-        bar.finish();
-        eprintln!(
-            "{name}: simulated in {:.3}s wall",
-            started.elapsed().as_secs_f64()
-        );
-        results.push((name.clone(), result));
+    let mut results: Vec<(String, RunResult)> = if plan.sweep.is_some() {
+        run_on_every_core(&plan.runs, &workload)?
+    } else {
+        let mut results = Vec::new();
+        for (name, sim) in &plan.runs {
+            let started = Instant::now();
+            let mut bar = ProgressBar::new(name, started);
+            let result = sim.run(&workload, &mut |p| bar.update(p))?;
+            bar.finish();
+            eprintln!(
+                "{name}: simulated in {:.3}s wall",
+                started.elapsed().as_secs_f64()
+            );
+            results.push((name.clone(), result));
+        }
+        results
+    };
+    if let Some(slo) = &plan.slo {
+        for (_, result) in &mut results {
+            slo.judge(&mut result.report);
+        }
     }
     let reports: Vec<(String, Report)> = results
         .iter()
         .map(|(n, r)| (n.clone(), r.report.clone()))
         .collect();
     print!("{}", kvroute_sim::report::table(&reports));
-    for (name, flags) in &serve {
+    let mut sweep_html = String::new();
+    if let Some(sizes) = &plan.sweep {
+        let gpus = |n: usize| n as u64 * u64::from(plan.gpus_per_worker);
+        let points: Vec<kvroute_sim::html::SweepPoint<'_>> = sizes
+            .iter()
+            .zip(&results)
+            .map(|(&workers, (_, r))| kvroute_sim::html::SweepPoint {
+                workers,
+                gpus: gpus(workers),
+                report: &r.report,
+            })
+            .collect();
+        if let Some(slo) = &plan.slo {
+            match points.iter().find(|p| slo.met(p.report)) {
+                Some(p) => println!(
+                    "smallest fleet meeting the SLO: {} workers ({} GPUs)",
+                    p.workers, p.gpus
+                ),
+                None => println!("no fleet size tried meets the SLO"),
+            }
+        }
+        if args.html.is_some() {
+            sweep_html = kvroute_sim::html::sweep_section(&points, plan.slo.as_ref());
+        }
+    } else if let Some(slo) = &plan.slo {
+        for (name, r) in &reports {
+            let verdict = if slo.met(r) { "meets" } else { "misses" };
+            println!("{name} {verdict} the SLO");
+        }
+    }
+    // A sweep's runs share one router.
+    let shown = if plan.sweep.is_some() {
+        &serve[..serve.len().min(1)]
+    } else {
+        &serve[..]
+    };
+    for (name, flags) in shown {
         println!("serve {name} with: kvroute serve {flags}");
     }
     let mut provenance = crate::provenance::Provenance::new(&options, plan.seed, trace.file.as_ref())?;
     provenance.serve_flags = serve.into_iter().collect();
-    write_outputs(&args, &results, &provenance)
+    write_outputs(&args, &results, &provenance, &sweep_html)
+}
+
+/// Runs every simulation of a sweep, one per core at once; results in the runs' order, each
+/// the same whatever ran beside it (a simulation shares nothing).
+fn run_on_every_core(
+    runs: &[(String, Simulation)],
+    workload: &Workload,
+) -> anyhow::Result<Vec<(String, RunResult)>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(runs.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<Option<anyhow::Result<RunResult>>> = (0..runs.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((name, sim)) = runs.get(i) else { break };
+                        let started = Instant::now();
+                        let result = sim.run(workload, &mut |_| {}).map_err(anyhow::Error::from);
+                        eprintln!(
+                            "{name}: simulated in {:.3}s wall",
+                            started.elapsed().as_secs_f64()
+                        );
+                        mine.push((i, result));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(mine) => {
+                    for (i, r) in mine {
+                        done[i] = Some(r);
+                    }
+                }
+                Err(_) => return Err(anyhow::anyhow!("a sweep thread panicked")),
+            }
+        }
+        Ok(())
+    })?;
+    runs.iter()
+        .zip(done)
+        .map(|((name, _), r)| Ok((name.clone(), r.context("a sweep run was not run")??)))
+        .collect()
+}
+
+/// `--sweep`'s fleet sizes, ascending: `workers=A..B`, `workers=A..B:STEP` or `workers=A,B,...`.
+fn parse_sweep(s: &str) -> anyhow::Result<Vec<usize>> {
+    let shape =
+        || format!("--sweep {s:?}: workers=A..B, workers=A..B:STEP or workers=A,B,C (sizes of 1 or more)");
+    let Some(spec) = s.trim().strip_prefix("workers=") else {
+        bail!("{}", shape());
+    };
+    let num = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n >= 1);
+    let mut sizes: Vec<usize> = if let Some((a, rest)) = spec.split_once("..") {
+        let (b, step) = match rest.split_once(':') {
+            Some((b, step)) => (b, num(step).with_context(shape)?),
+            None => (rest, 1),
+        };
+        let (a, b) = (num(a).with_context(shape)?, num(b).with_context(shape)?);
+        ensure!(a <= b, "--sweep {s:?}: A is above B");
+        (a..=b).step_by(step).collect()
+    } else {
+        spec.split(',')
+            .map(num)
+            .collect::<Option<Vec<_>>>()
+            .with_context(shape)?
+    };
+    sizes.sort_unstable();
+    sizes.dedup();
+    ensure!(
+        sizes.len() <= 256,
+        "--sweep {s:?}: {} sizes, at most 256",
+        sizes.len()
+    );
+    Ok(sizes)
 }
 
 /// Where the workload comes from.
@@ -286,6 +459,14 @@ struct Plan<'a> {
     seed: u64,
     synthetic: Option<SyntheticConfig>,
     profile: Option<Vec<(f64, f64)>>,
+    /// What `--model` derived, said on stderr.
+    engine_line: Option<String>,
+    /// `--slo`.
+    slo: Option<kvroute_sim::slo::Slo>,
+    /// `--sweep`'s fleet sizes, ascending (one run each, in that order).
+    sweep: Option<Vec<usize>>,
+    /// GPUs per worker (`--tp`).
+    gpus_per_worker: u32,
 }
 
 /// The trace's bytes (a file's, or the built-in example's) and the file, if one was named.
@@ -388,7 +569,30 @@ impl<'a> Plan<'a> {
                 "--kv-loss must be a probability (0 to 1), not {p}"
             );
         }
-        let base = sim_config(o, args)?;
+        let slo = o
+            .slo
+            .as_deref()
+            .map(|s| {
+                s.parse::<kvroute_sim::slo::Slo>()
+                    .map_err(|e| anyhow::anyhow!("--slo {e}"))
+            })
+            .transpose()?;
+        let sweep = o.sweep.as_deref().map(parse_sweep).transpose()?;
+        if sweep.is_some() {
+            for (flag, set) in [
+                ("--workers", o.workers.is_some()),
+                ("--prefill-workers", o.prefill_workers.is_some()),
+                ("--decode-workers", o.decode_workers.is_some()),
+                ("--planner", o.planner.is_some()),
+            ] {
+                ensure!(!set, "--sweep sets the fleet size: not with {flag}");
+            }
+            ensure!(
+                o.policy.as_ref().is_none_or(|p| p.len() == 1),
+                "--sweep runs one policy: give --policy one name"
+            );
+        }
+        let (base, engine_line) = sim_config(o, args)?;
         let policies = o.policy.clone().unwrap_or_else(|| vec!["kv".to_owned()]);
         ensure!(!policies.is_empty(), "--policy names no policy");
         let mut runs = Vec::with_capacity(policies.len());
@@ -396,8 +600,16 @@ impl<'a> Plan<'a> {
             ensure!(!policies[..i].contains(name), "--policy names {name} twice");
             let mut config = base.clone();
             config.router = router_spec(o, name, base.engine.block_size, base.seed)?.router_config();
-            let sim = Simulation::new(config)?;
-            runs.push((name.clone(), sim));
+            match &sweep {
+                None => runs.push((name.clone(), Simulation::new(config)?)),
+                Some(sizes) => {
+                    for &workers in sizes {
+                        let mut sized = config.clone();
+                        sized.topology = kvroute_sim::Topology::Aggregated { workers };
+                        runs.push((format!("workers={workers}"), Simulation::new(sized)?));
+                    }
+                }
+            }
         }
         let synthetic = (format == Format::Synthetic)
             .then(|| synthetic_config(o))
@@ -411,6 +623,10 @@ impl<'a> Plan<'a> {
             seed: base.seed,
             synthetic,
             profile,
+            engine_line,
+            slo,
+            sweep,
+            gpus_per_worker: base.gpus_per_worker,
         })
     }
 
@@ -505,28 +721,48 @@ fn non_negative(flag: &str, v: Option<f64>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The simulation configuration the options describe (the policy is set per run).
-fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> {
+/// The simulation configuration the options describe (the policy is set per run), and a line
+/// saying what was derived from `--model`, if given.
+fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<(SimConfig, Option<String>)> {
     let mut config = match (o.prefill_workers, o.decode_workers) {
         (None, None) => SimConfig::new(o.workers.unwrap_or(16)),
         (Some(p), Some(d)) => SimConfig::disaggregated(p, d),
         _ => bail!("--prefill-workers and --decode-workers go together"),
     };
-    config.transfer = kv_transfer(o)?;
     let plan = o
         .planner
         .as_deref()
         .map(crate::plan::PlanFile::read)
         .transpose()?;
-    if let Some(plan) = &plan {
-        config.engine = plan.engine.over(&config.engine);
+    let flags = EngineChoice {
+        block_size: o.block_size,
+        num_blocks: o.num_blocks,
+        max_num_seqs: o.max_num_seqs,
+        max_num_batched_tokens: o.max_num_batched_tokens,
+        speedup: o.engine_speedup,
+        timing: o.timing.clone().map(Timing::Named),
+        model: o.model.clone(),
+        gpu: o.gpu.clone(),
+        tp: o.tp,
+        gpu_memory_utilization: o.gpu_memory_utilization,
+    };
+    let file = plan.as_ref().map(|p| p.engine.choice()).unwrap_or_default();
+    let keys = flags.over(&file);
+    let built = keys.build(&config.engine)?;
+    config.engine = built.engine;
+    config.gpus_per_worker = built.gpus_per_worker;
+    if let (Some(plan), Some(tp)) = (&plan, keys.tp) {
+        for &pool in plan.planner.mode.pools() {
+            let gpus = plan.planner.gpus(pool);
+            ensure!(
+                gpus == tp,
+                "--tp {tp}: the planner counts {gpus} GPU(s) per {pool:?} worker; set its \
+                 {}_gpus = {tp}",
+                format!("{pool:?}").to_lowercase()
+            );
+        }
     }
-    let e = &mut config.engine;
-    e.block_size = o.block_size.unwrap_or(e.block_size);
-    e.num_blocks = o.num_blocks.unwrap_or(e.num_blocks);
-    e.max_num_seqs = o.max_num_seqs.unwrap_or(e.max_num_seqs);
-    e.max_num_batched_tokens = o.max_num_batched_tokens.unwrap_or(e.max_num_batched_tokens);
-    e.speedup = o.engine_speedup.unwrap_or(e.speedup);
+    config.transfer = kv_transfer(o, built.kv_bytes_per_token)?;
     let seed = o.seed.unwrap_or(0);
     config.seed = seed;
     config.events = EventChannel {
@@ -554,7 +790,7 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<SimConfig> 
     if args.html.is_none() {
         config.sample_interval = None;
     }
-    Ok(config)
+    Ok((config, built.description))
 }
 
 /// The router replicas the options describe.
@@ -600,12 +836,12 @@ fn replicas(o: &ReplayConfig) -> anyhow::Result<Replicas> {
     })
 }
 
-/// The KV link the options describe.
-fn kv_transfer(o: &ReplayConfig) -> anyhow::Result<KvTransfer> {
+/// The KV link the options describe; `model_bytes_per_token` is `--model`'s, if given.
+fn kv_transfer(o: &ReplayConfig, model_bytes_per_token: Option<u64>) -> anyhow::Result<KvTransfer> {
     let bytes_per_token = match (o.kv_bytes_per_token, &o.kv_model) {
         (Some(b), _) => Some(b),
         (None, Some(name)) => Some(KvTransfer::model_bytes_per_token(name).context("--kv-model")?),
-        (None, None) => None,
+        (None, None) => model_bytes_per_token,
     };
     kv_link(o.kv_transfer_gbps, o.kv_transfer_latency_ms, bytes_per_token)
 }

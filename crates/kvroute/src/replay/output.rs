@@ -10,11 +10,12 @@ use kvroute_sim::{Progress, Report, RunResult};
 use super::ReplayArgs;
 
 /// Writes the files `args` names: the report (with `provenance`), one JSON line per request,
-/// the HTML page.
+/// the HTML page (with `extra_html` after its table).
 pub(super) fn write_outputs(
     args: &ReplayArgs,
     results: &[(String, RunResult)],
     provenance: &crate::provenance::Provenance,
+    extra_html: &str,
 ) -> anyhow::Result<()> {
     if let Some(path) = &args.report_json {
         let reports: Vec<(&str, &Report)> = results.iter().map(|(n, r)| (n.as_str(), &r.report)).collect();
@@ -42,7 +43,7 @@ pub(super) fn write_outputs(
         out.flush()?;
     }
     if let Some(path) = &args.html {
-        let page = kvroute_sim::html::page(results);
+        let page = kvroute_sim::html::page_with(results, extra_html);
         std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
