@@ -91,12 +91,20 @@ fn bytes(input: &Input) -> Vec<u8> {
             out.extend(ready());
             for f in frames {
                 out.push(f.flags);
+                // A lie may claim more than the body, never less: the rest of a longer body
+                // would be read as the next frame's header, whose 8-byte length is then
+                // anything (the abort the module docs describe), not a bounded forgery.
+                let claimed = f.claimed.unwrap_or(0).max(f.body.len() as u64);
                 if f.flags & 0x02 != 0 {
-                    let len = f.claimed.unwrap_or(f.body.len() as u64).min(65_536);
-                    out.extend_from_slice(&len.to_be_bytes());
+                    out.extend_from_slice(&claimed.min(65_536).to_be_bytes());
                 } else {
-                    let len = f.claimed.unwrap_or(f.body.len() as u64).min(255);
+                    let len = claimed.min(255);
                     out.push(len as u8);
+                    if (len as usize) < f.body.len() {
+                        // A short frame cannot say its body's length: send what it says.
+                        out.extend_from_slice(&f.body[..len as usize]);
+                        continue;
+                    }
                 }
                 out.extend_from_slice(&f.body);
             }
