@@ -19,7 +19,7 @@ const WORKERS: usize = 4;
 
 fn config(policy: &str) -> SimConfig {
     let mut config = shrink(SimConfig::new(WORKERS));
-    config.router.policy = PolicyConfig::from_name(policy).unwrap();
+    config.router.policy = PolicyConfig::from_name(policy).expect("a policy name");
     config
 }
 
