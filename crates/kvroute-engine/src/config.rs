@@ -1,8 +1,8 @@
 //! The engine's one configuration, validated once by [`Engine::new`](crate::Engine::new).
 //!
 //! The names follow vLLM's engine arguments, so a vLLM deployment's settings carry over.
-//! Nothing has a default: a caller states every knob (the CLI will fill them from a TOML file
-//! with [`EngineConfig::from_toml_str`]).
+//! Nothing has a default but `step_jitter` (none): a caller states every knob (the CLI will fill
+//! them from a TOML file with [`EngineConfig::from_toml_str`]).
 
 use kvroute_core::time::TimeScale;
 use serde::Deserialize;
