@@ -40,6 +40,7 @@ fn config(timing: TimingConfig) -> EngineConfig {
         external_hash_seed: 1,
         speedup: 1.0,
         timing,
+        step_jitter: None,
     }
 }
 

@@ -1,12 +1,13 @@
 //! The engine's one configuration, validated once by [`Engine::new`](crate::Engine::new).
 //!
 //! The names follow vLLM's engine arguments, so a vLLM deployment's settings carry over.
-//! Nothing has a default: a caller states every knob (the CLI will fill them from a TOML file
-//! with [`EngineConfig::from_toml_str`]).
+//! Nothing has a default but `step_jitter` (none): a caller states every knob (the CLI will fill
+//! them from a TOML file with [`EngineConfig::from_toml_str`]).
 
 use kvroute_core::time::TimeScale;
 use serde::Deserialize;
 
+use crate::noise::StepJitter;
 use crate::spec::{SpecError, parse_toml};
 use crate::timing::TimingConfig;
 
@@ -40,6 +41,10 @@ pub struct EngineConfig {
     pub speedup: f64,
     /// How long a forward pass takes.
     pub timing: TimingConfig,
+    /// Multiplicative noise on each pass's duration (`[step_jitter]`, optional); `None`: every
+    /// pass takes its modelled time.
+    #[serde(default)]
+    pub step_jitter: Option<StepJitter>,
 }
 
 /// Why a configuration was refused.
@@ -69,6 +74,9 @@ pub enum ConfigError {
     /// The timing model's description is unusable.
     #[error("timing: {0}")]
     Timing(#[from] SpecError),
+    /// The step-time jitter's amount is out of range.
+    #[error("step jitter: {0}")]
+    StepJitter(String),
     /// The configuration text did not parse.
     #[error("{0}")]
     Parse(SpecError),
@@ -110,6 +118,9 @@ impl EngineConfig {
             });
         }
         self.timing.validate()?;
+        if let Some(j) = &self.step_jitter {
+            j.dispersion.validate().map_err(ConfigError::StepJitter)?;
+        }
         Ok(())
     }
 }

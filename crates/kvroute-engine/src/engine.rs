@@ -21,6 +21,8 @@ pub struct Engine {
     busy_until: Timestamp,
     /// The latest time passed in.
     clock: Timestamp,
+    /// Passes run (stepped or skipped): the index of the next pass's jitter draw.
+    passes: u64,
 }
 
 /// What one forward pass did. Its effects happen at `end`: a driver delivers the tokens and
@@ -79,13 +81,14 @@ impl Engine {
     /// An idle engine with an empty cache, or why `config` is unusable.
     pub fn new(config: EngineConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let timer = StepTimer::new(config.timing.build()?, config.time_scale()?);
+        let timer = StepTimer::new(config.timing.build()?, config.time_scale()?, config.step_jitter);
         Ok(Self {
             scheduler: Scheduler::new(&config),
             timer,
             config,
             busy_until: Timestamp::ZERO,
             clock: Timestamp::ZERO,
+            passes: 0,
         })
     }
 
@@ -213,8 +216,9 @@ impl Engine {
         metrics.duration = if schedule.chunks.is_empty() {
             MIN_STEP
         } else {
-            self.timer.duration(&metrics.pass)
+            self.timer.duration(&metrics.pass, self.passes)
         };
+        self.passes += 1;
         let end = now + metrics.duration;
         self.busy_until = end;
         let progress = self.scheduler.commit(&schedule);
@@ -272,10 +276,10 @@ impl Engine {
             ..ForwardPass::default()
         };
         let mut t = now;
-        if !self.timer.reads_decode_context() {
+        if self.timer.constant_decode_passes() {
             // Every pass takes as long as the first.
             pass.decode_context_tokens = base + n;
-            let d = self.timer.duration(&pass);
+            let d = self.timer.duration(&pass, self.passes);
             for _ in 0..k {
                 t = t + d;
                 ends.push(t);
@@ -284,7 +288,7 @@ impl Engine {
         }
         for p in 1..=u64::from(k) {
             pass.decode_context_tokens = base + n * p;
-            t = t + self.timer.duration(&pass);
+            t = t + self.timer.duration(&pass, self.passes + p - 1);
             ends.push(t);
         }
     }
@@ -306,6 +310,7 @@ impl Engine {
         }
         self.clock = self.clock.max(last_start);
         self.busy_until = end;
+        self.passes += u64::from(k);
     }
 
     /// KV blocks in use and in all.

@@ -30,6 +30,7 @@
 //!     external_hash_seed: 7,
 //!     speedup: 1.0,
 //!     timing: TimingConfig::Polynomial,
+//!     step_jitter: None,
 //! };
 //! let mut engine = Engine::new(config).unwrap();
 //! let request = EngineRequest {
@@ -78,6 +79,7 @@ mod engine;
 pub mod host;
 mod kv_pool;
 pub mod metrics;
+pub mod noise;
 pub mod request;
 mod scheduler;
 mod sequence;
@@ -89,6 +91,7 @@ pub use config::{ConfigError, EngineConfig};
 pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
+pub use noise::{Dispersion, StepJitter};
 pub use request::{
     EnginePrompt, EngineRequest, FinishReason, Finished, KvReportMode, RequestError, TokenEmission,
     synthetic_output_token,

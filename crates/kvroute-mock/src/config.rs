@@ -101,6 +101,7 @@ impl MockConfig {
             external_hash_seed: 0,
             speedup: 1.0,
             timing: TimingConfig::Polynomial,
+            step_jitter: None,
         }
     }
 }

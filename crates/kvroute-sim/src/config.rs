@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvroute_core::router::RouterConfig;
-use kvroute_engine::{EngineConfig, KvTransfer, TimingConfig};
+use kvroute_engine::{Dispersion, EngineConfig, KvTransfer, TimingConfig};
 
 /// How requests enter the simulation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -98,6 +98,106 @@ pub enum Spread {
     Random,
 }
 
+/// Reality's noise in a run: step-time jitter, workers of unequal speed, HTTP latency between
+/// router and engines. Every draw comes from [`SimConfig::seed`] (counter-based, so the draws do
+/// not depend on the order events are handled in). [`Noise::default`] is all off, and a run
+/// without noise draws nothing and handles no extra event. Prompt- and output-length spread
+/// belongs to the workload ([`crate::workload::LengthSpread`]); KV-event lag and loss to
+/// [`EventChannel`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Noise {
+    /// Each forward pass's modelled duration times a factor drawn per pass, from a stream of
+    /// its worker's own.
+    pub step_jitter: Option<Dispersion>,
+    /// How fast each worker is.
+    pub worker_speed: WorkerSpeed,
+    /// HTTP latency between router and engines; `None`: none.
+    pub http: Option<HttpLatency>,
+}
+
+/// How fast each worker's engine is, as a factor on [`kvroute_engine::EngineConfig::speedup`]
+/// (above 1: faster).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum WorkerSpeed {
+    /// Every worker at the engine's speed.
+    #[default]
+    Same,
+    /// Worker `i`'s factor drawn once from the run's seed.
+    Drawn(Dispersion),
+    /// Worker `i`'s factor is entry `i` (a worker a planner adds past the list: entry `i mod
+    /// len`).
+    Given(Vec<f64>),
+}
+
+impl WorkerSpeed {
+    /// Worker `i`'s speed factor in a run of seed `seed`.
+    pub fn factor(&self, seed: u64, i: usize) -> f64 {
+        match self {
+            Self::Same => 1.0,
+            Self::Drawn(d) => d.draw_at(seed ^ SPEED_SALT, i as u64),
+            Self::Given(list) => list.get(i % list.len().max(1)).copied().unwrap_or(1.0),
+        }
+    }
+}
+
+/// A one-way HTTP delay: from the router's decision to the engine's receipt of the request, and
+/// from the engine's first token and finish to the router's (and the client's) receipt of them.
+/// The client's TTFT and end-to-end latency include it, and a closed loop's next request waits for
+/// it. A request's messages arrive in the order they were sent (one stream).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HttpLatency {
+    /// The nominal one-way delay.
+    pub delay: Duration,
+    /// Each message's delay times a factor drawn per message; `None`: always `delay`.
+    pub jitter: Option<Dispersion>,
+}
+
+impl HttpLatency {
+    /// The delay of message `k` (0: the request, 1: its first token, 2: its finish) of request
+    /// `request` in a run of seed `seed`.
+    pub fn delay_of(&self, seed: u64, request: usize, k: u64) -> Duration {
+        match &self.jitter {
+            None => self.delay,
+            Some(d) => self
+                .delay
+                .mul_f64(d.draw_at(seed ^ HTTP_SALT, request as u64 * 3 + k).min(1e6)),
+        }
+    }
+}
+
+/// Salts of the noise streams, apart from the simulator's other draws.
+const SPEED_SALT: u64 = 0x5EED_0000_0000_0004;
+const HTTP_SALT: u64 = 0x5EED_0000_0000_0005;
+/// Salt of the step-jitter streams (worker `i`'s: [`kvroute_engine::noise::mix`] of it and `i`).
+pub(crate) const JITTER_SALT: u64 = 0x5EED_0000_0000_0003;
+
+impl Noise {
+    /// Checks every amount; [`crate::Simulation::new`] calls this.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(d) = &self.step_jitter {
+            d.validate().map_err(|e| format!("step jitter: {e}"))?;
+        }
+        match &self.worker_speed {
+            WorkerSpeed::Same => {}
+            WorkerSpeed::Drawn(d) => d.validate().map_err(|e| format!("worker speed: {e}"))?,
+            WorkerSpeed::Given(list) => {
+                if list.is_empty() {
+                    return Err("worker speed: an empty list".to_owned());
+                }
+                if let Some(bad) = list.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                    return Err(format!("worker speed {bad}: a factor above 0"));
+                }
+            }
+        }
+        if let Some(h) = &self.http
+            && let Some(d) = &h.jitter
+        {
+            d.validate().map_err(|e| format!("HTTP jitter: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 /// The fleet's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Topology {
@@ -165,6 +265,8 @@ pub struct SimConfig {
     /// The planner, if one scales the fleet (see [`PlannerSetup`]); `None` keeps the fleet fixed
     /// and the report exactly as without it.
     pub planner: Option<PlannerSetup>,
+    /// Step-time jitter, worker speeds, HTTP latency; default: none.
+    pub noise: Noise,
 }
 
 /// A planner in the loop: it adds workers (routable after `config.startup_delay_s`) and drains
@@ -199,6 +301,7 @@ impl SimConfig {
             external_hash_seed: 0,
             speedup: 1.0,
             timing: TimingConfig::Polynomial,
+            step_jitter: None,
         }
     }
 
@@ -239,6 +342,7 @@ impl SimConfig {
             gpus_per_worker: 1,
             fast_forward: true,
             planner: None,
+            noise: Noise::default(),
         }
     }
 }

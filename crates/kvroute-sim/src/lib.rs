@@ -60,14 +60,16 @@ pub mod workload;
 
 pub use cluster::Progress;
 pub use config::{
-    ArrivalMode, EventChannel, PlannerSetup, ReplicaSync, Replicas, SimConfig, Spread, Topology,
+    ArrivalMode, EventChannel, HttpLatency, Noise, PlannerSetup, ReplicaSync, Replicas, SimConfig, Spread,
+    Topology, WorkerSpeed,
 };
 pub use error::SimError;
+pub use kvroute_engine::Dispersion;
 /// The prefill-to-decode KV link, the engine crate's (the mock workers price imports with it too).
 pub use kvroute_engine::KvTransfer;
 pub use planned::{PlannerRun, RequestSla, SlaWindow, sla_windows};
 pub use report::{CompletedRequest, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
-pub use workload::{Arrival, PromptBlocks, SimRequest, Workload};
+pub use workload::{Arrival, LengthSpread, PromptBlocks, SimRequest, Workload};
 
 /// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),
 /// gzip'd: the trace `kvroute replay` runs when none is named.
@@ -177,6 +179,7 @@ impl Simulation {
                 return Err(SimError::Config("SLA window of zero".to_owned()));
             }
         }
+        config.noise.validate().map_err(SimError::Config)?;
         if let ArrivalMode::Closed { concurrency: 0 } = config.arrivals {
             return Err(SimError::Config("closed-loop concurrency of zero".to_owned()));
         }

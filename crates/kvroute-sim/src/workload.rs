@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::LocalBlockHash;
+use kvroute_core::router::Rng;
 use kvroute_core::time::Timestamp;
+use kvroute_engine::Dispersion;
+use kvroute_engine::noise::mix;
 
 use crate::trace::fill_unique_tokens;
 
@@ -26,6 +29,11 @@ pub enum Arrival {
         /// Think time.
         delay: Duration,
     },
+}
+
+/// `n` times `f`, rounded, at least 1.
+fn scale_tokens(n: u32, f: f64) -> u32 {
+    (f64::from(n) * f).round().clamp(1.0, f64::from(u32::MAX)) as u32
 }
 
 /// A prompt's local block hashes, kept as shared segments: requests that share a prefix (a
@@ -127,6 +135,25 @@ pub struct SimRequest {
     pub output_tokens: u32,
 }
 
+/// Prompt- and output-length spread, applied to a built workload
+/// ([`Workload::spread_lengths`]) before any run, so the router sees the spread prompts.
+/// Default: none.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LengthSpread {
+    /// Each prompt's tail (the tokens after its earlier segments: a generated request's own new
+    /// tokens; a trace row's whole prompt) times a factor drawn per request, at least 1 token.
+    /// A shortened tail keeps its first blocks; a longer one gains blocks of its own, shared with
+    /// no other request; so what requests share stays shared.
+    pub prompt: Option<Dispersion>,
+    /// Each output length times a factor drawn per request, at least 1 token.
+    pub output: Option<Dispersion>,
+}
+
+/// Salts of the length-spread streams.
+const PROMPT_SALT: u64 = 0x5EED_0000_0000_0006;
+const OUTPUT_SALT: u64 = 0x5EED_0000_0000_0007;
+const BLOCK_SALT: u64 = 0x5EED_0000_0000_0008;
+
 /// Requests, in the order of their ids (request `i` is `RequestId(i)`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Workload {
@@ -144,6 +171,57 @@ impl Workload {
             block_size,
             requests: Vec::new(),
         }
+    }
+
+    /// Spreads every request's prompt and output length (see [`LengthSpread`]), request `i`'s
+    /// factors drawn from `seed` and `i` alone; an error names an amount out of range.
+    pub fn spread_lengths(&mut self, spread: &LengthSpread, seed: u64) -> Result<(), String> {
+        for (d, what) in [(&spread.prompt, "prompt"), (&spread.output, "output")] {
+            if let Some(d) = d {
+                d.validate().map_err(|e| format!("{what} length spread: {e}"))?;
+            }
+        }
+        let bs = u64::from(self.block_size.max(1));
+        for (i, r) in self.requests.iter_mut().enumerate() {
+            if let Some(d) = &spread.output {
+                let f = d.draw_at(seed ^ OUTPUT_SALT, i as u64);
+                r.output_tokens = scale_tokens(r.output_tokens, f);
+            }
+            let Some(d) = &spread.prompt else {
+                continue;
+            };
+            let f = d.draw_at(seed ^ PROMPT_SALT, i as u64);
+            let segments = &r.locals.segments;
+            let tail_blocks = segments.last().map_or(0, |s| s.len()) as u64;
+            let head_blocks = r.locals.len() as u64 - tail_blocks;
+            let head_tokens = head_blocks * bs;
+            let tail_tokens = u64::from(r.prompt_tokens).saturating_sub(head_tokens);
+            let new_tail = u64::from(scale_tokens(u32::try_from(tail_tokens).unwrap_or(u32::MAX), f));
+            let tokens = (head_tokens + new_tail).min(u64::from(u32::MAX));
+            let full = tokens / bs;
+            let mut kept: Vec<Arc<[LocalBlockHash]>> = segments[..segments.len().saturating_sub(1)].to_vec();
+            if let Some(last) = segments.last() {
+                let keep = (full.saturating_sub(head_blocks) as usize).min(last.len());
+                if keep == last.len() {
+                    kept.push(Arc::clone(last));
+                } else if keep > 0 {
+                    kept.push(Arc::from(&last[..keep]));
+                }
+            }
+            let have = head_blocks + tail_blocks.min(full.saturating_sub(head_blocks));
+            if full > have {
+                let mut rng = Rng::new(mix(seed ^ BLOCK_SALT, i as u64));
+                let extra: Vec<LocalBlockHash> =
+                    (have..full).map(|_| LocalBlockHash(rng.next_u64())).collect();
+                kept.push(Arc::from(extra));
+            }
+            r.locals = PromptBlocks {
+                segments: kept.into_boxed_slice(),
+                salt: r.locals.salt,
+            };
+            r.prompt_tokens = tokens as u32;
+        }
+        Ok(())
     }
 
     /// Prompt tokens over all requests.

@@ -233,6 +233,7 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         external_hash_seed: 9,
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
+        step_jitter: None,
     })
     .unwrap();
     let prompts: Vec<(Vec<u32>, Option<&str>)> = (0..12u32)

@@ -68,6 +68,33 @@ fn synthetic_rates_must_be_positive_numbers() {
 }
 
 #[test]
+fn noise_flags_are_checked_and_named() {
+    refused(
+        &["replay", "--isl-spread", "normal:0.1"],
+        &["--isl-spread", "uniform, lognormal"],
+    );
+    refused(
+        &["replay", "--osl-spread", "uniform:1"],
+        &["--osl-spread", "uniform spread 1"],
+    );
+    refused(
+        &["replay", "--step-jitter", "lognormal"],
+        &["--step-jitter", "KIND:AMOUNT"],
+    );
+    refused(
+        &["replay", "--step-jitter", "lognormal:-1"],
+        &["--step-jitter", "sigma"],
+    );
+    refused(&["replay", "--worker-speed", "1,0,1"], &["--worker-speed"]);
+    refused(&["replay", "--worker-speed", "uniform:x"], &["--worker-speed"]);
+    refused(&["replay", "--http-latency-ms", "0"], &["--http-latency-ms"]);
+    refused(
+        &["replay", "--http-jitter", "lognormal:0.5"],
+        &["--http-jitter", "--http-latency-ms"],
+    );
+}
+
+#[test]
 fn speedups_and_limits_must_be_positive() {
     refused(&["replay", "--arrival-speedup", "0"], &["--arrival-speedup"]);
     refused(&["replay", "--arrival-speedup", "inf"], &["--arrival-speedup"]);

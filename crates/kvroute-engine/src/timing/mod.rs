@@ -25,6 +25,7 @@ pub use roofline::{Roofline, RooflineConfig, RooflineEfficiency};
 pub use table::{DecodeTable, PrefillTable, Table, TableProfile};
 
 use crate::metrics::ForwardPass;
+use crate::noise::StepJitter;
 use crate::spec::SpecError;
 
 /// The shortest step: a pass takes at least this long, whatever the model says, so that time
@@ -88,27 +89,36 @@ impl TimingConfig {
     }
 }
 
-/// A timing model with the engine's speedup factor applied.
+/// A timing model with the engine's speedup factor and step-time jitter applied.
 #[derive(Debug)]
 pub(crate) struct StepTimer {
     model: Box<dyn TimingModel>,
     scale: TimeScale,
+    jitter: Option<StepJitter>,
 }
 
 impl StepTimer {
-    /// Wraps `model`; `speedup` was validated by the engine's configuration.
-    pub(crate) fn new(model: Box<dyn TimingModel>, scale: TimeScale) -> Self {
-        Self { model, scale }
+    /// Wraps `model`; `speedup` and `jitter` were validated by the engine's configuration.
+    pub(crate) fn new(model: Box<dyn TimingModel>, scale: TimeScale, jitter: Option<StepJitter>) -> Self {
+        Self { model, scale, jitter }
     }
 
-    /// The duration of the pass, sped up, rounded and floored at [`MIN_STEP`].
-    /// See [`TimingModel::reads_decode_context`].
-    pub(crate) fn reads_decode_context(&self) -> bool {
-        self.model.reads_decode_context()
+    /// Whether a run of pure-decode passes over the same requests and blocks takes the same
+    /// time each: the model does not read the decode context (see
+    /// [`TimingModel::reads_decode_context`]) and no jitter varies the passes.
+    pub(crate) fn constant_decode_passes(&self) -> bool {
+        !self.model.reads_decode_context() && self.jitter.is_none()
     }
 
-    pub(crate) fn duration(&self, pass: &ForwardPass) -> Duration {
-        self.scale.modeled_secs(self.model.pass_secs(pass)).max(MIN_STEP)
+    /// The duration of the engine's pass number `index` (from 0), jittered, sped up, rounded
+    /// and floored at [`MIN_STEP`].
+    pub(crate) fn duration(&self, pass: &ForwardPass, index: u64) -> Duration {
+        let secs = self.model.pass_secs(pass);
+        let secs = match &self.jitter {
+            None => secs,
+            Some(j) => secs * j.dispersion.draw_at(j.seed, index),
+        };
+        self.scale.modeled_secs(secs).max(MIN_STEP)
     }
 }
 

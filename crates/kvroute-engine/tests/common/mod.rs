@@ -25,6 +25,7 @@ pub fn config() -> EngineConfig {
         external_hash_seed: 42,
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
+        step_jitter: None,
     }
 }
 

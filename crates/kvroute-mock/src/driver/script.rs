@@ -60,6 +60,7 @@ fn host() -> EngineHost {
         external_hash_seed: 0,
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
+        step_jitter: None,
     };
     EngineHost::new(Engine::new(config).expect("valid"), KvTransfer::default())
 }

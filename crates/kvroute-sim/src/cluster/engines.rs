@@ -3,6 +3,7 @@
 
 use kvroute_core::ids::RequestId;
 use kvroute_core::router::{Decision, Output, RouterError, WorkerRole};
+use kvroute_core::time::Timestamp;
 use kvroute_engine::{ImportAdmission, ImportStart, StartedImport, StepOutput};
 use kvroute_planner::PassSample;
 
@@ -27,18 +28,41 @@ impl Run<'_> {
             p.traffic
                 .routed(&decision, r.prompt_tokens / self.workload.block_size);
         }
-        let mut request = engine_request(decision.request, r);
         // A prefill-only instance samples the first token; a request of at most one token is
         // then complete there.
-        let w = match decision.prefill {
-            Some(p) => {
-                let p = p.worker.worker.0 as usize;
-                state.prefill_worker = Some(p as u32);
-                state.in_prefill = r.output_tokens >= 2;
-                request.output_len = request.output_len.min(1);
-                p
+        if let Some(p) = decision.prefill {
+            state.prefill_worker = Some(p.worker.worker.0 as u32);
+            state.in_prefill = r.output_tokens >= 2;
+        }
+        match self.config.noise.http {
+            Some(http) => {
+                self.reqs[i].in_transit = true;
+                let at = self.http_arrival(i, 0, &http);
+                self.push(at, Event::Deliver(i as u32));
+                Ok(())
             }
-            None => w,
+            None => self.hand_to_engine(i),
+        }
+    }
+
+    /// When message `k` of request `i` (see [`crate::HttpLatency::delay_of`]), sent now,
+    /// arrives: not before its earlier messages.
+    pub(super) fn http_arrival(&mut self, i: usize, k: u64, http: &crate::HttpLatency) -> Timestamp {
+        let at = (self.now + http.delay_of(self.config.seed, i, k)).max(self.reqs[i].http_last);
+        self.reqs[i].http_last = at;
+        at
+    }
+
+    /// Routed request `i` reaches its engine (its prefill worker's, if it has one).
+    pub(super) fn hand_to_engine(&mut self, i: usize) -> Result<(), SimError> {
+        self.reqs[i].in_transit = false;
+        let mut request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        let w = match self.reqs[i].prefill_worker {
+            Some(p) => {
+                request.output_len = request.output_len.min(1);
+                p as usize
+            }
+            None => self.reqs[i].worker.expect("a routed request has a worker") as usize,
         };
         self.materialize(w)?;
         self.reqs[i].queued_on = Some(w as u32);
@@ -212,31 +236,23 @@ impl Run<'_> {
         }
         for e in &out.emitted {
             let s = &mut self.reqs[e.request.0 as usize];
-            if s.first_token.is_some() {
+            if s.emitted_first {
                 self.totals.itl.add(now.saturating_since(s.last_token));
             }
             s.last_token = now;
             s.output_tokens += e.tokens;
         }
         for &id in &out.first_token {
-            self.reqs[id.0 as usize].first_token = Some(now);
-            self.unqueue(id.0 as usize);
-            if let Some(arrived) = self.reqs[id.0 as usize].arrived
-                && self.warm(self.reqs[id.0 as usize].worker)
-                && let Some(p) = &mut self.planner
-            {
-                p.traffic
-                    .first_token(now.saturating_since(arrived).as_secs_f64() * 1e3);
+            let i = id.0 as usize;
+            self.reqs[i].emitted_first = true;
+            self.unqueue(i);
+            match self.config.noise.http {
+                Some(http) => {
+                    let at = self.http_arrival(i, 1, &http);
+                    self.push(at, Event::FirstTokenSeen(i as u32));
+                }
+                None => self.first_token_seen(i)?,
             }
-            let r = self.reqs[id.0 as usize].replica as usize;
-            if !self.up(r) {
-                // Its router is dead.
-                continue;
-            }
-            let result = self.routers[r].handle_first_token(now, id);
-            self.export_sync(r)?;
-            let outputs = self.lifecycle(result)?;
-            self.route_outputs(outputs)?;
         }
         for f in &out.finished {
             let i = f.request.0 as usize;
@@ -244,29 +260,73 @@ impl Run<'_> {
                 self.begin_import(i)?;
                 continue;
             }
-            self.reqs[i].finished = Some(now);
-            self.totals.completed += 1;
-            let warm = self.warm(self.reqs[i].worker);
-            if let Some(p) = &mut self.planner {
-                let s = &self.reqs[i];
-                let decode_ms = s
-                    .first_token
-                    .filter(|_| warm)
-                    .map(|first| s.last_token.saturating_since(first).as_secs_f64() * 1e3);
-                p.traffic.completed(s.output_tokens, decode_ms);
+            match self.config.noise.http {
+                Some(http) => {
+                    self.reqs[i].in_transit = true;
+                    let at = self.http_arrival(i, 2, &http);
+                    self.push(at, Event::FinishSeen(i as u32));
+                }
+                None => self.finish_seen(i)?,
             }
-            self.uncount(i);
-            let r = self.reqs[i].replica as usize;
-            if !self.up(r) {
-                // Its router is dead.
-                self.done(i);
-                continue;
-            }
-            let result = self.routers[r].handle_finished(now, f.request);
-            self.export_sync(r)?;
-            let outputs = self.lifecycle(result)?;
+        }
+        Ok(())
+    }
+
+    /// Request `i`'s first token reaches its client and its router.
+    pub(super) fn first_token_seen(&mut self, i: usize) -> Result<(), SimError> {
+        let now = self.now;
+        let id = RequestId(i as u64);
+        self.reqs[i].first_token = Some(now);
+        if let Some(arrived) = self.reqs[i].arrived
+            && self.warm(self.reqs[i].worker)
+            && let Some(p) = &mut self.planner
+        {
+            p.traffic
+                .first_token(now.saturating_since(arrived).as_secs_f64() * 1e3);
+        }
+        let r = self.reqs[i].replica as usize;
+        if !self.up(r) {
+            // Its router is dead.
+            return Ok(());
+        }
+        let result = self.routers[r].handle_first_token(now, id);
+        self.export_sync(r)?;
+        let outputs = self.lifecycle(result)?;
+        self.route_outputs(outputs)
+    }
+
+    /// Request `i`'s completion reaches its client and its router.
+    pub(super) fn finish_seen(&mut self, i: usize) -> Result<(), SimError> {
+        let now = self.now;
+        self.reqs[i].in_transit = false;
+        self.reqs[i].finished = Some(now);
+        self.totals.completed += 1;
+        let warm = self.warm(self.reqs[i].worker);
+        if let Some(p) = &mut self.planner {
+            let s = &self.reqs[i];
+            let decode_ms = s
+                .first_token
+                .filter(|_| warm)
+                .map(|first| s.last_token.saturating_since(first).as_secs_f64() * 1e3);
+            p.traffic.completed(s.output_tokens, decode_ms);
+        }
+        self.uncount(i);
+        let r = self.reqs[i].replica as usize;
+        if !self.up(r) {
+            // Its router is dead.
             self.done(i);
-            self.route_outputs(outputs)?;
+            return Ok(());
+        }
+        let result = self.routers[r].handle_finished(now, RequestId(i as u64));
+        self.export_sync(r)?;
+        let outputs = self.lifecycle(result)?;
+        self.done(i);
+        self.route_outputs(outputs)?;
+        if self.config.noise.http.is_some()
+            && let Some(w) = self.reqs[i].worker
+            && self.workers[w as usize].life == Life::Draining
+        {
+            self.try_retire(w as usize)?;
         }
         Ok(())
     }

@@ -102,7 +102,7 @@ impl Run<'_> {
         let mut with_first_token = 0;
         for id in worker.host.engine().running_requests() {
             let s = &mut reqs[id.0 as usize];
-            if s.first_token.is_some() {
+            if s.emitted_first {
                 totals.itl.add(ends[0].saturating_since(s.last_token));
                 with_first_token += 1;
             }

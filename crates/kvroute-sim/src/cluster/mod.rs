@@ -113,6 +113,12 @@ enum Event {
     ReplicaJoin(u32),
     /// Replica `.0` dies.
     ReplicaFail(u32),
+    /// Request `.0` reaches its engine (HTTP latency).
+    Deliver(u32),
+    /// Request `.0`'s first token reaches its client and router (HTTP latency).
+    FirstTokenSeen(u32),
+    /// Request `.0`'s completion reaches its client and router (HTTP latency).
+    FinishSeen(u32),
 }
 
 impl Event {
@@ -126,6 +132,9 @@ impl Event {
                 | Event::WorkerReady(_)
                 | Event::ReplicaJoin(_)
                 | Event::ReplicaFail(_)
+                | Event::Deliver(_)
+                | Event::FirstTokenSeen(_)
+                | Event::FinishSeen(_)
         )
     }
 }
@@ -376,6 +385,9 @@ impl<'w> Run<'w> {
                             Event::WorkerReady(w) => self.worker_ready(w as usize)?,
                             Event::ReplicaJoin(r) => self.replica_join(r as usize)?,
                             Event::ReplicaFail(r) => self.replica_fail(r as usize),
+                            Event::Deliver(i) => self.hand_to_engine(i as usize)?,
+                            Event::FirstTokenSeen(i) => self.first_token_seen(i as usize)?,
+                            Event::FinishSeen(i) => self.finish_seen(i as usize)?,
                         }
                     }
                 }

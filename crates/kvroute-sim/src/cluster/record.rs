@@ -12,7 +12,14 @@ pub(crate) struct ReqState {
     pub(crate) routed: Option<Timestamp>,
     pub(crate) worker: Option<u32>,
     pub(crate) overlap_blocks: u32,
+    /// When the client received its first token.
     pub(crate) first_token: Option<Timestamp>,
+    /// Whether an engine emitted its first token (with HTTP latency, before the client has it).
+    pub(crate) emitted_first: bool,
+    /// With HTTP latency: a message (the request, or its finish) is on its way.
+    pub(crate) in_transit: bool,
+    /// With HTTP latency: when its last message arrives (its messages arrive in order).
+    pub(crate) http_last: Timestamp,
     pub(crate) last_token: Timestamp,
     pub(crate) finished: Option<Timestamp>,
     pub(crate) output_tokens: u32,

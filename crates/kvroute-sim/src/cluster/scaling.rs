@@ -161,6 +161,15 @@ impl Run<'_> {
         {
             return Ok(());
         }
+        // With HTTP latency: a request on its way to it, or a finish on its way from it.
+        if self.config.noise.http.is_some()
+            && self
+                .reqs
+                .iter()
+                .any(|r| r.in_transit && (r.worker == Some(w as u32) || r.prefill_worker == Some(w as u32)))
+        {
+            return Ok(());
+        }
         self.workers[w].life = Life::Removed;
         self.workers[w].removed_at = Some(self.now);
         for r in 0..self.routers.len() {

@@ -4,10 +4,10 @@
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{WorkerRole, WorkerSpec};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineHost, EnginePrompt, EngineRequest};
+use kvroute_engine::{Engine, EngineHost, EnginePrompt, EngineRequest, StepJitter};
 use kvroute_planner::{PassSample, Pool};
 
-use crate::config::SimConfig;
+use crate::config::{JITTER_SALT, SimConfig, WorkerSpeed};
 use crate::error::SimError;
 
 /// A worker's life under a planner (always `Ready` without one).
@@ -62,8 +62,20 @@ impl SimWorker {
         role: WorkerRole,
         now: Timestamp,
     ) -> Result<Self, SimError> {
+        let noise = &config.noise;
         let engine = Engine::new(kvroute_engine::EngineConfig {
             external_hash_seed: config.engine.external_hash_seed.wrapping_add(i as u64),
+            speedup: match noise.worker_speed {
+                WorkerSpeed::Same => config.engine.speedup,
+                ref speed => config.engine.speedup * speed.factor(config.seed, i),
+            },
+            step_jitter: match noise.step_jitter {
+                None => config.engine.step_jitter,
+                Some(dispersion) => Some(StepJitter {
+                    dispersion,
+                    seed: kvroute_engine::noise::mix(config.seed ^ JITTER_SALT, i as u64),
+                }),
+            },
             ..config.engine.clone()
         })?;
         Ok(Self {

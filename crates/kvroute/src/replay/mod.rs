@@ -7,6 +7,7 @@
 //! cache view, decider, ...) are the core's vocabulary (`kvroute_core::router::spec`), the same
 //! as `kvroute serve`'s.
 
+mod noise;
 mod output;
 
 use std::io::{BufRead, BufReader, Read};
@@ -271,6 +272,30 @@ pub struct ReplayConfig {
     /// times, so N times the requests at N times the rate. Default 1.
     #[arg(long)]
     pub multiply: Option<usize>,
+    /// Noise: spread each prompt's own tokens by a factor of mean 1 drawn per request,
+    /// `uniform:A` (over 1±A) or `lognormal:SIGMA`, before routing. Default: none.
+    #[arg(long)]
+    pub isl_spread: Option<String>,
+    /// Noise: spread each output length likewise. Default: none.
+    #[arg(long)]
+    pub osl_spread: Option<String>,
+    /// Noise: each forward pass's time times a factor drawn per pass, `uniform:A` or
+    /// `lognormal:SIGMA`. Default: none.
+    #[arg(long)]
+    pub step_jitter: Option<String>,
+    /// Noise: each worker's speed, a factor drawn once per worker (`uniform:A`,
+    /// `lognormal:SIGMA`) or given, `F,F,...` (worker i runs at entry i; above 1 is faster).
+    /// Default: all equal.
+    #[arg(long)]
+    pub worker_speed: Option<String>,
+    /// Noise: one-way HTTP latency, ms, from the router's decision to the engine and from the
+    /// engine's first token and finish back (TTFT and E2E include it). Default: none.
+    #[arg(long)]
+    pub http_latency_ms: Option<f64>,
+    /// Noise: each HTTP message's latency times a factor drawn per message (`uniform:A`,
+    /// `lognormal:SIGMA`). Needs `--http-latency-ms`. Default: none.
+    #[arg(long)]
+    pub http_jitter: Option<String>,
 }
 
 /// Runs `kvroute replay`.
@@ -467,6 +492,8 @@ struct Plan<'a> {
     sweep: Option<Vec<usize>>,
     /// GPUs per worker (`--tp`).
     gpus_per_worker: u32,
+    /// Prompt- and output-length spread, applied to the workload once built.
+    lengths: kvroute_sim::LengthSpread,
 }
 
 /// The trace's bytes (a file's, or the built-in example's) and the file, if one was named.
@@ -592,7 +619,9 @@ impl<'a> Plan<'a> {
                 "--sweep runs one policy: give --policy one name"
             );
         }
-        let (base, engine_line) = sim_config(o, args)?;
+        let (lengths, noise) = noise::noise(o)?;
+        let (mut base, engine_line) = sim_config(o, args)?;
+        base.noise = noise;
         let policies = o.policy.clone().unwrap_or_else(|| vec!["kv".to_owned()]);
         ensure!(!policies.is_empty(), "--policy names no policy");
         let mut runs = Vec::with_capacity(policies.len());
@@ -627,6 +656,7 @@ impl<'a> Plan<'a> {
             slo,
             sweep,
             gpus_per_worker: base.gpus_per_worker,
+            lengths,
         })
     }
 
@@ -680,6 +710,12 @@ impl<'a> Plan<'a> {
                 .multiply(copies)
                 .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))?;
             workload.1.push_str(&format!(", {copies} copies"));
+        }
+        if self.lengths != kvroute_sim::LengthSpread::default() {
+            workload
+                .0
+                .spread_lengths(&self.lengths, self.seed)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         workload.0.speed_up(o.arrival_speedup.unwrap_or(1.0));
         if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
