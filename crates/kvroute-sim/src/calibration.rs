@@ -11,8 +11,9 @@
 //!    `λ·ITL*` requests arriving in a step prefilling what the cache does not hold, weighed by
 //!    the tokens the stage generates, against the run's ITL\*. Both go through the one basis
 //!    ([`Basis::terms`]) the engine runs.
-//! 2. **Per-request overhead**: each run simulated with those step coefficients; the median
-//!    of (measured − simulated) mean TTFT, at least 0.
+//! 2. **Per-request overhead**: each run simulated with those step coefficients; seconds `a`
+//!    and steps `b` (both at least 0) such that `a + b·ITL` best matches, in relative terms,
+//!    what the simulated mean TTFT lacks against the measured one ([`overheads`]).
 //!
 //! Runs marked saturated (most requests failed upstream; [`CalibrationRun::saturated`]) take
 //! no part in fitting. Everything is deterministic: the same runs give the same coefficients.
@@ -156,17 +157,17 @@ pub struct FitOptions {
 
 impl Default for FitOptions {
     /// Each traced run's steps weigh as much as two run summaries; overhead simulations cap
-    /// stages at 300 s.
+    /// stages at 120 s.
     fn default() -> Self {
         Self {
             steps_weight_per_run: 2.0,
-            overhead_stage_cap: Duration::from_secs(300),
+            overhead_stage_cap: Duration::from_secs(120),
         }
     }
 }
 
 /// One least-squares row: terms, target, weight.
-type Row = ([f64; TERMS], f64, f64);
+pub type Row = ([f64; TERMS], f64, f64);
 
 /// The run's average step per stage, and the share of generated tokens each stage has.
 pub fn average_steps(run: &CalibrationRun) -> Vec<(PassShape, f64)> {
@@ -203,6 +204,20 @@ pub fn average_steps(run: &CalibrationRun) -> Vec<(PassShape, f64)> {
             (shape, share)
         })
         .collect()
+}
+
+/// The ITL\* the run's average steps ([`average_steps`]) take with `coefficients`: what the
+/// step-time fit matches to the measured ITL\*.
+pub fn average_step_itl_ms(
+    run: &CalibrationRun,
+    coefficients: &CalibratedCoefficients,
+) -> Result<f64, SpecError> {
+    let basis = run.engine.basis()?;
+    Ok(average_steps(run)
+        .iter()
+        .map(|(shape, share)| share * basis.step_secs(coefficients, shape))
+        .sum::<f64>()
+        * 1e3)
 }
 
 /// The rows of the step-time fit.
@@ -249,6 +264,26 @@ fn rows(
         rows.push((basis.terms(&s.shape), s.gap_secs, share.sqrt() / s.gap_secs));
     }
     Ok(rows)
+}
+
+/// The least value of each coefficient: the multiples of work at peak (weights, KV,
+/// prefill FLOPs, all-reduces) are at least 1, as nothing runs faster than its peak; decode
+/// FLOPs overlap the weights' reading (a decode step is memory-bound), so their multiple and
+/// the fixed costs are at least 0.
+pub const LOWER_BOUNDS: [f64; TERMS] = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0];
+
+/// Least squares with each coefficient at least its [`LOWER_BOUNDS`]: [`nnls`] on what the
+/// bounds leave of each target.
+pub fn bounded_least_squares(rows: &[Row]) -> [f64; TERMS] {
+    let shifted: Vec<Row> = rows
+        .iter()
+        .map(|(terms, target, w)| {
+            let floor: f64 = terms.iter().zip(LOWER_BOUNDS).map(|(t, l)| t * l).sum();
+            (*terms, target - floor, *w)
+        })
+        .collect();
+    let x = nnls(&shifted);
+    std::array::from_fn(|i| x[i] + LOWER_BOUNDS[i])
 }
 
 /// Non-negative least squares: the `x ≥ 0` minimising `Σ (w·(terms·x − target))²`, by cyclic
@@ -306,17 +341,61 @@ pub fn fit(
     if rows.is_empty() {
         return Err(CalibrationError::NoRuns);
     }
-    let step = CalibratedCoefficients::from_array(nnls(&rows), 0.0);
-    let mut residuals = Vec::new();
+    let step = CalibratedCoefficients::from_array(bounded_least_squares(&rows), 0.0);
+    // Per run: what TTFT lacks against the measure, and the simulated mean inter-token time.
+    let mut points = Vec::new();
     for run in runs.iter().filter(|r| !r.saturated) {
         let sim = simulate(run, &step, Some(options.overhead_stage_cap))?;
-        residuals.push(run.measured.ttft_mean_ms - sim.latencies.ttft_mean_ms);
+        let real = run.measured.ttft_mean_ms / 1e3;
+        points.push((
+            real - sim.latencies.ttft_mean_ms / 1e3,
+            sim.latencies.itl_ms / 1e3,
+            1.0 / real,
+        ));
     }
-    let overhead_ms = median(&mut residuals).unwrap_or(0.0).max(0.0);
+    let (secs, steps) = overheads(&points);
     Ok(CalibratedCoefficients {
-        request_overhead_secs: overhead_ms / 1e3,
+        request_overhead_secs: secs,
+        request_overhead_steps: steps,
         ..step
     })
+}
+
+/// The `a, b ≥ 0` minimising `Σ |w·(a + b·x − y)|` over `(y, x, w)` points: the request
+/// overhead's seconds and steps. Absolute, not squared, errors, so that a run the simulation
+/// gets far wrong (one near saturation, whose queue grows without bound) does not pull the
+/// overheads of all the others: iteratively reweighted least squares, a fixed number of rounds.
+pub fn overheads(points: &[(f64, f64, f64)]) -> (f64, f64) {
+    let (mut a, mut b) = (0.0f64, 0.0f64);
+    let mut weights: Vec<f64> = points.iter().map(|p| p.2).collect();
+    for _ in 0..100 {
+        let w = &weights;
+        let solve_b = |a: f64| {
+            let (num, den) = points.iter().zip(w).fold((0.0, 0.0), |(n, d), ((y, x, _), w)| {
+                (n + w * w * x * (y - a), d + w * w * x * x)
+            });
+            if den > 0.0 { (num / den).max(0.0) } else { 0.0 }
+        };
+        let solve_a = |b: f64| {
+            let (num, den) = points.iter().zip(w).fold((0.0, 0.0), |(n, d), ((y, x, _), w)| {
+                (n + w * w * (y - b * x), d + w * w)
+            });
+            if den > 0.0 { (num / den).max(0.0) } else { 0.0 }
+        };
+        for _ in 0..50 {
+            b = solve_b(a);
+            a = solve_a(b);
+        }
+        // Squared weight over |residual| turns squares into absolute values.
+        weights = points
+            .iter()
+            .map(|(y, x, w)| {
+                let r = (w * (a + b * x - y)).abs().max(1e-3);
+                w / r.sqrt()
+            })
+            .collect();
+    }
+    (a, b)
 }
 
 /// What a simulation of a run gave.
@@ -362,12 +441,28 @@ pub fn simulate(
         .map_err(err)?
         .run(&workload, &mut |_| {})
         .map_err(err)?;
-    let overhead = coefficients.request_overhead_secs * 1e3;
-    let mut ttft: Vec<f64> = result.ttft_ms.iter().map(|t| t + overhead).collect();
-    let mut e2e: Vec<f64> = result.e2e_ms.iter().map(|t| t + overhead).collect();
+    let out = f64::from(run.profile.output_tokens);
+    let (secs, steps) = (
+        coefficients.request_overhead_secs * 1e3,
+        coefficients.request_overhead_steps,
+    );
+    // Each request's overhead: seconds, and steps as long as its own mean inter-token time.
+    let overhead: Vec<f64> = result
+        .ttft_ms
+        .iter()
+        .zip(&result.e2e_ms)
+        .map(|(t, e)| {
+            secs + if out > 1.0 {
+                steps * (e - t) / (out - 1.0)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut ttft: Vec<f64> = result.ttft_ms.iter().zip(&overhead).map(|(t, o)| t + o).collect();
+    let mut e2e: Vec<f64> = result.e2e_ms.iter().zip(&overhead).map(|(t, o)| t + o).collect();
     let ttft_mean = mean(&ttft);
     let e2e_mean = mean(&e2e);
-    let out = f64::from(run.profile.output_tokens);
     let itl = if out > 1.0 {
         (e2e_mean - ttft_mean) / (out - 1.0)
     } else {

@@ -14,9 +14,10 @@
 //! and tensor-parallel degree, so a model fitted on some configurations predicts others: the
 //! physics is in the basis, the fit only says how far from peak each term runs and what the
 //! fixed costs are. Every term is a non-negative multiple of work that grows with the pass, so
-//! the model is monotone. `request_overhead_secs` is not a step cost: it is the time a client
-//! sees on top of the engine's (HTTP, tokenization, detokenization), added to a request's time
-//! to first token and end-to-end latency by whoever reports them (`kvroute validate`).
+//! the model is monotone. `request_overhead_secs` and `request_overhead_steps` are not step
+//! costs: they are what a client sees on top of the engine (HTTP, tokenization, the output
+//! pipeline's lag of a few steps), added to a request's time to first token and end-to-end
+//! latency by whoever reports them (`kvroute validate`).
 //!
 //! The coefficients alone are a model file (`kind = "calibrated"`, the fitted numbers); the
 //! model, GPU and tensor-parallel degree come with it when an engine runs it.
@@ -73,6 +74,12 @@ pub struct CalibratedCoefficients {
     /// its end-to-end latency; not a step cost.
     #[serde(default)]
     pub request_overhead_secs: f64,
+    /// Steps a client sees on top of the engine, per request, in its time to first token and
+    /// its end-to-end latency, each step as long as the request's own mean inter-token time:
+    /// tokens reach the client through a pipeline (engine core, output processing, HTTP
+    /// stream) that lags the engine by about this many steps. Not a step cost.
+    #[serde(default)]
+    pub request_overhead_steps: f64,
 }
 
 impl CalibratedCoefficients {
@@ -94,6 +101,11 @@ impl CalibratedCoefficients {
 
     /// Coefficients from an array in [`TERM_NAMES`] order and the request overhead.
     pub fn from_array(c: [f64; TERMS], request_overhead_secs: f64) -> Self {
+        Self::with_overheads(c, request_overhead_secs, 0.0)
+    }
+
+    /// Coefficients from an array in [`TERM_NAMES`] order and both request overheads.
+    pub fn with_overheads(c: [f64; TERMS], request_overhead_secs: f64, request_overhead_steps: f64) -> Self {
         Self {
             step_secs: c[0],
             layer_secs: c[1],
@@ -106,6 +118,7 @@ impl CalibratedCoefficients {
             decode_compute: c[8],
             allreduce: c[9],
             request_overhead_secs,
+            request_overhead_steps,
         }
     }
 
@@ -114,7 +127,7 @@ impl CalibratedCoefficients {
         let ok = self
             .as_array()
             .iter()
-            .chain([&self.request_overhead_secs])
+            .chain([&self.request_overhead_secs, &self.request_overhead_steps])
             .all(|x| x.is_finite() && *x >= 0.0);
         check(
             ok,

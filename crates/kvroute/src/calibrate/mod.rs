@@ -60,6 +60,10 @@ pub struct ValidateArgs {
     /// One JSON object per run, then a summary object, instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Cut every stage of every run to at most this many seconds: a quick look, not the
+    /// runs as measured.
+    #[arg(long)]
+    pub max_stage_secs: Option<f64>,
 }
 
 /// The runs file, models and profiles of a folder.
@@ -102,7 +106,7 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
             Fold::Model => r.engine.model.name.clone(),
             Fold::Run => r.id.clone(),
         };
-        let results = parallel_cross_validate(&train, &steps, &options, &group);
+        let results = folds(&train, &steps, &options, &group);
         let mut results = results.into_iter();
         let rows: Vec<RowResult> = file
             .runs
@@ -132,9 +136,8 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
         "# kvroute calibrated timing model: `kvroute calibrate` over the real vLLM calibration runs.\n",
     );
     text.push_str(&format!(
-        "# Fitted on {} runs ({} saturated left out) and {} traced steps.\n",
-        train.len(),
-        train.iter().filter(|r| r.saturated).count(),
+        "# Fitted on {} runs (saturated ones left out) and {} traced steps.\n",
+        train.iter().filter(|r| !r.saturated).count(),
         steps.len()
     ));
     text.push_str(&coefficients.to_model_file());
@@ -152,11 +155,31 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
         "  request_overhead_secs = {:.6e}",
         coefficients.request_overhead_secs
     );
+    eprintln!(
+        "  request_overhead_steps = {:.4}",
+        coefficients.request_overhead_steps
+    );
+    eprintln!("ITL* of each run's average step (the step-time fit) against the measured:");
+    for run in &train {
+        let fitted = calibration::average_step_itl_ms(run, &coefficients)?;
+        eprintln!(
+            "  {:<52} {:>8.2} ms {:>8.2} ms {:>+6.1} %{}",
+            run.id,
+            fitted,
+            run.measured.itl_ms,
+            (fitted / run.measured.itl_ms - 1.0) * 100.0,
+            if run.saturated {
+                "  (saturated: not fitted)"
+            } else {
+                ""
+            }
+        );
+    }
     Ok(())
 }
 
-/// Cross-validation folds on up to two threads (the library runs them one by one).
-fn parallel_cross_validate(
+/// Cross-validation over `group`'s folds.
+fn folds(
     runs: &[CalibrationRun],
     steps: &[StepSample],
     options: &FitOptions,
@@ -180,9 +203,18 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
     if !args.runs.exists() {
         bail!("runs file {} does not exist", args.runs.display());
     }
+    let cap = match args.max_stage_secs {
+        None => None,
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Some(std::time::Duration::from_secs_f64(s)),
+        Some(s) => bail!("--max-stage-secs {s}: must be above zero"),
+    };
     let file = load(&args.runs)?;
-    let rows = simulate_all(&file, &coefficients);
-    print_fidelity(&rows, args.json, "validation");
+    let rows = simulate_all(&file, &coefficients, cap);
+    let title = match cap {
+        Some(c) => format!("validation, stages cut to {} s", c.as_secs_f64()),
+        None => "validation".to_owned(),
+    };
+    print_fidelity(&rows, args.json, &title);
     Ok(())
 }
 
@@ -206,7 +238,11 @@ struct RowResult {
 }
 
 /// Simulates every run that can be, on up to two threads, keeping file order.
-fn simulate_all(file: &RunsFile, coefficients: &CalibratedCoefficients) -> Vec<RowResult> {
+fn simulate_all(
+    file: &RunsFile,
+    coefficients: &CalibratedCoefficients,
+    cap: Option<std::time::Duration>,
+) -> Vec<RowResult> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(2));
     let jobs: Vec<&(String, RowInfo, Result<CalibrationRun, String>)> = file.runs.iter().collect();
     let mut results: Vec<Option<Outcome>> = jobs.iter().map(|_| None).collect();
@@ -222,7 +258,7 @@ fn simulate_all(file: &RunsFile, coefficients: &CalibratedCoefficients) -> Vec<R
                     idx.into_iter()
                         .map(|i| {
                             let outcome = match &jobs[i].2 {
-                                Ok(run) => match calibration::simulate(run, coefficients, None) {
+                                Ok(run) => match calibration::simulate(run, coefficients, cap) {
                                     Ok(sim) => Outcome::Simulated(run.clone(), sim),
                                     Err(e) => Outcome::Failed(e.to_string()),
                                 },
