@@ -235,7 +235,7 @@ fn rows(
         })?);
     }
     for (run, basis) in runs.iter().zip(&bases) {
-        if run.saturated || !(run.measured.itl_ms > 0.0) {
+        if run.saturated || run.measured.itl_ms.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             continue;
         }
         let mut terms = [0.0; TERMS];
@@ -257,7 +257,7 @@ fn rows(
         let (Some(run), Some(basis)) = (runs.get(s.run), bases.get(s.run)) else {
             continue;
         };
-        if run.saturated || !(s.gap_secs > 0.0) {
+        if run.saturated || s.gap_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             continue;
         }
         let share = options.steps_weight_per_run / per_run[s.run] as f64;

@@ -148,7 +148,7 @@ fn validate_runs_on_the_shared_calibration_set() {
         eprintln!("skipped: {} is not there", runs.display());
         return;
     }
-    let (rows, summary) = validate_json(&runs, &["--max-stage-secs", "30"]);
+    let (rows, summary) = validate_json(&runs, &["--max-stage-secs", "10"]);
     assert_eq!(summary["runs"].as_u64().unwrap() as usize, rows.len());
     assert_eq!(summary["runs_not_simulated"], 0, "{summary}");
     assert!(

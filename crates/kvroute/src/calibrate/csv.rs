@@ -172,7 +172,14 @@ impl<'a> Row<'a> {
             return Ok(None);
         };
         let digits: String = cell.chars().take_while(char::is_ascii_digit).collect();
-        match digits.parse::<u32>() {
+        // Only a note after whitespace may follow the number.
+        let rest = &cell[digits.len()..];
+        let number = if rest.is_empty() || rest.starts_with(char::is_whitespace) {
+            digits.as_str()
+        } else {
+            cell
+        };
+        match number.parse::<u32>() {
             Ok(x) => Ok(Some(x)),
             Err(_) => bail!("{}: {column} {cell:?} is not a whole number", self.at()),
         }
@@ -219,5 +226,10 @@ mod tests {
         let err = t.rows().next().unwrap().f64("a").unwrap_err().to_string();
         assert!(err.contains("a \"zz\" is not a number"), "{err}");
         assert!(t.require(&["a", "q"]).unwrap_err().to_string().contains("\"q\""));
+        let t = Table::parse("t.csv", "n\n8192 (expert); 16384 (dense mlp)\n40x96\n").unwrap();
+        let rows: Vec<_> = t.rows().collect();
+        assert_eq!(rows[0].u32("n").unwrap(), 8192);
+        let err = rows[1].u32("n").unwrap_err().to_string();
+        assert!(err.contains("t.csv line 3: n \"40x96\""), "{err}");
     }
 }

@@ -116,7 +116,7 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
                 info: info.clone(),
                 outcome: match r {
                     Ok(run) => match results.next() {
-                        Some(Ok(sim)) => Outcome::Simulated(run.clone(), sim),
+                        Some(Ok(sim)) => Outcome::Simulated(Box::new(run.clone()), sim),
                         Some(Err(e)) => Outcome::Failed(e.to_string()),
                         None => Outcome::Failed("no result".to_owned()),
                     },
@@ -227,7 +227,7 @@ pub fn shipped_coefficients() -> anyhow::Result<CalibratedCoefficients> {
 
 /// A row's result.
 enum Outcome {
-    Simulated(CalibrationRun, Simulated),
+    Simulated(Box<CalibrationRun>, Simulated),
     Failed(String),
 }
 
@@ -259,7 +259,7 @@ fn simulate_all(
                         .map(|i| {
                             let outcome = match &jobs[i].2 {
                                 Ok(run) => match calibration::simulate(run, coefficients, cap) {
-                                    Ok(sim) => Outcome::Simulated(run.clone(), sim),
+                                    Ok(sim) => Outcome::Simulated(Box::new(run.clone()), sim),
                                     Err(e) => Outcome::Failed(e.to_string()),
                                 },
                                 Err(reason) => Outcome::Failed(reason.clone()),
@@ -271,13 +271,10 @@ fn simulate_all(
             })
             .collect();
         for h in handles {
-            match h.join() {
-                Ok(done) => {
-                    for (i, o) in done {
-                        results[i] = Some(o);
-                    }
+            if let Ok(done) = h.join() {
+                for (i, o) in done {
+                    results[i] = Some(o);
                 }
-                Err(_) => {}
             }
         }
     });
