@@ -81,7 +81,11 @@ pub fn gpu_spec(name: &str) -> Result<GpuSpec, String> {
     let builtin = gpu_builtin_name(name).ok_or_else(|| {
         format!("unknown GPU {name:?} (known: H100-80GB, H200, A100-80GB, A100-40GB, L40S)")
     })?;
-    GpuSpec::builtin(builtin).map_err(|e| format!("GPU {name:?}: {e}"))
+    // The A100-40GB description may be built in under a shorter name.
+    let fallback = (builtin == "a100-sxm-40gb").then_some("a100-40gb");
+    GpuSpec::builtin(builtin)
+        .or_else(|e| fallback.map_or(Err(e), GpuSpec::builtin))
+        .map_err(|e| format!("GPU {name:?}: {e}"))
 }
 
 /// Reads `models.csv`: model id → its shape at the precision it was served.
