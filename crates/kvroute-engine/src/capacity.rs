@@ -11,8 +11,9 @@
 //!   `max_num_batched_tokens` tokens' widest activations, `tokens · (4 · hidden + 2 ·
 //!   intermediate · experts_per_token / tp) · dtype_bytes`, and the sampler's float32 logits,
 //!   `max_num_seqs · vocab · 4`.
-//! * **One block:** `block_size · 2 · layers · ⌈kv_heads / tp⌉ · head_dim · dtype_bytes` (KV heads
-//!   are split over the GPUs, replicated when there are fewer of them than GPUs).
+//! * **One block:** `block_size · 2 · layers · ⌈kv_heads / tp⌉ · head_dim · max(dtype_bytes, 2)` (KV
+//!   heads are split over the GPUs, replicated when there are fewer of them than GPUs; the cache is
+//!   16-bit when only the weights are 8-bit, as vLLM's default `kv_cache_dtype = "auto"` keeps it).
 
 use crate::spec::{GpuSpec, ModelSpec, SpecError};
 
@@ -55,7 +56,7 @@ impl Deployment<'_> {
             * f64::from(m.num_layers)
             * f64::from(heads)
             * f64::from(m.head_dim)
-            * f64::from(m.dtype_bytes)
+            * f64::from(m.dtype_bytes.max(2))
     }
 
     /// Bytes of one GPU the engine may use.

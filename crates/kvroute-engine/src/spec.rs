@@ -169,6 +169,7 @@ const GPU_ALIASES: &[(&str, &str)] = &[
     ("h100-80gb", "h100-sxm"),
     ("h100-sxm5", "h100-sxm"),
     ("h100-sxm-80gb", "h100-sxm"),
+    ("h100-80gb-hbm3", "h100-sxm"),
     ("h200", "h200-sxm"),
     ("h200-141gb", "h200-sxm"),
     ("a100", "a100-sxm-80gb"),

@@ -34,6 +34,9 @@
 //! * [`report`]: the report, per-request records, time series and the text table.
 //! * [`stats`]: percentiles and the inter-token-latency sketch.
 //! * [`html`]: a self-contained HTML page of plots.
+//! * [`profile_workload`]: inference-perf's `shared_prefix` profiles, as the real vLLM runs were
+//!   driven; [`calibration`]: fitting the calibrated timing model on those runs and simulating
+//!   them.
 //! * [`profile`]: the engine's limits and profiled passes, and the planner built from them (for
 //!   the simulator and the live planner alike).
 //!
@@ -44,12 +47,14 @@
 //! blocks each engine caches (none in approximate mode, which refuses KV events).
 #![forbid(unsafe_code)]
 
+pub mod calibration;
 mod cluster;
 pub mod config;
 mod error;
 pub mod html;
 mod planned;
 pub mod profile;
+pub mod profile_workload;
 pub mod report;
 pub mod slo;
 pub mod stats;

@@ -313,10 +313,15 @@ fn turn_arrival(turn: usize, start: f64, id: usize, config: &SyntheticConfig) ->
     }
 }
 
+/// An exponential draw of mean `mean`: a Poisson process's gap.
+pub(crate) fn exponential_secs(mean: f64, rng: &mut Rng) -> f64 {
+    -mean * (1.0 - rng.next_f64()).ln()
+}
+
 fn gap_secs(config: &SyntheticConfig, rng: &mut Rng) -> f64 {
     let mean = 1.0 / config.rate_rps.max(1e-9);
     match config.arrival {
-        ArrivalProcess::Poisson => -mean * (1.0 - rng.next_f64()).ln(),
+        ArrivalProcess::Poisson => exponential_secs(mean, rng),
         ArrivalProcess::Gamma { cv } => {
             let shape = 1.0 / (cv * cv).max(1e-6);
             gamma(shape, rng) * mean / shape

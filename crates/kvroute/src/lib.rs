@@ -5,6 +5,7 @@
 //! does none of that.
 
 pub mod bench;
+pub mod calibrate;
 pub mod config;
 pub mod demo;
 pub mod hardware;

@@ -46,6 +46,12 @@ enum Command {
     /// The router and 4 mock workers in-process, the example trace driven through HTTP, and the
     /// replay's table beside the simulated run.
     Demo(kvroute::demo::DemoArgs),
+    /// Fit the calibrated timing model on real vLLM runs (a folder like
+    /// `../shared/data/real-vllm`) and write its model file, or cross-validate it.
+    Calibrate(kvroute::calibrate::CalibrateArgs),
+    /// Simulate each run of a runs file with the calibrated model and print how far TTFT, E2E
+    /// and ITL are from what was measured.
+    Validate(kvroute::calibrate::ValidateArgs),
 }
 
 #[derive(Subcommand)]
@@ -187,7 +193,7 @@ impl Command {
             Self::Serve(args) => Some(args.log_format),
             Self::Mock(args) => Some(args.log_format),
             Self::Demo(args) => (args.log_format == LogFormat::Json).then_some(LogFormat::Json),
-            Self::Bench(_) | Self::Replay(_) => None,
+            Self::Bench(_) | Self::Replay(_) | Self::Calibrate(_) | Self::Validate(_) => None,
         }
     }
 }
@@ -202,6 +208,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Upstream(args)) => kvroute::bench::serve::run_upstreams(args),
         Command::Bench(BenchCommand::Chat(args)) => kvroute::bench::chat::run(args),
         Command::Replay(args) => kvroute::replay::run(*args),
+        Command::Calibrate(args) => kvroute::calibrate::calibrate(args),
+        Command::Validate(args) => kvroute::calibrate::validate(args),
         Command::Serve(args) => kvroute::serve::serve(*args),
         Command::Mock(args) => kvroute::serve::mock(*args),
         Command::Demo(args) => kvroute::demo::run(args),

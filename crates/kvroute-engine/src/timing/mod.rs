@@ -9,7 +9,10 @@
 //!   results can be compared with Dynamo's replay.
 //! * [`Roofline`]: FLOPs and bytes from a model and a GPU description.
 //! * [`Table`]: interpolation over a measured profile.
+//! * [`Calibrated`]: fixed costs plus fitted multiples of the roofline's work, fitted on real
+//!   vLLM runs (`kvroute calibrate`); [`CALIBRATED_MODEL_FILE`] is the shipped fit.
 
+mod calibrated;
 mod polynomial;
 mod roofline;
 mod table;
@@ -20,8 +23,14 @@ use std::time::Duration;
 use kvroute_core::time::TimeScale;
 use serde::Deserialize;
 
+pub use calibrated::{Basis, Calibrated, CalibratedCoefficients, CalibratedConfig, TERM_NAMES, TERMS};
 pub use polynomial::Polynomial;
-pub use roofline::{Roofline, RooflineConfig, RooflineEfficiency};
+pub use roofline::{PassShape, PassWork, Roofline, RooflineConfig, RooflineEfficiency};
+
+/// The calibrated model fitted on the calibration set of real vLLM runs (`kvroute calibrate`
+/// over `../shared/data/real-vllm`), compiled in: the model `kvroute validate` uses when no
+/// other is named.
+pub const CALIBRATED_MODEL_FILE: &str = include_str!("../../data/calibrated/vllm.toml");
 pub use table::{DecodeTable, PrefillTable, Table, TableProfile};
 
 use crate::metrics::ForwardPass;
@@ -59,6 +68,8 @@ pub enum TimingConfig {
     Roofline(RooflineConfig),
     /// Interpolation over a measured profile (see [`Table`]).
     Table(TableProfile),
+    /// Fitted coefficients over the roofline's work (see [`Calibrated`]).
+    Calibrated(CalibratedConfig),
 }
 
 impl TimingConfig {
@@ -76,6 +87,7 @@ impl TimingConfig {
             TimingConfig::Polynomial => Ok(()),
             TimingConfig::Roofline(config) => config.validate(),
             TimingConfig::Table(profile) => profile.validate(),
+            TimingConfig::Calibrated(config) => config.validate(),
         }
     }
 
@@ -85,6 +97,7 @@ impl TimingConfig {
             TimingConfig::Polynomial => Box::new(Polynomial),
             TimingConfig::Roofline(config) => Box::new(Roofline::new(config.clone())?),
             TimingConfig::Table(profile) => Box::new(Table::new(profile.clone())?),
+            TimingConfig::Calibrated(config) => Box::new(Calibrated::new(config.clone())?),
         })
     }
 }

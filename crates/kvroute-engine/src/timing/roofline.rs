@@ -172,10 +172,43 @@ impl Roofline {
 
     /// Bytes of weights a pass of `tokens` tokens reads, per GPU.
     pub fn weight_bytes(&self, tokens: u64) -> f64 {
+        self.weight_bytes_f(tokens as f64)
+    }
+
+    /// The work of a pass of shape `pass`: FLOPs, bytes and all-reduce time, per GPU. The
+    /// roofline turns it into seconds with its efficiencies; the calibrated model
+    /// ([`super::Calibrated`]) fits multiples of it.
+    pub fn work(&self, pass: &PassShape) -> PassWork {
+        let prefill_flops = if pass.prefill_tokens > 0.0 {
+            pass.prefill_tokens * self.linear_flops_per_token
+                + pass.prefill_attention_pairs * self.attention_flops_per_pair
+                + pass.prefill_seqs * self.lm_head_flops_per_seq
+        } else {
+            0.0
+        };
+        let decode_flops = pass.decode_seqs * (self.linear_flops_per_token + self.lm_head_flops_per_seq)
+            + pass.decode_context_tokens * self.attention_flops_per_pair;
+        let prefill_kv_tokens = if pass.prefill_tokens > 0.0 {
+            pass.prefill_tokens + pass.prefill_context_tokens
+        } else {
+            0.0
+        };
+        PassWork {
+            prefill_flops,
+            decode_flops,
+            weight_bytes: self.weight_bytes_f(pass.tokens()),
+            prefill_kv_bytes: prefill_kv_tokens * self.kv_bytes_per_token,
+            decode_kv_bytes: pass.decode_context_tokens * self.kv_bytes_per_token,
+            allreduce_secs: pass.tokens() * self.allreduce_secs_per_token,
+        }
+    }
+
+    /// [`Roofline::weight_bytes`] for a (possibly fractional, averaged) token count.
+    fn weight_bytes_f(&self, tokens: f64) -> f64 {
         let (experts, per_token) = self.config.model.experts();
         let e = f64::from(experts);
         let untouched_by_one = 1.0 - f64::from(per_token) / e;
-        let touched = e * (1.0 - untouched_by_one.powf(tokens as f64));
+        let touched = e * (1.0 - untouched_by_one.powf(tokens));
         self.shared_weight_bytes + touched * self.expert_weight_bytes
     }
 
@@ -184,13 +217,15 @@ impl Roofline {
         if pass.prefill_tokens == 0 {
             return 0.0;
         }
+        let w = self.work(&PassShape::from(pass));
+        let bytes = w.weight_bytes + w.prefill_kv_bytes;
         let tokens = pass.prefill_tokens as f64;
-        let flops = tokens * self.linear_flops_per_token
-            + pass.prefill_attention_pairs as f64 * self.attention_flops_per_pair
-            + f64::from(pass.prefill_seqs) * self.lm_head_flops_per_seq;
-        let kv_tokens = (pass.prefill_tokens + pass.prefill_context_tokens) as f64;
-        let bytes = self.weight_bytes(pass.tokens()) + kv_tokens * self.kv_bytes_per_token;
-        self.phase_secs(flops, self.config.efficiency.prefill_compute, bytes, tokens)
+        self.phase_secs(
+            w.prefill_flops,
+            self.config.efficiency.prefill_compute,
+            bytes,
+            tokens,
+        )
     }
 
     /// Seconds of the decode phase of `pass`; its weights are counted here only when the pass
@@ -199,17 +234,15 @@ impl Roofline {
         if pass.decode_seqs == 0 {
             return 0.0;
         }
-        let seqs = f64::from(pass.decode_seqs);
-        let context = pass.decode_context_tokens as f64;
-        let flops = seqs * (self.linear_flops_per_token + self.lm_head_flops_per_seq)
-            + context * self.attention_flops_per_pair;
+        let w = self.work(&PassShape::from(pass));
         let weights = if pass.prefill_tokens == 0 {
-            self.weight_bytes(pass.tokens())
+            w.weight_bytes
         } else {
             0.0
         };
-        let bytes = weights + context * self.kv_bytes_per_token;
-        self.phase_secs(flops, self.config.efficiency.decode_compute, bytes, seqs)
+        let bytes = weights + w.decode_kv_bytes;
+        let seqs = f64::from(pass.decode_seqs);
+        self.phase_secs(w.decode_flops, self.config.efficiency.decode_compute, bytes, seqs)
     }
 
     /// `max(compute time, memory time)` plus the all-reduces of `tokens` tokens.
@@ -219,6 +252,66 @@ impl Roofline {
         let memory = bytes / (gpu.memory_bandwidth * self.config.efficiency.memory);
         compute.max(memory) + tokens * self.allreduce_secs_per_token
     }
+}
+
+/// A pass's composition in real numbers: a [`ForwardPass`], or the average pass of a run
+/// (what the calibration fits run summaries with).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassShape {
+    /// Requests with a prefill chunk.
+    pub prefill_seqs: f64,
+    /// Tokens computed by prefill chunks.
+    pub prefill_tokens: f64,
+    /// Tokens of context before the prefill chunks, summed.
+    pub prefill_context_tokens: f64,
+    /// (query, key) pairs attended by prefill tokens.
+    pub prefill_attention_pairs: f64,
+    /// Requests decoding one token each.
+    pub decode_seqs: f64,
+    /// KV tokens read by decoding requests.
+    pub decode_context_tokens: f64,
+}
+
+impl PassShape {
+    /// Tokens computed, prefill and decode.
+    pub fn tokens(&self) -> f64 {
+        self.prefill_tokens + self.decode_seqs
+    }
+
+    /// Requests in the pass.
+    pub fn seqs(&self) -> f64 {
+        self.prefill_seqs + self.decode_seqs
+    }
+}
+
+impl From<&ForwardPass> for PassShape {
+    fn from(p: &ForwardPass) -> Self {
+        Self {
+            prefill_seqs: f64::from(p.prefill_seqs),
+            prefill_tokens: p.prefill_tokens as f64,
+            prefill_context_tokens: p.prefill_context_tokens as f64,
+            prefill_attention_pairs: p.prefill_attention_pairs as f64,
+            decode_seqs: f64::from(p.decode_seqs),
+            decode_context_tokens: p.decode_context_tokens as f64,
+        }
+    }
+}
+
+/// The work of one pass, per GPU (see [`Roofline::work`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassWork {
+    /// FLOPs of the prefill chunks (linear layers, attention, logits).
+    pub prefill_flops: f64,
+    /// FLOPs of the decoding requests.
+    pub decode_flops: f64,
+    /// Bytes of weights read (MoE: the experts some token uses, in expectation).
+    pub weight_bytes: f64,
+    /// KV bytes prefill writes and reads.
+    pub prefill_kv_bytes: f64,
+    /// KV bytes decode reads.
+    pub decode_kv_bytes: f64,
+    /// Seconds of tensor-parallel all-reduces at the configured interconnect efficiency.
+    pub allreduce_secs: f64,
 }
 
 impl TimingModel for Roofline {
