@@ -24,7 +24,7 @@
 //!   worker's depth walk (a read of its active set) is spared when its lowest possible cost
 //!   ([`bound`], the cost at the deepest depth) is above a cost some worker has: it cannot be
 //!   tied at the minimum, and the offers keep their order, so the pick is the one the scan
-//!   without bounds makes. On a loaded fleet of 1,000 workers this is most of the scan.
+//!   without bounds makes.
 //!
 //! Debug builds run the full scan after every argmin scan and check that the argmin scan's
 //! pick is one of the workers the full scan finds at the minimum cost (`check_argmin_pick`).
