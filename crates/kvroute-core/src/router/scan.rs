@@ -20,14 +20,18 @@
 //!   class's idle set skipping the positions scored one by one. Busy workers are never tied
 //!   (busy is decided on the same candidate), draining ones are in no idle set, and a stage
 //!   counts only the roles it admits. The full scan draws differently (one draw per tie as it
-//!   goes): the two scans' picks follow the same distribution, not the same draws.
+//!   goes): the two scans' picks follow the same distribution, not the same draws. A loaded
+//!   worker's depth walk (a read of its active set) is spared when its lowest possible cost
+//!   ([`bound`], the cost at the deepest depth) is above a cost some worker has: it cannot be
+//!   tied at the minimum, and the offers keep their order, so the pick is the one the scan
+//!   without bounds makes.
 //!
 //! Debug builds run the full scan after every argmin scan and check that the argmin scan's
 //! pick is one of the workers the full scan finds at the minimum cost (`check_argmin_pick`).
 
 use super::cost::{CostParams, cost};
 use super::fleet::{FleetWorker, Membership};
-use super::load::project;
+use super::load::{ActiveDepth, project};
 use super::policy::{Candidate, Policy};
 use super::request::RequestView;
 use super::worker::WorkerRole;
@@ -79,6 +83,12 @@ pub(super) struct ArgminScratch {
     tied_bulk: Vec<(u32, usize)>,
     /// Positions of one class's idle set scored one by one, ascending.
     skip: Vec<u32>,
+    /// Per loaded worker, in the loaded set's order: the lowest cost it can have ([`bound`]),
+    /// `None` if it is busy or not of the stage.
+    bounds: Vec<Option<f64>>,
+    /// Scores every loaded worker, the bounds unused (the tests' reference).
+    #[cfg(test)]
+    unbounded: bool,
 }
 
 impl ArgminScratch {
@@ -184,6 +194,37 @@ fn candidate(
         load,
         projection: project(w.spec.role, &load, blocks, overlap_blocks, depth),
     })
+}
+
+/// The lowest cost `w` can have for a prompt of `chain` of which it caches `overlap` leading
+/// blocks, whatever the prompt's depth in its active set: the cost at the deepest depth, the
+/// whole chain (a deeper chain only takes blocks off the decode projection, and the cost only
+/// grows with it). `None` if it is busy. Reads no active set, so it spares the depth walk.
+fn bound(
+    w: &FleetWorker,
+    overlap: u32,
+    chain: &[SequenceHash],
+    busy: &super::BusyThresholds,
+    params: &CostParams,
+    view: &RequestView<'_>,
+) -> Option<f64> {
+    let load = w.load();
+    if busy.is_busy(&w.spec, &load) {
+        return None;
+    }
+    let blocks = chain.len() as u32;
+    let overlap_blocks = overlap.min(blocks);
+    let deepest = ActiveDepth {
+        all: blocks,
+        staged: blocks,
+    };
+    let c = Candidate {
+        spec: w.spec,
+        overlap_blocks,
+        load,
+        projection: project(w.spec.role, &load, blocks, overlap_blocks, deepest),
+    };
+    Some(cost(params, view, &c))
 }
 
 impl Router {
@@ -306,15 +347,55 @@ impl Router {
         };
         let mut lowest = Lowest::default();
         let mut eligible = 0;
-        // The loaded workers, one by one.
-        for &slot in self.fleet.loaded() {
+        // The loaded workers, one by one. Each one's depth walk reads its active set, a cache
+        // miss or more per worker; a worker whose lowest possible cost ([`bound`]) is above a
+        // cost some worker has cannot be at the minimum, so it is skipped. The first such cost
+        // is that of the worker of the lowest bound; the order of the offers is the loaded
+        // set's, as without the bounds, so the ties and the draw are the same.
+        s.bounds.clear();
+        let mut best: Option<(f64, usize)> = None;
+        for (i, &slot) in self.fleet.loaded().iter().enumerate() {
+            let slot = slot as usize;
+            let w = &workers[slot];
+            let b = (!w.draining && stage.admits(w.spec.role))
+                .then(|| bound(w, overlaps[slot], chain, busy, params, view))
+                .flatten();
+            if let Some(b) = b
+                && best.is_none_or(|(low, _)| b < low)
+            {
+                best = Some((b, i));
+            }
+            s.bounds.push(b);
+        }
+        let best = best.map(|(_, i)| {
+            let slot = self.fleet.loaded()[i] as usize;
+            (i, score(&workers[slot], overlaps[slot]))
+        });
+        let cap = best.and_then(|(_, c)| c).unwrap_or(f64::INFINITY);
+        for (i, &slot) in self.fleet.loaded().iter().enumerate() {
             let slot = slot as usize;
             let w = &workers[slot];
             if w.draining || !stage.admits(w.spec.role) {
                 continue;
             }
             eligible += 1;
-            if let Some(value) = score(w, overlaps[slot])
+            let Some(b) = s.bounds[i] else {
+                continue; // busy
+            };
+            #[cfg(test)]
+            let (cap, b) = if s.unbounded {
+                (f64::INFINITY, f64::NEG_INFINITY)
+            } else {
+                (cap, b)
+            };
+            if b > cap || lowest.0.is_some_and(|low| b > low) {
+                continue;
+            }
+            let value = match best {
+                Some((j, value)) if j == i => value,
+                _ => score(w, overlaps[slot]),
+            };
+            if let Some(value) = value
                 && lowest.offer(value, s)
             {
                 s.tied.push(slot);
@@ -426,6 +507,20 @@ mod tests {
             };
             let before = r.rng.clone();
             let pick = r.argmin_scan(stage, &params, &view);
+            // The bounds spare work only: without them the scan makes the same pick with the
+            // same draws.
+            let after = r.rng.clone();
+            r.rng = before.clone();
+            r.scratch.argmin.unbounded = true;
+            let reference = r.argmin_scan(stage, &params, &view);
+            r.scratch.argmin.unbounded = false;
+            prop_assert_eq!(
+                &pick,
+                &reference,
+                "stage {:?}: with and without the bounds",
+                stage
+            );
+            prop_assert_eq!(&r.rng, &after, "the draws");
             r.check_argmin_pick(stage, &params, &view, &pick)
                 .map_err(|e| TestCaseError::fail(format!("stage {stage:?}: {e}")))?;
             r.rng = before;

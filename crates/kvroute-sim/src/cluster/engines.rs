@@ -1,6 +1,8 @@
 //! Driving the engines: a routed request sent to its engine, a pass's effects delivered to
 //! the routers, and a disaggregated request's import into its decode engine.
 
+use std::time::Duration;
+
 use kvroute_core::ids::RequestId;
 use kvroute_core::router::{Decision, Output, RouterError, WorkerRole};
 use kvroute_core::time::Timestamp;
@@ -234,13 +236,27 @@ impl Run<'_> {
                 s.cached_tokens = Some(cached);
             }
         }
+        // The requests of a pass mostly had their last token at the same pass before: equal
+        // gaps in a row go to the sketch at once (its state is the same).
+        let mut gaps: Option<(Duration, u64)> = None;
         for e in &out.emitted {
             let s = &mut self.reqs[e.request.0 as usize];
             if s.emitted_first {
-                self.totals.itl.add(now.saturating_since(s.last_token));
+                let gap = now.saturating_since(s.last_token);
+                match &mut gaps {
+                    Some((d, k)) if *d == gap => *k += 1,
+                    _ => {
+                        if let Some((d, k)) = gaps.replace((gap, 1)) {
+                            self.totals.itl.add_n(d, k);
+                        }
+                    }
+                }
             }
             s.last_token = now;
             s.output_tokens += e.tokens;
+        }
+        if let Some((d, k)) = gaps {
+            self.totals.itl.add_n(d, k);
         }
         for &id in &out.first_token {
             let i = id.0 as usize;
