@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use kvroute_engine::timing::PassShape;
 use kvroute_engine::capacity::{Deployment, PassLimits};
+use kvroute_engine::timing::PassShape;
 use kvroute_engine::{GpuSpec, ModelSpec, MoeSpec};
 use kvroute_sim::calibration::{CalibrationRun, EngineSetup, Latencies, StepSample};
 use kvroute_sim::profile_workload::{SharedPrefixProfile, parse_rate_stages};
@@ -161,7 +161,6 @@ pub fn read_profiles(table: &Table) -> anyhow::Result<BTreeMap<String, ProfileRo
     }
     Ok(out)
 }
-
 
 /// Reads a runs file with the models and profiles beside it. A row that cannot be simulated
 /// (unknown GPU, missing model or class) is kept with the reason; a malformed table is an
