@@ -27,7 +27,7 @@ pub enum Timing {
     /// `--timing roofline|polynomial|table:FILE|FILE`, read when the engine is built.
     Named(String),
     /// The planner file's `[engine] timing` table.
-    Config(TimingConfig),
+    Config(Box<TimingConfig>),
 }
 
 /// The engine keys of one source (flags, or the planner file), each optional.
@@ -119,7 +119,7 @@ impl EngineChoice {
             })
         };
         e.timing = match (&self.timing, &model) {
-            (Some(Timing::Config(t)), _) => t.clone(),
+            (Some(Timing::Config(t)), _) => (**t).clone(),
             (Some(Timing::Named(name)), _) => named_timing(name, model.as_ref().map(roofline))?,
             (None, Some(m)) => roofline(m),
             (None, None) => e.timing,

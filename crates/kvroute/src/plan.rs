@@ -84,7 +84,10 @@ impl EngineKeys {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             speedup: self.speedup,
-            timing: self.timing.clone().map(crate::hardware::Timing::Config),
+            timing: self
+                .timing
+                .clone()
+                .map(|t| crate::hardware::Timing::Config(Box::new(t))),
             model: self.model.clone(),
             gpu: self.gpu.clone(),
             tp: self.tp,
