@@ -4,7 +4,7 @@
 //! ([`crate::Observe::Router`]), so the two planners are handed the same kind of observation.
 //!
 //! A worker's queue is the mean of its booked prefill tokens since the previous tick
-//! ([`QueueMeter`]), not their value at the tick: on bursty traffic a tick a moment before or
+//! ([`Reader`]), not their value at the tick: on bursty traffic a tick a moment before or
 //! after a burst would otherwise see a queue many times apart, and a live tick falls wherever
 //! the clock puts it.
 
