@@ -286,6 +286,16 @@ impl Engine {
             }
             return;
         }
+        if !self.timer.reads_decode_context() {
+            // One modeled time, jittered pass by pass.
+            pass.decode_context_tokens = base + n;
+            let secs = self.timer.pass_secs(&pass);
+            for p in 0..u64::from(k) {
+                t = t + self.timer.jittered(secs, self.passes + p);
+                ends.push(t);
+            }
+            return;
+        }
         for p in 1..=u64::from(k) {
             pass.decode_context_tokens = base + n * p;
             t = t + self.timer.duration(&pass, self.passes + p - 1);

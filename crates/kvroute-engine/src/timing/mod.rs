@@ -126,7 +126,23 @@ impl StepTimer {
     /// The duration of the engine's pass number `index` (from 0), jittered, sped up, rounded
     /// and floored at [`MIN_STEP`].
     pub(crate) fn duration(&self, pass: &ForwardPass, index: u64) -> Duration {
-        let secs = self.model.pass_secs(pass);
+        self.jittered(self.model.pass_secs(pass), index)
+    }
+
+    /// Whether the model reads the decode context ([`TimingModel::reads_decode_context`]):
+    /// when not, a run of pure-decode passes has one modeled time, jittered pass by pass.
+    pub(crate) fn reads_decode_context(&self) -> bool {
+        self.model.reads_decode_context()
+    }
+
+    /// The model's seconds for `pass`, before jitter and speedup.
+    pub(crate) fn pass_secs(&self, pass: &ForwardPass) -> f64 {
+        self.model.pass_secs(pass)
+    }
+
+    /// The duration of pass number `index` whose model time is `secs`: jittered, sped up,
+    /// rounded and floored at [`MIN_STEP`].
+    pub(crate) fn jittered(&self, secs: f64, index: u64) -> Duration {
         let secs = match &self.jitter {
             None => secs,
             Some(j) => secs * j.dispersion.draw_at(j.seed, index),
