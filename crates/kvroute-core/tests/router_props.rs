@@ -5,8 +5,9 @@
 //! * After every input, [`Router::check_invariants`] holds: every worker's running totals equal a
 //!   recomputation from the active requests (debug builds also check inside every mutation, and
 //!   a negative total would overflow and panic).
-//! * After every input, each worker's booked prefill tokens integrated over time
-//!   ([`Router::prefill_token_ns`]) equal a sum recomputed from the loads between inputs.
+//! * After every input, each worker's booked prefill tokens and decode blocks integrated over time
+//!   ([`Router::prefill_token_ns`], [`Router::decode_block_ns`]) equal sums recomputed from the
+//!   loads between inputs.
 //! * After every request is finished, every worker's load is exactly zero: no phantom load.
 //! * A replica that applies every event another router exports ends with the same per-worker
 //!   load as that router (output blocks aside: they are not synced).
@@ -338,6 +339,15 @@ fn prefill_tokens(router: &Router) -> Vec<(WorkerKey, u64)> {
         .collect()
 }
 
+fn decode_blocks(router: &Router) -> Vec<(WorkerKey, u64)> {
+    router
+        .metrics()
+        .workers
+        .iter()
+        .map(|w| (w.spec.key, w.load.decode_blocks))
+        .collect()
+}
+
 proptest! {
     #![proptest_config(Config { cases: 256, ..Config::default() })]
 
@@ -350,8 +360,10 @@ proptest! {
         // The booked prefill tokens integrated over time, recomputed from snapshots: loads
         // change only at inputs, so between two inputs each worker's tokens are constant.
         let mut area: BTreeMap<WorkerKey, u128> = BTreeMap::new();
+        let mut decode_area: BTreeMap<WorkerKey, u128> = BTreeMap::new();
         for op in &ops {
             let (before, then) = (prefill_tokens(&run.router), run.now);
+            let decode_before = decode_blocks(&run.router);
             run.apply(op);
             if let Err(e) = run.router.check_invariants() {
                 return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
@@ -366,6 +378,15 @@ proptest! {
             }
             for (key, expected) in &area {
                 prop_assert_eq!(run.router.prefill_token_ns(*key, run.now), Some(*expected), "worker {} after {:?}", key, op);
+            }
+            decode_area.retain(|key, _| run.router.worker_load(*key).is_some());
+            for (key, blocks) in decode_before {
+                if run.router.worker_load(key).is_some() {
+                    *decode_area.entry(key).or_default() += u128::from(blocks) * span;
+                }
+            }
+            for (key, expected) in &decode_area {
+                prop_assert_eq!(run.router.decode_block_ns(*key, run.now), Some(*expected), "worker {} after {:?}", key, op);
             }
         }
         // The replica holds exactly the router's own requests: its loads are the router's minus

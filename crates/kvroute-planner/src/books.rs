@@ -3,10 +3,10 @@
 //! way (a live engine reports no forward passes), and the simulator can too
 //! ([`crate::Observe::Router`]), so the two planners are handed the same kind of observation.
 //!
-//! A worker's queue is the mean of its booked prefill tokens since the previous tick
-//! ([`Reader`]), not their value at the tick: on bursty traffic a tick a moment before or
-//! after a burst would otherwise see a queue many times apart, and a live tick falls wherever
-//! the clock puts it.
+//! A worker's queue and KV load are the means of its booked prefill tokens and decode blocks
+//! since the previous tick ([`Reader`]), not their values at the tick: on bursty traffic a tick
+//! a moment before or after a burst would otherwise see a load many times apart, and a live
+//! tick falls wherever the clock puts it.
 
 use std::collections::BTreeMap;
 
@@ -53,31 +53,78 @@ pub fn sole_blocks(router: &Router, keys: impl IntoIterator<Item = WorkerKey>) -
 }
 
 /// Reads workers from the router's books for one planner, keeping each one's booked prefill
-/// tokens integrated over time ([`Router::prefill_token_ns`]) at the previous tick, to take the
-/// mean queue over the interval from. A driver observes every worker, then calls
-/// [`Reader::end_tick`].
+/// tokens and decode blocks integrated over time ([`Router::prefill_token_ns`],
+/// [`Router::decode_block_ns`]) at the previous tick, to take the mean queue and KV load over
+/// the interval from. A driver observes every worker, then calls [`Reader::end_tick`].
 #[derive(Clone, Debug)]
 pub struct Reader {
     block_size: u32,
-    /// Per worker id: token-nanoseconds summed over its ranks, and when.
-    last: BTreeMap<u64, (u128, Timestamp)>,
+    /// Per worker id: its integrals summed over its ranks, and when.
+    last: BTreeMap<u64, (Areas, Timestamp)>,
     /// This tick's readings.
-    next: BTreeMap<u64, (u128, Timestamp)>,
+    next: BTreeMap<u64, (Areas, Timestamp)>,
+    /// The previous tick (or the planner's start): a worker first seen after it has its means
+    /// taken from it, its integrals having started at its first booking.
+    since: Option<Timestamp>,
+}
+
+/// A worker's integrals: prefill token-nanoseconds, decode block-nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Areas {
+    prefill: u128,
+    decode: u128,
+}
+
+impl Areas {
+    fn read(router: &Router, keys: &[WorkerKey], now: Timestamp) -> Self {
+        let mut a = Self::default();
+        for &key in keys {
+            a.prefill += router.prefill_token_ns(key, now).unwrap_or(0);
+            a.decode += router.decode_block_ns(key, now).unwrap_or(0);
+        }
+        a
+    }
+
+    /// Neither integral is below `before`'s: they have run on since, not restarted.
+    fn since(self, before: Self) -> bool {
+        self.prefill >= before.prefill && self.decode >= before.decode
+    }
 }
 
 impl Reader {
-    /// A reader of workers with `block_size`-token blocks.
+    /// A reader of workers with `block_size`-token blocks, without a previous tick: a worker's
+    /// first reading is its load as booked (a snapshot).
     pub fn new(block_size: u32) -> Self {
         Self {
             block_size,
             last: BTreeMap::new(),
             next: BTreeMap::new(),
+            since: None,
+        }
+    }
+
+    /// A reader for a planner started at `start`: a worker it has no reading of has its means
+    /// taken from the previous tick (at first, `start`), its integrals having started at its
+    /// first booking, after that tick. So where the first tick falls against a burst matters
+    /// no more than where any other does. Workers with bookings before `start` are
+    /// [`Reader::prime`]d.
+    pub fn starting_at(block_size: u32, start: Timestamp) -> Self {
+        Self {
+            since: Some(start),
+            ..Self::new(block_size)
+        }
+    }
+
+    /// Takes worker `id`'s reading (its ranks `keys`) at the reader's start, as a tick would.
+    pub fn prime(&mut self, router: &Router, id: u64, keys: &[WorkerKey]) {
+        if let Some(start) = self.since {
+            self.last.insert(id, (Areas::read(router, keys, start), start));
         }
     }
 
     /// Worker `keys` (its ranks) as the planner sees it from `router`'s books at `now`: no
-    /// forward passes; its queue the mean since the previous tick, its decoding requests and KV
-    /// as booked now.
+    /// forward passes; its queue and KV load the means since the previous tick, its decoding
+    /// requests as booked now.
     pub fn observe(
         &mut self,
         router: &Router,
@@ -88,42 +135,53 @@ impl Reader {
         keys: &[WorkerKey],
     ) -> WorkerObservation {
         let b = booked(router, keys.iter().copied());
-        let area = keys
-            .iter()
-            .filter_map(|&key| router.prefill_token_ns(key, now))
-            .sum();
+        let areas = Areas::read(router, keys, now);
+        let (queued, kv_blocks) = self
+            .means(id, areas, now)
+            .unwrap_or((b.prefill_tokens, b.decode_blocks));
         WorkerObservation {
             id,
             pool,
             state,
             passes: Vec::new(),
-            queued_prefill_tokens: self.mean(id, area, now, b.prefill_tokens),
+            queued_prefill_tokens: queued,
             decode_seqs: b.decode_seqs,
-            kv_tokens: b.decode_blocks * u64::from(self.block_size),
+            kv_tokens: kv_blocks * u64::from(self.block_size),
             in_flight: b.in_flight,
             sole_blocks: sole_blocks(router, keys.iter().copied()),
         }
     }
 
-    /// Closes a tick: this tick's readings are the next one's starting points; workers not
-    /// observed in it are forgotten.
-    pub fn end_tick(&mut self) {
-        self.last = std::mem::take(&mut self.next);
+    /// Closes the tick at `now`: this tick's readings are the next one's starting points. A
+    /// worker not observed in it (out of routing for a while) keeps its last reading, so its
+    /// means when it is back run from there, not over its whole past; readings are a few bytes
+    /// per worker id ever observed.
+    pub fn end_tick(&mut self, now: Timestamp) {
+        self.last.append(&mut self.next);
+        self.since = Some(now);
     }
 
-    /// The mean of worker `id`'s queue from the previous tick to `now`, given its integral
-    /// `area` now; `snapshot`, its queue now, for a worker seen for the first time (or whose
-    /// integral restarted, as when it left and joined again).
-    fn mean(&mut self, id: u64, area: u128, now: Timestamp, snapshot: u64) -> u64 {
-        self.next.insert(id, (area, now));
-        match self.last.get(&id) {
-            Some(&(before, then)) if now > then && area >= before => {
-                let span = u128::from(now.as_nanos() - then.as_nanos());
-                let mean = (area - before + span / 2) / span;
-                u64::try_from(mean).unwrap_or(u64::MAX)
-            }
-            _ => snapshot,
+    /// Worker `id`'s mean queue (tokens) and KV load (blocks) from its last reading to `now`,
+    /// given its integrals `areas` now. A worker without one, new since the previous tick, had
+    /// no booking before it: its means run from that tick. `None` where neither holds (a reader
+    /// without a start, or integrals that restarted, as when a worker left and joined again
+    /// under the same id): the caller takes the load as booked now.
+    fn means(&mut self, id: u64, areas: Areas, now: Timestamp) -> Option<(u64, u64)> {
+        self.next.insert(id, (areas, now));
+        let (before, then) = match (self.last.get(&id), self.since) {
+            (Some(&(before, then)), _) if areas.since(before) => (before, then),
+            (None, Some(since)) => (Areas::default(), since),
+            _ => return None,
+        };
+        if now <= then {
+            return None;
         }
+        let span = u128::from(now.as_nanos() - then.as_nanos());
+        let mean = |area: u128| u64::try_from((area + span / 2) / span).unwrap_or(u64::MAX);
+        Some((
+            mean(areas.prefill - before.prefill),
+            mean(areas.decode - before.decode),
+        ))
     }
 }
 
@@ -159,7 +217,7 @@ mod tests {
                 WorkerPhase::Ready,
                 &[key],
             );
-            reader.end_tick();
+            reader.end_tick(Timestamp(at * MS));
             w.queued_prefill_tokens
         };
         // First reading: the queue as booked (nothing).
@@ -187,8 +245,76 @@ mod tests {
             .expect("a fresh id");
         assert_eq!(read(&mut reader, &router, 2000), 50);
         assert_eq!(read(&mut Reader::new(4), &router, 2000), 100);
-        // A worker no longer observed is forgotten at the end of the tick.
-        reader.end_tick();
-        assert!(reader.last.is_empty());
+        // A reader whose planner started at 1 s, primed then, reads the mean since then at its
+        // first tick, though the worker had bookings before.
+        let mut primed = Reader::starting_at(4, Timestamp(1000 * MS));
+        primed.prime(&router, 1, &[key]);
+        assert_eq!(read(&mut primed, &router, 2000), 50);
+        // A worker not observed at a tick keeps its reading: at 3 s, after a tick at 2.5 s
+        // that did not see it, its mean runs from 2 s (100 tokens throughout).
+        reader.end_tick(Timestamp(2500 * MS));
+        assert_eq!(read(&mut reader, &router, 3000), 100);
+    }
+
+    #[test]
+    fn a_worker_added_between_ticks_reads_its_means_since_the_previous_tick() {
+        let old = WorkerKey::new(WorkerId(1), DpRank(0));
+        let new = WorkerKey::new(WorkerId(2), DpRank(0));
+        let mut router = Router::new(RouterConfig {
+            block_size: 4,
+            ..RouterConfig::default()
+        })
+        .expect("a valid config");
+        router
+            .handle_worker_added(
+                Timestamp::ZERO,
+                WorkerSpec::new(old, WorkerRole::Aggregated, 1000),
+            )
+            .expect("a new worker");
+        let mut reader = Reader::starting_at(4, Timestamp::ZERO);
+        let w = reader.observe(
+            &router,
+            Timestamp(1000 * MS),
+            1,
+            Pool::Agg,
+            WorkerPhase::Ready,
+            &[old],
+        );
+        assert_eq!(w.queued_prefill_tokens, 0);
+        reader.end_tick(Timestamp(1000 * MS));
+        // The old worker is taken out of routing; the new one, added at 1.5 s, holds a
+        // 100-token prompt from 1.6 s to 1.9 s: 30 tokens over the interval from 1 s, though
+        // both ticks see its queue empty and it was not there at the first.
+        router
+            .handle_worker_added(
+                Timestamp(1500 * MS),
+                WorkerSpec::new(new, WorkerRole::Aggregated, 1000),
+            )
+            .expect("a new worker");
+        router
+            .handle_worker_draining(Timestamp(1500 * MS), old)
+            .expect("a known worker");
+        let tokens: Vec<u32> = (0..100).collect();
+        router
+            .handle_request(
+                Timestamp(1600 * MS),
+                &RouteRequest::new(RequestId(1), Prompt::Tokens(&tokens)),
+            )
+            .expect("a fresh id");
+        router
+            .handle_first_token(Timestamp(1900 * MS), RequestId(1))
+            .expect("a known id");
+        let w = reader.observe(
+            &router,
+            Timestamp(2000 * MS),
+            2,
+            Pool::Agg,
+            WorkerPhase::Ready,
+            &[new],
+        );
+        assert_eq!(w.queued_prefill_tokens, 30);
+        // Its 25 blocks, booked from 1.6 s and still active: a mean KV load of 10 blocks (40
+        // tokens) over the interval, though 25 are booked at the tick.
+        assert_eq!(w.kv_tokens, 40);
     }
 }

@@ -177,7 +177,8 @@ pub struct WorkerObservation {
     pub queued_prefill_tokens: u64,
     /// Requests decoding on it now.
     pub decode_seqs: u32,
-    /// KV tokens resident now.
+    /// KV tokens resident now (the engine's), or, read from the router's books, its booked
+    /// decode blocks' tokens averaged since the previous tick.
     pub kv_tokens: u64,
     /// Requests routed to it and not finished.
     pub in_flight: u32,

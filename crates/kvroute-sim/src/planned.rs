@@ -44,7 +44,8 @@ impl PlannerState {
             ticks: Vec::new(),
             observations: None,
             observe: kvroute_planner::Observe::Engines,
-            reader: kvroute_planner::books::Reader::new(block_size),
+            // The planner starts with the run.
+            reader: kvroute_planner::books::Reader::starting_at(block_size, Timestamp::ZERO),
             startup,
             late_kv_events: 0,
         }

@@ -60,9 +60,9 @@ impl FleetWorker {
         self.load.snapshot()
     }
 
-    /// See `LoadState::prefill_area_at`.
-    pub(crate) fn prefill_area_at(&self, now: Timestamp) -> u128 {
-        self.load.prefill_area_at(now)
+    /// See `LoadState::areas_at`.
+    pub(crate) fn areas_at(&self, now: Timestamp) -> (u128, u128) {
+        self.load.areas_at(now)
     }
 
     pub(crate) fn depth(&self, chain: &[SequenceHash], hint: u32) -> ActiveDepth {
@@ -422,6 +422,7 @@ impl Fleet {
         let slot = self.slot_of[&active.booking.worker];
         let worker = &mut self.workers[slot];
         if worker.spec.role.tracks_decode() {
+            worker.load.accrue(self.clock);
             worker.load.add_output_block();
             active.output_blocks += 1;
         }

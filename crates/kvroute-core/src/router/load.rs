@@ -230,23 +230,30 @@ pub(crate) struct LoadState {
     requests: u32,
     /// `prefill_tokens` integrated over time, in token-nanoseconds, up to `area_at`.
     prefill_area: u128,
+    /// The decode blocks ([`WorkerLoad::decode_blocks`]) integrated over time, in
+    /// block-nanoseconds, up to `area_at`.
+    decode_area: u128,
     area_at: Timestamp,
 }
 
 impl LoadState {
-    /// Brings the time integral of the prefill tokens up to `now`, before they change (a
-    /// time before the last one adds nothing).
+    /// Brings the time integrals of the prefill tokens and the decode blocks up to `now`,
+    /// before either changes (a time before the last one adds nothing).
     pub(crate) fn accrue(&mut self, now: Timestamp) {
-        self.prefill_area = self.prefill_area_at(now);
+        (self.prefill_area, self.decode_area) = self.areas_at(now);
         self.area_at = self.area_at.max(now);
     }
 
-    /// The prefill tokens integrated over time from the first booking to `now`, in
-    /// token-nanoseconds: divided by a span, the difference of two readings is the mean queue
-    /// over that span, whatever the instants at which it was read.
-    pub(crate) fn prefill_area_at(&self, now: Timestamp) -> u128 {
-        let span = now.as_nanos().saturating_sub(self.area_at.as_nanos());
-        self.prefill_area + u128::from(span) * u128::from(self.prefill_tokens)
+    /// The prefill tokens and the decode blocks integrated over time from the first booking to
+    /// `now`, in token- and block-nanoseconds: divided by a span, the difference of two
+    /// readings is the mean over that span, whatever the instants at which it was read.
+    pub(crate) fn areas_at(&self, now: Timestamp) -> (u128, u128) {
+        let span = u128::from(now.as_nanos().saturating_sub(self.area_at.as_nanos()));
+        let decode_blocks = self.active.blocks() + self.output_blocks;
+        (
+            self.prefill_area + span * u128::from(self.prefill_tokens),
+            self.decode_area + span * u128::from(decode_blocks),
+        )
     }
 
     /// The load as a plain snapshot.

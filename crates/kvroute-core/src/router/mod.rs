@@ -629,7 +629,16 @@ impl Router {
     pub fn prefill_token_ns(&self, worker: WorkerKey, now: Timestamp) -> Option<u128> {
         self.fleet
             .get(worker)
-            .map(|w| w.prefill_area_at(now.max(self.last_now)))
+            .map(|w| w.areas_at(now.max(self.last_now)).0)
+    }
+
+    /// `worker`'s booked decode blocks ([`WorkerLoad::decode_blocks`]) integrated over time, in
+    /// block-nanoseconds, as [`Router::prefill_token_ns`] integrates its prefill tokens: two
+    /// readings give the mean KV load between them.
+    pub fn decode_block_ns(&self, worker: WorkerKey, now: Timestamp) -> Option<u128> {
+        self.fleet
+            .get(worker)
+            .map(|w| w.areas_at(now.max(self.last_now)).1)
     }
 
     /// How deep `chain` is in this router's own views of `worker` at `now`: the record of recent

@@ -80,6 +80,11 @@ impl Status {
         self.lock().decisions.iter().cloned().collect()
     }
 
+    /// The latest ticks, oldest first.
+    pub fn ticks(&self) -> Vec<TickRecord> {
+        self.lock().ticks.iter().cloned().collect()
+    }
+
     /// The report as JSON.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(&*self.lock()).unwrap_or_default()

@@ -119,12 +119,20 @@ impl Driver {
     /// only it holds; its queue as booked now. Workers out of routing (failed, misconfigured)
     /// are not the planner's capacity and are left out.
     pub fn planner_workers(&self) -> Vec<WorkerObservation> {
-        self.planner_observe(&mut self.planner_reader())
+        self.planner_observe(&mut books::Reader::new(self.config.routing.block_size))
     }
 
-    /// A reader of this driver's workers for one planner ([`Driver::planner_observe`]).
+    /// A reader of this driver's workers for one planner ([`Driver::planner_observe`]) starting
+    /// now: its first tick reads each worker's mean queue since now, every worker in the
+    /// registry primed with its reading now.
     pub fn planner_reader(&self) -> books::Reader {
-        books::Reader::new(self.config.routing.block_size)
+        let now = self.now();
+        let inner = self.lock();
+        let mut reader = books::Reader::starting_at(self.config.routing.block_size, now);
+        for (id, _) in inner.registry.iter() {
+            reader.prime(&inner.router, id.0, &inner.keys(id));
+        }
+        reader
     }
 
     /// [`Driver::planner_workers`] read by the planner's `reader`: each worker's queue is its
@@ -148,7 +156,7 @@ impl Driver {
                 &inner.keys(id),
             ));
         }
-        reader.end_tick();
+        reader.end_tick(now);
         out
     }
 

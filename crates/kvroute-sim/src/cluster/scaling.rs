@@ -64,7 +64,7 @@ impl Run<'_> {
                 }
             })
             .collect();
-        p.reader.end_tick();
+        p.reader.end_tick(now);
         let queued_requests = self.routers.first().map_or(0, |r| r.queued_now() as u64);
         let obs = Observation {
             traffic,

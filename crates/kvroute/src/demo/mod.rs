@@ -72,6 +72,11 @@ pub struct DemoArgs {
     #[arg(long, num_args = 0..=1, value_name = "FILE")]
     #[allow(clippy::option_option)]
     pub planner: Option<Option<std::path::PathBuf>>,
+    /// With `--planner`: writes every planner tick of both runs to FILE, one JSON object a line
+    /// (`run`: `simulated` or `live`, then the tick's record, live times and latencies in
+    /// modeled time), to see where the two runs part.
+    #[arg(long, value_name = "FILE", requires = "planner")]
+    pub ticks: Option<std::path::PathBuf>,
 }
 
 /// One request's measurements, in wall-clock time.

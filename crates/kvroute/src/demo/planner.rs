@@ -16,7 +16,7 @@ use anyhow::{Context, ensure};
 use kvroute_core::ids::WorkerId;
 use kvroute_core::time::Timestamp;
 use kvroute_http::Model;
-use kvroute_planner::{Action, PlannerConfig, Pool, ScalingDecision};
+use kvroute_planner::{Action, PlannerConfig, Pool, ScalingDecision, TickRecord};
 use kvroute_proxy::autoscale::actuator::{self, ActuatorConfig, ProcessConfig, WorkerTemplate};
 use kvroute_proxy::autoscale::{Actuator, Settings};
 use kvroute_sim::report::{Outcome, Report};
@@ -58,6 +58,8 @@ timeout_s = 120
 struct Run {
     report: Report,
     decisions: Vec<ScalingDecision>,
+    /// Every tick's record, in modeled time.
+    ticks: Vec<TickRecord>,
     /// SLA windows met, and windows with arrivals.
     attainment: (u64, u64),
 }
@@ -118,9 +120,13 @@ pub fn run(args: &DemoArgs, file: Option<&Path>) -> anyhow::Result<()> {
     let simulated = Run {
         attainment: planned.attainment(),
         decisions: planned.decisions,
+        ticks: planned.ticks,
         report: result.report,
     };
     let (live, failed) = crate::serve::runtime(0)?.block_on(live(args, &sim, &plan, requests))?;
+    if let Some(path) = &args.ticks {
+        write_ticks(path, &simulated.ticks, &live.ticks)?;
+    }
     let table = kvroute_sim::report::table(&[
         ("planner (simulated)".to_owned(), simulated.report.clone()),
         ("planner (live HTTP)".to_owned(), live.report.clone()),
@@ -178,6 +184,40 @@ fn directions(decisions: &[ScalingDecision], speedup: f64) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Writes both runs' ticks to `path`, one JSON object a line, the simulated run's first.
+fn write_ticks(path: &Path, simulated: &[TickRecord], live: &[TickRecord]) -> anyhow::Result<()> {
+    let mut out = String::new();
+    for (run, ticks) in [("simulated", simulated), ("live", live)] {
+        for t in ticks {
+            let mut line = serde_json::json!({ "run": run });
+            if let (Some(line), serde_json::Value::Object(fields)) =
+                (line.as_object_mut(), serde_json::to_value(t)?)
+            {
+                line.extend(fields);
+            }
+            out.push_str(&line.to_string());
+            out.push('\n');
+        }
+    }
+    std::fs::write(path, out).with_context(|| format!("--ticks: writing {}", path.display()))
+}
+
+/// `record`, a live tick, in modeled time: its instant and latencies times `speedup`, its rates
+/// divided by it.
+fn modeled_tick(mut record: TickRecord, speedup: f64) -> TickRecord {
+    let ms = |v: &mut Option<f64>| *v = v.map(|x| x * speedup);
+    record.at_s *= speedup;
+    record.observed_rps /= speedup;
+    record.predicted_rps = record.predicted_rps.map(|r| r / speedup);
+    ms(&mut record.observed_ttft_ms);
+    ms(&mut record.observed_itl_ms);
+    for p in &mut record.pools {
+        ms(&mut p.est_ttft_ms);
+        ms(&mut p.est_itl_ms);
+    }
+    record
 }
 
 /// `config` in live time: every duration and latency target divided by `speedup`.
@@ -290,7 +330,6 @@ async fn live(
     let mut engine = e.clone();
     engine.speedup = speedup;
     let live_config = sped_up(&plan.planner, args.speedup);
-    let planner = kvroute_sim::profile::planner(&live_config, &engine, proxy.driver.timestamp())?;
     let timed = Arc::new(Timed {
         inner: actuator::build(&actuator_config, Arc::clone(&proxy.fleet))?,
         lives: Mutex::new((Vec::new(), Vec::new())),
@@ -312,12 +351,17 @@ async fn live(
         log_dir.display()
     );
     let drain = plan.drain.timeout()?.div_f64(args.speedup);
+    // The planner starts with the replay, as the simulated one starts with the trace: its
+    // ticks fall at the same trace times (started before the first workers were ready, every
+    // tick would fall that much earlier in the trace than the simulated one).
+    let planner = kvroute_sim::profile::planner(&live_config, &engine, proxy.driver.timestamp())?;
     proxy.start_planner(
         planner,
         Arc::clone(&timed) as Arc<dyn Actuator>,
         Settings {
             drain_timeout: drain,
-            ..Settings::default()
+            // Every tick, for `--ticks`.
+            history: 1 << 20,
         },
     );
     let client = kvroute_http::net::client(Duration::from_secs(5));
@@ -330,6 +374,12 @@ async fn live(
         .unwrap_or_else(Instant::now);
     let failed = measured.iter().filter(|m| !m.ok).count();
     let decisions = proxy.planner.decisions();
+    let ticks = proxy
+        .planner
+        .ticks()
+        .into_iter()
+        .map(|t| modeled_tick(t, args.speedup))
+        .collect();
     let c = proxy.driver.snapshot().counters;
     let worker_seconds = timed.worker_seconds(t0, end) * args.speedup;
     let report = super::report(
@@ -366,6 +416,7 @@ async fn live(
         Run {
             report,
             decisions,
+            ticks,
             attainment: (met, counted),
         },
         failed,
