@@ -60,6 +60,18 @@ pub struct RouterCounters {
     pub kv_events_refused: u64,
     /// Inputs whose time was earlier than an earlier input's (treated as the later time).
     pub clock_went_back: u64,
+    /// This router's requests of a session not bound yet (which bound it).
+    pub session_new: u64,
+    /// This router's requests of a bound session that stayed on its worker.
+    pub session_hits: u64,
+    /// This router's requests of a bound session that moved it to another worker.
+    pub session_moves: u64,
+    /// Sessions released with their worker (removed or suspended).
+    pub sessions_released: u64,
+    /// Sessions forgotten after their idle time.
+    pub sessions_expired: u64,
+    /// Sessions evicted by the cap, least recently used first.
+    pub sessions_evicted: u64,
 }
 
 /// One worker's state.
@@ -89,6 +101,8 @@ pub struct RouterMetrics {
     pub active_now: usize,
     /// Tombstones of peers' requests kept now.
     pub tombstones_now: usize,
+    /// Sessions bound now.
+    pub sessions_now: usize,
     /// The KV index's counters.
     pub index: IndexStats,
     /// Every worker, ordered by worker key.
