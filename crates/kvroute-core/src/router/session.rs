@@ -47,8 +47,8 @@ pub struct SessionId(pub u64);
 
 impl SessionId {
     /// The id of a session header's value: XXH3-64 of its bytes, seed 0.
-    pub fn from_header(value: &str) -> Self {
-        Self(xxhash_rust::xxh3::xxh3_64(value.as_bytes()))
+    pub fn from_header(value: impl AsRef<[u8]>) -> Self {
+        Self(xxhash_rust::xxh3::xxh3_64(value.as_ref()))
     }
 }
 
