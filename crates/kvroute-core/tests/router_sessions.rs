@@ -108,7 +108,7 @@ impl Model {
 }
 
 fn session(s: u8) -> SessionId {
-    SessionId::from_header(&format!("conversation-{s}"))
+    SessionId::from_header(format!("conversation-{s}"))
 }
 
 proptest! {

@@ -42,7 +42,8 @@ pub struct RouterCounters {
     /// Replica events dropped as this router's own echoes.
     pub sync_echoes: u64,
     /// Replica events that repeated one already applied (an Added for a booked request, a
-    /// PrefillDone or Freed for a freed one): nothing changed.
+    /// PrefillDone or Freed for a freed one, a snapshot's binding of a session already bound):
+    /// nothing changed.
     pub sync_duplicates: u64,
     /// Replica Addeds that came after their request's Freed (a tombstone): not booked.
     pub sync_stale_added: u64,

@@ -38,8 +38,10 @@
 //! 3. Candidates: workers that decode (aggregated and decode workers), not draining, not busy
 //!    ([`BusyThresholds`]). None eligible: rejected, or queued with [`WhenEmpty::Queue`]. All
 //!    busy: queued ([`QueueConfig`]).
-//! 4. The policy picks one ([`policy`]). If it is a decode worker and the [`Decider`] says so, a
-//!    prefill worker is picked from the prefill pool by the prefill policy.
+//! 4. The policy picks one ([`policy`]), unless the request's session is bound to a worker in
+//!    routing that is not overloaded: it goes there ([`session`]). If it is a decode worker and
+//!    the [`Decider`] says so, a prefill worker is picked from the prefill pool by the prefill
+//!    policy.
 //! 5. The prefill load hint is computed once ([`PrefillLoadHint::new`]) and the decision is
 //!    booked in one place: the load tracker, the recent-decision record, the policies' own views
 //!    and the replica outbox. A peer's booking goes through the same place.
@@ -447,15 +449,14 @@ impl Router {
         }
         if let LoadChange::Session { session, worker } = event.change {
             // A binding to a worker not in routing here is not learned: the session's next
-            // booking binds it.
-            if self.fleet.get(worker).is_some_and(|w| !w.suspended)
-                && self
-                    .sessions
-                    .learn(now, session, worker, self.config.sessions.max_sessions)
-            {
-                self.counters.sync_applied += 1;
-            } else {
-                self.counters.sync_duplicates += 1;
+            // booking binds it. One known here already is newer than a snapshot's.
+            if self.fleet.get(worker).is_some_and(|w| !w.suspended) {
+                let max = self.config.sessions.max_sessions;
+                if self.sessions.learn(now, session, worker, max) {
+                    self.counters.sync_applied += 1;
+                } else {
+                    self.counters.sync_duplicates += 1;
+                }
             }
             return Ok(Vec::new());
         }

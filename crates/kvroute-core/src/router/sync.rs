@@ -16,8 +16,8 @@
 //! # What a router does with a peer's event
 //!
 //! * **Added** books the request exactly as a local decision is booked (load, the record of
-//!   recent decisions, the policies' own views through [`super::Policy::routed`]), stamped with
-//!   the time it is applied.
+//!   recent decisions, the policies' own views through [`super::Policy::routed`], the binding
+//!   of its session: [`super::session`]), stamped with the time it is applied.
 //! * **Duplicates are idempotent**: an Added for a request already booked, a PrefillDone or
 //!   Freed for one already freed, change nothing (counted as `sync_duplicates`).
 //! * **Tombstones**: every Freed of a peer's request leaves a tombstone, so an Added that arrives
