@@ -604,9 +604,9 @@ impl Router {
     }
 
     /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
-    /// decision or a session expiring, or a queue re-check (none while no worker is eligible: only a worker
-    /// added or back in routing can release a request then, and that input releases it). A
-    /// tick before then is harmless.
+    /// decision or a session expiring, or a queue re-check (none while no worker is eligible:
+    /// only a worker added or back in routing can release a request then, and that input
+    /// releases it). A tick before then is harmless.
     pub fn next_deadline(&self) -> Option<Timestamp> {
         let expiry = self
             .fleet
