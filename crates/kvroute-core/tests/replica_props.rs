@@ -40,6 +40,7 @@ fn added(request: u64) -> SyncEvent {
                 expected_duration: None,
             },
             expected_output_tokens: None,
+            session: None,
         }),
     )
 }

@@ -88,6 +88,7 @@ fn booking(w: WorkerKey) -> Booking {
             expected_duration: None,
         },
         expected_output_tokens: None,
+        session: None,
     }
 }
 
@@ -119,6 +120,7 @@ fn fmt_event(e: &SyncEvent) -> String {
         LoadChange::Added(b) => format!("add:r{}@{}", e.request.0, b.worker.worker.0),
         LoadChange::PrefillDone => format!("first:r{}", e.request.0),
         LoadChange::Freed => format!("free:r{}", e.request.0),
+        LoadChange::Session { worker, .. } => format!("session:{worker}"),
     }
 }
 

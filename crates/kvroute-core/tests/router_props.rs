@@ -260,6 +260,7 @@ impl Run {
                     chain: chain.into(),
                     hint: PrefillLoadHint::new(tokens.len() as u64, cached, BLOCK, None),
                     expected_output_tokens: None,
+                    session: None,
                 };
                 let request = RequestId(self.replica_issued);
                 self.replica_issued += 1;

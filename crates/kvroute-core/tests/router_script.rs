@@ -18,18 +18,20 @@
 //! | --- | --- |
 //! | `config key=value ...` | router settings (before anything else; see [`config`]) |
 //! | `worker 1 agg cap=100`, `worker 2/1 decode cap=50 batch=2048 seqs=8` | add a worker (role `agg`, `prefill` or `decode`) |
-//! | `drain 1`, `remove 1` | mark draining; remove |
+//! | `drain 1`, `suspend 1`, `remove 1` | mark draining; take out of routing; remove |
 //! | `at 1500` | the time is now 1,500 ms |
 //! | `cache 1 PROMPT` | KV event: worker 1 stored the prompt's blocks (ext = sequence hash) |
 //! | `evict 1 PROMPT [from=K]` | KV event: worker 1 removed the prompt's blocks from position K on |
 //! | `clear 1` | KV event: worker 1 cleared its cache |
-//! | `route r1 PROMPT [prio=N] [osl=N] [lora=X] [salt=X]` | route a request |
+//! | `route r1 PROMPT [prio=N] [osl=N] [lora=X] [salt=X] [session=X]` | route a request |
 //! | `explain PROMPT` | the candidates for a prompt, with projections and costs, without routing |
 //! | `first r1`, `block r1`, `done r1`, `cancel r1` | lifecycle events |
-//! | `remote r7 W PROMPT [cached=K] [prefill=P] [from=N]` | replica 9 (or N) booked its request r7 on worker W |
+//! | `remote r7 W PROMPT [cached=K] [prefill=P] [from=N] [session=X]` | replica 9 (or N) booked its request r7 on worker W |
+//! | `remote-session X W [from=N]` | replica 9's (or N's) snapshot binds session X to worker W |
+//! | `sessions` | every session's binding, least recently used first |
 //! | `remote-first r7 [from=N]`, `remote-done r7 [from=N]` | replica 9's (or N's) lifecycle events |
 //! | `peer-lost [N]` | replica 9 (or N) went silent: its bookings are released |
-//! | `snapshot` | this router's in-flight bookings as replica events |
+//! | `snapshot` | this router's in-flight bookings, then its sessions, as replica events |
 //! | `echo r1` | this router's own "freed" event comes back (must be dropped) |
 //! | `tick` | a timer tick |
 //! | `loads`, `metrics` | per-worker loads; non-zero counters |
@@ -50,8 +52,8 @@ use kvroute_core::ids::{
 use kvroute_core::router::{
     Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, IndexEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
-    RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SyncEvent,
-    SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
+    RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SessionId,
+    SyncEvent, SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 
@@ -109,7 +111,8 @@ fn options<'a>(args: &[&'a str]) -> BTreeMap<&'a str, &'a str> {
 /// `cache=events|predict:TTL_MS|approx:TTL_MS[:MAX_BLOCKS]`; `busy_decode`, `busy_prefill`,
 /// `busy_prefill_frac`, `busy_requests`; `queue` (capacity), `order=fcfs|spf`,
 /// `when_empty=reject|queue`;
-/// `request_ttl` (ms); `track_output=1`; `export=1`.
+/// `request_ttl` (ms); `track_output=1`; `export=1`; `session_max`, `session_ttl` (ms),
+/// `session_requests`, `session_decode` (overload fractions; `off` for none).
 fn config(args: &[&str]) -> RouterConfig {
     let mut c = RouterConfig::default();
     let opts = options(args);
@@ -151,6 +154,10 @@ fn config(args: &[&str]) -> RouterConfig {
             }
             "request_ttl" => c.request_ttl = ms(value),
             "track_output" => c.track_output_blocks = value == "1",
+            "session_max" => c.sessions.max_sessions = num(key, value),
+            "session_ttl" => c.sessions.idle_ttl = ms(value),
+            "session_requests" => c.sessions.overloaded.requests_fraction = fraction(key, value),
+            "session_decode" => c.sessions.overloaded.decode_blocks_fraction = fraction(key, value),
             "export" => {
                 c.sync.mode = if value == "1" {
                     SyncMode::Export
@@ -162,6 +169,16 @@ fn config(args: &[&str]) -> RouterConfig {
         }
     }
     c
+}
+
+/// A fraction, or `off`.
+fn fraction(key: &str, value: &str) -> Option<f64> {
+    (value != "off").then(|| num(key, value))
+}
+
+/// A session named in a script.
+fn session(name: &str) -> SessionId {
+    SessionId::from_header(name)
 }
 
 fn set_policy_param(policy: &mut PolicyConfig, key: &str, value: &str) {
@@ -260,6 +277,8 @@ struct Harness {
     config: RouterConfig,
     prompts: Prompts,
     now: Timestamp,
+    /// Session names by id, for printing.
+    names: BTreeMap<SessionId, String>,
 }
 
 fn fmt_decision(d: &Decision) -> String {
@@ -319,7 +338,30 @@ impl Harness {
                 block_size: 16,
             },
             now: Timestamp::ZERO,
+            names: BTreeMap::new(),
         }
+    }
+
+    fn session_name(&self, id: SessionId) -> String {
+        self.names.get(&id).cloned().unwrap_or_else(|| format!("{id:?}"))
+    }
+
+    fn sessions(&mut self) -> String {
+        let snapshot = self.router().session_snapshot();
+        let lines: Vec<String> = snapshot
+            .iter()
+            .filter_map(|e| match e.change {
+                LoadChange::Session { session, worker } => {
+                    Some(format!("  {} -> {worker}", self.session_name(session)))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut text = format!("{} sessions", lines.len());
+        for line in lines {
+            text = text + "\n" + &line;
+        }
+        text
     }
 
     fn router(&mut self) -> &mut Router {
@@ -378,6 +420,23 @@ impl Harness {
                 }
                 fmt_result(self.router().handle_worker_added(now, spec), |o| fmt_outputs(&o))
             }
+            "suspend" => fmt_result(
+                self.router().handle_worker_suspended(now, worker_key(arg(0))),
+                |o| fmt_outputs(&o),
+            ),
+            "sessions" => self.sessions(),
+            "remote-session" => {
+                self.names.insert(session(arg(0)), arg(0).to_owned());
+                let event = SyncEvent {
+                    router: from(&args[2..]),
+                    request: RequestId(0),
+                    change: LoadChange::Session {
+                        session: session(arg(0)),
+                        worker: worker_key(arg(1)),
+                    },
+                };
+                fmt_result(self.router().handle_sync_event(now, &event), |o| fmt_outputs(&o))
+            }
             "drain" => fmt_result(
                 self.router().handle_worker_draining(now, worker_key(arg(0))),
                 |()| "ok".to_owned(),
@@ -429,7 +488,8 @@ impl Harness {
                 fmt_outputs(&self.router().handle_peer_lost(now, peer))
             }
             "snapshot" => {
-                let events = self.router().sync_snapshot();
+                let mut events = self.router().sync_snapshot();
+                events.extend(self.router().session_snapshot());
                 let lines: Vec<String> = events.iter().map(fmt_event).collect();
                 format!("{} events\n{}", lines.len(), lines.join("\n"))
             }
@@ -474,6 +534,9 @@ impl Harness {
         request.cache_salt = opts.get("salt").copied();
         request.priority = opts.get("prio").map_or(0, |p| num("prio", p));
         request.expected_output_tokens = opts.get("osl").map(|o| num("osl", o));
+        request.session = opts.get("session").map(|s| session(s));
+        self.names
+            .extend(opts.get("session").map(|s| (session(s), s.to_string())));
         let now = self.now;
         fmt_result(
             self.router().handle_request(now, &request),
@@ -544,7 +607,10 @@ impl Harness {
             hint: PrefillLoadHint::new(tokens.len() as u64, cached, self.config.block_size, None),
             chain: chain.into(),
             expected_output_tokens: None,
+            session: opts.get("session").map(|s| session(s)),
         };
+        self.names
+            .extend(opts.get("session").map(|s| (session(s), s.to_string())));
         let event = SyncEvent {
             router: from(&args[3..]),
             request: id,
@@ -614,15 +680,18 @@ fn from(args: &[&str]) -> RouterId {
 
 fn fmt_event(event: &SyncEvent) -> String {
     let what = match &event.change {
-        LoadChange::Added(b) => format!(
-            "added on {} (overlap {}, prefill worker {:?}, hint {})",
-            b.worker,
-            b.overlap_blocks,
-            b.prefill_worker.map(|w| w.to_string()),
-            b.hint.tokens
-        ),
+        LoadChange::Added(b) => {
+            format!(
+                "added on {} (overlap {}, prefill worker {:?}, hint {})",
+                b.worker,
+                b.overlap_blocks,
+                b.prefill_worker.map(|w| w.to_string()),
+                b.hint.tokens
+            ) + if b.session.is_some() { ", session" } else { "" }
+        }
         LoadChange::PrefillDone => "prefill done".to_owned(),
         LoadChange::Freed => "freed".to_owned(),
+        LoadChange::Session { worker, .. } => format!("session on {worker}"),
     };
     format!("  router {} r{}: {what}", event.router.0, event.request.0)
 }
@@ -668,4 +737,6 @@ scripts!(
     policy_dynamo,
     policy_sglang,
     policy_llmd,
+    sessions,
+    session_replicas,
 );

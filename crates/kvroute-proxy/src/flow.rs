@@ -64,6 +64,8 @@ pub struct Generation<'a> {
     /// The client's `Authorization`, passed on to workers that have no credential of their
     /// own configured (None when it was kvroute's own API key).
     pub authorization: Option<axum::http::HeaderValue>,
+    /// Its conversation, from the `session-header`.
+    pub session: Option<kvroute_core::router::SessionId>,
 }
 
 /// How sending to a worker failed: before it was reached (the worker is out of routing and the
@@ -115,7 +117,11 @@ impl Forwarder {
         let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
         for attempt in 0..2 {
             let (mut guard, target, _) = driver
-                .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
+                .route_in_session(
+                    &request.parsed.tokens,
+                    request.parsed.cache_salt.as_deref(),
+                    request.session,
+                )
                 .await
                 .map_err(route_error)?;
             if attempt == 0 {
@@ -158,6 +164,7 @@ impl Forwarder {
             body,
             report: request.report,
             authorization: request.authorization.clone(),
+            session: request.session,
         })
     }
 

@@ -87,6 +87,15 @@ pub struct Metrics {
     pub kv_stream_incidents: IntCounterVec,
     /// Requests active in the router now.
     pub active_requests: IntGauge,
+    /// `kvroute_router_session_requests_total`: this replica's requests of a session, by
+    /// outcome (`new`: it bound the session, `hit`: it stayed on the session's worker, `moved`:
+    /// it moved the session, its worker overloaded or out of routing).
+    pub session_requests: IntCounterVec,
+    /// `kvroute_router_sessions_released_total`: sessions forgotten, by cause (`worker`: their
+    /// worker removed or out of routing, `idle`, `evicted` past `max-sessions`).
+    pub sessions_released: IntCounterVec,
+    /// `kvroute_router_sessions`: sessions bound now.
+    pub sessions: IntGauge,
     /// Blocks the index evicted to keep a worker within `max-blocks-per-worker`.
     pub index_blocks_evicted: IntCounter,
     /// `kvroute_index_blocks_stored_total`: blocks newly held by the router's view (a store of
@@ -630,6 +639,17 @@ impl Metrics {
                 &["kind"],
             ),
             active_requests: r.gauge("kvroute_router_active_requests", "Requests booked in the router."),
+            session_requests: r.counters(
+                "kvroute_router_session_requests_total",
+                "Requests of a session by outcome (new, hit: stayed on its worker, moved: its worker was overloaded or out of routing).",
+                &["outcome"],
+            ),
+            sessions_released: r.counters(
+                "kvroute_router_sessions_released_total",
+                "Sessions forgotten by cause (worker: removed or out of routing, idle, evicted past max-sessions).",
+                &["cause"],
+            ),
+            sessions: r.gauge("kvroute_router_sessions", "Sessions bound to a worker now."),
             index_blocks_evicted: r.counter(
                 "kvroute_index_blocks_evicted_total",
                 "KV blocks the router's view evicted to keep a worker within max-blocks-per-worker.",
@@ -818,6 +838,19 @@ impl Metrics {
             self.index_blocks_stored
                 .inc_by(stored - self.index_blocks_stored.get());
         }
+        let c = &snapshot.counters;
+        let catch_up = |vec: &IntCounterVec, label: &str, total: u64| {
+            let counter = vec.with_label_values(&[label]);
+            counter.inc_by(total.saturating_sub(counter.get()));
+        };
+        catch_up(&self.session_requests, "new", c.session_new);
+        catch_up(&self.session_requests, "hit", c.session_hits);
+        catch_up(&self.session_requests, "moved", c.session_moves);
+        catch_up(&self.sessions_released, "worker", c.sessions_released);
+        catch_up(&self.sessions_released, "idle", c.sessions_expired);
+        catch_up(&self.sessions_released, "evicted", c.sessions_evicted);
+        self.sessions
+            .set(i64::try_from(snapshot.sessions_now).unwrap_or(i64::MAX));
         for gauge in self.router_gauges() {
             gauge.reset();
         }

@@ -434,6 +434,13 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     let t0 = Instant::now();
     let config = &app.driver.config;
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
+    let session = config
+        .routing
+        .session_header
+        .as_deref()
+        .and_then(|name| req.headers().get(name))
+        .filter(|v| !v.is_empty())
+        .map(|v| kvroute_core::router::SessionId::from_header(v.as_bytes()));
     let body = match read_body(config, req.into_body(), config.limits.max_body_bytes).await {
         Ok(body) => body,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
@@ -476,6 +483,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
             debug_headers: config.server.debug_headers,
         },
         authorization,
+        session,
     };
     match app.forwarder.forward(&generation, t0).await {
         Ok(response) => Outcome::Answered(response),

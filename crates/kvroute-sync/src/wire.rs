@@ -15,19 +15,20 @@
 //! configuration goes without its `api-key`, and each replica resolves the credential from its
 //! own configuration. Version 2 of the format is the first to hold to this; a replica of
 //! version 1 (which sent the key) and one of version 2 refuse each other's messages, by version,
-//! so a fleet is upgraded whole.
+//! so a fleet is upgraded whole. Version 3 adds sessions: a booking's session (`s`) and a
+//! session's binding ([`SyncItem::Session`], in snapshots); versions 2 and 3 refuse each other.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart};
-use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent};
+use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SessionId, SyncEvent};
 use serde::{Deserialize, Serialize};
 
 /// The format version this build writes and reads (2: a worker's configuration goes without its
-/// credential, and says whether it has one).
-pub const WIRE_VERSION: u32 = 2;
+/// credential, and says whether it has one; 3: sessions).
+pub const WIRE_VERSION: u32 = 3;
 /// The keys of a worker's configuration that hold a credential: never on the wire.
 pub const SECRET_KEYS: &[&str] = &["api-key"];
 /// The largest message decoded (NATS's default `max_payload` is 1 MiB).
@@ -90,8 +91,8 @@ pub enum Body {
         /// it.
         #[serde(default)]
         seq: u64,
-        /// Its registry (as [`SyncItem::Worker`]) then its bookings (as [`SyncItem::Added`]
-        /// and [`SyncItem::PrefillDone`]).
+        /// Its registry (as [`SyncItem::Worker`]), its bookings (as [`SyncItem::Added`]
+        /// and [`SyncItem::PrefillDone`]), then its sessions (as [`SyncItem::Session`]).
         events: Vec<SyncItem>,
     },
 }
@@ -133,6 +134,9 @@ pub enum SyncItem {
         /// Output-length hint.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         eo: Option<u32>,
+        /// The request's session ([`SessionId`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        s: Option<u64>,
     },
     /// The request's prefill is done ([`LoadChange::PrefillDone`]).
     PrefillDone {
@@ -143,6 +147,13 @@ pub enum SyncItem {
     Freed {
         /// The sender's request id.
         r: u64,
+    },
+    /// A session's binding ([`LoadChange::Session`]), in a snapshot.
+    Session {
+        /// The session ([`SessionId`]).
+        s: u64,
+        /// Its worker.
+        w: WorkerRef,
     },
     /// An operator's change to the worker registry.
     Worker(WorkerChange),
@@ -205,6 +216,7 @@ pub fn weight(event: &SyncItem) -> usize {
             160 + w.url.len() + pw.as_ref().map_or(0, |p| p.url.len() + 24) + 21 * c.len()
         }
         SyncItem::PrefillDone { .. } | SyncItem::Freed { .. } => 40,
+        SyncItem::Session { w, .. } => 64 + w.url.len(),
         SyncItem::Worker(WorkerChange::Added { config, .. }) => 80 + config.to_string().len(),
         SyncItem::Worker(WorkerChange::Draining { url } | WorkerChange::Removed { url }) => 64 + url.len(),
     }
@@ -355,9 +367,14 @@ impl SyncItem {
                     .expected_duration
                     .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
                 eo: b.expected_output_tokens,
+                s: b.session.map(|s| s.0),
             },
             LoadChange::PrefillDone => SyncItem::PrefillDone { r },
             LoadChange::Freed => SyncItem::Freed { r },
+            LoadChange::Session { session, worker } => SyncItem::Session {
+                s: session.0,
+                w: reference(*worker)?,
+            },
         })
     }
 
@@ -377,6 +394,7 @@ impl SyncItem {
                 ht,
                 hd,
                 eo,
+                s,
             } => {
                 let booking = Booking {
                     worker: key(w)?,
@@ -392,11 +410,19 @@ impl SyncItem {
                         expected_duration: hd.map(Duration::from_nanos),
                     },
                     expected_output_tokens: *eo,
+                    session: s.map(SessionId),
                 };
                 (*r, LoadChange::Added(booking))
             }
             SyncItem::PrefillDone { r } => (*r, LoadChange::PrefillDone),
             SyncItem::Freed { r } => (*r, LoadChange::Freed),
+            SyncItem::Session { s, w } => (
+                0,
+                LoadChange::Session {
+                    session: SessionId(*s),
+                    worker: key(w)?,
+                },
+            ),
             SyncItem::Worker(_) => return None,
         };
         Some(SyncEvent {
@@ -426,6 +452,7 @@ mod tests {
                     expected_duration: Some(Duration::from_millis(5)),
                 },
                 expected_output_tokens: Some(9),
+                session: Some(SessionId(u64::MAX)),
             }),
         }
     }
@@ -445,6 +472,14 @@ mod tests {
                 router: RouterId(7),
                 request: RequestId(42),
                 change: LoadChange::Freed,
+            },
+            SyncEvent {
+                router: RouterId(7),
+                request: RequestId(0),
+                change: LoadChange::Session {
+                    session: SessionId(5),
+                    worker: WorkerKey::new(WorkerId(3), DpRank(1)),
+                },
             },
         ];
         let wire: Vec<SyncItem> = events
@@ -481,27 +516,29 @@ mod tests {
         // (bytes, expected error's text contains)
         let cases: &[(&[u8], &str)] = &[
             (b"", "not a sync message"),
-            (br#"{"v":3,"from":1,"body":{"kind":"heartbeat"}}"#, "version 3"),
+            (br#"{"v":4,"from":1,"body":{"kind":"heartbeat"}}"#, "version 4"),
+            // Version 2 knew no sessions: refused by its version.
+            (br#"{"v":2,"from":1,"body":{"kind":"heartbeat"}}"#, "version 2"),
             // Version 1 sent workers' credentials: refused by its version.
             (br#"{"v":1,"from":1,"body":{"kind":"heartbeat"}}"#, "version 1"),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"gossip"}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"gossip"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":-1,"body":{"kind":"heartbeat"}}"#,
+                br#"{"v":3,"from":-1,"body":{"kind":"heartbeat"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":{"url":"http://h:1","api-key":"sk-1"}}]}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":{"url":"http://h:1","api-key":"sk-1"}}]}}"#,
                 "carries \"api-key\"",
             ),
         ];

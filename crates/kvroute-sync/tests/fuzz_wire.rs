@@ -23,8 +23,9 @@ fn event() -> impl Strategy<Value = SyncItem> {
             any::<u64>(),
             proptest::option::of(any::<u64>()),
             proptest::option::of(any::<u32>()),
+            proptest::option::of(any::<u64>()),
         )
-            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo)| SyncItem::Added {
+            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo, s)| SyncItem::Added {
                 r,
                 w,
                 pw,
@@ -33,8 +34,10 @@ fn event() -> impl Strategy<Value = SyncItem> {
                 c,
                 ht,
                 hd,
-                eo
+                eo,
+                s
             }),
+        (any::<u64>(), worker()).prop_map(|(s, w)| SyncItem::Session { s, w }),
         any::<u64>().prop_map(|r| SyncItem::PrefillDone { r }),
         any::<u64>().prop_map(|r| SyncItem::Freed { r }),
         "[a-z:/0-9.]{0,24}".prop_map(|url| SyncItem::Worker(WorkerChange::Draining { url })),
@@ -158,7 +161,7 @@ proptest! {
 #[test]
 fn deeply_nested_json_is_refused_not_a_stack_overflow() {
     let mut bytes =
-        br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
+        br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
     bytes.extend(std::iter::repeat_n(b'[', 100_000));
     assert!(decode(&bytes).is_err());
 }

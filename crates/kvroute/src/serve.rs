@@ -262,6 +262,17 @@ pub struct ServeOptions {
     /// Default 300,000.
     #[arg(long)]
     pub reannounce_window_ms: Option<u64>,
+    /// The request header that names a conversation (e.g. `x-session-id`): its requests stay
+    /// on the worker that served it while that worker is not overloaded, and move once when it
+    /// is, on every replica. Default: none (no session affinity).
+    #[arg(long)]
+    pub session_header: Option<String>,
+    /// A session unused this long is forgotten, ms. Default 1,800,000.
+    #[arg(long)]
+    pub session_idle_timeout_ms: Option<u64>,
+    /// The most sessions kept (the least recently used forgotten past it). Default 65,536.
+    #[arg(long)]
+    pub max_sessions: Option<usize>,
     /// Bytes the cache of chat conversations' tokens may hold (a follow-up turn tokenizes
     /// only its new text); 0 turns it off. Default 268435456 (256 MiB).
     #[arg(long)]

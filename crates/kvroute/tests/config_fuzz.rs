@@ -35,6 +35,8 @@ const KEYS: &[&str] = &[
     "discover-file",
     "discover-interval-ms",
     "discover-port",
+    "session-header",
+    "max-sessions",
     "block_size",
     "blok-size",
     "",

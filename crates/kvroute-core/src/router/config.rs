@@ -8,6 +8,7 @@ use super::load::PrefillModel;
 use super::policy::{CostPolicyConfig, PolicyConfig};
 use super::queue::QueueConfig;
 use super::recent::RecentConfig;
+use super::session::SessionConfig;
 use super::sync::{RouterId, SyncConfig};
 
 /// Where the router's view of the workers' caches comes from.
@@ -64,6 +65,9 @@ pub struct RouterConfig {
     /// The most blocks the index keeps per worker, evicting the oldest past it
     /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
     pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
+    /// Session affinity for requests that carry a session: size, idle time, overload.
+    /// Default [`SessionConfig::default`].
+    pub sessions: SessionConfig,
 }
 
 impl Default for RouterConfig {
@@ -84,6 +88,7 @@ impl Default for RouterConfig {
             sync: SyncConfig::default(),
             replica_rank: 0,
             max_blocks_per_worker: None,
+            sessions: SessionConfig::default(),
         }
     }
 }
@@ -146,6 +151,19 @@ impl RouterConfig {
         }
         if self.sync.max_tombstones == 0 {
             return Err(router("sync.max_tombstones", 0.0));
+        }
+        if let Some((field, value)) = self.sessions.overloaded.invalid_field() {
+            return Err(ConfigError::OutOfRange {
+                policy: "sessions.overloaded",
+                field,
+                value,
+            });
+        }
+        if self.sessions.max_sessions == 0 {
+            return Err(router("sessions.max_sessions", 0.0));
+        }
+        if self.sessions.idle_ttl.is_zero() {
+            return Err(ConfigError::ZeroDuration("sessions.idle_ttl"));
         }
         if self.request_ttl.is_zero() {
             return Err(ConfigError::ZeroDuration("request_ttl"));

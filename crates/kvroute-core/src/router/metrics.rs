@@ -42,7 +42,8 @@ pub struct RouterCounters {
     /// Replica events dropped as this router's own echoes.
     pub sync_echoes: u64,
     /// Replica events that repeated one already applied (an Added for a booked request, a
-    /// PrefillDone or Freed for a freed one): nothing changed.
+    /// PrefillDone or Freed for a freed one, a snapshot's binding of a session already bound):
+    /// nothing changed.
     pub sync_duplicates: u64,
     /// Replica Addeds that came after their request's Freed (a tombstone): not booked.
     pub sync_stale_added: u64,
@@ -60,6 +61,18 @@ pub struct RouterCounters {
     pub kv_events_refused: u64,
     /// Inputs whose time was earlier than an earlier input's (treated as the later time).
     pub clock_went_back: u64,
+    /// This router's requests of a session not bound yet (which bound it).
+    pub session_new: u64,
+    /// This router's requests of a bound session that stayed on its worker.
+    pub session_hits: u64,
+    /// This router's requests of a bound session that moved it to another worker.
+    pub session_moves: u64,
+    /// Sessions released with their worker (removed or suspended).
+    pub sessions_released: u64,
+    /// Sessions forgotten after their idle time.
+    pub sessions_expired: u64,
+    /// Sessions evicted by the cap, least recently used first.
+    pub sessions_evicted: u64,
 }
 
 /// One worker's state.
@@ -89,6 +102,8 @@ pub struct RouterMetrics {
     pub active_now: usize,
     /// Tombstones of peers' requests kept now.
     pub tombstones_now: usize,
+    /// Sessions bound now.
+    pub sessions_now: usize,
     /// The KV index's counters.
     pub index: IndexStats,
     /// Every worker, ordered by worker key.

@@ -38,8 +38,10 @@
 //! 3. Candidates: workers that decode (aggregated and decode workers), not draining, not busy
 //!    ([`BusyThresholds`]). None eligible: rejected, or queued with [`WhenEmpty::Queue`]. All
 //!    busy: queued ([`QueueConfig`]).
-//! 4. The policy picks one ([`policy`]). If it is a decode worker and the [`Decider`] says so, a
-//!    prefill worker is picked from the prefill pool by the prefill policy.
+//! 4. The policy picks one ([`policy`]), unless the request's session is bound to a worker in
+//!    routing that is not overloaded: it goes there ([`session`]). If it is a decode worker and
+//!    the [`Decider`] says so, a prefill worker is picked from the prefill pool by the prefill
+//!    policy.
 //! 5. The prefill load hint is computed once ([`PrefillLoadHint::new`]) and the decision is
 //!    booked in one place: the load tracker, the recent-decision record, the policies' own views
 //!    and the replica outbox. A peer's booking goes through the same place.
@@ -74,6 +76,7 @@ mod request;
 mod rng;
 mod scan;
 pub mod select;
+pub mod session;
 pub mod spec;
 mod sync;
 mod worker;
@@ -97,6 +100,7 @@ pub use queue::{QueueConfig, QueueOrder, WhenEmpty};
 pub use recent::RecentConfig;
 pub use request::{Prompt, RequestView, RouteRequest};
 pub use rng::Rng;
+pub use session::{SessionConfig, SessionId, SessionOutcome};
 pub use spec::{OptionError, RouterOptions, RouterSpec, SpecError};
 pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
@@ -106,6 +110,7 @@ use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
 use request::Prepared;
 use scan::{ArgminScratch, Stage};
+use session::SessionTable;
 use sync::{Mark, Tombstones};
 
 use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
@@ -194,6 +199,7 @@ pub struct Router {
     counters: RouterCounters,
     outbox: VecDeque<SyncEvent>,
     tombstones: Tombstones,
+    sessions: SessionTable,
     last_now: Timestamp,
     scratch: Scratch,
 }
@@ -224,6 +230,7 @@ impl Router {
             counters: RouterCounters::default(),
             outbox: VecDeque::new(),
             tombstones: Tombstones::default(),
+            sessions: SessionTable::default(),
             last_now: Timestamp::ZERO,
             scratch: Scratch::default(),
             config,
@@ -386,6 +393,7 @@ impl Router {
             };
         };
         self.forget_decisions(worker);
+        self.counters.sessions_released += self.sessions.release_worker(worker);
         // The index knows every fleet worker, so this cannot fail.
         let _ = self.index.remove_worker(worker);
         let mut out = self.dropped(dropped, DropReason::WorkerRemoved);
@@ -411,6 +419,7 @@ impl Router {
             return Err(RouterError::UnknownWorker(worker));
         }
         self.forget_decisions(worker);
+        self.counters.sessions_released += self.sessions.release_worker(worker);
         Ok(Vec::new())
     }
 
@@ -436,6 +445,19 @@ impl Router {
         let now = self.advance(now);
         if event.router == self.config.router_id {
             self.counters.sync_echoes += 1;
+            return Ok(Vec::new());
+        }
+        if let LoadChange::Session { session, worker } = event.change {
+            // A binding to a worker not in routing here is not learned: the session's next
+            // booking binds it. One known here already is newer than a snapshot's.
+            if self.fleet.get(worker).is_some_and(|w| !w.suspended) {
+                let max = self.config.sessions.max_sessions;
+                if self.sessions.learn(now, session, worker, max) {
+                    self.counters.sync_applied += 1;
+                } else {
+                    self.counters.sync_duplicates += 1;
+                }
+            }
             return Ok(Vec::new());
         }
         let key = (event.router, event.request);
@@ -469,6 +491,7 @@ impl Router {
                 self.counters.sync_duplicates += 1;
                 return Ok(Vec::new());
             }
+            LoadChange::Session { .. } => {}
             LoadChange::PrefillDone | LoadChange::Freed => {
                 let new_mark = if matches!(event.change, LoadChange::Freed) {
                     Mark::Freed
@@ -515,6 +538,9 @@ impl Router {
         if let Some(recent) = &mut self.recent {
             recent.expire(now);
         }
+        if let Some(cutoff) = now.as_nanos().checked_sub(self.session_ttl_nanos()) {
+            self.counters.sessions_expired += self.sessions.expire(Timestamp(cutoff));
+        }
         if let Some(cutoff) = now.as_nanos().checked_sub(self.ttl_nanos()) {
             self.counters.tombstones_expired += self.tombstones.expire(Timestamp(cutoff));
         }
@@ -559,10 +585,28 @@ impl Router {
         events
     }
 
+    /// Every session's binding as replica events ([`LoadChange::Session`]), least recently used
+    /// first, for a joining replica (sent after [`Router::sync_snapshot`]).
+    pub fn session_snapshot(&self) -> Vec<SyncEvent> {
+        self.sessions
+            .bindings()
+            .map(|(session, worker)| SyncEvent {
+                router: self.config.router_id,
+                request: RequestId(0),
+                change: LoadChange::Session { session, worker },
+            })
+            .collect()
+    }
+
+    /// The worker session `session` is bound to here, if any.
+    pub fn session_worker(&self, session: SessionId) -> Option<WorkerKey> {
+        self.sessions.worker_of(session)
+    }
+
     /// When [`Router::handle_tick`] has work next: a request reaching the TTL, a recorded
-    /// decision expiring, or a queue re-check (none while no worker is eligible: only a worker
-    /// added or back in routing can release a request then, and that input releases it). A
-    /// tick before then is harmless.
+    /// decision or a session expiring, or a queue re-check (none while no worker is eligible:
+    /// only a worker added or back in routing can release a request then, and that input
+    /// releases it). A tick before then is harmless.
     pub fn next_deadline(&self) -> Option<Timestamp> {
         let expiry = self
             .fleet
@@ -575,7 +619,14 @@ impl Router {
             .tombstones
             .oldest()
             .map(|t| Timestamp(t.as_nanos().saturating_add(self.ttl_nanos())));
-        [expiry, recent, recheck, tombstone].into_iter().flatten().min()
+        let session = self
+            .sessions
+            .oldest()
+            .map(|t| Timestamp(t.as_nanos().saturating_add(self.session_ttl_nanos())));
+        [expiry, recent, recheck, tombstone, session]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Requests waiting in the queue now.
@@ -612,6 +663,7 @@ impl Router {
             queued_without_worker_now: self.queued_without_worker_now(),
             active_now: self.fleet.active_count(),
             tombstones_now: self.tombstones.len(),
+            sessions_now: self.sessions.len(),
             index: self.index.stats(),
             workers,
         }
@@ -674,6 +726,14 @@ impl Router {
     /// Checks that every worker's running totals equal a recomputation from the active requests.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.fleet.check_invariants()?;
+        self.sessions.check_invariants()?;
+        if let Some((s, w)) = self
+            .sessions
+            .bindings()
+            .find(|&(_, w)| self.fleet.get(w).is_none_or(|w| w.suspended))
+        {
+            return Err(format!("session {s:?} bound to {w}, not in routing"));
+        }
         if !self.queue.is_empty() && self.has_free_worker() {
             return Err(format!(
                 "{} requests wait while a worker is free",
@@ -722,6 +782,7 @@ impl Router {
             chain,
             priority: request.priority,
             expected_output_tokens: request.expected_output_tokens,
+            session: request.session,
         })
     }
 
@@ -734,7 +795,11 @@ impl Router {
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
         let view = request.view(now, self.config.block_size);
-        let chosen = self.choose(Stage::Decode, &view)?;
+        let stay = request.session.and_then(|s| self.session_stay(s, &request.chain));
+        let chosen = match stay {
+            Some(c) => c,
+            None => self.choose(Stage::Decode, &view)?,
+        };
         let prefill = self.choose_prefill(&view, &chosen);
         let prefill_overlap = prefill.map_or(chosen.overlap_blocks, |p| p.overlap_blocks);
         let hint = PrefillLoadHint::new(
@@ -751,6 +816,7 @@ impl Router {
             chain: Arc::clone(&request.chain),
             hint,
             expected_output_tokens: request.expected_output_tokens,
+            session: request.session,
         };
         // Both workers were just taken from the fleet and the id was checked on admission, so
         // this cannot fail; if it ever does, the request is turned away rather than half booked.
@@ -774,6 +840,22 @@ impl Router {
             hint,
             waited: now.saturating_since(request.arrived),
         })
+    }
+
+    /// The candidate of `session`'s worker if the session stays there (see the `session`
+    /// module): in routing, decoding, neither busy nor overloaded. The overlaps are computed.
+    fn session_stay(&self, session: SessionId, chain: &[SequenceHash]) -> Option<Candidate> {
+        let worker = self.sessions.worker_of(session)?;
+        let slot = self.fleet.slot(worker)?;
+        let w = self.fleet.workers().get(slot)?;
+        if w.draining || !w.spec.role.tracks_decode() {
+            return None;
+        }
+        if self.config.sessions.overloaded.is_busy(&w.spec, &w.load()) {
+            return None;
+        }
+        let overlap = self.scratch.overlaps.get(slot).copied().unwrap_or(0);
+        scan::candidate(w, overlap, chain, &self.config.busy)
     }
 
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
@@ -861,6 +943,21 @@ impl Router {
         if let Some(p) = booking.prefill_worker {
             self.prefill_policy.routed(&view, p);
         }
+        // A peer's booking on a worker suspended here binds nothing: it is out of routing here.
+        if let Some(session) = booking.session
+            && self.fleet.get(booking.worker).is_some_and(|w| !w.suspended)
+        {
+            let max = self.config.sessions.max_sessions;
+            let (outcome, evicted) = self.sessions.bind(now, session, booking.worker, max);
+            self.counters.sessions_evicted += evicted;
+            if key.0 == self.config.router_id {
+                *match outcome {
+                    SessionOutcome::New => &mut self.counters.session_new,
+                    SessionOutcome::Hit => &mut self.counters.session_hits,
+                    SessionOutcome::Moved => &mut self.counters.session_moves,
+                } += 1;
+            }
+        }
         if key.0 == self.config.router_id {
             self.export(key.1, LoadChange::Added(booking));
         }
@@ -923,6 +1020,10 @@ impl Router {
 
     fn ttl_nanos(&self) -> u64 {
         u64::try_from(self.config.request_ttl.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn session_ttl_nanos(&self) -> u64 {
+        u64::try_from(self.config.sessions.idle_ttl.as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Applies a lifecycle change to this router's request `id`, or counts and reports it as

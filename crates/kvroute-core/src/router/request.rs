@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::session::SessionId;
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash};
 use crate::time::Timestamp;
 
@@ -39,10 +40,12 @@ pub struct RouteRequest<'a> {
     /// The caller's guess of the output length in tokens, if any. A hint, carried into replica
     /// events; no policy reads it yet.
     pub expected_output_tokens: Option<u32>,
+    /// The conversation it belongs to, for session affinity (see the `session` module).
+    pub session: Option<SessionId>,
 }
 
 impl<'a> RouteRequest<'a> {
-    /// A request for `prompt` with no salt, priority 0 and no output hint.
+    /// A request for `prompt` with no salt, priority 0, no output hint and no session.
     pub fn new(id: RequestId, prompt: Prompt<'a>) -> Self {
         Self {
             id,
@@ -51,6 +54,7 @@ impl<'a> RouteRequest<'a> {
             cache_salt: None,
             priority: 0,
             expected_output_tokens: None,
+            session: None,
         }
     }
 }
@@ -86,6 +90,7 @@ pub(crate) struct Prepared {
     pub(crate) chain: Arc<[SequenceHash]>,
     pub(crate) priority: i32,
     pub(crate) expected_output_tokens: Option<u32>,
+    pub(crate) session: Option<SessionId>,
 }
 
 impl Prepared {

@@ -169,7 +169,7 @@ impl Lowest {
 
 /// `w`'s candidate for a prompt of `chain` of which it caches `overlap` leading blocks, or `None`
 /// if it is busy. The one place a candidate is built.
-fn candidate(
+pub(super) fn candidate(
     w: &FleetWorker,
     overlap: u32,
     chain: &[SequenceHash],
@@ -733,6 +733,7 @@ mod tests {
                         chain: Arc::from(chain),
                         hint: PrefillLoadHint::new(u64::from(BLOCK) * 2, 1, BLOCK, None),
                         expected_output_tokens: None,
+                        session: None,
                     };
                     self.peer_issued += 1;
                     drop(r.handle_sync_event(now, &peer(self.peer_issued, LoadChange::Added(booking))));

@@ -16,8 +16,8 @@
 //! # What a router does with a peer's event
 //!
 //! * **Added** books the request exactly as a local decision is booked (load, the record of
-//!   recent decisions, the policies' own views through [`super::Policy::routed`]), stamped with
-//!   the time it is applied.
+//!   recent decisions, the policies' own views through [`super::Policy::routed`], the binding
+//!   of its session: [`super::session`]), stamped with the time it is applied.
 //! * **Duplicates are idempotent**: an Added for a request already booked, a PrefillDone or
 //!   Freed for one already freed, change nothing (counted as `sync_duplicates`).
 //! * **Tombstones**: every Freed of a peer's request leaves a tombstone, so an Added that arrives
@@ -46,6 +46,7 @@ use std::time::Duration;
 use hashbrown::HashMap;
 
 use super::load::PrefillLoadHint;
+use super::session::SessionId;
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 use crate::time::Timestamp;
@@ -71,6 +72,8 @@ pub struct Booking {
     pub hint: PrefillLoadHint,
     /// The request's output-length hint.
     pub expected_output_tokens: Option<u32>,
+    /// The request's session: a peer binds it to `worker` (see the `session` module).
+    pub session: Option<SessionId>,
 }
 
 /// One active-load change.
@@ -82,6 +85,14 @@ pub enum LoadChange {
     PrefillDone,
     /// It left the books.
     Freed,
+    /// A session's binding, from a replica's [`super::Router::session_snapshot`]: bound here
+    /// only if the session is not (the event's request id is unused, 0).
+    Session {
+        /// The session.
+        session: SessionId,
+        /// Its worker.
+        worker: WorkerKey,
+    },
 }
 
 /// An active-load change made by router `router` for its request `request`.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_core::router::{
-    RouterConfig, RouterOptions, RouterSpec, SyncConfig, SyncMode, WhenEmpty, WorkerRole,
+    RouterConfig, RouterOptions, RouterSpec, SessionConfig, SyncConfig, SyncMode, WhenEmpty, WorkerRole,
 };
 pub use kvroute_http::EngineKind;
 use kvroute_sync::{ClientCertificate, NatsAuth, NatsTls, Secret};
@@ -209,6 +209,15 @@ pub struct RoutingConfig {
     /// view is exact again sooner. The hot prefixes come back with their first reuse; the
     /// window bounds the extra events. Default 300,000 ms.
     pub reannounce_window_ms: u64,
+    /// The request header that names a conversation (`x-session-id`): its requests stay on
+    /// the worker that served it while that worker is not overloaded, and move once when it is
+    /// (the rule of `kvroute_core::router::session`), on every replica. Default: none (no
+    /// session affinity).
+    pub session_header: Option<String>,
+    /// A session unused this long is forgotten, ms. Default 1,800,000 (30 min).
+    pub session_idle_timeout_ms: u64,
+    /// The most sessions kept; past it the least recently used is forgotten. Default 65,536.
+    pub max_sessions: usize,
 }
 
 impl Default for RoutingConfig {
@@ -226,6 +235,9 @@ impl Default for RoutingConfig {
             busy_requests_fraction: None,
             max_blocks_per_worker: 1 << 20,
             reannounce_window_ms: 300_000,
+            session_header: None,
+            session_idle_timeout_ms: 30 * 60 * 1000,
+            max_sessions: 1 << 16,
         }
     }
 }
@@ -387,6 +399,7 @@ impl ServeConfig {
             ("idle-timeout-ms", self.server.idle_timeout_ms),
             ("drain-timeout-ms", self.server.drain_timeout_ms),
             ("reannounce-window-ms", self.routing.reannounce_window_ms),
+            ("session-idle-timeout-ms", self.routing.session_idle_timeout_ms),
         ] {
             if ms == 0 {
                 return Err(invalid(field, "must be at least 1 ms"));
@@ -441,6 +454,7 @@ impl ServeConfig {
                 },
                 ..SyncConfig::default()
             },
+            sessions: self.sessions()?,
             ..spec.router_config()
         };
         router.validate()?;
@@ -450,6 +464,26 @@ impl ServeConfig {
         Self::validate_fleet(self.workers.iter().map(WorkerConfig::role))?;
         self.discovery()?;
         Ok(router)
+    }
+
+    /// The session settings: the header a valid HTTP header name, at least one session.
+    fn sessions(&self) -> Result<SessionConfig, ConfigError> {
+        if let Some(name) = &self.routing.session_header
+            && hyper::header::HeaderName::from_bytes(name.as_bytes()).is_err()
+        {
+            return Err(invalid(
+                "session-header",
+                format!("{name:?} is not an HTTP header name"),
+            ));
+        }
+        if self.routing.max_sessions == 0 {
+            return Err(invalid("max-sessions", "must be at least 1"));
+        }
+        Ok(SessionConfig {
+            max_sessions: self.routing.max_sessions,
+            idle_ttl: Self::ms(self.routing.session_idle_timeout_ms),
+            ..SessionConfig::default()
+        })
     }
 
     /// Checks the NATS keys: a `nats://` URL, a prefix of NATS subject tokens, a peer timeout
@@ -762,6 +796,31 @@ fn socket_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
 mod tests {
     use super::*;
     use kvroute_core::router::Decider;
+
+    #[test]
+    fn session_keys_are_read_and_checked() {
+        let c = ServeConfig::from_toml_str(
+            "session-header = \"X-Session-Id\"\nsession-idle-timeout-ms = 60000\nmax-sessions = 10\n",
+        )
+        .unwrap();
+        let router = c.validate().unwrap();
+        assert_eq!(c.routing.session_header.as_deref(), Some("X-Session-Id"));
+        assert_eq!(router.sessions.idle_ttl, Duration::from_secs(60));
+        assert_eq!(router.sessions.max_sessions, 10);
+        assert!(ServeConfig::from_toml_str("session-headers = \"x\"").is_err());
+        for (bad, field) in [
+            ("session-header = \"x session\"", "session-header"),
+            ("session-header = \"\"", "session-header"),
+            ("max-sessions = 0", "max-sessions"),
+            ("session-idle-timeout-ms = 0", "session-idle-timeout-ms"),
+        ] {
+            let err = ServeConfig::from_toml_str(bad).unwrap().validate().unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Invalid { field: f, .. } if f == field),
+                "{bad}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn files_reject_unknown_keys_and_flags_parse() {

@@ -70,7 +70,7 @@ impl Driver {
     }
 
     /// This replica's state for a joining peer: its registry (every worker an operator has not
-    /// removed, with its drain) and its in-flight bookings.
+    /// removed, with its drain), its in-flight bookings and its sessions' bindings.
     pub fn sync_snapshot(&self) -> Vec<SyncItem> {
         let inner = self.lock();
         let mut events = Vec::new();
@@ -87,11 +87,11 @@ impl Driver {
             }
         }
         let name = |id: WorkerId| inner.registry.get(id).map(|w| w.base.clone());
+        let (bookings, sessions) = (inner.router.sync_snapshot(), inner.router.session_snapshot());
         events.extend(
-            inner
-                .router
-                .sync_snapshot()
+            bookings
                 .iter()
+                .chain(&sessions)
                 .filter_map(|e| SyncItem::from_sync(e, name)),
         );
         events

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError,
+    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, SessionId,
     max_cached_blocks,
 };
 use kvroute_core::time::Timestamp;
@@ -85,6 +85,17 @@ impl Driver {
         tokens: &[u32],
         cache_salt: Option<&str>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
+        self.route_in_session(tokens, cache_salt, None).await
+    }
+
+    /// [`Driver::route`] for a request of conversation `session` (the session header's), kept
+    /// on its worker by the router's session rule.
+    pub async fn route_in_session(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+        session: Option<SessionId>,
+    ) -> Result<(RequestGuard, Target, Decision), RouteError> {
         let t0 = Instant::now();
         let salt = HashSalt {
             lora_name: None,
@@ -93,13 +104,14 @@ impl Driver {
         let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let request = RouteRequest::new(
+        let mut request = RouteRequest::new(
             id,
             Prompt::Blocks {
                 locals: &locals,
                 prompt_tokens: tokens.len() as u64,
             },
         );
+        request.session = session;
         let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));

@@ -196,7 +196,8 @@ impl Run<'_> {
             match action {
                 Action::Send { to, message } => self.send(r, to, message)?,
                 Action::SendSnapshot { to } => {
-                    let state = self.routers[r].sync_snapshot();
+                    let mut state = self.routers[r].sync_snapshot();
+                    state.extend(self.routers[r].session_snapshot());
                     for message in self.protocols[r].snapshot_messages(vec![state]) {
                         self.send(r, to, message)?;
                     }
