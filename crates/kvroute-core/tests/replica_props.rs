@@ -11,7 +11,8 @@ use kvroute_core::router::replica::{
     Action, BatchSeq, Message, ProtocolConfig, ReplicaProtocol, SnapshotPart, To,
 };
 use kvroute_core::router::{
-    Booking, LoadChange, PrefillLoadHint, Router, RouterConfig, RouterId, SyncEvent, WorkerRole, WorkerSpec,
+    Booking, LoadChange, PrefillLoadHint, Router, RouterConfig, RouterId, SyncEvent, TenantId, WorkerRole,
+    WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -40,6 +41,7 @@ fn added(request: u64) -> SyncEvent {
                 expected_duration: None,
             },
             expected_output_tokens: None,
+            tenant: TenantId::OTHER,
         }),
     )
 }

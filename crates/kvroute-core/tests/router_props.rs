@@ -21,8 +21,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, WhenEmpty,
-    WorkerSpec, stored_blocks,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, TenantId,
+    WhenEmpty, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -259,6 +259,7 @@ impl Run {
                     chain: chain.into(),
                     hint: PrefillLoadHint::new(tokens.len() as u64, cached, BLOCK, None),
                     expected_output_tokens: None,
+                    tenant: TenantId::OTHER,
                 };
                 let request = RequestId(self.replica_issued);
                 self.replica_issued += 1;

@@ -51,7 +51,7 @@ use kvroute_core::router::{
     Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, IndexEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
     RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SyncEvent,
-    SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
+    SyncMode, TenantId, WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 
@@ -544,6 +544,7 @@ impl Harness {
             hint: PrefillLoadHint::new(tokens.len() as u64, cached, self.config.block_size, None),
             chain: chain.into(),
             expected_output_tokens: None,
+            tenant: TenantId::OTHER,
         };
         let event = SyncEvent {
             router: from(&args[3..]),

@@ -22,12 +22,12 @@ use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart};
-use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent};
+use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SyncEvent, TenantId};
 use serde::{Deserialize, Serialize};
 
 /// The format version this build writes and reads (2: a worker's configuration goes without its
-/// credential, and says whether it has one).
-pub const WIRE_VERSION: u32 = 2;
+/// credential, and says whether it has one; 3: a booking names its tenant).
+pub const WIRE_VERSION: u32 = 3;
 /// The keys of a worker's configuration that hold a credential: never on the wire.
 pub const SECRET_KEYS: &[&str] = &["api-key"];
 /// The largest message decoded (NATS's default `max_payload` is 1 MiB).
@@ -133,6 +133,10 @@ pub enum SyncItem {
         /// Output-length hint.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         eo: Option<u32>,
+        /// The tenant ([`TenantId`]: its place in the `[[tenant]]` list, which replicas share;
+        /// 0 or absent: no configured tenant).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        tn: u32,
     },
     /// The request's prefill is done ([`LoadChange::PrefillDone`]).
     PrefillDone {
@@ -327,6 +331,11 @@ impl Body {
     }
 }
 
+/// Whether a tenant number is 0 (left off the wire).
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 impl SyncItem {
     /// The wire form of `event`, naming workers through `name` (a worker's base URL); `None` if
     /// `name` knows a worker it books on no longer.
@@ -355,6 +364,7 @@ impl SyncItem {
                     .expected_duration
                     .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
                 eo: b.expected_output_tokens,
+                tn: b.tenant.0,
             },
             LoadChange::PrefillDone => SyncItem::PrefillDone { r },
             LoadChange::Freed => SyncItem::Freed { r },
@@ -377,6 +387,7 @@ impl SyncItem {
                 ht,
                 hd,
                 eo,
+                tn,
             } => {
                 let booking = Booking {
                     worker: key(w)?,
@@ -392,6 +403,7 @@ impl SyncItem {
                         expected_duration: hd.map(Duration::from_nanos),
                     },
                     expected_output_tokens: *eo,
+                    tenant: TenantId(*tn),
                 };
                 (*r, LoadChange::Added(booking))
             }
@@ -426,6 +438,7 @@ mod tests {
                     expected_duration: Some(Duration::from_millis(5)),
                 },
                 expected_output_tokens: Some(9),
+                tenant: TenantId(2),
             }),
         }
     }
@@ -485,23 +498,23 @@ mod tests {
             // Version 1 sent workers' credentials: refused by its version.
             (br#"{"v":1,"from":1,"body":{"kind":"heartbeat"}}"#, "version 1"),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"gossip"}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"gossip"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"heartbeat"},"x":0}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":-1,"body":{"kind":"heartbeat"}}"#,
+                br#"{"v":3,"from":-1,"body":{"kind":"heartbeat"}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"freed"}]}}"#,
                 "not a sync message",
             ),
             (
-                br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":{"url":"http://h:1","api-key":"sk-1"}}]}}"#,
+                br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":{"url":"http://h:1","api-key":"sk-1"}}]}}"#,
                 "carries \"api-key\"",
             ),
         ];

@@ -23,8 +23,9 @@ fn event() -> impl Strategy<Value = SyncItem> {
             any::<u64>(),
             proptest::option::of(any::<u64>()),
             proptest::option::of(any::<u32>()),
+            any::<u32>(),
         )
-            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo)| SyncItem::Added {
+            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo, tn)| SyncItem::Added {
                 r,
                 w,
                 pw,
@@ -33,7 +34,8 @@ fn event() -> impl Strategy<Value = SyncItem> {
                 c,
                 ht,
                 hd,
-                eo
+                eo,
+                tn
             }),
         any::<u64>().prop_map(|r| SyncItem::PrefillDone { r }),
         any::<u64>().prop_map(|r| SyncItem::Freed { r }),
@@ -158,7 +160,7 @@ proptest! {
 #[test]
 fn deeply_nested_json_is_refused_not_a_stack_overflow() {
     let mut bytes =
-        br#"{"v":2,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
+        br#"{"v":3,"from":1,"body":{"kind":"events","events":[{"t":"worker","op":"added","config":"#.to_vec();
     bytes.extend(std::iter::repeat_n(b'[', 100_000));
     assert!(decode(&bytes).is_err());
 }

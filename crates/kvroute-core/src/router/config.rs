@@ -64,6 +64,9 @@ pub struct RouterConfig {
     /// The most blocks the index keeps per worker, evicting the oldest past it
     /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
     pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
+    /// Tenants' weights in the queue's fair share ([`super::fair`]). Default: every tenant
+    /// weighs 1.
+    pub fair: super::FairConfig,
 }
 
 impl Default for RouterConfig {
@@ -84,6 +87,7 @@ impl Default for RouterConfig {
             sync: SyncConfig::default(),
             replica_rank: 0,
             max_blocks_per_worker: None,
+            fair: super::FairConfig::default(),
         }
     }
 }

@@ -733,6 +733,7 @@ mod tests {
                         chain: Arc::from(chain),
                         hint: PrefillLoadHint::new(u64::from(BLOCK) * 2, 1, BLOCK, None),
                         expected_output_tokens: None,
+                        tenant: crate::router::TenantId::OTHER,
                     };
                     self.peer_issued += 1;
                     drop(r.handle_sync_event(now, &peer(self.peer_issued, LoadChange::Added(booking))));

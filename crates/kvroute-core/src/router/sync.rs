@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 
+use super::fair::TenantId;
 use super::load::PrefillLoadHint;
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
@@ -71,6 +72,8 @@ pub struct Booking {
     pub hint: PrefillLoadHint,
     /// The request's output-length hint.
     pub expected_output_tokens: Option<u32>,
+    /// The request's tenant, charged for it in every replica's fair share.
+    pub tenant: TenantId,
 }
 
 /// One active-load change.
