@@ -44,6 +44,8 @@ pub struct Forwarder {
     pub driver: Arc<Driver>,
     /// The pooled upstream client.
     pub client: HttpClient,
+    /// The tenants, whose metrics count routed requests.
+    pub tenants: Arc<crate::tenants::Tenants>,
     /// This proxy's instance tag (its start time), which makes the request ids of the
     /// disaggregated flows unique across restarts.
     pub instance: u64,
@@ -64,6 +66,8 @@ pub struct Generation<'a> {
     /// The client's `Authorization`, passed on to workers that have no credential of their
     /// own configured (None when it was kvroute's own API key).
     pub authorization: Option<axum::http::HeaderValue>,
+    /// Its tenant and priority.
+    pub class: crate::tenants::Class,
 }
 
 /// How sending to a worker failed: before it was reached (the worker is out of routing and the
@@ -114,10 +118,18 @@ impl Forwarder {
         let driver = &self.driver;
         let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
         for attempt in 0..2 {
-            let (mut guard, target, _) = driver
-                .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
+            let class = request.class;
+            let (mut guard, target, decision) = driver
+                .route_as(
+                    &request.parsed.tokens,
+                    request.parsed.cache_salt.as_deref(),
+                    class.tenant,
+                    class.router_priority(),
+                )
                 .await
                 .map_err(route_error)?;
+            self.tenants
+                .routed(&class, request.parsed.tokens.len() as u64, decision.waited);
             if attempt == 0 {
                 driver
                     .metrics
@@ -158,6 +170,7 @@ impl Forwarder {
             body,
             report: request.report,
             authorization: request.authorization.clone(),
+            class: request.class,
         })
     }
 

@@ -79,6 +79,12 @@ pub(super) struct ServeFile {
     discover_drain_timeout_ms: u64,
     #[serde(rename = "worker")]
     workers: Vec<WorkerConfig>,
+    // ServeConfig::tenants
+    tenant_header: Option<String>,
+    priority_header: Option<String>,
+    forward_priority: bool,
+    #[serde(rename = "tenant")]
+    tenants: Vec<TenantConfig>,
 }
 
 impl Default for ServeFile {
@@ -148,6 +154,10 @@ impl From<ServeFile> for ServeConfig {
             discover_port,
             discover_drain_timeout_ms,
             workers,
+            tenant_header,
+            priority_header,
+            forward_priority,
+            tenants,
         } = file;
         Self {
             server: ServerConfig {
@@ -222,6 +232,12 @@ impl From<ServeFile> for ServeConfig {
                 discover_drain_timeout_ms,
             },
             workers,
+            tenants: TenantsConfig {
+                tenant_header,
+                priority_header,
+                forward_priority,
+                tenants,
+            },
         }
     }
 }
@@ -308,6 +324,13 @@ impl From<ServeConfig> for ServeFile {
                     discover_drain_timeout_ms,
                 },
             workers,
+            tenants:
+                TenantsConfig {
+                    tenant_header,
+                    priority_header,
+                    forward_priority,
+                    tenants,
+                },
         } = config;
         Self {
             listen,
@@ -368,6 +391,10 @@ impl From<ServeConfig> for ServeFile {
             discover_port,
             discover_drain_timeout_ms,
             workers,
+            tenant_header,
+            priority_header,
+            forward_priority,
+            tenants,
         }
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
-    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError,
+    Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, TenantId,
     max_cached_blocks,
 };
 use kvroute_core::time::Timestamp;
@@ -85,6 +85,18 @@ impl Driver {
         tokens: &[u32],
         cache_salt: Option<&str>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
+        self.route_as(tokens, cache_salt, TenantId::OTHER, 0).await
+    }
+
+    /// [`Self::route`] for a request of `tenant` with the queue priority `priority` (the
+    /// router's convention: higher first).
+    pub async fn route_as(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+        tenant: TenantId,
+        priority: i32,
+    ) -> Result<(RequestGuard, Target, Decision), RouteError> {
         let t0 = Instant::now();
         let salt = HashSalt {
             lora_name: None,
@@ -93,13 +105,17 @@ impl Driver {
         let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let request = RouteRequest::new(
-            id,
-            Prompt::Blocks {
-                locals: &locals,
-                prompt_tokens: tokens.len() as u64,
-            },
-        );
+        let request = RouteRequest {
+            tenant,
+            priority,
+            ..RouteRequest::new(
+                id,
+                Prompt::Blocks {
+                    locals: &locals,
+                    prompt_tokens: tokens.len() as u64,
+                },
+            )
+        };
         let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));
@@ -141,6 +157,13 @@ impl Driver {
                 .observe(f64::from(decision.overlap_blocks) / locals.len() as f64);
         }
         Ok((guard, target, decision))
+    }
+
+    /// Requests waiting in the router's queue per tenant, and the tenants' virtual token
+    /// counters (the queue's fair share).
+    pub fn tenant_snapshot(&self) -> (Vec<(TenantId, usize)>, Vec<(TenantId, f64)>) {
+        let inner = self.lock();
+        (inner.router.queued_per_tenant(), inner.router.fair_counters())
     }
 
     /// `reannounce-window-ms`.

@@ -1,0 +1,167 @@
+//! Tenants: who a request is from (an API key or a header's value, mapped here), each tenant's
+//! weight in the router queue's fair share and its rate limits, and how a request names its
+//! priority.
+
+use std::num::NonZeroU32;
+
+use axum::http::HeaderName;
+use kvroute_core::router::{FairConfig, TenantId};
+use serde::{Deserialize, Serialize};
+
+use super::worker::{TOKEN_RULE, is_token};
+use super::{ConfigError, invalid};
+
+/// The label of requests of no configured tenant.
+pub const OTHER: &str = "other";
+
+/// The tenants and the request headers that name a tenant and a priority.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TenantsConfig {
+    /// A header whose value names the tenant (one of a tenant's `header-values`), read when
+    /// the request's API key is no tenant's. Default: none.
+    pub tenant_header: Option<String>,
+    /// A header carrying the request's priority, an integer in vLLM's convention (lower is
+    /// served first; 0 the default), read when the body has no `priority`. Default: none.
+    pub priority_header: Option<String>,
+    /// Whether the workers run with vLLM's `--scheduling-policy priority`: a request's
+    /// priority is then sent on in its body (`priority`); otherwise it is taken out, as such an
+    /// engine refuses a non-zero one, and only the router's queue orders by it. Default false.
+    pub forward_priority: bool,
+    /// The tenants (`[[tenant]]` tables).
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// One tenant (a `[[tenant]]` table).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TenantConfig {
+    /// Its name: the `tenant` label of its metrics.
+    pub name: String,
+    /// Its API keys (`Authorization: Bearer K`); each is also a key of the inference API.
+    #[serde(default, skip_serializing)]
+    pub api_keys: Vec<String>,
+    /// Values of the tenant header that name it.
+    #[serde(default)]
+    pub header_values: Vec<String>,
+    /// Its weight in the queue's fair share of tokens. Default 1.
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// The most requests it may send per interval (a token bucket of that size, refilled
+    /// evenly over the interval); past it, 429 with `Retry-After`. Default: no limit.
+    #[serde(default)]
+    pub requests_per_interval: Option<u64>,
+    /// The most tokens (prompt tokens plus `max_tokens`, when given) it may ask for per
+    /// interval, likewise. Default: no limit.
+    #[serde(default)]
+    pub tokens_per_interval: Option<u64>,
+    /// The limits' interval. Default 60,000 ms.
+    #[serde(default = "minute")]
+    pub interval_ms: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn minute() -> u64 {
+    60_000
+}
+
+impl TenantsConfig {
+    /// The router's id of the tenant at `index` in [`Self::tenants`] (0 is [`TenantId::OTHER`]).
+    pub fn id(index: usize) -> TenantId {
+        TenantId(u32::try_from(index + 1).unwrap_or(u32::MAX))
+    }
+
+    /// The name of tenant `id` ([`OTHER`] for requests of no configured tenant).
+    pub fn name(&self, id: TenantId) -> &str {
+        (id.0 as usize)
+            .checked_sub(1)
+            .and_then(|i| self.tenants.get(i))
+            .map_or(OTHER, |t| t.name.as_str())
+    }
+
+    /// The queue's fair-share weights: 1 for requests of no tenant, then each tenant's.
+    pub fn fair(&self) -> FairConfig {
+        FairConfig {
+            weights: std::iter::once(NonZeroU32::MIN)
+                .chain(
+                    self.tenants
+                        .iter()
+                        .map(|t| NonZeroU32::new(t.weight).unwrap_or(NonZeroU32::MIN)),
+                )
+                .collect(),
+        }
+    }
+
+    /// Every tenant's API keys.
+    pub fn api_keys(&self) -> impl Iterator<Item = &str> {
+        self.tenants
+            .iter()
+            .flat_map(|t| t.api_keys.iter().map(String::as_str))
+    }
+
+    /// Checks names, keys, header values, weights and limits.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, header) in [
+            ("tenant-header", &self.tenant_header),
+            ("priority-header", &self.priority_header),
+        ] {
+            if let Some(h) = header
+                && HeaderName::from_bytes(h.as_bytes()).is_err()
+            {
+                return Err(invalid(key, format!("{h:?} is not a header name")));
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut keys = std::collections::BTreeSet::new();
+        let mut values = std::collections::BTreeSet::new();
+        for t in &self.tenants {
+            let f = |field: &str| format!("tenant {:?}: {field}", t.name);
+            if t.name.is_empty() || t.name == OTHER || t.name.len() > 64 {
+                return Err(invalid(
+                    "tenant: name",
+                    format!(
+                        "{:?}: 1 to 64 characters, and not {OTHER:?} (requests of no tenant)",
+                        t.name
+                    ),
+                ));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(invalid(f("name"), "named twice"));
+            }
+            for k in &t.api_keys {
+                if !is_token(k) {
+                    return Err(invalid(f("api-keys"), TOKEN_RULE));
+                }
+                if !keys.insert(k.as_str()) {
+                    return Err(invalid(f("api-keys"), "a key is given to two tenants"));
+                }
+            }
+            for v in &t.header_values {
+                if !is_token(v) {
+                    return Err(invalid(f("header-values"), TOKEN_RULE));
+                }
+                if !values.insert(v.as_str()) {
+                    return Err(invalid(f("header-values"), "a value is given to two tenants"));
+                }
+            }
+            if !t.header_values.is_empty() && self.tenant_header.is_none() {
+                return Err(invalid(f("header-values"), "needs tenant-header"));
+            }
+            if t.weight == 0 {
+                return Err(invalid(f("weight"), "must be at least 1"));
+            }
+            if t.requests_per_interval == Some(0) || t.tokens_per_interval == Some(0) {
+                return Err(invalid(
+                    f("requests-per-interval"),
+                    "a limit must be at least 1 (leave it out for none)",
+                ));
+            }
+            if t.interval_ms == 0 {
+                return Err(invalid(f("interval-ms"), "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}
