@@ -451,4 +451,96 @@ mod tests {
             (-1000..1000).map(|p| class(p).priority_label()).collect();
         assert_eq!(labels.len(), 21);
     }
+
+    fn tenants(forward_priority: bool) -> Tenants {
+        let config = TenantsConfig {
+            tenant_header: Some("x-tenant".to_owned()),
+            priority_header: Some("x-priority".to_owned()),
+            forward_priority,
+            tenants: vec![TenantConfig {
+                name: "a".to_owned(),
+                api_keys: vec!["sk-a".to_owned()],
+                header_values: vec!["team-a".to_owned()],
+                weight: 2,
+                requests_per_interval: None,
+                tokens_per_interval: None,
+                interval_ms: 1000,
+            }],
+        };
+        Tenants::new(&config, &Metrics::new())
+    }
+
+    fn parsed(body: &str) -> Parsed {
+        let model = kvroute_http::model::Model::tiny().unwrap();
+        kvroute_http::openai::parse(
+            kvroute_http::openai::Endpoint::Completions,
+            body.as_bytes(),
+            &model,
+            1000,
+        )
+        .unwrap()
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|&(k, v)| (HeaderName::from_static(k), v.parse().unwrap()))
+            .collect()
+    }
+
+    /// The key, then the header, name the tenant; the body's priority, then the header's.
+    #[test]
+    fn a_request_is_classed_by_key_header_and_body() {
+        let t = tenants(false);
+        let plain = parsed(r#"{"prompt": "hi"}"#);
+        let of = |h: &[(&'static str, &str)], p: &Parsed| t.classify(&headers(h), p);
+        assert_eq!(of(&[], &plain).unwrap(), Class::default());
+        let a = TenantsConfig::id(0);
+        assert_eq!(of(&[("authorization", "Bearer sk-a")], &plain).unwrap().tenant, a);
+        assert_eq!(of(&[("x-tenant", "team-a")], &plain).unwrap().tenant, a);
+        assert_eq!(
+            of(&[("x-tenant", "team-b")], &plain).unwrap().tenant,
+            TenantId::OTHER
+        );
+        assert_eq!(of(&[("x-priority", "-2")], &plain).unwrap().priority, -2);
+        let body = parsed(r#"{"prompt": "hi", "priority": 3}"#);
+        assert_eq!(of(&[("x-priority", "-2")], &body).unwrap().priority, 3);
+        let e = of(&[("x-priority", "soon")], &plain).unwrap_err();
+        assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("priority")));
+    }
+
+    /// With `forward-priority` a header's priority goes into the body; without it the body's
+    /// is taken out; otherwise the body goes as it came.
+    #[test]
+    fn the_engine_gets_the_priority_only_when_it_schedules_by_it() {
+        let field = |b: &Bytes| {
+            serde_json::from_slice::<Value>(b)
+                .unwrap()
+                .get("priority")
+                .cloned()
+        };
+        let high = Class {
+            tenant: TenantId::OTHER,
+            priority: -1,
+        };
+        let plain = r#"{"prompt": "hi"}"#;
+        let with = r#"{"prompt": "hi", "priority": -1}"#;
+        let body = |s: &str| Bytes::from(s.to_owned());
+        let forwarded = tenants(true)
+            .engine_body(&high, &parsed(plain), body(plain))
+            .unwrap();
+        assert_eq!(field(&forwarded), Some(Value::from(-1)));
+        let kept = tenants(true)
+            .engine_body(&high, &parsed(with), body(with))
+            .unwrap();
+        assert_eq!(kept, body(with));
+        let stripped = tenants(false)
+            .engine_body(&high, &parsed(with), body(with))
+            .unwrap();
+        assert_eq!(field(&stripped), None);
+        let untouched = tenants(false)
+            .engine_body(&high, &parsed(plain), body(plain))
+            .unwrap();
+        assert_eq!(untouched, body(plain));
+    }
 }

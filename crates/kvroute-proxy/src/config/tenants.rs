@@ -165,3 +165,71 @@ impl TenantsConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::ServeConfig;
+
+    fn validate(text: &str) -> Result<ServeConfig, String> {
+        let config = ServeConfig::from_toml_str(text).map_err(|e| e.to_string())?;
+        config.validate().map_err(|e| e.to_string())?;
+        Ok(config)
+    }
+
+    #[test]
+    fn tenants_read_from_the_file_give_the_queue_its_weights() {
+        let config = validate(
+            r#"
+            tenant-header = "x-tenant"
+            priority-header = "x-priority"
+            [[tenant]]
+            name = "batch"
+            header-values = ["batch"]
+            [[tenant]]
+            name = "chat"
+            api-keys = ["sk-chat"]
+            weight = 3
+            requests-per-interval = 100
+            tokens-per-interval = 50000
+            interval-ms = 1000
+            "#,
+        )
+        .unwrap();
+        let t = &config.tenants;
+        assert_eq!(t.tenants.len(), 2);
+        let weights: Vec<u32> = t.fair().weights.iter().map(|w| w.get()).collect();
+        assert_eq!(weights, [1, 1, 3]);
+        assert_eq!(t.name(super::TenantsConfig::id(1)), "chat");
+        assert_eq!(t.name(kvroute_core::router::TenantId::OTHER), super::OTHER);
+        assert_eq!(config.validate().unwrap().fair, t.fair());
+    }
+
+    #[test]
+    fn bad_tenants_are_refused_naming_what_is_wrong() {
+        for (text, says) in [
+            ("[[tenant]]\nname = \"a\"\ncolour = \"red\"", "colour"),
+            (
+                "[[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"a\"",
+                "named twice",
+            ),
+            ("[[tenant]]\nname = \"other\"", "other"),
+            ("[[tenant]]\nname = \"a\"\nweight = 0", "weight"),
+            (
+                "[[tenant]]\nname = \"a\"\nrequests-per-interval = 0",
+                "at least 1",
+            ),
+            (
+                "[[tenant]]\nname = \"a\"\nheader-values = [\"a\"]",
+                "needs tenant-header",
+            ),
+            (
+                "[[tenant]]\nname = \"a\"\napi-keys = [\"k\"]\n[[tenant]]\nname = \"b\"\napi-keys = [\"k\"]",
+                "two tenants",
+            ),
+            ("priority-header = \"bad header\"", "not a header name"),
+        ] {
+            let e = validate(text).unwrap_err();
+            assert!(e.contains(says), "{text:?}: {e}");
+        }
+    }
+}
