@@ -571,8 +571,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.driver.snapshot();
-    let (queued, counters) = app.driver.tenant_snapshot();
-    app.tenants.refresh(&queued, &counters);
+    app.tenants
+        .refresh(&app.driver.queued_per_tenant(), &app.driver.fair_counters());
     crate::autoscale::removal::refresh_gauges(&app.driver);
     let mut response = app.driver.metrics.render().into_response();
     response.headers_mut().insert(

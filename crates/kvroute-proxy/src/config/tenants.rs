@@ -38,7 +38,8 @@ pub struct TenantConfig {
     /// Its name: the `tenant` label of its metrics.
     pub name: String,
     /// Its API keys (`Authorization: Bearer K`); each is also a key of the inference API.
-    #[serde(default, skip_serializing)]
+    /// Never sent to peer replicas (the sync wire carries a tenant's number only).
+    #[serde(default)]
     pub api_keys: Vec<String>,
     /// Values of the tenant header that name it.
     #[serde(default)]

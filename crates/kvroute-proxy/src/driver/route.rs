@@ -159,11 +159,14 @@ impl Driver {
         Ok((guard, target, decision))
     }
 
-    /// Requests waiting in the router's queue per tenant, and the tenants' virtual token
-    /// counters (the queue's fair share).
-    pub fn tenant_snapshot(&self) -> (Vec<(TenantId, usize)>, Vec<(TenantId, f64)>) {
-        let inner = self.lock();
-        (inner.router.queued_per_tenant(), inner.router.fair_counters())
+    /// Requests waiting in the router's queue per tenant.
+    pub fn queued_per_tenant(&self) -> Vec<(TenantId, usize)> {
+        self.lock().router.queued_per_tenant()
+    }
+
+    /// The tenants' virtual token counters (the queue's fair share).
+    pub fn fair_counters(&self) -> Vec<(TenantId, f64)> {
+        self.lock().router.fair_counters()
     }
 
     /// `reannounce-window-ms`.
