@@ -64,7 +64,7 @@ pub struct RouterConfig {
     /// The most blocks the index keeps per worker, evicting the oldest past it
     /// ([`crate::index::IndexConfig::max_blocks_per_worker`]). Default unbounded.
     pub max_blocks_per_worker: Option<std::num::NonZeroUsize>,
-    /// Tenants' weights in the queue's fair share ([`super::fair`]). Default: every tenant
+    /// Tenants' weights in the queue's fair share ([`super::FairConfig`]). Default: every tenant
     /// weighs 1.
     pub fair: super::FairConfig,
 }

@@ -28,6 +28,12 @@ impl TenantId {
 }
 
 /// The fair share's settings: each tenant's weight.
+///
+/// Every booking (this router's and its peers') charges its tenant [`served_tokens`] divided by
+/// the tenant's weight; within a priority tier the queue serves the waiting tenant whose counter
+/// is smallest (the earliest head among equals). A tenant that had nothing waiting is lifted,
+/// when its next request waits, to the smallest counter of those waiting (to the largest of all
+/// if none waits), so idle time banks no credit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FairConfig {
     /// `weights[i]` is the weight of `TenantId(i)`; a tenant past the end weighs 1. Default

@@ -39,7 +39,7 @@ pub struct RouteRequest<'a> {
     /// is the other way round, lower first: a driver converts at its edge.)
     pub priority: i32,
     /// The tenant, whose fair share of tokens orders the queue within a priority tier and
-    /// whose counter the booking charges ([`super::fair`]).
+    /// whose counter the booking charges ([`super::FairConfig`]).
     pub tenant: TenantId,
     /// The caller's guess of the output length in tokens, if any. A hint, carried into replica
     /// events; no policy reads it yet.

@@ -74,7 +74,7 @@ impl TenantsConfig {
         TenantId(u32::try_from(index + 1).unwrap_or(u32::MAX))
     }
 
-    /// The name of tenant `id` ([`OTHER`] for requests of no configured tenant).
+    /// The name of tenant `id` (`other` for requests of no configured tenant).
     pub fn name(&self, id: TenantId) -> &str {
         (id.0 as usize)
             .checked_sub(1)
