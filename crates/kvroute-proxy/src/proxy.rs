@@ -465,7 +465,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
-    let class = match app.tenants.classify(&headers, &parsed) {
+    let class = match app.tenants.classify(&headers, bearer(&headers), &parsed) {
         Ok(class) => class,
         Err(e) => return Outcome::Failed(kind, e),
     };
@@ -485,7 +485,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     };
     // The client's credential goes on to the engine, unless it was kvroute's own API key or a
     // tenant's.
-    let tenant_key = crate::admin::bearer(&headers).is_some_and(|t| app.tenants.is_key(t));
+    let tenant_key = bearer(&headers).is_some_and(|t| app.tenants.is_key(t));
     let authorization = authorization.filter(|_| config.server.api_key.is_empty() && !tenant_key);
     // The client's body: made the engine's once routed (`Forwarder::forward`).
     let generation = Generation {

@@ -270,10 +270,15 @@ impl Tenants {
         self.config.name(id)
     }
 
-    /// The tenant and priority of a request with `headers` and body `parsed`; a 400 naming the
-    /// priority header if its value is not an integer.
-    pub fn classify(&self, headers: &HeaderMap, parsed: &Parsed) -> Result<Class, ApiError> {
-        let by_key = crate::admin::bearer(headers).and_then(|k| self.by_key.get(k));
+    /// The tenant and priority of a request with `headers`, bearer token `token` and body
+    /// `parsed`; a 400 naming the priority header if its value is not an integer.
+    pub fn classify(
+        &self,
+        headers: &HeaderMap,
+        token: Option<&str>,
+        parsed: &Parsed,
+    ) -> Result<Class, ApiError> {
+        let by_key = token.and_then(|k| self.by_key.get(k));
         let by_value = || {
             let h = self.tenant_header.as_ref()?;
             let v = headers.get(h)?.to_str().ok()?;
@@ -493,7 +498,13 @@ mod tests {
     fn a_request_is_classed_by_key_header_and_body() {
         let t = tenants(false);
         let plain = parsed(r#"{"prompt": "hi"}"#);
-        let of = |h: &[(&'static str, &str)], p: &Parsed| t.classify(&headers(h), p);
+        let of = |h: &[(&'static str, &str)], p: &Parsed| {
+            let h = headers(h);
+            let token = h
+                .get("authorization")
+                .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "));
+            t.classify(&h, token, p)
+        };
         assert_eq!(of(&[], &plain).unwrap(), Class::default());
         let a = TenantsConfig::id(0);
         assert_eq!(of(&[("authorization", "Bearer sk-a")], &plain).unwrap().tenant, a);

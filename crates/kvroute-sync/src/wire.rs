@@ -494,7 +494,8 @@ mod tests {
         // (bytes, expected error's text contains)
         let cases: &[(&[u8], &str)] = &[
             (b"", "not a sync message"),
-            (br#"{"v":3,"from":1,"body":{"kind":"heartbeat"}}"#, "version 3"),
+            // Version 2 named no tenant in a booking: refused by its version.
+            (br#"{"v":2,"from":1,"body":{"kind":"heartbeat"}}"#, "version 2"),
             // Version 1 sent workers' credentials: refused by its version.
             (br#"{"v":1,"from":1,"body":{"kind":"heartbeat"}}"#, "version 1"),
             (

