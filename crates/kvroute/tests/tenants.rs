@@ -259,7 +259,8 @@ async fn a_tenant_bursting_at_ten_times_its_share_does_not_starve_a_steady_one_a
     for p in replicas.iter() {
         let counters = p.driver.fair_counters();
         let a = counters.iter().find(|(t, _)| t.0 == 1).map(|&(_, c)| c).unwrap();
-        let b = counters.iter().find(|(t, _)| t.0 == 2).map(|&(_, c)| c).unwrap();
+        // B's counter is there too (its lifts make it no measure of B's own services).
+        assert!(counters.iter().any(|(t, _)| t.0 == 2));
         // A was served ten times B's tokens across the two replicas; neither replica served
         // more than about half of A's alone, so a view with A's counter past 0.6 of the total
         // counted its peer's services.
@@ -268,7 +269,6 @@ async fn a_tenant_bursting_at_ten_times_its_share_does_not_starve_a_steady_one_a
             a >= 0.6 * a_total,
             "A's counter {a} of {a_total}: the peer's services are missing"
         );
-        assert!(b < a, "B {b}, A {a}");
         p.driver.check_invariants().unwrap();
     }
 }
