@@ -11,7 +11,8 @@ use kvroute_core::router::replica::{
     Action, BatchSeq, Message, ProtocolConfig, ReplicaProtocol, SnapshotPart, To,
 };
 use kvroute_core::router::{
-    Booking, LoadChange, PrefillLoadHint, Router, RouterConfig, RouterId, SyncEvent, WorkerRole, WorkerSpec,
+    Booking, LoadChange, PrefillLoadHint, Router, RouterConfig, RouterId, SyncEvent, TenantId, WorkerRole,
+    WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -41,6 +42,7 @@ fn added(request: u64) -> SyncEvent {
             },
             expected_output_tokens: None,
             session: None,
+            tenant: TenantId::OTHER,
         }),
     )
 }

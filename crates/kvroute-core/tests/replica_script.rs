@@ -47,7 +47,7 @@ use kvroute_core::router::replica::{
 };
 use kvroute_core::router::{
     Booking, LoadChange, Output, PrefillLoadHint, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig,
-    RouterId, SyncEvent, SyncMode, WorkerRole, WorkerSpec,
+    RouterId, SyncEvent, SyncMode, TenantId, WorkerRole, WorkerSpec,
 };
 use kvroute_core::time::Timestamp;
 
@@ -89,6 +89,7 @@ fn booking(w: WorkerKey) -> Booking {
         },
         expected_output_tokens: None,
         session: None,
+        tenant: TenantId::OTHER,
     }
 }
 

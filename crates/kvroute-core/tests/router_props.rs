@@ -22,8 +22,8 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
     Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, WhenEmpty,
-    WorkerSpec, stored_blocks,
+    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, TenantId,
+    WhenEmpty, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -261,6 +261,7 @@ impl Run {
                     hint: PrefillLoadHint::new(tokens.len() as u64, cached, BLOCK, None),
                     expected_output_tokens: None,
                     session: None,
+                    tenant: TenantId::OTHER,
                 };
                 let request = RequestId(self.replica_issued);
                 self.replica_issued += 1;

@@ -53,7 +53,7 @@ use kvroute_core::router::{
     Booking, CacheMode, Candidate, CostParams, Decider, Decision, DecodeProjection, DropReason, IndexEvent,
     LoadChange, Output, PolicyConfig, PrefillLoadHint, Prompt, QueueOrder, RecentConfig, RejectReason,
     RequestView, RouteOutcome, RouteRequest, Router, RouterConfig, RouterError, RouterId, SessionId,
-    SyncEvent, SyncMode, WorkerRole, WorkerSpec, cost, stored_blocks,
+    SyncEvent, SyncMode, TenantId, WorkerRole, WorkerSpec, cost, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 
@@ -608,6 +608,7 @@ impl Harness {
             chain: chain.into(),
             expected_output_tokens: None,
             session: opts.get("session").map(|s| session(s)),
+            tenant: TenantId::OTHER,
         };
         self.names
             .extend(opts.get("session").map(|s| (session(s), s.to_string())));

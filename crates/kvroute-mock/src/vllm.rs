@@ -74,6 +74,7 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
         ));
     }
     check_xargs(body.get("vllm_xargs"))?;
+    check_priority(body)?;
     let max_tokens = body
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
@@ -83,6 +84,20 @@ pub(crate) fn check_body(body: &Value, served: &str) -> Result<(), Refusal> {
             &format!("max_tokens must be at least 1, got {n}."),
             "max_tokens",
             n,
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A non-zero `priority`, which vLLM refuses unless started with `--scheduling-policy priority`
+/// (its input processor: "Got priority {p} but Priority scheduling is not enabled."); the mock
+/// schedules first come, first served, as vLLM does by default.
+pub(crate) fn check_priority(body: &Value) -> Result<(), Refusal> {
+    match body.get("priority").and_then(Value::as_i64) {
+        Some(p) if p != 0 => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("Got priority {p} but Priority scheduling is not enabled."),
+            None,
         )),
         _ => Ok(()),
     }
@@ -264,6 +279,22 @@ mod tests {
             answer(&r),
             json!({"error": {"message": "The model `gpt-9` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}})
         );
+    }
+
+    /// Without priority scheduling (vLLM's default, and the mock's way), a priority of 0 is
+    /// taken and any other refused in vLLM's words.
+    #[test]
+    fn a_non_zero_priority_is_refused_as_vllm_without_priority_scheduling_refuses_it() {
+        for ok in [json!({"prompt": "a"}), json!({"prompt": "a", "priority": 0})] {
+            assert_eq!(check_body(&ok, "tiny"), Ok(()));
+        }
+        for p in [-2, 1, 7] {
+            let r = check_body(&json!({"prompt": "a", "priority": p}), "tiny").unwrap_err();
+            assert_eq!(
+                answer(&r),
+                json!({"error": {"message": format!("Got priority {p} but Priority scheduling is not enabled."), "type": "BadRequestError", "param": null, "code": 400}})
+            );
+        }
     }
 
     /// vLLM keeps any `vllm_xargs` key of a scalar or list value (an unknown one is ignored)

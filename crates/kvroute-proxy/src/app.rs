@@ -20,6 +20,8 @@ pub(crate) struct App {
     pub(crate) driver: Arc<Driver>,
     pub(crate) model: Arc<Model>,
     pub(crate) forwarder: Arc<Forwarder>,
+    /// Tenants: who a request is from, its priority, the limits.
+    pub(crate) tenants: Arc<crate::tenants::Tenants>,
     /// The one door for adding and removing workers.
     pub(crate) fleet: Arc<Fleet>,
     /// The planner's report (empty without a planner).

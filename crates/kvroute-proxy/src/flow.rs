@@ -44,6 +44,8 @@ pub struct Forwarder {
     pub driver: Arc<Driver>,
     /// The pooled upstream client.
     pub client: HttpClient,
+    /// The tenants, whose metrics count routed requests.
+    pub tenants: Arc<crate::tenants::Tenants>,
     /// This proxy's instance tag (its start time), which makes the request ids of the
     /// disaggregated flows unique across restarts.
     pub instance: u64,
@@ -66,6 +68,8 @@ pub struct Generation<'a> {
     pub authorization: Option<axum::http::HeaderValue>,
     /// Its conversation, from the `session-header`.
     pub session: Option<kvroute_core::router::SessionId>,
+    /// Its tenant and priority.
+    pub class: crate::tenants::Class,
 }
 
 /// How sending to a worker failed: before it was reached (the worker is out of routing and the
@@ -116,14 +120,21 @@ impl Forwarder {
         let driver = &self.driver;
         let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
         for attempt in 0..2 {
-            let (mut guard, target, _) = driver
-                .route_in_session(
+            let class = request.class;
+            let (mut guard, target, decision) = driver
+                .route_as(
                     &request.parsed.tokens,
                     request.parsed.cache_salt.as_deref(),
-                    request.session,
+                    crate::driver::Routing {
+                        tenant: class.tenant,
+                        priority: class.router_priority(),
+                        session: request.session,
+                    },
                 )
                 .await
                 .map_err(route_error)?;
+            self.tenants
+                .routed(&class, request.parsed.tokens.len() as u64, decision.waited);
             if attempt == 0 {
                 driver
                     .metrics
@@ -165,6 +176,7 @@ impl Forwarder {
             report: request.report,
             authorization: request.authorization.clone(),
             session: request.session,
+            class: request.class,
         })
     }
 

@@ -42,6 +42,7 @@
 //!   removal order.
 //! * [`admin`]: the admin API on its own listener: token, listing, add/drain/remove with the
 //!   fleet checks, the drain that waits, the removal order.
+//! * [`tenants`]: a request's tenant and priority, the tenants' rate limits and metrics.
 //! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
 
 pub mod admin;
@@ -63,6 +64,7 @@ pub mod parity;
 pub mod proxy;
 pub mod registry;
 pub mod replicas;
+pub mod tenants;
 pub mod views;
 pub mod worker;
 

@@ -37,6 +37,7 @@ use crate::flow::{Forwarder, Generation};
 use crate::metrics::Metrics;
 use crate::observed::{Report, Shape};
 use crate::outcome::{RequestKind, RequestOutcome};
+use crate::tenants::Tenants;
 use kvroute_http::model::Model;
 
 use crate::admin::{bearer, same_secret, unauthorized};
@@ -203,9 +204,11 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         model: Arc::clone(&model),
     };
     let fleet = Arc::new(Fleet::new(Arc::clone(&driver), feed, checker));
+    let tenants = Arc::new(Tenants::new(&driver.config.tenants, &driver.metrics));
     let forwarder = Arc::new(Forwarder {
         driver: Arc::clone(&driver),
         client: client.clone(),
+        tenants: Arc::clone(&tenants),
         instance: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
@@ -216,6 +219,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         driver: Arc::clone(&driver),
         model,
         forwarder: Arc::clone(&forwarder),
+        tenants,
         fleet: Arc::clone(&fleet),
         admin: tokio::sync::Mutex::new(()),
         request_id_prefix: format!("kvr-{:x}-", forwarder.instance),
@@ -329,11 +333,14 @@ fn made_request_id(prefix: &str, n: u64) -> String {
     id
 }
 
-/// The inference API's keys: with `api-key` set, a request needs one of them (the layer is
-/// only added then).
+/// The inference API's keys: with `api-key` set, a request needs one of them or a tenant's
+/// (the layer is only added then).
 async fn inference_auth(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let keys = &app.driver.config.server.api_key;
-    if keys.is_empty() || bearer(request.headers()).is_some_and(|t| keys.iter().any(|k| same_secret(k, t))) {
+    let token = bearer(request.headers());
+    if keys.is_empty()
+        || token.is_some_and(|t| keys.iter().any(|k| same_secret(k, t)) || app.tenants.is_key(t))
+    {
         next.run(request).await
     } else {
         unauthorized("a valid API key is required (Authorization: Bearer KEY)")
@@ -434,11 +441,12 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     let t0 = Instant::now();
     let config = &app.driver.config;
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
+    let headers = req.headers().clone();
     let session = config
         .routing
         .session_header
         .as_deref()
-        .and_then(|name| req.headers().get(name))
+        .and_then(|name| headers.get(name))
         .filter(|v| !v.is_empty())
         .map(|v| kvroute_core::router::SessionId::from_header(v.as_bytes()));
     let body = match read_body(config, req.into_body(), config.limits.max_body_bytes).await {
@@ -464,14 +472,28 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
+    let class = match app.tenants.classify(&headers, bearer(&headers), &parsed) {
+        Ok(class) => class,
+        Err(e) => return Outcome::Failed(kind, e),
+    };
+    let asked = parsed.tokens.len() as u64 + u64::from(parsed.max_tokens.unwrap_or(0));
+    if let Err(e) = app.tenants.admit(&class, asked) {
+        return Outcome::Failed(kind, e);
+    }
+    let body = match app.tenants.engine_body(&class, &parsed, body) {
+        Ok(body) => body,
+        Err(e) => return Outcome::Failed(kind, e),
+    };
     let shape = match parsed.stream {
         false => Shape::Unary,
         true => Shape::Stream {
             strip_usage: parsed.usage_requested_for_client(),
         },
     };
-    // The client's credential goes on to the engine, unless it was kvroute's own API key.
-    let authorization = authorization.filter(|_| config.server.api_key.is_empty());
+    // The client's credential goes on to the engine, unless it was kvroute's own API key or a
+    // tenant's.
+    let tenant_key = bearer(&headers).is_some_and(|t| app.tenants.is_key(t));
+    let authorization = authorization.filter(|_| config.server.api_key.is_empty() && !tenant_key);
     // The client's body: made the engine's once routed (`Forwarder::forward`).
     let generation = Generation {
         endpoint,
@@ -484,6 +506,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         },
         authorization,
         session,
+        class,
     };
     match app.forwarder.forward(&generation, t0).await {
         Ok(response) => Outcome::Answered(response),
@@ -556,6 +579,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.driver.snapshot();
+    app.tenants
+        .refresh(&app.driver.queued_per_tenant(), &app.driver.fair_counters());
     crate::autoscale::removal::refresh_gauges(&app.driver);
     let mut response = app.driver.metrics.render().into_response();
     response.headers_mut().insert(

@@ -23,11 +23,11 @@ use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart};
-use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SessionId, SyncEvent};
+use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SessionId, SyncEvent, TenantId};
 use serde::{Deserialize, Serialize};
 
 /// The format version this build writes and reads (2: a worker's configuration goes without its
-/// credential, and says whether it has one; 3: sessions).
+/// credential, and says whether it has one; 3: sessions, and a booking names its tenant).
 pub const WIRE_VERSION: u32 = 3;
 /// The keys of a worker's configuration that hold a credential: never on the wire.
 pub const SECRET_KEYS: &[&str] = &["api-key"];
@@ -137,6 +137,10 @@ pub enum SyncItem {
         /// The request's session ([`SessionId`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         s: Option<u64>,
+        /// The tenant ([`TenantId`]: its place in the `[[tenant]]` list, which replicas share;
+        /// 0 or absent: no configured tenant).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        tn: u32,
     },
     /// The request's prefill is done ([`LoadChange::PrefillDone`]).
     PrefillDone {
@@ -339,6 +343,11 @@ impl Body {
     }
 }
 
+/// Whether a tenant number is 0 (left off the wire).
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 impl SyncItem {
     /// The wire form of `event`, naming workers through `name` (a worker's base URL); `None` if
     /// `name` knows a worker it books on no longer.
@@ -368,6 +377,7 @@ impl SyncItem {
                     .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
                 eo: b.expected_output_tokens,
                 s: b.session.map(|s| s.0),
+                tn: b.tenant.0,
             },
             LoadChange::PrefillDone => SyncItem::PrefillDone { r },
             LoadChange::Freed => SyncItem::Freed { r },
@@ -395,6 +405,7 @@ impl SyncItem {
                 hd,
                 eo,
                 s,
+                tn,
             } => {
                 let booking = Booking {
                     worker: key(w)?,
@@ -411,6 +422,7 @@ impl SyncItem {
                     },
                     expected_output_tokens: *eo,
                     session: s.map(SessionId),
+                    tenant: TenantId(*tn),
                 };
                 (*r, LoadChange::Added(booking))
             }
@@ -453,6 +465,7 @@ mod tests {
                 },
                 expected_output_tokens: Some(9),
                 session: Some(SessionId(u64::MAX)),
+                tenant: TenantId(2),
             }),
         }
     }
@@ -517,7 +530,7 @@ mod tests {
         let cases: &[(&[u8], &str)] = &[
             (b"", "not a sync message"),
             (br#"{"v":4,"from":1,"body":{"kind":"heartbeat"}}"#, "version 4"),
-            // Version 2 knew no sessions: refused by its version.
+            // Version 2 knew no sessions and named no tenant in a booking: refused by its version.
             (br#"{"v":2,"from":1,"body":{"kind":"heartbeat"}}"#, "version 2"),
             // Version 1 sent workers' credentials: refused by its version.
             (br#"{"v":1,"from":1,"body":{"kind":"heartbeat"}}"#, "version 1"),

@@ -24,8 +24,9 @@ fn event() -> impl Strategy<Value = SyncItem> {
             proptest::option::of(any::<u64>()),
             proptest::option::of(any::<u32>()),
             proptest::option::of(any::<u64>()),
+            any::<u32>(),
         )
-            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo, s)| SyncItem::Added {
+            .prop_map(|(r, w, pw, o, pt, c, ht, hd, eo, s, tn)| SyncItem::Added {
                 r,
                 w,
                 pw,
@@ -35,7 +36,8 @@ fn event() -> impl Strategy<Value = SyncItem> {
                 ht,
                 hd,
                 eo,
-                s
+                s,
+                tn
             }),
         (any::<u64>(), worker()).prop_map(|(s, w)| SyncItem::Session { s, w }),
         any::<u64>().prop_map(|r| SyncItem::PrefillDone { r }),

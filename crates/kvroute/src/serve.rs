@@ -180,6 +180,23 @@ pub struct ServeOptions {
     /// removed anyway, ms. Default 60,000.
     #[arg(long)]
     pub discover_drain_timeout_ms: Option<u64>,
+    /// A header whose value names a tenant (one of a `[[tenant]]` table's `header-values`),
+    /// read when the request's API key is no tenant's. Default: none.
+    #[arg(long)]
+    pub tenant_header: Option<String>,
+    /// A header carrying a request's priority (an integer, lower served first, as vLLM's
+    /// `priority` field), read when the body has none. Default: none.
+    #[arg(long)]
+    pub priority_header: Option<String>,
+    /// The engines run with vLLM's `--scheduling-policy priority`: a request's priority goes
+    /// on in its body (else it is taken out, and only the router's queue orders by it).
+    /// Default false.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub forward_priority: Option<bool>,
+    /// Tenants: `[[tenant]]` tables of the file (name, api-keys, header-values, weight,
+    /// requests-per-interval, tokens-per-interval, interval-ms).
+    #[arg(skip)]
+    pub tenant: Option<Vec<kvroute_proxy::config::TenantConfig>>,
     /// Name the chosen worker and the predicted cached tokens in response headers
     /// (`x-kvroute-worker`, `x-kvroute-dp-rank`, `x-kvroute-predicted-cached-tokens`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]

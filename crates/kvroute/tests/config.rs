@@ -168,6 +168,51 @@ fn serve_discovery_keys_and_flags_agree() {
     assert!(err.contains("a or srv"), "{err}");
 }
 
+#[test]
+fn serve_tenants_come_from_tables_and_their_headers_from_keys_or_flags() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let serve = |argv: &[&str]| {
+        let mut all = vec!["serve", "--approximate-tokenizer"];
+        all.extend_from_slice(argv);
+        Cli::try_parse_from(all)
+            .map_err(anyhow::Error::from)
+            .and_then(|c| c.serve.to_config())
+    };
+    let path = file(
+        "tenants",
+        "tenant-header = \"x-tenant\"\npriority-header = \"x-priority\"\nforward-priority = true\n\
+         [[tenant]]\nname = \"chat\"\napi-keys = [\"sk-chat\"]\nweight = 3\n\
+         [[tenant]]\nname = \"batch\"\nheader-values = [\"batch\"]\nrequests-per-interval = 10\n",
+    );
+    let from_file = serve(&["--config", path.to_str().unwrap()]).unwrap();
+    let t = &from_file.tenants;
+    assert_eq!(t.tenants.len(), 2);
+    assert_eq!(t.tenants[0].api_keys, ["sk-chat"]);
+    assert_eq!(t.tenants[1].requests_per_interval, Some(10));
+    let weights: Vec<u32> = t.fair().weights.iter().map(|w| w.get()).collect();
+    assert_eq!(weights, [1, 3, 1]);
+    let router = from_file.validate().unwrap();
+    assert_eq!(router.fair, t.fair());
+    // The headers' keys are flags too, and a flag beats the file.
+    let flagged = serve(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--tenant-header",
+        "x-team",
+        "--forward-priority=false",
+    ])
+    .unwrap();
+    assert_eq!(flagged.tenants.tenant_header.as_deref(), Some("x-team"));
+    assert!(!flagged.tenants.forward_priority);
+    let bad = file("tenants-bad", "[[tenant]]\nname = \"a\"\nweight = 0\n");
+    let err = format!("{:#}", serve(&["--config", bad.to_str().unwrap()]).unwrap_err());
+    assert!(err.contains("weight"), "{err}");
+}
+
 /// The router `kvroute serve` would run with `flags` (and the built-in tokenizer), through the
 /// command's own loader: flags, defaults, checks.
 fn serve_router(flags: &[&str]) -> anyhow::Result<RouterConfig> {

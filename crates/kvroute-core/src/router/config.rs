@@ -68,6 +68,9 @@ pub struct RouterConfig {
     /// Session affinity for requests that carry a session: size, idle time, overload.
     /// Default [`SessionConfig::default`].
     pub sessions: SessionConfig,
+    /// Tenants' weights in the queue's fair share ([`super::FairConfig`]). Default: every tenant
+    /// weighs 1.
+    pub fair: super::FairConfig,
 }
 
 impl Default for RouterConfig {
@@ -89,6 +92,7 @@ impl Default for RouterConfig {
             replica_rank: 0,
             max_blocks_per_worker: None,
             sessions: SessionConfig::default(),
+            fair: super::FairConfig::default(),
         }
     }
 }

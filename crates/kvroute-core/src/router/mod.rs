@@ -64,6 +64,7 @@ mod chain_trie;
 mod config;
 mod cost;
 mod disagg;
+mod fair;
 mod fleet;
 mod load;
 mod metrics;
@@ -89,6 +90,7 @@ pub use busy::BusyThresholds;
 pub use config::{CacheMode, ConfigError, RouterConfig};
 pub use cost::{CostParams, cost};
 pub use disagg::{Decider, UnknownDecider};
+pub use fair::{FairConfig, TenantId, served_tokens};
 pub use load::{
     ActiveDepth, DecodeProjection, PrefillLoadHint, PrefillModel, Projection, WorkerLoad,
     effective_prefill_tokens, max_cached_blocks, project,
@@ -105,6 +107,7 @@ pub use spec::{OptionError, RouterOptions, RouterSpec, SpecError};
 pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
 
+use fair::FairShare;
 use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
@@ -196,6 +199,7 @@ pub struct Router {
     recent: Option<RecentChains>,
     fleet: Fleet,
     queue: WaitQueue,
+    fair: FairShare,
     counters: RouterCounters,
     outbox: VecDeque<SyncEvent>,
     tombstones: Tombstones,
@@ -227,6 +231,7 @@ impl Router {
             recent,
             fleet: Fleet::default(),
             queue: WaitQueue::new(config.queue),
+            fair: FairShare::new(config.fair.clone()),
             counters: RouterCounters::default(),
             outbox: VecDeque::new(),
             tombstones: Tombstones::default(),
@@ -634,6 +639,18 @@ impl Router {
         self.queue.len()
     }
 
+    /// Requests waiting in the queue now per tenant, in tenant order (tenants with none left
+    /// out).
+    pub fn queued_per_tenant(&self) -> Vec<(TenantId, usize)> {
+        self.queue.waiting_per_tenant().collect()
+    }
+
+    /// Each tenant's virtual token counter (the queue's fair share): the tokens charged to
+    /// it divided by its weight, plus any lift, in tenant order.
+    pub fn fair_counters(&self) -> Vec<(TenantId, f64)> {
+        self.fair.snapshot()
+    }
+
     /// Requests waiting in the queue now for want of any eligible worker (all of them, while no
     /// worker is eligible; none otherwise).
     pub fn queued_without_worker_now(&self) -> usize {
@@ -781,6 +798,7 @@ impl Router {
             prompt_tokens,
             chain,
             priority: request.priority,
+            tenant: request.tenant,
             expected_output_tokens: request.expected_output_tokens,
             session: request.session,
         })
@@ -817,6 +835,7 @@ impl Router {
             hint,
             expected_output_tokens: request.expected_output_tokens,
             session: request.session,
+            tenant: request.tenant,
         };
         // Both workers were just taken from the fleet and the id was checked on admission, so
         // this cannot fail; if it ever does, the request is turned away rather than half booked.
@@ -927,6 +946,10 @@ impl Router {
             FleetError::UnknownWorker(w) => RouterError::UnknownWorker(w),
             FleetError::DuplicateRequest => RouterError::DuplicateRequest(key.1),
         })?;
+        self.fair.charge(
+            booking.tenant,
+            served_tokens(booking.prompt_tokens, booking.expected_output_tokens),
+        );
         if let Some(recent) = &mut self.recent {
             for worker in std::iter::once(booking.worker).chain(booking.prefill_worker) {
                 recent.record(worker, &booking.chain, now);
@@ -967,7 +990,7 @@ impl Router {
     // ---- the queue ----
 
     fn enqueue(&mut self, waiting: Waiting) -> RouteOutcome {
-        if self.queue.push(waiting) {
+        if self.queue.push(waiting, &mut self.fair) {
             self.counters.queued += 1;
             RouteOutcome::Queued
         } else {
@@ -980,7 +1003,9 @@ impl Router {
     fn release(&mut self, now: Timestamp) -> Vec<Output> {
         let mut out = Vec::new();
         while !self.queue.is_empty() && self.has_free_worker() {
-            let Some(waiting) = self.queue.pop() else { break };
+            let Some((key, waiting)) = self.queue.pop(&self.fair) else {
+                break;
+            };
             match self.place(now, &waiting.request, &waiting.locals) {
                 Ok(decision) => {
                     self.counters.released += 1;
@@ -988,7 +1013,7 @@ impl Router {
                 }
                 Err(_) => {
                     // Unreachable while busy depends only on load: put it back and stop.
-                    self.queue.push(waiting);
+                    self.queue.put_back(key, waiting);
                     break;
                 }
             }

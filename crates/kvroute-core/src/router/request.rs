@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::fair::TenantId;
 use super::session::SessionId;
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash};
 use crate::time::Timestamp;
@@ -35,8 +36,12 @@ pub struct RouteRequest<'a> {
     pub lora_name: Option<&'a str>,
     /// A cache namespace (a tenant, an explicit `cache_salt`), which salts them too.
     pub cache_salt: Option<&'a str>,
-    /// Queue priority: higher goes first. Only the queue reads it.
+    /// Queue priority: higher goes first. Only the queue reads it. (vLLM's `priority` field
+    /// is the other way round, lower first: a driver converts at its edge.)
     pub priority: i32,
+    /// The tenant, whose fair share of tokens orders the queue within a priority tier and
+    /// whose counter the booking charges ([`super::FairConfig`]).
+    pub tenant: TenantId,
     /// The caller's guess of the output length in tokens, if any. A hint, carried into replica
     /// events; no policy reads it yet.
     pub expected_output_tokens: Option<u32>,
@@ -45,7 +50,8 @@ pub struct RouteRequest<'a> {
 }
 
 impl<'a> RouteRequest<'a> {
-    /// A request for `prompt` with no salt, priority 0, no output hint and no session.
+    /// A request for `prompt` with no salt, priority 0, of no configured tenant, no output hint
+    /// and no session.
     pub fn new(id: RequestId, prompt: Prompt<'a>) -> Self {
         Self {
             id,
@@ -53,6 +59,7 @@ impl<'a> RouteRequest<'a> {
             lora_name: None,
             cache_salt: None,
             priority: 0,
+            tenant: TenantId::OTHER,
             expected_output_tokens: None,
             session: None,
         }
@@ -89,6 +96,7 @@ pub(crate) struct Prepared {
     pub(crate) prompt_tokens: u64,
     pub(crate) chain: Arc<[SequenceHash]>,
     pub(crate) priority: i32,
+    pub(crate) tenant: TenantId,
     pub(crate) expected_output_tokens: Option<u32>,
     pub(crate) session: Option<SessionId>,
 }

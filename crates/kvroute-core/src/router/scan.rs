@@ -734,6 +734,7 @@ mod tests {
                         hint: PrefillLoadHint::new(u64::from(BLOCK) * 2, 1, BLOCK, None),
                         expected_output_tokens: None,
                         session: None,
+                        tenant: crate::router::TenantId::OTHER,
                     };
                     self.peer_issued += 1;
                     drop(r.handle_sync_event(now, &peer(self.peer_issued, LoadChange::Added(booking))));

@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 
+use super::fair::TenantId;
 use super::load::PrefillLoadHint;
 use super::session::SessionId;
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
@@ -74,6 +75,8 @@ pub struct Booking {
     pub expected_output_tokens: Option<u32>,
     /// The request's session: a peer binds it to `worker` (see the `session` module).
     pub session: Option<SessionId>,
+    /// The request's tenant, charged for it in every replica's fair share.
+    pub tenant: TenantId,
 }
 
 /// One active-load change.

@@ -97,6 +97,9 @@ pub struct Parsed {
     pub model: Option<String>,
     /// vLLM's `cache_salt`, which namespaces the prefix cache.
     pub cache_salt: Option<String>,
+    /// vLLM's `priority`, if the body has one (lower is served first; an engine without
+    /// priority scheduling refuses a non-zero one).
+    pub priority: Option<i32>,
     /// Those of [`INTERNAL_FIELDS`] the body has: the proxy strips them ([`engine_body`](super::engine_body)); an
     /// engine reads them.
     pub internal_fields: Vec<&'static str>,
@@ -210,6 +213,12 @@ pub fn parse_with(
             ));
         }
     };
+    let priority = match obj.get("priority") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_i64().and_then(|p| i32::try_from(p).ok()).ok_or_else(|| {
+            ApiError::bad_request("priority", "`priority` must be an integer (a 32-bit one)")
+        })?),
+    };
     let truncation = truncation(endpoint, &obj)?;
     // Token ids past the limit are refused unread, unless they are to be truncated.
     let ids_limit = if truncation.is_some() {
@@ -266,6 +275,7 @@ pub fn parse_with(
         max_tokens,
         model: model_name,
         cache_salt,
+        priority,
         internal_fields,
         internal_xargs,
         kv_cache_report,

@@ -82,6 +82,12 @@ pub(super) struct ServeFile {
     discover_drain_timeout_ms: u64,
     #[serde(rename = "worker")]
     workers: Vec<WorkerConfig>,
+    // ServeConfig::tenants
+    tenant_header: Option<String>,
+    priority_header: Option<String>,
+    forward_priority: bool,
+    #[serde(rename = "tenant")]
+    tenants: Vec<TenantConfig>,
 }
 
 impl Default for ServeFile {
@@ -154,6 +160,10 @@ impl From<ServeFile> for ServeConfig {
             discover_port,
             discover_drain_timeout_ms,
             workers,
+            tenant_header,
+            priority_header,
+            forward_priority,
+            tenants,
         } = file;
         Self {
             server: ServerConfig {
@@ -231,6 +241,12 @@ impl From<ServeFile> for ServeConfig {
                 discover_drain_timeout_ms,
             },
             workers,
+            tenants: TenantsConfig {
+                tenant_header,
+                priority_header,
+                forward_priority,
+                tenants,
+            },
         }
     }
 }
@@ -320,6 +336,13 @@ impl From<ServeConfig> for ServeFile {
                     discover_drain_timeout_ms,
                 },
             workers,
+            tenants:
+                TenantsConfig {
+                    tenant_header,
+                    priority_header,
+                    forward_priority,
+                    tenants,
+                },
         } = config;
         Self {
             listen,
@@ -383,6 +406,10 @@ impl From<ServeConfig> for ServeFile {
             discover_port,
             discover_drain_timeout_ms,
             workers,
+            tenant_header,
+            priority_header,
+            forward_priority,
+            tenants,
         }
     }
 }

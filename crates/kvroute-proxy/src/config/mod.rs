@@ -14,11 +14,13 @@ use serde::{Deserialize, Serialize};
 
 pub use discovery::{DiscoveryConfig, DiscoverySpec, DnsRecordKind, DnsSource, WorkerTemplate};
 use file::ServeFile;
+pub use tenants::{TenantConfig, TenantsConfig};
 pub use worker::{Reannounce, WorkerConfig};
 use worker::{TOKEN_RULE, is_token};
 
 mod discovery;
 mod file;
+mod tenants;
 mod worker;
 
 /// Why a configuration was refused.
@@ -82,6 +84,9 @@ pub struct ServeConfig {
     pub discovery: DiscoveryConfig,
     /// The workers (`[[worker]]` tables; the CLI's `--worker`).
     pub workers: Vec<WorkerConfig>,
+    /// Tenants (`[[tenant]]` tables), their fair-share weights and limits, and the priority
+    /// and tenant headers.
+    pub tenants: TenantsConfig,
 }
 
 /// The listeners, the timeouts of client connections, the inference API's keys and the runtime.
@@ -441,6 +446,7 @@ impl ServeConfig {
         })
         .map_err(|e| invalid(e.key, e.error.to_string()))?;
         self.validate_nats()?;
+        self.tenants.validate()?;
         let router = RouterConfig {
             max_blocks_per_worker: Some(
                 std::num::NonZeroUsize::new(self.routing.max_blocks_per_worker)
@@ -455,6 +461,7 @@ impl ServeConfig {
                 ..SyncConfig::default()
             },
             sessions: self.sessions()?,
+            fair: self.tenants.fair(),
             ..spec.router_config()
         };
         router.validate()?;

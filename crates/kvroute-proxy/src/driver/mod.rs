@@ -46,7 +46,7 @@ mod workers;
 pub use guard::RequestGuard;
 pub use observe::pool_of;
 pub(crate) use replicas::announced;
-pub use route::{RouteError, Target, Upstream};
+pub use route::{RouteError, Routing, Target, Upstream};
 pub(crate) use workers::Announce;
 pub use workers::RemovalFigures;
 

@@ -9,7 +9,7 @@ use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, SessionId,
-    max_cached_blocks,
+    TenantId, max_cached_blocks,
 };
 use kvroute_core::time::Timestamp;
 use kvroute_http::openai::KvCacheReport;
@@ -75,6 +75,30 @@ pub struct Target {
     pub prefill: Option<Upstream>,
 }
 
+/// What the router reads of a request besides its prompt: its tenant and queue priority (the
+/// router's convention: higher first), and its conversation (the session header's), kept on
+/// its worker by the router's session rule.
+#[derive(Clone, Copy, Debug)]
+pub struct Routing {
+    /// The tenant charged for it in the fair share.
+    pub tenant: TenantId,
+    /// Its queue priority, higher first.
+    pub priority: i32,
+    /// Its session, if it carries one.
+    pub session: Option<SessionId>,
+}
+
+impl Default for Routing {
+    /// No configured tenant, priority 0, no session.
+    fn default() -> Self {
+        Self {
+            tenant: TenantId::OTHER,
+            priority: 0,
+            session: None,
+        }
+    }
+}
+
 impl Driver {
     /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
     /// is busy, or, with `when-empty = queue`, if no worker can take it (until one is added or
@@ -85,16 +109,15 @@ impl Driver {
         tokens: &[u32],
         cache_salt: Option<&str>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
-        self.route_in_session(tokens, cache_salt, None).await
+        self.route_as(tokens, cache_salt, Routing::default()).await
     }
 
-    /// [`Driver::route`] for a request of conversation `session` (the session header's), kept
-    /// on its worker by the router's session rule.
-    pub async fn route_in_session(
+    /// [`Self::route`] for a request of `routing`'s tenant, priority and session.
+    pub async fn route_as(
         self: &Arc<Self>,
         tokens: &[u32],
         cache_salt: Option<&str>,
-        session: Option<SessionId>,
+        routing: Routing,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
         let t0 = Instant::now();
         let salt = HashSalt {
@@ -104,14 +127,18 @@ impl Driver {
         let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let mut request = RouteRequest::new(
-            id,
-            Prompt::Blocks {
-                locals: &locals,
-                prompt_tokens: tokens.len() as u64,
-            },
-        );
-        request.session = session;
+        let request = RouteRequest {
+            tenant: routing.tenant,
+            priority: routing.priority,
+            session: routing.session,
+            ..RouteRequest::new(
+                id,
+                Prompt::Blocks {
+                    locals: &locals,
+                    prompt_tokens: tokens.len() as u64,
+                },
+            )
+        };
         let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));
@@ -153,6 +180,16 @@ impl Driver {
                 .observe(f64::from(decision.overlap_blocks) / locals.len() as f64);
         }
         Ok((guard, target, decision))
+    }
+
+    /// Requests waiting in the router's queue per tenant.
+    pub fn queued_per_tenant(&self) -> Vec<(TenantId, usize)> {
+        self.lock().router.queued_per_tenant()
+    }
+
+    /// The tenants' virtual token counters (the queue's fair share).
+    pub fn fair_counters(&self) -> Vec<(TenantId, f64)> {
+        self.lock().router.fair_counters()
     }
 
     /// `reannounce-window-ms`.
