@@ -113,9 +113,16 @@ impl Forwarder {
     ) -> Result<Response, ApiError> {
         let driver = &self.driver;
         let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
+        // A model other than the base one is an adapter some worker serves (checked on
+        // admission).
+        let lora_name = (request.parsed.model.as_deref()).filter(|m| *m != driver.config.model.model_name);
         for attempt in 0..2 {
             let (mut guard, target, _) = driver
-                .route(&request.parsed.tokens, request.parsed.cache_salt.as_deref())
+                .route(
+                    &request.parsed.tokens,
+                    request.parsed.cache_salt.as_deref(),
+                    lora_name,
+                )
                 .await
                 .map_err(route_error)?;
             if attempt == 0 {

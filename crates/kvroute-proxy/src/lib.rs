@@ -44,6 +44,7 @@
 //!   fleet checks, the drain that waits, the removal order.
 //! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
 
+pub mod adapters;
 pub mod admin;
 mod app;
 pub mod autoscale;

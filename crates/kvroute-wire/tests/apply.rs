@@ -118,6 +118,7 @@ fn store(hashes: &[u64], tokens: usize, block_size: u32) -> WireEvent {
         lora_id: None,
         medium: Some("gpu".into()),
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })
 }

@@ -57,6 +57,7 @@
 //! * The queue is non-empty only while every eligible worker is busy (or none is eligible):
 //!   every input that frees capacity or adds a worker re-checks it.
 
+mod adapters;
 mod busy;
 mod chain_trie;
 mod config;
@@ -101,6 +102,7 @@ pub use spec::{OptionError, RouterOptions, RouterSpec, SpecError};
 pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
 
+use adapters::Adapters;
 use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
 use recent::RecentChains;
@@ -108,7 +110,7 @@ use request::Prepared;
 use scan::{ArgminScratch, Stage};
 use sync::{Mark, Tombstones};
 
-use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
+use crate::hash::{HashSalt, PromptHasher, sequence_hashes_shared};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
 use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
 use crate::time::Timestamp;
@@ -190,6 +192,7 @@ pub struct Router {
     index: PrefixIndex,
     recent: Option<RecentChains>,
     fleet: Fleet,
+    adapters: Adapters,
     queue: WaitQueue,
     counters: RouterCounters,
     outbox: VecDeque<SyncEvent>,
@@ -220,6 +223,7 @@ impl Router {
             }),
             recent,
             fleet: Fleet::default(),
+            adapters: Adapters::default(),
             queue: WaitQueue::new(config.queue),
             counters: RouterCounters::default(),
             outbox: VecDeque::new(),
@@ -370,6 +374,18 @@ impl Router {
         }
     }
 
+    /// Sets the LoRA adapters `worker` serves (replacing what it served before): requests naming
+    /// an adapter go only to workers that serve it. Queued requests may now be released to it.
+    /// The worker need not be in the fleet yet.
+    pub fn handle_adapters(&mut self, now: Timestamp, worker: WorkerKey, adapters: &[&str]) -> Vec<Output> {
+        let now = self.advance(now);
+        if self.adapters.set(worker, adapters) {
+            self.release(now)
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Removes a worker and forgets its cache; its active requests are dropped (a suspended
     /// worker's too).
     pub fn handle_worker_removed(
@@ -386,6 +402,7 @@ impl Router {
             };
         };
         self.forget_decisions(worker);
+        self.adapters.remove_worker(worker);
         // The index knows every fleet worker, so this cannot fail.
         let _ = self.index.remove_worker(worker);
         let mut out = self.dropped(dropped, DropReason::WorkerRemoved);
@@ -658,14 +675,18 @@ impl Router {
         let locals = std::mem::take(&mut self.scratch.locals);
         self.compute_overlaps(now, &locals, &prepared.chain);
         self.scratch.locals = locals;
-        let _ = self.fill_candidates(Stage::Decode, &prepared.chain);
+        let _ = self.fill_candidates(Stage::Decode, &prepared.chain, prepared.adapter.as_deref());
         Ok(self.scratch.candidates.clone())
     }
 
     /// Checks that every worker's running totals equal a recomputation from the active requests.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.fleet.check_invariants()?;
-        if !self.queue.is_empty() && self.has_free_worker() {
+        if self
+            .queue
+            .iter()
+            .any(|w| self.has_free_worker(w.request.adapter.as_deref()))
+        {
             return Err(format!(
                 "{} requests wait while a worker is free",
                 self.queue.len()
@@ -687,7 +708,7 @@ impl Router {
                     lora_name: request.lora_name,
                     namespace: request.cache_salt,
                 };
-                let chain = BlockHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
+                let chain = PromptHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
                 (chain, tokens.len() as u64)
             }
             Prompt::Blocks {
@@ -713,6 +734,7 @@ impl Router {
             chain,
             priority: request.priority,
             expected_output_tokens: request.expected_output_tokens,
+            adapter: request.lora_name.filter(|n| !n.is_empty()).map(Arc::from),
         })
     }
 
@@ -725,8 +747,8 @@ impl Router {
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
         let view = request.view(now, self.config.block_size);
-        let chosen = self.choose(Stage::Decode, &view)?;
-        let prefill = self.choose_prefill(&view, &chosen);
+        let chosen = self.choose(Stage::Decode, &view, request.adapter.as_deref())?;
+        let prefill = self.choose_prefill(&view, &chosen, request.adapter.as_deref());
         let prefill_overlap = prefill.map_or(chosen.overlap_blocks, |p| p.overlap_blocks);
         let hint = PrefillLoadHint::new(
             request.prompt_tokens,
@@ -768,7 +790,12 @@ impl Router {
     }
 
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
-    fn choose_prefill(&mut self, view: &RequestView<'_>, decode: &Candidate) -> Option<Candidate> {
+    fn choose_prefill(
+        &mut self,
+        view: &RequestView<'_>,
+        decode: &Candidate,
+        adapter: Option<&str>,
+    ) -> Option<Candidate> {
         let applies = decode.spec.role == WorkerRole::Decode
             && self.fleet.has_prefill_workers()
             && self
@@ -778,7 +805,7 @@ impl Router {
         if !applies {
             return None;
         }
-        let Ok(pick) = self.choose(Stage::Prefill, view) else {
+        let Ok(pick) = self.choose(Stage::Prefill, view, adapter) else {
             self.counters.disagg_without_prefill_worker += 1;
             return None;
         };
@@ -870,11 +897,20 @@ impl Router {
         }
     }
 
-    /// Routes queued requests while an eligible worker is not busy.
+    /// Routes queued requests while an eligible worker is not busy. A request for an adapter
+    /// none of whose workers is free waits on, in its place, while requests behind it go.
     fn release(&mut self, now: Timestamp) -> Vec<Output> {
         let mut out = Vec::new();
-        while !self.queue.is_empty() && self.has_free_worker() {
-            let Some(waiting) = self.queue.pop() else { break };
+        let mut held = Vec::new();
+        while !self.queue.is_empty() && self.has_free_worker(None) {
+            let Some((place, waiting)) = self.queue.pop_placed() else {
+                break;
+            };
+            if waiting.request.adapter.is_some() && !self.has_free_worker(waiting.request.adapter.as_deref())
+            {
+                held.push((place, waiting));
+                continue;
+            }
             match self.place(now, &waiting.request, &waiting.locals) {
                 Ok(decision) => {
                     self.counters.released += 1;
@@ -882,18 +918,25 @@ impl Router {
                 }
                 Err(_) => {
                     // Unreachable while busy depends only on load: put it back and stop.
-                    self.queue.push(waiting);
+                    held.push((place, waiting));
                     break;
                 }
             }
         }
+        for (place, waiting) in held {
+            self.queue.restore(place, waiting);
+        }
         out
     }
 
-    /// Whether some worker that decodes is neither draining nor busy.
-    fn has_free_worker(&self) -> bool {
+    /// Whether some worker that decodes (and serves `adapter`, if one is named) is neither
+    /// draining nor busy.
+    fn has_free_worker(&self, adapter: Option<&str>) -> bool {
         self.fleet.workers().iter().any(|w| {
-            w.spec.role.tracks_decode() && !w.draining && !self.config.busy.is_busy(&w.spec, &w.load())
+            w.spec.role.tracks_decode()
+                && !w.draining
+                && self.adapters.serves(adapter, w.spec.key)
+                && !self.config.busy.is_busy(&w.spec, &w.load())
         })
     }
 

@@ -75,6 +75,10 @@ pub(crate) struct Waiting {
 
 type Key = (Reverse<i32>, u64, u64);
 
+/// A request's place in the queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place(Key);
+
 /// See the module docs.
 #[derive(Clone, Debug)]
 pub(crate) struct WaitQueue {
@@ -126,11 +130,23 @@ impl WaitQueue {
         true
     }
 
-    /// Takes the request that goes next.
-    pub(crate) fn pop(&mut self) -> Option<Waiting> {
-        let (_, waiting) = self.entries.pop_first()?;
+    /// Takes the request that goes next with its place in the queue, for
+    /// [`WaitQueue::restore`].
+    pub(crate) fn pop_placed(&mut self) -> Option<(Place, Waiting)> {
+        let (key, waiting) = self.entries.pop_first()?;
         self.keys.remove(&waiting.request.id);
-        Some(waiting)
+        Some((Place(key), waiting))
+    }
+
+    /// Puts back a request taken by [`WaitQueue::pop_placed`] in its place.
+    pub(crate) fn restore(&mut self, place: Place, waiting: Waiting) {
+        self.keys.insert(waiting.request.id, place.0);
+        self.entries.insert(place.0, waiting);
+    }
+
+    /// The waiting requests, next first.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiting> {
+        self.entries.values()
     }
 
     /// Removes request `id` if it waits.

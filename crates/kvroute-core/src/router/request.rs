@@ -86,6 +86,8 @@ pub(crate) struct Prepared {
     pub(crate) chain: Arc<[SequenceHash]>,
     pub(crate) priority: i32,
     pub(crate) expected_output_tokens: Option<u32>,
+    /// The LoRA adapter the request names: only workers serving it may take it.
+    pub(crate) adapter: Option<Arc<str>>,
 }
 
 impl Prepared {

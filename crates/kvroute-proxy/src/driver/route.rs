@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::hash::{HashSalt, PromptHasher};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError,
@@ -76,7 +76,8 @@ pub struct Target {
 }
 
 impl Driver {
-    /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
+    /// Routes a prompt of `tokens` (salted by `cache_salt`, run under LoRA adapter `lora_name`,
+    /// which only the workers serving it may take). Waits in the queue if every worker
     /// is busy, or, with `when-empty = queue`, if no worker can take it (until one is added or
     /// back in routing); `queue-timeout-ms` bounds the wait. The returned guard owns the
     /// request's load.
@@ -84,22 +85,24 @@ impl Driver {
         self: &Arc<Self>,
         tokens: &[u32],
         cache_salt: Option<&str>,
+        lora_name: Option<&str>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
         let t0 = Instant::now();
         let salt = HashSalt {
-            lora_name: None,
+            lora_name,
             namespace: cache_salt,
         };
-        let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
+        let locals = PromptHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let request = RouteRequest::new(
+        let mut request = RouteRequest::new(
             id,
             Prompt::Blocks {
                 locals: &locals,
                 prompt_tokens: tokens.len() as u64,
             },
         );
+        request.lora_name = lora_name;
         let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));

@@ -200,6 +200,7 @@ pub mod arb {
                     lora_id: t.4,
                     medium: t.5,
                     lora_name: t.6,
+                    cache_salt: None,
                     group_idx: t.7,
                 })
             });
