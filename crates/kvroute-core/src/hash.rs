@@ -674,4 +674,40 @@ mod tests {
         );
         assert!(shared_locals.is_empty());
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// A cache salt changes the first block's local hash alone (the adapter every block's),
+        /// so the whole chain differs from the unsalted one; without a salt the prompt hashes
+        /// as `BlockHasher` under the adapter; every form gives the same values.
+        #[test]
+        fn a_cache_salt_salts_the_first_block_alone(
+            tokens in proptest::collection::vec(token(), 0..100),
+            block in prop_oneof![Just(4usize), Just(16), Just(7)],
+            lora in prop_oneof![Just(None), Just(Some("a"))],
+            salt in "[a-z]{0,3}",
+        ) {
+            let plain = BlockHasher::new(block, &HashSalt { lora_name: lora, namespace: None });
+            let salted = PromptHasher::new(block, &HashSalt { lora_name: lora, namespace: Some(&salt) });
+            let (want, got) = (plain.local_hashes(&tokens), salted.local_hashes(&tokens));
+            prop_assert_eq!(want.len(), got.len());
+            if salt.is_empty() || got.is_empty() {
+                prop_assert_eq!(&got, &want);
+            } else {
+                prop_assert_eq!(&got[1..], &want[1..]);
+                let seed = HashSalt { lora_name: lora, namespace: Some(&salt) }.local_seed();
+                prop_assert_eq!(got[0].0, reference_local(&tokens[..block], seed));
+                let (a, b) = (plain.sequence_hashes(&want), plain.sequence_hashes(&got));
+                prop_assert!(a.iter().zip(&b).all(|(x, y)| x != y), "a salted chain shares no block");
+            }
+            for (i, chunk) in tokens.chunks_exact(block).enumerate() {
+                prop_assert_eq!(salted.local_hash(i, chunk), got[i]);
+            }
+            let mut locals = Vec::new();
+            let chain = salted.hash_prompt_shared(&tokens, &mut locals);
+            prop_assert_eq!(&locals, &got);
+            prop_assert_eq!(&chain[..], &plain.sequence_hashes(&got)[..]);
+        }
+    }
 }

@@ -378,6 +378,12 @@ impl Harness {
                 }
                 fmt_result(self.router().handle_worker_added(now, spec), |o| fmt_outputs(&o))
             }
+            "adapters" => {
+                // `adapters W a,b`: worker W serves adapters a and b (`-` for none).
+                let names: Vec<&str> = arg(1).split(',').filter(|n| *n != "-").collect();
+                let key = worker_key(arg(0));
+                fmt_outputs(&self.router().handle_adapters(now, key, &names))
+            }
             "drain" => fmt_result(
                 self.router().handle_worker_draining(now, worker_key(arg(0))),
                 |()| "ok".to_owned(),
@@ -668,4 +674,5 @@ scripts!(
     policy_dynamo,
     policy_sglang,
     policy_llmd,
+    adapters,
 );

@@ -257,12 +257,15 @@ fn nullable<T>(
 }
 
 /// The strings among the first block's extra keys (`extra_keys[0]`, a tuple or nil; the
-/// field itself may be nil), other values skipped; the other blocks' keys are skipped.
+/// field itself may be nil), other values skipped; the other blocks' keys are skipped. Keys of
+/// a shape vLLM does not send are skipped too: they name no salt, and the blocks still apply.
 fn first_extra_strings(r: &mut Reader<'_>) -> Result<Vec<String>, PayloadError> {
     let blocks = match r.head()? {
-        Head::Nil => return Ok(Vec::new()),
         Head::Array(n) => n,
-        other => return Err(mismatch("an array of extra keys", other)),
+        other => {
+            r.skip_items_of(other)?;
+            return Ok(Vec::new());
+        }
     };
     let mut out = Vec::new();
     if blocks > 0 {
@@ -270,11 +273,7 @@ fn first_extra_strings(r: &mut Reader<'_>) -> Result<Vec<String>, PayloadError> 
             Head::Array(keys) => {
                 for i in 0..keys as usize {
                     match r.head().within(Segment::Index(i))? {
-                        Head::Str(bytes) => out.push(
-                            std::str::from_utf8(bytes)
-                                .map_err(|_| Problem::NotUtf8)?
-                                .to_owned(),
-                        ),
+                        Head::Str(bytes) => out.extend(std::str::from_utf8(bytes).ok().map(str::to_owned)),
                         other => r.skip_items_of(other)?,
                     }
                 }
