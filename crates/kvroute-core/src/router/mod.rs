@@ -16,7 +16,8 @@
 //!   - cache: [`Router::handle_kv_event`];
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
 //!     [`Router::handle_worker_suspended`] (out of routing, bookings and cache view kept),
-//!     [`Router::handle_worker_removed`];
+//!     [`Router::handle_worker_removed`], [`Router::handle_adapters`] (the LoRA adapters a worker
+//!     serves: a request naming one goes only to those workers);
 //!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see the `sync` module for
 //!     duplicates, tombstones and ordering), [`Router::handle_peer_lost`] (release a silent
 //!     peer's bookings);
@@ -376,7 +377,7 @@ impl Router {
 
     /// Sets the LoRA adapters `worker` serves (replacing what it served before): requests naming
     /// an adapter go only to workers that serve it. Queued requests may now be released to it.
-    /// The worker need not be in the fleet yet.
+    /// The worker need not be in the fleet yet; [`Router::handle_worker_removed`] forgets them.
     pub fn handle_adapters(&mut self, now: Timestamp, worker: WorkerKey, adapters: &[&str]) -> Vec<Output> {
         let now = self.advance(now);
         if self.adapters.set(worker, adapters) {
@@ -386,14 +387,15 @@ impl Router {
         }
     }
 
-    /// Removes a worker and forgets its cache; its active requests are dropped (a suspended
-    /// worker's too).
+    /// Removes a worker and forgets its cache and its adapters; its active requests are
+    /// dropped (a suspended worker's too).
     pub fn handle_worker_removed(
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
     ) -> Result<Vec<Output>, RouterError> {
         let now = self.advance(now);
+        self.adapters.remove_worker(worker);
         let Some(dropped) = self.fleet.remove_worker(worker) else {
             // Known to the index alone: nothing booked, only its cache to forget.
             return match self.index.remove_worker(worker) {
@@ -402,7 +404,6 @@ impl Router {
             };
         };
         self.forget_decisions(worker);
-        self.adapters.remove_worker(worker);
         // The index knows every fleet worker, so this cannot fail.
         let _ = self.index.remove_worker(worker);
         let mut out = self.dropped(dropped, DropReason::WorkerRemoved);

@@ -13,10 +13,11 @@ pub type AdapterSet = BTreeMap<String, Option<String>>;
 
 impl Driver {
     /// Sets the adapters worker `id` serves. Requests queued for one of them may now go there.
-    /// A worker not in the registry is ignored.
+    /// A worker not in the registry is ignored. The router is told each time, changed or not:
+    /// a worker taken out of routing and back (misconfigured, then fixed) was forgotten there.
     pub fn set_adapters(&self, id: WorkerId, adapters: AdapterSet) {
         let mut inner = self.lock();
-        if inner.registry.get(id).is_none() || inner.adapters.get(&id) == Some(&adapters) {
+        if inner.registry.get(id).is_none() {
             return;
         }
         let names: Vec<&str> = adapters.keys().map(String::as_str).collect();
@@ -25,8 +26,10 @@ impl Driver {
             let out = inner.router.handle_adapters(now, key, &names);
             self.dispatch(&mut inner, out);
         }
-        tracing::info!(worker = id.0, adapters = ?names, "the worker's LoRA adapters");
-        inner.adapters.insert(id, adapters);
+        if inner.adapters.get(&id) != Some(&adapters) {
+            tracing::info!(worker = id.0, adapters = ?names, "the worker's LoRA adapters");
+            inner.adapters.insert(id, adapters);
+        }
     }
 
     /// Every adapter some worker in the registry serves, by name.
