@@ -35,4 +35,5 @@ if [ ! -x venv/bin/python ] || ! venv/bin/python -c 'import vllm' 2>/dev/null; t
 fi
 
 venv/bin/python "$HERE/make_model.py" "$REPO/crates/kvroute-http/tests/data/bos-model" "$DIR/model"
+venv/bin/python "$HERE/make_lora.py" "$DIR/model" "$DIR/lora"
 echo "ready: KVROUTE_REAL_VLLM=$DIR cargo test -p kvroute --test real_vllm -- --nocapture"

@@ -50,6 +50,9 @@ pub struct BlocksStored {
     pub block_size: u32,
     /// The LoRA adapter of the request that stored the blocks.
     pub lora_name: Option<String>,
+    /// The `cache_salt` of the request that stored the blocks, when the store starts its
+    /// sequence (vLLM puts it in the first block's extra keys alone).
+    pub cache_salt: Option<String>,
 }
 
 /// Cached blocks evicted.

@@ -243,6 +243,80 @@ impl BlockHasher {
     }
 }
 
+/// Hashes a request's prompt as vLLM salts its blocks: the LoRA adapter salts every block, a
+/// cache salt (vLLM's `cache_salt`, a tenant's namespace) only the first, as vLLM folds it
+/// into the extra keys of the block that starts at token 0 alone. The chain carries the first
+/// block's salt to every later block: a salted prompt shares no block with another salt's or
+/// an unsalted one, yet a store continuing a chain (whose event names its parent, not the salt)
+/// hashes its blocks under the adapter alone.
+///
+/// Without a cache salt this is [`BlockHasher`] under the adapter's salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptHasher {
+    /// Blocks after the first: the adapter's salt.
+    rest: BlockHasher,
+    /// The first block's local-hash seed (the adapter's and the cache salt's), when a cache salt
+    /// is set.
+    first: Option<u64>,
+}
+
+impl PromptHasher {
+    /// A hasher for blocks of `block_size` tokens of a request under `salt` (its `namespace`
+    /// being the cache salt).
+    pub fn new(block_size: usize, salt: &HashSalt<'_>) -> Self {
+        let rest = BlockHasher::new(
+            block_size,
+            &HashSalt {
+                lora_name: salt.lora_name,
+                namespace: None,
+            },
+        );
+        let first = salt
+            .namespace
+            .filter(|n| !n.is_empty())
+            .map(|_| salt.local_seed());
+        Self { rest, first }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.rest.block_size()
+    }
+
+    /// The local hash of block `index` of the prompt, whose tokens are `tokens`.
+    pub fn local_hash(&self, index: usize, tokens: &[u32]) -> LocalBlockHash {
+        match self.first {
+            Some(seed) if index == 0 => LocalBlockHash(hash_u32_le(tokens, seed)),
+            _ => self.rest.local_hash(tokens),
+        }
+    }
+
+    /// Local hashes of every full block of `tokens` under this rule.
+    pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
+        let mut locals = self.rest.local_hashes(tokens);
+        if let (Some(seed), Some(first)) = (self.first, locals.first_mut()) {
+            *first = LocalBlockHash(hash_u32_le(&tokens[..self.block_size()], seed));
+        }
+        locals
+    }
+
+    /// [`BlockHasher::hash_prompt_shared`] under this rule.
+    pub fn hash_prompt_shared(
+        &self,
+        tokens: &[u32],
+        locals: &mut Vec<LocalBlockHash>,
+    ) -> Arc<[SequenceHash]> {
+        let chain = self.rest.hash_prompt_shared(tokens, locals);
+        match (self.first, locals.first_mut()) {
+            (Some(seed), Some(first)) => {
+                *first = LocalBlockHash(hash_u32_le(&tokens[..self.block_size()], seed));
+                sequence_hashes_shared(locals)
+            }
+            _ => chain,
+        }
+    }
+}
+
 /// The sequence hashes of `locals`, starting from the root, written straight into one shared
 /// allocation (no copy from a buffer): the chain a router books.
 pub fn sequence_hashes_shared(locals: &[LocalBlockHash]) -> Arc<[SequenceHash]> {
@@ -599,5 +673,41 @@ mod tests {
                 .is_empty()
         );
         assert!(shared_locals.is_empty());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// A cache salt changes the first block's local hash alone (the adapter every block's),
+        /// so the whole chain differs from the unsalted one; without a salt the prompt hashes
+        /// as `BlockHasher` under the adapter; every form gives the same values.
+        #[test]
+        fn a_cache_salt_salts_the_first_block_alone(
+            tokens in proptest::collection::vec(token(), 0..100),
+            block in prop_oneof![Just(4usize), Just(16), Just(7)],
+            lora in prop_oneof![Just(None), Just(Some("a"))],
+            salt in "[a-z]{0,3}",
+        ) {
+            let plain = BlockHasher::new(block, &HashSalt { lora_name: lora, namespace: None });
+            let salted = PromptHasher::new(block, &HashSalt { lora_name: lora, namespace: Some(&salt) });
+            let (want, got) = (plain.local_hashes(&tokens), salted.local_hashes(&tokens));
+            prop_assert_eq!(want.len(), got.len());
+            if salt.is_empty() || got.is_empty() {
+                prop_assert_eq!(&got, &want);
+            } else {
+                prop_assert_eq!(&got[1..], &want[1..]);
+                let seed = HashSalt { lora_name: lora, namespace: Some(&salt) }.local_seed();
+                prop_assert_eq!(got[0].0, reference_local(&tokens[..block], seed));
+                let (a, b) = (plain.sequence_hashes(&want), plain.sequence_hashes(&got));
+                prop_assert!(a.iter().zip(&b).all(|(x, y)| x != y), "a salted chain shares no block");
+            }
+            for (i, chunk) in tokens.chunks_exact(block).enumerate() {
+                prop_assert_eq!(salted.local_hash(i, chunk), got[i]);
+            }
+            let mut locals = Vec::new();
+            let chain = salted.hash_prompt_shared(&tokens, &mut locals);
+            prop_assert_eq!(&locals, &got);
+            prop_assert_eq!(&chain[..], &plain.sequence_hashes(&got)[..]);
+        }
     }
 }

@@ -11,6 +11,8 @@
 //! * After every request is finished, every worker's load is exactly zero: no phantom load.
 //! * A replica that applies every event another router exports ends with the same per-worker
 //!   load as that router (output blocks aside: they are not synced).
+//! * A request naming a LoRA adapter is only ever routed (at once or out of the queue) to
+//!   workers serving it at that moment, by a reference record of each worker's adapters.
 
 #[path = "support/fleet.rs"]
 mod fleet;
@@ -21,9 +23,9 @@ use fleet::{Drawn, exporting_config, synced_loads, workers};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{RequestId, WorkerKey};
 use kvroute_core::router::{
-    Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, PolicyConfig, PrefillLoadHint,
-    Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncEvent, TenantId,
-    WhenEmpty, WorkerSpec, stored_blocks,
+    Booking, BusyThresholds, CacheMode, Decider, IndexEvent, LoadChange, Output, PolicyConfig,
+    PrefillLoadHint, Prompt, RecentConfig, RouteOutcome, RouteRequest, Router, RouterConfig, RouterId,
+    SyncConfig, SyncEvent, TenantId, WhenEmpty, WorkerSpec, stored_blocks,
 };
 use kvroute_core::time::Timestamp;
 use proptest::prelude::*;
@@ -68,7 +70,10 @@ fn prompt() -> impl Strategy<Value = PromptSpec> {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Route(PromptSpec, i32),
+    /// A request, naming adapter `ADAPTERS[a]` if any.
+    Route(PromptSpec, i32, Option<usize>),
+    /// A worker now serves the adapters of this bit mask.
+    Adapters(usize, u8),
     FirstToken(usize),
     OutputBlock(usize),
     Finish(usize),
@@ -86,7 +91,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (prompt(), -1..2i32).prop_map(|(p, prio)| Op::Route(p, prio)),
+        6 => (prompt(), -1..2i32, prop::option::weighted(0.3, 0..ADAPTERS.len()))
+            .prop_map(|(p, prio, a)| Op::Route(p, prio, a)),
+        1 => (any::<usize>(), 0..4u8).prop_map(|(w, mask)| Op::Adapters(w, mask)),
         4 => any::<usize>().prop_map(Op::FirstToken),
         2 => any::<usize>().prop_map(Op::OutputBlock),
         4 => any::<usize>().prop_map(Op::Finish),
@@ -168,8 +175,16 @@ fn config() -> impl Strategy<Value = (RouterConfig, bool)> {
         )
 }
 
+/// The LoRA adapters requests may name.
+const ADAPTERS: [&str; 2] = ["a", "b"];
+
 /// Drives a router (and a replica that applies its exported events) through `ops`.
 struct Run {
+    /// The reference: the adapter each request names, the adapters each worker serves.
+    adapter_of: BTreeMap<RequestId, &'static str>,
+    serving: BTreeMap<WorkerKey, Vec<&'static str>>,
+    /// Decisions that sent a request to a worker not serving its adapter.
+    wrong: Vec<String>,
     router: Router,
     replica: Router,
     specs: Vec<WorkerSpec>,
@@ -186,6 +201,9 @@ impl Run {
             ..config.clone()
         };
         let mut run = Self {
+            adapter_of: BTreeMap::new(),
+            serving: BTreeMap::new(),
+            wrong: Vec::new(),
             router: Router::new(config).expect("a valid config"),
             replica: Router::new(replica_config).expect("a valid config"),
             specs: workers(pd),
@@ -204,7 +222,31 @@ impl Run {
         run
     }
 
+    /// Notes every decision among `outputs` that sent a request to a worker (decode or
+    /// prefill) not serving the adapter it names.
+    fn check(&mut self, outputs: &[Output]) {
+        for out in outputs {
+            let Output::Routed(d) = out else { continue };
+            let Some(&adapter) = self.adapter_of.get(&d.request) else {
+                continue;
+            };
+            for worker in std::iter::once(d.worker).chain(d.prefill.map(|p| p.worker)) {
+                if !self.serving.get(&worker).is_some_and(|s| s.contains(&adapter)) {
+                    self.wrong
+                        .push(format!("{:?} (adapter {adapter}) on {worker}", d.request));
+                }
+            }
+        }
+    }
+
     fn apply(&mut self, op: &Op) {
+        let out = self.step(op);
+        self.check(&out);
+    }
+
+    /// Applies `op`; the outputs it caused (decisions among them).
+    fn step(&mut self, op: &Op) -> Vec<Output> {
+        let mut out = Vec::new();
         let now = self.now;
         let (issued, replica_issued) = (self.issued, self.replica_issued);
         let keys: Vec<WorkerKey> = self.specs.iter().map(|s| s.key).collect();
@@ -212,19 +254,36 @@ impl Run {
         let worker = |pick: usize| keys[pick % keys.len()];
         let r = &mut self.router;
         match op {
-            Op::Route(p, prio) => {
+            Op::Route(p, prio, adapter) => {
                 let tokens = p.tokens();
                 let mut request = RouteRequest::new(RequestId(self.issued), Prompt::Tokens(&tokens));
                 request.priority = *prio;
+                let name: Option<&'static str> = adapter.map(|a| ADAPTERS[a]);
+                request.lora_name = name;
+                if let Some(name) = name {
+                    self.adapter_of.insert(request.id, name);
+                }
                 self.issued += 1;
-                r.handle_request(now, &request).expect("a fresh id");
+                if let RouteOutcome::Routed(d) = r.handle_request(now, &request).expect("a fresh id") {
+                    out.push(Output::Routed(d));
+                }
             }
-            Op::FirstToken(i) => drop(r.handle_first_token(now, id(*i))),
+            Op::Adapters(w, mask) => {
+                let names: Vec<&'static str> = (0..ADAPTERS.len())
+                    .filter(|i| mask & (1 << i) != 0)
+                    .map(|i| ADAPTERS[i])
+                    .collect();
+                let key = worker(*w);
+                // The reference first: the decisions this causes go to the worker now serving.
+                self.serving.insert(key, names.clone());
+                out = self.router.handle_adapters(now, key, &names);
+            }
+            Op::FirstToken(i) => out = r.handle_first_token(now, id(*i)).unwrap_or_default(),
             Op::OutputBlock(i) => drop(r.handle_output_block(now, id(*i))),
-            Op::Finish(i) => drop(r.handle_finished(now, id(*i))),
-            Op::Cancel(i) => drop(r.handle_cancelled(now, id(*i))),
+            Op::Finish(i) => out = r.handle_finished(now, id(*i)).unwrap_or_default(),
+            Op::Cancel(i) => out = r.handle_cancelled(now, id(*i)).unwrap_or_default(),
             Op::Advance(ms) => self.now = Timestamp(now.0 + ms * 1_000_000),
-            Op::Tick => drop(r.handle_tick(now)),
+            Op::Tick => out = r.handle_tick(now),
             Op::Stored(w, p) => {
                 let (mut locals, mut chain) = (Vec::new(), Vec::new());
                 let hasher = BlockHasher::new(BLOCK as usize, &HashSalt::NONE);
@@ -242,7 +301,11 @@ impl Run {
             }
             Op::Cleared(w) => drop(r.handle_kv_event(now, worker(*w), IndexEvent::Cleared)),
             Op::Drain(w) => drop(r.handle_worker_draining(now, worker(*w))),
-            Op::Remove(w) => drop(r.handle_worker_removed(now, worker(*w))),
+            Op::Remove(w) => {
+                out = r.handle_worker_removed(now, worker(*w)).unwrap_or_default();
+                // A removed worker serves nothing.
+                self.serving.remove(&worker(*w));
+            }
             Op::Replica(w, p, cached) => {
                 let tokens = p.tokens();
                 let (mut locals, mut chain) = (Vec::new(), Vec::new());
@@ -270,7 +333,7 @@ impl Run {
                     request,
                     change: LoadChange::Added(booking),
                 };
-                drop(r.handle_sync_event(now, &event));
+                out = r.handle_sync_event(now, &event).unwrap_or_default();
             }
             Op::ReplicaFirst(i) | Op::ReplicaFree(i) => {
                 let change = if matches!(op, Op::ReplicaFirst(_)) {
@@ -279,14 +342,16 @@ impl Run {
                     LoadChange::Freed
                 };
                 let request = RequestId(*i as u64 % replica_issued.max(1));
-                drop(r.handle_sync_event(
-                    now,
-                    &SyncEvent {
-                        router: RouterId(7),
-                        request,
-                        change,
-                    },
-                ));
+                out = r
+                    .handle_sync_event(
+                        now,
+                        &SyncEvent {
+                            router: RouterId(7),
+                            request,
+                            change,
+                        },
+                    )
+                    .unwrap_or_default();
             }
         }
         self.forward();
@@ -296,6 +361,7 @@ impl Run {
             Op::Remove(w) => drop(self.replica.handle_worker_removed(now, worker(*w))),
             _ => {}
         }
+        out
     }
 
     /// Applies the router's exported events to the replica.
@@ -312,7 +378,8 @@ impl Run {
     fn finish_all(&mut self) {
         for _ in 0..self.issued + 2 {
             for id in 0..self.issued {
-                let _ = self.router.handle_cancelled(self.now, RequestId(id));
+                let out = self.router.handle_cancelled(self.now, RequestId(id));
+                self.check(&out.unwrap_or_default());
             }
             for id in 0..self.replica_issued {
                 let event = SyncEvent {
@@ -406,5 +473,6 @@ proptest! {
             prop_assert!(w.load.is_idle(), "worker {} kept load {:?}", w.spec.key, w.load);
         }
         prop_assert!(synced_loads(&run.replica).iter().all(|(_, l)| l.is_idle()));
+        prop_assert!(run.wrong.is_empty(), "requests on workers not serving their adapter: {:?}", run.wrong);
     }
 }

@@ -437,6 +437,12 @@ impl Harness {
                 };
                 fmt_result(self.router().handle_sync_event(now, &event), |o| fmt_outputs(&o))
             }
+            "adapters" => {
+                // `adapters W a,b`: worker W serves adapters a and b (`-` for none).
+                let names: Vec<&str> = arg(1).split(',').filter(|n| *n != "-").collect();
+                let key = worker_key(arg(0));
+                fmt_outputs(&self.router().handle_adapters(now, key, &names))
+            }
             "drain" => fmt_result(
                 self.router().handle_worker_draining(now, worker_key(arg(0))),
                 |()| "ok".to_owned(),
@@ -740,4 +746,5 @@ scripts!(
     policy_llmd,
     sessions,
     session_replicas,
+    adapters,
 );

@@ -380,6 +380,7 @@ impl Scheduler {
                     token_ids: Vec::new(),
                     block_size: limits.block_size,
                     lora_name: seq.lora_name.clone(),
+                    cache_salt: seq.cache_salt.clone().filter(|_| b == 0),
                 });
                 stored.blocks.push(StoredBlock {
                     local: seq.locals[b],
@@ -496,5 +497,6 @@ fn reannouncement(seq: &Sequence, hit_blocks: usize, block_size: u32) -> Option<
         token_ids,
         block_size,
         lora_name: seq.lora_name.clone(),
+        cache_salt: seq.cache_salt.clone(),
     })
 }

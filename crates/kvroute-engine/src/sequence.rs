@@ -17,7 +17,7 @@
 //! this one hashes block 0 with a root value, so the two differ from the first block on, whatever
 //! the seed. Engines configured with different seeds name the same block differently.
 
-use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::hash::{HashSalt, PromptHasher};
 use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, RequestId};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -59,9 +59,11 @@ pub(crate) struct Sequence {
     /// Whether `tokens` holds the real prompt (false for block-hash prompts).
     pub token_ids_known: bool,
     pub lora_name: Option<String>,
+    /// Its `cache_salt` (cache namespace), which salts its first block.
+    pub cache_salt: Option<String>,
     /// What its KV events report of its prefix-cache hits.
     pub kv_report: KvReportMode,
-    hasher: BlockHasher,
+    hasher: PromptHasher,
     /// Prompt blocks whose local hash was given instead of tokens.
     given: Vec<LocalBlockHash>,
     /// Local and external hashes of every full block of `tokens`.
@@ -122,7 +124,7 @@ impl Sequence {
             lora_name: request.lora_name.as_deref(),
             namespace: request.cache_namespace.as_deref(),
         };
-        let hasher = BlockHasher::new(bs as usize, &salt);
+        let hasher = PromptHasher::new(bs as usize, &salt);
         let (tokens, given, token_ids_known) = match request.prompt {
             EnginePrompt::Tokens(tokens) => (tokens, Vec::new(), true),
             EnginePrompt::Blocks { hashes, len } => {
@@ -150,6 +152,7 @@ impl Sequence {
             offset,
             token_ids_known,
             lora_name: request.lora_name,
+            cache_salt: request.cache_namespace,
             kv_report: request.kv_report,
             hasher,
             given,
@@ -221,7 +224,7 @@ impl Sequence {
             let i = self.locals.len();
             let local = match self.given.get(i) {
                 Some(&given) => given,
-                None => self.hasher.local_hash(self.block_tokens(i)),
+                None => self.hasher.local_hash(i, self.block_tokens(i)),
             };
             let external = external_hash(self.external_seed, self.externals.last().copied(), local);
             self.locals.push(local);

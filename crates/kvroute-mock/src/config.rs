@@ -45,6 +45,9 @@ pub struct MockConfig {
     pub default_max_tokens: u32,
     /// The model name served.
     pub model_name: String,
+    /// LoRA adapters loaded at start (vLLM's `--lora-modules`); more can be loaded at run
+    /// time. Default none.
+    pub lora_modules: Vec<crate::LoraModule>,
     /// Whether usage reports cached prompt tokens (vLLM's `--enable-prompt-tokens-details`).
     /// Default [`CachedTokensReport::Reported`], as a vLLM started with that flag: routing
     /// by cache is what kvroute tests, and this is how an engine says what it found cached.
@@ -69,6 +72,7 @@ impl MockConfig {
             engine: Self::default_engine(),
             default_max_tokens: 16,
             model_name: "tiny".to_owned(),
+            lora_modules: Vec::new(),
             cached_tokens: CachedTokensReport::Reported,
         }
     }

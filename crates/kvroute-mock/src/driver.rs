@@ -48,6 +48,8 @@ pub(crate) struct Job {
     pub(crate) prompt: Vec<u32>,
     pub(crate) output_len: u32,
     pub(crate) cache_salt: Option<String>,
+    /// The LoRA adapter it runs under.
+    pub(crate) lora_name: Option<String>,
     /// Its KV comes from a prefill worker ([`EngineHost::import`]).
     pub(crate) import: bool,
     /// What the engine's KV events report of its prefix-cache hits (`vllm_xargs`).
@@ -105,7 +107,7 @@ impl Driver {
             id,
             prompt: EnginePrompt::Tokens(job.prompt.clone()),
             output_len: job.output_len,
-            lora_name: None,
+            lora_name: job.lora_name.clone(),
             cache_namespace: job.cache_salt.clone(),
             kv_report: job.kv_report,
         }

@@ -19,7 +19,6 @@ use tokio::sync::mpsc;
 
 use crate::driver::{Job, JobUpdate};
 use crate::metrics::Stats;
-use crate::openai as responses;
 use crate::openai::{Ending, Shape};
 use crate::parse::{KvRole, kv_role, pick_rank, transfer_params, vllm_tokens};
 use crate::rooms::{BOOTSTRAP_TIMEOUT, Rooms};
@@ -40,6 +39,8 @@ pub(crate) struct MockWorkerState {
     pub(crate) seen: Mutex<std::collections::VecDeque<SeenKvRequest>>,
     pub(crate) model: Arc<Model>,
     pub(crate) model_name: String,
+    /// The LoRA adapters loaded ([`crate::lora`]).
+    pub(crate) adapters: crate::lora::Loaded,
     pub(crate) max_model_len: u32,
     pub(crate) default_max_tokens: u32,
     /// Whether usage reports cached prompt tokens ([`MockConfig::cached_tokens`]).
@@ -123,7 +124,8 @@ async fn submit(w: &Arc<MockWorkerState>, endpoint: Endpoint, req: Request) -> R
     let incoming = read(req).await?;
     // Not JSON (null): `parse` says why.
     let value: Value = serde_json::from_slice(&incoming.body).unwrap_or_default();
-    vllm::check_body(&value, &w.model_name)?;
+    let adapter = crate::lora::requested(&value, &w.model_name, &w.adapters)?;
+    vllm::check_body(&value, adapter.as_deref().unwrap_or(&w.model_name))?;
     if endpoint == Endpoint::Chat {
         vllm::check_chat_template(&value)?;
     }
@@ -148,7 +150,7 @@ async fn submit(w: &Arc<MockWorkerState>, endpoint: Endpoint, req: Request) -> R
     let role = kv_role(&value, w.role)?;
     let rank = &w.ranks[pick_rank(w, incoming.rank_header.as_deref(), &value)?];
     let prompt_tokens = parsed.tokens.len() as u32;
-    let job = engine_job(&parsed, role, w.default_max_tokens);
+    let job = engine_job(&parsed, role, w.default_max_tokens, adapter);
     rank.count(prompt_tokens, role);
     if role != KvRole::Local {
         w.record_seen(value, role, incoming.request_id.clone());
@@ -195,6 +197,7 @@ fn engine_job(
     parsed: &openai::Parsed,
     role: KvRole,
     default_max_tokens: u32,
+    lora_name: Option<String>,
 ) -> impl FnOnce(mpsc::UnboundedSender<JobUpdate>) -> Job {
     let mut output_len = parsed.max_tokens.unwrap_or(default_max_tokens);
     if role.prefills() {
@@ -215,6 +218,7 @@ fn engine_job(
         prompt,
         output_len,
         cache_salt,
+        lora_name,
         import,
         kv_report,
         tx,
@@ -446,5 +450,5 @@ pub(crate) async fn tokenize(State(w): State<Arc<MockWorkerState>>, body: Bytes)
 }
 
 pub(crate) async fn models(State(w): State<Arc<MockWorkerState>>) -> Response {
-    axum::Json(responses::model_list(&w.model_name)).into_response()
+    axum::Json(w.adapters.model_list(&w.model_name)).into_response()
 }

@@ -50,6 +50,7 @@
 mod config;
 mod driver;
 mod handlers;
+mod lora;
 mod metrics;
 mod openai;
 mod parse;
@@ -58,5 +59,6 @@ mod start;
 mod vllm;
 
 pub use config::{MockConfig, MockError};
+pub use lora::LoraModule;
 pub use rooms::BOOTSTRAP_TIMEOUT;
 pub use start::{MockWorker, SEEN_KEPT, SeenKvRequest, start};

@@ -9,17 +9,11 @@ use kvroute_engine::FinishReason as EngineFinish;
 use kvroute_http::openai::Endpoint;
 use kvroute_http::openai::types::{
     CachedTokensReport, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChunkChoice,
-    Completion, CompletionChoice, Delta, ErrorResponse, FinishReason, ModelList, Object, Role, Usage,
-    sse_event,
+    Completion, CompletionChoice, Delta, ErrorResponse, FinishReason, Object, Role, Usage, sse_event,
 };
 use serde_json::Value;
 
 use crate::handlers::MockWorkerState;
-
-/// The model list of `/v1/models`.
-pub(crate) fn model_list(model_name: &str) -> ModelList {
-    ModelList::one(model_name, "kvroute-mock")
-}
 
 impl MockWorkerState {
     pub(crate) fn text(&self, tokens: &[u32]) -> String {

@@ -184,6 +184,7 @@ async fn start_one(
         seen: Mutex::new(std::collections::VecDeque::new()),
         model,
         model_name: config.model_name.clone(),
+        adapters: crate::lora::Loaded::new(&config.lora_modules),
         max_model_len: config.engine.max_model_len,
         default_max_tokens: config.default_max_tokens,
         cached_tokens: config.cached_tokens,
@@ -195,6 +196,8 @@ async fn start_one(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(crate::lora::load))
+        .route("/v1/unload_lora_adapter", post(crate::lora::unload))
         .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))

@@ -103,6 +103,13 @@ pub async fn served_model(
     model: &str,
     timeout: Duration,
 ) -> Option<Verdict> {
+    let list = models(client, worker, timeout).await?;
+    Some(model_verdict(&list, model))
+}
+
+/// `worker`'s `/v1/models`; `None` (said in a warn line) if it does not answer 2xx with a
+/// model list in `timeout`.
+pub async fn models(client: &HttpClient, worker: Worker<'_>, timeout: Duration) -> Option<ModelList> {
     let base = worker.base;
     let request = with_credential(hyper::Request::get(format!("{base}/v1/models")), worker.api_key)
         .body(Full::new(Bytes::new()))
@@ -125,7 +132,7 @@ pub async fn served_model(
             .ok()?
             .to_bytes();
         match serde_json::from_slice::<ModelList>(&body) {
-            Ok(list) => Some(model_verdict(&list, model)),
+            Ok(list) => Some(list),
             Err(e) => {
                 tracing::warn!(base, error = %e, "the worker's /v1/models is not a model list; its model is not checked");
                 None

@@ -224,7 +224,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_retired_worker_keeps_its_request_until_it_ends_and_is_removed_then() {
         let (fleet, id) = fleet();
-        let (guard, target, _) = fleet.driver().route(&[1, 2, 3], None).await.unwrap();
+        let (guard, target, _) = fleet.driver().route(&[1, 2, 3], None, None).await.unwrap();
         assert_eq!(target.decode.worker, id);
         let retiring = tokio::spawn({
             let fleet = Arc::clone(&fleet);
@@ -245,7 +245,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_retired_worker_is_removed_when_its_drain_times_out() {
         let (fleet, id) = fleet();
-        let (guard, _, _) = fleet.driver().route(&[1, 2, 3], None).await.unwrap();
+        let (guard, _, _) = fleet.driver().route(&[1, 2, 3], None, None).await.unwrap();
         let outcome = fleet.retire(id, Duration::from_secs(30)).await;
         assert_eq!(outcome, RetireOutcome::TimedOut { in_flight: 1 });
         assert_eq!(fleet.driver().worker_state(id), None, "removed");

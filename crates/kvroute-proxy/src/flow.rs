@@ -119,6 +119,9 @@ impl Forwarder {
     ) -> Result<Response, ApiError> {
         let driver = &self.driver;
         let timeout = ServeConfig::ms(driver.config.upstream.request_timeout_ms);
+        // A model other than the base one is an adapter some worker serves (checked on
+        // admission).
+        let lora_name = (request.parsed.model.as_deref()).filter(|m| *m != driver.config.model.model_name);
         for attempt in 0..2 {
             let class = request.class;
             let (mut guard, target, decision) = driver
@@ -126,6 +129,7 @@ impl Forwarder {
                     &request.parsed.tokens,
                     request.parsed.cache_salt.as_deref(),
                     crate::driver::Routing {
+                        lora_name,
                         tenant: class.tenant,
                         priority: class.router_priority(),
                         session: request.session,

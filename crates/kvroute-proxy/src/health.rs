@@ -97,7 +97,11 @@ impl Checker {
             api_key: key.as_deref(),
         };
         match check {
-            Check::Model => checks::served_model(&self.client, worker, model_name, timeout).await,
+            Check::Model => {
+                let list = checks::models(&self.client, worker, timeout).await?;
+                driver.set_adapters(id, crate::adapters::adapters_of(&list, model_name));
+                Some(checks::model_verdict(&list, model_name))
+            }
             // Judged on the worker's events, not asked.
             Check::BlockSize => None,
             Check::Tokenization => {

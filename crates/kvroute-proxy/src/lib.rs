@@ -45,6 +45,7 @@
 //! * [`tenants`]: a request's tenant and priority, the tenants' rate limits and metrics.
 //! * [`proxy`]: the HTTP front: start-up, the inference routes, request ids and `/metrics`.
 
+pub mod adapters;
 pub mod admin;
 mod app;
 pub mod autoscale;

@@ -43,7 +43,6 @@ use kvroute_http::model::Model;
 use crate::admin::{bearer, same_secret, unauthorized};
 use crate::health::Checker;
 use kvroute_http::net::{self, Shutdown};
-use kvroute_http::openai::types::ModelList;
 use kvroute_http::openai::{self, ApiError, Endpoint};
 
 /// Why the proxy could not start.
@@ -243,6 +242,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         tasks.push(tokio::spawn(crate::health::run(
             Arc::clone(&driver),
             fleet.checker().clone(),
+        )));
+        tasks.push(tokio::spawn(crate::adapters::run(
+            Arc::clone(&driver),
+            fleet.checker().client.clone(),
         )));
     }
     let mut inference = axum::Router::new()
@@ -465,6 +468,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     *kind_seen = kind;
     if let Some(model) = &parsed.model
         && *model != config.model.model_name
+        && !app.driver.serves_adapter(model)
     {
         return Outcome::Failed(kind, model_not_found(model));
     }
@@ -525,21 +529,13 @@ fn model_not_found(model: &str) -> ApiError {
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(ModelList::one(
-        app.driver.config.model.model_name.clone(),
-        "kvroute",
-    ))
-    .into_response()
+    axum::Json(crate::adapters::model_list(&app.driver)).into_response()
 }
 
 /// `GET /v1/models/{id}`: the model object, or OpenAI's 404.
 async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    let name = &app.driver.config.model.model_name;
-    if id != *name {
-        return model_not_found(&id).into_response();
-    }
-    let mut list = ModelList::one(name.clone(), "kvroute");
-    match list.data.pop() {
+    let list = crate::adapters::model_list(&app.driver);
+    match list.data.into_iter().find(|card| card.id == id) {
         Some(card) => axum::Json(card).into_response(),
         None => model_not_found(&id).into_response(),
     }

@@ -33,7 +33,7 @@ use std::fmt;
 use std::num::NonZeroU32;
 
 use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
-use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::hash::{BlockHasher, HashSalt, PromptHasher};
 use kvroute_core::ids::WorkerKey;
 use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock};
 
@@ -248,7 +248,23 @@ fn stored_blocks(stored: &BlockStored, config: &ApplyConfig<'_>) -> Conversion {
         lora_name: stored.lora_name.as_deref(),
         namespace: config.namespace,
     };
-    let locals = BlockHasher::new(block_size, &salt).local_hashes(token_ids);
+    let mut locals = BlockHasher::new(block_size, &salt).local_hashes(token_ids);
+    // vLLM folds a request's `cache_salt` into the extra keys of its first block alone: a store
+    // that starts a sequence carries it, and its first block is hashed under it as the router
+    // hashes a salted prompt's (`PromptHasher`); later blocks follow from the chain.
+    if stored.parent_block_hash.is_none()
+        && let Some(salt) = stored.cache_salt.as_deref().filter(|s| !s.is_empty())
+        && let Some(first) = locals.first_mut()
+    {
+        let salted = PromptHasher::new(
+            block_size,
+            &HashSalt {
+                lora_name: stored.lora_name.as_deref(),
+                namespace: Some(salt),
+            },
+        );
+        *first = salted.local_hash(0, &token_ids[..block_size]);
+    }
     let blocks = locals
         .into_iter()
         .zip(&stored.block_hashes)
@@ -260,6 +276,10 @@ fn stored_blocks(stored: &BlockStored, config: &ApplyConfig<'_>) -> Conversion {
         token_ids: token_ids.to_vec(),
         block_size: stored.block_size,
         lora_name: stored.lora_name.clone(),
+        cache_salt: stored
+            .cache_salt
+            .clone()
+            .filter(|_| stored.parent_block_hash.is_none()),
     });
     Conversion {
         event: Some(event),

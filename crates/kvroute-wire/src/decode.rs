@@ -153,6 +153,7 @@ struct Fields {
     lora_id: Option<i64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    first_extra_keys: Vec<String>,
     group_idx: Option<u32>,
 }
 
@@ -171,6 +172,7 @@ impl Fields {
                 Field::LoraId => fields.lora_id = nullable(r, i64_)?,
                 Field::Medium => fields.medium = nullable(r, string)?,
                 Field::LoraName => fields.lora_name = nullable(r, string)?,
+                Field::ExtraKeys => fields.first_extra_keys = first_extra_strings(r)?,
                 Field::GroupIdx => fields.group_idx = nullable(r, u32_)?,
             }
             Ok(())
@@ -182,6 +184,7 @@ impl Fields {
         let missing = |name| PayloadError::from(Problem::Missing(name));
         Ok(match kind {
             Kind::Stored => WireEvent::BlockStored(BlockStored {
+                cache_salt: cache_salt(self.first_extra_keys, self.lora_name.as_deref()),
                 block_hashes: self.block_hashes.ok_or_else(|| missing("block_hashes"))?,
                 parent_block_hash: self
                     .parent_block_hash
@@ -251,6 +254,45 @@ fn nullable<T>(
         return Ok(None);
     }
     value(r).map(Some)
+}
+
+/// The strings among the first block's extra keys (`extra_keys[0]`, a tuple or nil; the
+/// field itself may be nil), other values skipped; the other blocks' keys are skipped. Keys of
+/// a shape vLLM does not send are skipped too: they name no salt, and the blocks still apply.
+fn first_extra_strings(r: &mut Reader<'_>) -> Result<Vec<String>, PayloadError> {
+    let blocks = match r.head()? {
+        Head::Array(n) => n,
+        other => {
+            r.skip_items_of(other)?;
+            return Ok(Vec::new());
+        }
+    };
+    let mut out = Vec::new();
+    if blocks > 0 {
+        match r.head().within(Segment::Index(0))? {
+            Head::Array(keys) => {
+                for i in 0..keys as usize {
+                    match r.head().within(Segment::Index(i))? {
+                        Head::Str(bytes) => out.extend(std::str::from_utf8(bytes).ok().map(str::to_owned)),
+                        other => r.skip_items_of(other)?,
+                    }
+                }
+            }
+            other => r.skip_items_of(other)?,
+        }
+        r.skip_n(u64::from(blocks) - 1)?;
+    }
+    Ok(out)
+}
+
+/// The `cache_salt` among a first block's string extra keys: vLLM writes the LoRA name first
+/// (when there is one), then multimodal identifiers, then the salt, so the salt is the last
+/// string after the LoRA name. Multimodal requests are not told apart from salted ones.
+fn cache_salt(mut keys: Vec<String>, lora_name: Option<&str>) -> Option<String> {
+    if lora_name.is_some() && keys.first().map(String::as_str) == lora_name {
+        keys.remove(0);
+    }
+    keys.pop().filter(|s| !s.is_empty())
 }
 
 fn hash(r: &mut Reader<'_>) -> Result<ExternalBlockHash, PayloadError> {

@@ -66,6 +66,13 @@ enum Value<'a> {
     Str(&'a str),
     Hashes(&'a [kvroute_core::ids::ExternalBlockHash]),
     Tokens(&'a [u32]),
+    /// `extra_keys` as vLLM writes them for a store under these: the LoRA name in every
+    /// block's, the salt after it in the first block's.
+    ExtraKeys {
+        blocks: usize,
+        lora_name: Option<&'a str>,
+        cache_salt: &'a str,
+    },
 }
 
 fn field_value(event: &WireEvent, field: Option<Field>) -> Value<'_> {
@@ -79,6 +86,15 @@ fn field_value(event: &WireEvent, field: Option<Field>) -> Value<'_> {
             Field::LoraId => e.lora_id.map_or(Value::Nil, Value::Int),
             Field::Medium => opt_str(e.medium.as_deref()),
             Field::LoraName => opt_str(e.lora_name.as_deref()),
+            // Written only for a salted store: otherwise nil, as every store before read.
+            Field::ExtraKeys => match e.cache_salt.as_deref() {
+                Some(cache_salt) => Value::ExtraKeys {
+                    blocks: e.block_hashes.len(),
+                    lora_name: e.lora_name.as_deref(),
+                    cache_salt,
+                },
+                None => Value::Nil,
+            },
             Field::GroupIdx => opt_u32(e.group_idx),
         },
         (WireEvent::BlockRemoved(e), Some(Field::BlockHashes)) => Value::Hashes(&e.block_hashes),
@@ -110,6 +126,25 @@ fn value(w: &mut Writer, event: &WireEvent, field: Option<Field>) -> Result<(), 
         Value::Tokens(tokens) => {
             w.array_len(tokens.len(), "token_ids")?;
             tokens.iter().for_each(|&t| w.uint(t.into()));
+        }
+        Value::ExtraKeys {
+            blocks,
+            lora_name,
+            cache_salt,
+        } => {
+            w.array_len(blocks, "extra_keys")?;
+            for block in 0..blocks {
+                let salt = (block == 0).then_some(cache_salt);
+                let keys: Vec<&str> = lora_name.into_iter().chain(salt).collect();
+                if keys.is_empty() {
+                    w.nil();
+                } else {
+                    w.array_len(keys.len(), "a block's extra keys")?;
+                    for key in keys {
+                        w.str(key, "an extra key")?;
+                    }
+                }
+            }
         }
     }
     Ok(())

@@ -64,6 +64,10 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// The LoRA adapter the blocks were computed under.
     pub lora_name: Option<String>,
+    /// The request's `cache_salt`, read from the first block's `extra_keys` (vLLM puts it
+    /// there, after the LoRA name, when the block starts at token 0); only a store that starts
+    /// a sequence has it. The other extra keys (multimodal, prompt embeddings) are not kept.
+    pub cache_salt: Option<String>,
     /// The KV-cache group (hybrid models send one event per group); `None` when not sent.
     pub group_idx: Option<u32>,
 }
@@ -159,6 +163,7 @@ impl From<&BlocksStored> for BlockStored {
             lora_id: None,
             medium: Some(MEDIUM_GPU.to_owned()),
             lora_name: stored.lora_name.clone(),
+            cache_salt: stored.cache_salt.clone(),
             group_idx: None,
         }
     }

@@ -26,6 +26,7 @@
 //!         lora_id: None,
 //!         medium: Some("GPU".into()),
 //!         lora_name: None,
+//!         cache_salt: None,
 //!         group_idx: None,
 //!     })],
 //!     dp_rank: Some(0),
@@ -75,10 +76,12 @@
 //!   skipped without recursion, and a malformed payload is a [`PayloadError`] naming the path to
 //!   the bad value. `tests/fuzz_decode.rs` runs structured mutations of real payloads.
 //!
-//! Deliberately absent: sockets and threads (the server's job); `extra_keys` (multimodal and
-//! cache-salt keys are not decoded: a block stored under them hashes as its tokens alone, and the
-//! index refuses the clash as a duplicate prefix rather than mixing them silently); encoding the
-//! 2025 schema or map batches, which no current engine expects.
+//! * **`extra_keys`**: only the first block's `cache_salt` is read (`BlockStored::cache_salt`),
+//!   which salts that block's hash as the router salts a prompt's; multimodal and prompt-embedding
+//!   keys are not, so such a block hashes as its tokens alone.
+//!
+//! Deliberately absent: sockets and threads (the server's job); multimodal extra keys; encoding
+//! the 2025 schema or map batches, which no current engine expects.
 #![forbid(unsafe_code)]
 
 mod apply;

@@ -20,6 +20,8 @@ pub(crate) enum Field {
     LoraId,
     Medium,
     LoraName,
+    /// Read for the first block's `cache_salt` alone.
+    ExtraKeys,
     GroupIdx,
 }
 
@@ -62,7 +64,7 @@ const BLOCK_STORED: &[FieldSpec] = &[
     required("lora_id", Field::LoraId),
     required("medium", Field::Medium),
     required("lora_name", Field::LoraName),
-    optional("extra_keys", None),
+    optional("extra_keys", Some(Field::ExtraKeys)),
     optional("group_idx", Some(Field::GroupIdx)),
     optional("kv_cache_spec_kind", None),
     optional("kv_cache_spec_sliding_window", None),

@@ -118,6 +118,7 @@ fn store(hashes: &[u64], tokens: usize, block_size: u32) -> WireEvent {
         lora_id: None,
         medium: Some("gpu".into()),
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })
 }
@@ -298,4 +299,58 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         "{events} events, {:?}",
         direct.stats()
     );
+}
+
+/// vLLM folds a request's `cache_salt` into its first block's extra keys alone: a store that
+/// starts the sequence carries it (after the LoRA name), one that continues it does not. Through
+/// both encodings, the stored chain is found by the prompt hashed as the router hashes a salted
+/// request (`PromptHasher`), and by no other salt's or the unsalted prompt.
+#[test]
+fn a_salted_chain_is_found_by_its_salt_alone() {
+    let tokens: Vec<u32> = (100..112).collect();
+    let stored = |hashes: &[u64], parent: Option<u64>, range: std::ops::Range<usize>, salt: Option<&str>| {
+        WireEvent::BlockStored(BlockStored {
+            block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
+            parent_block_hash: parent.map(ExternalBlockHash),
+            token_ids: tokens[range].to_vec(),
+            block_size: 4,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: Some("sql".into()),
+            cache_salt: salt.map(str::to_owned),
+            group_idx: None,
+        })
+    };
+    let batch = EventBatch {
+        topic: String::new(),
+        seq: 0,
+        ts: 0.0,
+        events: vec![
+            stored(&[1, 2], None, 0..8, Some("tenant")),
+            stored(&[3], Some(2), 8..12, None),
+        ],
+        dp_rank: None,
+    };
+    let prompt = |lora_name, namespace| {
+        kvroute_core::hash::PromptHasher::new(4, &HashSalt { lora_name, namespace }).local_hashes(&tokens)
+    };
+    for encoding in [EventEncoding::Map, EventEncoding::Positional] {
+        let bytes = batch.encode_payload(encoding).unwrap();
+        let decoded = EventBatch::decode_payload("", 0, &bytes).unwrap();
+        assert_eq!(decoded.events, batch.events, "{encoding:?}");
+        let (index, out) = script(&decoded, &config(4), &prompt(Some("sql"), Some("tenant")));
+        expect![[r#"
+            Ok(ApplyReport { applied: Stored { blocks: 2 }, skipped: None }) => depth 2, 2 held
+            Ok(ApplyReport { applied: Stored { blocks: 1 }, skipped: None }) => depth 3, 3 held
+        "#]]
+        .assert_eq(&out);
+        for (lora, salt) in [
+            (Some("sql"), None),
+            (Some("sql"), Some("other")),
+            (None, Some("tenant")),
+        ] {
+            let depth = index.find_matches(&prompt(lora, salt), false).depth(W);
+            assert_eq!(depth, 0, "{lora:?} {salt:?}");
+        }
+    }
 }

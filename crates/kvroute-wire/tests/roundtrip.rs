@@ -67,6 +67,7 @@ fn long_arrays_and_strings_use_their_wide_formats() {
             lora_id: Some(-40_000),
             medium: Some("GPU".into()),
             lora_name: Some("l".repeat(300)),
+            cache_salt: None,
             group_idx: None,
         })],
         dp_rank: Some(70_000),

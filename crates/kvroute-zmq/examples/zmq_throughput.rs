@@ -22,6 +22,7 @@ fn event(i: u64) -> WireEvent {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })
 }

@@ -67,6 +67,7 @@ fn payload(i: u64) -> Vec<u8> {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         })],
         dp_rank: Some(0),

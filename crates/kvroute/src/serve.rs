@@ -487,6 +487,11 @@ pub struct MockArgs {
     /// vLLM's X-data-parallel-rank header or SGLang's data_parallel_rank field.
     #[arg(long, default_value_t = 1)]
     pub dp: u32,
+    /// LoRA adapters every worker serves from its start, `NAME=PATH` as vLLM's
+    /// `--lora-modules` (listed on `/v1/models` with the model as parent); more can be loaded
+    /// at run time through `/v1/load_lora_adapter`.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<kvroute_mock::LoraModule>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
@@ -670,6 +675,7 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
     }
     config.default_max_tokens = args.default_max_tokens;
     config.model_name = args.model_name.clone();
+    config.lora_modules = args.lora_modules.clone();
     let model = Arc::new(match &args.model_dir {
         Some(dir) => Model::load(dir)?,
         None => Model::tiny()?,

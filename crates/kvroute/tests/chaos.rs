@@ -396,6 +396,7 @@ fn stored(first: u64, n: u64, parent: Option<u64>) -> kvroute_wire::WireEvent {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })
 }

@@ -271,6 +271,7 @@ fn stored(hash: u64) -> Vec<WireEvent> {
         lora_id: None,
         medium: None,
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })]
 }

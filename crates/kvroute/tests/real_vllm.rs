@@ -5,8 +5,10 @@
 //!
 //! What it checks, every routed request included: the tokens kvroute predicts cached on the
 //! worker it chose equal the `cached_tokens` the engine reports, for text completions, chat and
-//! token-id prompts, and prompts cut by `truncate_prompt_tokens`; a repeated prompt goes back to
-//! the same worker; after an engine restart and after a health flap (the engine stopped, then
+//! token-id prompts, prompts cut by `truncate_prompt_tokens`, requests under a LoRA adapter (a
+//! tiny random one, `scripts/real-vllm/make_lora.py`: served by engine a from its start, and
+//! loaded on engine b at run time, each adapter's requests going only to its engine) and under a
+//! `cache_salt` (another salt hits nothing); a repeated prompt goes back to the same worker; after an engine restart and after a health flap (the engine stopped, then
 //! continued) the same holds without any manual step. From zero: a request waits in the queue
 //! while the planner's `process` actuator starts an engine, is served once it registers, its
 //! repeat is predicted exactly, and the engine stops with the proxy.
@@ -89,10 +91,28 @@ impl Engine {
             .args([
                 "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
-                "--kv-events-config",
+                "--enable-lora",
+                "--max-lora-rank",
+                "8",
+                "--max-loras",
+                "2",
             ])
+            // Engine a serves adapter `sql` from its start; any engine may load more at run time.
+            .args(
+                (self.name == "a")
+                    .then(|| {
+                        [
+                            "--lora-modules".to_owned(),
+                            format!("sql={}", dir.join("lora").display()),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
+            .arg("--kv-events-config")
             .arg(kv_events.to_string())
             .envs([
+                ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),
                 ("HF_HUB_OFFLINE", "1"),
                 ("VLLM_NO_USAGE_STATS", "1"),
                 ("DO_NOT_TRACK", "1"),
@@ -384,6 +404,9 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
         );
     }
 
+    eprintln!("-- LoRA adapters and cache salts");
+    lora_and_salts(&http, &base, &admin, &dir, &engines).await;
+
     eprintln!("-- an engine of each holds a prompt");
     // A prompt cached on each engine, to find again after the restart and the flap.
     let mut on = std::collections::BTreeMap::new();
@@ -437,6 +460,53 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     }
     affinity(&http, &base, "/v1/completions", &completion("after flap")).await;
     let _ = std::fs::remove_dir_all(&run);
+}
+
+/// Adapter `sql` (engine a's from its start) is listed by kvroute with its parent, and its
+/// requests go to engine a, predicted as the engine reports (blocks salted with the adapter on
+/// both sides); adapter `late`, loaded on engine b at run time, becomes routable there. A
+/// `cache_salt` is predicted as the engine reports, and the same text under another salt hits
+/// nothing on either side.
+async fn lora_and_salts(http: &Http, base: &str, admin: &str, dir: &Path, engines: &[Engine]) {
+    let id = async |e: &Engine| {
+        let entry = worker_entry(http, admin, &e.url()).await.unwrap();
+        entry["id"].to_string()
+    };
+    let listed = async |h: &Http, name: &str| {
+        h.call("GET", &format!("{base}/v1/models"), None)
+            .await
+            .is_some_and(|r| {
+                r.body["data"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|m| m["id"] == name && m["parent"] == "tiny"))
+            })
+    };
+    http.wait_until("adapter sql listed", PATIENCE, async |h| listed(h, "sql").await)
+        .await;
+    let lora = |model: &str, tag: &str| json!({"model": model, "prompt": text(tag), "max_tokens": 2});
+    let hit = affinity(http, base, "/v1/completions", &lora("sql", "lora")).await;
+    assert_eq!(hit.worker, id(&engines[0]).await, "only engine a serves `sql`");
+    // The same text under the base model is another prefix for the engine and for kvroute.
+    let plain = send(http, base, "/v1/completions", &lora("tiny", "lora")).await;
+    assert_eq!(plain.reported, 0, "the adapter's blocks are not the base model's");
+
+    let b = &engines[1];
+    let load = json!({"lora_name": "late", "lora_path": dir.join("lora")});
+    let reply = http
+        .call("POST", &format!("{}/v1/load_lora_adapter", b.url()), Some(&load))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    http.wait_until("adapter late listed", PATIENCE, async |h| listed(h, "late").await)
+        .await;
+    let hit = affinity(http, base, "/v1/completions", &lora("late", "late")).await;
+    assert_eq!(hit.worker, id(b).await, "only engine b serves `late`");
+
+    let salted =
+        |salt: &str| json!({"model": "tiny", "prompt": text("salted"), "max_tokens": 2, "cache_salt": salt});
+    affinity(http, base, "/v1/completions", &salted("tenant-a")).await;
+    let other = send(http, base, "/v1/completions", &salted("tenant-b")).await;
+    assert_eq!(other.reported, 0, "another salt shares no block");
 }
 
 /// The planner's file of the scale-from-zero check: one agg pool from 0 to 1 worker, started

@@ -16,7 +16,8 @@
 //!   - cache: [`Router::handle_kv_event`];
 //!   - fleet: [`Router::handle_worker_added`], [`Router::handle_worker_draining`],
 //!     [`Router::handle_worker_suspended`] (out of routing, bookings and cache view kept),
-//!     [`Router::handle_worker_removed`];
+//!     [`Router::handle_worker_removed`], [`Router::handle_adapters`] (the LoRA adapters a worker
+//!     serves: a request naming one goes only to those workers);
 //!   - replicas: [`Router::handle_sync_event`] (a peer's load change; see the `sync` module for
 //!     duplicates, tombstones and ordering), [`Router::handle_peer_lost`] (release a silent
 //!     peer's bookings);
@@ -59,6 +60,7 @@
 //! * The queue is non-empty only while every eligible worker is busy (or none is eligible):
 //!   every input that frees capacity or adds a worker re-checks it.
 
+mod adapters;
 mod busy;
 mod chain_trie;
 mod config;
@@ -107,6 +109,7 @@ pub use spec::{OptionError, RouterOptions, RouterSpec, SpecError};
 pub use sync::{Booking, LoadChange, PeerTracker, RouterId, SyncConfig, SyncEvent, SyncMode};
 pub use worker::{WorkerRole, WorkerSpec};
 
+use adapters::Adapters;
 use fair::FairShare;
 use fleet::{Fleet, FleetError, RequestKey};
 use queue::{WaitQueue, Waiting};
@@ -116,7 +119,7 @@ use scan::{ArgminScratch, Stage};
 use session::SessionTable;
 use sync::{Mark, Tombstones};
 
-use crate::hash::{BlockHasher, HashSalt, sequence_hashes_shared};
+use crate::hash::{HashSalt, PromptHasher, sequence_hashes_shared};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
 use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
 use crate::time::Timestamp;
@@ -198,6 +201,7 @@ pub struct Router {
     index: PrefixIndex,
     recent: Option<RecentChains>,
     fleet: Fleet,
+    adapters: Adapters,
     queue: WaitQueue,
     fair: FairShare,
     counters: RouterCounters,
@@ -230,6 +234,7 @@ impl Router {
             }),
             recent,
             fleet: Fleet::default(),
+            adapters: Adapters::default(),
             queue: WaitQueue::new(config.queue),
             fair: FairShare::new(config.fair.clone()),
             counters: RouterCounters::default(),
@@ -382,14 +387,27 @@ impl Router {
         }
     }
 
-    /// Removes a worker and forgets its cache; its active requests are dropped (a suspended
-    /// worker's too).
+    /// Sets the LoRA adapters `worker` serves (replacing what it served before): requests naming
+    /// an adapter go only to workers that serve it. Queued requests may now be released to it.
+    /// The worker need not be in the fleet yet; [`Router::handle_worker_removed`] forgets them.
+    pub fn handle_adapters(&mut self, now: Timestamp, worker: WorkerKey, adapters: &[&str]) -> Vec<Output> {
+        let now = self.advance(now);
+        if self.adapters.set(worker, adapters) {
+            self.release(now)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Removes a worker and forgets its cache and its adapters; its active requests are
+    /// dropped (a suspended worker's too).
     pub fn handle_worker_removed(
         &mut self,
         now: Timestamp,
         worker: WorkerKey,
     ) -> Result<Vec<Output>, RouterError> {
         let now = self.advance(now);
+        self.adapters.remove_worker(worker);
         let Some(dropped) = self.fleet.remove_worker(worker) else {
             // Known to the index alone: nothing booked, only its cache to forget.
             return match self.index.remove_worker(worker) {
@@ -736,7 +754,7 @@ impl Router {
         let locals = std::mem::take(&mut self.scratch.locals);
         self.compute_overlaps(now, &locals, &prepared.chain);
         self.scratch.locals = locals;
-        let _ = self.fill_candidates(Stage::Decode, &prepared.chain);
+        let _ = self.fill_candidates(Stage::Decode, &prepared.chain, prepared.adapter.as_deref());
         Ok(self.scratch.candidates.clone())
     }
 
@@ -751,7 +769,11 @@ impl Router {
         {
             return Err(format!("session {s:?} bound to {w}, not in routing"));
         }
-        if !self.queue.is_empty() && self.has_free_worker() {
+        if self
+            .queue
+            .iter()
+            .any(|w| self.has_free_worker(w.request.adapter.as_deref()))
+        {
             return Err(format!(
                 "{} requests wait while a worker is free",
                 self.queue.len()
@@ -773,7 +795,7 @@ impl Router {
                     lora_name: request.lora_name,
                     namespace: request.cache_salt,
                 };
-                let chain = BlockHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
+                let chain = PromptHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
                 (chain, tokens.len() as u64)
             }
             Prompt::Blocks {
@@ -801,6 +823,7 @@ impl Router {
             tenant: request.tenant,
             expected_output_tokens: request.expected_output_tokens,
             session: request.session,
+            adapter: request.lora_name.filter(|n| !n.is_empty()).map(Arc::from),
         })
     }
 
@@ -813,12 +836,16 @@ impl Router {
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
         let view = request.view(now, self.config.block_size);
-        let stay = request.session.and_then(|s| self.session_stay(s, &request.chain));
+        let adapter = request.adapter.as_deref();
+        let stay = request
+            .session
+            .and_then(|s| self.session_stay(s, &request.chain))
+            .filter(|c| self.adapters.serves(adapter, c.spec.key));
         let chosen = match stay {
             Some(c) => c,
-            None => self.choose(Stage::Decode, &view)?,
+            None => self.choose(Stage::Decode, &view, adapter)?,
         };
-        let prefill = self.choose_prefill(&view, &chosen);
+        let prefill = self.choose_prefill(&view, &chosen, adapter);
         let prefill_overlap = prefill.map_or(chosen.overlap_blocks, |p| p.overlap_blocks);
         let hint = PrefillLoadHint::new(
             request.prompt_tokens,
@@ -878,7 +905,12 @@ impl Router {
     }
 
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.
-    fn choose_prefill(&mut self, view: &RequestView<'_>, decode: &Candidate) -> Option<Candidate> {
+    fn choose_prefill(
+        &mut self,
+        view: &RequestView<'_>,
+        decode: &Candidate,
+        adapter: Option<&str>,
+    ) -> Option<Candidate> {
         let applies = decode.spec.role == WorkerRole::Decode
             && self.fleet.has_prefill_workers()
             && self
@@ -888,7 +920,7 @@ impl Router {
         if !applies {
             return None;
         }
-        let Ok(pick) = self.choose(Stage::Prefill, view) else {
+        let Ok(pick) = self.choose(Stage::Prefill, view, adapter) else {
             self.counters.disagg_without_prefill_worker += 1;
             return None;
         };
@@ -999,13 +1031,20 @@ impl Router {
         }
     }
 
-    /// Routes queued requests while an eligible worker is not busy.
+    /// Routes queued requests while an eligible worker is not busy. A request for an adapter
+    /// none of whose workers is free waits on, in its place, while requests behind it go.
     fn release(&mut self, now: Timestamp) -> Vec<Output> {
         let mut out = Vec::new();
-        while !self.queue.is_empty() && self.has_free_worker() {
+        let mut held = Vec::new();
+        while !self.queue.is_empty() && self.has_free_worker(None) {
             let Some((key, waiting)) = self.queue.pop(&self.fair) else {
                 break;
             };
+            if waiting.request.adapter.is_some() && !self.has_free_worker(waiting.request.adapter.as_deref())
+            {
+                held.push((key, waiting));
+                continue;
+            }
             match self.place(now, &waiting.request, &waiting.locals) {
                 Ok(decision) => {
                     self.counters.released += 1;
@@ -1013,18 +1052,25 @@ impl Router {
                 }
                 Err(_) => {
                     // Unreachable while busy depends only on load: put it back and stop.
-                    self.queue.put_back(key, waiting);
+                    held.push((key, waiting));
                     break;
                 }
             }
         }
+        for (key, waiting) in held {
+            self.queue.put_back(key, waiting);
+        }
         out
     }
 
-    /// Whether some worker that decodes is neither draining nor busy.
-    fn has_free_worker(&self) -> bool {
+    /// Whether some worker that decodes (and serves `adapter`, if one is named) is neither
+    /// draining nor busy.
+    fn has_free_worker(&self, adapter: Option<&str>) -> bool {
         self.fleet.workers().iter().any(|w| {
-            w.spec.role.tracks_decode() && !w.draining && !self.config.busy.is_busy(&w.spec, &w.load())
+            w.spec.role.tracks_decode()
+                && !w.draining
+                && self.adapters.serves(adapter, w.spec.key)
+                && !self.config.busy.is_busy(&w.spec, &w.load())
         })
     }
 

@@ -82,6 +82,10 @@ pub(crate) type Key = (Reverse<i32>, TenantId, (u64, u64));
 /// One tenant's waiting requests in one tier, by (policy key, arrival).
 type Line = BTreeMap<(u64, u64), Waiting>;
 
+/// A request's place in the queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place(Key);
+
 /// See the module docs.
 #[derive(Clone, Debug)]
 pub(crate) struct WaitQueue {
@@ -183,6 +187,13 @@ impl WaitQueue {
         };
         let waiting = self.take(key)?;
         Some((key, waiting))
+    }
+
+    /// The waiting requests, in no particular order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiting> {
+        self.tiers
+            .values()
+            .flat_map(|tenants| tenants.values().flat_map(|line| line.values()))
     }
 
     /// Removes request `id` if it waits.

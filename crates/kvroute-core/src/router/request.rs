@@ -99,6 +99,8 @@ pub(crate) struct Prepared {
     pub(crate) tenant: TenantId,
     pub(crate) expected_output_tokens: Option<u32>,
     pub(crate) session: Option<SessionId>,
+    /// The LoRA adapter the request names: only workers serving it may take it.
+    pub(crate) adapter: Option<Arc<str>>,
 }
 
 impl Prepared {

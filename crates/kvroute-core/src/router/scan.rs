@@ -236,10 +236,20 @@ impl Router {
     }
 
     /// Chooses a worker of `stage`'s pool for `view` with `stage`'s policy, the overlaps being
-    /// in `scratch.overlaps`. Errs if no worker is eligible, or if every eligible one is busy.
-    pub(super) fn choose(&mut self, stage: Stage, view: &RequestView<'_>) -> Result<Candidate, Blocked> {
-        let Some(params) = self.policy_of(stage).argmin_cost().copied() else {
-            return self.full_scan(stage, view);
+    /// in `scratch.overlaps`, among the workers serving `adapter` if one is named. Errs if no
+    /// worker is eligible, or if every eligible one is busy.
+    ///
+    /// A request naming an adapter takes the full scan: the argmin scan's idle classes know
+    /// nothing of adapters.
+    pub(super) fn choose(
+        &mut self,
+        stage: Stage,
+        view: &RequestView<'_>,
+        adapter: Option<&str>,
+    ) -> Result<Candidate, Blocked> {
+        let params = match self.policy_of(stage).argmin_cost() {
+            Some(params) if adapter.is_none() => *params,
+            _ => return self.full_scan(stage, view, adapter),
         };
         let pick = self.argmin_scan(stage, &params, view);
         #[cfg(debug_assertions)]
@@ -261,7 +271,7 @@ impl Router {
         pick: &Result<Candidate, Blocked>,
     ) -> Result<(), String> {
         let rng = self.rng.clone();
-        let full = self.full_scan(stage, view);
+        let full = self.full_scan(stage, view, None);
         self.rng = rng;
         let (pick, full) = match (pick, full) {
             (Err(a), Err(b)) if *a == b => return Ok(()),
@@ -285,9 +295,14 @@ impl Router {
         Ok(())
     }
 
-    /// The full scan: every candidate, then the policy.
-    pub(super) fn full_scan(&mut self, stage: Stage, view: &RequestView<'_>) -> Result<Candidate, Blocked> {
-        self.fill_candidates(stage, view.chain)?;
+    /// The full scan: every candidate (serving `adapter`, if one is named), then the policy.
+    pub(super) fn full_scan(
+        &mut self,
+        stage: Stage,
+        view: &RequestView<'_>,
+        adapter: Option<&str>,
+    ) -> Result<Candidate, Blocked> {
+        self.fill_candidates(stage, view.chain, adapter)?;
         let policy = match stage {
             Stage::Decode => &mut self.policy,
             Stage::Prefill => &mut self.prefill_policy,
@@ -297,16 +312,22 @@ impl Router {
         Ok(candidates[pick.min(candidates.len() - 1)])
     }
 
-    /// Fills `scratch.candidates` with the workers of `stage`'s pool, not draining and not busy.
-    /// Errs if no worker is eligible, or if every eligible one is busy.
-    pub(super) fn fill_candidates(&mut self, stage: Stage, chain: &[SequenceHash]) -> Result<(), Blocked> {
+    /// Fills `scratch.candidates` with the workers of `stage`'s pool, not draining, not busy,
+    /// and serving `adapter` if one is named. Errs if no worker is eligible, or if every
+    /// eligible one is busy.
+    pub(super) fn fill_candidates(
+        &mut self,
+        stage: Stage,
+        chain: &[SequenceHash],
+        adapter: Option<&str>,
+    ) -> Result<(), Blocked> {
         let Scratch {
             overlaps, candidates, ..
         } = &mut self.scratch;
         candidates.clear();
         let mut eligible = 0;
         for (w, &overlap) in self.fleet.workers().iter().zip(overlaps.iter()) {
-            if w.draining || !stage.admits(w.spec.role) {
+            if w.draining || !stage.admits(w.spec.role) || !self.adapters.serves(adapter, w.spec.key) {
                 continue;
             }
             eligible += 1;

@@ -239,6 +239,8 @@ impl ModelList {
                 object: Object::Model,
                 created: 0,
                 owned_by: owned_by.into(),
+                root: None,
+                parent: None,
             }],
         }
     }
@@ -255,6 +257,12 @@ pub struct ModelCard {
     pub created: u64,
     /// Its owner.
     pub owned_by: String,
+    /// vLLM's `root`: a base model's path, a LoRA adapter's path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
+    /// vLLM's `parent`: a LoRA adapter's base model (`None` for a base model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 /// An error response: `{"error": {...}}`.

@@ -194,6 +194,7 @@ async fn live(lines: &[Line]) -> String {
             prompt: line.prompt.clone(),
             output_len: line.output,
             cache_salt: None,
+            lora_name: None,
             import: line.import,
             kv_report: kvroute_engine::KvReportMode::Incremental,
             tx,

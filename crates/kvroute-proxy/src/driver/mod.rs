@@ -35,6 +35,7 @@ use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::worker::HealthPolicy;
 
+mod adapters;
 mod guard;
 mod observe;
 mod replicas;
@@ -43,6 +44,7 @@ mod route;
 mod tests;
 mod workers;
 
+pub use adapters::AdapterSet;
 pub use guard::RequestGuard;
 pub use observe::pool_of;
 pub(crate) use replicas::announced;
@@ -67,6 +69,8 @@ struct DriverState {
     registry: Registry,
     /// Traffic gathered for the live planner (none without one).
     gathering: Option<observe::Gathering>,
+    /// The LoRA adapters each worker serves ([`Driver::set_adapters`]).
+    adapters: std::collections::BTreeMap<WorkerId, AdapterSet>,
 }
 
 /// The router driver: the one code that touches the `Router`, shared by every request handler
@@ -143,6 +147,7 @@ impl Driver {
                     successes: config.upstream.health_success_threshold,
                 }),
                 gathering: None,
+                adapters: std::collections::BTreeMap::new(),
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(0),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::hash::{HashSalt, PromptHasher};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, SessionId,
@@ -75,11 +75,13 @@ pub struct Target {
     pub prefill: Option<Upstream>,
 }
 
-/// What the router reads of a request besides its prompt: its tenant and queue priority (the
-/// router's convention: higher first), and its conversation (the session header's), kept on
-/// its worker by the router's session rule.
+/// What the router reads of a request besides its prompt and salt: its LoRA adapter, its tenant
+/// and queue priority (the router's convention: higher first), and its conversation (the
+/// session header's), kept on its worker by the router's session rule.
 #[derive(Clone, Copy, Debug)]
-pub struct Routing {
+pub struct Routing<'a> {
+    /// The LoRA adapter it runs under, which only the workers serving it may take.
+    pub lora_name: Option<&'a str>,
     /// The tenant charged for it in the fair share.
     pub tenant: TenantId,
     /// Its queue priority, higher first.
@@ -88,10 +90,11 @@ pub struct Routing {
     pub session: Option<SessionId>,
 }
 
-impl Default for Routing {
-    /// No configured tenant, priority 0, no session.
+impl Default for Routing<'_> {
+    /// No adapter, no configured tenant, priority 0, no session.
     fn default() -> Self {
         Self {
+            lora_name: None,
             tenant: TenantId::OTHER,
             priority: 0,
             session: None,
@@ -100,7 +103,8 @@ impl Default for Routing {
 }
 
 impl Driver {
-    /// Routes a prompt of `tokens` (salted by `cache_salt`). Waits in the queue if every worker
+    /// Routes a prompt of `tokens` (salted by `cache_salt`, run under LoRA adapter `lora_name`,
+    /// which only the workers serving it may take). Waits in the queue if every worker
     /// is busy, or, with `when-empty = queue`, if no worker can take it (until one is added or
     /// back in routing); `queue-timeout-ms` bounds the wait. The returned guard owns the
     /// request's load.
@@ -108,26 +112,32 @@ impl Driver {
         self: &Arc<Self>,
         tokens: &[u32],
         cache_salt: Option<&str>,
+        lora_name: Option<&str>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
-        self.route_as(tokens, cache_salt, Routing::default()).await
+        let routing = Routing {
+            lora_name,
+            ..Routing::default()
+        };
+        self.route_as(tokens, cache_salt, routing).await
     }
 
-    /// [`Self::route`] for a request of `routing`'s tenant, priority and session.
+    /// [`Self::route`] for a request of `routing`'s adapter, tenant, priority and session.
     pub async fn route_as(
         self: &Arc<Self>,
         tokens: &[u32],
         cache_salt: Option<&str>,
-        routing: Routing,
+        routing: Routing<'_>,
     ) -> Result<(RequestGuard, Target, Decision), RouteError> {
         let t0 = Instant::now();
         let salt = HashSalt {
-            lora_name: None,
+            lora_name: routing.lora_name,
             namespace: cache_salt,
         };
-        let locals = BlockHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
+        let locals = PromptHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let request = RouteRequest {
+            lora_name: routing.lora_name,
             tenant: routing.tenant,
             priority: routing.priority,
             session: routing.session,

@@ -69,12 +69,15 @@ fn an_unreachable_worker_leaves_at_once_and_needs_fresh_passes_to_return() {
 #[tokio::test(start_paused = true)]
 async fn a_draining_worker_keeps_its_requests_and_leaves_when_it_has_none() {
     let (driver, id) = driver();
-    let (guard, target, _) = driver.route(&[1, 2, 3], None).await.unwrap();
+    let (guard, target, _) = driver.route(&[1, 2, 3], None, None).await.unwrap();
     assert_eq!(target.decode.worker, id);
     assert!(driver.drain_worker(id, Announce::ToPeers));
     assert_eq!(state(&driver), StateName::Draining);
     assert_eq!(driver.worker_statuses()[0].active_requests, 1);
-    assert_eq!(driver.route(&[4], None).await.unwrap_err(), RouteError::NoWorker);
+    assert_eq!(
+        driver.route(&[4], None, None).await.unwrap_err(),
+        RouteError::NoWorker
+    );
     guard.finish(None, false);
     assert_eq!(state(&driver), StateName::Drained);
     assert!(driver.snapshot().workers.is_empty(), "out of the router");
@@ -95,9 +98,9 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
         .unwrap();
     // Two requests on `id` (the other worker drained meanwhile, so that they go there).
     assert!(driver.drain_worker(other, Announce::No));
-    let (first, target, _) = driver.route(&[1, 2, 3], None).await.unwrap();
+    let (first, target, _) = driver.route(&[1, 2, 3], None, None).await.unwrap();
     assert_eq!(target.decode.worker, id);
-    let (second, _, _) = driver.route(&[4, 5, 6], None).await.unwrap();
+    let (second, _, _) = driver.route(&[4, 5, 6], None, None).await.unwrap();
     let booked = |driver: &Driver| {
         let snapshot = driver.snapshot();
         let on = |w: WorkerId| {
@@ -118,7 +121,10 @@ async fn a_suspended_worker_keeps_its_bookings_until_its_requests_end() {
     // Out of routing, but its requests are still booked there, and listed.
     assert_eq!(booked(&driver), (2, 2));
     assert_eq!(driver.worker_statuses()[0].active_requests, 2);
-    assert_eq!(driver.route(&[7], None).await.unwrap_err(), RouteError::NoWorker);
+    assert_eq!(
+        driver.route(&[7], None, None).await.unwrap_err(),
+        RouteError::NoWorker
+    );
     // One ends while it is out: its booking ends then.
     first.finish(None, false);
     assert_eq!(booked(&driver), (1, 1));
@@ -146,7 +152,7 @@ async fn with_when_empty_queue_a_request_waits_for_a_routable_worker() {
     let driver = Driver::new(router, config, Metrics::new());
     // No worker ever comes: the queue timeout, and nothing left waiting.
     assert_eq!(
-        driver.route(&[1], None).await.unwrap_err(),
+        driver.route(&[1], None, None).await.unwrap_err(),
         RouteError::QueueTimeout
     );
     assert_eq!(driver.queued_requests(), QueuedRequests::default());
@@ -155,7 +161,7 @@ async fn with_when_empty_queue_a_request_waits_for_a_routable_worker() {
         let driver = Arc::clone(&driver);
         async move {
             driver
-                .route(&[1, 2, 3], None)
+                .route(&[1, 2, 3], None, None)
                 .await
                 .map(|(_, t, _)| t.decode.worker)
         }
@@ -184,7 +190,7 @@ async fn with_when_empty_queue_a_request_waits_for_a_routable_worker() {
         let driver = Arc::clone(&driver);
         async move {
             driver
-                .route(&[4, 5, 6], None)
+                .route(&[4, 5, 6], None, None)
                 .await
                 .map(|(_, t, _)| t.decode.worker)
         }

@@ -190,8 +190,11 @@ pub mod arb {
             of(text()),
             of(text()),
             of(any::<u32>()),
+            of(text().prop_filter("a salt is not empty", |s| !s.is_empty())),
         )
             .prop_map(|t| {
+                // Sent in the first block's extra keys: a store of no blocks has none.
+                let cache_salt = t.8.filter(|_| !t.0.is_empty());
                 WireEvent::BlockStored(BlockStored {
                     block_hashes: t.0,
                     parent_block_hash: t.1,
@@ -200,6 +203,7 @@ pub mod arb {
                     lora_id: t.4,
                     medium: t.5,
                     lora_name: t.6,
+                    cache_salt,
                     group_idx: t.7,
                 })
             });

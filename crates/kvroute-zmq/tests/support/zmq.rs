@@ -108,6 +108,7 @@ pub fn stored(hashes: &[u64], parent: Option<u64>, block_size: u32) -> WireEvent
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     })
 }

@@ -1,0 +1,91 @@
+//! LoRA adapters behind the proxy. A worker's adapters are the cards of its `/v1/models` whose
+//! `parent` is the model the proxy serves (vLLM lists an adapter so, with its path as `root`);
+//! they are read when the worker registers (the model check's answer) and again every
+//! `health-interval-ms` ([`run`]), so an adapter a worker loads or unloads at run time
+//! (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) is seen within one interval.
+//! The router routes a request naming an adapter only among the workers serving it
+//! (`Router::handle_adapters`), on block hashes salted with the adapter's name as the engine's
+//! are; the proxy's `/v1/models` lists the model, then every adapter some worker serves.
+
+use std::sync::Arc;
+
+use kvroute_http::net::HttpClient;
+use kvroute_http::openai::types::{ModelCard, ModelList, Object};
+
+use crate::checks::{self, Worker};
+use crate::config::ServeConfig;
+use crate::driver::{AdapterSet, Driver};
+
+/// The adapters of `model` in a worker's model list.
+pub fn adapters_of(list: &ModelList, model: &str) -> AdapterSet {
+    list.data
+        .iter()
+        .filter(|card| card.parent.as_deref() == Some(model) && card.id != model)
+        .map(|card| (card.id.clone(), card.root.clone()))
+        .collect()
+}
+
+/// The proxy's `/v1/models`: the model it serves, then each adapter some worker serves, by
+/// name, with its `root` and `parent` as vLLM lists them.
+pub fn model_list(driver: &Driver) -> ModelList {
+    let model = &driver.config.model.model_name;
+    let mut list = ModelList::one(model.clone(), "kvroute");
+    list.data
+        .extend(driver.adapters().into_iter().map(|(name, root)| ModelCard {
+            id: name,
+            object: Object::Model,
+            created: 0,
+            owned_by: "kvroute".to_owned(),
+            root,
+            parent: Some(model.clone()),
+        }));
+    list
+}
+
+/// Reads every worker's adapters each `health-interval-ms`, forever.
+pub async fn run(driver: Arc<Driver>, client: HttpClient) {
+    let interval = ServeConfig::ms(driver.config.upstream.health_interval_ms);
+    loop {
+        tokio::time::sleep(interval).await;
+        poll_all(&driver, &client).await;
+    }
+}
+
+/// One round: each worker's `/v1/models` asked once; a worker that does not answer keeps the
+/// adapters it had (its health checks deal with it).
+pub async fn poll_all(driver: &Driver, client: &HttpClient) {
+    let timeout = ServeConfig::ms(driver.config.upstream.health_timeout_ms);
+    let model = &driver.config.model.model_name;
+    for (id, base) in driver.worker_urls() {
+        let key = driver.worker_config(id).and_then(|c| c.api_key);
+        let worker = Worker {
+            base: &base,
+            api_key: key.as_deref(),
+        };
+        if let Some(list) = checks::models(client, worker, timeout).await {
+            driver.set_adapters(id, adapters_of(&list, model));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_adapters_are_the_cards_whose_parent_is_the_model() {
+        let list: ModelList = serde_json::from_str(
+            r#"{"object":"list","data":[
+                {"id":"tiny","object":"model","created":0,"owned_by":"vllm","root":"/m/tiny","parent":null},
+                {"id":"sql","object":"model","created":0,"owned_by":"vllm","root":"/a/sql","parent":"tiny"},
+                {"id":"other","object":"model","created":0,"owned_by":"vllm","root":"/a/o","parent":"big"}
+            ]}"#,
+        )
+        .unwrap();
+        let adapters = adapters_of(&list, "tiny");
+        assert_eq!(
+            adapters.into_iter().collect::<Vec<_>>(),
+            vec![("sql".to_owned(), Some("/a/sql".to_owned()))]
+        );
+    }
+}

@@ -1,0 +1,286 @@
+//! LoRA adapters and cache salts end to end: mock workers serving different adapters (listed on
+//! their `/v1/models` as vLLM lists them) behind one proxy. A request naming an adapter reaches
+//! a worker that serves it, and the router's predicted cached tokens equal the engine's
+//! reported ones under adapters and salts alike (the block hashes are salted as the engine's
+//! are); an adapter loaded at run time becomes routable, and unloaded stops being; a salted
+//! request never predicts a hit on another salt's blocks.
+
+// Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/cluster.rs"]
+mod cluster;
+
+use bytes::Bytes;
+use cluster::*;
+use http_body_util::{BodyExt, Full};
+use kvroute_http::net::{HttpClient, client};
+use kvroute_proxy::observed::{PREDICTED_HEADER, WORKER_HEADER};
+
+/// A long prompt: several full 16-token blocks of the tiny model's tokens, and a partial one.
+fn prompt(topic: &str) -> String {
+    format!(
+        "{topic}: {}",
+        "the quick brown fox jumps over the lazy dog. ".repeat(6)
+    )
+}
+
+/// What one completion came back with.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    worker: Option<u64>,
+    predicted: Option<u32>,
+    reported: u32,
+    body: String,
+}
+
+struct Proxy {
+    base: String,
+    http: HttpClient,
+}
+
+impl Proxy {
+    fn new(c: &Cluster) -> Self {
+        Self {
+            base: c.proxy.url(),
+            http: client(Duration::from_secs(5)),
+        }
+    }
+
+    async fn complete(&self, body: Value) -> Answer {
+        let req = hyper::Request::post(format!("{}/v1/completions", self.base))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+            .unwrap();
+        let resp = self.http.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
+        };
+        let (worker, predicted) = (header(WORKER_HEADER), header(PREDICTED_HEADER).map(|p| p as u32));
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&bytes).into_owned();
+        let reported = match status {
+            200 => completion(&bytes).usage.unwrap().cached_tokens(),
+            _ => 0,
+        };
+        Answer {
+            status,
+            worker,
+            predicted,
+            reported,
+            body,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let req = hyper::Request::get(format!("{}{path}", self.base))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = self.http.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or_default())
+    }
+
+    /// The ids on the proxy's `/v1/models`, with each one's parent.
+    async fn models(&self) -> Vec<(String, Option<String>)> {
+        let list: ModelList = serde_json::from_value(self.get("/v1/models").await.1).unwrap();
+        list.data.into_iter().map(|c| (c.id, c.parent)).collect()
+    }
+
+    /// Waits until the proxy's `/v1/models` lists `adapter` (or, `listed` false, does not).
+    async fn until_listed(&self, adapter: &str, listed: bool) {
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while self.models().await.iter().any(|(id, _)| id == adapter) != listed {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{adapter} listed should be {listed}: {:?}",
+                self.models().await
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Mock workers 0 and 1 serve adapter `sql`, worker 1 `chat` too, worker 2 none; `tweak`
+/// applied to the proxy's configuration, with the debug headers on.
+async fn fleet() -> Cluster {
+    let mut mocks = Vec::new();
+    for adapters in [&["sql"][..], &["sql", "chat"], &[]] {
+        let mut mc = MockConfig::new(1);
+        mc.engine.speedup = 20.0;
+        mc.lora_modules = adapters
+            .iter()
+            .map(|a| format!("{a}=/adapters/{a}").parse().unwrap())
+            .collect();
+        mocks.extend(start_mocks(&mc).await);
+    }
+    fronting(Vec::new(), mocks, |c| c.server.debug_headers = true).await
+}
+
+/// Sends `body` once to store its blocks, waits until the router's index holds them, and sends
+/// it again; the second answer.
+async fn twice(c: &Cluster, p: &Proxy, body: Value) -> (Answer, Answer) {
+    let before: u64 = c.cached_blocks().iter().sum();
+    let first = p.complete(body.clone()).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let stored = c
+        .proxy
+        .driver
+        .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
+        .await;
+    assert!(stored, "the first request's blocks never reached the index");
+    let again = p.complete(body).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    (first, again)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_engine_reports() {
+    let c = fleet().await;
+    let p = Proxy::new(&c);
+    p.until_listed("sql", true).await;
+    p.until_listed("chat", true).await;
+    assert_eq!(
+        p.models().await,
+        [
+            ("tiny".to_owned(), None),
+            ("chat".to_owned(), Some("tiny".to_owned())),
+            ("sql".to_owned(), Some("tiny".to_owned())),
+        ]
+    );
+    let (status, card) = p.get("/v1/models/sql").await;
+    assert_eq!((status, card["parent"].as_str()), (200, Some("tiny")));
+    assert_eq!(card["root"].as_str(), Some("/adapters/sql"));
+
+    let serving = |adapter: &str| -> &[u64] {
+        match adapter {
+            "sql" => &[0, 1],
+            "chat" => &[1],
+            _ => &[0, 1, 2],
+        }
+    };
+    for model in ["sql", "chat", "tiny"] {
+        for round in 0..3 {
+            let text = prompt(&format!("{model} round {round}"));
+            let (first, again) =
+                twice(&c, &p, json!({"model": model, "prompt": text, "max_tokens": 2})).await;
+            for a in [&first, &again] {
+                let worker = a.worker.unwrap();
+                assert!(
+                    serving(model).contains(&worker),
+                    "{model} went to worker {worker}"
+                );
+            }
+            assert_eq!(again.worker, first.worker, "{model}: the cached prefix decides");
+            assert!(again.reported > 0, "{model}: the engine hit its cache");
+            assert_eq!(again.predicted, Some(again.reported), "{model}: {again:?}");
+        }
+    }
+    // The same text under another adapter or the base model is another prefix, for the
+    // router as for the engine: whichever worker takes it, the prediction is what it reports.
+    let text = prompt("shared");
+    let (_, again) = twice(&c, &p, json!({"model": "sql", "prompt": text, "max_tokens": 2})).await;
+    assert!(again.reported > 0);
+    for model in ["chat", "tiny"] {
+        let a = p
+            .complete(json!({"model": model, "prompt": text, "max_tokens": 2}))
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.predicted, Some(a.reported), "{model}: {a:?}");
+        assert_eq!(a.reported, 0, "{model} shares no block with sql");
+    }
+
+    // A model nobody serves is OpenAI's 404, as before.
+    let a = p
+        .complete(json!({"model": "nope", "prompt": "hi", "max_tokens": 2}))
+        .await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    assert_eq!(p.get("/v1/models/nope").await.0, 404);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_loaded_at_run_time_becomes_routable_and_unloaded_stops_being() {
+    let c = fleet().await;
+    let p = Proxy::new(&c);
+    p.until_listed("sql", true).await;
+    let late = json!({"model": "late", "prompt": prompt("late"), "max_tokens": 2});
+    assert_eq!(p.complete(late.clone()).await.status, 404);
+
+    // Worker 2 loads it, as vLLM does at run time.
+    let mock = reqwest_lite::Http::new(c.mocks[2].url());
+    let load =
+        |name: &str| serde_json::to_vec(&json!({"lora_name": name, "lora_path": "/adapters/late"})).unwrap();
+    let (status, _, body) = mock.request("POST", "/v1/load_lora_adapter", load("late")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, _, body) = mock.request("POST", "/v1/load_lora_adapter", load("late")).await;
+    assert_eq!(status, 400, "loaded twice: {}", String::from_utf8_lossy(&body));
+    p.until_listed("late", true).await;
+    for _ in 0..4 {
+        let a = p.complete(late.clone()).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.worker, Some(2), "only worker 2 serves it");
+        assert_eq!(a.predicted, Some(a.reported));
+    }
+
+    let unload = serde_json::to_vec(&json!({"lora_name": "late"})).unwrap();
+    let (status, _, _) = mock
+        .request("POST", "/v1/unload_lora_adapter", unload.clone())
+        .await;
+    assert_eq!(status, 200);
+    let (status, _, body) = mock.request("POST", "/v1/unload_lora_adapter", unload).await;
+    assert_eq!(status, 404, "unloaded twice: {}", String::from_utf8_lossy(&body));
+    p.until_listed("late", false).await;
+    assert_eq!(p.complete(late).await.status, 404);
+    c.assert_drained().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_request_never_predicts_a_hit_on_another_salts_blocks() {
+    // One worker: every request meets every block the engine holds.
+    let c = cluster(1, 20.0, |c| c.server.debug_headers = true).await;
+    let p = Proxy::new(&c);
+    let text = prompt("salted");
+    let body = |salt: Option<&str>| {
+        let mut b = json!({"prompt": text, "max_tokens": 2});
+        if let Some(salt) = salt {
+            b["cache_salt"] = json!(salt);
+        }
+        b
+    };
+    let (first, again) = twice(&c, &p, body(Some("a"))).await;
+    assert_eq!((first.predicted, first.reported), (Some(0), 0));
+    assert!(again.reported > 0, "the same salt hits");
+    assert_eq!(again.predicted, Some(again.reported));
+    for salt in [Some("b"), None, Some("a-"), Some("A")] {
+        let before: u64 = c.cached_blocks().iter().sum();
+        let a = p.complete(body(salt)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(
+            (a.predicted, a.reported),
+            (Some(0), 0),
+            "salt {salt:?} shares no block with salt a"
+        );
+        // Its blocks (a prefix of their own) reach the index before the next request.
+        let stored = c
+            .proxy
+            .driver
+            .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
+            .await;
+        assert!(stored, "salt {salt:?}: its blocks never reached the index");
+    }
+    // Salt a's blocks are still there, and still predicted as the engine finds them.
+    let a = p.complete(body(Some("a"))).await;
+    assert!(a.reported > 0);
+    assert_eq!(a.predicted, Some(a.reported));
+    // Unsalted, the prefix stored above is found again.
+    let a = p.complete(body(None)).await;
+    assert!(a.reported > 0);
+    assert_eq!(a.predicted, Some(a.reported));
+    c.assert_drained().await;
+}
