@@ -82,10 +82,6 @@ pub(crate) type Key = (Reverse<i32>, TenantId, (u64, u64));
 /// One tenant's waiting requests in one tier, by (policy key, arrival).
 type Line = BTreeMap<(u64, u64), Waiting>;
 
-/// A request's place in the queue.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Place(Key);
-
 /// See the module docs.
 #[derive(Clone, Debug)]
 pub(crate) struct WaitQueue {
