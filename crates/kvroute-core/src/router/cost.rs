@@ -1,8 +1,7 @@
 //! The cost of sending a request to a worker: the one function that computes it.
 //!
 //! ```text
-//! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks
-//!                                    + (1 - tier_block_cost) * tier_blocks), 0)
+//! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks + moved), 0)
 //!      + decode_blocks
 //!      + decode_active_request_weight * active_requests
 //! ```
@@ -10,11 +9,14 @@
 //! * `prefill_blocks = (worker's active prefill tokens + the prompt's tokens) / block_size`, a
 //!   fraction; 0 on workers without a prefill term (decode workers).
 //! * `overlap_blocks`: the prompt's leading blocks cached on the worker('s GPU).
-//! * `tier_blocks`: the blocks right after those that the worker holds only on a slower tier
+//! * `moved = (1 - tier_block_cost) * tier_blocks`, where `tier_blocks` are the blocks right
+//!   after those that the worker holds only on a slower tier
 //!   (host memory), which its engine loads back instead of computing. Each costs
 //!   `tier_block_cost` of a block to prefill (its transfer against its prefill): 1 makes the
 //!   router tier-blind (a miss), 0 a GPU hit. Dynamo credits such blocks with
-//!   `--router-host-cache-hit-weight` 0.75, a cost of 0.25, kvroute's default.
+//!   `--router-host-cache-hit-weight` 0.75, a cost of 0.25, kvroute's default. Under the staged
+//!   projection `moved` also joins the decode term, as cached blocks do; at 1 nothing moves and
+//!   the cost is the tier-blind one exactly.
 //! * `decode_blocks`: the worker's decode blocks with the request added, under the chosen
 //!   [`DecodeProjection`]; 0 on workers without a decode term (prefill workers).
 //! * `active_requests`: requests booked on the worker before this one.
@@ -98,16 +100,23 @@ impl CostParams {
 
 /// The cost of sending `request` to `candidate` under `params`; lower is better.
 pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidate) -> f64 {
-    let prefill = if candidate.spec.role.tracks_prefill() {
+    let role = candidate.spec.role;
+    // The part of the slower tier's blocks taken off the prefill term as if cached.
+    let moved = (1.0 - params.tier_block_cost) * f64::from(candidate.tier_blocks);
+    let prefill = if role.tracks_prefill() {
         let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
         let blocks = tokens as f64 / f64::from(request.block_size);
-        let tier_credit = (1.0 - params.tier_block_cost) * f64::from(candidate.tier_blocks);
-        let cached = f64::from(candidate.overlap_blocks) + tier_credit;
+        let cached = f64::from(candidate.overlap_blocks) + moved;
         let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
         params.prefill_load_scale * adjusted
     } else {
         0.0
     };
-    let decode = candidate.projection.decode_blocks(params.projection) as f64;
+    let mut decode = candidate.projection.decode_blocks(params.projection) as f64;
+    // The staged projection counts cached blocks as decode residency at once; the part of the
+    // tier's blocks counted as cached above joins them (the full projection has them already).
+    if params.projection == DecodeProjection::Staged && role.tracks_prefill() && role.tracks_decode() {
+        decode += moved;
+    }
     prefill + decode + params.decode_active_request_weight * f64::from(candidate.load.requests)
 }
