@@ -102,6 +102,7 @@ impl MockConfig {
             speedup: 1.0,
             timing: TimingConfig::Polynomial,
             step_jitter: None,
+            cpu_offload: None,
         }
     }
 }

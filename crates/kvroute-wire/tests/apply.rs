@@ -11,9 +11,11 @@ use std::num::NonZeroU32;
 use expect_test::expect;
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, PrefixIndex};
+use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EnginePrompt, EngineRequest, TimingConfig};
+use kvroute_engine::{
+    CpuOffload, Engine, EngineConfig, EnginePrompt, EngineRequest, KvTransfer, TimingConfig,
+};
 use kvroute_wire::{Applied, ApplyConfig, BlockStored, EventBatch, EventEncoding, SkipReason, WireEvent};
 
 const W: WorkerKey = WorkerKey::new(WorkerId(1), DpRank(0));
@@ -94,8 +96,8 @@ fn fixtures_applied_event_by_event() {
     expect![[r#"
         removed_cpu
         Ok(ApplyReport { applied: Stored { blocks: 2 }, skipped: None }) => depth 2, 2 held
-        Ok(ApplyReport { applied: Nothing, skipped: Some(OtherMedium("CPU")) }) => depth 2, 2 held
-        Ok(ApplyReport { applied: Nothing, skipped: Some(OtherMedium("CPU")) }) => depth 2, 2 held
+        Ok(ApplyReport { applied: TierStored { tier: Cpu, blocks: 2 }, skipped: None }) => depth 2, 2 held
+        Ok(ApplyReport { applied: TierRemoved { tier: Cpu, blocks: 2 }, skipped: None }) => depth 2, 2 held
         sglang_negative_hashes
         Ok(ApplyReport { applied: Stored { blocks: 2 }, skipped: None }) => depth 2, 2 held
         Ok(ApplyReport { applied: Stored { blocks: 1 }, skipped: None }) => depth 3, 3 held
@@ -219,9 +221,15 @@ fn index_errors_come_through() {
 }
 
 /// A simulated engine's events, applied to one index directly and to another through the wire
-/// (encoded, framed, decoded, converted), leave both holding what the engine caches.
+/// (encoded, framed, decoded, converted), leave both holding what the engine caches; with a CPU
+/// tier, its events as vLLM's offloading connector sends them (no tokens, no parent) too.
 #[test]
 fn engine_events_reach_the_index_alike_through_the_wire() {
+    through_the_wire(None);
+    through_the_wire(Some(CpuOffload::new(16, KvTransfer::default())));
+}
+
+fn through_the_wire(cpu_offload: Option<CpuOffload>) {
     let mut engine = Engine::new(EngineConfig {
         block_size: 4,
         num_blocks: 24,
@@ -234,6 +242,7 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
         step_jitter: None,
+        cpu_offload,
     })
     .unwrap();
     let prompts: Vec<(Vec<u32>, Option<&str>)> = (0..12u32)
@@ -283,6 +292,11 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         let cached: BTreeSet<ExternalBlockHash> = engine.cached_blocks().collect();
         assert_eq!(wired.held_blocks(W).collect::<BTreeSet<_>>(), cached);
         assert_eq!(direct.held_blocks(W).collect::<BTreeSet<_>>(), cached);
+        let cpu = engine.cpu_blocks();
+        for index in [&direct, &wired] {
+            assert_eq!(index.tier_block_count(W, Tier::Cpu), cpu.len());
+            assert!(cpu.iter().all(|&h| index.tier_holds(W, Tier::Cpu, h)));
+        }
         for (tokens, lora) in &prompts {
             let query = locals(tokens, *lora, None);
             assert_eq!(
@@ -292,10 +306,17 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         }
         seq += 1;
     }
-    // The workload evicts: removals went through too.
+    // The workload evicts: removals went through too, and with a tier its stores and removals.
+    let stats = direct.stats();
     assert!(
-        events > 20 && direct.stats().blocks_removed > 0,
-        "{events} events, {:?}",
-        direct.stats()
+        events > 20 && stats.blocks_removed > 0,
+        "{events} events, {stats:?}"
     );
+    if cpu_offload.is_some() {
+        assert_eq!(wired.stats(), stats);
+        assert!(
+            stats.tier_blocks_stored > 0 && stats.tier_blocks_removed > 0,
+            "{stats:?}"
+        );
+    }
 }

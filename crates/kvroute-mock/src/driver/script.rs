@@ -61,6 +61,7 @@ fn host() -> EngineHost {
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
         step_jitter: None,
+        cpu_offload: None,
     };
     EngineHost::new(Engine::new(config).expect("valid"), KvTransfer::default())
 }
