@@ -133,6 +133,12 @@ pub struct ReplayConfig {
     #[arg(long, alias = "kv-blocks")]
     #[serde(alias = "kv-blocks")]
     pub num_blocks: Option<u32>,
+    /// Blocks of a host-memory (CPU) KV tier per worker: vLLM's native offloading
+    /// (`--kv-offloading-size` GiB over one block's bytes). Blocks are copied to it as they are
+    /// cached and loaded back past a prompt's GPU hit over the KV link (`--kv-transfer-gbps`);
+    /// its events carry `medium` "CPU". Default none.
+    #[arg(long)]
+    pub cpu_offload_blocks: Option<u32>,
     /// Engine max running requests. Default 256.
     #[arg(long)]
     pub max_num_seqs: Option<u32>,
@@ -563,6 +569,7 @@ impl<'a> Plan<'a> {
             ("--trace-block-size", o.trace_block_size),
             ("--block-size", o.block_size),
             ("--num-blocks", o.num_blocks),
+            ("--cpu-offload-blocks", o.cpu_offload_blocks),
             ("--max-num-seqs", o.max_num_seqs),
             ("--max-num-batched-tokens", o.max_num_batched_tokens),
             ("--turns", o.turns),
@@ -799,6 +806,9 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<(SimConfig,
         }
     }
     config.transfer = kv_transfer(o, built.kv_bytes_per_token)?;
+    config.engine.cpu_offload = o
+        .cpu_offload_blocks
+        .map(|n| kvroute_engine::CpuOffload::new(n, config.transfer));
     let seed = o.seed.unwrap_or(0);
     config.seed = seed;
     config.events = EventChannel {
