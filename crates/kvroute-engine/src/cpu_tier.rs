@@ -24,6 +24,9 @@ use kvroute_core::index::Tier;
 use kvroute_core::key_hasher::KeyMap;
 use serde::Deserialize;
 
+use crate::config::EngineConfig;
+use crate::metrics::ForwardPass;
+use crate::spec::SpecError;
 use crate::transfer::KvTransfer;
 
 /// The engine's host-memory tier, if it has one ([`EngineConfig::cpu_offload`](crate::EngineConfig)).
@@ -43,6 +46,20 @@ impl CpuOffload {
     /// A tier of `num_blocks` blocks over `link`.
     pub fn new(num_blocks: u32, link: KvTransfer) -> Self {
         Self { num_blocks, link }
+    }
+
+    /// What a block loaded from this tier costs against one computed, on `engine`, in `[0, 1]`:
+    /// the router's price of a tier block (`kv:tier=X`). The link's time for a pass's worth of
+    /// blocks (`max_num_batched_tokens` tokens) over the time of the pass that prefills them
+    /// from an empty context.
+    pub fn block_cost(&self, engine: &EngineConfig) -> Result<f64, SpecError> {
+        let blocks = (engine.max_num_batched_tokens / engine.block_size).max(1);
+        let tokens = blocks * engine.block_size;
+        let mut pass = ForwardPass::default();
+        pass.add_prefill(tokens, 0);
+        let prefill = engine.timing.build()?.pass_secs(&pass);
+        let load = self.link.duration(blocks, engine.block_size).as_secs_f64();
+        Ok(if prefill > 0.0 { (load / prefill).min(1.0) } else { 1.0 })
     }
 }
 

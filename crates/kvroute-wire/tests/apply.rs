@@ -10,6 +10,7 @@ use std::num::NonZeroU32;
 
 use expect_test::expect;
 use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::events::{KvEvent, TierBlocks};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
@@ -318,5 +319,36 @@ fn through_the_wire(cpu_offload: Option<CpuOffload>) {
             stats.tier_blocks_stored > 0 && stats.tier_blocks_removed > 0,
             "{stats:?}"
         );
+    }
+}
+
+/// A CPU-tier event goes out as vLLM's offloading connector sends it (its medium, the hashes,
+/// no parent, no tokens, block size 0) and comes back as the same tier event; a removal alike.
+#[test]
+fn a_cpu_tier_event_is_sent_as_vllms_offloading_connector_sends_it() {
+    let blocks = vec![ExternalBlockHash(5), ExternalBlockHash(6)];
+    let tier = |b: &Vec<ExternalBlockHash>| TierBlocks {
+        tier: Tier::Cpu,
+        block_hashes: b.clone(),
+    };
+    let stored = KvEvent::TierStored(tier(&blocks));
+    let wire = WireEvent::from(&stored);
+    assert_eq!(
+        wire,
+        WireEvent::BlockStored(BlockStored {
+            block_hashes: blocks.clone(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some("CPU".into()),
+            lora_name: None,
+            group_idx: None,
+        })
+    );
+    let removed = KvEvent::TierRemoved(tier(&blocks));
+    for event in [stored, removed] {
+        let back = WireEvent::from(&event).to_kv_event(&config(4));
+        assert_eq!((back.event, back.skipped), (Some(event), None));
     }
 }

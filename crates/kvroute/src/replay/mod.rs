@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
-use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty};
+use kvroute_core::router::{
+    CacheMode, PolicyConfig, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty,
+};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
@@ -636,6 +638,7 @@ impl<'a> Plan<'a> {
             ensure!(!policies[..i].contains(name), "--policy names {name} twice");
             let mut config = base.clone();
             config.router = router_spec(o, name, base.engine.block_size, base.seed)?.router_config();
+            tier_cost_from_the_link(&mut config, name)?;
             match &sweep {
                 None => runs.push((name.clone(), Simulation::new(config)?)),
                 Some(sizes) => {
@@ -912,6 +915,21 @@ pub(crate) fn kv_link(
         },
     };
     Ok(link)
+}
+
+/// With a CPU tier, a cost policy whose spec sets no `tier=X` prices a tier block by the
+/// transfer model: the link's time against the prefill's ([`kvroute_engine::CpuOffload::block_cost`]).
+fn tier_cost_from_the_link(config: &mut SimConfig, spec: &str) -> anyhow::Result<()> {
+    let Some(cpu) = config.engine.cpu_offload else {
+        return Ok(());
+    };
+    if spec.split(':').any(|option| option.starts_with("tier=")) {
+        return Ok(());
+    }
+    if let PolicyConfig::Kv(c) | PolicyConfig::Dynamo(c) = &mut config.router.policy {
+        c.cost.tier_block_cost = cpu.block_cost(&config.engine).context("--cpu-offload-blocks")?;
+    }
+    Ok(())
 }
 
 /// The router of the run of policy `policy`: the options [`RouterSpec`] shares with `kvroute
