@@ -59,7 +59,11 @@ impl CpuOffload {
         pass.add_prefill(tokens, 0);
         let prefill = engine.timing.build()?.pass_secs(&pass);
         let load = self.link.duration(blocks, engine.block_size).as_secs_f64();
-        Ok(if prefill > 0.0 { (load / prefill).min(1.0) } else { 1.0 })
+        Ok(if prefill > 0.0 {
+            (load / prefill).min(1.0)
+        } else {
+            1.0
+        })
     }
 }
 

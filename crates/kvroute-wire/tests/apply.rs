@@ -9,8 +9,8 @@ use std::fmt::Write;
 use std::num::NonZeroU32;
 
 use expect_test::expect;
-use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::events::{KvEvent, TierBlocks};
+use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
 use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
