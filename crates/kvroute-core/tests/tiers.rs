@@ -67,7 +67,7 @@ fn feed(apply: &mut dyn FnMut(WorkerKey, IndexEvent<'_>) -> Result<(), IndexErro
             blocks: &blocks(w, all),
         },
     )
-    .unwrap();
+    .expect("the test's own input");
     apply(
         key(w),
         IndexEvent::TierStored {
@@ -75,14 +75,14 @@ fn feed(apply: &mut dyn FnMut(WorkerKey, IndexEvent<'_>) -> Result<(), IndexErro
             blocks: &ext(w, h.cpu.clone()),
         },
     )
-    .unwrap();
+    .expect("the test's own input");
     apply(
         key(w),
         IndexEvent::Removed {
             blocks: &ext(w, h.gpu..all),
         },
     )
-    .unwrap();
+    .expect("the test's own input");
 }
 
 /// (GPU blocks, CPU blocks, expected GPU depth, expected CPU-only blocks past it) of a prompt
@@ -146,14 +146,14 @@ fn a_tier_store_of_a_block_the_gpu_never_held_is_refused_by_name_and_a_clear_emp
 
 fn router(policy: &str) -> Router {
     let config = RouterConfig {
-        policy: policy.parse::<PolicyConfig>().unwrap(),
+        policy: policy.parse::<PolicyConfig>().expect("the test's own input"),
         block_size: BLOCK,
         ..RouterConfig::default()
     };
-    let mut r = Router::new(config).unwrap();
+    let mut r = Router::new(config).expect("the test's own input");
     for w in 0..3 {
         r.handle_worker_added(T, WorkerSpec::new(key(w), WorkerRole::Aggregated, 4096))
-            .unwrap();
+            .expect("the test's own input");
     }
     r
 }
@@ -166,10 +166,10 @@ fn route(r: &mut Router, id: u64, n: u64) -> WorkerKey {
     };
     match r
         .handle_request(T, &RouteRequest::new(RequestId(id), prompt))
-        .unwrap()
+        .expect("the test's own input")
     {
         RouteOutcome::Routed(d) => {
-            r.handle_finished(T, RequestId(id)).unwrap();
+            r.handle_finished(T, RequestId(id)).expect("the test's own input");
             d.worker
         }
         other => panic!("{other:?}"),
@@ -210,7 +210,7 @@ fn blocks_offloaded_to_cpu_are_routed_to_as_a_hit_cheaper_than_a_miss_and_dearer
             block_size: BLOCK,
             chain: &c,
         };
-        let (PolicyConfig::Kv(p) | PolicyConfig::Dynamo(p)) = r.config().policy.clone() else {
+        let (PolicyConfig::Kv(p) | PolicyConfig::Dynamo(p)) = r.config().policy else {
             panic!("a cost policy")
         };
         let costs: Vec<f64> = candidates.iter().map(|x| cost(&p.cost, &view, x)).collect();

@@ -9,7 +9,7 @@
 //!   in the order they happen, after the GPU's own events of the same blocks. The copy itself
 //!   costs no engine time (vLLM overlaps it with compute).
 //! * **Load.** A prompt's blocks past its GPU prefix hit that the tier holds in a row are loaded
-//!   back instead of computed ([`CpuTier::run`]): they count as computed tokens, the pass that
+//!   back instead of computed (`CpuTier::run`): they count as computed tokens, the pass that
 //!   admits the request takes their transfer's time longer ([`KvTransfer::duration`], the same
 //!   link model as disaggregated imports), and once on the GPU they are cached there as
 //!   computed blocks are. vLLM loads asynchronously while other requests run; adding the load
