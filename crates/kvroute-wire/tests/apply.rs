@@ -263,7 +263,9 @@ fn through_the_wire(cpu_offload: Option<CpuOffload>) {
             cache_namespace: None,
             kv_report: kvroute_engine::KvReportMode::Incremental,
         };
-        engine.add_request(Timestamp::ZERO, request).expect("the engine's own events");
+        engine
+            .add_request(Timestamp::ZERO, request)
+            .expect("the engine's own events");
     }
     let (mut direct, mut wired) = (index(), index());
     let mut seq = 0;
@@ -282,11 +284,17 @@ fn through_the_wire(cpu_offload: Option<CpuOffload>) {
             events: step.events.iter().map(WireEvent::from).collect(),
             dp_rank: Some(0),
         };
-        let received = EventBatch::decode_live(&batch.encode_live(encoding).expect("the engine's own events")).expect("the engine's own events");
+        let received =
+            EventBatch::decode_live(&batch.encode_live(encoding).expect("the engine's own events"))
+                .expect("the engine's own events");
         assert_eq!(received, batch);
         for (event, wire) in step.events.iter().zip(&received.events) {
-            direct.apply_event(W, event.as_index_event()).expect("the engine's own events");
-            let report = wire.apply_to(&mut wired, W, &config(4)).expect("the engine's own events");
+            direct
+                .apply_event(W, event.as_index_event())
+                .expect("the engine's own events");
+            let report = wire
+                .apply_to(&mut wired, W, &config(4))
+                .expect("the engine's own events");
             assert_eq!(report.skipped, None);
             events += 1;
         }
