@@ -14,14 +14,16 @@
 //! * [`BlocksRemoved`] when cached blocks are evicted. vLLM sends one per block; the engine
 //!   gathers consecutive evictions (no other event between them) into one, which a subscriber
 //!   applies identically.
-//! * `AllCleared` when the prefix cache is reset.
+//! * `AllCleared` when the prefix cache is reset (every tier).
+//! * [`KvEvent::TierStored`] and [`KvEvent::TierRemoved`]: vLLM's offloading connector's
+//!   `BlockStored` and `BlockRemoved` with a `medium` other than `"GPU"` (see [`TierBlocks`]).
 //!
 //! Events are values; encoding them for the wire is `kvroute-wire`'s job.
 //! [`KvEvent::as_index_event`] lends one out as the index's own event type, the one conversion
 //! between the two.
 
 use crate::ids::{ExternalBlockHash, LocalBlockHash};
-use crate::index::{IndexEvent, StoredBlock};
+use crate::index::{IndexEvent, StoredBlock, Tier};
 
 /// One change to an engine's KV cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,8 +32,23 @@ pub enum KvEvent {
     Stored(BlocksStored),
     /// Cached blocks were evicted.
     Removed(BlocksRemoved),
-    /// Every cached block was forgotten.
+    /// Every cached block was forgotten, on every tier.
     AllCleared,
+    /// GPU blocks were copied to a slower tier (vLLM's offloading connector).
+    TierStored(TierBlocks),
+    /// Blocks were dropped from a slower tier.
+    TierRemoved(TierBlocks),
+}
+
+/// Blocks of one slower tier, named by the engine's hashes as its GPU events named them. vLLM's
+/// offloading connector sends neither tokens nor parent with them: a subscriber places them by
+/// the GPU blocks it already knows under those hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierBlocks {
+    /// The tier.
+    pub tier: Tier,
+    /// The engine's hashes of the blocks.
+    pub block_hashes: Vec<ExternalBlockHash>,
 }
 
 /// Full blocks newly cached, continuing a chain.
@@ -88,6 +105,14 @@ impl KvEvent {
                 blocks: &removed.block_hashes,
             },
             KvEvent::AllCleared => IndexEvent::Cleared,
+            KvEvent::TierStored(t) => IndexEvent::TierStored {
+                tier: t.tier,
+                blocks: &t.block_hashes,
+            },
+            KvEvent::TierRemoved(t) => IndexEvent::TierRemoved {
+                tier: t.tier,
+                blocks: &t.block_hashes,
+            },
         }
     }
 }

@@ -41,6 +41,7 @@ fn config(timing: TimingConfig) -> EngineConfig {
         speedup: 1.0,
         timing,
         step_jitter: None,
+        cpu_offload: None,
     }
 }
 

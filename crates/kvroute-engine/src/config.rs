@@ -1,12 +1,13 @@
 //! The engine's one configuration, validated once by [`Engine::new`](crate::Engine::new).
 //!
 //! The names follow vLLM's engine arguments, so a vLLM deployment's settings carry over.
-//! Nothing has a default but `step_jitter` (none): a caller states every knob (the CLI will fill
+//! Nothing has a default but `step_jitter` and `cpu_offload` (none): a caller states every knob (the CLI will fill
 //! them from a TOML file with [`EngineConfig::from_toml_str`]).
 
 use kvroute_core::time::TimeScale;
 use serde::Deserialize;
 
+use crate::cpu_tier::CpuOffload;
 use crate::noise::StepJitter;
 use crate::spec::{SpecError, parse_toml};
 use crate::timing::TimingConfig;
@@ -45,6 +46,10 @@ pub struct EngineConfig {
     /// pass takes its modelled time.
     #[serde(default)]
     pub step_jitter: Option<StepJitter>,
+    /// The host-memory KV tier blocks are offloaded to and loaded back from (vLLM's native
+    /// offloading, `[cpu_offload]`, optional); `None`: none.
+    #[serde(default)]
+    pub cpu_offload: Option<CpuOffload>,
 }
 
 /// Why a configuration was refused.
@@ -105,7 +110,11 @@ impl EngineConfig {
             ("max_num_batched_tokens", self.max_num_batched_tokens),
             ("max_model_len", self.max_model_len),
         ];
-        if let Some((field, _)) = counts.iter().find(|(_, v)| *v == 0) {
+        let cpu = (
+            "cpu_offload.num_blocks",
+            self.cpu_offload.map_or(1, |c| c.num_blocks),
+        );
+        if let Some((field, _)) = counts.iter().chain([&cpu]).find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });
         }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {

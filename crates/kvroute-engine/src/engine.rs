@@ -1,9 +1,10 @@
 //! The engine: requests in, forward passes out, with time passed in.
 
 use kvroute_core::ids::{ExternalBlockHash, RequestId};
-use kvroute_core::time::Timestamp;
+use kvroute_core::time::{TimeScale, Timestamp};
 
 use crate::config::{ConfigError, EngineConfig};
+use crate::cpu_tier::CpuTier;
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
 use crate::scheduler::{PassResults, Schedule, Scheduler};
@@ -17,6 +18,8 @@ pub struct Engine {
     config: EngineConfig,
     scheduler: Scheduler,
     timer: StepTimer,
+    /// The mapping of modeled spans to the engine's time.
+    scale: TimeScale,
     /// When the last forward pass ends.
     busy_until: Timestamp,
     /// The latest time passed in.
@@ -81,8 +84,10 @@ impl Engine {
     /// An idle engine with an empty cache, or why `config` is unusable.
     pub fn new(config: EngineConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let timer = StepTimer::new(config.timing.build()?, config.time_scale()?, config.step_jitter);
+        let scale = config.time_scale()?;
+        let timer = StepTimer::new(config.timing.build()?, scale, config.step_jitter);
         Ok(Self {
+            scale,
             scheduler: Scheduler::new(&config),
             timer,
             config,
@@ -218,6 +223,13 @@ impl Engine {
         } else {
             self.timer.duration(&metrics.pass, self.passes)
         };
+        if schedule.loaded_blocks > 0
+            && let Some(cpu) = &self.config.cpu_offload
+        {
+            // The admitted requests' blocks loaded from the CPU tier hold the pass up.
+            let load = cpu.link.duration(schedule.loaded_blocks, self.config.block_size);
+            metrics.duration += self.scale.modeled(load);
+        }
         self.passes += 1;
         let end = now + metrics.duration;
         self.busy_until = end;
@@ -382,6 +394,9 @@ impl Engine {
             });
         }
         let cleared = pool.take_events();
+        if let Some(cpu) = &mut self.scheduler.cpu {
+            cpu.clear();
+        }
         Ok(cleared
             .into_iter()
             .next()
@@ -392,6 +407,15 @@ impl Engine {
     /// After applying all of the engine's events, a router's index holds exactly these.
     pub fn cached_blocks(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
         self.scheduler.pool.cached_hashes()
+    }
+
+    /// The external hashes of every block on the CPU tier, in hash order (none without one).
+    pub fn cpu_blocks(&self) -> Vec<ExternalBlockHash> {
+        self.scheduler
+            .cpu
+            .as_ref()
+            .map(CpuTier::hashes)
+            .unwrap_or_default()
     }
 
     /// Blocks in the prefix cache (in use or free): the number [`Engine::cached_blocks`] yields,
@@ -420,6 +444,9 @@ impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
         let s = &self.scheduler;
         s.pool.check_invariants(&s.holders())?;
+        if let Some(cpu) = &s.cpu {
+            cpu.check_invariants()?;
+        }
         if s.running.len() > self.config.max_num_seqs as usize {
             return Err(format!(
                 "{} running, max_num_seqs {}",

@@ -237,6 +237,11 @@ impl BlockPool {
         self.events.push(event);
     }
 
+    /// The events since the last call, to append to in order.
+    pub fn events_mut(&mut self) -> &mut Vec<KvEvent> {
+        &mut self.events
+    }
+
     /// The events since the last call, in order.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)

@@ -31,6 +31,7 @@
 //!     speedup: 1.0,
 //!     timing: TimingConfig::Polynomial,
 //!     step_jitter: None,
+//!     cpu_offload: None,
 //! };
 //! let mut engine = Engine::new(config).unwrap();
 //! let request = EngineRequest {
@@ -61,6 +62,7 @@
 //! * [`request`]: requests in, per-request results out.
 //! * `sequence`: one request's state and the engine's external block hashes.
 //! * `kv_pool`: blocks, reference counts, the free list (eviction order) and the prefix cache.
+//! * [`cpu_tier`]: the host-memory tier blocks are offloaded to and loaded back from.
 //! * `scheduler`: vLLM v1's scheduling loop.
 //! * [`timing`]: the [`TimingModel`] trait and the polynomial, roofline and table models.
 //! * [`spec`]: model and GPU descriptions for the roofline model.
@@ -69,12 +71,14 @@
 //! * [`metrics`]: forward-pass composition and per-step load.
 //!
 //! **Architecture invariant:** after every step, applying the step's events to a router's
-//! `PrefixIndex` leaves it holding exactly [`Engine::cached_blocks`]. Tests check this after
+//! `PrefixIndex` leaves it holding exactly [`Engine::cached_blocks`] on the GPU and
+//! [`Engine::cpu_blocks`] on the CPU tier. Tests check this after
 //! every step of random workloads.
 #![forbid(unsafe_code)]
 
 pub mod capacity;
 pub mod config;
+pub mod cpu_tier;
 mod engine;
 pub mod host;
 mod kv_pool;
@@ -88,6 +92,7 @@ pub mod timing;
 pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
+pub use cpu_tier::CpuOffload;
 pub use engine::{Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};

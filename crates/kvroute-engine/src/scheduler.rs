@@ -29,10 +29,12 @@ use crate::config::EngineConfig;
 use kvroute_core::events::{BlocksStored, KvEvent};
 use kvroute_core::key_hasher::KeyMap;
 
+use crate::cpu_tier::CpuTier;
 use crate::kv_pool::{BlockId, BlockPool};
 use crate::metrics::ForwardPass;
 use crate::request::{Finished, KvReportMode, TokenEmission};
 use crate::sequence::Sequence;
+use kvroute_core::ids::ExternalBlockHash;
 
 /// The part of the configuration the scheduler reads.
 #[derive(Clone, Copy, Debug)]
@@ -64,6 +66,8 @@ pub(crate) struct Schedule {
     pub admitted: u32,
     pub hit_tokens: u64,
     pub query_tokens: u64,
+    /// Blocks loaded from the CPU tier for the admitted requests.
+    pub loaded_blocks: u32,
 }
 
 impl Schedule {
@@ -108,6 +112,10 @@ pub(crate) struct Scheduler {
     pub imported: VecDeque<RequestId>,
     /// Reused buffer for cache hits.
     hits: Vec<BlockId>,
+    /// The host-memory tier, if any.
+    pub cpu: Option<CpuTier>,
+    /// Reused buffer of hashes newly cached on the GPU, for the CPU tier.
+    offloads: Vec<ExternalBlockHash>,
 }
 
 impl Scheduler {
@@ -128,6 +136,8 @@ impl Scheduler {
             importing: BTreeSet::new(),
             imported: VecDeque::new(),
             hits: Vec::new(),
+            cpu: config.cpu_offload.map(|c| CpuTier::new(c.num_blocks)),
+            offloads: Vec::new(),
         }
     }
 
@@ -229,13 +239,14 @@ impl Scheduler {
             if *budget == 0 || self.running.len() >= self.limits.max_num_seqs {
                 break;
             }
-            let Some(chunk) = self.admit(id, *budget) else {
+            let Some((chunk, loaded)) = self.admit(id, *budget) else {
                 break;
             };
             self.waiting.pop_front();
             self.running.push(id);
             schedule.admitted += 1;
-            schedule.hit_tokens += u64::from(chunk.context);
+            schedule.loaded_blocks += loaded;
+            schedule.hit_tokens += u64::from(chunk.context - loaded * self.limits.block_size);
             schedule.query_tokens += u64::from(self.seqs[&id].len());
             schedule.chunks.push(chunk);
             *budget -= chunk.new_tokens;
@@ -244,18 +255,23 @@ impl Scheduler {
 
     /// Takes waiting request `id`'s cached prefix and allocates its first chunk within `budget`,
     /// or changes nothing and returns `None` if it does not fit.
-    fn admit(&mut self, id: RequestId, budget: u32) -> Option<Chunk> {
+    fn admit(&mut self, id: RequestId, budget: u32) -> Option<(Chunk, u32)> {
         let bs = self.limits.block_size;
         let mut hits = std::mem::take(&mut self.hits);
         hits.clear();
         let planned = self.plan(&self.seqs[&id], budget, &mut hits);
         self.reannounce_hits(id, &hits);
-        let Some((new_tokens, fresh)) = planned else {
+        let Some((new_tokens, fresh, loaded)) = planned else {
             self.hits = hits;
             return None;
         };
         let seq = self.seqs.get_mut(&id).expect("waiting requests are live");
-        let context = hits.len() as u32 * bs;
+        // Blocks loaded from the CPU tier count as computed; they are cached on the GPU below
+        // with the first chunk's blocks.
+        let context = (hits.len() as u32 + loaded) * bs;
+        if let Some(cpu) = &mut self.cpu {
+            cpu.touch_all(&seq.externals[hits.len()..hits.len() + loaded as usize]);
+        }
         let uncached = seq.len() - context;
         for &block in &hits {
             self.pool.claim(block);
@@ -268,12 +284,15 @@ impl Scheduler {
         let decode = seq.outputs > 0 && uncached == 1;
         self.hits = hits;
         self.offer_full_blocks(id, context + new_tokens);
-        Some(Chunk {
-            id,
-            new_tokens,
-            context,
-            decode,
-        })
+        Some((
+            Chunk {
+                id,
+                new_tokens,
+                context,
+                decode,
+            },
+            loaded,
+        ))
     }
 
     /// With [`KvReportMode::Full`], announces request `id`'s prefix-cache hit `hits` again
@@ -285,23 +304,32 @@ impl Scheduler {
     }
 
     /// Waiting request `seq`'s admission within `budget`: its cache hits (onto `hits`), the
-    /// tokens of its first chunk and the fresh blocks they need; `None` if it does not fit.
-    fn plan(&self, seq: &Sequence, budget: u32, hits: &mut Vec<BlockId>) -> Option<(u32, u32)> {
+    /// tokens of its first chunk, the fresh blocks they need and how many of those are loaded
+    /// from the CPU tier (the blocks past the hits it holds in a row); `None` if it does not
+    /// fit.
+    fn plan(&self, seq: &Sequence, budget: u32, hits: &mut Vec<BlockId>) -> Option<(u32, u32, u32)> {
         let bs = self.limits.block_size;
+        let mut loaded = 0;
         if self.limits.prefix_caching {
             // At most len − 1 tokens come from the cache: the last one is always computed.
             let max_hit_blocks =
                 kvroute_core::router::max_cached_blocks(u64::from(seq.len()), u64::from(bs)) as usize;
             self.pool.lookup(&seq.externals, max_hit_blocks, hits);
+            if let Some(cpu) = &self.cpu {
+                let past = seq.externals.get(hits.len()..max_hit_blocks).unwrap_or_default();
+                loaded = cpu.run(past) as u32;
+            }
         }
-        let context = hits.len() as u32 * bs;
+        let context = (hits.len() as u32 + loaded) * bs;
         let uncached = seq.len() - context;
         if !self.limits.chunked_prefill && uncached > budget {
             return None;
         }
         let new_tokens = uncached.min(budget);
         let fresh = (context + new_tokens).div_ceil(bs) - hits.len() as u32;
-        self.pool.can_allocate(fresh, hits).then_some((new_tokens, fresh))
+        self.pool
+            .can_allocate(fresh, hits)
+            .then_some((new_tokens, fresh, loaded))
     }
 
     /// Reserves blocks for the whole prompt of `seq`, whose KV another engine computed and is
@@ -365,15 +393,22 @@ impl Scheduler {
             return;
         }
         let Self {
-            pool, seqs, limits, ..
+            pool,
+            seqs,
+            limits,
+            cpu,
+            offloads,
+            ..
         } = self;
         let seq = seqs.get_mut(&id).expect("scheduled requests are live");
         let full = (tokens / limits.block_size) as usize;
         let start = (seq.num_cached_blocks as usize).min(full);
         pool.warm(&seq.externals[start..full]);
         let mut run: Option<BlocksStored> = None;
+        offloads.clear();
         for b in seq.num_cached_blocks as usize..full {
             if pool.cache(&mut seq.blocks[b], seq.externals[b]) {
+                offloads.push(seq.externals[b]);
                 let stored = run.get_or_insert_with(|| BlocksStored {
                     parent_block_hash: b.checked_sub(1).map(|p| seq.externals[p]),
                     blocks: Vec::with_capacity(full - b),
@@ -397,6 +432,9 @@ impl Scheduler {
             pool.push_event(KvEvent::Stored(stored));
         }
         seq.num_cached_blocks = seq.num_cached_blocks.max(full as u32);
+        if let Some(cpu) = cpu {
+            cpu.offload(offloads, pool.events_mut());
+        }
     }
 
     /// Advances every request of `schedule` by its tokens: samples the next token where all

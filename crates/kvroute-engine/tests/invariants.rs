@@ -1,7 +1,7 @@
 //! Random workloads: arrivals with shared prefixes, steps and cache resets, on random small
 //! engines. After every step the harness checks the engine's invariants (reference counts,
 //! in use + free = total, queues) and that the router's index, fed with the engine's events,
-//! holds exactly the engine's cached blocks. At the end every accepted request must have
+//! holds exactly the engine's cached blocks, on the GPU and on the CPU tier when it has one. At the end every accepted request must have
 //! finished once, with its whole output, and the same run must give the same outputs again.
 
 mod common;
@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 
 use common::{Harness, config, request};
 use kvroute_core::ids::RequestId;
-use kvroute_engine::{EngineConfig, EngineRequest, FinishReason, RequestError, StepOutput};
+use kvroute_engine::{
+    CpuOffload, EngineConfig, EngineRequest, FinishReason, KvTransfer, RequestError, StepOutput,
+};
 use proptest::prelude::*;
 
 /// One thing that happens to the engine.
@@ -48,9 +50,10 @@ fn engine_config() -> impl Strategy<Value = EngineConfig> {
         4..48u32,
         any::<bool>(),
         any::<bool>(),
+        prop::option::of(1..64u32),
     )
         .prop_map(
-            |(block_size, num_blocks, max_num_seqs, budget, chunked, caching)| EngineConfig {
+            |(block_size, num_blocks, max_num_seqs, budget, chunked, caching, cpu)| EngineConfig {
                 block_size,
                 num_blocks,
                 max_num_seqs,
@@ -59,6 +62,7 @@ fn engine_config() -> impl Strategy<Value = EngineConfig> {
                 max_model_len: if chunked { 64 } else { budget },
                 enable_chunked_prefill: chunked,
                 enable_prefix_caching: caching,
+                cpu_offload: cpu.map(|n| CpuOffload::new(n, KvTransfer::default())),
                 ..config()
             },
         )
@@ -123,6 +127,7 @@ fn run(config: &EngineConfig, ops: &[Op]) -> Run {
                         (h.engine.cached_blocks().count(), h.index.block_count(h.worker)),
                         (0, 0)
                     );
+                    assert!(h.engine.cpu_blocks().is_empty() && !h.index.has_tier_blocks());
                 }
                 Err(_) => assert!(h.engine.num_running() > 0),
             },
@@ -187,12 +192,43 @@ proptest! {
 
 #[test]
 fn a_long_contended_run_keeps_every_invariant() {
+    contended_run(None);
+}
+
+#[test]
+fn a_long_contended_run_with_a_cpu_tier_keeps_every_invariant_and_loads_from_it() {
+    let run = contended_run(Some(CpuOffload::new(120, KvTransfer::default())));
+    let tier = |stored: bool| {
+        run.log
+            .iter()
+            .flat_map(|o| &o.events)
+            .filter(|e| match e {
+                kvroute_core::events::KvEvent::TierStored(_) => stored,
+                kvroute_core::events::KvEvent::TierRemoved(_) => !stored,
+                _ => false,
+            })
+            .count()
+    };
+    assert!(tier(true) > 0 && tier(false) > 0, "offloads and CPU evictions");
+    // Some admissions found more than the GPU's hits: blocks loaded from the CPU tier.
+    let hits: u64 = run.log.iter().map(|o| o.metrics.prefix_cache_hit_tokens).sum();
+    let reported: u64 = run
+        .log
+        .iter()
+        .flat_map(|o| &o.prefix_hits)
+        .map(|&(_, t)| u64::from(t))
+        .sum();
+    assert!(reported > hits, "cached tokens {reported}, GPU hits {hits}");
+}
+
+fn contended_run(cpu_offload: Option<CpuOffload>) -> Run {
     // Many requests sharing a few prefixes on a cache that holds a few of them: constant
     // eviction, preemption and prefix reuse.
     let config = EngineConfig {
         num_blocks: 40,
         max_num_seqs: 6,
         max_num_batched_tokens: 24,
+        cpu_offload,
         ..config()
     };
     let ops: Vec<Op> = (0..400u32)
@@ -221,4 +257,5 @@ fn a_long_contended_run_keeps_every_invariant() {
         preemptions > 0 && hits > 0 && removed > 0,
         "{preemptions} {hits} {removed}"
     );
+    run
 }

@@ -56,6 +56,8 @@ fn render(log: &[StepOutput]) -> String {
                 }
                 KvEvent::Removed(r) => format!("removed {}", names.list(&r.block_hashes)),
                 KvEvent::AllCleared => "cleared".to_owned(),
+                KvEvent::TierStored(t) => format!("offloaded {}", names.list(&t.block_hashes)),
+                KvEvent::TierRemoved(t) => format!("removed from CPU {}", names.list(&t.block_hashes)),
             })
             .collect();
         writeln!(

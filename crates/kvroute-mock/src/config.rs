@@ -106,6 +106,7 @@ impl MockConfig {
             speedup: 1.0,
             timing: TimingConfig::Polynomial,
             step_jitter: None,
+            cpu_offload: None,
         }
     }
 }

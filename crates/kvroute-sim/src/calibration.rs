@@ -101,6 +101,7 @@ impl EngineSetup {
             speedup: 1.0,
             timing: TimingConfig::Calibrated(calibrated),
             step_jitter: None,
+            cpu_offload: None,
         }
     }
 }

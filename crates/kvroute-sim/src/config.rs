@@ -302,6 +302,7 @@ impl SimConfig {
             speedup: 1.0,
             timing: TimingConfig::Polynomial,
             step_jitter: None,
+            cpu_offload: None,
         }
     }
 

@@ -10,13 +10,15 @@
 //!
 //! What is not applied is said, never dropped silently ([`SkipReason`]):
 //!
-//! * **Other media.** Only events on the GPU tier (`medium` `"GPU"`, any case, or nil from
-//!   engines that predate the field) change the index, which models what a worker can serve
-//!   from GPU memory. Offloading connectors and hierarchical caches report their CPU or disk
-//!   tiers with the same hashes: treating a CPU-tier removal as a GPU one would drop prefixes the
-//!   GPU still holds (SGLang PR #39108: every prefix became unroutable after one device turnover
-//!   while the host tier kept it for hours), and a CPU-tier store would claim blocks the GPU
-//!   does not hold.
+//! * **Other media.** Events on the GPU tier (`medium` `"GPU"`, any case, or nil from engines
+//!   that predate the field) change the prefix tree, which models what a worker can serve from
+//!   GPU memory. Events of a tracked slower tier ([`Tier`]: `"CPU"`, vLLM's offloading
+//!   connector) become [`KvEvent::TierStored`] / [`KvEvent::TierRemoved`], kept apart from the
+//!   GPU's: treating a CPU-tier removal as a GPU one would drop prefixes the GPU still holds
+//!   (SGLang PR #39108: every prefix became unroutable after one device turnover while the host
+//!   tier kept it for hours), and a CPU-tier store would claim blocks the GPU does not hold.
+//!   The connector's stores carry no tokens: the index places them by the GPU blocks it knows
+//!   under the same hashes. Any other medium (a disk tier) is skipped.
 //! * **Other KV-cache groups.** Hybrid models send one event per group; the router tracks one
 //!   ([`ApplyConfig::group_idx`]), and events without a group count as group 0.
 //! * **Another block size.** The router hashes a worker's prompts at one block size; blocks of
@@ -32,10 +34,10 @@
 use std::fmt;
 use std::num::NonZeroU32;
 
-use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
+use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent, TierBlocks};
 use kvroute_core::hash::{BlockHasher, HashSalt, PromptHasher};
 use kvroute_core::ids::WorkerKey;
-use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock};
+use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock, Tier};
 
 use crate::event::{BlockStored, MEDIUM_GPU, WireEvent};
 
@@ -141,6 +143,20 @@ pub enum Applied {
     },
     /// The worker was cleared.
     Cleared,
+    /// A store of this many blocks on a slower tier.
+    TierStored {
+        /// The tier.
+        tier: Tier,
+        /// Blocks stored.
+        blocks: usize,
+    },
+    /// A removal of this many blocks from a slower tier.
+    TierRemoved {
+        /// The tier.
+        tier: Tier,
+        /// Blocks named.
+        blocks: usize,
+    },
 }
 
 impl WireEvent {
@@ -157,12 +173,30 @@ impl WireEvent {
         match self {
             WireEvent::BlockStored(stored) => {
                 match other_tier(stored.medium.as_deref(), stored.group_idx, config) {
+                    Some(_)
+                        if let Some(tier) =
+                            slower_tier(stored.medium.as_deref(), stored.group_idx, config) =>
+                    {
+                        whole(KvEvent::TierStored(TierBlocks {
+                            tier,
+                            block_hashes: stored.block_hashes.clone(),
+                        }))
+                    }
                     Some(reason) => skip(reason),
                     None => stored_blocks(stored, config),
                 }
             }
             WireEvent::BlockRemoved(removed) => {
                 match other_tier(removed.medium.as_deref(), removed.group_idx, config) {
+                    Some(_)
+                        if let Some(tier) =
+                            slower_tier(removed.medium.as_deref(), removed.group_idx, config) =>
+                    {
+                        whole(KvEvent::TierRemoved(TierBlocks {
+                            tier,
+                            block_hashes: removed.block_hashes.clone(),
+                        }))
+                    }
                     Some(reason) => skip(reason),
                     None => whole(KvEvent::Removed(BlocksRemoved {
                         block_hashes: removed.block_hashes.clone(),
@@ -193,6 +227,14 @@ impl WireEvent {
                 blocks: removed.block_hashes.len(),
             },
             Some(KvEvent::AllCleared) => Applied::Cleared,
+            Some(KvEvent::TierStored(t)) => Applied::TierStored {
+                tier: t.tier,
+                blocks: t.block_hashes.len(),
+            },
+            Some(KvEvent::TierRemoved(t)) => Applied::TierRemoved {
+                tier: t.tier,
+                blocks: t.block_hashes.len(),
+            },
         };
         if let Some(event) = &event {
             index.apply_event(worker, event.as_index_event())?;
@@ -210,6 +252,13 @@ fn other_tier(medium: Option<&str>, group: Option<u32>, config: &ApplyConfig<'_>
     }
     let group = group.unwrap_or(0);
     (group != config.group_idx).then_some(SkipReason::OtherGroup(group))
+}
+
+/// The tracked slower tier of an event of `medium` and `group`, if it is one (of the tracked
+/// group).
+fn slower_tier(medium: Option<&str>, group: Option<u32>, config: &ApplyConfig<'_>) -> Option<Tier> {
+    let tier = Tier::from_medium(medium?)?;
+    (group.unwrap_or(0) == config.group_idx).then_some(tier)
 }
 
 /// The blocks of a GPU store that have their tokens, hashed by the router.

@@ -5,7 +5,7 @@
 //! layout: a batch decoded from any revision's bytes compares equal to the same batch decoded
 //! from another's.
 
-use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent};
+use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent, TierBlocks};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerKey};
 
 use crate::error::{DecodeError, EncodeError, PayloadError};
@@ -138,8 +138,10 @@ impl EventBatch {
 }
 
 impl From<&KvEvent> for WireEvent {
-    /// The wire form of a simulated engine's event, on the GPU tier. The engine's local hashes
-    /// are not sent: a subscriber computes them from the tokens.
+    /// The wire form of a simulated engine's event. The engine's local hashes are not sent: a
+    /// subscriber computes them from the tokens. A slower tier's events are what vLLM's
+    /// offloading connector sends: its `medium`, the hashes, and for a store no parent, no
+    /// tokens, block size 0 and no LoRA name.
     fn from(event: &KvEvent) -> Self {
         match event {
             KvEvent::Stored(stored) => WireEvent::BlockStored(BlockStored::from(stored)),
@@ -149,6 +151,24 @@ impl From<&KvEvent> for WireEvent {
                 group_idx: None,
             }),
             KvEvent::AllCleared => WireEvent::AllBlocksCleared,
+            KvEvent::TierStored(TierBlocks { tier, block_hashes }) => WireEvent::BlockStored(BlockStored {
+                block_hashes: block_hashes.clone(),
+                parent_block_hash: None,
+                token_ids: Vec::new(),
+                block_size: 0,
+                lora_id: None,
+                medium: Some(tier.medium().to_owned()),
+                lora_name: None,
+                cache_salt: None,
+                group_idx: None,
+            }),
+            KvEvent::TierRemoved(TierBlocks { tier, block_hashes }) => {
+                WireEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: block_hashes.clone(),
+                    medium: Some(tier.medium().to_owned()),
+                    group_idx: None,
+                })
+            }
         }
     }
 }

@@ -9,11 +9,14 @@ use std::fmt::Write;
 use std::num::NonZeroU32;
 
 use expect_test::expect;
+use kvroute_core::events::{KvEvent, TierBlocks};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, PrefixIndex};
+use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineConfig, EnginePrompt, EngineRequest, TimingConfig};
+use kvroute_engine::{
+    CpuOffload, Engine, EngineConfig, EnginePrompt, EngineRequest, KvTransfer, TimingConfig,
+};
 use kvroute_wire::{Applied, ApplyConfig, BlockStored, EventBatch, EventEncoding, SkipReason, WireEvent};
 
 const W: WorkerKey = WorkerKey::new(WorkerId(1), DpRank(0));
@@ -94,8 +97,8 @@ fn fixtures_applied_event_by_event() {
     expect![[r#"
         removed_cpu
         Ok(ApplyReport { applied: Stored { blocks: 2 }, skipped: None }) => depth 2, 2 held
-        Ok(ApplyReport { applied: Nothing, skipped: Some(OtherMedium("CPU")) }) => depth 2, 2 held
-        Ok(ApplyReport { applied: Nothing, skipped: Some(OtherMedium("CPU")) }) => depth 2, 2 held
+        Ok(ApplyReport { applied: TierStored { tier: Cpu, blocks: 2 }, skipped: None }) => depth 2, 2 held
+        Ok(ApplyReport { applied: TierRemoved { tier: Cpu, blocks: 2 }, skipped: None }) => depth 2, 2 held
         sglang_negative_hashes
         Ok(ApplyReport { applied: Stored { blocks: 2 }, skipped: None }) => depth 2, 2 held
         Ok(ApplyReport { applied: Stored { blocks: 1 }, skipped: None }) => depth 3, 3 held
@@ -220,9 +223,15 @@ fn index_errors_come_through() {
 }
 
 /// A simulated engine's events, applied to one index directly and to another through the wire
-/// (encoded, framed, decoded, converted), leave both holding what the engine caches.
+/// (encoded, framed, decoded, converted), leave both holding what the engine caches; with a CPU
+/// tier, its events as vLLM's offloading connector sends them (no tokens, no parent) too.
 #[test]
 fn engine_events_reach_the_index_alike_through_the_wire() {
+    through_the_wire(None);
+    through_the_wire(Some(CpuOffload::new(16, KvTransfer::default())));
+}
+
+fn through_the_wire(cpu_offload: Option<CpuOffload>) {
     let mut engine = Engine::new(EngineConfig {
         block_size: 4,
         num_blocks: 24,
@@ -235,8 +244,9 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
         step_jitter: None,
+        cpu_offload,
     })
-    .unwrap();
+    .expect("the engine's own events");
     let prompts: Vec<(Vec<u32>, Option<&str>)> = (0..12u32)
         .map(|i| {
             let shared = (0..8 * (i % 3)).collect::<Vec<u32>>();
@@ -254,7 +264,9 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
             cache_namespace: None,
             kv_report: kvroute_engine::KvReportMode::Incremental,
         };
-        engine.add_request(Timestamp::ZERO, request).unwrap();
+        engine
+            .add_request(Timestamp::ZERO, request)
+            .expect("the engine's own events");
     }
     let (mut direct, mut wired) = (index(), index());
     let mut seq = 0;
@@ -273,17 +285,28 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
             events: step.events.iter().map(WireEvent::from).collect(),
             dp_rank: Some(0),
         };
-        let received = EventBatch::decode_live(&batch.encode_live(encoding).unwrap()).unwrap();
+        let received =
+            EventBatch::decode_live(&batch.encode_live(encoding).expect("the engine's own events"))
+                .expect("the engine's own events");
         assert_eq!(received, batch);
         for (event, wire) in step.events.iter().zip(&received.events) {
-            direct.apply_event(W, event.as_index_event()).unwrap();
-            let report = wire.apply_to(&mut wired, W, &config(4)).unwrap();
+            direct
+                .apply_event(W, event.as_index_event())
+                .expect("the engine's own events");
+            let report = wire
+                .apply_to(&mut wired, W, &config(4))
+                .expect("the engine's own events");
             assert_eq!(report.skipped, None);
             events += 1;
         }
         let cached: BTreeSet<ExternalBlockHash> = engine.cached_blocks().collect();
         assert_eq!(wired.held_blocks(W).collect::<BTreeSet<_>>(), cached);
         assert_eq!(direct.held_blocks(W).collect::<BTreeSet<_>>(), cached);
+        let cpu = engine.cpu_blocks();
+        for index in [&direct, &wired] {
+            assert_eq!(index.tier_block_count(W, Tier::Cpu), cpu.len());
+            assert!(cpu.iter().all(|&h| index.tier_holds(W, Tier::Cpu, h)));
+        }
         for (tokens, lora) in &prompts {
             let query = locals(tokens, *lora, None);
             assert_eq!(
@@ -293,12 +316,51 @@ fn engine_events_reach_the_index_alike_through_the_wire() {
         }
         seq += 1;
     }
-    // The workload evicts: removals went through too.
+    // The workload evicts: removals went through too, and with a tier its stores and removals.
+    let stats = direct.stats();
     assert!(
-        events > 20 && direct.stats().blocks_removed > 0,
-        "{events} events, {:?}",
-        direct.stats()
+        events > 20 && stats.blocks_removed > 0,
+        "{events} events, {stats:?}"
     );
+    if cpu_offload.is_some() {
+        assert_eq!(wired.stats(), stats);
+        assert!(
+            stats.tier_blocks_stored > 0 && stats.tier_blocks_removed > 0,
+            "{stats:?}"
+        );
+    }
+}
+
+/// A CPU-tier event goes out as vLLM's offloading connector sends it (its medium, the hashes,
+/// no parent, no tokens, block size 0) and comes back as the same tier event; a removal alike.
+#[test]
+fn a_cpu_tier_event_is_sent_as_vllms_offloading_connector_sends_it() {
+    let blocks = vec![ExternalBlockHash(5), ExternalBlockHash(6)];
+    let tier = |b: &Vec<ExternalBlockHash>| TierBlocks {
+        tier: Tier::Cpu,
+        block_hashes: b.clone(),
+    };
+    let stored = KvEvent::TierStored(tier(&blocks));
+    let wire = WireEvent::from(&stored);
+    assert_eq!(
+        wire,
+        WireEvent::BlockStored(BlockStored {
+            block_hashes: blocks.clone(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some("CPU".into()),
+            lora_name: None,
+            cache_salt: None,
+            group_idx: None,
+        })
+    );
+    let removed = KvEvent::TierRemoved(tier(&blocks));
+    for event in [stored, removed] {
+        let back = WireEvent::from(&event).to_kv_event(&config(4));
+        assert_eq!((back.event, back.skipped), (Some(event), None));
+    }
 }
 
 /// vLLM folds a request's `cache_salt` into its first block's extra keys alone: a store that

@@ -514,6 +514,13 @@ pub struct MockArgs {
     /// in the GPUs' memory (as `kvroute replay --model`).
     #[arg(long, alias = "kv-blocks")]
     pub num_blocks: Option<u32>,
+    /// Blocks of a host-memory (CPU) KV tier per worker rank, as vLLM's native offloading
+    /// (`--kv-offloading-backend native --kv-offloading-size` GiB over one block's bytes):
+    /// blocks are copied to it as they are cached and loaded back past a prompt's GPU hit over
+    /// the KV link (`--kv-transfer-gbps`), with vLLM's offloading events (medium "CPU", no
+    /// tokens). Default none.
+    #[arg(long)]
+    pub cpu_offload_blocks: Option<u32>,
     /// Most requests running at once. Default 256.
     #[arg(long)]
     pub max_num_seqs: Option<u32>,
@@ -612,6 +619,7 @@ fn check_mock(args: &MockArgs) -> anyhow::Result<()> {
     ensure!(args.block_size >= 1, "--block-size must be at least 1");
     for (flag, v) in [
         ("--num-blocks", args.num_blocks),
+        ("--cpu-offload-blocks", args.cpu_offload_blocks),
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
     ] {
@@ -670,6 +678,9 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
         args.kv_transfer_latency_ms,
         args.kv_bytes_per_token.or(built.kv_bytes_per_token),
     )?;
+    config.engine.cpu_offload = args
+        .cpu_offload_blocks
+        .map(|n| kvroute_engine::CpuOffload::new(n, config.transfer));
     if let Some(line) = &built.description {
         say(args.log_format, line);
     }

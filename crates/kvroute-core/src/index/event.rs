@@ -23,8 +23,50 @@ pub enum IndexEvent<'a> {
         /// The engine's ids of the blocks.
         blocks: &'a [ExternalBlockHash],
     },
-    /// The worker holds nothing.
+    /// The worker holds nothing, on any tier.
     Cleared,
+    /// The worker copied these blocks, which it holds on the GPU, to a slower tier (vLLM's
+    /// offloading connector: `BlockStored` with `medium` `"CPU"`, no tokens and no parent).
+    TierStored {
+        /// The tier.
+        tier: Tier,
+        /// The engine's ids of the blocks, as its GPU events named them.
+        blocks: &'a [ExternalBlockHash],
+    },
+    /// The worker dropped these blocks from a slower tier (`BlockRemoved` with its `medium`).
+    TierRemoved {
+        /// The tier.
+        tier: Tier,
+        /// The engine's ids of the blocks.
+        blocks: &'a [ExternalBlockHash],
+    },
+}
+
+/// A KV-cache tier below the GPU's, which an engine offloads blocks to and loads them back
+/// from. The GPU's own cache is the prefix tree itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// Host memory: vLLM's native offloading (`--kv-offloading-backend native`), `medium` `"CPU"`.
+    Cpu,
+}
+
+impl Tier {
+    /// Every tier.
+    pub const ALL: [Tier; 1] = [Tier::Cpu];
+
+    /// The tier's `medium` in vLLM's events.
+    pub fn medium(self) -> &'static str {
+        match self {
+            Tier::Cpu => "CPU",
+        }
+    }
+
+    /// The tier whose `medium` this is (any case), if one is tracked.
+    pub fn from_medium(medium: &str) -> Option<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| t.medium().eq_ignore_ascii_case(medium))
+    }
 }
 
 /// The blocks a worker that names blocks by the router's own chain (Dynamo's mocker, the

@@ -57,6 +57,7 @@ mod event;
 mod ext_map;
 mod free_runs;
 mod scores;
+mod tier;
 mod walk;
 mod wide;
 
@@ -66,12 +67,14 @@ use std::num::NonZeroUsize;
 use hashbrown::HashMap;
 use hashbrown::HashTable;
 
-use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
+use crate::hash::next_sequence_hash;
+use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use free_runs::{FreeRuns, Source};
+use tier::Tiers;
 use wide::Rows;
 
-pub use event::{IndexEvent, stored_blocks};
+pub use event::{IndexEvent, Tier, stored_blocks};
 pub use ext_map::{ExtMap, Probe, Vacancy};
 pub use scores::OverlapScores;
 
@@ -149,6 +152,21 @@ pub enum IndexError {
         /// Blocks of the same store that were applied before it.
         applied: usize,
     },
+    /// A slower tier's store named blocks the worker does not hold on the GPU, so the index
+    /// cannot tell which prefix they are (the tier's events carry no tokens and no parent).
+    #[error(
+        "worker {worker} stored {unplaced} block(s) on {tier:?} that it does not hold on the GPU, first {external:?}"
+    )]
+    UnplacedTierBlock {
+        /// The worker.
+        worker: WorkerKey,
+        /// The tier.
+        tier: Tier,
+        /// The first such block.
+        external: ExternalBlockHash,
+        /// How many of the store's blocks were left out; the others were applied.
+        unplaced: usize,
+    },
 }
 
 /// Counters of what the index has been asked to do. They only grow.
@@ -172,6 +190,12 @@ pub struct IndexStats {
     pub duplicate_prefix: u64,
     /// Blocks dropped to keep a worker within [`IndexConfig::max_blocks_per_worker`].
     pub blocks_evicted: u64,
+    /// Blocks newly held on a slower tier.
+    pub tier_blocks_stored: u64,
+    /// Blocks dropped from a slower tier.
+    pub tier_blocks_removed: u64,
+    /// Slower-tier blocks left out with [`IndexError::UnplacedTierBlock`].
+    pub tier_unplaced: u64,
 }
 
 /// How much memory the index uses.
@@ -252,6 +276,8 @@ pub struct PrefixIndex {
     scratch: Vec<NodeId>,
     /// [`IndexConfig::max_blocks_per_worker`].
     cap: Option<NonZeroUsize>,
+    /// The slower tiers' blocks (see `tier`).
+    tiers: Tiers,
 }
 
 #[inline]
@@ -274,6 +300,7 @@ impl PrefixIndex {
             stats: IndexStats::default(),
             scratch: Vec::new(),
             cap: config.max_blocks_per_worker,
+            tiers: Tiers::default(),
         }
     }
 
@@ -554,6 +581,125 @@ impl PrefixIndex {
             IndexEvent::Stored { parent, blocks } => self.apply_stored(worker, parent, blocks),
             IndexEvent::Removed { blocks } => self.apply_removed(worker, blocks).map(drop),
             IndexEvent::Cleared => self.clear_worker(worker),
+            IndexEvent::TierStored { tier, blocks } => self.apply_tier_stored(worker, tier, blocks),
+            IndexEvent::TierRemoved { tier, blocks } => self.apply_tier_removed(worker, tier, blocks),
+        }
+    }
+
+    /// `worker` copied `externals`, blocks it holds on the GPU, to `tier`: each is placed at
+    /// its GPU node's prefix. Blocks it does not hold on the GPU are left out (the others
+    /// applied) and reported with [`IndexError::UnplacedTierBlock`].
+    pub fn apply_tier_stored(
+        &mut self,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+    ) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let mut unplaced: Option<(ExternalBlockHash, usize)> = None;
+        // The previous block's node and prefix: a run of a chain extends it by one hash.
+        let mut prev: Option<(NodeId, SequenceHash)> = None;
+        let mut path = std::mem::take(&mut self.scratch);
+        for &external in externals {
+            let Some(node) = self.slot_mut(slot).blocks.get(external.0) else {
+                let first = unplaced.map_or(external, |(e, _)| e);
+                unplaced = Some((first, unplaced.map_or(0, |(_, n)| n) + 1));
+                prev = None;
+                continue;
+            };
+            let n = self.nodes[node as usize];
+            let seq = match prev {
+                Some((p, seq)) if p == n.parent => next_sequence_hash(Some(seq), LocalBlockHash(n.local)),
+                _ => self.prefix_of(node, &mut path),
+            };
+            prev = Some((node, seq));
+            if self.tiers.get_mut(tier).store(worker, external, seq) {
+                self.stats.tier_blocks_stored += 1;
+            }
+        }
+        self.scratch = path;
+        match unplaced {
+            None => Ok(()),
+            Some((external, n)) => {
+                self.stats.tier_unplaced += n as u64;
+                Err(IndexError::UnplacedTierBlock {
+                    worker,
+                    tier,
+                    external,
+                    unplaced: n,
+                })
+            }
+        }
+    }
+
+    /// `worker` dropped `externals` from `tier`; blocks it did not hold there are ignored.
+    pub fn apply_tier_removed(
+        &mut self,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+    ) -> Result<(), IndexError> {
+        self.slot_index(worker)?;
+        let set = self.tiers.get_mut(tier);
+        let dropped = externals.iter().filter(|&&e| set.remove(worker, e)).count();
+        self.stats.tier_blocks_removed += dropped as u64;
+        Ok(())
+    }
+
+    /// The router's sequence hash of the prefix `node` stands for (a walk to the root).
+    fn prefix_of(&self, node: NodeId, path: &mut Vec<NodeId>) -> SequenceHash {
+        path.clear();
+        let mut at = node;
+        while at != ROOT && at != NONE {
+            path.push(at);
+            at = self.nodes[at as usize].parent;
+        }
+        let mut seq = None;
+        for &n in path.iter().rev() {
+            seq = Some(next_sequence_hash(
+                seq,
+                LocalBlockHash(self.nodes[n as usize].local),
+            ));
+        }
+        seq.unwrap_or(SequenceHash(0))
+    }
+
+    /// Whether any worker holds a block on a slower tier (when none does, a lookup need not
+    /// ask [`PrefixIndex::tier_runs_into`]).
+    pub fn has_tier_blocks(&self) -> bool {
+        !self.tiers.is_empty()
+    }
+
+    /// Blocks `worker` holds on `tier`.
+    pub fn tier_block_count(&self, worker: WorkerKey, tier: Tier) -> usize {
+        self.tiers.get(tier).count(worker)
+    }
+
+    /// Whether `worker` holds the block the engine calls `external` on `tier`.
+    pub fn tier_holds(&self, worker: WorkerKey, tier: Tier, external: ExternalBlockHash) -> bool {
+        self.tiers.get(tier).holds(worker, external)
+    }
+
+    /// For each worker that holds blocks on `tier`, in key order: how many blocks of `chain`
+    /// past its GPU depth (`gpu(worker)`) it holds there in a row, onto `out` where above 0.
+    /// This is the tier's hit an engine would load back instead of computing.
+    pub fn tier_runs_into(
+        &self,
+        tier: Tier,
+        chain: &[SequenceHash],
+        gpu: impl Fn(WorkerKey) -> u32,
+        out: &mut Vec<(WorkerKey, u32)>,
+    ) {
+        out.clear();
+        let set = self.tiers.get(tier);
+        if set.is_empty() {
+            return;
+        }
+        for worker in set.workers() {
+            let run = set.run(worker, chain, gpu(worker));
+            if run > 0 {
+                out.push((worker, run));
+            }
         }
     }
 
@@ -613,6 +759,7 @@ impl PrefixIndex {
     /// `worker` now holds nothing.
     pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
+        self.tiers.clear(worker);
         self.slot_mut(slot).order.clear();
         let held: Vec<NodeId> = self.slot_mut(slot).blocks.drain_nodes().collect();
         for &node in &held {
@@ -631,6 +778,20 @@ impl PrefixIndex {
     /// every worker's map against the nodes' worker masks, and that no node is kept that nobody
     /// holds and that has no children. Returns the first violation found.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.tiers.check()?;
+        for tier in Tier::ALL {
+            if let Some(w) = self
+                .tiers
+                .get(tier)
+                .workers()
+                .into_iter()
+                .find(|w| !self.slot_of.contains_key(w))
+            {
+                return Err(format!(
+                    "{tier:?} holds blocks of worker {w}, which is not tracked"
+                ));
+            }
+        }
         let live = |id: NodeId| id == ROOT || self.nodes[id as usize].parent != NONE;
         let mut children = vec![0u32; self.nodes.len()];
         let mut held_bits = 0usize;

@@ -1,14 +1,22 @@
 //! The cost of sending a request to a worker: the one function that computes it.
 //!
 //! ```text
-//! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0)
+//! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks + moved), 0)
 //!      + decode_blocks
 //!      + decode_active_request_weight * active_requests
 //! ```
 //!
 //! * `prefill_blocks = (worker's active prefill tokens + the prompt's tokens) / block_size`, a
 //!   fraction; 0 on workers without a prefill term (decode workers).
-//! * `overlap_blocks`: the prompt's leading blocks cached on the worker.
+//! * `overlap_blocks`: the prompt's leading blocks cached on the worker('s GPU).
+//! * `moved = (1 - tier_block_cost) * tier_blocks`, where `tier_blocks` are the blocks right
+//!   after those that the worker holds only on a slower tier
+//!   (host memory), which its engine loads back instead of computing. Each costs
+//!   `tier_block_cost` of a block to prefill (its transfer against its prefill): 1 makes the
+//!   router tier-blind (a miss), 0 a GPU hit. Dynamo credits such blocks with
+//!   `--router-host-cache-hit-weight` 0.75, a cost of 0.25, kvroute's default. Under the staged
+//!   projection `moved` also joins the decode term, as cached blocks do; at 1 nothing moves and
+//!   the cost is the tier-blind one exactly.
 //! * `decode_blocks`: the worker's decode blocks with the request added, under the chosen
 //!   [`DecodeProjection`]; 0 on workers without a decode term (prefill workers).
 //! * `active_requests`: requests booked on the worker before this one.
@@ -45,6 +53,9 @@ pub struct CostParams {
     pub decode_active_request_weight: f64,
     /// How the decode term counts requests still in prefill.
     pub projection: DecodeProjection,
+    /// What a block held only on a slower tier costs, as a fraction of a block to prefill, in
+    /// `[0, 1]` (1: tier-blind).
+    pub tier_block_cost: f64,
 }
 
 impl CostParams {
@@ -54,7 +65,12 @@ impl CostParams {
         overlap_credit: 1.0,
         decode_active_request_weight: 0.0,
         projection: DecodeProjection::Full,
+        tier_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
     };
+
+    /// A slower tier's block costs a quarter of a prefilled one: Dynamo's host-tier credit
+    /// (`--router-host-cache-hit-weight` 0.75).
+    pub const DEFAULT_TIER_BLOCK_COST: f64 = 0.25;
 
     /// kvroute's defaults: the staged projection, with a prefill block weighing eight decode
     /// blocks (see the module docs for why).
@@ -74,6 +90,7 @@ impl CostParams {
                 self.decode_active_request_weight,
                 f64::INFINITY,
             ),
+            ("tier_block_cost", self.tier_block_cost, 1.0),
         ]
         .into_iter()
         .find(|&(_, v, max)| !(v.is_finite() && (0.0..=max).contains(&v)))
@@ -83,14 +100,23 @@ impl CostParams {
 
 /// The cost of sending `request` to `candidate` under `params`; lower is better.
 pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidate) -> f64 {
-    let prefill = if candidate.spec.role.tracks_prefill() {
+    let role = candidate.spec.role;
+    // The part of the slower tier's blocks taken off the prefill term as if cached.
+    let moved = (1.0 - params.tier_block_cost) * f64::from(candidate.tier_blocks);
+    let prefill = if role.tracks_prefill() {
         let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
         let blocks = tokens as f64 / f64::from(request.block_size);
-        let adjusted = (blocks - params.overlap_credit * f64::from(candidate.overlap_blocks)).max(0.0);
+        let cached = f64::from(candidate.overlap_blocks) + moved;
+        let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
         params.prefill_load_scale * adjusted
     } else {
         0.0
     };
-    let decode = candidate.projection.decode_blocks(params.projection) as f64;
+    let mut decode = candidate.projection.decode_blocks(params.projection) as f64;
+    // The staged projection counts cached blocks as decode residency at once; the part of the
+    // tier's blocks counted as cached above joins them (the full projection has them already).
+    if params.projection == DecodeProjection::Staged && role.tracks_prefill() && role.tracks_decode() {
+        decode += moved;
+    }
     prefill + decode + params.decode_active_request_weight * f64::from(candidate.load.requests)
 }

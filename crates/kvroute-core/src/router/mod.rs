@@ -121,7 +121,7 @@ use sync::{Mark, Tombstones};
 
 use crate::hash::{HashSalt, PromptHasher, sequence_hashes_shared};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
-use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex};
+use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex, Tier};
 use crate::time::Timestamp;
 
 /// An input the router refuses. Nothing changed.
@@ -184,6 +184,11 @@ struct Scratch {
     scores: OverlapScores,
     /// Overlap per worker slot; 0 but at the slots in `overlapping`.
     overlaps: Vec<u32>,
+    /// Blocks past `overlaps` held only on a slower tier, per worker slot; 0 but at the slots
+    /// in `overlapping`.
+    tier_overlaps: Vec<u32>,
+    /// The index's tier runs of one prompt (reused).
+    tier_runs: Vec<(WorkerKey, u32)>,
     /// The slots `compute_overlaps` may have set above 0, ascending, each once.
     overlapping: Vec<usize>,
     candidates: Vec<Candidate>,
@@ -900,7 +905,10 @@ impl Router {
         if self.config.sessions.overloaded.is_busy(&w.spec, &w.load()) {
             return None;
         }
-        let overlap = self.scratch.overlaps.get(slot).copied().unwrap_or(0);
+        let overlap = scan::Overlap {
+            gpu: self.scratch.overlaps.get(slot).copied().unwrap_or(0),
+            tier: self.scratch.tier_overlaps.get(slot).copied().unwrap_or(0),
+        };
         scan::candidate(w, overlap, chain, &self.config.busy)
     }
 
@@ -933,6 +941,8 @@ impl Router {
         let Scratch {
             scores,
             overlaps,
+            tier_overlaps,
+            tier_runs,
             overlapping,
             ..
         } = &mut self.scratch;
@@ -942,19 +952,41 @@ impl Router {
             if let Some(o) = overlaps.get_mut(slot) {
                 *o = 0;
             }
+            if let Some(o) = tier_overlaps.get_mut(slot) {
+                *o = 0;
+            }
         }
         overlapping.clear();
         overlaps.resize(self.fleet.workers().len(), 0);
+        tier_overlaps.resize(self.fleet.workers().len(), 0);
         debug_assert!(
             overlaps.iter().all(|&o| o == 0),
             "an overlap left from a past decision"
         );
+        let mut tiered = false;
         if !matches!(self.config.cache, CacheMode::Approximate(_)) {
             self.index.find_matches_into(locals, false, scores);
             for (worker, depth) in scores.iter() {
                 if let Some(slot) = self.fleet.slot(worker) {
                     overlaps[slot] = depth;
                     overlapping.push(slot);
+                }
+            }
+            // A slower tier's run past each worker's GPU depth, kept for now as the depth the
+            // run reaches (the recent record below may raise the GPU depth into it).
+            tier_runs.clear();
+            tiered = self.index.has_tier_blocks();
+            if tiered {
+                for tier in Tier::ALL {
+                    self.index
+                        .tier_runs_into(tier, chain, |w| scores.depth(w), tier_runs);
+                    for &(worker, run) in tier_runs.iter() {
+                        if let Some(slot) = self.fleet.slot(worker) {
+                            let reach = overlaps[slot] + run;
+                            tier_overlaps[slot] = tier_overlaps[slot].max(reach);
+                            overlapping.push(slot);
+                        }
+                    }
                 }
             }
         }
@@ -969,6 +1001,12 @@ impl Router {
         }
         overlapping.sort_unstable();
         overlapping.dedup();
+        // The tier's blocks past the GPU depth, as it now stands.
+        if tiered {
+            for &slot in overlapping.iter() {
+                tier_overlaps[slot] = tier_overlaps[slot].saturating_sub(overlaps[slot]);
+            }
+        }
     }
 
     /// Books a decision (this router's or a replica's) in the one place where bookings happen:

@@ -65,8 +65,31 @@ const IDLE_MEMO: usize = 16;
 #[derive(Clone, Copy, Debug)]
 struct IdleCost {
     class: u32,
-    overlap_blocks: u32,
+    overlap: Overlap,
     cost: Option<f64>,
+}
+
+/// A worker's match of the prompt: blocks on its GPU, then blocks past them held only on a
+/// slower tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Overlap {
+    pub gpu: u32,
+    pub tier: u32,
+}
+
+impl Overlap {
+    /// Clamped to a prompt of `blocks` blocks.
+    fn within(self, blocks: u32) -> Overlap {
+        let gpu = self.gpu.min(blocks);
+        Overlap {
+            gpu,
+            tier: self.tier.min(blocks - gpu),
+        }
+    }
+
+    fn is_none(self) -> bool {
+        self.gpu == 0 && self.tier == 0
+    }
 }
 
 /// The argmin scan's buffers, reused across decisions.
@@ -92,14 +115,14 @@ pub(super) struct ArgminScratch {
 }
 
 impl ArgminScratch {
-    /// The cost of an idle worker `w` at `overlap_blocks` (clamped), from the memo or `score`.
+    /// The cost of an idle worker `w` at `overlap` (clamped), from the memo or `score`.
     fn idle_cost(
         &mut self,
         w: &FleetWorker,
-        overlap_blocks: u32,
+        overlap: Overlap,
         score: impl FnOnce() -> Option<f64>,
     ) -> Option<f64> {
-        let same = |m: &&IdleCost| m.overlap_blocks == overlap_blocks && m.class == w.class;
+        let same = |m: &&IdleCost| m.overlap == overlap && m.class == w.class;
         if let Some(m) = self.memo.iter().find(same) {
             return m.cost;
         }
@@ -107,7 +130,7 @@ impl ArgminScratch {
         if self.memo.len() < IDLE_MEMO {
             self.memo.push(IdleCost {
                 class: w.class,
-                overlap_blocks,
+                overlap,
                 cost,
             });
         }
@@ -171,7 +194,7 @@ impl Lowest {
 /// if it is busy. The one place a candidate is built.
 pub(super) fn candidate(
     w: &FleetWorker,
-    overlap: u32,
+    overlap: Overlap,
     chain: &[SequenceHash],
     busy: &super::BusyThresholds,
 ) -> Option<Candidate> {
@@ -180,7 +203,10 @@ pub(super) fn candidate(
         return None;
     }
     let blocks = chain.len() as u32;
-    let overlap_blocks = overlap.min(blocks);
+    let Overlap {
+        gpu: overlap_blocks,
+        tier: tier_blocks,
+    } = overlap.within(blocks);
     // Active requests tend to leave the prompt where its cached prefix ends (a shared system
     // prompt): a good first probe.
     let depth = if w.spec.role.tracks_decode() {
@@ -191,6 +217,7 @@ pub(super) fn candidate(
     Some(Candidate {
         spec: w.spec,
         overlap_blocks,
+        tier_blocks,
         load,
         projection: project(w.spec.role, &load, blocks, overlap_blocks, depth),
     })
@@ -202,7 +229,7 @@ pub(super) fn candidate(
 /// grows with it). `None` if it is busy. Reads no active set, so it spares the depth walk.
 fn bound(
     w: &FleetWorker,
-    overlap: u32,
+    overlap: Overlap,
     chain: &[SequenceHash],
     busy: &super::BusyThresholds,
     params: &CostParams,
@@ -213,7 +240,10 @@ fn bound(
         return None;
     }
     let blocks = chain.len() as u32;
-    let overlap_blocks = overlap.min(blocks);
+    let Overlap {
+        gpu: overlap_blocks,
+        tier: tier_blocks,
+    } = overlap.within(blocks);
     let deepest = ActiveDepth {
         all: blocks,
         staged: blocks,
@@ -221,6 +251,7 @@ fn bound(
     let c = Candidate {
         spec: w.spec,
         overlap_blocks,
+        tier_blocks,
         load,
         projection: project(w.spec.role, &load, blocks, overlap_blocks, deepest),
     };
@@ -322,11 +353,21 @@ impl Router {
         adapter: Option<&str>,
     ) -> Result<(), Blocked> {
         let Scratch {
-            overlaps, candidates, ..
+            overlaps,
+            tier_overlaps,
+            candidates,
+            ..
         } = &mut self.scratch;
         candidates.clear();
         let mut eligible = 0;
-        for (w, &overlap) in self.fleet.workers().iter().zip(overlaps.iter()) {
+        for ((w, &gpu), &tier) in self
+            .fleet
+            .workers()
+            .iter()
+            .zip(overlaps.iter())
+            .zip(tier_overlaps.iter())
+        {
+            let overlap = Overlap { gpu, tier };
             if w.draining || !stage.admits(w.spec.role) || !self.adapters.serves(adapter, w.spec.key) {
                 continue;
             }
@@ -349,10 +390,15 @@ impl Router {
     ) -> Result<Candidate, Blocked> {
         let Scratch {
             overlaps,
+            tier_overlaps,
             overlapping,
             argmin: s,
             ..
         } = &mut self.scratch;
+        let overlap_of = |slot: usize| Overlap {
+            gpu: overlaps[slot],
+            tier: tier_overlaps[slot],
+        };
         s.memo.clear();
         s.singled.clear();
         s.tied.clear();
@@ -363,7 +409,7 @@ impl Router {
         let chain: &[SequenceHash] = view.chain;
         let blocks = chain.len() as u32;
         let workers = self.fleet.workers();
-        let score = |w: &FleetWorker, overlap: u32| {
+        let score = |w: &FleetWorker, overlap: Overlap| {
             candidate(w, overlap, chain, busy).map(|c| cost(params, view, &c))
         };
         let mut lowest = Lowest::default();
@@ -379,7 +425,7 @@ impl Router {
             let slot = slot as usize;
             let w = &workers[slot];
             let b = (!w.draining && stage.admits(w.spec.role))
-                .then(|| bound(w, overlaps[slot], chain, busy, params, view))
+                .then(|| bound(w, overlap_of(slot), chain, busy, params, view))
                 .flatten();
             if let Some(b) = b
                 && best.is_none_or(|(low, _)| b < low)
@@ -390,7 +436,7 @@ impl Router {
         }
         let best = best.map(|(_, i)| {
             let slot = self.fleet.loaded()[i] as usize;
-            (i, score(&workers[slot], overlaps[slot]))
+            (i, score(&workers[slot], overlap_of(slot)))
         });
         let cap = best.and_then(|(_, c)| c).unwrap_or(f64::INFINITY);
         for (i, &slot) in self.fleet.loaded().iter().enumerate() {
@@ -414,7 +460,7 @@ impl Router {
             }
             let value = match best {
                 Some((j, value)) if j == i => value,
-                _ => score(w, overlaps[slot]),
+                _ => score(w, overlap_of(slot)),
             };
             if let Some(value) = value
                 && lowest.offer(value, s)
@@ -424,16 +470,16 @@ impl Router {
         }
         // The idle workers the prompt overlaps, one by one (the loaded ones are done).
         for &slot in overlapping.iter() {
-            let (w, overlap) = (&workers[slot], overlaps[slot]);
+            let (w, overlap) = (&workers[slot], overlap_of(slot));
             let Membership::Idle(pos) = w.membership() else {
                 continue;
             };
-            if overlap == 0 || !stage.admits(w.spec.role) {
+            if overlap.is_none() || !stage.admits(w.spec.role) {
                 continue;
             }
             s.singled.push((w.class, pos));
             s.singled_in[w.class as usize] += 1;
-            if let Some(value) = s.idle_cost(w, overlap.min(blocks), || score(w, overlap))
+            if let Some(value) = s.idle_cost(w, overlap.within(blocks), || score(w, overlap))
                 && lowest.offer(value, s)
             {
                 s.tied.push(slot);
@@ -449,7 +495,7 @@ impl Router {
             eligible += set.len();
             let bulk = set.len() - s.singled_in[class] as usize;
             if bulk > 0
-                && let Some(value) = s.idle_cost(w, 0, || score(w, 0))
+                && let Some(value) = s.idle_cost(w, Overlap::default(), || score(w, Overlap::default()))
                 && lowest.offer(value, s)
             {
                 s.tied_bulk.push((class as u32, bulk));
@@ -469,7 +515,7 @@ impl Router {
             return Err(Blocked::Busy);
         };
         // The same inputs as when it was scored, so not busy.
-        candidate(&workers[slot], overlaps[slot], chain, busy).ok_or(Blocked::Busy)
+        candidate(&workers[slot], overlap_of(slot), chain, busy).ok_or(Blocked::Busy)
     }
 }
 

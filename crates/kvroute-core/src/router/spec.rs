@@ -14,6 +14,7 @@
 //! | `full`, `staged` | the decode projection ([`DecodeProjection`]) |
 //! | `scale=X` | `prefill_load_scale` |
 //! | `credit=X` | `overlap_credit` |
+//! | `tier=X` | `tier_block_cost`: a block held only on a slower tier (host memory), as a fraction of a block to prefill (1: tier-blind) |
 //! | `temperature=X` | softmax sampling over the normalized costs instead of the argmin |
 //! | `spread=X` | replica spread: costs within the fraction X of the lowest are near-best |
 //!
@@ -161,7 +162,7 @@ pub struct OptionError {
 
 // ---- policies ----
 
-const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, temperature=X, spread=X";
+const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, tier=X, temperature=X, spread=X";
 
 impl FromStr for PolicyConfig {
     type Err = SpecError;
@@ -197,6 +198,7 @@ impl FromStr for PolicyConfig {
                 None if part == "staged" => cost.projection = DecodeProjection::Staged,
                 Some(("scale", v)) => cost.prefill_load_scale = number("scale", v)?,
                 Some(("credit", v)) => cost.overlap_credit = number("credit", v)?,
+                Some(("tier", v)) => cost.tier_block_cost = number("tier", v)?,
                 Some(("temperature", v)) => *temperature = number("temperature", v)?,
                 Some(("spread", v)) => *spread_tolerance = number("spread", v)?,
                 _ => {
@@ -241,6 +243,7 @@ impl fmt::Display for PolicyConfig {
         for (option, value, default) in [
             ("scale", c.cost.prefill_load_scale, d.cost.prefill_load_scale),
             ("credit", c.cost.overlap_credit, d.cost.overlap_credit),
+            ("tier", c.cost.tier_block_cost, d.cost.tier_block_cost),
             ("temperature", c.temperature, d.temperature),
             ("spread", c.spread_tolerance, d.spread_tolerance),
         ] {
@@ -804,6 +807,7 @@ mod tests {
             Just("staged".to_owned()),
             number().prop_map(|v| format!("scale={v}")),
             (0.0f64..=1.0).prop_map(|v| format!("credit={v}")),
+            (0.0f64..=1.0).prop_map(|v| format!("tier={v}")),
             number().prop_map(|v| format!("temperature={v}")),
             number().prop_map(|v| format!("spread={v}")),
         ];

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, PrefixIndex};
+use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
     Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
@@ -26,6 +26,7 @@ pub fn config() -> EngineConfig {
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
         step_jitter: None,
+        cpu_offload: None,
     }
 }
 
@@ -130,5 +131,18 @@ impl Harness {
             engine,
             "router and engine disagree"
         );
+        // The CPU tier: the index holds there exactly what the engine does.
+        let cpu = self.engine.cpu_blocks();
+        assert_eq!(
+            self.index.tier_block_count(self.worker, Tier::Cpu),
+            cpu.len(),
+            "router and engine disagree on the CPU tier"
+        );
+        if let Some(h) = cpu
+            .iter()
+            .find(|&&h| !self.index.tier_holds(self.worker, Tier::Cpu, h))
+        {
+            panic!("the engine's CPU tier holds {h:?}, the router's index does not");
+        }
     }
 }

@@ -61,6 +61,7 @@ fn host() -> EngineHost {
         speedup: 1.0,
         timing: TimingConfig::Polynomial,
         step_jitter: None,
+        cpu_offload: None,
     };
     EngineHost::new(Engine::new(config).expect("valid"), KvTransfer::default())
 }
@@ -82,6 +83,8 @@ impl Transcript {
                 KvEvent::Stored(s) => format!("+{}", s.blocks.len()),
                 KvEvent::Removed(r) => format!("-{}", r.block_hashes.len()),
                 KvEvent::AllCleared => "clear".to_owned(),
+                KvEvent::TierStored(t) => format!("+cpu{}", t.block_hashes.len()),
+                KvEvent::TierRemoved(t) => format!("-cpu{}", t.block_hashes.len()),
             });
         }
     }

@@ -1,5 +1,6 @@
 //! The end-of-run invariants.
 
+use kvroute_core::index::Tier;
 use kvroute_core::router::CacheMode;
 
 use crate::config::ReplicaSync;
@@ -131,6 +132,16 @@ impl Run<'_> {
                     if engine_blocks != index_blocks {
                         return fail(format!(
                             "{}: engine caches {engine_blocks} blocks, router replica {r}'s index {index_blocks}",
+                            w.key
+                        ));
+                    }
+                    let (engine_cpu, index_cpu) = (
+                        w.host.engine().cpu_blocks().len(),
+                        router.index().tier_block_count(w.key, Tier::Cpu),
+                    );
+                    if engine_cpu != index_cpu {
+                        return fail(format!(
+                            "{}: engine's CPU tier holds {engine_cpu} blocks, router replica {r}'s index {index_cpu}",
                             w.key
                         ));
                     }

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
-use kvroute_core::router::{CacheMode, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty};
+use kvroute_core::router::{
+    CacheMode, PolicyConfig, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty,
+};
 use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
 use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
@@ -133,6 +135,12 @@ pub struct ReplayConfig {
     #[arg(long, alias = "kv-blocks")]
     #[serde(alias = "kv-blocks")]
     pub num_blocks: Option<u32>,
+    /// Blocks of a host-memory (CPU) KV tier per worker: vLLM's native offloading
+    /// (`--kv-offloading-size` GiB over one block's bytes). Blocks are copied to it as they are
+    /// cached and loaded back past a prompt's GPU hit over the KV link (`--kv-transfer-gbps`);
+    /// its events carry `medium` "CPU". Default none.
+    #[arg(long)]
+    pub cpu_offload_blocks: Option<u32>,
     /// Engine max running requests. Default 256.
     #[arg(long)]
     pub max_num_seqs: Option<u32>,
@@ -563,6 +571,7 @@ impl<'a> Plan<'a> {
             ("--trace-block-size", o.trace_block_size),
             ("--block-size", o.block_size),
             ("--num-blocks", o.num_blocks),
+            ("--cpu-offload-blocks", o.cpu_offload_blocks),
             ("--max-num-seqs", o.max_num_seqs),
             ("--max-num-batched-tokens", o.max_num_batched_tokens),
             ("--turns", o.turns),
@@ -629,6 +638,7 @@ impl<'a> Plan<'a> {
             ensure!(!policies[..i].contains(name), "--policy names {name} twice");
             let mut config = base.clone();
             config.router = router_spec(o, name, base.engine.block_size, base.seed)?.router_config();
+            tier_cost_from_the_link(&mut config, name)?;
             match &sweep {
                 None => runs.push((name.clone(), Simulation::new(config)?)),
                 Some(sizes) => {
@@ -799,6 +809,9 @@ fn sim_config(o: &ReplayConfig, args: &ReplayArgs) -> anyhow::Result<(SimConfig,
         }
     }
     config.transfer = kv_transfer(o, built.kv_bytes_per_token)?;
+    config.engine.cpu_offload = o
+        .cpu_offload_blocks
+        .map(|n| kvroute_engine::CpuOffload::new(n, config.transfer));
     let seed = o.seed.unwrap_or(0);
     config.seed = seed;
     config.events = EventChannel {
@@ -902,6 +915,21 @@ pub(crate) fn kv_link(
         },
     };
     Ok(link)
+}
+
+/// With a CPU tier, a cost policy whose spec sets no `tier=X` prices a tier block by the
+/// transfer model: the link's time against the prefill's ([`kvroute_engine::CpuOffload::block_cost`]).
+fn tier_cost_from_the_link(config: &mut SimConfig, spec: &str) -> anyhow::Result<()> {
+    let Some(cpu) = config.engine.cpu_offload else {
+        return Ok(());
+    };
+    if spec.split(':').any(|option| option.starts_with("tier=")) {
+        return Ok(());
+    }
+    if let PolicyConfig::Kv(c) | PolicyConfig::Dynamo(c) = &mut config.router.policy {
+        c.cost.tier_block_cost = cpu.block_cost(&config.engine).context("--cpu-offload-blocks")?;
+    }
+    Ok(())
 }
 
 /// The router of the run of policy `policy`: the options [`RouterSpec`] shares with `kvroute

@@ -53,6 +53,9 @@ pub struct Candidate {
     /// Leading prompt blocks cached on the worker (the KV index, or the router's record of
     /// recent decisions, whichever is deeper).
     pub overlap_blocks: u32,
+    /// The prompt blocks right after `overlap_blocks` that the worker holds only on a slower
+    /// tier (from the KV index's tier events), which its engine loads instead of computing.
+    pub tier_blocks: u32,
     /// The worker's booked load, without this request.
     pub load: WorkerLoad,
     /// The worker's decode blocks with this request added.
