@@ -398,23 +398,33 @@ impl Run {
     }
 }
 
-/// Every worker's booked prefill tokens.
-fn prefill_tokens(router: &Router) -> Vec<(WorkerKey, u64)> {
+/// Every worker's booked prefill tokens and decode blocks.
+fn loads(router: &Router) -> Vec<(WorkerKey, [u64; 2])> {
     router
         .metrics()
         .workers
         .iter()
-        .map(|w| (w.spec.key, w.load.prefill_tokens))
+        .map(|w| (w.spec.key, [w.load.prefill_tokens, w.load.decode_blocks]))
         .collect()
 }
 
-fn decode_blocks(router: &Router) -> Vec<(WorkerKey, u64)> {
-    router
-        .metrics()
-        .workers
-        .iter()
-        .map(|w| (w.spec.key, w.load.decode_blocks))
-        .collect()
+/// Adds `before`, loads held for `span` nanoseconds, to `areas`, for the workers `router` still
+/// has (forgetting the others).
+fn accrue(
+    areas: &mut BTreeMap<WorkerKey, [u128; 2]>,
+    router: &Router,
+    before: Vec<(WorkerKey, [u64; 2])>,
+    span: u128,
+) {
+    areas.retain(|key, _| router.worker_load(*key).is_some());
+    for (key, load) in before {
+        if router.worker_load(key).is_some() {
+            let area = areas.entry(key).or_default();
+            for (a, l) in area.iter_mut().zip(load) {
+                *a += u128::from(l) * span;
+            }
+        }
+    }
 }
 
 proptest! {
@@ -426,36 +436,20 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let mut run = Run::new(config, pd);
-        // The booked prefill tokens integrated over time, recomputed from snapshots: loads
-        // change only at inputs, so between two inputs each worker's tokens are constant.
-        let mut area: BTreeMap<WorkerKey, u128> = BTreeMap::new();
-        let mut decode_area: BTreeMap<WorkerKey, u128> = BTreeMap::new();
+        // The booked prefill tokens and decode blocks integrated over time, recomputed from
+        // snapshots: loads change only at inputs, so between two inputs each worker's are constant.
+        let mut areas: BTreeMap<WorkerKey, [u128; 2]> = BTreeMap::new();
         for op in &ops {
-            let (before, then) = (prefill_tokens(&run.router), run.now);
-            let decode_before = decode_blocks(&run.router);
+            let (before, then) = (loads(&run.router), run.now);
             run.apply(op);
             if let Err(e) = run.router.check_invariants() {
                 return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
             }
             prop_assert!(run.replica.check_invariants().is_ok());
-            let span = u128::from(run.now.0 - then.0);
-            area.retain(|key, _| run.router.worker_load(*key).is_some());
-            for (key, tokens) in before {
-                if run.router.worker_load(key).is_some() {
-                    *area.entry(key).or_default() += u128::from(tokens) * span;
-                }
-            }
-            for (key, expected) in &area {
-                prop_assert_eq!(run.router.prefill_token_ns(*key, run.now), Some(*expected), "worker {} after {:?}", key, op);
-            }
-            decode_area.retain(|key, _| run.router.worker_load(*key).is_some());
-            for (key, blocks) in decode_before {
-                if run.router.worker_load(key).is_some() {
-                    *decode_area.entry(key).or_default() += u128::from(blocks) * span;
-                }
-            }
-            for (key, expected) in &decode_area {
-                prop_assert_eq!(run.router.decode_block_ns(*key, run.now), Some(*expected), "worker {} after {:?}", key, op);
+            accrue(&mut areas, &run.router, before, u128::from(run.now.0 - then.0));
+            for (key, [prefill, decode]) in &areas {
+                prop_assert_eq!(run.router.prefill_token_ns(*key, run.now), Some(*prefill), "worker {} after {:?}", key, op);
+                prop_assert_eq!(run.router.decode_block_ns(*key, run.now), Some(*decode), "worker {} after {:?}", key, op);
             }
         }
         // The replica holds exactly the router's own requests: its loads are the router's minus

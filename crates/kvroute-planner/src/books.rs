@@ -193,9 +193,8 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    #[test]
-    fn the_queue_is_its_mean_since_the_previous_tick_wherever_the_tick_falls() {
-        let key = WorkerKey::new(WorkerId(1), DpRank(0));
+    /// A router of 4-token blocks with one aggregated worker, `key`, added at zero.
+    fn router_with(key: WorkerKey) -> Router {
         let mut router = Router::new(RouterConfig {
             block_size: 4,
             ..RouterConfig::default()
@@ -207,6 +206,13 @@ mod tests {
                 WorkerSpec::new(key, WorkerRole::Aggregated, 1000),
             )
             .expect("a new worker");
+        router
+    }
+
+    #[test]
+    fn the_queue_is_its_mean_since_the_previous_tick_wherever_the_tick_falls() {
+        let key = WorkerKey::new(WorkerId(1), DpRank(0));
+        let mut router = router_with(key);
         let mut reader = Reader::new(4);
         let read = |reader: &mut Reader, router: &Router, at: u64| {
             let w = reader.observe(
@@ -260,17 +266,7 @@ mod tests {
     fn a_worker_added_between_ticks_reads_its_means_since_the_previous_tick() {
         let old = WorkerKey::new(WorkerId(1), DpRank(0));
         let new = WorkerKey::new(WorkerId(2), DpRank(0));
-        let mut router = Router::new(RouterConfig {
-            block_size: 4,
-            ..RouterConfig::default()
-        })
-        .expect("a valid config");
-        router
-            .handle_worker_added(
-                Timestamp::ZERO,
-                WorkerSpec::new(old, WorkerRole::Aggregated, 1000),
-            )
-            .expect("a new worker");
+        let mut router = router_with(old);
         let mut reader = Reader::starting_at(4, Timestamp::ZERO);
         let w = reader.observe(
             &router,
