@@ -211,6 +211,10 @@ pub struct PlannerConfig {
     /// Consecutive load ticks the consolidation check must pass before a scale-down (one
     /// snapshot of queues is noisy; 1 acts on the first pass).
     pub scale_down_ticks: u32,
+    /// Consecutive load ticks whose estimates must all breach the SLA before a scale-up (1, the
+    /// default, acts on the first; 2 or more let a single tick's burst pass, as a Kubernetes
+    /// autoscaler's stabilization window does).
+    pub scale_up_ticks: u32,
     /// Share of an engine's modelled throughput the throughput loop plans to use (queueing
     /// makes 100 % unusable under any latency target).
     pub throughput_headroom: f64,
@@ -245,6 +249,7 @@ impl Default for PlannerConfig {
             cold_start_passes: 5,
             scale_down_sensitivity: 0.8,
             scale_down_ticks: 6,
+            scale_up_ticks: 1,
             throughput_headroom: 0.8,
         }
     }
@@ -332,8 +337,8 @@ impl PlannerConfig {
         if !(self.scale_down_sensitivity > 0.0 && self.scale_down_sensitivity <= 1.0) {
             return bad(format!("scale_down_sensitivity {}", self.scale_down_sensitivity));
         }
-        if self.scale_down_ticks == 0 {
-            return bad("scale_down_ticks must be at least 1".to_owned());
+        if self.scale_down_ticks == 0 || self.scale_up_ticks == 0 {
+            return bad("scale_down_ticks and scale_up_ticks must be at least 1".to_owned());
         }
         if !(self.throughput_headroom > 0.0 && self.throughput_headroom <= 1.0) {
             return bad(format!("throughput_headroom {}", self.throughput_headroom));

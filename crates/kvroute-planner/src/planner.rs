@@ -287,8 +287,8 @@ pub struct Planner {
     /// The throughput loop's floors (the minimum until it has run).
     floors: [u32; 3],
     predicted_rps: Option<f64>,
-    /// Consecutive load ticks whose consolidation check passed, per pool.
-    down_streak: [u32; 3],
+    /// Consecutive load ticks with the same verdict, per pool.
+    streak: [Streak; 3],
     /// The latest observed means, kept across quiet ticks.
     recent_isl: f64,
     recent_osl: f64,
@@ -345,7 +345,7 @@ impl Planner {
             hit: Predictor::new(p),
             floors: [config.min_replicas; 3],
             predicted_rps: None,
-            down_streak: [0; 3],
+            streak: [Streak::None; 3],
             recent_isl: 0.0,
             recent_osl: 0.0,
             recent_hit: 0.0,
@@ -477,7 +477,7 @@ impl Planner {
             c[1] > 0 || c[2] > 0
         }) {
             record.hold = Some(Hold::InProgress);
-            self.down_streak = [0; 3];
+            self.streak = [Streak::None; 3];
             return TickOutput {
                 decision: None,
                 record,
@@ -537,20 +537,19 @@ impl Planner {
             if load_due && reason.is_none() {
                 let est = estimates.iter().find(|e| e.0 == pool).and_then(|e| e.1.as_ref());
                 let verdict = est.and_then(|est| self.load_decision(pool, est, ready));
-                let streak = &mut self.down_streak[pool.index()];
-                match verdict {
-                    Some((delta, why)) if delta > 0 => {
-                        *streak = 0;
-                        (to, reason) = (ready + 1, Some(why));
+                let streak = &mut self.streak[pool.index()];
+                *streak = streak.then(verdict.as_ref().map(|v| v.0));
+                if let Some((delta, why)) = verdict {
+                    let (held, needed) = match *streak {
+                        Streak::Up(n) => (n, self.config.scale_up_ticks),
+                        Streak::Down(n) => (n, self.config.scale_down_ticks),
+                        Streak::None => (0, u32::MAX),
+                    };
+                    if held >= needed {
+                        *streak = Streak::None;
+                        let to_now = if delta > 0 { ready + 1 } else { ready - 1 };
+                        (to, reason) = (to_now, Some(why));
                     }
-                    Some((_, why)) => {
-                        *streak += 1;
-                        if *streak >= self.config.scale_down_ticks {
-                            *streak = 0;
-                            (to, reason) = (ready - 1, Some(why));
-                        }
-                    }
-                    None => *streak = 0,
                 }
             }
             if let Some(max) = self.config.max_replicas
@@ -1080,5 +1079,26 @@ impl Mode {
     /// Whether `pool` is scaled in this mode.
     pub fn scales(self, pool: Pool) -> bool {
         self.pools().contains(&pool)
+    }
+}
+
+/// How many load ticks in a row a pool's verdict has been the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Streak {
+    None,
+    Up(u32),
+    Down(u32),
+}
+
+impl Streak {
+    /// The streak after one more tick whose verdict is `delta` (+1, -1, or none).
+    fn then(self, delta: Option<i32>) -> Streak {
+        match (self, delta) {
+            (Streak::Up(n), Some(d)) if d > 0 => Streak::Up(n + 1),
+            (_, Some(d)) if d > 0 => Streak::Up(1),
+            (Streak::Down(n), Some(_)) => Streak::Down(n + 1),
+            (_, Some(_)) => Streak::Down(1),
+            (_, None) => Streak::None,
+        }
     }
 }

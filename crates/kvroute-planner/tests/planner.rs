@@ -164,6 +164,37 @@ fn scale_up_only_when_every_engine_breaks_the_sla() {
 }
 
 #[test]
+fn scale_up_waits_for_its_ticks_in_a_row() {
+    let config = PlannerConfig {
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 50.0,
+        },
+        scale_up_ticks: 2,
+        ..load_only(Mode::Prefill)
+    };
+    let busy = |id| worker(id, Pool::Prefill, 40_000, 0, 0);
+    let breached = Observation {
+        traffic: traffic(20, 4000.0, 100.0, None, 4.0),
+        workers: vec![busy(0), busy(1)],
+        queued_requests: 0,
+    };
+    let one_meets = Observation {
+        workers: vec![busy(0), worker(1, Pool::Prefill, 0, 0, 0)],
+        ..breached.clone()
+    };
+    let mut p = warmed(config, &breached.workers);
+    let interval = p.config().load_interval_s;
+    let mut tick = |k: f64, obs: &Observation| p.tick(at(interval * k), obs).decision;
+    // A breach, then a tick that meets the SLA: the streak starts over.
+    assert!(tick(1.0, &breached).is_none(), "one breach of two");
+    assert!(tick(2.0, &one_meets).is_none(), "the SLA is met again");
+    assert!(tick(3.0, &breached).is_none(), "one breach of two, again");
+    let d = tick(4.0, &breached).expect("two breaches in a row");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Prefill }]);
+}
+
+#[test]
 fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
     let config = PlannerConfig {
         sla: kvroute_planner::Sla {
