@@ -53,27 +53,29 @@ impl Dnsmasq {
     }
 
     /// Started with `records` (dnsmasq options), or `None` where dnsmasq is absent (outside CI
-    /// only).
+    /// only). The port is free for UDP and TCP both (dnsmasq listens on both), and it is tried
+    /// again on another port if dnsmasq could not listen on it anyway (taken in between by one
+    /// of the other tests' connections).
     fn start(name: &str, records: &[String]) -> Option<Self> {
         let found = Self::binary();
         if !require(External::Dnsmasq, found.is_some()) {
             return None;
         }
-        let port = std::net::UdpSocket::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let dir = std::env::temp_dir().join(format!("kvroute-dnsmasq-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut server = Self {
             binary: found.unwrap(),
-            port,
+            port: 0,
             dir,
             child: None,
         };
-        server.serve(records);
-        Some(server)
+        for _ in 0..5 {
+            server.port = free_udp_and_tcp_port();
+            if server.try_serve(records).is_ok() {
+                return Some(server);
+            }
+        }
+        panic!("dnsmasq did not start on any of five free ports");
     }
 
     /// The server, `IP:PORT`.
@@ -81,8 +83,15 @@ impl Dnsmasq {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Restarts it (on the same port) answering with `records`.
+    /// Restarts it (on the same port) answering with `records`; returns once it answers.
     fn serve(&mut self, records: &[String]) {
+        if let Err(status) = self.try_serve(records) {
+            panic!("dnsmasq exited at start on port {} ({status})", self.port);
+        }
+    }
+
+    /// Restarts it on its port; `Err` with its exit status if it exits before answering.
+    fn try_serve(&mut self, records: &[String]) -> Result<(), std::process::ExitStatus> {
         self.stop();
         let child = Command::new(&self.binary)
             .args([
@@ -101,7 +110,29 @@ impl Dnsmasq {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        self.child = Some(child);
+        let child = self.child.insert(child);
+        // Wait for its first answer (to any question: a name under `.test` it does not know
+        // gets NXDOMAIN), each question waiting at most 200 ms, while it runs.
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        socket.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let query = probe_query();
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let mut reply = [0u8; 512];
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                return Err(status);
+            }
+            socket.send_to(&query, ("127.0.0.1", self.port)).unwrap();
+            if matches!(socket.recv(&mut reply), Ok(n) if n >= 2 && reply[..2] == query[..2]) {
+                return Ok(());
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "dnsmasq never answered on port {}",
+                self.port
+            );
+        }
     }
 
     /// Tells it to read its hosts files (`--addn-hosts`) again (SIGHUP).
@@ -123,6 +154,28 @@ impl Dnsmasq {
             let _ = child.wait();
         }
     }
+}
+
+/// A port free on loopback for UDP and TCP both.
+fn free_udp_and_tcp_port() -> u16 {
+    loop {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = udp.local_addr().unwrap().port();
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A DNS question (id 0x6b76, recursion desired) for the A record of `probe.test`.
+fn probe_query() -> Vec<u8> {
+    let mut q = vec![0x6b, 0x76, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in ["probe", "test"] {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    q
 }
 
 impl Drop for Dnsmasq {
