@@ -52,6 +52,28 @@ pub struct EngineConfig {
     pub cpu_offload: Option<CpuOffload>,
 }
 
+/// vLLM's defaults where it has them: 16-token blocks, 256 sequences, 8,192 tokens a pass,
+/// chunked prefill and prefix caching on; 16,384 blocks, a 128K context, real time, the
+/// polynomial timing model, no noise and no CPU tier.
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 16_384,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 131_072,
+            enable_chunked_prefill: true,
+            enable_prefix_caching: true,
+            external_hash_seed: 0,
+            speedup: 1.0,
+            timing: TimingConfig::Polynomial,
+            step_jitter: None,
+            cpu_offload: None,
+        }
+    }
+}
+
 /// Why a configuration was refused.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[non_exhaustive]

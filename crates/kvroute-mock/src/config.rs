@@ -3,7 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use kvroute_core::router::WorkerRole;
-use kvroute_engine::{EngineConfig, KvTransfer, TimingConfig};
+use kvroute_engine::{EngineConfig, KvTransfer};
 use kvroute_http::openai::types::CachedTokensReport;
 use kvroute_wire::EventEncoding;
 
@@ -94,20 +94,7 @@ impl MockConfig {
     /// The default engine: 16-token blocks, 16,384 blocks, 256 sequences, 8,192 tokens per
     /// pass, chunked prefill and prefix caching on, real time.
     pub fn default_engine() -> EngineConfig {
-        EngineConfig {
-            block_size: 16,
-            num_blocks: 16_384,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
-            max_model_len: 131_072,
-            enable_chunked_prefill: true,
-            enable_prefix_caching: true,
-            external_hash_seed: 0,
-            speedup: 1.0,
-            timing: TimingConfig::Polynomial,
-            step_jitter: None,
-            cpu_offload: None,
-        }
+        EngineConfig::default()
     }
 }
 

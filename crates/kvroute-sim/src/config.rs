@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvroute_core::router::RouterConfig;
-use kvroute_engine::{Dispersion, EngineConfig, KvTransfer, TimingConfig};
+use kvroute_engine::{Dispersion, EngineConfig, KvTransfer};
 
 /// How requests enter the simulation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -292,17 +292,8 @@ impl SimConfig {
     pub fn mocker_engine() -> EngineConfig {
         EngineConfig {
             block_size: 64,
-            num_blocks: 16_384,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
             max_model_len: 1 << 20,
-            enable_chunked_prefill: true,
-            enable_prefix_caching: true,
-            external_hash_seed: 0,
-            speedup: 1.0,
-            timing: TimingConfig::Polynomial,
-            step_jitter: None,
-            cpu_offload: None,
+            ..EngineConfig::default()
         }
     }
 

@@ -10,7 +10,6 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
     Engine, EngineConfig, EngineHost, EnginePrompt, EngineRequest, ImportAdmission, ImportStart, KvTransfer,
-    TimingConfig,
 };
 use tokio::sync::mpsc;
 
@@ -50,18 +49,11 @@ fn script() -> Vec<Line> {
 
 fn host() -> EngineHost {
     let config = EngineConfig {
-        block_size: 16,
         num_blocks: 20,
         max_num_seqs: 8,
         max_num_batched_tokens: 512,
         max_model_len: 8192,
-        enable_chunked_prefill: true,
-        enable_prefix_caching: true,
-        external_hash_seed: 0,
-        speedup: 1.0,
-        timing: TimingConfig::Polynomial,
-        step_jitter: None,
-        cpu_offload: None,
+        ..EngineConfig::default()
     };
     EngineHost::new(Engine::new(config).expect("valid"), KvTransfer::default())
 }
