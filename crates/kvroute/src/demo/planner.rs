@@ -33,26 +33,7 @@ const RAMP: &[(f64, f64)] = &[(0.0, 0.3), (60.0, 0.3), (90.0, 2.0), (150.0, 2.0)
 
 /// The planner file the demo uses without `--planner FILE`: an aggregated pool of at least one
 /// worker, within six, profiled from the engine, scaled by the load loop.
-pub const DEFAULT_PLAN: &str = r#"
-[planner]
-mode = "agg"
-min_replicas = 1
-max_replicas = 6
-max_gpu_budget = 6
-model_seed = "profile"
-latency_correction = false
-load_interval_s = 5
-throughput_scaling = false
-scale_down_ticks = 12
-startup_delay_s = 2
-
-[planner.sla]
-ttft_ms = 1500
-itl_ms = 40
-
-[drain]
-timeout_s = 120
-"#;
+pub const DEFAULT_PLAN: &str = include_str!("planner.toml");
 
 /// The figures of one run the demo compares.
 struct Run {
