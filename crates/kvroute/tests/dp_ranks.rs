@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/serve.rs"]
+mod serve;
 #[path = "support/stub.rs"]
 mod stub;
 
@@ -59,22 +61,8 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
     for engine in [EngineKind::Vllm, EngineKind::Sglang] {
         let (url, seen) = recording_upstream().await;
         let config = ServeConfig {
-            server: kvroute_proxy::config::ServerConfig {
-                listen: "127.0.0.1:0".into(),
-                admin_listen: "127.0.0.1:0".into(),
-                ..Default::default()
-            },
-            model: kvroute_proxy::config::ModelConfig {
-                // No model directory: the built-in tokenizer.
-                approximate_tokenizer: true,
-                ..Default::default()
-            },
             routing: kvroute_proxy::config::RoutingConfig {
                 policy: "round-robin".into(),
-                ..Default::default()
-            },
-            upstream: kvroute_proxy::config::UpstreamConfig {
-                health_interval_ms: 0,
                 ..Default::default()
             },
             workers: vec![WorkerConfig {
@@ -82,7 +70,7 @@ async fn each_request_names_its_rank_as_the_engine_reads_it() {
                 engine,
                 ..WorkerConfig::new(url)
             }],
-            ..ServeConfig::default()
+            ..serve::loopback()
         };
         let proxy = kvroute_proxy::start(config, None).await.unwrap();
         let client = kvroute_http::net::client(std::time::Duration::from_secs(2));
@@ -137,20 +125,11 @@ async fn a_repeated_prompt_returns_to_the_rank_that_cached_it() {
         mc.engine.speedup = 20.0;
         let mocks = mock::start(&mc, Arc::clone(&model)).await.unwrap();
         let config = ServeConfig {
-            server: kvroute_proxy::config::ServerConfig {
-                listen: "127.0.0.1:0".into(),
-                admin_listen: "127.0.0.1:0".into(),
-                ..Default::default()
-            },
-            upstream: kvroute_proxy::config::UpstreamConfig {
-                health_interval_ms: 0,
-                ..Default::default()
-            },
             workers: vec![WorkerConfig {
                 engine,
                 ..WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()
             }],
-            ..ServeConfig::default()
+            ..serve::loopback()
         };
         assert_eq!(config.workers[0].dp_size, 2);
         let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();

@@ -9,6 +9,9 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/serve.rs"]
+mod serve;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -139,22 +142,8 @@ async fn subscriber_counters_are_exported_per_worker() {
         ..WorkerConfig::new("http://127.0.0.1:9")
     };
     let config = ServeConfig {
-        server: kvroute_proxy::config::ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..Default::default()
-        },
-        model: kvroute_proxy::config::ModelConfig {
-            // No model directory: the built-in tokenizer.
-            approximate_tokenizer: true,
-            ..Default::default()
-        },
-        upstream: kvroute_proxy::config::UpstreamConfig {
-            health_interval_ms: 0,
-            ..Default::default()
-        },
         workers: vec![worker(&replayed), worker(&lossy)],
-        ..ServeConfig::default()
+        ..serve::loopback()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let id = |publisher: &EventPublisher| {
@@ -280,27 +269,13 @@ fn stored(hash: u64) -> Vec<WireEvent> {
 async fn a_data_parallel_worker_has_a_subscriber_per_rank() {
     let (zero, one) = rank_publishers().await;
     let config = ServeConfig {
-        server: kvroute_proxy::config::ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..Default::default()
-        },
-        model: kvroute_proxy::config::ModelConfig {
-            // No model directory: the built-in tokenizer.
-            approximate_tokenizer: true,
-            ..Default::default()
-        },
-        upstream: kvroute_proxy::config::UpstreamConfig {
-            health_interval_ms: 0,
-            ..Default::default()
-        },
         workers: vec![WorkerConfig {
             // Rank 0's endpoint; rank 1 publishes on the next port.
             events: Some(zero.endpoint().to_owned()),
             dp_size: 2,
             ..WorkerConfig::new("http://127.0.0.1:9")
         }],
-        ..ServeConfig::default()
+        ..serve::loopback()
     };
     let proxy = kvroute_proxy::start(config, None).await.unwrap();
     let http = client(Duration::from_secs(2));

@@ -14,6 +14,9 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/serve.rs"]
+mod serve;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -81,21 +84,8 @@ async fn proxy_for(publisher: &EventPublisher) -> ProxyHandle {
 /// [`proxy_for`], keeping at most `cap` blocks per worker.
 async fn proxy_capped(publisher: &EventPublisher, cap: usize) -> ProxyHandle {
     let config = ServeConfig {
-        server: kvroute_proxy::config::ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..Default::default()
-        },
-        model: kvroute_proxy::config::ModelConfig {
-            approximate_tokenizer: true,
-            ..Default::default()
-        },
         routing: kvroute_proxy::config::RoutingConfig {
             max_blocks_per_worker: cap,
-            ..Default::default()
-        },
-        upstream: kvroute_proxy::config::UpstreamConfig {
-            health_interval_ms: 0,
             ..Default::default()
         },
         workers: vec![WorkerConfig {
@@ -104,7 +94,7 @@ async fn proxy_capped(publisher: &EventPublisher, cap: usize) -> ProxyHandle {
             // Nothing listens there: no request is sent in these tests.
             ..WorkerConfig::new("http://127.0.0.1:9")
         }],
-        ..ServeConfig::default()
+        ..serve::loopback()
     };
     kvroute_proxy::start(config, None).await.unwrap()
 }
@@ -512,17 +502,11 @@ async fn a_view_lost_beyond_the_replay_buffer_is_rebuilt_from_the_engines_reanno
         .unwrap();
     let config = ServeConfig {
         server: kvroute_proxy::config::ServerConfig {
-            listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
             debug_headers: true,
-            ..Default::default()
-        },
-        upstream: kvroute_proxy::config::UpstreamConfig {
-            health_interval_ms: 0,
-            ..Default::default()
+            ..serve::loopback().server
         },
         workers: vec![WorkerConfig::parse_flag(&mocks[0].worker_flag()).unwrap()],
-        ..ServeConfig::default()
+        ..serve::loopback()
     };
     let proxy = kvroute_proxy::start(config, Some(model)).await.unwrap();
     let http = client(Duration::from_secs(5));
