@@ -456,7 +456,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         Ok(body) => body,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
-    let parsed = match openai::parse(endpoint, &body, &app.model, config.limits.max_prompt_tokens) {
+    let mut parsed = match openai::parse(endpoint, &body, &app.model, config.limits.max_prompt_tokens) {
         Ok(parsed) => parsed,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
@@ -484,10 +484,14 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     if let Err(e) = app.tenants.admit(&class, asked) {
         return Outcome::Failed(kind, e);
     }
-    let body = match app.tenants.engine_body(&class, &parsed, body) {
+    // The salt the engine hashes by, which the router hashes by too: the tenant's namespace
+    // joined to the client's.
+    let salt = app.tenants.cache_salt(&class, parsed.cache_salt.as_deref());
+    let body = match app.tenants.engine_body(&class, &parsed, salt.as_deref(), body) {
         Ok(body) => body,
         Err(e) => return Outcome::Failed(kind, e),
     };
+    parsed.cache_salt = salt;
     let shape = match parsed.stream {
         false => Shape::Unary,
         true => Shape::Stream {
