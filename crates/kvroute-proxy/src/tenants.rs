@@ -163,17 +163,22 @@ struct TenantMetrics {
 }
 
 impl TenantMetrics {
-    fn new(metrics: &Metrics) -> Self {
+    fn new(registry: &prometheus::Registry) -> Self {
+        let register = |c: Box<dyn prometheus::core::Collector>| {
+            if let Err(e) = registry.register(c) {
+                tracing::warn!(error = %e, "a tenant metric was not registered");
+            }
+        };
         let counters = |name: &str, help: &str, labels: &[&str]| {
             let c =
                 IntCounterVec::new(Opts::new(name, help), labels).expect("static metric options are valid");
-            metrics.register(Box::new(c.clone()));
+            register(Box::new(c.clone()));
             c
         };
         let gauges = |name: &str, help: &str| {
             let g =
                 GaugeVec::new(Opts::new(name, help), &["tenant"]).expect("static metric options are valid");
-            metrics.register(Box::new(g.clone()));
+            register(Box::new(g.clone()));
             g
         };
         let queue_wait = HistogramVec::new(
@@ -187,7 +192,7 @@ impl TenantMetrics {
             &["tenant", "priority"],
         )
         .expect("static metric options are valid");
-        metrics.register(Box::new(queue_wait.clone()));
+        register(Box::new(queue_wait.clone()));
         Self {
             requests: counters(
                 "kvroute_tenant_requests_total",
@@ -235,6 +240,12 @@ pub struct Tenants {
 impl Tenants {
     /// The tenants of a validated `config`, their metrics registered in `metrics`.
     pub fn new(config: &TenantsConfig, metrics: &Metrics) -> Self {
+        Self::registered_in(config, metrics.registry())
+    }
+
+    /// [`Self::new`], the metrics registered in `registry` (with several models, the one the
+    /// models share: a tenant's series are not a model's).
+    pub fn registered_in(config: &TenantsConfig, registry: &prometheus::Registry) -> Self {
         let mut by_key = HashMap::new();
         let mut by_value = HashMap::new();
         for (i, t) in config.tenants.iter().enumerate() {
@@ -250,7 +261,7 @@ impl Tenants {
             priority_header: header(&config.priority_header),
             limits: Mutex::new(config.tenants.iter().map(Limits::new).collect()),
             epoch: Instant::now(),
-            metrics: TenantMetrics::new(metrics),
+            metrics: TenantMetrics::new(registry),
             config: config.clone(),
         }
     }

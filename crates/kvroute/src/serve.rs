@@ -71,16 +71,23 @@ pub struct ServeOptions {
     pub drain_timeout_ms: Option<u64>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
     /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
-    /// [,bootstrap-port=N][,api-key=K][,reannounce=auto|off]` (`engine`: how a request names its
+    /// [,bootstrap-port=N][,api-key=K][,reannounce=auto|off][,model=NAME]` (`engine`: how a request names its
     /// data-parallel rank; `bootstrap-port`: a prefill worker's SGLang bootstrap port; `api-key`:
     /// the engine's `--api-key`, sent on every call to it; `reannounce`: whether a vLLM engine is
-    /// asked to re-announce reused blocks while its view is rebuilt). Repeat for several;
+    /// asked to re-announce reused blocks while its view is rebuilt; `model`: which `[[model]]`
+    /// it serves, else the one its `/v1/models` lists). Repeat for several;
     /// replaces the file's `[[worker]]` tables, whose keys are the same.
     #[arg(long, value_parser = parse_worker)]
     pub worker: Option<Vec<WorkerConfig>>,
     /// Model name served. Default `tiny`.
     #[arg(long)]
     pub model_name: Option<String>,
+    /// Several models: `[[model]]` tables of the file (name, model-dir or
+    /// approximate-tokenizer, block-size, policy, `[[model.worker]]` tables), each with its own
+    /// router, tokenizer and workers; not with --model-name, --model-dir,
+    /// --approximate-tokenizer or --block-size, which are one model's.
+    #[arg(skip)]
+    pub model: Option<Vec<kvroute_proxy::config::ModelTable>>,
     /// Local model directory (`tokenizer.json`, `tokenizer_config.json`): the engines'
     /// tokenizer. Required unless --approximate-tokenizer.
     #[arg(long)]
@@ -315,7 +322,10 @@ impl ServeArgs {
             other => other.into(),
         };
         config.validate().map_err(flagged)?;
-        config.tokenizer().map_err(flagged)?;
+        // Each model's tokenizer (with [[model]] tables, `validate` checked theirs).
+        if config.models.is_empty() {
+            config.tokenizer().map_err(flagged)?;
+        }
         Ok(config)
     }
 }
@@ -372,6 +382,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let format = args.log_format;
     let config = args.to_config()?;
     let plan = match &args.planner {
+        Some(path) if !config.models.is_empty() => bail!(
+            "--planner {}: the planner runs one model's fleet; with [[model]] tables it is not \
+             supported (run a proxy per model to plan each)",
+            path.display()
+        ),
         Some(path) => {
             let plan = crate::plan::PlanFile::read(path)?;
             let Some(actuator) = plan.actuator.clone() else {
@@ -408,7 +423,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ),
         }
         let discovering = matches!(proxy.driver.config.discovery(), Ok(Some(_)));
-        if proxy.driver.worker_urls().is_empty() && !discovering {
+        let no_workers = proxy.models.iter().all(|(_, d, _)| d.worker_urls().is_empty());
+        if no_workers && !discovering {
             say(
                 format,
                 &format!(

@@ -278,7 +278,10 @@ mod tests {
                 "[[tenant]]\nname = \"a\"\ncache-namespace = \"a:b\"",
                 "cache-namespace",
             ),
-            ("[[tenant]]\nname = \"a\"\ncache-namespace = \"\"", "cache-namespace"),
+            (
+                "[[tenant]]\nname = \"a\"\ncache-namespace = \"\"",
+                "cache-namespace",
+            ),
         ] {
             let e = validate(text).unwrap_err();
             assert!(e.contains(says), "{text:?}: {e}");

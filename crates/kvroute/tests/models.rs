@@ -1,0 +1,401 @@
+//! Several models behind one proxy, end to end: two models (`[[model]]` tables, block sizes 16
+//! and 32), two mock workers each (each started with its model's `--model-name`), an adapter on
+//! one worker of each. Each request reaches a worker serving its model or adapter, predicted
+//! cached tokens equal the engine's, `/v1/models` lists both models and their adapters, an
+//! unknown model is a 404, and the metrics carry a `model` label. And a tenant's cache
+//! namespace: its warm prefix predicts (and is) no hit for another tenant.
+
+// Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/cluster.rs"]
+mod cluster;
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use cluster::*;
+use http_body_util::{BodyExt, Full};
+use kvroute_http::net::{HttpClient, client};
+use kvroute_proxy::observed::{PREDICTED_HEADER, WORKER_HEADER};
+
+/// A prompt of several full blocks of either block size, and a partial one.
+fn prompt(topic: &str) -> String {
+    format!(
+        "{topic}: {}",
+        "the quick brown fox jumps over the lazy dog. ".repeat(8)
+    )
+}
+
+/// What one completion came back with.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    worker: Option<u64>,
+    predicted: Option<u32>,
+    reported: u32,
+    body: String,
+}
+
+struct Proxy {
+    base: String,
+    http: HttpClient,
+}
+
+impl Proxy {
+    fn new(p: &ProxyHandle) -> Self {
+        Self {
+            base: p.url(),
+            http: client(Duration::from_secs(5)),
+        }
+    }
+
+    async fn complete(&self, body: Value, headers: &[(&str, &str)]) -> Answer {
+        let mut req = hyper::Request::post(format!("{}/v1/completions", self.base))
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+            .unwrap();
+        let resp = self.http.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
+        };
+        let (worker, predicted) = (header(WORKER_HEADER), header(PREDICTED_HEADER).map(|p| p as u32));
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&bytes).into_owned();
+        let reported = match status {
+            200 => completion(&bytes).usage.unwrap().cached_tokens(),
+            _ => 0,
+        };
+        Answer {
+            status,
+            worker,
+            predicted,
+            reported,
+            body,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let req = hyper::Request::get(format!("{}{path}", self.base))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = self.http.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The ids on the proxy's `/v1/models`, with each one's parent.
+    async fn models(&self) -> Vec<(String, Option<String>)> {
+        let list: ModelList = serde_json::from_str(&self.get("/v1/models").await.1).unwrap();
+        list.data.into_iter().map(|c| (c.id, c.parent)).collect()
+    }
+}
+
+/// Blocks the router of `driver` holds, summed over its workers.
+fn cached(driver: &kvroute_proxy::Driver) -> u64 {
+    driver.snapshot().workers.iter().map(|w| w.cached_blocks).sum()
+}
+
+/// Sends `body` once to store its blocks, waits until `driver`'s index holds them, and sends
+/// it again; both answers.
+async fn twice(
+    p: &Proxy,
+    driver: &kvroute_proxy::Driver,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> (Answer, Answer) {
+    let before = cached(driver);
+    let first = p.complete(body.clone(), headers).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let stored = driver.wait_for_kv(PATIENCE, |d| cached(d) > before).await;
+    assert!(stored, "the first request's blocks never reached the index");
+    let again = p.complete(body, headers).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    (first, again)
+}
+
+/// Mock workers serving `model` with `block_size`-token blocks, the first with `adapter`.
+async fn mocks_of(model: &str, block_size: u32, adapter: &str) -> Vec<MockWorker> {
+    let mut out = Vec::new();
+    for adapters in [&[adapter][..], &[]] {
+        let mut mc = MockConfig::new(1);
+        mc.engine.speedup = 20.0;
+        mc.engine.block_size = block_size;
+        mc.model_name = model.to_owned();
+        mc.lora_modules = adapters
+            .iter()
+            .map(|a| format!("{a}=/adapters/{a}").parse().unwrap())
+            .collect();
+        out.extend(start_mocks(&mc).await);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_its_engine_reports() {
+    let alpha = mocks_of("alpha", 16, "sql").await;
+    let beta = mocks_of("beta", 32, "chat").await;
+    // alpha's workers in its table, beta's first pinned by `model`, its second found by its
+    // `/v1/models`.
+    let text = format!(
+        r#"
+        listen = "127.0.0.1:0"
+        admin-listen = "127.0.0.1:0"
+        debug-headers = true
+        health-interval-ms = 200
+
+        [[model]]
+        name = "alpha"
+        approximate-tokenizer = true
+        block-size = 16
+        [[model.worker]]
+        {}
+        [[model.worker]]
+        {}
+
+        [[model]]
+        name = "beta"
+        approximate-tokenizer = true
+        block-size = 32
+        policy = "kv"
+
+        [[worker]]
+        {}
+        model = "beta"
+        [[worker]]
+        {}
+        "#,
+        table(&alpha[0]),
+        table(&alpha[1]),
+        table(&beta[0]),
+        table(&beta[1]),
+    );
+    let config = ServeConfig::from_toml_str(&text).unwrap();
+    config.validate().unwrap();
+    let proxy = kvroute_proxy::start(config, None).await.unwrap();
+    let p = Proxy::new(&proxy);
+    let admin = reqwest_lite::Http::new(proxy.admin_url());
+
+    // Every worker is listed with its model; the unpinned one took beta, its `/v1/models`'.
+    let listed: Value = serde_json::from_str(&admin.get("/admin/workers").await).unwrap();
+    let by_id: BTreeMap<u64, (String, String)> = listed["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["id"].as_u64().unwrap(),
+                (
+                    w["url"].as_str().unwrap().to_owned(),
+                    w["model"].as_str().unwrap().to_owned(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(by_id.len(), 4, "{listed}");
+    let url_of = |m: &MockWorker| m.url();
+    for (mocks, model) in [(&alpha, "alpha"), (&beta, "beta")] {
+        for m in mocks.iter() {
+            assert!(
+                by_id.values().any(|(u, mm)| *u == url_of(m) && mm == model),
+                "{} should be listed as {model}: {listed}",
+                m.url()
+            );
+        }
+    }
+    // The ids of the workers at `urls`.
+    let ids = |urls: &[String]| -> Vec<u64> {
+        by_id
+            .iter()
+            .filter(|(_, (u, _))| urls.contains(u))
+            .map(|(&id, _)| id)
+            .collect()
+    };
+
+    // Both models, then each one's adapter, once their workers' lists are read.
+    let want = [
+        ("alpha".to_owned(), None),
+        ("sql".to_owned(), Some("alpha".to_owned())),
+        ("beta".to_owned(), None),
+        ("chat".to_owned(), Some("beta".to_owned())),
+    ];
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while p.models().await != want {
+        assert!(std::time::Instant::now() < deadline, "{:?}", p.models().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, card) = p.get("/v1/models/chat").await;
+    assert_eq!(status, 200);
+    let card: Value = serde_json::from_str(&card).unwrap();
+    assert_eq!(card["parent"], json!("beta"));
+    assert_eq!(p.get("/v1/models/beta").await.0, 200);
+
+    // (requested model, its driver, the workers that may serve it)
+    let cases = [
+        ("alpha", "alpha", ids(&[alpha[0].url(), alpha[1].url()])),
+        ("sql", "alpha", ids(&[alpha[0].url()])),
+        ("beta", "beta", ids(&[beta[0].url(), beta[1].url()])),
+        ("chat", "beta", ids(&[beta[0].url()])),
+    ];
+    for (model, parent, serving) in &cases {
+        let driver = proxy.driver_of(parent).unwrap();
+        for round in 0..2 {
+            let body =
+                json!({"model": model, "prompt": prompt(&format!("{model} {round}")), "max_tokens": 2});
+            let (first, again) = twice(&p, driver, body, &[]).await;
+            for a in [&first, &again] {
+                let w = a.worker.unwrap();
+                assert!(
+                    serving.contains(&w),
+                    "{model} went to worker {w}, not one of {serving:?}"
+                );
+            }
+            assert_eq!(first.predicted, Some(first.reported), "{model}: {first:?}");
+            assert!(again.reported > 0, "{model}: the engine hit its cache");
+            assert_eq!(again.predicted, Some(again.reported), "{model}: {again:?}");
+        }
+    }
+    // Beta's blocks are 32 tokens: a hit is whole 32-token blocks.
+    let beta_driver = proxy.driver_of("beta").unwrap();
+    let (_, again) = twice(
+        &p,
+        beta_driver,
+        json!({"model": "beta", "prompt": prompt("blocks"), "max_tokens": 2}),
+        &[],
+    )
+    .await;
+    assert_eq!(again.reported % 32, 0, "{again:?}");
+
+    // A model nobody serves: the 404 of a model not found, by either route.
+    let a = p
+        .complete(json!({"model": "gamma", "prompt": "hi", "max_tokens": 2}), &[])
+        .await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let e = error(a.body.as_bytes());
+    assert_eq!(e.code_name(), Some("model_not_found"), "{}", a.body);
+    assert!(e.message.contains("gamma"), "{}", a.body);
+    assert_eq!(p.get("/v1/models/gamma").await.0, 404);
+
+    // Per-model metrics carry the model; each family is exposed once.
+    let metrics = p.get("/metrics").await.1;
+    for model in ["alpha", "beta"] {
+        let label = format!("model=\"{model}\"");
+        let ok = metrics.lines().any(|l| {
+            l.starts_with("kvroute_requests_outcome_total{")
+                && l.contains("outcome=\"ok\"")
+                && l.contains(&label)
+        });
+        assert!(ok, "no ok request of {model} in\n{metrics}");
+    }
+    let mut types = BTreeMap::new();
+    for l in metrics.lines().filter(|l| l.starts_with("# TYPE ")) {
+        *types.entry(l.to_owned()).or_insert(0) += 1;
+    }
+    assert!(types.values().all(|&n| n == 1), "{types:?}");
+
+    for (_, driver, _) in &proxy.models {
+        let idle = |d: &kvroute_proxy::Driver| {
+            let m = d.snapshot();
+            m.active_now == 0 && m.queued_now == 0
+        };
+        assert!(driver.wait_until(PATIENCE, idle).await, "load leaked");
+        driver.check_invariants().unwrap();
+    }
+}
+
+/// A mock worker's `[[worker]]` keys: its URL and event endpoints.
+fn table(m: &MockWorker) -> String {
+    let w = WorkerConfig::parse_flag(&m.worker_flag()).unwrap();
+    format!(
+        "url = \"{}\"\nevents = \"{}\"\nreplay = \"{}\"",
+        w.url,
+        w.events.unwrap(),
+        w.replay.unwrap()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_namespace_keeps_its_prefix_from_other_tenants() {
+    // One worker: every request meets every block the engine holds.
+    let c = cluster(1, 20.0, |c| {
+        c.server.debug_headers = true;
+        c.tenants = kvroute_proxy::config::TenantsConfig {
+            tenant_header: Some("x-tenant".to_owned()),
+            tenants: ["a", "b"]
+                .iter()
+                .map(|name| kvroute_proxy::config::TenantConfig {
+                    name: (*name).to_owned(),
+                    api_keys: Vec::new(),
+                    header_values: vec![(*name).to_owned()],
+                    weight: 1,
+                    requests_per_interval: None,
+                    tokens_per_interval: None,
+                    interval_ms: 60_000,
+                    cache_namespace: (*name == "a").then(|| "acme".to_owned()),
+                })
+                .collect(),
+            ..Default::default()
+        };
+    })
+    .await;
+    let p = Proxy::new(&c.proxy);
+    let driver = &c.proxy.driver;
+    let body = |salt: Option<&str>| {
+        let mut b = json!({"prompt": prompt("private"), "max_tokens": 2});
+        if let Some(salt) = salt {
+            b["cache_salt"] = json!(salt);
+        }
+        b
+    };
+    let (a, b) = ([("x-tenant", "a")], [("x-tenant", "b")]);
+    // Tenant a warms its prefix: its second request hits, as predicted.
+    let (first, again) = twice(&p, driver, body(None), &a).await;
+    assert_eq!((first.predicted, first.reported), (Some(0), 0));
+    assert!(again.reported > 0);
+    assert_eq!(again.predicted, Some(again.reported));
+    // Tenant b, and tenant b or none with a's namespace in its own salt (each a prefix of its
+    // own): no hit predicted, none found.
+    for (headers, salt) in [(&b[..], None), (&b[..], Some("acme")), (&[][..], Some("acme:x"))] {
+        let before = cached(driver);
+        let other = p.complete(body(salt), headers).await;
+        assert_eq!(other.status, 200, "{}", other.body);
+        assert_eq!(
+            (other.predicted, other.reported),
+            (Some(0), 0),
+            "{headers:?} {salt:?} shares no block with tenant a"
+        );
+        let stored = driver.wait_for_kv(PATIENCE, |d| cached(d) > before).await;
+        assert!(stored, "{headers:?} {salt:?}: its blocks never reached the index");
+    }
+    // Tenant a still finds its own, with and without a salt of its own on top.
+    let mine = p.complete(body(None), &a).await;
+    assert!(mine.reported > 0);
+    assert_eq!(mine.predicted, Some(mine.reported));
+    let (_, salted) = twice(&p, driver, body(Some("u1")), &a).await;
+    assert!(salted.reported > 0);
+    assert_eq!(salted.predicted, Some(salted.reported));
+    c.assert_drained().await;
+}
+
+#[test]
+fn the_readmes_two_model_configuration_is_read_as_written() {
+    let readme = include_str!("../../../README.md");
+    let section = &readme[readme.find("### Several models").expect("the section")..];
+    let start = section.find("```toml\n").expect("a TOML block") + "```toml\n".len();
+    let text = &section[start..start + section[start..].find("```").expect("its end")];
+    let config = ServeConfig::from_toml_str(text).expect("the README's configuration parses");
+    let stacks = config.stacks().expect("its models are valid");
+    let names: Vec<&str> = stacks.iter().map(|s| s.model.model_name.as_str()).collect();
+    assert_eq!(names, ["llama", "qwen"]);
+    assert_ne!(stacks[0].routing.block_size, stacks[1].routing.block_size);
+    assert!(stacks.iter().all(|s| !s.workers.is_empty()));
+    config.validate().expect("the README's configuration is valid");
+}
