@@ -197,7 +197,7 @@ async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response 
         Ok(c) => c,
         Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
     };
-    let stack = match crate::proxy::stack_for_worker(&app, &config).await {
+    let stack = match app.stack_for_worker(&config).await {
         Ok(stack) => stack,
         Err(e) => return ApiError::bad_request("model", e).into_response(),
     };

@@ -29,7 +29,7 @@ use serde_json::json;
 use tracing::Instrument;
 
 use crate::app::{App, Stack, read_body};
-use crate::config::{ConfigError, ServeConfig, TokenizerSource, WorkerConfig};
+use crate::config::{ConfigError, ServeConfig, TokenizerSource};
 use crate::driver::Driver;
 use crate::events::EventFeed;
 use crate::fleet::Fleet;
@@ -279,7 +279,7 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     }
     // Workers that name no model, with several: each joins the model its `/v1/models` lists.
     for w in config.unpinned_workers() {
-        let stack = stack_for_worker(&app, &w).await.map_err(ServeError::Worker)?;
+        let stack = app.stack_for_worker(&w).await.map_err(ServeError::Worker)?;
         stack.fleet.add(w).map_err(ServeError::Worker)?;
     }
     // Join the replicas (with `nats`) before serving: the first request sees their load.
@@ -354,28 +354,6 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         shutdown,
         servers,
         tasks,
-    })
-}
-
-/// The stack worker `w` joins: its pinned model's, the one model's, or (several, unpinned)
-/// the one its `/v1/models` lists.
-pub(crate) async fn stack_for_worker<'a>(app: &'a App, w: &WorkerConfig) -> Result<&'a Stack, String> {
-    let name = match (&w.model, &app.stacks[..]) {
-        (Some(name), _) => name.clone(),
-        (None, [only]) => return Ok(only),
-        (None, stacks) => {
-            let names: Vec<&str> = stacks.iter().map(Stack::name).collect();
-            let timeout = ServeConfig::ms(app.driver.config.upstream.health_timeout_ms.max(1_000));
-            crate::adapters::model_of(&app.first().fleet.checker().client, w, &names, timeout).await?
-        }
-    };
-    app.stack_named(&name).ok_or_else(|| {
-        let names: Vec<&str> = app.stacks.iter().map(Stack::name).collect();
-        format!(
-            "worker {}: model {name:?} is none of those served ({})",
-            w.url,
-            names.join(", ")
-        )
     })
 }
 

@@ -94,14 +94,14 @@ pub(super) struct ServeFile {
 }
 
 impl Default for ServeFile {
+    /// The defaults, the single-model keys unset (a file with `[[model]]` tables has none).
     fn default() -> Self {
-        Self {
-            model_name: None,
-            model_dir: None,
-            approximate_tokenizer: None,
-            block_size: None,
-            ..ServeConfig::default().into()
-        }
+        let mut file: Self = ServeConfig::default().into();
+        file.model_name = None;
+        file.model_dir = None;
+        file.approximate_tokenizer = None;
+        file.block_size = None;
+        file
     }
 }
 

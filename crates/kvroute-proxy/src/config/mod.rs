@@ -1179,6 +1179,104 @@ mod tests {
         assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
     }
 
+    /// `[[model]]` tables make one stack each (name, tokenizer, block size, policy, workers
+    /// of its table and pinned to it, a subject of its own); mixing them with the
+    /// single-model keys, or pinning a worker to a model not served, is refused by name.
+    #[test]
+    fn model_tables_make_one_stack_each_and_bad_ones_are_refused_by_name() {
+        let text = "policy = \"round-robin\"\nnats-subject-prefix = \"fleet\"\n\
+            [[model]]\nname = \"org/a-1\"\napproximate-tokenizer = true\n\
+            [[model.worker]]\nurl = \"http://h:1\"\n\
+            [[model]]\nname = \"b\"\nmodel-dir = \"/m/b\"\nblock-size = 32\npolicy = \"kv\"\n\
+            [[worker]]\nurl = \"http://h:2\"\nmodel = \"b\"\n\
+            [[worker]]\nurl = \"http://h:3\"\n";
+        let c = ServeConfig::from_toml_str(text).unwrap();
+        c.validate().unwrap();
+        let stacks = c.stacks().unwrap();
+        let got: Vec<(&str, u32, &str, Vec<&str>, &str)> = stacks
+            .iter()
+            .map(|s| {
+                (
+                    s.model.model_name.as_str(),
+                    s.routing.block_size,
+                    s.routing.policy.as_str(),
+                    s.workers.iter().map(|w| w.url.as_str()).collect(),
+                    s.replicas.nats_subject_prefix.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("org/a-1", 16, "round-robin", vec!["http://h:1"], "fleet.org_a-1"),
+                ("b", 32, "kv", vec!["http://h:2"], "fleet.b"),
+            ]
+        );
+        let unpinned: Vec<String> = c.unpinned_workers().into_iter().map(|w| w.url).collect();
+        assert_eq!(unpinned, ["http://h:3"]);
+        assert_eq!(
+            stacks[1].tokenizer().unwrap(),
+            TokenizerSource::Dir("/m/b".as_ref())
+        );
+        // The file form round-trips, without the single-model keys.
+        let written = toml::to_string(&c).unwrap();
+        assert!(!written.contains("model-name"), "{written}");
+        assert_eq!(ServeConfig::from_toml_str(&written).unwrap(), c);
+        // One model: a worker may name it, and no other.
+        let one = ServeConfig::from_toml_str(
+            "model-name = \"m\"\n[[worker]]\nurl = \"http://h:1\"\nmodel = \"m\"\n",
+        );
+        one.unwrap().validate().unwrap();
+        let models = "[[model]]\nname = \"a\"\napproximate-tokenizer = true\n";
+        for (text, says) in [
+            (
+                format!("model-name = \"x\"\n{models}"),
+                "model-name: the single-model keys",
+            ),
+            (
+                format!("block-size = 32\nmodel-dir = \"/m\"\n{models}"),
+                "model-dir/block-size",
+            ),
+            (
+                format!("{models}[[model]]\nname = \"a\"\napproximate-tokenizer = true\n"),
+                "named twice",
+            ),
+            (
+                format!("{models}[[worker]]\nurl = \"http://h:1\"\nmodel = \"c\"\n"),
+                "none of the [[model]]",
+            ),
+            (
+                "[[model]]\nname = \"a\"\n".to_owned(),
+                "model \"a\": model-dir: model-dir: is required",
+            ),
+            (
+                format!("discover-file = \"/w\"\n{models}"),
+                "discover-dns/discover-file",
+            ),
+            (
+                format!("[[model]]\nname = \"a\"\napproximate-tokenizer = true\npolicy = \"nope\"\n"),
+                "model \"a\": policy",
+            ),
+            (
+                format!(
+                    "{models}[[model]]\nname = \"a b\"\napproximate-tokenizer = true\n[[model]]\nname = \"a_b\"\napproximate-tokenizer = true\n"
+                ),
+                "in a sync subject",
+            ),
+            (format!("{models}colour = 1\n"), "colour"),
+            (
+                "model-name = \"m\"\n[[worker]]\nurl = \"http://h:1\"\nmodel = \"n\"\n".to_owned(),
+                "is not the model served",
+            ),
+        ] {
+            let e = ServeConfig::from_toml_str(&text)
+                .and_then(|c| c.validate().map(|_| c))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{text:?}: {e}");
+        }
+    }
+
     #[test]
     fn sglang_bootstrap_ports() {
         let c = ServeConfig::from_toml_str(
