@@ -1253,10 +1253,7 @@ mod tests {
                 format!("discover-file = \"/w\"\n{models}"),
                 "discover-dns/discover-file",
             ),
-            (
-                format!("[[model]]\nname = \"a\"\napproximate-tokenizer = true\npolicy = \"nope\"\n"),
-                "model \"a\": policy",
-            ),
+            (format!("{models}policy = \"nope\"\n"), "model \"a\": policy"),
             (
                 format!(
                     "{models}[[model]]\nname = \"a b\"\napproximate-tokenizer = true\n[[model]]\nname = \"a_b\"\napproximate-tokenizer = true\n"
