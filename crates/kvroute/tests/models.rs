@@ -3,7 +3,8 @@
 //! one worker of each. Each request reaches a worker serving its model or adapter, predicted
 //! cached tokens equal the engine's, `/v1/models` lists both models and their adapters, an
 //! unknown model is a 404, and the metrics carry a `model` label. And a tenant's cache
-//! namespace: its warm prefix predicts (and is) no hit for another tenant.
+//! namespace: its warm prefix predicts (and is) no hit for another tenant. And replicas: a worker
+//! added on one joins its model on every one.
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
@@ -398,4 +399,102 @@ fn the_readmes_two_model_configuration_is_read_as_written() {
     assert_ne!(stacks[0].routing.block_size, stacks[1].routing.block_size);
     assert!(stacks.iter().all(|s| !s.workers.is_empty()));
     config.validate().expect("the README's configuration is valid");
+}
+
+/// A proxy of models alpha (`alpha_workers`) and beta (none listed), synced through `nats`.
+async fn two_model_replica(nats: &kvroute_sync::server::NatsServer, alpha_workers: &str) -> ProxyHandle {
+    let text = format!(
+        r#"
+        listen = "127.0.0.1:0"
+        admin-listen = "127.0.0.1:0"
+        health-interval-ms = 200
+        nats = "{}"
+        nats-heartbeat-ms = 200
+        nats-peer-timeout-ms = 1000
+        [[model]]
+        name = "alpha"
+        approximate-tokenizer = true
+        {alpha_workers}
+        [[model]]
+        name = "beta"
+        approximate-tokenizer = true
+        block-size = 32
+        "#,
+        nats.url()
+    );
+    kvroute_proxy::start(ServeConfig::from_toml_str(&text).unwrap(), None)
+        .await
+        .unwrap()
+}
+
+/// Whether `proxy`'s `model` has a worker at `url`.
+fn has(proxy: &ProxyHandle, model: &str, url: &str) -> bool {
+    proxy
+        .driver_of(model)
+        .unwrap()
+        .worker_statuses()
+        .iter()
+        .any(|w| w.config.url.trim_end_matches('/') == url && w.state == StateName::Ready)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_added_to_one_replica_joins_its_model_on_every_replica() {
+    use kvroute_testkit::{External, eventually, require};
+    let Some(nats) = require(
+        External::NatsServer,
+        kvroute_sync::server::NatsServer::binary().is_some(),
+    )
+    .then(|| kvroute_sync::server::NatsServer::start().unwrap()) else {
+        return;
+    };
+    let alpha = mocks_of("alpha", 16, "sql").await;
+    let beta = mocks_of("beta", 32, "chat").await;
+    let listed = format!("[[model.worker]]\n{}\n", table(&alpha[0]));
+    let (a, b) = (
+        two_model_replica(&nats, &listed).await,
+        two_model_replica(&nats, &listed).await,
+    );
+    let admin = reqwest_lite::Http::new(a.admin_url());
+    let add = |w: WorkerConfig| serde_json::to_vec(&w).unwrap();
+    // Unpinned: its `/v1/models` says beta, on A and, through beta's sync subjects, on B.
+    let extra = WorkerConfig::parse_flag(&beta[0].worker_flag()).unwrap();
+    let (status, _, body) = admin.request("POST", "/admin/workers", add(extra)).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let url = beta[0].url();
+    for p in [&a, &b] {
+        eventually("the worker joins beta on every replica", || has(p, "beta", &url)).await;
+        assert!(!has(p, "alpha", &url));
+    }
+    // Pinned to a model not served: refused, naming it.
+    let mut wrong = WorkerConfig::parse_flag(&beta[1].worker_flag()).unwrap();
+    wrong.model = Some("gamma".to_owned());
+    let (status, _, body) = admin.request("POST", "/admin/workers", add(wrong)).await;
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("gamma"), "{body}");
+    // A request for beta on B reaches the worker A added, and one for alpha its own.
+    let p = Proxy::new(&b);
+    for (model, url) in [("beta", &beta[0]), ("alpha", &alpha[0])] {
+        let a = p
+            .complete(
+                json!({"model": model, "prompt": prompt(model), "max_tokens": 2}),
+                &[],
+            )
+            .await;
+        assert_eq!(a.status, 200, "{model}: {}", a.body);
+        assert!(has(&b, model, &url.url()));
+    }
+    // A drain by URL finds the worker in its model, whose fleet it would leave empty (alpha's
+    // has its own worker): refused unless forced.
+    let (status, _, body) = admin
+        .request("POST", &format!("/admin/drain?url={url}"), Vec::new())
+        .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+    let (status, _, body) = admin
+        .request("POST", &format!("/admin/drain?url={url}&force=true"), Vec::new())
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    for p in [&a, &b] {
+        eventually("the drain holds on every replica", || !has(p, "beta", &url)).await;
+    }
 }
