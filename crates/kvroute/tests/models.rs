@@ -52,8 +52,14 @@ impl Proxy {
     }
 
     async fn complete(&self, body: Value, headers: &[(&str, &str)]) -> Answer {
-        let mut req = hyper::Request::post(format!("{}/v1/completions", self.base))
-            .header("content-type", "application/json");
+        self.generate("/v1/completions", body, headers).await
+    }
+
+    /// A generation request to `path` (a completion or a chat); the engine's reported cached
+    /// tokens read from its usage.
+    async fn generate(&self, path: &str, body: Value, headers: &[(&str, &str)]) -> Answer {
+        let mut req =
+            hyper::Request::post(format!("{}{path}", self.base)).header("content-type", "application/json");
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -71,7 +77,11 @@ impl Proxy {
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
         let body = String::from_utf8_lossy(&bytes).into_owned();
         let reported = match status {
-            200 => completion(&bytes).usage.unwrap().cached_tokens(),
+            200 => {
+                let v: Value = serde_json::from_slice(&bytes).unwrap();
+                let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+                cached.as_u64().map_or(0, |c| c as u32)
+            }
             _ => 0,
         };
         Answer {
@@ -113,18 +123,46 @@ async fn twice(
     body: Value,
     headers: &[(&str, &str)],
 ) -> (Answer, Answer) {
+    twice_to(p, "/v1/completions", driver, body, headers).await
+}
+
+/// [`twice`], to `path`.
+async fn twice_to(
+    p: &Proxy,
+    path: &str,
+    driver: &kvroute_proxy::Driver,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> (Answer, Answer) {
     let before = cached(driver);
-    let first = p.complete(body.clone(), headers).await;
+    let first = p.generate(path, body.clone(), headers).await;
     assert_eq!(first.status, 200, "{}", first.body);
     let stored = driver.wait_for_kv(PATIENCE, |d| cached(d) > before).await;
     assert!(stored, "the first request's blocks never reached the index");
-    let again = p.complete(body, headers).await;
+    let again = p.generate(path, body, headers).await;
     assert_eq!(again.status, 200, "{}", again.body);
     (first, again)
 }
 
-/// Mock workers serving `model` with `block_size`-token blocks, the first with `adapter`.
+/// The directory of a tokenizer that adds BOS, with a chat template (beta's, in the test that
+/// gives each model its own).
+fn bos_model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kvroute-http/tests/data/bos-model")
+}
+
+/// Mock workers serving `model` with `block_size`-token blocks, the first with `adapter`,
+/// tokenizing with the tiny model.
 async fn mocks_of(model: &str, block_size: u32, adapter: &str) -> Vec<MockWorker> {
+    mocks_loading(model, block_size, adapter, Arc::new(Model::tiny().unwrap())).await
+}
+
+/// [`mocks_of`], tokenizing with `tokenizer`.
+async fn mocks_loading(
+    model: &str,
+    block_size: u32,
+    adapter: &str,
+    tokenizer: Arc<Model>,
+) -> Vec<MockWorker> {
     let mut out = Vec::new();
     for adapters in [&[adapter][..], &[]] {
         let mut mc = MockConfig::new(1);
@@ -135,7 +173,7 @@ async fn mocks_of(model: &str, block_size: u32, adapter: &str) -> Vec<MockWorker
             .iter()
             .map(|a| format!("{a}=/adapters/{a}").parse().unwrap())
             .collect();
-        out.extend(start_mocks(&mc).await);
+        out.extend(mock::start(&mc, Arc::clone(&tokenizer)).await.unwrap());
     }
     out
 }
@@ -143,7 +181,10 @@ async fn mocks_of(model: &str, block_size: u32, adapter: &str) -> Vec<MockWorker
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_its_engine_reports() {
     let alpha = mocks_of("alpha", 16, "sql").await;
-    let beta = mocks_of("beta", 32, "chat").await;
+    // Beta's engines tokenize with a tokenizer of their own (BOS, a chat template): so does
+    // the proxy for beta.
+    let beta_tokenizer = Arc::new(Model::load(&bos_model_dir()).unwrap());
+    let beta = mocks_loading("beta", 32, "chat", beta_tokenizer).await;
     // alpha's workers in its table, beta's first pinned by `model`, its second found by its
     // `/v1/models`.
     let text = format!(
@@ -164,7 +205,7 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
 
         [[model]]
         name = "beta"
-        approximate-tokenizer = true
+        model-dir = "{}"
         block-size = 32
         policy = "kv"
 
@@ -176,6 +217,7 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
         "#,
         table(&alpha[0]),
         table(&alpha[1]),
+        bos_model_dir().display(),
         table(&beta[0]),
         table(&beta[1]),
     );
@@ -263,6 +305,18 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
             assert!(again.reported > 0, "{model}: the engine hit its cache");
             assert_eq!(again.predicted, Some(again.reported), "{model}: {again:?}");
         }
+        // A chat, rendered by the model's own template and tokenizer as its engines do.
+        let chat = json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt(&format!("{model} chat"))}],
+            "max_tokens": 2
+        });
+        let (first, again) = twice_to(&p, "/v1/chat/completions", driver, chat, &[]).await;
+        for a in [&first, &again] {
+            assert!(serving.contains(&a.worker.unwrap()), "{model} chat: {a:?}");
+        }
+        assert!(again.reported > 0, "{model} chat: the engine hit its cache");
+        assert_eq!(again.predicted, Some(again.reported), "{model} chat: {again:?}");
     }
     // Beta's blocks are 32 tokens: a hit is whole 32-token blocks.
     let beta_driver = proxy.driver_of("beta").unwrap();
