@@ -42,6 +42,21 @@ pub fn model_list(driver: &Driver) -> ModelList {
     list
 }
 
+/// The one of `models` (the names the proxy serves) worker `w` joins: the model its table names
+/// (`model=NAME`), the only one, or the one its `/v1/models` lists ([`model_of`]).
+pub async fn model_for(
+    client: &HttpClient,
+    w: &crate::config::WorkerConfig,
+    models: &[&str],
+    timeout: std::time::Duration,
+) -> Result<String, String> {
+    match (&w.model, models) {
+        (Some(name), _) => Ok(name.clone()),
+        (None, [only]) => Ok((*only).to_owned()),
+        (None, _) => model_of(client, w, models, timeout).await,
+    }
+}
+
 /// Which of `models` (the names the proxy serves) a worker lists on its `/v1/models` as a base
 /// model (a card without a parent): its model, when it is exactly one; else an error saying
 /// why, and to pin it (`model=NAME`).

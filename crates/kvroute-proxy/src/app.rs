@@ -77,17 +77,11 @@ impl App {
     /// The stack worker `w` joins: its pinned model's, the one model's, or (several, unpinned)
     /// the one its `/v1/models` lists.
     pub(crate) async fn stack_for_worker(&self, w: &crate::config::WorkerConfig) -> Result<&Stack, String> {
-        let name = match (&w.model, &self.stacks[..]) {
-            (Some(name), _) => name.clone(),
-            (None, [only]) => return Ok(only),
-            (None, stacks) => {
-                let names: Vec<&str> = stacks.iter().map(Stack::name).collect();
-                let timeout = ServeConfig::ms(self.driver.config.upstream.health_timeout_ms.max(1_000));
-                crate::adapters::model_of(&self.first().fleet.checker().client, w, &names, timeout).await?
-            }
-        };
+        let names: Vec<&str> = self.stacks.iter().map(Stack::name).collect();
+        let timeout = ServeConfig::ms(self.driver.config.upstream.health_timeout_ms.max(1_000));
+        let client = &self.first().fleet.checker().client;
+        let name = crate::adapters::model_for(client, w, &names, timeout).await?;
         self.stack_named(&name).ok_or_else(|| {
-            let names: Vec<&str> = self.stacks.iter().map(Stack::name).collect();
             format!(
                 "worker {}: model {name:?} is none of those served ({})",
                 w.url,

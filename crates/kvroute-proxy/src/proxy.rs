@@ -293,10 +293,11 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     for stack in &app.stacks {
         tasks.push(tokio::spawn(ticker(Arc::clone(&stack.driver))));
     }
-    // Workers found rather than listed, once the listed ones and the peers' are in (one model
-    // only: `ServeConfig::stacks` refuses discovery with several).
+    // Workers found rather than listed, once the listed ones and the peers' are in; each
+    // joins its model's fleet.
     if let Some(spec) = driver.config.discovery()? {
-        tasks.extend(crate::discovery::start(&fleet, &spec).map_err(ServeError::Discovery)?);
+        let fleets: Vec<Arc<Fleet>> = app.stacks.iter().map(|s| Arc::clone(&s.fleet)).collect();
+        tasks.extend(crate::discovery::start(&fleets, &spec).map_err(ServeError::Discovery)?);
     }
     if driver.config.upstream.health_interval_ms > 0 {
         for stack in &app.stacks {

@@ -4,7 +4,7 @@
 //! cached tokens equal the engine's, `/v1/models` lists both models and their adapters, an
 //! unknown model is a 404, and the metrics carry a `model` label. And a tenant's cache
 //! namespace: its warm prefix predicts (and is) no hit for another tenant. And replicas: a worker
-//! added on one joins its model on every one.
+//! added on one joins its model on every one; workers found by discovery join their models.
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
@@ -551,4 +551,70 @@ async fn a_worker_added_to_one_replica_joins_its_model_on_every_replica() {
     for p in [&a, &b] {
         eventually("the drain holds on every replica", || !has(p, "beta", &url)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_found_in_a_file_join_their_models_and_leave_them() {
+    let alpha = mocks_of("alpha", 16, "sql").await;
+    let beta = mocks_of("beta", 32, "chat").await;
+    let dir = std::env::temp_dir().join(format!("kvroute-models-discovery-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("workers");
+    // alpha's worker pinned, beta's found by its `/v1/models`.
+    let both = format!(
+        "{},model=alpha\n{}\n",
+        alpha[0].worker_flag(),
+        beta[0].worker_flag()
+    );
+    std::fs::write(&file, &both).unwrap();
+    let text = format!(
+        r#"
+        listen = "127.0.0.1:0"
+        admin-listen = "127.0.0.1:0"
+        health-interval-ms = 200
+        discover-file = "{}"
+        discover-interval-ms = 100
+        discover-drain-timeout-ms = 1000
+        [[model]]
+        name = "alpha"
+        approximate-tokenizer = true
+        [[model]]
+        name = "beta"
+        approximate-tokenizer = true
+        block-size = 32
+        "#,
+        file.display()
+    );
+    let proxy = kvroute_proxy::start(ServeConfig::from_toml_str(&text).unwrap(), None)
+        .await
+        .unwrap();
+    let (a, b) = (alpha[0].url(), beta[0].url());
+    kvroute_testkit::eventually("each worker found joins its model", || {
+        has(&proxy, "alpha", &a) && has(&proxy, "beta", &b)
+    })
+    .await;
+    assert!(!has(&proxy, "alpha", &b) && !has(&proxy, "beta", &a));
+    let p = Proxy::new(&proxy);
+    for model in ["alpha", "beta"] {
+        let answer = p
+            .complete(
+                json!({"model": model, "prompt": prompt(model), "max_tokens": 2}),
+                &[],
+            )
+            .await;
+        assert_eq!(answer.status, 200, "{model}: {}", answer.body);
+    }
+    // Beta's worker is no longer listed: it leaves beta (replaced by rename, as a mounted
+    // ConfigMap is).
+    let next = dir.join("workers.next");
+    std::fs::write(&next, format!("{},model=alpha\n", alpha[0].worker_flag())).unwrap();
+    std::fs::rename(&next, &file).unwrap();
+    let gone = |d: &kvroute_proxy::Driver| d.worker_urls().is_empty();
+    let beta_driver = proxy.driver_of("beta").unwrap();
+    assert!(
+        beta_driver.wait_until(PATIENCE, gone).await,
+        "beta's worker stayed"
+    );
+    assert!(has(&proxy, "alpha", &a));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -446,13 +446,6 @@ impl ServeConfig {
             }
             return Ok(vec![self.clone()]);
         }
-        if self.discovery.discover_dns.is_some() || self.discovery.discover_file.is_some() {
-            return Err(invalid(
-                "discover-dns/discover-file",
-                "not with [[model]] tables: list each model's workers, or add them through the \
-                 admin API",
-            ));
-        }
         let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         for w in &self.workers {
             if let Some(m) = &w.model
@@ -1248,10 +1241,6 @@ mod tests {
             (
                 "[[model]]\nname = \"a\"\n".to_owned(),
                 "model \"a\": model-dir: model-dir: is required",
-            ),
-            (
-                format!("discover-file = \"/w\"\n{models}"),
-                "discover-dns/discover-file",
             ),
             (format!("{models}policy = \"nope\"\n"), "model \"a\": policy"),
             (
