@@ -105,8 +105,9 @@ impl std::fmt::Debug for ProxyHandle {
 }
 
 impl ProxyHandle {
-    /// Runs `planner` on this proxy's fleet, its decisions carried out by `actuator`, until the
-    /// proxy stops.
+    /// Runs `planner` on this proxy's fleet (with several models, the first's: `kvroute serve`
+    /// refuses `--planner` with `[[model]]` tables), its decisions carried out by `actuator`,
+    /// until the proxy stops.
     pub fn start_planner(
         &mut self,
         planner: kvroute_planner::Planner,

@@ -174,7 +174,8 @@ pub struct ModelConfig {
     /// tokenizer.
     pub approximate_tokenizer: bool,
     /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
-    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
+    /// a follow-up turn tokenizes only its new text; with several models, each model's); 0 turns
+    /// it off. Default 256 MiB.
     pub tokenizer_cache_bytes: usize,
 }
 
