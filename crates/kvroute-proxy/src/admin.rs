@@ -40,19 +40,31 @@ pub(crate) fn routes(app: &Arc<App>) -> axum::Router<Arc<App>> {
 }
 
 /// The planner's recent ticks and decisions, the workers it is starting and retiring, and
-/// the counts it wants; 404 without a planner.
+/// the counts it wants (with several models, `{"models": {NAME: report}}`, each model that has
+/// a planner); 404 without a planner.
 async fn planner_report(State(app): State<Arc<App>>) -> Response {
-    let report = app.planner.to_json();
-    if report.get("config").is_none_or(|c| c.is_null()) {
-        return ApiError::new(
+    let planned = |r: &serde_json::Value| r.get("config").is_some_and(|c| !c.is_null());
+    let report = match &app.stacks[..] {
+        [only] => Some(only.planner.to_json()).filter(planned),
+        stacks => {
+            let models: serde_json::Map<String, serde_json::Value> = stacks
+                .iter()
+                .map(|s| (s.name().to_owned(), s.planner.to_json()))
+                .filter(|(_, r)| planned(r))
+                .collect();
+            (!models.is_empty()).then(|| json!({ "models": models }))
+        }
+    };
+    match report {
+        Some(report) => axum::Json(report).into_response(),
+        None => ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "not_found",
             "no planner runs in this proxy (kvroute serve --planner FILE starts one)",
         )
-        .into_response();
+        .into_response(),
     }
-    axum::Json(report).into_response()
 }
 
 /// The bearer token of `headers`, if any.

@@ -23,6 +23,8 @@ pub(crate) struct Stack {
     pub(crate) forwarder: Arc<Forwarder>,
     /// The one door for adding and removing this model's workers.
     pub(crate) fleet: Arc<Fleet>,
+    /// Its planner's report (empty without a planner).
+    pub(crate) planner: Arc<crate::autoscale::Status>,
 }
 
 impl Stack {
@@ -45,8 +47,6 @@ pub(crate) struct App {
     /// The registry of the metrics the models share (the tenants'), with several models; else
     /// none (every metric is the one model's).
     pub(crate) shared_metrics: Option<prometheus::Registry>,
-    /// The planner's report (empty without a planner).
-    pub(crate) planner: Arc<crate::autoscale::Status>,
     /// One admin change at a time: the fleet check and the change it allows are one step.
     pub(crate) admin: tokio::sync::Mutex<()>,
     /// The start of the request ids made here (`kvr-{instance tag in hex}-`), and their counter.

@@ -84,9 +84,9 @@ pub struct ProxyHandle {
     pub driver: Arc<Driver>,
     /// The workers' one add and remove path.
     pub fleet: Arc<Fleet>,
-    /// Each model's name, driver and fleet, in the configuration's order (`driver` and
-    /// `fleet` are the first's; with one model, the only ones).
-    pub models: Vec<(String, Arc<Driver>, Arc<Fleet>)>,
+    /// Each model's stack, in the configuration's order (`driver`, `fleet` and `planner` are
+    /// the first's; with one model, the only ones).
+    pub models: Vec<ModelHandle>,
     /// The planner's report, shown on `GET /admin/planner` (empty without a planner; see
     /// [`Self::start_planner`]).
     pub planner: Arc<crate::autoscale::Status>,
@@ -104,10 +104,23 @@ impl std::fmt::Debug for ProxyHandle {
     }
 }
 
+/// One model of a running proxy.
+#[derive(Clone, Debug)]
+pub struct ModelHandle {
+    /// Its name.
+    pub name: String,
+    /// Its router driver.
+    pub driver: Arc<Driver>,
+    /// Its workers' add and remove path.
+    pub fleet: Arc<Fleet>,
+    /// Its planner's report (empty without a planner).
+    pub planner: Arc<crate::autoscale::Status>,
+}
+
 impl ProxyHandle {
-    /// Runs `planner` on this proxy's fleet (with several models, the first's: `kvroute serve`
-    /// refuses `--planner` with `[[model]]` tables), its decisions carried out by `actuator`,
-    /// until the proxy stops.
+    /// Runs `planner` on this proxy's fleet (with several models, the first's; see
+    /// [`Self::start_planner_for`]), its decisions carried out by `actuator`, until the proxy
+    /// stops.
     pub fn start_planner(
         &mut self,
         planner: kvroute_planner::Planner,
@@ -124,12 +137,37 @@ impl ProxyHandle {
         self.tasks.push(task);
     }
 
+    /// [`Self::start_planner`] on the fleet of the model named `model` (its pools, its
+    /// metrics, its report under `GET /admin/planner`); false if no model has that name.
+    pub fn start_planner_for(
+        &mut self,
+        model: &str,
+        planner: kvroute_planner::Planner,
+        actuator: Arc<dyn crate::autoscale::Actuator>,
+        settings: crate::autoscale::Settings,
+    ) -> bool {
+        let Some(m) = self.models.iter().find(|m| m.name == model) else {
+            return false;
+        };
+        let task = crate::autoscale::start(
+            Arc::clone(&m.fleet),
+            planner,
+            actuator,
+            settings,
+            Arc::clone(&m.planner),
+        );
+        self.tasks.push(task);
+        true
+    }
+
+    /// The model named `model`.
+    pub fn model(&self, model: &str) -> Option<&ModelHandle> {
+        self.models.iter().find(|m| m.name == model)
+    }
+
     /// The driver of the model named `model`.
     pub fn driver_of(&self, model: &str) -> Option<&Arc<Driver>> {
-        self.models
-            .iter()
-            .find(|(name, _, _)| name == model)
-            .map(|(_, driver, _)| driver)
+        self.model(model).map(|m| &m.driver)
     }
 
     /// The base URL, `http://addr`.
@@ -145,9 +183,9 @@ impl ProxyHandle {
     /// Stops the proxy: the listeners, every connection and the background tasks.
     pub fn stop(&self) {
         self.shutdown.stop();
-        for (_, driver, _) in &self.models {
-            driver.stop_sync();
-            driver.stop_subscribers();
+        for m in &self.models {
+            m.driver.stop_sync();
+            m.driver.stop_subscribers();
         }
         for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
@@ -260,11 +298,10 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
             model,
             forwarder,
             fleet,
+            planner: Arc::default(),
         });
     }
-    let planner = Arc::new(crate::autoscale::Status::default());
     let app = Arc::new(App {
-        planner: Arc::clone(&planner),
         driver: Arc::clone(&driver),
         stacks,
         tenants,
@@ -341,11 +378,17 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         )),
     ];
     tracing::info!(%addr, %admin_addr, "listening (admin API on its own listener)");
-    let models = app
+    let models: Vec<ModelHandle> = app
         .stacks
         .iter()
-        .map(|s| (s.name().to_owned(), Arc::clone(&s.driver), Arc::clone(&s.fleet)))
+        .map(|s| ModelHandle {
+            name: s.name().to_owned(),
+            driver: Arc::clone(&s.driver),
+            fleet: Arc::clone(&s.fleet),
+            planner: Arc::clone(&s.planner),
+        })
         .collect();
+    let planner = Arc::clone(&app.first().planner);
     Ok(ProxyHandle {
         addr,
         admin_addr,

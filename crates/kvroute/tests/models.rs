@@ -301,7 +301,6 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
                     "{model} went to worker {w}, not one of {serving:?}"
                 );
             }
-            assert_eq!(first.predicted, Some(first.reported), "{model}: {first:?}");
             assert!(again.reported > 0, "{model}: the engine hit its cache");
             assert_eq!(again.predicted, Some(again.reported), "{model}: {again:?}");
         }
@@ -356,7 +355,7 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
     }
     assert!(types.values().all(|&n| n == 1), "{types:?}");
 
-    for (_, driver, _) in &proxy.models {
+    for driver in proxy.models.iter().map(|m| &m.driver) {
         let idle = |d: &kvroute_proxy::Driver| {
             let m = d.snapshot();
             m.active_now == 0 && m.queued_now == 0
@@ -617,4 +616,90 @@ async fn workers_found_in_a_file_join_their_models_and_leave_them() {
     );
     assert!(has(&proxy, "alpha", &a));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A planner file with the `dry-run` actuator, for the `block_size`-token blocks of a model.
+fn dry_run_plan(block_size: u32) -> kvroute::plan::PlanFile {
+    kvroute::plan::PlanFile::parse(&format!(
+        r#"
+        [planner]
+        mode = "agg"
+        min_replicas = 1
+        max_replicas = 3
+        max_gpu_budget = 3
+        model_seed = "profile"
+        load_interval_s = 0.25
+        throughput_scaling = false
+
+        [planner.sla]
+        ttft_ms = 5000
+        itl_ms = 50
+
+        [engine]
+        block_size = {block_size}
+        num_blocks = 2048
+
+        [actuator]
+        kind = "dry-run"
+        "#
+    ))
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_model_is_planned_on_its_own_fleet() {
+    let alpha = mocks_of("alpha", 16, "sql").await;
+    let beta = mocks_of("beta", 32, "chat").await;
+    let text = format!(
+        r#"
+        listen = "127.0.0.1:0"
+        admin-listen = "127.0.0.1:0"
+        health-interval-ms = 200
+        [[model]]
+        name = "alpha"
+        approximate-tokenizer = true
+        [[model.worker]]
+        {}
+        [[model]]
+        name = "beta"
+        approximate-tokenizer = true
+        block-size = 32
+        [[model.worker]]
+        {}
+        [[model.worker]]
+        {}
+        "#,
+        table(&alpha[0]),
+        table(&beta[0]),
+        table(&beta[1]),
+    );
+    let mut proxy = kvroute_proxy::start(ServeConfig::from_toml_str(&text).unwrap(), None)
+        .await
+        .unwrap();
+    let admin = reqwest_lite::Http::new(proxy.admin_url());
+    let (status, _, _) = admin.request("GET", "/admin/planner", Vec::new()).await;
+    assert_eq!(status, 404, "no planner yet");
+    for (model, block_size) in [("alpha", 16), ("beta", 32)] {
+        let plan = dry_run_plan(block_size);
+        let m = proxy.model(model).unwrap();
+        let actuator =
+            kvroute_proxy::autoscale::actuator::build(plan.actuator.as_ref().unwrap(), Arc::clone(&m.fleet))
+                .unwrap();
+        let planner = plan.live_planner(m.driver.timestamp()).unwrap();
+        assert!(proxy.start_planner_for(model, planner, actuator, Default::default()));
+    }
+    // Each model's report, and each model's desired workers: its own fleet's, as found.
+    let report: Value = serde_json::from_str(&admin.get("/admin/planner").await).unwrap();
+    for (model, workers) in [("alpha", 1), ("beta", 2)] {
+        assert_eq!(
+            report["models"][model]["desired"]["agg"],
+            json!(workers),
+            "{model}: {report}"
+        );
+    }
+    let metrics = Proxy::new(&proxy).get("/metrics").await.1;
+    for (model, workers) in [("alpha", 1), ("beta", 2)] {
+        let series = format!("kvroute_planner_desired_workers{{pool=\"agg\",model=\"{model}\"}} {workers}");
+        assert!(metrics.lines().any(|l| l == series), "no {series} in\n{metrics}");
+    }
 }
