@@ -42,6 +42,63 @@ pub fn model_list(driver: &Driver) -> ModelList {
     list
 }
 
+/// The one of `models` (the names the proxy serves) worker `w` joins: the model its table names
+/// (`model=NAME`), the only one, or the one its `/v1/models` lists ([`model_of`]).
+pub async fn model_for(
+    client: &HttpClient,
+    w: &crate::config::WorkerConfig,
+    models: &[&str],
+    timeout: std::time::Duration,
+) -> Result<String, String> {
+    match (&w.model, models) {
+        (Some(name), _) => Ok(name.clone()),
+        (None, [only]) => Ok((*only).to_owned()),
+        (None, _) => model_of(client, w, models, timeout).await,
+    }
+}
+
+/// Which of `models` (the names the proxy serves) a worker lists on its `/v1/models` as a base
+/// model (a card without a parent): its model, when it is exactly one; else an error saying
+/// why, and to pin it (`model=NAME`).
+pub async fn model_of(
+    client: &HttpClient,
+    worker: &crate::config::WorkerConfig,
+    models: &[&str],
+    timeout: std::time::Duration,
+) -> Result<String, String> {
+    let at = Worker {
+        base: worker.url.trim_end_matches('/'),
+        api_key: worker.api_key.as_deref(),
+    };
+    let pin = "pin its model with model=NAME";
+    let Some(list) = checks::models(client, at, timeout).await else {
+        return Err(format!(
+            "worker {}: its /v1/models could not be read to find its model; {pin}",
+            worker.url
+        ));
+    };
+    base_model_among(&list, models).map_err(|e| format!("worker {}: {e}; {pin}", worker.url))
+}
+
+/// The one of `models` that `list` serves as a base model.
+fn base_model_among(list: &ModelList, models: &[&str]) -> Result<String, String> {
+    let served: Vec<&str> = list
+        .data
+        .iter()
+        .filter(|card| card.parent.is_none() && models.contains(&card.id.as_str()))
+        .map(|card| card.id.as_str())
+        .collect();
+    match served[..] {
+        [one] => Ok(one.to_owned()),
+        [] => Err(format!(
+            "it serves none of the models ({}), but {:?}",
+            models.join(", "),
+            list.data.iter().map(|c| c.id.as_str()).collect::<Vec<_>>()
+        )),
+        _ => Err(format!("it serves several of the models ({})", served.join(", "))),
+    }
+}
+
 /// Reads every worker's adapters each `health-interval-ms`, forever.
 pub async fn run(driver: Arc<Driver>, client: HttpClient) {
     let interval = ServeConfig::ms(driver.config.upstream.health_interval_ms);
@@ -87,5 +144,18 @@ mod tests {
             adapters.into_iter().collect::<Vec<_>>(),
             vec![("sql".to_owned(), Some("/a/sql".to_owned()))]
         );
+        // A worker's model is the one base model of the proxy's it lists; an adapter's name
+        // is no model.
+        assert_eq!(base_model_among(&list, &["big", "tiny"]), Ok("tiny".to_owned()));
+        assert!(base_model_among(&list, &["big", "sql"]).is_err());
+        let two: ModelList = serde_json::from_str(
+            r#"{"object":"list","data":[
+                {"id":"a","object":"model","created":0,"owned_by":"vllm","root":"a","parent":null},
+                {"id":"b","object":"model","created":0,"owned_by":"vllm","root":"b","parent":null}
+            ]}"#,
+        )
+        .unwrap();
+        let e = base_model_among(&two, &["a", "b"]).unwrap_err();
+        assert!(e.contains("several"), "{e}");
     }
 }

@@ -23,7 +23,7 @@ use kvroute_core::router::WorkerRole;
 use kvroute_http::openai::ApiError;
 use serde_json::json;
 
-use crate::app::{App, read_body};
+use crate::app::{App, Stack, read_body};
 use crate::config::{ConfigError, ServeConfig, WorkerConfig};
 use crate::worker::StateName;
 
@@ -40,19 +40,31 @@ pub(crate) fn routes(app: &Arc<App>) -> axum::Router<Arc<App>> {
 }
 
 /// The planner's recent ticks and decisions, the workers it is starting and retiring, and
-/// the counts it wants; 404 without a planner.
+/// the counts it wants (with several models, `{"models": {NAME: report}}`, each model that has
+/// a planner); 404 without a planner.
 async fn planner_report(State(app): State<Arc<App>>) -> Response {
-    let report = app.planner.to_json();
-    if report.get("config").is_none_or(|c| c.is_null()) {
-        return ApiError::new(
+    let planned = |r: &serde_json::Value| r.get("config").is_some_and(|c| !c.is_null());
+    let report = match &app.stacks[..] {
+        [only] => Some(only.planner.to_json()).filter(planned),
+        stacks => {
+            let models: serde_json::Map<String, serde_json::Value> = stacks
+                .iter()
+                .map(|s| (s.name().to_owned(), s.planner.to_json()))
+                .filter(|(_, r)| planned(r))
+                .collect();
+            (!models.is_empty()).then(|| json!({ "models": models }))
+        }
+    };
+    match report {
+        Some(report) => axum::Json(report).into_response(),
+        None => ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "not_found",
             "no planner runs in this proxy (kvroute serve --planner FILE starts one)",
         )
-        .into_response();
+        .into_response(),
     }
-    axum::Json(report).into_response()
 }
 
 /// The bearer token of `headers`, if any.
@@ -93,12 +105,20 @@ async fn admin_auth(State(app): State<Arc<App>>, request: Request, next: Next) -
 }
 
 async fn list_workers(State(app): State<Arc<App>>) -> Response {
-    let mut workers = json!(app.driver.worker_statuses());
-    // Credentials are never listed.
-    for w in workers.as_array_mut().into_iter().flatten() {
-        if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
-            *key = json!("<redacted>");
+    let mut workers = Vec::new();
+    for stack in &app.stacks {
+        let mut listed = json!(stack.driver.worker_statuses());
+        for w in listed.as_array_mut().into_iter().flatten() {
+            // Credentials are never listed.
+            if let Some(key) = w.get_mut("api-key").filter(|k| !k.is_null()) {
+                *key = json!("<redacted>");
+            }
+            // Each worker's model, whether or not its table named one.
+            if let Some(w) = w.as_object_mut() {
+                w.insert("model".to_owned(), json!(stack.name()));
+            }
         }
+        workers.extend(listed.as_array().cloned().unwrap_or_default());
     }
     axum::Json(json!({ "workers": workers })).into_response()
 }
@@ -119,10 +139,10 @@ fn servable(roles: &[WorkerRole]) -> bool {
         && ServeConfig::validate_fleet(roles.iter().copied()).is_ok()
 }
 
-/// Refuses a change that would leave the fleet unable to serve (its members: the workers not
-/// drained or removed, healthy or not), unless it is `forced`.
-fn check_fleet(app: &App, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
-    let members: Vec<(WorkerId, WorkerRole)> = app
+/// Refuses a change that would leave the fleet of `stack`'s model unable to serve (its
+/// members: the workers not drained or removed, healthy or not), unless it is `forced`.
+fn check_fleet(stack: &Stack, change: FleetChange<'_>, forced: bool) -> Result<(), ApiError> {
+    let members: Vec<(WorkerId, WorkerRole)> = stack
         .driver
         .worker_statuses()
         .into_iter()
@@ -189,11 +209,15 @@ async fn post_worker(State(app): State<Arc<App>>, request: Request) -> Response 
         Ok(c) => c,
         Err(e) => return ApiError::bad_request("body", format!("not a worker: {e}")).into_response(),
     };
+    let stack = match app.stack_for_worker(&config).await {
+        Ok(stack) => stack,
+        Err(e) => return ApiError::bad_request("model", e).into_response(),
+    };
     let _one_at_a_time = app.admin.lock().await;
-    if let Err(refused) = check_fleet(&app, FleetChange::Add(&config), forced) {
+    if let Err(refused) = check_fleet(stack, FleetChange::Add(&config), forced) {
         return refused.into_response();
     }
-    match app.fleet.add(config) {
+    match stack.fleet.add(config) {
         Ok(id) => (StatusCode::CREATED, axum::Json(json!({"id": id.0}))).into_response(),
         Err(e) => ApiError::bad_request("body", e).into_response(),
     }
@@ -214,7 +238,7 @@ fn known_worker(app: &App, id: &str) -> Option<WorkerId> {
     id.parse()
         .ok()
         .map(WorkerId)
-        .filter(|&w| app.driver.worker_state(w).is_some())
+        .filter(|&w| app.stack_of_worker(w).is_some())
 }
 
 /// The value of query parameter `name` of `uri`, decoded, if it is there.
@@ -250,8 +274,9 @@ async fn drain_by_url(State(app): State<Arc<App>>, uri: Uri) -> Response {
         return ApiError::bad_request("url", "name the worker: /admin/drain?url=http://host:port")
             .into_response();
     };
-    let found = app.driver.find_worker(url.trim_end_matches('/'));
-    drain(&app, found, &url, &uri).await
+    let url = url.trim_end_matches('/');
+    let found = app.stacks.iter().find_map(|s| s.driver.find_worker(url));
+    drain(&app, found, url, &uri).await
 }
 
 /// Drains worker `found` (named `name` in answers), and with `?wait=true` answers only once it
@@ -262,19 +287,19 @@ async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Res
         Ok(wait) => wait,
         Err(bad) => return ApiError::bad_request("timeout_ms", bad).into_response(),
     };
-    let w = {
+    let (w, stack) = {
         // Released before waiting: other admin changes go on meanwhile.
         let _one_at_a_time = app.admin.lock().await;
-        let Some(w) = found.filter(|&w| app.driver.worker_state(w).is_some()) else {
+        let Some((w, stack)) = found.and_then(|w| Some((w, app.stack_of_worker(w)?))) else {
             return unknown_worker(name);
         };
-        if let Err(refused) = check_fleet(app, FleetChange::Leave(w), forced(uri)) {
+        if let Err(refused) = check_fleet(stack, FleetChange::Leave(w), forced(uri)) {
             return refused.into_response();
         }
-        if !app.fleet.drain(w) {
+        if !stack.fleet.drain(w) {
             return unknown_worker(name);
         }
-        w
+        (w, stack)
     };
     let Some(patience) = wait else {
         return axum::Json(json!({"id": w.0, "draining": true})).into_response();
@@ -286,10 +311,10 @@ async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Res
             Some(crate::worker::WorkerState::Draining { .. })
         )
     };
-    if app.driver.wait_until(patience, settled).await {
+    if stack.driver.wait_until(patience, settled).await {
         return axum::Json(json!({"id": w.0, "draining": true, "drained": true})).into_response();
     }
-    let in_flight = app
+    let in_flight = stack
         .driver
         .removal_figures()
         .into_iter()
@@ -310,11 +335,19 @@ async fn drain(app: &App, found: Option<WorkerId>, name: &str, uri: &Uri) -> Res
 
 /// The workers, cheapest to remove first, with the figures that rank them.
 async fn removal_order(State(app): State<Arc<App>>) -> Response {
-    let workers: Vec<serde_json::Value> = crate::autoscale::removal::ranked(&app.driver)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, w)| {
+    // Each model's order, one after another (ranks count within a model).
+    let workers: Vec<serde_json::Value> = app
+        .stacks
+        .iter()
+        .flat_map(|s| {
+            crate::autoscale::removal::ranked(&s.driver)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, w)| (s.name(), rank, w))
+        })
+        .map(|(model, rank, w)| {
             json!({
+                "model": model,
                 "rank": rank,
                 "id": w.id.0,
                 "url": w.url,
@@ -330,13 +363,13 @@ async fn removal_order(State(app): State<Arc<App>>) -> Response {
 
 async fn delete_worker(State(app): State<Arc<App>>, Path(id): Path<String>, uri: Uri) -> Response {
     let _one_at_a_time = app.admin.lock().await;
-    let Some(w) = known_worker(&app, &id) else {
+    let Some((w, stack)) = known_worker(&app, &id).and_then(|w| Some((w, app.stack_of_worker(w)?))) else {
         return unknown_worker(&id);
     };
-    if let Err(refused) = check_fleet(&app, FleetChange::Leave(w), forced(&uri)) {
+    if let Err(refused) = check_fleet(stack, FleetChange::Leave(w), forced(&uri)) {
         return refused.into_response();
     }
-    if !app.fleet.remove(w) {
+    if !stack.fleet.remove(w) {
         return unknown_worker(&id);
     }
     axum::Json(json!({"id": w.0, "removed": true})).into_response()

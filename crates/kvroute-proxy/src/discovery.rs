@@ -36,7 +36,9 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use kvroute_core::ids::WorkerId;
 
-use crate::config::{DiscoverySpec, DnsRecordKind, DnsSource, EngineKind, WorkerConfig, WorkerTemplate};
+use crate::config::{
+    DiscoverySpec, DnsRecordKind, DnsSource, EngineKind, ServeConfig, WorkerConfig, WorkerTemplate,
+};
 use crate::fleet::{Fleet, RetireOutcome};
 
 /// A discovery source, by kind (its metrics label).
@@ -131,16 +133,24 @@ fn base(config: &WorkerConfig) -> String {
     config.url.trim_end_matches('/').to_owned()
 }
 
+/// How a source's lines are checked: against the router's block size (`None` with several
+/// models, whose block sizes differ: each worker is checked against its model's when it is
+/// added) and the fleet's disaggregation protocol.
+pub type Routing = (Option<u32>, EngineKind);
+
 /// `line` as a worker, checked as a `--worker` flag is; `at` names where it came from.
-fn checked(line: &str, at: &str, (block_size, protocol): (u32, EngineKind)) -> Result<WorkerConfig, String> {
+fn checked(line: &str, at: &str, (block_size, protocol): Routing) -> Result<WorkerConfig, String> {
     WorkerConfig::parse_flag(line)
-        .and_then(|w| w.validate(block_size, protocol).map(|()| w))
+        .and_then(|w| {
+            let block_size = block_size.or(w.block_size).unwrap_or_default();
+            w.validate(block_size, protocol).map(|()| w)
+        })
         .map_err(|e| format!("{at}: {e}"))
 }
 
 /// A file's workers: one `--worker` line a line; blank lines and `#` comments ignored. A bad
 /// line (named by number) or no worker at all refuses the whole file.
-pub fn parse_file(text: &str, routing: (u32, EngineKind)) -> Result<Listing, String> {
+pub fn parse_file(text: &str, routing: Routing) -> Result<Listing, String> {
     let mut listing = Listing::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -165,7 +175,7 @@ pub fn parse_file(text: &str, routing: (u32, EngineKind)) -> Result<Listing, Str
 pub fn dns_listing(
     answers: &[(IpAddr, u16)],
     template: &WorkerTemplate,
-    routing: (u32, EngineKind),
+    routing: Routing,
 ) -> Result<Listing, String> {
     let mut listing = Listing::new();
     for &(ip, port) in answers {
@@ -200,7 +210,7 @@ impl Asker {
     }
 
     /// The source's answer now.
-    async fn ask(&self, routing: (u32, EngineKind)) -> Result<Listing, String> {
+    async fn ask(&self, routing: Routing) -> Result<Listing, String> {
         match self {
             Self::Dns { resolver, source } => {
                 let answers = resolve(resolver, source).await?;
@@ -282,8 +292,13 @@ async fn resolve(resolver: &TokioResolver, source: &DnsSource) -> Result<Vec<(Ip
     Ok(answers)
 }
 
-/// Starts discovery's sources (one task each), when `spec` names any; their tasks.
-pub fn start(fleet: &Arc<Fleet>, spec: &DiscoverySpec) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
+/// Starts discovery's sources (one task each), when `spec` names any; their tasks. A worker
+/// found joins the fleet of `fleets` (one per model, the first's metrics counting) its line
+/// names (`model=NAME`), the only one, or the one its `/v1/models` lists.
+pub fn start(
+    fleets: &[Arc<Fleet>],
+    spec: &DiscoverySpec,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
     let mut askers = Vec::new();
     if let Some(source) = &spec.dns {
         askers.push(Asker::Dns {
@@ -296,17 +311,37 @@ pub fn start(fleet: &Arc<Fleet>, spec: &DiscoverySpec) -> Result<Vec<tokio::task
     }
     Ok(askers
         .into_iter()
-        .map(|asker| tokio::spawn(run(Arc::clone(fleet), asker, spec.interval, spec.drain_timeout)))
+        .map(|asker| tokio::spawn(run(fleets.to_vec(), asker, spec.interval, spec.drain_timeout)))
         .collect())
 }
 
+/// The fleet of `fleets` that worker `config` joins ([`start`]).
+async fn fleet_for<'a>(fleets: &'a [Arc<Fleet>], config: &WorkerConfig) -> Result<&'a Arc<Fleet>, String> {
+    let names: Vec<&str> = fleets
+        .iter()
+        .map(|f| f.driver().config.model.model_name.as_str())
+        .collect();
+    let Some(first) = fleets.first() else {
+        return Err("no model to add it to".to_owned());
+    };
+    let timeout = ServeConfig::ms(first.driver().config.upstream.health_timeout_ms.max(1_000));
+    let model = crate::adapters::model_for(&first.checker().client, config, &names, timeout).await?;
+    fleets
+        .iter()
+        .find(|f| f.driver().config.model.model_name == model)
+        .ok_or_else(|| format!("model {model:?} is none of those served ({})", names.join(", ")))
+}
+
 /// One source's loop: ask, step, apply, every `interval`.
-async fn run(fleet: Arc<Fleet>, asker: Asker, interval: Duration, drain_timeout: Duration) {
+async fn run(fleets: Vec<Arc<Fleet>>, asker: Asker, interval: Duration, drain_timeout: Duration) {
     let kind = asker.kind();
     let source = kind.label();
+    let Some(fleet) = fleets.first() else {
+        return;
+    };
     let driver = Arc::clone(fleet.driver());
     let routing = (
-        driver.config.routing.block_size,
+        (fleets.len() == 1).then_some(driver.config.routing.block_size),
         driver.config.routing.disagg_protocol,
     );
     let gauge = driver.metrics.discovery_workers.with_label_values(&[source]);
@@ -340,15 +375,20 @@ async fn run(fleet: Arc<Fleet>, asker: Asker, interval: Duration, drain_timeout:
                 }
             }
         }
-        let in_fleet: BTreeMap<String, WorkerId> = driver
-            .worker_urls()
-            .into_iter()
+        // Every model's workers (ids are unique across them).
+        let in_fleet: BTreeMap<String, WorkerId> = fleets
+            .iter()
+            .flat_map(|f| f.driver().worker_urls())
             .map(|(id, url)| (url, id))
             .collect();
         let changes = membership.step(&answer, &in_fleet);
         for config in changes.add {
             let url = base(&config);
-            match fleet.add(config) {
+            let joined = match fleet_for(&fleets, &config).await {
+                Ok(fleet) => fleet.add(config),
+                Err(e) => Err(e),
+            };
+            match joined {
                 Ok(id) => {
                     tracing::info!(source, url, worker = id.0, "discovery: worker added");
                     membership.added(url, id);
@@ -366,7 +406,8 @@ async fn run(fleet: Arc<Fleet>, asker: Asker, interval: Duration, drain_timeout:
                 worker = id.0,
                 "discovery: worker no longer listed; draining"
             );
-            let fleet = Arc::clone(&fleet);
+            let holder = fleets.iter().find(|f| f.driver().worker_state(id).is_some());
+            let fleet = Arc::clone(holder.unwrap_or(fleet));
             tokio::spawn(async move {
                 match fleet.retire(id, drain_timeout).await {
                     RetireOutcome::Drained => {
@@ -391,7 +432,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const ROUTING: (u32, EngineKind) = (16, EngineKind::Vllm);
+    const ROUTING: Routing = (Some(16), EngineKind::Vllm);
 
     fn listing(ports: &[u16]) -> Listing {
         let text: String = ports.iter().map(|p| format!("http://127.0.0.1:{p}\n")).collect();

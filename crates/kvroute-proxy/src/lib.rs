@@ -72,4 +72,4 @@ pub mod worker;
 pub use config::{EngineKind, ServeConfig, WorkerConfig};
 pub use driver::{Driver, QueuedRequests};
 pub use fleet::Fleet;
-pub use proxy::{ProxyHandle, start};
+pub use proxy::{ModelHandle, ProxyHandle, start};

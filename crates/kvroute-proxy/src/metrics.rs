@@ -590,7 +590,22 @@ impl WorkerMetrics {
 impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Self {
-        let r = Registrar(Registry::new());
+        Self::in_registry(Registry::new())
+    }
+
+    /// [`Self::new`], every series labelled `model="NAME"` (one model of several: their
+    /// registries are rendered together by [`render_together`]).
+    pub fn labelled(model: &str) -> Self {
+        let labels = std::collections::HashMap::from([("model".to_owned(), model.to_owned())]);
+        match Registry::new_custom(None, Some(labels)) {
+            Ok(registry) => Self::in_registry(registry),
+            // Only an empty prefix is refused, and none is given.
+            Err(_) => Self::new(),
+        }
+    }
+
+    fn in_registry(registry: Registry) -> Self {
+        let r = Registrar(registry);
         let request = RequestMetrics::new(&r);
         let overhead = Overheads::new(&r);
         let worker = WorkerMetrics::new(&r);
@@ -901,6 +916,29 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The text exposition of several registries' metrics (each model's, labelled by model, and
+/// the ones they share): families of one name, gathered from several registries, merged into
+/// one (one `# HELP` and `# TYPE` each), in name order.
+pub fn render_together(registries: &[&Registry]) -> String {
+    let mut families: std::collections::BTreeMap<String, prometheus::proto::MetricFamily> =
+        std::collections::BTreeMap::new();
+    for registry in registries {
+        for mut family in registry.gather() {
+            match families.get_mut(family.name()) {
+                Some(merged) => merged.mut_metric().extend(family.take_metric()),
+                None => {
+                    families.insert(family.name().to_owned(), family);
+                }
+            }
+        }
+    }
+    let families: Vec<_> = families.into_values().collect();
+    let mut buf = Vec::new();
+    // Encoding into a Vec cannot fail for well-formed metrics.
+    let _ = TextEncoder::new().encode(&families, &mut buf);
+    String::from_utf8(buf).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use kvroute_core::router::WorkerRole;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::app::{App, read_body};
+use crate::app::{App, Stack, read_body};
 use crate::config::{ConfigError, ServeConfig, TokenizerSource};
 use crate::driver::Driver;
 use crate::events::EventFeed;
@@ -84,6 +84,9 @@ pub struct ProxyHandle {
     pub driver: Arc<Driver>,
     /// The workers' one add and remove path.
     pub fleet: Arc<Fleet>,
+    /// Each model's stack, in the configuration's order (`driver`, `fleet` and `planner` are
+    /// the first's; with one model, the only ones).
+    pub models: Vec<ModelHandle>,
     /// The planner's report, shown on `GET /admin/planner` (empty without a planner; see
     /// [`Self::start_planner`]).
     pub planner: Arc<crate::autoscale::Status>,
@@ -101,9 +104,23 @@ impl std::fmt::Debug for ProxyHandle {
     }
 }
 
+/// One model of a running proxy.
+#[derive(Clone, Debug)]
+pub struct ModelHandle {
+    /// Its name.
+    pub name: String,
+    /// Its router driver.
+    pub driver: Arc<Driver>,
+    /// Its workers' add and remove path.
+    pub fleet: Arc<Fleet>,
+    /// Its planner's report (empty without a planner).
+    pub planner: Arc<crate::autoscale::Status>,
+}
+
 impl ProxyHandle {
-    /// Runs `planner` on this proxy's fleet, its decisions carried out by `actuator`, until the
-    /// proxy stops.
+    /// Runs `planner` on this proxy's fleet (with several models, the first's; see
+    /// [`Self::start_planner_for`]), its decisions carried out by `actuator`, until the proxy
+    /// stops.
     pub fn start_planner(
         &mut self,
         planner: kvroute_planner::Planner,
@@ -120,6 +137,39 @@ impl ProxyHandle {
         self.tasks.push(task);
     }
 
+    /// [`Self::start_planner`] on the fleet of the model named `model` (its pools, its
+    /// metrics, its report under `GET /admin/planner`); false if no model has that name.
+    pub fn start_planner_for(
+        &mut self,
+        model: &str,
+        planner: kvroute_planner::Planner,
+        actuator: Arc<dyn crate::autoscale::Actuator>,
+        settings: crate::autoscale::Settings,
+    ) -> bool {
+        let Some(m) = self.models.iter().find(|m| m.name == model) else {
+            return false;
+        };
+        let task = crate::autoscale::start(
+            Arc::clone(&m.fleet),
+            planner,
+            actuator,
+            settings,
+            Arc::clone(&m.planner),
+        );
+        self.tasks.push(task);
+        true
+    }
+
+    /// The model named `model`.
+    pub fn model(&self, model: &str) -> Option<&ModelHandle> {
+        self.models.iter().find(|m| m.name == model)
+    }
+
+    /// The driver of the model named `model`.
+    pub fn driver_of(&self, model: &str) -> Option<&Arc<Driver>> {
+        self.model(model).map(|m| &m.driver)
+    }
+
     /// The base URL, `http://addr`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
@@ -133,8 +183,10 @@ impl ProxyHandle {
     /// Stops the proxy: the listeners, every connection and the background tasks.
     pub fn stop(&self) {
         self.shutdown.stop();
-        self.driver.stop_sync();
-        self.driver.stop_subscribers();
+        for m in &self.models {
+            m.driver.stop_sync();
+            m.driver.stop_subscribers();
+        }
         for t in self.tasks.iter().chain(&self.servers) {
             t.abort();
         }
@@ -169,21 +221,12 @@ impl Drop for ProxyHandle {
 }
 
 /// Starts the proxy: validates `config`, loads the model (`model` overrides the config's
-/// directory), binds, adds the configured workers and starts their event subscribers, health
-/// checks and the router's timers.
+/// directory; with `[[model]]` tables each model loads its own), binds, adds the configured
+/// workers and starts their event subscribers, health checks and the router's timers: one
+/// stack of these per model ([`ServeConfig::stacks`]).
 pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<ProxyHandle, ServeError> {
-    let mut router_config = config.validate()?;
-    // A fresh replica id per run: a restarted replica's request ids start over.
-    router_config.router_id = kvroute_sync::fresh_router_id();
-    let replica = router_config.router_id;
-    let router = Router::new(router_config).map_err(ConfigError::from)?;
-    let model = match model {
-        Some(m) => m,
-        None => Arc::new(match config.tokenizer()? {
-            TokenizerSource::Dir(dir) => Model::load(dir)?,
-            TokenizerSource::BuiltIn => Model::tiny()?,
-        }),
-    };
+    config.validate()?;
+    let several = !config.models.is_empty();
     let bind = |addr| async move {
         net::bind(addr)
             .await
@@ -193,60 +236,118 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
     let (admin_listener, admin_addr) = bind(config.admin_listen_addr()?).await?;
     let timeouts = config.conn_timeouts();
     let client = net::client(ServeConfig::ms(config.upstream.connect_timeout_ms));
-    let workers = config.workers.clone();
-    model.chat_cache().set_limit(config.model.tokenizer_cache_bytes);
-    let driver = Driver::new(router, config, Metrics::new());
-    driver.metrics.register(model.chat_cache().collector());
-    let feed = EventFeed::start(Arc::clone(&driver));
-    let checker = Checker {
-        client: client.clone(),
-        model: Arc::clone(&model),
+    let instance = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    // With several models, the tenants' metrics are no model's.
+    let shared_metrics = several.then(prometheus::Registry::new);
+    let ids = Arc::new(AtomicU64::new(0));
+    let mut built = Vec::new();
+    for stack in config.stacks()? {
+        let mut router_config = stack.validate()?;
+        // A fresh replica id per run: a restarted replica's request ids start over.
+        router_config.router_id = kvroute_sync::fresh_router_id();
+        let replica = router_config.router_id;
+        let router = Router::new(router_config).map_err(ConfigError::from)?;
+        let model = match (&model, several) {
+            (Some(m), false) => Arc::clone(m),
+            _ => Arc::new(match stack.tokenizer()? {
+                TokenizerSource::Dir(dir) => Model::load(dir)?,
+                TokenizerSource::BuiltIn => Model::tiny()?,
+            }),
+        };
+        model.chat_cache().set_limit(stack.model.tokenizer_cache_bytes);
+        let metrics = match several {
+            true => Metrics::labelled(&stack.model.model_name),
+            false => Metrics::new(),
+        };
+        let driver = Driver::numbering_from(router, stack, metrics, Arc::clone(&ids));
+        driver.metrics.register(model.chat_cache().collector());
+        let feed = EventFeed::start(Arc::clone(&driver));
+        let checker = Checker {
+            client: client.clone(),
+            model: Arc::clone(&model),
+        };
+        let fleet = Arc::new(Fleet::new(Arc::clone(&driver), feed, checker));
+        built.push((driver, model, fleet, replica));
+    }
+    let Some((driver, _, fleet, _)) = built.first() else {
+        return Err(ConfigError::Invalid {
+            field: "model".to_owned(),
+            message: "no model to serve".to_owned(),
+        }
+        .into());
     };
-    let fleet = Arc::new(Fleet::new(Arc::clone(&driver), feed, checker));
-    let tenants = Arc::new(Tenants::new(&driver.config.tenants, &driver.metrics));
-    let forwarder = Arc::new(Forwarder {
-        driver: Arc::clone(&driver),
-        client: client.clone(),
-        tenants: Arc::clone(&tenants),
-        instance: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
+    let (driver, fleet) = (Arc::clone(driver), Arc::clone(fleet));
+    let tenants = Arc::new(match &shared_metrics {
+        Some(registry) => Tenants::registered_in(&config.tenants, registry),
+        None => Tenants::new(&config.tenants, &driver.metrics),
     });
-    let planner = Arc::new(crate::autoscale::Status::default());
+    let mut stacks = Vec::new();
+    let mut replicas = Vec::new();
+    for (driver, model, fleet, replica) in built {
+        let forwarder = Arc::new(Forwarder {
+            driver: Arc::clone(&driver),
+            client: client.clone(),
+            tenants: Arc::clone(&tenants),
+            instance,
+        });
+        replicas.push(replica);
+        stacks.push(Stack {
+            driver,
+            model,
+            forwarder,
+            fleet,
+            planner: Arc::default(),
+        });
+    }
     let app = Arc::new(App {
-        planner: Arc::clone(&planner),
         driver: Arc::clone(&driver),
-        model,
-        forwarder: Arc::clone(&forwarder),
+        stacks,
         tenants,
-        fleet: Arc::clone(&fleet),
+        shared_metrics,
         admin: tokio::sync::Mutex::new(()),
-        request_id_prefix: format!("kvr-{:x}-", forwarder.instance),
+        request_id_prefix: format!("kvr-{instance:x}-"),
         next_request_id: AtomicU64::new(0),
     });
-    for w in workers {
-        fleet.add(w).map_err(ServeError::Worker)?;
+    for stack in &app.stacks {
+        for w in stack.driver.config.workers.clone() {
+            stack.fleet.add(w).map_err(ServeError::Worker)?;
+        }
+    }
+    // Workers that name no model, with several: each joins the model its `/v1/models` lists.
+    for w in config.unpinned_workers() {
+        let stack = app.stack_for_worker(&w).await.map_err(ServeError::Worker)?;
+        stack.fleet.add(w).map_err(ServeError::Worker)?;
     }
     // Join the replicas (with `nats`) before serving: the first request sees their load.
-    crate::replicas::start(&fleet, replica)
-        .await
-        .map_err(ServeError::Sync)?;
+    for (stack, replica) in app.stacks.iter().zip(replicas) {
+        crate::replicas::start(&stack.fleet, replica)
+            .await
+            .map_err(ServeError::Sync)?;
+    }
     let shutdown = Shutdown::new();
     let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(ticker(Arc::clone(&driver))));
-    // Workers found rather than listed, once the listed ones and the peers' are in.
+    for stack in &app.stacks {
+        tasks.push(tokio::spawn(ticker(Arc::clone(&stack.driver))));
+    }
+    // Workers found rather than listed, once the listed ones and the peers' are in; each
+    // joins its model's fleet.
     if let Some(spec) = driver.config.discovery()? {
-        tasks.extend(crate::discovery::start(&fleet, &spec).map_err(ServeError::Discovery)?);
+        let fleets: Vec<Arc<Fleet>> = app.stacks.iter().map(|s| Arc::clone(&s.fleet)).collect();
+        tasks.extend(crate::discovery::start(&fleets, &spec).map_err(ServeError::Discovery)?);
     }
     if driver.config.upstream.health_interval_ms > 0 {
-        tasks.push(tokio::spawn(crate::health::run(
-            Arc::clone(&driver),
-            fleet.checker().clone(),
-        )));
-        tasks.push(tokio::spawn(crate::adapters::run(
-            Arc::clone(&driver),
-            fleet.checker().client.clone(),
-        )));
+        for stack in &app.stacks {
+            tasks.push(tokio::spawn(crate::health::run(
+                Arc::clone(&stack.driver),
+                stack.fleet.checker().clone(),
+            )));
+            tasks.push(tokio::spawn(crate::adapters::run(
+                Arc::clone(&stack.driver),
+                stack.fleet.checker().client.clone(),
+            )));
+        }
     }
     let mut inference = axum::Router::new()
         .route("/v1/completions", post(completions))
@@ -277,11 +378,23 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
         )),
     ];
     tracing::info!(%addr, %admin_addr, "listening (admin API on its own listener)");
+    let models: Vec<ModelHandle> = app
+        .stacks
+        .iter()
+        .map(|s| ModelHandle {
+            name: s.name().to_owned(),
+            driver: Arc::clone(&s.driver),
+            fleet: Arc::clone(&s.fleet),
+            planner: Arc::clone(&s.planner),
+        })
+        .collect();
+    let planner = Arc::clone(&app.first().planner);
     Ok(ProxyHandle {
         addr,
         admin_addr,
         driver,
         fleet,
+        models,
         planner,
         shutdown,
         servers,
@@ -420,7 +533,7 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
         kind: RequestKind::Unary,
         answered: false,
     };
-    let mut response = match handle(app, endpoint, req, &mut unanswered.kind).await {
+    let mut response = match handle(app, endpoint, req, &mut unanswered).await {
         Outcome::Answered(response) => {
             unanswered.answered = true;
             response
@@ -440,7 +553,22 @@ async fn generate(app: &Arc<App>, endpoint: Endpoint, req: Request) -> Response 
     response
 }
 
-async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mut RequestKind) -> Outcome {
+/// The model a body names, read without parsing the rest (`None` for a body that is no JSON
+/// object or names none: the parse that follows says what is wrong).
+fn named_model(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<Named>(body).ok()?.model
+}
+
+async fn handle<'a>(
+    app: &'a Arc<App>,
+    endpoint: Endpoint,
+    req: Request,
+    unanswered: &mut Unanswered<'a>,
+) -> Outcome {
     let t0 = Instant::now();
     let config = &app.driver.config;
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
@@ -456,7 +584,20 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         Ok(body) => body,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
-    let parsed = match openai::parse(endpoint, &body, &app.model, config.limits.max_prompt_tokens) {
+    // With several models, the one the body names (or its adapter's) serves it, tokenizes it
+    // and counts it; none named, the first.
+    let stack = match &app.stacks[..] {
+        [only] => only,
+        stacks => match named_model(&body) {
+            None => &stacks[0],
+            Some(name) => match app.stack_serving(&name) {
+                Some(stack) => stack,
+                None => return Outcome::Failed(RequestKind::Unary, model_not_found(&name)),
+            },
+        },
+    };
+    unanswered.metrics = &stack.driver.metrics;
+    let mut parsed = match openai::parse(endpoint, &body, &stack.model, config.limits.max_prompt_tokens) {
         Ok(parsed) => parsed,
         Err(e) => return Outcome::Failed(RequestKind::Unary, e),
     };
@@ -465,14 +606,15 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     } else {
         RequestKind::Unary
     };
-    *kind_seen = kind;
+    unanswered.kind = kind;
     if let Some(model) = &parsed.model
-        && *model != config.model.model_name
-        && !app.driver.serves_adapter(model)
+        && *model != stack.name()
+        && !stack.driver.serves_adapter(model)
     {
         return Outcome::Failed(kind, model_not_found(model));
     }
-    app.driver
+    stack
+        .driver
         .metrics
         .overhead_tokenize
         .observe(t0.elapsed().as_secs_f64() * 1e3);
@@ -484,10 +626,14 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
     if let Err(e) = app.tenants.admit(&class, asked) {
         return Outcome::Failed(kind, e);
     }
-    let body = match app.tenants.engine_body(&class, &parsed, body) {
+    // The salt the engine hashes by, which the router hashes by too: the tenant's namespace
+    // joined to the client's.
+    let salt = app.tenants.cache_salt(&class, parsed.cache_salt.as_deref());
+    let body = match app.tenants.engine_body(&class, &parsed, salt.as_deref(), body) {
         Ok(body) => body,
         Err(e) => return Outcome::Failed(kind, e),
     };
+    parsed.cache_salt = salt;
     let shape = match parsed.stream {
         false => Shape::Unary,
         true => Shape::Stream {
@@ -512,7 +658,7 @@ async fn handle(app: &Arc<App>, endpoint: Endpoint, req: Request, kind_seen: &mu
         session,
         class,
     };
-    match app.forwarder.forward(&generation, t0).await {
+    match stack.forwarder.forward(&generation, t0).await {
         Ok(response) => Outcome::Answered(response),
         Err(e) => Outcome::Failed(kind, e),
     }
@@ -528,13 +674,24 @@ fn model_not_found(model: &str) -> ApiError {
     )
 }
 
+/// Every model's list, one after another: each model, then its adapters.
+fn model_list(app: &App) -> kvroute_http::openai::types::ModelList {
+    let mut stacks = app.stacks.iter();
+    let mut list = crate::adapters::model_list(&app.first().driver);
+    stacks.next();
+    for stack in stacks {
+        list.data.extend(crate::adapters::model_list(&stack.driver).data);
+    }
+    list
+}
+
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(crate::adapters::model_list(&app.driver)).into_response()
+    axum::Json(model_list(&app)).into_response()
 }
 
 /// `GET /v1/models/{id}`: the model object, or OpenAI's 404.
 async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    let list = crate::adapters::model_list(&app.driver);
+    let list = model_list(&app);
     match list.data.into_iter().find(|card| card.id == id) {
         Some(card) => axum::Json(card).into_response(),
         None => model_not_found(&id).into_response(),
@@ -542,12 +699,13 @@ async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
-    // Healthy when a request can be served: some worker in routing decodes.
-    let serving = app
-        .driver
-        .worker_statuses()
-        .iter()
-        .any(|w| w.routable && w.config.role() != WorkerRole::Prefill);
+    // Healthy when a request can be served: some worker in routing decodes (of any model).
+    let serving = app.stacks.iter().any(|s| {
+        s.driver
+            .worker_statuses()
+            .iter()
+            .any(|w| w.routable && w.config.role() != WorkerRole::Prefill)
+    });
     // With replica sync, whether the peers are heard (routing goes on either way).
     let sync = app.driver.sync_link().map(kvroute_sync::LinkState::name);
     // With `when-empty = queue` requests wait for a worker (a fleet scaled to zero starts one):
@@ -574,11 +732,31 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    app.driver.snapshot();
-    app.tenants
-        .refresh(&app.driver.queued_per_tenant(), &app.driver.fair_counters());
-    crate::autoscale::removal::refresh_gauges(&app.driver);
-    let mut response = app.driver.metrics.render().into_response();
+    let mut queued = std::collections::BTreeMap::new();
+    let mut counters = std::collections::BTreeMap::new();
+    for stack in &app.stacks {
+        stack.driver.snapshot();
+        crate::autoscale::removal::refresh_gauges(&stack.driver);
+        for (t, n) in stack.driver.queued_per_tenant() {
+            *queued.entry(t).or_insert(0) += n;
+        }
+        for (t, c) in stack.driver.fair_counters() {
+            *counters.entry(t).or_insert(0.0) += c;
+        }
+    }
+    let queued: Vec<_> = queued.into_iter().collect();
+    let counters: Vec<_> = counters.into_iter().collect();
+    app.tenants.refresh(&queued, &counters);
+    let text = match &app.shared_metrics {
+        None => app.driver.metrics.render(),
+        Some(shared) => {
+            let registries: Vec<&prometheus::Registry> = std::iter::once(shared)
+                .chain(app.stacks.iter().map(|s| s.driver.metrics.registry()))
+                .collect();
+            crate::metrics::render_together(&registries)
+        }
+    };
+    let mut response = text.into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

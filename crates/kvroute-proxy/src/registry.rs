@@ -146,17 +146,24 @@ pub struct Registry {
     /// driver asks after them at the end of every request, which must not cost a scan of the
     /// fleet.
     draining: BTreeSet<WorkerId>,
-    next: u64,
+    /// The next id, shared by the registries of one process (one per model), so that an id
+    /// names one worker in the whole proxy.
+    next: Arc<std::sync::atomic::AtomicU64>,
     policy: HealthPolicy,
 }
 
 impl Registry {
     /// An empty registry whose health streaks follow `policy`.
     pub fn new(policy: HealthPolicy) -> Self {
+        Self::numbering_from(policy, Arc::default())
+    }
+
+    /// [`Self::new`], taking its ids from `next` (shared with other registries).
+    pub fn numbering_from(policy: HealthPolicy, next: Arc<std::sync::atomic::AtomicU64>) -> Self {
         Self {
             workers: BTreeMap::new(),
             draining: BTreeSet::new(),
-            next: 0,
+            next,
             policy,
         }
     }
@@ -164,8 +171,7 @@ impl Registry {
     /// Registers a worker in state [`WorkerState::ADDED`] (not yet in the router: the driver
     /// puts it there) and returns its id.
     pub fn add(&mut self, config: WorkerConfig) -> WorkerId {
-        let id = WorkerId(self.next);
-        self.next += 1;
+        let id = WorkerId(self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let base = config.url.trim_end_matches('/').to_owned();
         self.workers.insert(
             id,

@@ -163,17 +163,22 @@ struct TenantMetrics {
 }
 
 impl TenantMetrics {
-    fn new(metrics: &Metrics) -> Self {
+    fn new(registry: &prometheus::Registry) -> Self {
+        let register = |c: Box<dyn prometheus::core::Collector>| {
+            if let Err(e) = registry.register(c) {
+                tracing::warn!(error = %e, "a tenant metric was not registered");
+            }
+        };
         let counters = |name: &str, help: &str, labels: &[&str]| {
             let c =
                 IntCounterVec::new(Opts::new(name, help), labels).expect("static metric options are valid");
-            metrics.register(Box::new(c.clone()));
+            register(Box::new(c.clone()));
             c
         };
         let gauges = |name: &str, help: &str| {
             let g =
                 GaugeVec::new(Opts::new(name, help), &["tenant"]).expect("static metric options are valid");
-            metrics.register(Box::new(g.clone()));
+            register(Box::new(g.clone()));
             g
         };
         let queue_wait = HistogramVec::new(
@@ -187,7 +192,7 @@ impl TenantMetrics {
             &["tenant", "priority"],
         )
         .expect("static metric options are valid");
-        metrics.register(Box::new(queue_wait.clone()));
+        register(Box::new(queue_wait.clone()));
         Self {
             requests: counters(
                 "kvroute_tenant_requests_total",
@@ -235,6 +240,12 @@ pub struct Tenants {
 impl Tenants {
     /// The tenants of a validated `config`, their metrics registered in `metrics`.
     pub fn new(config: &TenantsConfig, metrics: &Metrics) -> Self {
+        Self::registered_in(config, metrics.registry())
+    }
+
+    /// [`Self::new`], the metrics registered in `registry` (with several models, the one the
+    /// models share: a tenant's series are not a model's).
+    pub fn registered_in(config: &TenantsConfig, registry: &prometheus::Registry) -> Self {
         let mut by_key = HashMap::new();
         let mut by_value = HashMap::new();
         for (i, t) in config.tenants.iter().enumerate() {
@@ -250,7 +261,7 @@ impl Tenants {
             priority_header: header(&config.priority_header),
             limits: Mutex::new(config.tenants.iter().map(Limits::new).collect()),
             epoch: Instant::now(),
-            metrics: TenantMetrics::new(metrics),
+            metrics: TenantMetrics::new(registry),
             config: config.clone(),
         }
     }
@@ -364,26 +375,48 @@ impl Tenants {
         }
     }
 
+    /// The `cache_salt` a request of `class` carrying `client` goes with
+    /// ([`TenantsConfig::cache_salt`]: its tenant's namespace joined to the client's salt).
+    pub fn cache_salt(&self, class: &Class, client: Option<&str>) -> Option<String> {
+        self.config.cache_salt(class.tenant, client)
+    }
+
     /// The engine's body for a request of `class`: `body` with `priority` set (with
     /// `forward-priority`, when the body has none and the class's is not 0) or taken out
-    /// (without it, when the body has one); unchanged otherwise.
-    pub fn engine_body(&self, class: &Class, parsed: &Parsed, body: Bytes) -> Result<Bytes, ApiError> {
+    /// (without it, when the body has one), and `cache_salt` set to `salt` (the request's
+    /// [`Self::cache_salt`]) when that is not the body's; unchanged otherwise.
+    pub fn engine_body(
+        &self,
+        class: &Class,
+        parsed: &Parsed,
+        salt: Option<&str>,
+        body: Bytes,
+    ) -> Result<Bytes, ApiError> {
         let change = match (self.config.forward_priority, parsed.priority) {
             (true, None) if class.priority != 0 => Some(Some(class.priority)),
             (false, Some(_)) => Some(None),
             _ => None,
         };
-        let Some(priority) = change else {
+        let salt = salt.filter(|s| Some(*s) != parsed.cache_salt.as_deref());
+        if change.is_none() && salt.is_none() {
             return Ok(body);
-        };
+        }
         let mut obj = match serde_json::from_slice(&body) {
             Ok(Value::Object(obj)) => obj,
             _ => return Err(ApiError::bad_request("body", "the body must be a JSON object")),
         };
-        match priority {
-            Some(p) => obj.insert("priority".to_owned(), Value::from(p)),
-            None => obj.remove("priority"),
-        };
+        match change {
+            Some(Some(p)) => {
+                obj.insert("priority".to_owned(), Value::from(p));
+            }
+            Some(None) => {
+                obj.remove("priority");
+            }
+            None => {}
+        }
+        if let Some(salt) = salt {
+            obj.insert("cache_salt".to_owned(), Value::from(salt));
+        }
         serde_json::to_vec(&obj)
             .map(Bytes::from)
             .map_err(|_| ApiError::bad_request("body", "the body must be a JSON object"))
@@ -431,6 +464,7 @@ mod tests {
             requests_per_interval: Some(2),
             tokens_per_interval: Some(100),
             interval_ms: 1000,
+            cache_namespace: None,
         };
         let mut limits = Limits::new(&tenant);
         assert_eq!(limits.admit(at(0), 80), Ok(()));
@@ -470,6 +504,7 @@ mod tests {
                 requests_per_interval: None,
                 tokens_per_interval: None,
                 interval_ms: 1000,
+                cache_namespace: None,
             }],
         };
         Tenants::new(&config, &Metrics::new())
@@ -538,20 +573,30 @@ mod tests {
         let with = r#"{"prompt": "hi", "priority": -1}"#;
         let body = |s: &str| Bytes::from(s.to_owned());
         let forwarded = tenants(true)
-            .engine_body(&high, &parsed(plain), body(plain))
+            .engine_body(&high, &parsed(plain), None, body(plain))
             .unwrap();
         assert_eq!(field(&forwarded), Some(Value::from(-1)));
         let kept = tenants(true)
-            .engine_body(&high, &parsed(with), body(with))
+            .engine_body(&high, &parsed(with), None, body(with))
             .unwrap();
         assert_eq!(kept, body(with));
         let stripped = tenants(false)
-            .engine_body(&high, &parsed(with), body(with))
+            .engine_body(&high, &parsed(with), None, body(with))
             .unwrap();
         assert_eq!(field(&stripped), None);
         let untouched = tenants(false)
-            .engine_body(&high, &parsed(plain), body(plain))
+            .engine_body(&high, &parsed(plain), None, body(plain))
             .unwrap();
         assert_eq!(untouched, body(plain));
+        let salted = tenants(false)
+            .engine_body(&high, &parsed(plain), Some("acme"), body(plain))
+            .unwrap();
+        let salt = serde_json::from_slice::<Value>(&salted).unwrap()["cache_salt"].clone();
+        assert_eq!(salt, Value::from("acme"));
+        let same = r#"{"prompt": "hi", "cache_salt": "acme"}"#;
+        let kept = tenants(false)
+            .engine_body(&high, &parsed(same), Some("acme"), body(same))
+            .unwrap();
+        assert_eq!(kept, body(same));
     }
 }

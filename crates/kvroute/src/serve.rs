@@ -30,9 +30,10 @@ pub struct ServeArgs {
     pub options: ServeOptions,
     /// Run the SLA planner on this proxy's fleet: a planner file (`[planner]`, `[engine]`,
     /// `[actuator]`, `[drain]`; the file `kvroute replay --planner` takes), its decisions carried
-    /// out by its `[actuator]` (process, external or dry-run).
+    /// out by its `[actuator]` (process, external or dry-run). With `[[model]]` tables,
+    /// `MODEL=FILE`, once per model to plan: each model's fleet its own planner.
     #[arg(long, value_name = "FILE")]
-    pub planner: Option<PathBuf>,
+    pub planner: Vec<String>,
 }
 
 /// The configuration of `kvroute serve`: every option is a flag and a key of the `--config`
@@ -71,16 +72,23 @@ pub struct ServeOptions {
     pub drain_timeout_ms: Option<u64>,
     /// A worker: `URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,block-size=N]
     /// [,engine=vllm|sglang][,role=agg|prefill|decode][,capacity=BLOCKS][,max-requests=N]
-    /// [,bootstrap-port=N][,api-key=K][,reannounce=auto|off]` (`engine`: how a request names its
+    /// [,bootstrap-port=N][,api-key=K][,reannounce=auto|off][,model=NAME]` (`engine`: how a request names its
     /// data-parallel rank; `bootstrap-port`: a prefill worker's SGLang bootstrap port; `api-key`:
     /// the engine's `--api-key`, sent on every call to it; `reannounce`: whether a vLLM engine is
-    /// asked to re-announce reused blocks while its view is rebuilt). Repeat for several;
+    /// asked to re-announce reused blocks while its view is rebuilt; `model`: which `[[model]]`
+    /// it serves, else the one its `/v1/models` lists). Repeat for several;
     /// replaces the file's `[[worker]]` tables, whose keys are the same.
     #[arg(long, value_parser = parse_worker)]
     pub worker: Option<Vec<WorkerConfig>>,
     /// Model name served. Default `tiny`.
     #[arg(long)]
     pub model_name: Option<String>,
+    /// Several models: `[[model]]` tables of the file (name, model-dir or
+    /// approximate-tokenizer, block-size, policy, `[[model.worker]]` tables), each with its own
+    /// router, tokenizer and workers; not with --model-name, --model-dir,
+    /// --approximate-tokenizer or --block-size, which are one model's.
+    #[arg(skip)]
+    pub model: Option<Vec<kvroute_proxy::config::ModelTable>>,
     /// Local model directory (`tokenizer.json`, `tokenizer_config.json`): the engines'
     /// tokenizer. Required unless --approximate-tokenizer.
     #[arg(long)]
@@ -315,7 +323,10 @@ impl ServeArgs {
             other => other.into(),
         };
         config.validate().map_err(flagged)?;
-        config.tokenizer().map_err(flagged)?;
+        // Each model's tokenizer (with [[model]] tables, `validate` checked theirs).
+        if config.models.is_empty() {
+            config.tokenizer().map_err(flagged)?;
+        }
         Ok(config)
     }
 }
@@ -371,32 +382,33 @@ pub fn init_logging_as(format: LogFormat) {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let format = args.log_format;
     let config = args.to_config()?;
-    let plan = match &args.planner {
-        Some(path) => {
-            let plan = crate::plan::PlanFile::read(path)?;
-            let Some(actuator) = plan.actuator.clone() else {
-                bail!(
-                    "--planner {}: serve needs an [actuator] table (kind = \"process\", \"external\" or \"dry-run\")",
-                    path.display()
-                );
-            };
-            Some((plan, actuator))
-        }
-        None => None,
-    };
+    let plans = plans(&config, &args.planner)?;
     let drain = std::time::Duration::from_millis(config.server.drain_timeout_ms);
     runtime(config.server.threads)?.block_on(async move {
         let stop = stop_signal()?;
         let mut proxy = kvroute_proxy::start(config, None).await?;
-        if let Some((plan, actuator)) = plan {
-            let actuator = kvroute_proxy::autoscale::actuator::build(&actuator, Arc::clone(&proxy.fleet))?;
-            let planner = plan.live_planner(proxy.driver.timestamp())?;
+        for (model, plan, actuator) in plans {
+            let Some(m) = proxy.models.iter().find(|m| model.as_ref().is_none_or(|n| *n == m.name)) else {
+                bail!("--planner: no model {model:?}");
+            };
+            let (fleet, start) = (Arc::clone(&m.fleet), m.driver.timestamp());
+            let actuator = kvroute_proxy::autoscale::actuator::build(&actuator, fleet)?;
+            let planner = plan.live_planner(start)?;
             let settings = kvroute_proxy::autoscale::Settings {
                 drain_timeout: plan.drain.timeout()?,
                 ..Default::default()
             };
-            proxy.start_planner(planner, actuator, settings);
-            say(format, "kvroute serve: the planner runs (GET /admin/planner shows its decisions)");
+            match &model {
+                None => proxy.start_planner(planner, actuator, settings),
+                Some(name) => {
+                    proxy.start_planner_for(name, planner, actuator, settings);
+                }
+            }
+            let of = model.map(|m| format!(" of model {m}")).unwrap_or_default();
+            say(
+                format,
+                &format!("kvroute serve: the planner{of} runs (GET /admin/planner shows its decisions)"),
+            );
         }
         let (url, admin_url) = (proxy.url(), proxy.admin_url());
         match format {
@@ -408,7 +420,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ),
         }
         let discovering = matches!(proxy.driver.config.discovery(), Ok(Some(_)));
-        if proxy.driver.worker_urls().is_empty() && !discovering {
+        let no_workers = proxy.models.iter().all(|m| m.driver.worker_urls().is_empty());
+        if no_workers && !discovering {
             say(
                 format,
                 &format!(
@@ -431,6 +444,53 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+/// The planners `--planner` asks for, read and checked before anything starts: one `FILE` for
+/// the one model, or with `[[model]]` tables a `MODEL=FILE` per model planned (the model's name
+/// with each, `None` for the one model); each file needs an `[actuator]`.
+type Plan = (
+    Option<String>,
+    crate::plan::PlanFile,
+    kvroute_proxy::autoscale::actuator::ActuatorConfig,
+);
+
+fn plans(config: &kvroute_proxy::ServeConfig, flags: &[String]) -> anyhow::Result<Vec<Plan>> {
+    let mut plans: Vec<Plan> = Vec::new();
+    for flag in flags {
+        let (model, path) = match (config.models.is_empty(), flag.split_once('=')) {
+            (true, _) => {
+                ensure!(
+                    plans.is_empty(),
+                    "--planner {flag}: one planner file for one model (several models are \
+                     [[model]] tables, each planned by a --planner MODEL=FILE)"
+                );
+                (None, flag.as_str())
+            }
+            (false, Some((model, path))) => {
+                ensure!(
+                    config.models.iter().any(|m| m.name == model),
+                    "--planner {flag}: {model:?} is none of the [[model]] tables' names"
+                );
+                ensure!(
+                    !plans.iter().any(|(m, _, _)| m.as_deref() == Some(model)),
+                    "--planner {flag}: model {model:?} has a planner already"
+                );
+                (Some(model.to_owned()), path)
+            }
+            (false, None) => bail!(
+                "--planner {flag}: with [[model]] tables, name the model it plans: --planner MODEL=FILE"
+            ),
+        };
+        let plan = crate::plan::PlanFile::read(std::path::Path::new(path))?;
+        let Some(actuator) = plan.actuator.clone() else {
+            bail!(
+                "--planner {path}: serve needs an [actuator] table (kind = \"process\", \"external\" or \"dry-run\")"
+            );
+        };
+        plans.push((model, plan, actuator));
+    }
+    Ok(plans)
 }
 
 /// Listens for SIGTERM from now on (so that one sent as soon as the proxy says it listens is
@@ -728,4 +788,55 @@ pub fn mock(args: MockArgs) -> anyhow::Result<()> {
         drop(workers);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One `FILE` plans the one model; with `[[model]]` tables each `--planner` names its model,
+    /// once, among the tables'; a bad flag is refused before any file is read.
+    #[test]
+    fn planner_flags_name_their_models_with_several() {
+        let dir = std::env::temp_dir().join(format!("kvroute-serve-plans-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("plan.toml");
+        std::fs::write(
+            &file,
+            "[planner]\nmode = \"agg\"\nmax_gpu_budget = 2\n[planner.sla]\nttft_ms = 500\nitl_ms = 20\n\
+             [actuator]\nkind = \"dry-run\"\n",
+        )
+        .unwrap();
+        let path = file.display().to_string();
+        let one = ServeConfig::default();
+        let several = ServeConfig::from_toml_str(
+            "[[model]]\nname = \"a\"\napproximate-tokenizer = true\n\
+             [[model]]\nname = \"b\"\napproximate-tokenizer = true\n",
+        )
+        .unwrap();
+        let models = |config: &ServeConfig, flags: &[String]| -> Result<Vec<Option<String>>, String> {
+            plans(config, flags)
+                .map(|p| p.into_iter().map(|(m, _, _)| m).collect())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(models(&one, std::slice::from_ref(&path)), Ok(vec![None]));
+        assert_eq!(
+            models(&several, &[format!("b={path}"), format!("a={path}")]),
+            Ok(vec![Some("b".to_owned()), Some("a".to_owned())])
+        );
+        for (config, flags, says) in [
+            (&one, vec![path.clone(), path.clone()], "one planner file"),
+            (&several, vec![path.clone()], "name the model"),
+            (&several, vec![format!("c={path}")], "none of the [[model]]"),
+            (
+                &several,
+                vec![format!("a={path}"), format!("a={path}")],
+                "has a planner already",
+            ),
+        ] {
+            let e = models(config, &flags).unwrap_err();
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

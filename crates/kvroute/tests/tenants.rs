@@ -50,6 +50,7 @@ fn tenant(name: &str, weight: u32) -> TenantConfig {
         requests_per_interval: None,
         tokens_per_interval: None,
         interval_ms: 60_000,
+        cache_namespace: None,
     }
 }
 

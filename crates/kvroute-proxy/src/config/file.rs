@@ -21,14 +21,17 @@ pub(super) struct ServeFile {
     drain_timeout_ms: u64,
     debug_headers: bool,
     threads: usize,
-    // ServeConfig::model
-    model_name: String,
+    // ServeConfig::model (the single-model keys: None when unset, as `[[model]]` tables
+    // refuse them)
+    model_name: Option<String>,
     model_dir: Option<PathBuf>,
-    approximate_tokenizer: bool,
+    approximate_tokenizer: Option<bool>,
     tokenizer_cache_bytes: usize,
+    #[serde(rename = "model")]
+    models: Vec<ModelTable>,
     // ServeConfig::routing
     policy: String,
-    block_size: u32,
+    block_size: Option<u32>,
     seed: u64,
     decider: String,
     disagg_protocol: EngineKind,
@@ -91,13 +94,21 @@ pub(super) struct ServeFile {
 }
 
 impl Default for ServeFile {
+    /// The defaults, the single-model keys unset (a file with `[[model]]` tables has none).
     fn default() -> Self {
-        ServeConfig::default().into()
+        let mut file: Self = ServeConfig::default().into();
+        file.model_name = None;
+        file.model_dir = None;
+        file.approximate_tokenizer = None;
+        file.block_size = None;
+        file
     }
 }
 
-impl From<ServeFile> for ServeConfig {
-    fn from(file: ServeFile) -> Self {
+impl TryFrom<ServeFile> for ServeConfig {
+    type Error = ConfigError;
+
+    fn try_from(file: ServeFile) -> Result<Self, ConfigError> {
         let ServeFile {
             listen,
             admin_listen,
@@ -136,6 +147,7 @@ impl From<ServeFile> for ServeConfig {
             session_idle_timeout_ms,
             max_sessions,
             tokenizer_cache_bytes,
+            models,
             nats,
             nats_subject_prefix,
             nats_heartbeat_ms,
@@ -165,7 +177,27 @@ impl From<ServeFile> for ServeConfig {
             forward_priority,
             tenants,
         } = file;
-        Self {
+        if !models.is_empty() {
+            let flat: Vec<&str> = [
+                ("model-name", model_name.is_some()),
+                ("model-dir", model_dir.is_some()),
+                ("approximate-tokenizer", approximate_tokenizer.is_some()),
+                ("block-size", block_size.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(key, set)| set.then_some(key))
+            .collect();
+            if !flat.is_empty() {
+                return Err(invalid(
+                    flat.join("/"),
+                    "the single-model keys cannot be mixed with [[model]] tables: give each \
+                     model's name, model-dir or approximate-tokenizer and block-size in its table",
+                ));
+            }
+        }
+        let model = ModelConfig::default();
+        let block_size = block_size.unwrap_or(RoutingConfig::default().block_size);
+        Ok(Self {
             server: ServerConfig {
                 listen,
                 admin_listen,
@@ -179,11 +211,12 @@ impl From<ServeFile> for ServeConfig {
                 threads,
             },
             model: ModelConfig {
-                model_name,
+                model_name: model_name.unwrap_or(model.model_name),
                 model_dir,
-                approximate_tokenizer,
+                approximate_tokenizer: approximate_tokenizer.unwrap_or(model.approximate_tokenizer),
                 tokenizer_cache_bytes,
             },
+            models,
             routing: RoutingConfig {
                 policy,
                 block_size,
@@ -247,7 +280,7 @@ impl From<ServeFile> for ServeConfig {
                 forward_priority,
                 tenants,
             },
-        }
+        })
     }
 }
 
@@ -274,6 +307,7 @@ impl From<ServeConfig> for ServeFile {
                     approximate_tokenizer,
                     tokenizer_cache_bytes,
                 },
+            models,
             routing:
                 RoutingConfig {
                     policy,
@@ -344,6 +378,13 @@ impl From<ServeConfig> for ServeFile {
                     tenants,
                 },
         } = config;
+        // With `[[model]]` tables the single-model keys are each table's.
+        let single = models.is_empty();
+        let (model_name, approximate_tokenizer, block_size) = match single {
+            true => (Some(model_name), Some(approximate_tokenizer), Some(block_size)),
+            false => (None, None, None),
+        };
+        let model_dir = model_dir.filter(|_| single);
         Self {
             listen,
             admin_listen,
@@ -382,6 +423,7 @@ impl From<ServeConfig> for ServeFile {
             session_idle_timeout_ms,
             max_sessions,
             tokenizer_cache_bytes,
+            models,
             nats,
             nats_subject_prefix,
             nats_heartbeat_ms,

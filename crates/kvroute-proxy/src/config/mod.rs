@@ -43,6 +43,24 @@ pub enum ConfigError {
     Parse(String),
 }
 
+/// `e`, the error of model `name`'s configuration, naming the model.
+fn within(name: &str, e: ConfigError) -> ConfigError {
+    match e {
+        ConfigError::Invalid { field, message } => invalid(format!("model {name:?}: {field}"), message),
+        other => invalid(format!("model {name:?}"), other.to_string()),
+    }
+}
+
+/// `name` as one NATS subject token: letters, digits, `-` and `_` kept, anything else `_`.
+fn subject_token(name: &str) -> String {
+    name.chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '_' => c,
+            _ => '_',
+        })
+        .collect()
+}
+
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -66,12 +84,16 @@ pub enum TokenizerSource<'a> {
 /// `nats-heartbeat-ms`, `[[worker]]`): each key is the field of the same name in its group.
 /// Unknown keys are refused.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
-#[serde(from = "ServeFile", into = "ServeFile")]
+#[serde(try_from = "ServeFile", into = "ServeFile")]
 pub struct ServeConfig {
     /// Listeners, client connections and the inference API's keys.
     pub server: ServerConfig,
-    /// The model served and its tokenizer.
+    /// The model served and its tokenizer (with [`Self::models`], only its
+    /// `tokenizer_cache_bytes`, each model's own).
     pub model: ModelConfig,
+    /// Several models (`[[model]]` tables), each with its tokenizer, block size, policy and
+    /// workers; empty: the one model of [`Self::model`]. See [`Self::stacks`].
+    pub models: Vec<ModelTable>,
     /// The router: policy, cache view, decider, queue and busy threshold, view bounds.
     pub routing: RoutingConfig,
     /// The largest request accepted.
@@ -152,7 +174,8 @@ pub struct ModelConfig {
     /// tokenizer.
     pub approximate_tokenizer: bool,
     /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
-    /// a follow-up turn tokenizes only its new text); 0 turns it off. Default 256 MiB.
+    /// a follow-up turn tokenizes only its new text; with several models, each model's); 0 turns
+    /// it off. Default 256 MiB.
     pub tokenizer_cache_bytes: usize,
 }
 
@@ -165,6 +188,35 @@ impl Default for ModelConfig {
             tokenizer_cache_bytes: 256 << 20,
         }
     }
+}
+
+/// One of several models the proxy serves (a `[[model]]` table): a router, fleet and
+/// tokenizer of its own ([`ServeConfig::stacks`]).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ModelTable {
+    /// Its name, as requests and workers' `/v1/models` name it.
+    pub name: String,
+    /// Its tokenizer's directory (as `model-dir`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_dir: Option<PathBuf>,
+    /// Without `model-dir`, the built-in tiny tokenizer (as `approximate-tokenizer`).
+    #[serde(default)]
+    pub approximate_tokenizer: bool,
+    /// Tokens per KV block of its engines. Default 16.
+    #[serde(default = "sixteen")]
+    pub block_size: u32,
+    /// Its routing policy. Default: the file's `policy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    /// Its workers (`[[model.worker]]` tables); `[[worker]]` tables with `model = NAME` join
+    /// them, and a worker naming no model is this model's if its `/v1/models` lists it.
+    #[serde(default, rename = "worker", skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerConfig>,
+}
+
+fn sixteen() -> u32 {
+    16
 }
 
 /// The router's vocabulary (policy, cache view, decider, queue, busy threshold: the grammar of
@@ -372,8 +424,133 @@ impl ServeConfig {
         toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))
     }
 
-    /// Checks every field once, and returns the router configuration it implies.
+    /// The configuration of each model's stack (router, fleet, tokenizer), in order: this one
+    /// without `[[model]]` tables; with them, one per table, with its name, tokenizer, block
+    /// size, policy and workers (its table's, and the `[[worker]]` tables pinned to it), a sync
+    /// subject prefix of its own (`PREFIX.NAME`, the name's other characters as `_`), the rest
+    /// shared. Workers that name no model are not in any ([`Self::unpinned_workers`]).
+    pub fn stacks(&self) -> Result<Vec<ServeConfig>, ConfigError> {
+        if self.models.is_empty() {
+            if let Some(w) = self
+                .workers
+                .iter()
+                .find(|w| w.model.as_deref().is_some_and(|m| m != self.model.model_name))
+            {
+                return Err(invalid(
+                    format!("worker {}: model", w.url),
+                    format!(
+                        "{:?} is not the model served ({:?}); several models are [[model]] tables",
+                        w.model.as_deref().unwrap_or_default(),
+                        self.model.model_name
+                    ),
+                ));
+            }
+            return Ok(vec![self.clone()]);
+        }
+        let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        for w in &self.workers {
+            if let Some(m) = &w.model
+                && !names.contains(&m.as_str())
+            {
+                return Err(invalid(
+                    format!("worker {}: model", w.url),
+                    format!("{m:?} is none of the [[model]] tables ({})", names.join(", ")),
+                ));
+            }
+        }
+        let mut subjects = std::collections::BTreeMap::new();
+        let mut stacks = Vec::with_capacity(self.models.len());
+        for table in &self.models {
+            let f = |key: &str| format!("model {:?}: {key}", table.name);
+            if table.name.is_empty() {
+                return Err(invalid("model: name", "must not be empty"));
+            }
+            let subject = subject_token(&table.name);
+            if let Some(other) = subjects.insert(subject.clone(), table.name.as_str()) {
+                return Err(invalid(
+                    f("name"),
+                    format!("named twice, or as {other:?} in a sync subject ({subject})"),
+                ));
+            }
+            let mut workers: Vec<WorkerConfig> = self
+                .workers
+                .iter()
+                .filter(|w| w.model.as_deref() == Some(table.name.as_str()))
+                .cloned()
+                .collect();
+            for w in &table.workers {
+                if w.model.as_deref().is_some_and(|m| m != table.name) {
+                    return Err(invalid(
+                        format!("{}: worker {}: model", f("worker"), w.url),
+                        "names another model than its table's",
+                    ));
+                }
+                workers.push(WorkerConfig {
+                    model: Some(table.name.clone()),
+                    ..w.clone()
+                });
+            }
+            let mut stack = ServeConfig {
+                model: ModelConfig {
+                    model_name: table.name.clone(),
+                    model_dir: table.model_dir.clone(),
+                    approximate_tokenizer: table.approximate_tokenizer,
+                    tokenizer_cache_bytes: self.model.tokenizer_cache_bytes,
+                },
+                models: Vec::new(),
+                workers,
+                ..self.clone()
+            };
+            stack.routing.block_size = table.block_size;
+            if let Some(policy) = &table.policy {
+                stack.routing.policy = policy.clone();
+            }
+            stack.replicas.nats_subject_prefix = format!("{}.{subject}", self.replicas.nats_subject_prefix);
+            stack
+                .tokenizer()
+                .map_err(|e| invalid(f("model-dir"), e.to_string()))?;
+            stacks.push(stack);
+        }
+        Ok(stacks)
+    }
+
+    /// The `[[worker]]` tables that name no model while there are several: each is added to
+    /// the model its `/v1/models` lists.
+    pub fn unpinned_workers(&self) -> Vec<WorkerConfig> {
+        match self.models.is_empty() {
+            true => Vec::new(),
+            false => self
+                .workers
+                .iter()
+                .filter(|w| w.model.is_none())
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// Checks every field once, and returns the router configuration it implies (with
+    /// `[[model]]` tables, each model's is checked, and the first model's returned).
     pub fn validate(&self) -> Result<RouterConfig, ConfigError> {
+        if !self.models.is_empty() {
+            let stacks = self.stacks()?;
+            let mut first = None;
+            for (stack, table) in stacks.iter().zip(&self.models) {
+                let router = stack.validate().map_err(|e| within(&table.name, e))?;
+                first.get_or_insert(router);
+            }
+            // An unpinned worker's block size is checked against its model's when it is added.
+            for w in self.unpinned_workers() {
+                let block_size = w.block_size.unwrap_or(self.routing.block_size);
+                w.validate(block_size, self.routing.disagg_protocol)?;
+            }
+            return first.ok_or_else(|| invalid("model", "no [[model]] table"));
+        }
+        self.validate_one()
+    }
+
+    /// [`Self::validate`] for one model.
+    fn validate_one(&self) -> Result<RouterConfig, ConfigError> {
+        self.stacks()?;
         let listen = self.listen_addr()?;
         let admin = self.admin_listen_addr()?;
         if admin == listen && admin.port() != 0 {
@@ -994,6 +1171,97 @@ mod tests {
         assert_eq!(router.decider, Decider::PrefixThreshold { uncached_tokens: 256 });
         assert_eq!(c.routing.disagg_protocol, EngineKind::Vllm);
         assert_eq!(c.workers[0].role(), WorkerRole::Prefill);
+    }
+
+    /// `[[model]]` tables make one stack each (name, tokenizer, block size, policy, workers
+    /// of its table and pinned to it, a subject of its own); mixing them with the
+    /// single-model keys, or pinning a worker to a model not served, is refused by name.
+    #[test]
+    fn model_tables_make_one_stack_each_and_bad_ones_are_refused_by_name() {
+        let text = "policy = \"round-robin\"\nnats-subject-prefix = \"fleet\"\n\
+            [[model]]\nname = \"org/a-1\"\napproximate-tokenizer = true\n\
+            [[model.worker]]\nurl = \"http://h:1\"\n\
+            [[model]]\nname = \"b\"\nmodel-dir = \"/m/b\"\nblock-size = 32\npolicy = \"kv\"\n\
+            [[worker]]\nurl = \"http://h:2\"\nmodel = \"b\"\n\
+            [[worker]]\nurl = \"http://h:3\"\n";
+        let c = ServeConfig::from_toml_str(text).unwrap();
+        c.validate().unwrap();
+        let stacks = c.stacks().unwrap();
+        let got: Vec<(&str, u32, &str, Vec<&str>, &str)> = stacks
+            .iter()
+            .map(|s| {
+                (
+                    s.model.model_name.as_str(),
+                    s.routing.block_size,
+                    s.routing.policy.as_str(),
+                    s.workers.iter().map(|w| w.url.as_str()).collect(),
+                    s.replicas.nats_subject_prefix.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("org/a-1", 16, "round-robin", vec!["http://h:1"], "fleet.org_a-1"),
+                ("b", 32, "kv", vec!["http://h:2"], "fleet.b"),
+            ]
+        );
+        let unpinned: Vec<String> = c.unpinned_workers().into_iter().map(|w| w.url).collect();
+        assert_eq!(unpinned, ["http://h:3"]);
+        assert_eq!(
+            stacks[1].tokenizer().unwrap(),
+            TokenizerSource::Dir("/m/b".as_ref())
+        );
+        // The file form round-trips, without the single-model keys.
+        let written = toml::to_string(&c).unwrap();
+        assert!(!written.contains("model-name"), "{written}");
+        assert_eq!(ServeConfig::from_toml_str(&written).unwrap(), c);
+        // One model: a worker may name it, and no other.
+        let one = ServeConfig::from_toml_str(
+            "model-name = \"m\"\n[[worker]]\nurl = \"http://h:1\"\nmodel = \"m\"\n",
+        );
+        one.unwrap().validate().unwrap();
+        let models = "[[model]]\nname = \"a\"\napproximate-tokenizer = true\n";
+        for (text, says) in [
+            (
+                format!("model-name = \"x\"\n{models}"),
+                "model-name: the single-model keys",
+            ),
+            (
+                format!("block-size = 32\nmodel-dir = \"/m\"\n{models}"),
+                "model-dir/block-size",
+            ),
+            (
+                format!("{models}[[model]]\nname = \"a\"\napproximate-tokenizer = true\n"),
+                "named twice",
+            ),
+            (
+                format!("{models}[[worker]]\nurl = \"http://h:1\"\nmodel = \"c\"\n"),
+                "none of the [[model]]",
+            ),
+            (
+                "[[model]]\nname = \"a\"\n".to_owned(),
+                "model \"a\": model-dir: model-dir: is required",
+            ),
+            (format!("{models}policy = \"nope\"\n"), "model \"a\": policy"),
+            (
+                format!(
+                    "{models}[[model]]\nname = \"a b\"\napproximate-tokenizer = true\n[[model]]\nname = \"a_b\"\napproximate-tokenizer = true\n"
+                ),
+                "in a sync subject",
+            ),
+            (format!("{models}colour = 1\n"), "colour"),
+            (
+                "model-name = \"m\"\n[[worker]]\nurl = \"http://h:1\"\nmodel = \"n\"\n".to_owned(),
+                "is not the model served",
+            ),
+        ] {
+            let e = ServeConfig::from_toml_str(&text)
+                .and_then(|c| c.validate().map(|_| c))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{text:?}: {e}");
+        }
     }
 
     #[test]

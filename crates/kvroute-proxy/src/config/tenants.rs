@@ -58,6 +58,13 @@ pub struct TenantConfig {
     /// The limits' interval. Default 60,000 ms.
     #[serde(default = "minute")]
     pub interval_ms: u64,
+    /// Its prefix-cache namespace: salts its requests' block hashes (vLLM's `cache_salt`, set
+    /// in the body the engine gets), so that its prompts never match another tenant's blocks,
+    /// in the router or in the engine. Letters, digits, `.`, `_` and `-`. A request's own
+    /// `cache_salt` is joined to it (`NAMESPACE:SALT`); the salts of requests of tenants without
+    /// one then start with `:` (see [`TenantsConfig::cache_salt`]). Default: none.
+    #[serde(default)]
+    pub cache_namespace: Option<String>,
 }
 
 fn one() -> u32 {
@@ -96,6 +103,29 @@ impl TenantsConfig {
                         .map(|t| NonZeroU32::new(t.weight).unwrap_or(NonZeroU32::MIN)),
                 )
                 .collect(),
+        }
+    }
+
+    /// The `cache_salt` a request of tenant `id` carrying `client` (its own `cache_salt`, if
+    /// any) is hashed by and sent on with: the client's as it came when no tenant has a
+    /// namespace; else the tenant's namespace, joined to the client's salt as
+    /// `NAMESPACE:SALT` when there is one, and for a tenant without a namespace the client's
+    /// salt after a `:` (none without one). A namespace has no `:`, so the text before the
+    /// first `:` names the namespace: no client salt reaches a namespace that is not its
+    /// tenant's.
+    pub fn cache_salt(&self, id: TenantId, client: Option<&str>) -> Option<String> {
+        if !self.tenants.iter().any(|t| t.cache_namespace.is_some()) {
+            return client.map(str::to_owned);
+        }
+        let namespace = (id.0 as usize)
+            .checked_sub(1)
+            .and_then(|i| self.tenants.get(i))
+            .and_then(|t| t.cache_namespace.as_deref());
+        match (namespace, client) {
+            (Some(ns), None) => Some(ns.to_owned()),
+            (Some(ns), Some(salt)) => Some(format!("{ns}:{salt}")),
+            (None, Some(salt)) => Some(format!(":{salt}")),
+            (None, None) => None,
         }
     }
 
@@ -166,6 +196,18 @@ impl TenantsConfig {
             if t.interval_ms == 0 {
                 return Err(invalid(f("interval-ms"), "must be at least 1"));
             }
+            if let Some(ns) = &t.cache_namespace
+                && (ns.is_empty()
+                    || ns.len() > 128
+                    || !ns
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)))
+            {
+                return Err(invalid(
+                    f("cache-namespace"),
+                    format!("{ns:?}: 1 to 128 letters, digits, '.', '_' and '-'"),
+                ));
+            }
         }
         Ok(())
     }
@@ -232,9 +274,45 @@ mod tests {
                 "two tenants",
             ),
             ("priority-header = \"bad header\"", "not a header name"),
+            (
+                "[[tenant]]\nname = \"a\"\ncache-namespace = \"a:b\"",
+                "cache-namespace",
+            ),
+            (
+                "[[tenant]]\nname = \"a\"\ncache-namespace = \"\"",
+                "cache-namespace",
+            ),
         ] {
             let e = validate(text).unwrap_err();
             assert!(e.contains(says), "{text:?}: {e}");
         }
+    }
+
+    /// A namespaced tenant's salt starts with its namespace; any other request's salt cannot:
+    /// it is the client's after a `:`, or none. Without namespaces salts pass as they came.
+    #[test]
+    fn a_namespace_salts_its_tenants_requests_and_no_other_request_can_reach_it() {
+        let config = validate(
+            "[[tenant]]\nname = \"a\"\ncache-namespace = \"acme\"\n\
+             [[tenant]]\nname = \"b\"\n",
+        )
+        .unwrap();
+        let t = &config.tenants;
+        let (a, b, other) = (
+            super::TenantsConfig::id(0),
+            super::TenantsConfig::id(1),
+            kvroute_core::router::TenantId::OTHER,
+        );
+        assert_eq!(t.cache_salt(a, None).as_deref(), Some("acme"));
+        assert_eq!(t.cache_salt(a, Some("u1")).as_deref(), Some("acme:u1"));
+        assert_eq!(t.cache_salt(b, None), None);
+        for (id, salt) in [(b, "acme"), (other, "acme"), (b, "acme:u1"), (other, "x")] {
+            let got = t.cache_salt(id, Some(salt)).unwrap();
+            assert_eq!(got, format!(":{salt}"));
+            assert!(!got.starts_with("acme"), "{got}");
+        }
+        let plain = validate("[[tenant]]\nname = \"a\"\n").unwrap().tenants;
+        assert_eq!(plain.cache_salt(a, Some("s")).as_deref(), Some("s"));
+        assert_eq!(plain.cache_salt(a, None), None);
     }
 }

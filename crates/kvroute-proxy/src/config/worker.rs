@@ -68,6 +68,11 @@ pub struct WorkerConfig {
     /// while the worker's cache view is rebuilt ([`Reannounce`]). Default `auto`.
     #[serde(default)]
     pub reannounce: Reannounce,
+    /// The model it serves, one of the `[[model]]` tables' names (`model=NAME` in the flag
+    /// form). None: the model the proxy serves, or, with several, the one its `/v1/models`
+    /// lists, read when it is added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 /// Whether the proxy asks a worker's engine to re-announce the prefix-cache blocks each request
@@ -132,13 +137,14 @@ impl WorkerConfig {
             engine: EngineKind::Vllm,
             api_key: None,
             reannounce: Reannounce::Auto,
+            model: None,
         }
     }
 
     /// Parses the flag form `URL[,events=EP][,events-mode=bind|connect][,replay=EP][,topic=T]
     /// [,dp=N][,block-size=N][,role=R][,capacity=N][,max-requests=N][,bootstrap-port=N]
-    /// [,engine=vllm|sglang][,api-key=K][,reannounce=auto|off]`: the keys of a `[[worker]]`
-    /// table.
+    /// [,engine=vllm|sglang][,api-key=K][,reannounce=auto|off][,model=NAME]`: the keys of a
+    /// `[[worker]]` table.
     pub fn parse_flag(s: &str) -> Result<Self, ConfigError> {
         fn num<T: TryFrom<u64>>(k: &str, v: &str) -> Result<T, ConfigError> {
             let n: u64 = v
@@ -183,6 +189,7 @@ impl WorkerConfig {
                 }
                 "bootstrap-port" => w.bootstrap_port = Some(num(k, v)?),
                 "api-key" => w.api_key = Some(v.to_owned()),
+                "model" => w.model = Some(v.to_owned()),
                 "reannounce" => {
                     w.reannounce = v
                         .parse()
@@ -224,6 +231,9 @@ impl WorkerConfig {
         }
         if self.api_key.as_deref().is_some_and(|k| !is_token(k)) {
             return Err(invalid(f("api-key"), TOKEN_RULE));
+        }
+        if self.model.as_deref() == Some("") {
+            return Err(invalid(f("model"), "must not be empty"));
         }
         if self.replay.is_some() && self.events.is_none() {
             return Err(invalid(f("replay"), "needs an events endpoint"));

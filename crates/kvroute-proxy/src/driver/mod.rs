@@ -138,14 +138,26 @@ impl std::fmt::Debug for Driver {
 impl Driver {
     /// A driver for `router`, with no workers yet.
     pub fn new(router: Router, config: ServeConfig, metrics: Metrics) -> Arc<Self> {
+        Self::numbering_from(router, config, metrics, Arc::default())
+    }
+
+    /// [`Self::new`], its workers' ids taken from `ids` (one counter for the drivers of every
+    /// model the proxy serves, so that an id names one worker).
+    pub fn numbering_from(
+        router: Router,
+        config: ServeConfig,
+        metrics: Metrics,
+        ids: Arc<AtomicU64>,
+    ) -> Arc<Self> {
+        let policy = HealthPolicy {
+            failures: config.upstream.health_failure_threshold,
+            successes: config.upstream.health_success_threshold,
+        };
         Arc::new(Self {
             inner: Mutex::new(DriverState {
                 router,
                 waiters: HashMap::new(),
-                registry: Registry::new(HealthPolicy {
-                    failures: config.upstream.health_failure_threshold,
-                    successes: config.upstream.health_success_threshold,
-                }),
+                registry: Registry::numbering_from(policy, ids),
                 gathering: None,
                 adapters: std::collections::BTreeMap::new(),
             }),
