@@ -267,6 +267,10 @@ impl Engine {
             }
             limit = limit.min((seq.max_output - seq.outputs).saturating_sub(1));
             horizon = horizon.min(limit);
+            if horizon == 0 {
+                // Right after a run of skipped passes, the next pass is never pure.
+                return 0;
+            }
         }
         horizon
     }

@@ -212,7 +212,10 @@ impl Scheduler {
             let fresh = needed.saturating_sub(seq.blocks.len() as u32);
             if self.pool.allocate(fresh, &mut seq.blocks) {
                 let tokens = seq.num_computed + new_tokens;
-                self.offer_full_blocks(id, tokens);
+                // Most passes of a decoding request fill no block: nothing to offer then.
+                if tokens / self.limits.block_size > seq.num_cached_blocks {
+                    self.offer_full_blocks(id, tokens);
+                }
                 return true;
             }
             let victim = self.running.pop().expect("`id` is running");

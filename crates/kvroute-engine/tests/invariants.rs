@@ -2,7 +2,8 @@
 //! engines. After every step the harness checks the engine's invariants (reference counts,
 //! in use + free = total, queues) and that the router's index, fed with the engine's events,
 //! holds exactly the engine's cached blocks, on the GPU and on the CPU tier when it has one. At the end every accepted request must have
-//! finished once, with its whole output, and the same run must give the same outputs again.
+//! finished once, with its whole output, and the same run must give the same outputs again. A pass
+//! the engine's pure-decode horizon promised does nothing but one token per running request.
 
 mod common;
 
@@ -82,6 +83,8 @@ fn make_request(id: u64, group: u32, prefix: u32, suffix: u32, output: u32, lora
 struct Run {
     log: Vec<StepOutput>,
     expected: BTreeMap<RequestId, u32>,
+    /// Passes the pure-decode horizon promised, checked by the harness.
+    pure_passes: u64,
 }
 
 /// Applies `ops`, then steps until idle; the harness checks every step.
@@ -134,7 +137,11 @@ fn run(config: &EngineConfig, ops: &[Op]) -> Run {
         }
     }
     h.run();
-    Run { log: h.log, expected }
+    Run {
+        log: h.log,
+        expected,
+        pure_passes: h.pure_passes,
+    }
 }
 
 /// Every accepted request finished exactly once, having produced exactly its output, with one
@@ -254,8 +261,9 @@ fn contended_run(cpu_offload: Option<CpuOffload>) -> Run {
         .filter(|e| matches!(e, kvroute_core::events::KvEvent::Removed(_)))
         .count();
     assert!(
-        preemptions > 0 && hits > 0 && removed > 0,
-        "{preemptions} {hits} {removed}"
+        preemptions > 0 && hits > 0 && removed > 0 && run.pure_passes > 0,
+        "{preemptions} {hits} {removed} {}",
+        run.pure_passes
     );
     run
 }

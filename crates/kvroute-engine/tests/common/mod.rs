@@ -64,6 +64,10 @@ pub struct Harness {
     pub now: Timestamp,
     /// Every step's output, in order.
     pub log: Vec<StepOutput>,
+    /// The running requests and the pure-decode horizon before the last step, if positive.
+    promised: Option<(Vec<RequestId>, u32)>,
+    /// Passes the horizon promised pure, checked.
+    pub pure_passes: u64,
 }
 
 impl Harness {
@@ -77,6 +81,8 @@ impl Harness {
             worker,
             now: Timestamp::ZERO,
             log: Vec::new(),
+            promised: None,
+            pure_passes: 0,
         }
     }
 
@@ -90,11 +96,42 @@ impl Harness {
     pub fn step(&mut self) -> Option<StepOutput> {
         let at = self.engine.next_wakeup()?;
         assert!(at >= self.now, "time went back from {:?} to {at:?}", self.now);
+        let running = self.engine.running_requests().to_vec();
+        let horizon = self.engine.decode_horizon();
+        // After a promised pure pass the promise shrinks by one, unless the engine was touched
+        // since (the same requests run and nothing waits).
+        if let Some((before, promised)) = self.promised.take()
+            && before == running
+            && self.engine.num_waiting() == 0
+            && self.engine.num_importing() == 0
+        {
+            assert_eq!(
+                horizon,
+                promised - 1,
+                "the pure-decode horizon shrinks by one a pass"
+            );
+        }
         let out = self
             .engine
             .step(at)
             .expect("an engine with work runs at its wakeup");
         assert!(out.end > out.start, "a step takes time");
+        if horizon > 0 {
+            // A pass the horizon promised pure: one token for each running request, nothing else.
+            assert!(
+                out.events.is_empty()
+                    && out.first_token.is_empty()
+                    && out.finished.is_empty()
+                    && out.preempted.is_empty()
+                    && out.prefix_hits.is_empty(),
+                "a pass promised pure did more: {out:?}"
+            );
+            let emitted: Vec<RequestId> = out.emitted.iter().map(|e| e.request).collect();
+            assert_eq!(emitted, running, "a pure pass emits for every running request");
+            assert!(out.emitted.iter().all(|e| e.tokens == 1));
+            self.promised = Some((running, horizon));
+            self.pure_passes += 1;
+        }
         self.now = out.end;
         self.check(&out);
         self.log.push(out.clone());
