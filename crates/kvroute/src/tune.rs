@@ -5,7 +5,7 @@
 //! `--grid` options' values (`--grid scale=2,4,8 --grid evict=0,1`), in the grammar of
 //! `kvroute_core::router::spec`; `--samples N` keeps N of them, drawn with the run's seed. Each
 //! candidate is a replay of the same workload by the code `kvroute replay` runs
-//! ([`crate::replay::simulate`]), with every replay option. A candidate's score is the sum over
+//! (`replay::simulate`), with every replay option. A candidate's score is the sum over
 //! the `--objective` metrics (report keys, lower is better; `max:KEY` for higher is better) of its
 //! value over the best candidate's: 1 per metric for a candidate best on all. The lowest score
 //! wins, the earlier candidate on a tie. The same options and seed give the same table and pick.
