@@ -208,9 +208,11 @@ impl Engine {
         }
         self.clock = self.clock.max(now);
         let schedule = self.scheduler.schedule();
+        // A step may schedule nothing only by preempting: every running request, when the
+        // blocks it needs are held by imports still in transfer (a pass of `MIN_STEP`).
         debug_assert!(
-            !schedule.chunks.is_empty(),
-            "a step with work schedules at least one request"
+            !schedule.chunks.is_empty() || !schedule.preempted.is_empty(),
+            "a step with work schedules at least one request or preempts"
         );
         let mut metrics = StepMetrics {
             pass: schedule.pass(),

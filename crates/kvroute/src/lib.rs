@@ -15,3 +15,4 @@ pub mod plan;
 pub mod provenance;
 pub mod replay;
 pub mod serve;
+pub mod tune;

@@ -52,6 +52,9 @@ enum Command {
     /// Simulate each run of a runs file with the calibrated model and print how far TTFT, E2E
     /// and ITL are from what was measured.
     Validate(kvroute::calibrate::ValidateArgs),
+    /// Search a cost policy's options on a trace (each candidate a replay) and print the best
+    /// `--policy` spec for `kvroute serve`.
+    Tune(Box<kvroute::tune::TuneArgs>),
 }
 
 #[derive(Subcommand)]
@@ -193,7 +196,7 @@ impl Command {
             Self::Serve(args) => Some(args.log_format),
             Self::Mock(args) => Some(args.log_format),
             Self::Demo(args) => (args.log_format == LogFormat::Json).then_some(LogFormat::Json),
-            Self::Bench(_) | Self::Replay(_) | Self::Calibrate(_) | Self::Validate(_) => None,
+            Self::Bench(_) | Self::Replay(_) | Self::Calibrate(_) | Self::Validate(_) | Self::Tune(_) => None,
         }
     }
 }
@@ -210,6 +213,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Replay(args) => kvroute::replay::run(*args),
         Command::Calibrate(args) => kvroute::calibrate::calibrate(args),
         Command::Validate(args) => kvroute::calibrate::validate(args),
+        Command::Tune(args) => kvroute::tune::run(*args),
         Command::Serve(args) => kvroute::serve::serve(*args),
         Command::Mock(args) => kvroute::serve::mock(*args),
         Command::Demo(args) => kvroute::demo::run(args),

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks + moved), 0)
+//!      + prefill_load_scale * evict_weight * eviction_pressure * max(prefill_blocks_of_prompt - overlap_blocks - moved, 0)
 //!      + decode_blocks
 //!      + decode_active_request_weight * active_requests
 //! ```
@@ -20,6 +21,14 @@
 //! * `decode_blocks`: the worker's decode blocks with the request added, under the chosen
 //!   [`DecodeProjection`]; 0 on workers without a decode term (prefill workers).
 //! * `active_requests`: requests booked on the worker before this one.
+//! * `eviction_pressure`: the fraction of its cache the worker evicted lately (its `Removed`
+//!   events, decayed: the `churn` module), 0 on a worker with nothing booked. The prompt's blocks
+//!   it does not hold must be made room for; on a worker that evicts, each one pushes out a
+//!   cached block some later request could have reused, and what is cached there does not stay
+//!   long. The term (on workers with a prefill term) sends prompts that bring much new to
+//!   workers with room, and keeps a conversation whose prefix is cached where it is: the
+//!   remedy to affinity piling sessions onto a few hot workers when caches are small, where
+//!   spreading keeps more prefixes in the fleet. 0 makes the cost eviction-blind (Dynamo's).
 //!
 //! This is Dynamo's v1 cost (without the host/disk tiers, credit decay and taint factor, which
 //! kvroute does not model) with kvroute's staged projection as an option.
@@ -31,11 +40,15 @@
 //! then comes from load (a prefix already active on a worker is not counted again) or from a
 //! `prefill_load_scale` above 1.
 //!
-//! `kv` therefore defaults to `prefill_load_scale = 8`: a block to prefill weighs as much as eight
-//! blocks of decode residency. At 1, `kv` kept no more of the Mooncake traces' prefixes than
-//! round-robin (reuse 0.07); at 2 it equals the full projection (Dynamo's default); from 4 to 8
-//! TTFT kept improving on both Mooncake traces and on an overloaded multi-turn workload without
-//! hurting tail latency (EXPERIMENTS.md, "Which `prefill_load_scale` should `kv` use?").
+//! `kv` therefore defaults to `prefill_load_scale = 16`: a block to prefill weighs as much as
+//! sixteen blocks of decode residency. At 1, `kv` kept no more of the Mooncake traces' prefixes
+//! than round-robin (reuse 0.07); at 2 it equals the full projection (Dynamo's default); from 4
+//! to 16 TTFT kept improving on both Mooncake traces and on an overloaded multi-turn workload
+//! without hurting tail latency (EXPERIMENTS.md, "Which `prefill_load_scale` should `kv` use?").
+//! With `evict_weight = 16` beside it, a prompt's uncached blocks on a worker that turned its
+//! whole cache over lately cost seventeen times a prefill: the pair came out of `kvroute tune`
+//! over EXPERIMENTS.md's routing workloads, noise off and on ("Is `kv` the best policy
+//! everywhere?").
 
 use super::load::DecodeProjection;
 use super::policy::Candidate;
@@ -56,6 +69,9 @@ pub struct CostParams {
     /// What a block held only on a slower tier costs, as a fraction of a block to prefill, in
     /// `[0, 1]` (1: tier-blind).
     pub tier_block_cost: f64,
+    /// How much more a prompt's uncached block costs on a worker that evicts, per unit of its
+    /// eviction pressure, as a fraction of a block to prefill (0: eviction-blind).
+    pub evict_weight: f64,
 }
 
 impl CostParams {
@@ -66,17 +82,20 @@ impl CostParams {
         decode_active_request_weight: 0.0,
         projection: DecodeProjection::Full,
         tier_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
+        evict_weight: 0.0,
     };
 
     /// A slower tier's block costs a quarter of a prefilled one: Dynamo's host-tier credit
     /// (`--router-host-cache-hit-weight` 0.75).
     pub const DEFAULT_TIER_BLOCK_COST: f64 = 0.25;
 
-    /// kvroute's defaults: the staged projection, with a prefill block weighing eight decode
-    /// blocks (see the module docs for why).
+    /// kvroute's defaults: the staged projection, a prefill block weighing sixteen decode
+    /// blocks, and an uncached block on a worker that evicts weighing up to sixteen more (see the
+    /// module docs for why).
     pub const KV: CostParams = CostParams {
-        prefill_load_scale: 8.0,
+        prefill_load_scale: 16.0,
         projection: DecodeProjection::Staged,
+        evict_weight: 16.0,
         ..Self::DYNAMO
     };
 
@@ -91,6 +110,7 @@ impl CostParams {
                 f64::INFINITY,
             ),
             ("tier_block_cost", self.tier_block_cost, 1.0),
+            ("evict_weight", self.evict_weight, f64::INFINITY),
         ]
         .into_iter()
         .find(|&(_, v, max)| !(v.is_finite() && (0.0..=max).contains(&v)))
@@ -108,7 +128,13 @@ pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidat
         let blocks = tokens as f64 / f64::from(request.block_size);
         let cached = f64::from(candidate.overlap_blocks) + moved;
         let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
-        params.prefill_load_scale * adjusted
+        let mut prefill = params.prefill_load_scale * adjusted;
+        let pressure = params.evict_weight * candidate.eviction_pressure;
+        if pressure > 0.0 {
+            let prompt = request.prompt_tokens as f64 / f64::from(request.block_size);
+            prefill += params.prefill_load_scale * pressure * (prompt - cached).max(0.0);
+        }
+        prefill
     } else {
         0.0
     };

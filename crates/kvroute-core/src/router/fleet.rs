@@ -19,6 +19,7 @@ use hashbrown::HashMap;
 use std::collections::BTreeSet;
 
 use super::chain_trie::Touched;
+use super::churn::Churn;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
 use super::sync::{Booking, RouterId};
 use super::worker::{WorkerRole, WorkerSpec};
@@ -42,6 +43,8 @@ pub(crate) struct FleetWorker {
     pub(crate) class: u32,
     load: LoadState,
     member: Membership,
+    /// Its recent evictions (see the `churn` module).
+    churn: Churn,
 }
 
 /// Which of the fleet's sets a worker is in, and where (see the module docs).
@@ -58,6 +61,16 @@ pub(crate) enum Membership {
 impl FleetWorker {
     pub(crate) fn load(&self) -> WorkerLoad {
         self.load.snapshot()
+    }
+
+    /// The fraction of its cache it evicted lately, at `now` (see the `churn` module); 0 when
+    /// nothing is booked here: an idle worker is not hot, and every idle worker of a class then
+    /// costs alike (the argmin scan's bulk).
+    pub(crate) fn eviction_pressure(&self, now: Timestamp) -> f64 {
+        if self.is_idle() {
+            return 0.0;
+        }
+        self.churn.pressure(now, self.spec.capacity_blocks)
     }
 
     /// See `LoadState::areas_at`.
@@ -147,6 +160,15 @@ impl Fleet {
         &self.workers
     }
 
+    /// `worker` evicted `blocks` blocks at `now` (its `Removed` events); false if unknown.
+    pub(crate) fn record_evictions(&mut self, worker: WorkerKey, now: Timestamp, blocks: usize) -> bool {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return false;
+        };
+        self.workers[slot].churn.record(now, blocks);
+        true
+    }
+
     pub(crate) fn get(&self, key: WorkerKey) -> Option<&FleetWorker> {
         self.slot_of.get(&key).map(|&slot| &self.workers[slot])
     }
@@ -198,6 +220,7 @@ impl Fleet {
                 class: class as u32,
                 load: LoadState::default(),
                 member: Membership::DrainingIdle,
+                churn: Churn::default(),
             },
         );
         self.reindex();

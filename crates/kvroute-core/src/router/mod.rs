@@ -63,6 +63,7 @@
 mod adapters;
 mod busy;
 mod chain_trie;
+mod churn;
 mod config;
 mod cost;
 mod disagg;
@@ -354,6 +355,9 @@ impl Router {
             return Err(RouterError::KvEventsDisabled);
         }
         let result = self.index.apply_event(worker, event);
+        if let (Ok(()), IndexEvent::Removed { blocks }) = (&result, event) {
+            self.fleet.record_evictions(worker, self.last_now, blocks.len());
+        }
         if result.is_err() {
             self.counters.kv_events_refused += 1;
         }
@@ -759,7 +763,8 @@ impl Router {
         let locals = std::mem::take(&mut self.scratch.locals);
         self.compute_overlaps(now, &locals, &prepared.chain);
         self.scratch.locals = locals;
-        let _ = self.fill_candidates(Stage::Decode, &prepared.chain, prepared.adapter.as_deref());
+        let at = now.max(self.last_now);
+        let _ = self.fill_candidates(Stage::Decode, &prepared.chain, prepared.adapter.as_deref(), at);
         Ok(self.scratch.candidates.clone())
     }
 
@@ -909,7 +914,7 @@ impl Router {
             gpu: self.scratch.overlaps.get(slot).copied().unwrap_or(0),
             tier: self.scratch.tier_overlaps.get(slot).copied().unwrap_or(0),
         };
-        scan::candidate(w, overlap, chain, &self.config.busy)
+        scan::candidate(w, overlap, chain, &self.config.busy, self.last_now)
     }
 
     /// The prefill worker for a request whose decode goes to `decode`, if it is disaggregated.

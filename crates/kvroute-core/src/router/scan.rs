@@ -37,6 +37,7 @@ use super::request::RequestView;
 use super::worker::WorkerRole;
 use super::{Blocked, Router, Scratch};
 use crate::ids::SequenceHash;
+use crate::time::Timestamp;
 
 /// Which pool a scan chooses from, with its policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,6 +198,7 @@ pub(super) fn candidate(
     overlap: Overlap,
     chain: &[SequenceHash],
     busy: &super::BusyThresholds,
+    now: Timestamp,
 ) -> Option<Candidate> {
     let load = w.load();
     if busy.is_busy(&w.spec, &load) {
@@ -220,6 +222,7 @@ pub(super) fn candidate(
         tier_blocks,
         load,
         projection: project(w.spec.role, &load, blocks, overlap_blocks, depth),
+        eviction_pressure: w.eviction_pressure(now),
     })
 }
 
@@ -254,6 +257,7 @@ fn bound(
         tier_blocks,
         load,
         projection: project(w.spec.role, &load, blocks, overlap_blocks, deepest),
+        eviction_pressure: w.eviction_pressure(view.now),
     };
     Some(cost(params, view, &c))
 }
@@ -333,7 +337,7 @@ impl Router {
         view: &RequestView<'_>,
         adapter: Option<&str>,
     ) -> Result<Candidate, Blocked> {
-        self.fill_candidates(stage, view.chain, adapter)?;
+        self.fill_candidates(stage, view.chain, adapter, view.now)?;
         let policy = match stage {
             Stage::Decode => &mut self.policy,
             Stage::Prefill => &mut self.prefill_policy,
@@ -351,6 +355,7 @@ impl Router {
         stage: Stage,
         chain: &[SequenceHash],
         adapter: Option<&str>,
+        now: Timestamp,
     ) -> Result<(), Blocked> {
         let Scratch {
             overlaps,
@@ -372,7 +377,7 @@ impl Router {
                 continue;
             }
             eligible += 1;
-            candidates.extend(candidate(w, overlap, chain, &self.config.busy));
+            candidates.extend(candidate(w, overlap, chain, &self.config.busy, now));
         }
         match (eligible, candidates.is_empty()) {
             (0, _) => Err(Blocked::NoWorker),
@@ -410,7 +415,7 @@ impl Router {
         let blocks = chain.len() as u32;
         let workers = self.fleet.workers();
         let score = |w: &FleetWorker, overlap: Overlap| {
-            candidate(w, overlap, chain, busy).map(|c| cost(params, view, &c))
+            candidate(w, overlap, chain, busy, view.now).map(|c| cost(params, view, &c))
         };
         let mut lowest = Lowest::default();
         let mut eligible = 0;
@@ -515,7 +520,7 @@ impl Router {
             return Err(Blocked::Busy);
         };
         // The same inputs as when it was scored, so not busy.
-        candidate(&workers[slot], overlap_of(slot), chain, busy).ok_or(Blocked::Busy)
+        candidate(&workers[slot], overlap_of(slot), chain, busy, view.now).ok_or(Blocked::Busy)
     }
 }
 

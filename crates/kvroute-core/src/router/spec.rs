@@ -15,6 +15,8 @@
 //! | `scale=X` | `prefill_load_scale` |
 //! | `credit=X` | `overlap_credit` |
 //! | `tier=X` | `tier_block_cost`: a block held only on a slower tier (host memory), as a fraction of a block to prefill (1: tier-blind) |
+//! | `evict=X` | `evict_weight`: a prompt's uncached blocks on a worker that evicts, times its eviction pressure (0: eviction-blind) |
+//! | `requests=X` | `decode_active_request_weight`: block-equivalents per request booked on the worker |
 //! | `temperature=X` | softmax sampling over the normalized costs instead of the argmin |
 //! | `spread=X` | replica spread: costs within the fraction X of the lowest are near-best |
 //!
@@ -162,7 +164,8 @@ pub struct OptionError {
 
 // ---- policies ----
 
-const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, tier=X, temperature=X, spread=X";
+const COST_OPTIONS: &str =
+    "full, staged, scale=X, credit=X, tier=X, evict=X, requests=X, temperature=X, spread=X";
 
 impl FromStr for PolicyConfig {
     type Err = SpecError;
@@ -199,6 +202,8 @@ impl FromStr for PolicyConfig {
                 Some(("scale", v)) => cost.prefill_load_scale = number("scale", v)?,
                 Some(("credit", v)) => cost.overlap_credit = number("credit", v)?,
                 Some(("tier", v)) => cost.tier_block_cost = number("tier", v)?,
+                Some(("evict", v)) => cost.evict_weight = number("evict", v)?,
+                Some(("requests", v)) => cost.decode_active_request_weight = number("requests", v)?,
                 Some(("temperature", v)) => *temperature = number("temperature", v)?,
                 Some(("spread", v)) => *spread_tolerance = number("spread", v)?,
                 _ => {
@@ -244,6 +249,12 @@ impl fmt::Display for PolicyConfig {
             ("scale", c.cost.prefill_load_scale, d.cost.prefill_load_scale),
             ("credit", c.cost.overlap_credit, d.cost.overlap_credit),
             ("tier", c.cost.tier_block_cost, d.cost.tier_block_cost),
+            ("evict", c.cost.evict_weight, d.cost.evict_weight),
+            (
+                "requests",
+                c.cost.decode_active_request_weight,
+                d.cost.decode_active_request_weight,
+            ),
             ("temperature", c.temperature, d.temperature),
             ("spread", c.spread_tolerance, d.spread_tolerance),
         ] {
@@ -808,6 +819,8 @@ mod tests {
             number().prop_map(|v| format!("scale={v}")),
             (0.0f64..=1.0).prop_map(|v| format!("credit={v}")),
             (0.0f64..=1.0).prop_map(|v| format!("tier={v}")),
+            number().prop_map(|v| format!("evict={v}")),
+            number().prop_map(|v| format!("requests={v}")),
             number().prop_map(|v| format!("temperature={v}")),
             number().prop_map(|v| format!("spread={v}")),
         ];

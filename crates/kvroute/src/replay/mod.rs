@@ -393,6 +393,32 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     write_outputs(&args, &results, &provenance, &sweep_html)
 }
 
+/// Simulates every run `args` asks for as [`run`] does (a sweep aside), one per core at once:
+/// each run's policy, as its canonical spec (`kvroute serve --policy`), and its report, in the
+/// order named. What `kvroute tune` scores.
+pub(crate) fn simulate(args: &ReplayArgs) -> anyhow::Result<Vec<(String, Report)>> {
+    let options = crate::config::layered(args.config.as_deref(), &args.options)?;
+    let plan = Plan::new(&options, args)?;
+    ensure!(
+        plan.sweep.is_none(),
+        "--sweep is replay's: tune compares policies on one fleet"
+    );
+    ensure!(
+        plan.slo.is_none(),
+        "--slo is replay's: tune scores by --objective"
+    );
+    let trace = plan.trace()?;
+    let (workload, source) = plan.workload(&trace)?;
+    eprintln!("workload: {} requests from {source}", workload.requests.len());
+    let results = run_on_every_core(&plan.runs, &workload)?;
+    Ok(plan
+        .runs
+        .iter()
+        .zip(results)
+        .map(|((_, sim), (_, r))| (sim.config().router.policy.to_string(), r.report))
+        .collect())
+}
+
 /// Runs every simulation of a sweep, one per core at once; results in the runs' order, each
 /// the same whatever ran beside it (a simulation shares nothing).
 fn run_on_every_core(

@@ -60,6 +60,9 @@ pub struct Candidate {
     pub load: WorkerLoad,
     /// The worker's decode blocks with this request added.
     pub projection: Projection,
+    /// The fraction of the worker's cache it evicted lately (decayed `Removed` events over its
+    /// capacity, in `[0, 1]`; 0 on a worker with nothing booked): how hot it runs.
+    pub eviction_pressure: f64,
 }
 
 impl Candidate {
