@@ -141,11 +141,18 @@ async fn a_started_worker_joins_when_it_serves_the_model_warms_and_leaves_on_sig
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_ignores_sigterm_is_killed_when_its_grace_runs_out() {
     let c = empty_proxy().await;
-    // It never serves the model (it is no server), so it stays pending until released.
+    // It never serves the model (it is no server), so it stays pending until released. It says
+    // when it ignores SIGTERM (a file), so the release cannot come before the trap.
+    let dir = log_dir("stubborn");
+    std::fs::create_dir_all(&dir).unwrap();
+    let trapped = dir.join("trapped");
     let stubborn = WorkerTemplate {
-        command: ["sh", "-c", "trap '' TERM; sleep 1000"]
-            .map(str::to_owned)
-            .to_vec(),
+        command: [
+            "sh".to_owned(),
+            "-c".to_owned(),
+            format!("trap '' TERM; touch {}; sleep 1000", trapped.display()),
+        ]
+        .to_vec(),
         worker: "http://127.0.0.1:{port}".to_owned(),
     };
     let mut config = process_config(stubborn, None);
@@ -165,6 +172,7 @@ async fn a_worker_that_ignores_sigterm_is_killed_when_its_grace_runs_out() {
         panic!("{:?}", a.running());
     };
     assert!(kvroute_testkit::process_group_alive(pid));
+    eventually("the worker ignores SIGTERM", || trapped.exists()).await;
     // Released by its URL (it has no fleet id).
     a.release(kvroute_core::ids::WorkerId(u64::MAX), &url.clone());
     assert_eq!(a.pending(), [], "a released worker is not pending");
