@@ -8,7 +8,8 @@
 //! moves its messages as bytes, and a host (the proxy's router driver) applies what it says,
 //! through [`SyncHost`].
 //!
-//! * [`wire`]: the versioned JSON format of one message, with a decoder that never panics.
+//! * [`wire`]: the versioned binary format of one message, with a decoder that never panics and
+//!   names another version's message as such.
 //! * [`connect`]: the NATS connection's credentials and TLS, and a refusal told from an outage.
 //! * [`transport`]: [`SyncTransport::start`], the task, and [`Outgoing`], the bounded queue routing hands
 //!   its events to without ever waiting.
@@ -34,4 +35,4 @@ pub use metrics::SyncMetrics;
 pub use transport::{
     LinkState, NatsSyncConfig, Outgoing, SyncError, SyncHost, SyncTransport, fresh_router_id,
 };
-pub use wire::{Body, DecodeError, Envelope, SyncItem, WorkerChange, WorkerRef, decode, encode};
+pub use wire::{Body, DecodeError, Envelope, Format, SyncItem, WorkerChange, WorkerRef, decode, encode};

@@ -25,6 +25,9 @@ pub struct SyncMetrics {
     pub events_dropped: IntCounterVec,
     /// `kvroute_sync_decode_errors_total`: messages that were not sync messages.
     pub decode_errors: IntCounter,
+    /// `kvroute_sync_versions_refused_total`, by format (`json`, `binary`): messages of another
+    /// format version (a replica of another version), refused.
+    pub versions_refused: IntCounterVec,
     /// `kvroute_sync_peers_lost_total`: peers whose bookings were released after their
     /// heartbeats stopped.
     pub peers_lost: IntCounter,
@@ -83,6 +86,11 @@ impl SyncMetrics {
             decode_errors: counter(
                 "kvroute_sync_decode_errors_total",
                 "Messages on the sync subjects that were not sync messages",
+            )?,
+            versions_refused: vec(
+                "kvroute_sync_versions_refused_total",
+                "Sync messages of another format version (a replica of another version), refused, by format",
+                "format",
             )?,
             peers_lost: counter(
                 "kvroute_sync_peers_lost_total",

@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 
 use crate::connect::{NatsAuth, NatsTls};
 use crate::metrics::SyncMetrics;
-use crate::wire::{Body, Envelope, SyncItem, WIRE_VERSION, decode, encode, pack};
+use crate::wire::{Body, DecodeError, Envelope, SyncItem, decode, encode, pack};
 
 pub use kvroute_core::router::replica::LinkState;
 
@@ -251,6 +251,7 @@ impl SyncTransport {
             link: link_tx,
             joined: joined_tx,
             counted: ProtocolCounters::default(),
+            versions_logged: Vec::new(),
         };
         // Join before serving: wait for the connection (bounded), then for the protocol's join.
         let connected = tokio::time::timeout(config.join_timeout, async {
@@ -338,7 +339,13 @@ struct Node {
     joined: watch::Sender<bool>,
     /// The protocol's counters as last reflected in the metrics.
     counted: ProtocolCounters,
+    /// The (format, version, sender) of other versions' messages said in the log already
+    /// (at most [`MAX_VERSIONS_LOGGED`]).
+    versions_logged: Vec<(&'static str, u32, Option<u64>)>,
 }
+
+/// The most distinct senders of another format version that are each logged once.
+const MAX_VERSIONS_LOGGED: usize = 64;
 
 impl Node {
     fn now(&self) -> Timestamp {
@@ -481,9 +488,10 @@ impl Node {
         }
     }
 
-    /// Decodes a peer's message; `None` for this replica's own, a status message, or garbage
-    /// (counted).
-    fn open(&self, m: &async_nats::Message) -> Option<Envelope> {
+    /// Decodes a peer's message; `None` for this replica's own, a status message, garbage
+    /// (counted) or another format version's message (counted, and said once a sender in the
+    /// log).
+    fn open(&mut self, m: &async_nats::Message) -> Option<Envelope> {
         if m.status.is_some() {
             return None;
         }
@@ -493,6 +501,24 @@ impl Node {
                 self.metrics.messages_received.inc();
                 self.metrics.bytes_received.inc_by(m.payload.len() as u64);
                 Some(e)
+            }
+            Err(
+                e @ DecodeError::Version {
+                    format,
+                    version,
+                    from,
+                },
+            ) => {
+                self.metrics
+                    .versions_refused
+                    .with_label_values(&[format.name()])
+                    .inc();
+                let key = (format.name(), version, from);
+                if !self.versions_logged.contains(&key) && self.versions_logged.len() < MAX_VERSIONS_LOGGED {
+                    self.versions_logged.push(key);
+                    tracing::warn!(subject = %m.subject, "{e}");
+                }
+                None
             }
             Err(e) => {
                 self.metrics.decode_errors.inc();
@@ -562,7 +588,6 @@ impl Node {
             *stamp = at_us;
         }
         let bytes = Bytes::from(encode(&Envelope {
-            v: WIRE_VERSION,
             from: self.id.0,
             body,
         }));

@@ -1,7 +1,8 @@
 //! The transport against a real `nats-server` (where none is installed: skipped, saying so, and
 //! a failure in CI): batches reach peers in order and never their sender, a joining replica gets every peer's
 //! snapshot before `start` returns, a silent peer is released within the timeout, prefixes
-//! keep fleets apart, and a server restart ends in a resync.
+//! keep fleets apart, a server restart ends in a resync, and a replica of the JSON format
+//! version is refused by its version.
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
@@ -176,4 +177,41 @@ async fn a_server_restart_ends_in_a_resync() {
         host_b.applied(RouterId(1)).contains(&freed(7))
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_of_the_json_version_is_refused_by_its_version_and_counted() {
+    let Some(nats) = server() else { return };
+    let host = Arc::new(Recorder::default());
+    let metrics = SyncMetrics::new(&prometheus::Registry::new()).unwrap();
+    let _a = SyncTransport::start(
+        RouterId(1),
+        config(&nats.url(), "t5"),
+        host.clone(),
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
+    // A version 3 replica's heartbeat and batch, as it wrote them, and bytes of no version.
+    let old = async_nats::connect(nats.url()).await.unwrap();
+    let heartbeat = br#"{"v":3,"from":9,"body":{"kind":"heartbeat","seq":1}}"#;
+    let batch = br#"{"v":3,"from":9,"body":{"kind":"events","seq":2,"events":[{"t":"freed","r":5}]}}"#;
+    old.publish("t5.heartbeat", heartbeat.as_slice().into())
+        .await
+        .unwrap();
+    old.publish("t5.events", batch.as_slice().into()).await.unwrap();
+    old.publish("t5.events", "garbage".into()).await.unwrap();
+    old.flush().await.unwrap();
+    let refused = || metrics.versions_refused.with_label_values(&["json"]).get();
+    eventually("both JSON messages refused by version", || {
+        refused() == 2 && metrics.decode_errors.get() == 1
+    })
+    .await;
+    assert_eq!(metrics.versions_refused.with_label_values(&["binary"]).get(), 0);
+    assert!(
+        host.applied(RouterId(9)).is_empty(),
+        "nothing of the old version applied"
+    );
+    assert_eq!(metrics.peers.get(), 0, "the old version's replica is no peer");
+    assert_eq!(metrics.messages_received.get(), 0);
 }

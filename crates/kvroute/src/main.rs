@@ -73,6 +73,24 @@ enum BenchCommand {
     Upstream(kvroute::bench::serve::UpstreamArgs),
     /// Added latency over a long multi-turn conversation, the proxy's tokenizer cache on and off.
     Chat(kvroute::bench::chat::ChatBenchArgs),
+    /// Replica sync's CPU and bytes a request: the binary format beside the JSON one before it.
+    Sync(SyncArgs),
+}
+
+#[derive(Args)]
+struct SyncArgs {
+    /// Prompt blocks a booking carries, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "8,256,2048,8192", value_parser = count)]
+    blocks: Vec<usize>,
+    /// Requests timed per repetition and format.
+    #[arg(long, default_value_t = 2000, value_parser = count)]
+    requests: usize,
+    /// Repetitions (the formats alternate); the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = count)]
+    reps: usize,
+    /// Seed of the block hashes.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -210,6 +228,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => kvroute::bench::serve::run(args),
         Command::Bench(BenchCommand::Upstream(args)) => kvroute::bench::serve::run_upstreams(args),
         Command::Bench(BenchCommand::Chat(args)) => kvroute::bench::chat::run(args),
+        Command::Bench(BenchCommand::Sync(args)) => bench_sync(args),
         Command::Replay(args) => kvroute::replay::run(*args),
         Command::Calibrate(args) => kvroute::calibrate::calibrate(args),
         Command::Validate(args) => kvroute::calibrate::validate(args),
@@ -269,6 +288,16 @@ fn split_opstream(args: SplitArgs) -> anyhow::Result<()> {
 
 fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
     for report in bench::hash::run(args.tokens, &args.block_size, args.reps) {
+        println!(
+            "{}",
+            serde_json::to_string(&report).context("serializing the report")?
+        );
+    }
+    Ok(())
+}
+
+fn bench_sync(args: SyncArgs) -> anyhow::Result<()> {
+    for report in bench::sync::run(&args.blocks, args.requests, args.reps, args.seed)? {
         println!(
             "{}",
             serde_json::to_string(&report).context("serializing the report")?

@@ -75,7 +75,11 @@ async fn spy(nats: &NatsServer, files: &Pki) -> Arc<Mutex<Vec<String>>> {
     tokio::spawn(async move {
         let _client = client;
         while let Some(m) = all.next().await {
-            let text = format!("{} {}", m.subject, String::from_utf8_lossy(&m.payload));
+            // The raw bytes (a secret in them would show), and the message read back as JSON.
+            let read = kvroute_sync::decode(&m.payload)
+                .map(|e| serde_json::to_string(&e.body).unwrap())
+                .unwrap_or_default();
+            let text = format!("{} {} {read}", m.subject, String::from_utf8_lossy(&m.payload));
             sink.lock().unwrap().push(text);
         }
     });

@@ -9,6 +9,7 @@ pub mod hash;
 pub mod index;
 pub mod route;
 pub mod serve;
+pub mod sync;
 
 /// The nearest-rank `p`-th percentile of `sorted` (ascending); 0 when empty.
 pub fn percentile(sorted: &[u64], p: f64) -> u64 {
