@@ -8,14 +8,13 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/answers.rs"]
+mod answers;
 #[path = "support/cluster.rs"]
 mod cluster;
 
-use bytes::Bytes;
+use answers::{Answer, Proxy};
 use cluster::*;
-use http_body_util::{BodyExt, Full};
-use kvroute_http::net::{HttpClient, client};
-use kvroute_proxy::observed::{PREDICTED_HEADER, WORKER_HEADER};
 
 /// A long prompt: several full 16-token blocks of the tiny model's tokens, and a partial one.
 fn prompt(topic: &str) -> String {
@@ -23,87 +22,6 @@ fn prompt(topic: &str) -> String {
         "{topic}: {}",
         "the quick brown fox jumps over the lazy dog. ".repeat(6)
     )
-}
-
-/// What one completion came back with.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    worker: Option<u64>,
-    predicted: Option<u32>,
-    reported: u32,
-    body: String,
-}
-
-struct Proxy {
-    base: String,
-    http: HttpClient,
-}
-
-impl Proxy {
-    fn new(c: &Cluster) -> Self {
-        Self {
-            base: c.proxy.url(),
-            http: client(Duration::from_secs(5)),
-        }
-    }
-
-    async fn complete(&self, body: Value) -> Answer {
-        let req = hyper::Request::post(format!("{}/v1/completions", self.base))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
-            .unwrap();
-        let resp = self.http.request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        let header = |name: &str| {
-            resp.headers()
-                .get(name)
-                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
-        };
-        let (worker, predicted) = (header(WORKER_HEADER), header(PREDICTED_HEADER).map(|p| p as u32));
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        let body = String::from_utf8_lossy(&bytes).into_owned();
-        let reported = match status {
-            200 => completion(&bytes).usage.unwrap().cached_tokens(),
-            _ => 0,
-        };
-        Answer {
-            status,
-            worker,
-            predicted,
-            reported,
-            body,
-        }
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        let req = hyper::Request::get(format!("{}{path}", self.base))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let resp = self.http.request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&bytes).unwrap_or_default())
-    }
-
-    /// The ids on the proxy's `/v1/models`, with each one's parent.
-    async fn models(&self) -> Vec<(String, Option<String>)> {
-        let list: ModelList = serde_json::from_value(self.get("/v1/models").await.1).unwrap();
-        list.data.into_iter().map(|c| (c.id, c.parent)).collect()
-    }
-
-    /// Waits until the proxy's `/v1/models` lists `adapter` (or, `listed` false, does not).
-    async fn until_listed(&self, adapter: &str, listed: bool) {
-        let deadline = std::time::Instant::now() + PATIENCE;
-        while self.models().await.iter().any(|(id, _)| id == adapter) != listed {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{adapter} listed should be {listed}: {:?}",
-                self.models().await
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 /// Mock workers 0 and 1 serve adapter `sql`, worker 1 `chat` too, worker 2 none; `tweak`
@@ -126,7 +44,7 @@ async fn fleet() -> Cluster {
 /// it again; the second answer.
 async fn twice(c: &Cluster, p: &Proxy, body: Value) -> (Answer, Answer) {
     let before: u64 = c.cached_blocks().iter().sum();
-    let first = p.complete(body.clone()).await;
+    let first = p.complete(body.clone(), &[]).await;
     assert_eq!(first.status, 200, "{}", first.body);
     let stored = c
         .proxy
@@ -134,7 +52,7 @@ async fn twice(c: &Cluster, p: &Proxy, body: Value) -> (Answer, Answer) {
         .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
         .await;
     assert!(stored, "the first request's blocks never reached the index");
-    let again = p.complete(body).await;
+    let again = p.complete(body, &[]).await;
     assert_eq!(again.status, 200, "{}", again.body);
     (first, again)
 }
@@ -142,7 +60,7 @@ async fn twice(c: &Cluster, p: &Proxy, body: Value) -> (Answer, Answer) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_engine_reports() {
     let c = fleet().await;
-    let p = Proxy::new(&c);
+    let p = Proxy::new(&c.proxy);
     p.until_listed("sql", true).await;
     p.until_listed("chat", true).await;
     assert_eq!(
@@ -154,6 +72,7 @@ async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_e
         ]
     );
     let (status, card) = p.get("/v1/models/sql").await;
+    let card: Value = serde_json::from_str(&card).unwrap();
     assert_eq!((status, card["parent"].as_str()), (200, Some("tiny")));
     assert_eq!(card["root"].as_str(), Some("/adapters/sql"));
 
@@ -188,7 +107,7 @@ async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_e
     assert!(again.reported > 0);
     for model in ["chat", "tiny"] {
         let a = p
-            .complete(json!({"model": model, "prompt": text, "max_tokens": 2}))
+            .complete(json!({"model": model, "prompt": text, "max_tokens": 2}), &[])
             .await;
         assert_eq!(a.status, 200, "{}", a.body);
         assert_eq!(a.predicted, Some(a.reported), "{model}: {a:?}");
@@ -197,7 +116,7 @@ async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_e
 
     // A model nobody serves is OpenAI's 404, as before.
     let a = p
-        .complete(json!({"model": "nope", "prompt": "hi", "max_tokens": 2}))
+        .complete(json!({"model": "nope", "prompt": "hi", "max_tokens": 2}), &[])
         .await;
     assert_eq!(a.status, 404, "{}", a.body);
     assert_eq!(p.get("/v1/models/nope").await.0, 404);
@@ -207,10 +126,10 @@ async fn each_adapter_request_reaches_a_worker_that_serves_it_predicted_as_the_e
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adapter_loaded_at_run_time_becomes_routable_and_unloaded_stops_being() {
     let c = fleet().await;
-    let p = Proxy::new(&c);
+    let p = Proxy::new(&c.proxy);
     p.until_listed("sql", true).await;
     let late = json!({"model": "late", "prompt": prompt("late"), "max_tokens": 2});
-    assert_eq!(p.complete(late.clone()).await.status, 404);
+    assert_eq!(p.complete(late.clone(), &[]).await.status, 404);
 
     // Worker 2 loads it, as vLLM does at run time.
     let mock = reqwest_lite::Http::new(c.mocks[2].url());
@@ -222,7 +141,7 @@ async fn an_adapter_loaded_at_run_time_becomes_routable_and_unloaded_stops_being
     assert_eq!(status, 400, "loaded twice: {}", String::from_utf8_lossy(&body));
     p.until_listed("late", true).await;
     for _ in 0..4 {
-        let a = p.complete(late.clone()).await;
+        let a = p.complete(late.clone(), &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         assert_eq!(a.worker, Some(2), "only worker 2 serves it");
         assert_eq!(a.predicted, Some(a.reported));
@@ -236,7 +155,7 @@ async fn an_adapter_loaded_at_run_time_becomes_routable_and_unloaded_stops_being
     let (status, _, body) = mock.request("POST", "/v1/unload_lora_adapter", unload).await;
     assert_eq!(status, 404, "unloaded twice: {}", String::from_utf8_lossy(&body));
     p.until_listed("late", false).await;
-    assert_eq!(p.complete(late).await.status, 404);
+    assert_eq!(p.complete(late, &[]).await.status, 404);
     c.assert_drained().await;
 }
 
@@ -244,7 +163,7 @@ async fn an_adapter_loaded_at_run_time_becomes_routable_and_unloaded_stops_being
 async fn a_salted_request_never_predicts_a_hit_on_another_salts_blocks() {
     // One worker: every request meets every block the engine holds.
     let c = cluster(1, 20.0, |c| c.server.debug_headers = true).await;
-    let p = Proxy::new(&c);
+    let p = Proxy::new(&c.proxy);
     let text = prompt("salted");
     let body = |salt: Option<&str>| {
         let mut b = json!({"prompt": text, "max_tokens": 2});
@@ -259,7 +178,7 @@ async fn a_salted_request_never_predicts_a_hit_on_another_salts_blocks() {
     assert_eq!(again.predicted, Some(again.reported));
     for salt in [Some("b"), None, Some("a-"), Some("A")] {
         let before: u64 = c.cached_blocks().iter().sum();
-        let a = p.complete(body(salt)).await;
+        let a = p.complete(body(salt), &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         assert_eq!(
             (a.predicted, a.reported),
@@ -275,11 +194,11 @@ async fn a_salted_request_never_predicts_a_hit_on_another_salts_blocks() {
         assert!(stored, "salt {salt:?}: its blocks never reached the index");
     }
     // Salt a's blocks are still there, and still predicted as the engine finds them.
-    let a = p.complete(body(Some("a"))).await;
+    let a = p.complete(body(Some("a")), &[]).await;
     assert!(a.reported > 0);
     assert_eq!(a.predicted, Some(a.reported));
     // Unsalted, the prefix stored above is found again.
-    let a = p.complete(body(None)).await;
+    let a = p.complete(body(None), &[]).await;
     assert!(a.reported > 0);
     assert_eq!(a.predicted, Some(a.reported));
     c.assert_drained().await;

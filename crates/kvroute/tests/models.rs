@@ -9,16 +9,15 @@
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/answers.rs"]
+mod answers;
 #[path = "support/cluster.rs"]
 mod cluster;
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
+use answers::{Answer, Proxy};
 use cluster::*;
-use http_body_util::{BodyExt, Full};
-use kvroute_http::net::{HttpClient, client};
-use kvroute_proxy::observed::{PREDICTED_HEADER, WORKER_HEADER};
 
 /// A prompt of several full blocks of either block size, and a partial one.
 fn prompt(topic: &str) -> String {
@@ -26,88 +25,6 @@ fn prompt(topic: &str) -> String {
         "{topic}: {}",
         "the quick brown fox jumps over the lazy dog. ".repeat(8)
     )
-}
-
-/// What one completion came back with.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    worker: Option<u64>,
-    predicted: Option<u32>,
-    reported: u32,
-    body: String,
-}
-
-struct Proxy {
-    base: String,
-    http: HttpClient,
-}
-
-impl Proxy {
-    fn new(p: &ProxyHandle) -> Self {
-        Self {
-            base: p.url(),
-            http: client(Duration::from_secs(5)),
-        }
-    }
-
-    async fn complete(&self, body: Value, headers: &[(&str, &str)]) -> Answer {
-        self.generate("/v1/completions", body, headers).await
-    }
-
-    /// A generation request to `path` (a completion or a chat); the engine's reported cached
-    /// tokens read from its usage.
-    async fn generate(&self, path: &str, body: Value, headers: &[(&str, &str)]) -> Answer {
-        let mut req =
-            hyper::Request::post(format!("{}{path}", self.base)).header("content-type", "application/json");
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let req = req
-            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
-            .unwrap();
-        let resp = self.http.request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        let header = |name: &str| {
-            resp.headers()
-                .get(name)
-                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
-        };
-        let (worker, predicted) = (header(WORKER_HEADER), header(PREDICTED_HEADER).map(|p| p as u32));
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        let body = String::from_utf8_lossy(&bytes).into_owned();
-        let reported = match status {
-            200 => {
-                let v: Value = serde_json::from_slice(&bytes).unwrap();
-                let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
-                cached.as_u64().map_or(0, |c| c as u32)
-            }
-            _ => 0,
-        };
-        Answer {
-            status,
-            worker,
-            predicted,
-            reported,
-            body,
-        }
-    }
-
-    async fn get(&self, path: &str) -> (u16, String) {
-        let req = hyper::Request::get(format!("{}{path}", self.base))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let resp = self.http.request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8_lossy(&bytes).into_owned())
-    }
-
-    /// The ids on the proxy's `/v1/models`, with each one's parent.
-    async fn models(&self) -> Vec<(String, Option<String>)> {
-        let list: ModelList = serde_json::from_str(&self.get("/v1/models").await.1).unwrap();
-        list.data.into_iter().map(|c| (c.id, c.parent)).collect()
-    }
 }
 
 /// Blocks the router of `driver` holds, summed over its workers.
