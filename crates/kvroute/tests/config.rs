@@ -93,14 +93,9 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
     );
     let path = path.to_str().unwrap();
     let args = |flags: &[&str]| {
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let mut argv = vec!["serve", "--config", path];
+        let mut argv = vec!["--config", path];
         argv.extend_from_slice(flags);
-        Cli::parse_from(argv).serve.to_config().unwrap()
+        serve_config(&argv).unwrap()
     };
     let c = args(&[]);
     assert_eq!((c.routing.queue_capacity, c.routing.block_size), (64, 32));
@@ -120,17 +115,10 @@ fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
 
 #[test]
 fn serve_discovery_keys_and_flags_agree() {
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
     let serve = |argv: &[&str]| {
-        let mut all = vec!["serve", "--approximate-tokenizer"];
+        let mut all = vec!["--approximate-tokenizer"];
         all.extend_from_slice(argv);
-        Cli::try_parse_from(all)
-            .map_err(anyhow::Error::from)
-            .and_then(|c| c.serve.to_config())
+        serve_config(&all)
     };
     let path = file(
         "discovery",
@@ -170,17 +158,10 @@ fn serve_discovery_keys_and_flags_agree() {
 
 #[test]
 fn serve_tenants_come_from_tables_and_their_headers_from_keys_or_flags() {
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
     let serve = |argv: &[&str]| {
-        let mut all = vec!["serve", "--approximate-tokenizer"];
+        let mut all = vec!["--approximate-tokenizer"];
         all.extend_from_slice(argv);
-        Cli::try_parse_from(all)
-            .map_err(anyhow::Error::from)
-            .and_then(|c| c.serve.to_config())
+        serve_config(&all)
     };
     let path = file(
         "tenants",
@@ -216,15 +197,22 @@ fn serve_tenants_come_from_tables_and_their_headers_from_keys_or_flags() {
 /// The router `kvroute serve` would run with `flags` (and the built-in tokenizer), through the
 /// command's own loader: flags, defaults, checks.
 fn serve_router(flags: &[&str]) -> anyhow::Result<RouterConfig> {
+    let mut argv = vec!["--approximate-tokenizer"];
+    argv.extend_from_slice(flags);
+    Ok(serve_config(&argv)?.validate()?)
+}
+
+/// The configuration `kvroute serve` loads with `argv`, through the command's own loader: its
+/// file, then its flags, then the defaults.
+fn serve_config(argv: &[&str]) -> anyhow::Result<kvroute_proxy::ServeConfig> {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
         serve: ServeArgs,
     }
-    let mut argv = vec!["serve", "--approximate-tokenizer"];
-    argv.extend_from_slice(flags);
-    let config = Cli::try_parse_from(argv)?.serve.to_config()?;
-    Ok(config.validate()?)
+    let mut all = vec!["serve"];
+    all.extend_from_slice(argv);
+    Cli::try_parse_from(all)?.serve.to_config()
 }
 
 /// The router `kvroute replay` would simulate with `flags`, through the command's own loader.
