@@ -1,19 +1,16 @@
 //! LoRA adapters behind the proxy. A worker's adapters are the cards of its `/v1/models` whose
 //! `parent` is the model the proxy serves (vLLM lists an adapter so, with its path as `root`);
-//! they are read when the worker registers (the model check's answer) and again every
-//! `health-interval-ms` ([`run`]), so an adapter a worker loads or unloads at run time
+//! they are read when the worker registers (the model check's answer) and again at every
+//! health probe it passes (`health::probe_all`), so an adapter a worker loads or unloads at run time
 //! (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) is seen within one interval.
 //! The router routes a request naming an adapter only among the workers serving it
 //! (`Router::handle_adapters`), on block hashes salted with the adapter's name as the engine's
 //! are; the proxy's `/v1/models` lists the model, then every adapter some worker serves.
 
-use std::sync::Arc;
-
 use kvroute_http::net::HttpClient;
 use kvroute_http::openai::types::{ModelCard, ModelList, Object};
 
 use crate::checks::{self, Worker};
-use crate::config::ServeConfig;
 use crate::driver::{AdapterSet, Driver};
 
 /// The adapters of `model` in a worker's model list.
@@ -96,32 +93,6 @@ fn base_model_among(list: &ModelList, models: &[&str]) -> Result<String, String>
             list.data.iter().map(|c| c.id.as_str()).collect::<Vec<_>>()
         )),
         _ => Err(format!("it serves several of the models ({})", served.join(", "))),
-    }
-}
-
-/// Reads every worker's adapters each `health-interval-ms`, forever.
-pub async fn run(driver: Arc<Driver>, client: HttpClient) {
-    let interval = ServeConfig::ms(driver.config.upstream.health_interval_ms);
-    loop {
-        tokio::time::sleep(interval).await;
-        poll_all(&driver, &client).await;
-    }
-}
-
-/// One round: each worker's `/v1/models` asked once; a worker that does not answer keeps the
-/// adapters it had (its health checks deal with it).
-pub async fn poll_all(driver: &Driver, client: &HttpClient) {
-    let timeout = ServeConfig::ms(driver.config.upstream.health_timeout_ms);
-    let model = &driver.config.model.model_name;
-    for (id, base) in driver.worker_urls() {
-        let key = driver.worker_config(id).and_then(|c| c.api_key);
-        let worker = Worker {
-            base: &base,
-            api_key: key.as_deref(),
-        };
-        if let Some(list) = checks::models(client, worker, timeout).await {
-            driver.set_adapters(id, adapters_of(&list, model));
-        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! The health prober and the registration checks' runner. The prober checks every worker's
 //! `/health` each `health_interval_ms` and reports each answer to the worker's state machine
 //! ([`crate::worker`]), which decides what a streak of them means; the answer is read and
-//! applied under the driver's one lock. A worker back from failing, or misconfigured and
+//! applied under the driver's one lock. A worker that answers has its LoRA adapters read again
+//! from its `/v1/models` (loaded and unloaded at run time, [`crate::adapters`]). A worker back from failing, or misconfigured and
 //! answering, gets the registration checks again ([`crate::checks`], run by [`Checker`]).
 
 use std::sync::Arc;
@@ -29,12 +30,23 @@ pub async fn run(driver: Arc<Driver>, checker: Checker) {
 }
 
 /// One round of the prober: every worker's `/health` asked once, each answer applied to its
-/// state machine, and the registration checks started where they are due.
+/// state machine, the adapters of each that answered read again (one that then does not
+/// answer keeps those it had), and the registration checks started where they are due.
 pub async fn probe_all(driver: &Arc<Driver>, checker: &Checker) {
     let timeout = ServeConfig::ms(driver.config.upstream.health_timeout_ms);
+    let model = &driver.config.model.model_name;
     for (id, base) in driver.worker_urls() {
         let key = driver.worker_config(id).and_then(|c| c.api_key);
         let event = probe(&checker.client, &base, key.as_deref(), timeout).await;
+        if event == WorkerEvent::CheckPassed {
+            let worker = Worker {
+                base: &base,
+                api_key: key.as_deref(),
+            };
+            if let Some(list) = checks::models(&checker.client, worker, timeout).await {
+                driver.set_adapters(id, crate::adapters::adapters_of(&list, model));
+            }
+        }
         let t = driver.apply_worker_event(id, event);
         if checks::due(
             t.map(|t| t.from),

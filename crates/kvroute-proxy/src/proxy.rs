@@ -343,10 +343,6 @@ pub async fn start(config: ServeConfig, model: Option<Arc<Model>>) -> Result<Pro
                 Arc::clone(&stack.driver),
                 stack.fleet.checker().clone(),
             )));
-            tasks.push(tokio::spawn(crate::adapters::run(
-                Arc::clone(&stack.driver),
-                stack.fleet.checker().client.clone(),
-            )));
         }
     }
     let mut inference = axum::Router::new()
