@@ -215,6 +215,10 @@ pub struct PlannerConfig {
     /// default, acts on the first; 2 or more let a single tick's burst pass, as a Kubernetes
     /// autoscaler's stabilization window does).
     pub scale_up_ticks: u32,
+    /// With `scale_up_ticks` above 1: a breach this many times the SLA (the best engine's
+    /// estimate over the target) scales up at its first tick; a burst that large is not waited
+    /// out (none: every scale-up waits its ticks).
+    pub scale_up_at_once: Option<f64>,
     /// Share of an engine's modelled throughput the throughput loop plans to use (queueing
     /// makes 100 % unusable under any latency target).
     pub throughput_headroom: f64,
@@ -250,6 +254,7 @@ impl Default for PlannerConfig {
             scale_down_sensitivity: 0.8,
             scale_down_ticks: 6,
             scale_up_ticks: 1,
+            scale_up_at_once: None,
             throughput_headroom: 0.8,
         }
     }
@@ -339,6 +344,11 @@ impl PlannerConfig {
         }
         if self.scale_down_ticks == 0 || self.scale_up_ticks == 0 {
             return bad("scale_down_ticks and scale_up_ticks must be at least 1".to_owned());
+        }
+        if let Some(f) = self.scale_up_at_once
+            && !(f > 1.0 && f.is_finite())
+        {
+            return bad(format!("scale_up_at_once {f} (a factor over the SLA, above 1)"));
         }
         if !(self.throughput_headroom > 0.0 && self.throughput_headroom <= 1.0) {
             return bad(format!("throughput_headroom {}", self.throughput_headroom));

@@ -545,7 +545,18 @@ impl Planner {
                         Streak::Down(n) => (n, self.config.scale_down_ticks),
                         Streak::None => (0, u32::MAX),
                     };
-                    if held >= needed {
+                    let at_once = match why {
+                        Reason::SlaBreached {
+                            best_estimate_ms,
+                            sla_ms,
+                            ..
+                        } => self
+                            .config
+                            .scale_up_at_once
+                            .is_some_and(|f| best_estimate_ms >= f * sla_ms),
+                        _ => false,
+                    };
+                    if held >= needed || at_once {
                         *streak = Streak::None;
                         let to_now = if delta > 0 { ready + 1 } else { ready - 1 };
                         (to, reason) = (to_now, Some(why));

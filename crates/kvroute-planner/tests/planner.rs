@@ -195,6 +195,52 @@ fn scale_up_waits_for_its_ticks_in_a_row() {
 }
 
 #[test]
+fn a_breach_past_scale_up_at_once_does_not_wait() {
+    let config = |at_once| PlannerConfig {
+        sla: kvroute_planner::Sla {
+            ttft_ms: 500.0,
+            itl_ms: 50.0,
+        },
+        scale_up_ticks: 3,
+        scale_up_at_once: at_once,
+        ..load_only(Mode::Prefill)
+    };
+    let busy = |id, queued| worker(id, Pool::Prefill, queued, 0, 0);
+    let obs = |queued| Observation {
+        traffic: traffic(20, 4000.0, 100.0, None, 4.0),
+        workers: vec![busy(0, queued), busy(1, queued)],
+        queued_requests: 0,
+    };
+    let first_tick = |at_once, queued| {
+        let observed = obs(queued);
+        let mut p = warmed(config(at_once), &observed.workers);
+        let at_s = p.config().load_interval_s;
+        p.tick(at(at_s), &observed).decision
+    };
+    // The breach's size, from the planner's own estimate: the best engine over the target.
+    let severity = |queued| {
+        let observed = obs(queued);
+        let mut p = warmed(config(None), &observed.workers);
+        let at_s = p.config().load_interval_s;
+        let record = p.tick(at(at_s), &observed).record;
+        record.pools[0].est_ttft_ms.expect("an estimate") / 500.0
+    };
+    let (mild, severe) = (severity(20_000), severity(80_000));
+    assert!(mild > 1.0 && mild < 2.0, "a mild breach: {mild}");
+    assert!(severe > 2.0, "a severe breach: {severe}");
+    assert!(
+        first_tick(None, 80_000).is_none(),
+        "without the factor, every scale-up waits"
+    );
+    assert!(
+        first_tick(Some(2.0), 20_000).is_none(),
+        "a mild breach waits its ticks"
+    );
+    let d = first_tick(Some(2.0), 80_000).expect("a severe breach scales up at once");
+    assert_eq!(d.actions, vec![Action::Add { pool: Pool::Prefill }]);
+}
+
+#[test]
 fn consolidation_refuses_a_scale_down_that_would_break_the_sla() {
     let config = PlannerConfig {
         sla: kvroute_planner::Sla {
