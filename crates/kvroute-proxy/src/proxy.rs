@@ -702,8 +702,19 @@ async fn health(State(app): State<Arc<App>>) -> Response {
             .iter()
             .any(|w| w.routable && w.config.role() != WorkerRole::Prefill)
     });
-    // With replica sync, whether the peers are heard (routing goes on either way).
-    let sync = app.driver.sync_link().map(kvroute_sync::LinkState::name);
+    // With replica sync, whether the peers are heard (routing goes on either way): each model
+    // syncs on its own subject, so the link reported is the worst, and each model's beside it
+    // when there are several.
+    let links: Vec<(&str, kvroute_sync::LinkState)> = app
+        .stacks
+        .iter()
+        .filter_map(|s| Some((s.name(), s.driver.sync_link()?)))
+        .collect();
+    let sync = links
+        .iter()
+        .map(|&(_, link)| link)
+        .max_by_key(|&link| link == kvroute_sync::LinkState::Disconnected)
+        .map(kvroute_sync::LinkState::name);
     // With `when-empty = queue` requests wait for a worker (a fleet scaled to zero starts one):
     // the proxy takes them, so it is ready.
     let waits = !serving && app.driver.queues_when_empty();
@@ -711,6 +722,13 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         let mut body = json!({"status": "ok"});
         if let Some(sync) = sync {
             body["sync"] = json!(sync);
+        }
+        if app.stacks.len() > 1 && !links.is_empty() {
+            let per_model: serde_json::Map<String, serde_json::Value> = links
+                .iter()
+                .map(|&(name, link)| (name.to_owned(), json!(link.name())))
+                .collect();
+            body["sync_models"] = serde_json::Value::Object(per_model);
         }
         if waits {
             body["workers"] = json!("none routable: requests wait in the queue");

@@ -435,6 +435,21 @@ async fn a_worker_added_to_one_replica_joins_its_model_on_every_replica() {
         eventually("the worker joins beta on every replica", || has(p, "beta", &url)).await;
         assert!(!has(p, "alpha", &url));
     }
+    // `/health` names each model's sync link: both subjects are heard.
+    let linked = |model| b.driver_of(model).unwrap().sync_link() == Some(kvroute_sync::LinkState::Connected);
+    eventually("both models' sync links are up", || {
+        linked("alpha") && linked("beta")
+    })
+    .await;
+    let (status, health) = Proxy::new(&b).get("/health").await;
+    assert_eq!(status, 200, "{health}");
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["sync"], "connected", "{health}");
+    assert_eq!(
+        health["sync_models"],
+        json!({"alpha": "connected", "beta": "connected"}),
+        "{health}"
+    );
     // Pinned to a model not served: refused, naming it.
     let mut wrong = WorkerConfig::parse_flag(&beta[1].worker_flag()).unwrap();
     wrong.model = Some("gamma".to_owned());
