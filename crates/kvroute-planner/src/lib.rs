@@ -30,6 +30,7 @@
 
 pub mod books;
 pub mod config;
+mod decision;
 mod error;
 pub mod model;
 pub mod observation;
@@ -38,10 +39,11 @@ pub mod predictor;
 pub mod regression;
 
 pub use config::{EngineLimits, Mode, ModelSeed, Observe, PlannerConfig, Pool, PredictorConfig, Sla};
+pub use decision::{
+    Action, Change, Hold, Metric, PoolStatus, Reason, ScalingDecision, ThroughputRecord, TickOutput,
+    TickRecord,
+};
 pub use error::PlannerError;
 pub use model::{PassSample, PoolModel, clamp_hit_rate, prefill_work};
 pub use observation::{Observation, Traffic, WorkerObservation, WorkerPhase, removal_order, removal_rank};
-pub use planner::{
-    Action, Change, Hold, Metric, Planner, PoolStatus, Reason, ScalingDecision, ThroughputRecord, TickOutput,
-    TickRecord, fit_budget,
-};
+pub use planner::{Planner, fit_budget};
