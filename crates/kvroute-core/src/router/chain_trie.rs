@@ -210,6 +210,11 @@ impl<M: Clone + Default> ChainTrie<M> {
         self.blocks
     }
 
+    /// Asks for the cache line of [`ChainTrie::blocks`]; changes nothing.
+    pub(crate) fn prefetch_blocks(&self) {
+        kvroute_prefetch::prefetch_read(&self.blocks);
+    }
+
     /// Whether the set is empty.
     pub(crate) fn is_empty(&self) -> bool {
         self.by_first.is_empty()

@@ -59,6 +59,14 @@ pub(crate) enum Membership {
 }
 
 impl FleetWorker {
+    /// Asks for the cache lines a cost reads (its spec, load and churn) ahead of their use;
+    /// changes nothing.
+    pub(crate) fn prefetch(&self) {
+        kvroute_prefetch::prefetch_read(&self.spec);
+        kvroute_prefetch::prefetch_read(&self.churn);
+        self.load.prefetch();
+    }
+
     pub(crate) fn load(&self) -> WorkerLoad {
         self.load.snapshot()
     }

@@ -256,6 +256,13 @@ impl LoadState {
         )
     }
 
+    /// Asks for the cache lines [`LoadState::snapshot`] reads; changes nothing.
+    pub(crate) fn prefetch(&self) {
+        kvroute_prefetch::prefetch_read(&self.requests);
+        kvroute_prefetch::prefetch_read(&self.staged_blocks);
+        self.active.prefetch_blocks();
+    }
+
     /// The load as a plain snapshot.
     pub(crate) fn snapshot(&self) -> WorkerLoad {
         WorkerLoad {

@@ -57,6 +57,9 @@ impl Stage {
     }
 }
 
+/// How many loaded workers ahead of the one whose bound is computed the scan prefetches.
+const PREFETCH_AHEAD: usize = 8;
+
 /// The most distinct (spec, overlap) pairs of idle workers remembered per decision; further
 /// ones are scored one by one.
 const IDLE_MEMO: usize = 16;
@@ -426,7 +429,13 @@ impl Router {
         // set's, as without the bounds, so the ties and the draw are the same.
         s.bounds.clear();
         let mut best: Option<(f64, usize)> = None;
-        for (i, &slot) in self.fleet.loaded().iter().enumerate() {
+        let loaded = self.fleet.loaded();
+        for (i, &slot) in loaded.iter().enumerate() {
+            // The workers are visited in the loaded set's order, scattered over the fleet: each
+            // one's fields a cache miss, unless asked for a few workers ahead.
+            if let Some(&ahead) = loaded.get(i + PREFETCH_AHEAD) {
+                workers[ahead as usize].prefetch();
+            }
             let slot = slot as usize;
             let w = &workers[slot];
             let b = (!w.draining && stage.admits(w.spec.role))
