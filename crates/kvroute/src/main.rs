@@ -150,6 +150,10 @@ struct RouteArgs {
     /// `cold` (generated 64 MiB of prompts earlier, read from memory).
     #[arg(long, value_enum, default_value_t = bench::route::PromptCache::Warm)]
     prompt_cache: bench::route::PromptCache,
+    /// A follow-up turn's earlier blocks: `kept` (its previous turn's hashes, as the proxy's
+    /// conversation cache keeps them: only new blocks are hashed) or `rehashed` (hashed whole).
+    #[arg(long, value_enum, default_value_t = bench::route::EarlierHashes::Kept)]
+    earlier_hashes: bench::route::EarlierHashes,
 }
 
 /// A block size: a whole number from 1 to `u32::MAX`.
@@ -309,8 +313,14 @@ fn bench_sync(args: SyncArgs) -> anyhow::Result<()> {
 fn bench_route(args: RouteArgs) -> anyhow::Result<()> {
     for &workers in &args.workers {
         for &prompt_tokens in &args.prompt_tokens {
-            let report =
-                bench::route::run_case(workers, prompt_tokens, args.samples, args.seed, args.prompt_cache)?;
+            let report = bench::route::run_case(
+                workers,
+                prompt_tokens,
+                args.samples,
+                args.seed,
+                args.prompt_cache,
+                args.earlier_hashes,
+            )?;
             println!(
                 "{}",
                 serde_json::to_string(&report).context("serializing the report")?

@@ -144,7 +144,8 @@ pub enum RouterError {
     /// A worker must have room for at least one block.
     #[error("worker {0} has a KV capacity of zero blocks")]
     ZeroCapacity(WorkerKey),
-    /// A prompt given as block hashes claims fewer tokens than its full blocks hold.
+    /// A prompt given as block hashes, or continuing an earlier one, claims fewer tokens than its
+    /// (earlier) full blocks hold.
     #[error("request {request:?}: {blocks} full blocks do not fit in {prompt_tokens} prompt tokens")]
     InconsistentPrompt {
         /// The request.
@@ -806,6 +807,20 @@ impl Router {
                     namespace: request.cache_salt,
                 };
                 let chain = PromptHasher::new(block_size as usize, &salt).hash_prompt_shared(tokens, locals);
+                (chain, tokens.len() as u64)
+            }
+            Prompt::Continues { tokens, earlier } => {
+                let salt = HashSalt {
+                    lora_name: request.lora_name,
+                    namespace: request.cache_salt,
+                };
+                let chain = PromptHasher::new(block_size as usize, &salt)
+                    .hash_prompt_after(tokens, earlier, locals)
+                    .ok_or(RouterError::InconsistentPrompt {
+                        request: request.id,
+                        blocks: earlier.blocks(),
+                        prompt_tokens: tokens.len() as u64,
+                    })?;
                 (chain, tokens.len() as u64)
             }
             Prompt::Blocks {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::fair::TenantId;
 use super::session::SessionId;
+use crate::hash::PromptHashes;
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash};
 use crate::time::Timestamp;
 
@@ -14,6 +15,19 @@ use crate::time::Timestamp;
 pub enum Prompt<'a> {
     /// Token ids. The router hashes full blocks at its block size under the request's salt.
     Tokens(&'a [u32]),
+    /// Token ids continuing an earlier prompt whose hashes the caller kept (a conversation's
+    /// previous turn): the router hashes only the blocks past `earlier`'s
+    /// ([`PromptHasher::hash_prompt_after`], which falls back to hashing the whole prompt when
+    /// `earlier` was hashed under another block size or salt). The caller vouches that the
+    /// earlier prompt's tokens are the first of `tokens`.
+    ///
+    /// [`PromptHasher::hash_prompt_after`]: crate::hash::PromptHasher::hash_prompt_after
+    Continues {
+        /// All the prompt's token ids, the earlier prompt's first.
+        tokens: &'a [u32],
+        /// The earlier prompt's hashes.
+        earlier: &'a PromptHashes,
+    },
     /// Local hashes of the full blocks, computed by the caller at the router's block size with
     /// the salt already applied, and the prompt's length in tokens (at least `locals.len()`
     /// blocks' worth; a trailing partial block is not hashed but is prefilled).

@@ -15,7 +15,13 @@
 //! quarter of the fleet). The timed region is `Router::handle_request` on the token ids: hashing,
 //! the index lookup, the load projection of every worker, the policy, the booking. The request is
 //! then finished (untimed), so the load stays as set up. `hash_p50_ns` times the router's hashing
-//! alone on the same prompts.
+//! alone on the same prompts. Fresh prompts and follow-ups are also reported apart.
+//!
+//! **A follow-up's earlier hashes** ([`EarlierHashes`]). A driver that keeps a conversation's
+//! hashes (the proxy's conversation cache keeps each turn's) routes the next turn as
+//! [`Prompt::Continues`], so the router hashes only the blocks past the previous turn's; the
+//! default [`EarlierHashes::Kept`] models that, the previous turn's hashes made untimed.
+//! [`EarlierHashes::Rehashed`] routes every prompt as token ids, hashed whole.
 //!
 //! **Where the prompt is.** In the proxy a prompt is routed right after it was tokenized, so its
 //! token ids (512 KiB at 128K tokens) are in the CPU's caches; [`PromptCache::Warm`] (the
@@ -27,7 +33,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{BlockHasher, HashSalt};
+use kvroute_core::hash::{BlockHasher, HashSalt, PromptHasher, PromptHashes};
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     IndexEvent, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, WorkerRole, WorkerSpec,
@@ -58,6 +64,18 @@ pub enum PromptCache {
     Cold,
 }
 
+/// How a follow-up turn's earlier blocks reach the router.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum EarlierHashes {
+    /// The previous turn's hashes, kept as a conversation cache keeps them: only the new blocks
+    /// are hashed ([`Prompt::Continues`]).
+    #[default]
+    Kept,
+    /// None: the whole prompt is hashed ([`Prompt::Tokens`]).
+    Rehashed,
+}
+
 /// Bytes of prompts written between a cold prompt's making and its routing.
 const COLD_DISTANCE_BYTES: usize = 64 << 20;
 
@@ -76,6 +94,8 @@ pub struct RouteBenchReport {
     pub samples: usize,
     /// Where the timed prompts' token ids were.
     pub prompt_cache: PromptCache,
+    /// How follow-ups' earlier blocks reached the router.
+    pub earlier_hashes: EarlierHashes,
     /// Median decision latency, hashing included, in nanoseconds.
     pub p50_ns: u64,
     /// 99th percentile decision latency, in nanoseconds.
@@ -84,12 +104,39 @@ pub struct RouteBenchReport {
     pub max_ns: u64,
     /// Mean decision latency, in nanoseconds.
     pub mean_ns: f64,
-    /// Median time to hash the prompt alone (local and sequence hashes), in nanoseconds.
+    /// Median time to hash the prompt alone (local and sequence hashes, as the router does:
+    /// a follow-up's new blocks alone with [`EarlierHashes::Kept`]), in nanoseconds.
     pub hash_p50_ns: u64,
+    /// Fresh prompts (on a shared system prompt): decisions timed; p50 and p99 in nanoseconds.
+    pub fresh: KindFigures,
+    /// Follow-ups (continuing a cached conversation): decisions timed; p50 and p99.
+    pub follow_up: KindFigures,
     /// (worker, block) entries in the KV index.
     pub cached_entries: u64,
     /// Requests booked while timing.
     pub active_requests: usize,
+}
+
+/// One kind of prompt's decisions.
+#[derive(Clone, Debug, Serialize)]
+pub struct KindFigures {
+    /// Decisions timed.
+    pub samples: usize,
+    /// Median decision latency, in nanoseconds.
+    pub p50_ns: u64,
+    /// 99th percentile decision latency, in nanoseconds.
+    pub p99_ns: u64,
+}
+
+impl KindFigures {
+    fn of(mut ns: Vec<u64>) -> Self {
+        ns.sort_unstable();
+        Self {
+            samples: ns.len(),
+            p50_ns: percentile(&ns, 50.0),
+            p99_ns: percentile(&ns, 99.0),
+        }
+    }
 }
 
 /// A xorshift64 generator for token ids: fast, seeded, good enough for content.
@@ -196,18 +243,56 @@ fn setup(workers: usize, corpus: &Corpus, rng: &mut Tokens) -> anyhow::Result<(R
 }
 
 /// A prompt of `corpus.prompt_tokens`: half continue a cached conversation, half start anew.
-fn sample_prompt(corpus: &Corpus, workers: usize, rng: &mut Tokens, out: &mut Vec<u32>) {
-    if rng.next().is_multiple_of(2) {
+/// Returns the length of the conversation a follow-up continues (its first tokens), `None` for
+/// a fresh prompt.
+fn sample_prompt(corpus: &Corpus, workers: usize, rng: &mut Tokens, out: &mut Vec<u32>) -> Option<usize> {
+    let earlier = if rng.next().is_multiple_of(2) {
         let w = rng.next() as usize % workers;
         let k = rng.next() as usize % corpus.conversations;
         corpus.conversation(w, k, out);
+        Some(out.len())
     } else {
         out.clear();
         corpus.system(rng.next() % SYSTEM_PROMPTS, out);
-    }
+        None
+    };
     let missing = corpus.prompt_tokens.saturating_sub(out.len());
     rng.extend(out, missing);
     out.truncate(corpus.prompt_tokens);
+    earlier.map(|len| len.min(out.len()))
+}
+
+/// A timed prompt: its token ids and, for a follow-up with [`EarlierHashes::Kept`], the hashes
+/// its conversation's previous turn left.
+#[derive(Default)]
+struct Sample {
+    tokens: Vec<u32>,
+    follow_up: bool,
+    earlier: Option<PromptHashes>,
+}
+
+impl Sample {
+    fn make(&mut self, corpus: &Corpus, workers: usize, rng: &mut Tokens, earlier: EarlierHashes) {
+        let len = sample_prompt(corpus, workers, rng, &mut self.tokens);
+        self.follow_up = len.is_some();
+        self.earlier = match (len, earlier) {
+            (Some(len), EarlierHashes::Kept) => {
+                let hasher = PromptHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
+                Some(PromptHashes::new(&hasher, &self.tokens[..len]))
+            }
+            _ => None,
+        };
+    }
+
+    fn prompt(&self) -> Prompt<'_> {
+        match &self.earlier {
+            Some(earlier) => Prompt::Continues {
+                tokens: &self.tokens,
+                earlier,
+            },
+            None => Prompt::Tokens(&self.tokens),
+        }
+    }
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -221,16 +306,21 @@ pub fn run_case(
     samples: usize,
     seed: u64,
     prompt_cache: PromptCache,
+    earlier_hashes: EarlierHashes,
 ) -> anyhow::Result<RouteBenchReport> {
     let corpus = Corpus::new(seed, prompt_tokens);
     let mut rng = Tokens::new(seed ^ 0xB0B);
     let (mut router, mut next_id) = setup(workers, &corpus, &mut rng)?;
-    // The hashing the router does: local hashes and the chain in one shared allocation.
-    let hasher = BlockHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
+    // The hashing the router does: local hashes and the chain in one shared allocation, only
+    // past the earlier hashes where a follow-up has them.
+    let hasher = PromptHasher::new(BLOCK_SIZE as usize, &HashSalt::NONE);
     let mut locals = Vec::new();
-    let mut time_hashing = |tokens: &[u32]| {
+    let mut time_hashing = |sample: &Sample| {
         let t0 = Instant::now();
-        let chain = hasher.hash_prompt_shared(black_box(tokens), &mut locals);
+        let chain = match &sample.earlier {
+            Some(earlier) => hasher.hash_prompt_after(black_box(&sample.tokens), earlier, &mut locals),
+            None => Some(hasher.hash_prompt_shared(black_box(&sample.tokens), &mut locals)),
+        };
         let ns = nanos(t0.elapsed());
         black_box(chain);
         ns
@@ -241,34 +331,41 @@ pub fn run_case(
         PromptCache::Warm => 1,
         PromptCache::Cold => COLD_DISTANCE_BYTES.div_ceil(prompt_tokens.max(1) * 4).max(2),
     };
-    let mut ring: Vec<Vec<u32>> = vec![Vec::new(); ring_len];
+    let mut ring: Vec<Sample> = std::iter::repeat_with(Sample::default).take(ring_len).collect();
     if prompt_cache == PromptCache::Cold {
-        for prompt in &mut ring {
-            sample_prompt(&corpus, workers, &mut rng, prompt);
+        for sample in &mut ring {
+            sample.make(&corpus, workers, &mut rng, earlier_hashes);
         }
     }
     let mut route_ns = Vec::with_capacity(samples);
+    let (mut fresh_ns, mut follow_up_ns) = (Vec::new(), Vec::new());
     let mut hash_ns = Vec::with_capacity(samples);
     let now = Timestamp::from_millis(1);
     for i in 0..samples {
-        let tokens = &mut ring[i % ring_len];
+        let sample = &mut ring[i % ring_len];
         if prompt_cache == PromptCache::Warm {
-            sample_prompt(&corpus, workers, &mut rng, tokens);
-            hash_ns.push(time_hashing(tokens));
+            sample.make(&corpus, workers, &mut rng, earlier_hashes);
+            hash_ns.push(time_hashing(sample));
         }
         let id = RequestId(next_id);
         next_id += 1;
-        let request = RouteRequest::new(id, Prompt::Tokens(tokens));
+        let request = RouteRequest::new(id, sample.prompt());
         let t0 = Instant::now();
         let outcome = router.handle_request(now, black_box(&request))?;
-        route_ns.push(nanos(t0.elapsed()));
+        let ns = nanos(t0.elapsed());
+        route_ns.push(ns);
+        if sample.follow_up {
+            follow_up_ns.push(ns);
+        } else {
+            fresh_ns.push(ns);
+        }
         if !matches!(outcome, RouteOutcome::Routed(_)) {
             anyhow::bail!("request {id:?} was not routed: {outcome:?}");
         }
         router.handle_finished(now, id)?;
         if prompt_cache == PromptCache::Cold {
-            hash_ns.push(time_hashing(tokens));
-            sample_prompt(&corpus, workers, &mut rng, tokens);
+            hash_ns.push(time_hashing(sample));
+            sample.make(&corpus, workers, &mut rng, earlier_hashes);
         }
     }
     router.check_invariants().map_err(anyhow::Error::msg)?;
@@ -282,12 +379,34 @@ pub fn run_case(
         block_size: BLOCK_SIZE,
         samples,
         prompt_cache,
+        earlier_hashes,
         p50_ns: percentile(&route_ns, 50.0),
         p99_ns: percentile(&route_ns, 99.0),
         max_ns: route_ns.last().copied().unwrap_or(0),
         mean_ns: mean(&route_ns),
         hash_p50_ns: percentile(&hash_ns, 50.0),
+        fresh: KindFigures::of(fresh_ns),
+        follow_up: KindFigures::of(follow_up_ns),
         cached_entries: metrics.workers.iter().map(|w| w.cached_blocks).sum(),
         active_requests: metrics.active_now,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_and_rehashed_follow_ups_time_the_same_decisions() {
+        let run = |earlier| run_case(4, 512, 60, 3, PromptCache::Warm, earlier).expect("a small case runs");
+        let (kept, rehashed) = (run(EarlierHashes::Kept), run(EarlierHashes::Rehashed));
+        for report in [&kept, &rehashed] {
+            assert_eq!(report.fresh.samples + report.follow_up.samples, 60);
+            assert!(report.fresh.samples > 0 && report.follow_up.samples > 0);
+        }
+        // The same prompts, the same fleet: only how follow-ups are hashed differs.
+        assert_eq!(kept.follow_up.samples, rehashed.follow_up.samples);
+        assert_eq!(kept.cached_entries, rehashed.cached_entries);
+        assert_eq!(kept.active_requests, rehashed.active_requests);
+    }
 }
