@@ -79,6 +79,9 @@ pub struct RequestView<'a> {
     pub block_size: u32,
     /// Sequence hashes of the prompt's full blocks.
     pub chain: &'a Arc<[SequenceHash]>,
+    /// How loaded the fleet is, in `[0, 1]`: the load of its least loaded worker that computes
+    /// prompts (see `Router::fleet_load`); 0 while one of them has nothing booked.
+    pub fleet_load: f64,
 }
 
 impl RequestView<'_> {
@@ -112,6 +115,7 @@ impl Prepared {
             prompt_tokens: self.prompt_tokens,
             block_size,
             chain: &self.chain,
+            fleet_load: 0.0,
         }
     }
 }
