@@ -166,8 +166,7 @@ pub struct OptionError {
 
 // ---- policies ----
 
-const COST_OPTIONS: &str =
-    "full, staged, scale=X, credit=X, tier=X, evict=X, fleet=X, transfer=X, requests=X, temperature=X, spread=X";
+const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, tier=X, evict=X, fleet=X, transfer=X, requests=X, temperature=X, spread=X";
 
 impl FromStr for PolicyConfig {
     type Err = SpecError;
