@@ -846,7 +846,9 @@ impl Router {
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
         let mut view = request.view(now, self.config.block_size);
-        view.fleet_load = self.fleet_load();
+        if self.weighs_fleet_load() {
+            view.fleet_load = self.fleet_load();
+        }
         let adapter = request.adapter.as_deref();
         let stay = request
             .session
@@ -931,6 +933,14 @@ impl Router {
             lowest = Some(lowest.map_or(here, |l| l.min(here)));
         }
         lowest.unwrap_or(0.0)
+    }
+
+    /// Whether a policy of this router reads the fleet's load (a cost policy with a positive
+    /// `fleet_weight`), so that the others spare [`Router::fleet_load`]'s pass over the fleet.
+    fn weighs_fleet_load(&self) -> bool {
+        std::iter::once(&self.config.policy)
+            .chain(&self.config.prefill_policy)
+            .any(|p| matches!(p, PolicyConfig::Kv(c) | PolicyConfig::Dynamo(c) if c.cost.fleet_weight > 0.0))
     }
 
     /// The candidate of `session`'s worker if the session stays there (see the `session`

@@ -80,7 +80,8 @@ pub struct RequestView<'a> {
     /// Sequence hashes of the prompt's full blocks.
     pub chain: &'a Arc<[SequenceHash]>,
     /// How loaded the fleet is, in `[0, 1]`: the load of its least loaded worker that computes
-    /// prompts (see `Router::fleet_load`); 0 while one of them has nothing booked.
+    /// prompts (see `Router::fleet_load`); 0 while one of them has nothing booked, and when no
+    /// policy of the router weighs it (`fleet_weight` 0).
     pub fleet_load: f64,
 }
 
