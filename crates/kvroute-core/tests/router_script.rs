@@ -195,6 +195,8 @@ fn set_policy_param(policy: &mut PolicyConfig, key: &str, value: &str) {
             "scale" => p.cost.prefill_load_scale = num(key, value),
             "req_weight" => p.cost.decode_active_request_weight = num(key, value),
             "evict" => p.cost.evict_weight = num(key, value),
+            "fleet" => p.cost.fleet_weight = num(key, value),
+            "transfer" => p.cost.transfer_block_cost = num(key, value),
             "temperature" => p.temperature = num(key, value),
             other => panic!("unknown cost option {other:?}"),
         },
@@ -572,12 +574,14 @@ impl Harness {
             Err(e) => return fmt_error(&e),
         };
         let chain: Arc<[SequenceHash]> = self.prompts.hashes(prompt).1.into();
+        let fleet_load = self.router().fleet_load();
         let view = RequestView {
             now,
             id: RequestId(0),
             prompt_tokens: tokens.len() as u64,
             block_size,
             chain: &chain,
+            fleet_load,
         };
         let cost_under = |c: &Candidate, projection| cost(&CostParams { projection, ..params }, &view, c);
         let lines: Vec<String> = candidates
@@ -749,4 +753,6 @@ scripts!(
     sessions,
     session_replicas,
     adapters,
+    decode_cache,
+    fleet_load,
 );

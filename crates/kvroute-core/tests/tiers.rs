@@ -209,6 +209,7 @@ fn blocks_offloaded_to_cpu_are_routed_to_as_a_hit_cheaper_than_a_miss_and_dearer
             prompt_tokens: 8 * u64::from(BLOCK),
             block_size: BLOCK,
             chain: &c,
+            fleet_load: r.fleet_load(),
         };
         let (PolicyConfig::Kv(p) | PolicyConfig::Dynamo(p)) = r.config().policy else {
             panic!("a cost policy")

@@ -2,7 +2,10 @@
 //!
 //! ```text
 //! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks + moved), 0)
-//!      + prefill_load_scale * evict_weight * eviction_pressure * max(prefill_blocks_of_prompt - overlap_blocks - moved, 0)
+//!      + prefill_load_scale * (evict_weight * eviction_pressure + fleet_weight * fleet_load)
+//!                           * max(prefill_blocks_of_prompt - overlap_blocks - moved, 0)
+//!      + prefill_load_scale * transfer_block_cost * max(prompt_blocks - overlap_blocks - moved, 0)
+//!                                                          (decode workers only)
 //!      + decode_blocks
 //!      + decode_active_request_weight * active_requests
 //! ```
@@ -29,6 +32,21 @@
 //!   workers with room, and keeps a conversation whose prefix is cached where it is: the
 //!   remedy to affinity piling sessions onto a few hot workers when caches are small, where
 //!   spreading keeps more prefixes in the fleet. 0 makes the cost eviction-blind (Dynamo's).
+//! * `fleet_load`: how loaded the whole fleet is, in `[0, 1]` (the load of its least loaded
+//!   worker that computes prompts, booked requests over `max_requests` or decode blocks over
+//!   capacity, whichever is larger; 0 while one has nothing booked: `Router::fleet_load`). The
+//!   same for every candidate of a decision, it raises what a cached block saves. The rest of
+//!   the cost weighs a request's own wait: balancing sends it where it starts soonest. Once
+//!   every worker is loaded, a block computed anywhere delays the requests queued behind it
+//!   and lengthens the steps of the batch it joins, so a block not computed (a reused prefix)
+//!   saves fleet-wide work, and it is worth more than the queue a worker has over another.
+//!   `fleet_weight = 128` lets a session stay where its prefix is on an overloaded fleet, as
+//!   SGLang's affinity does, while an idle worker (load 0) leaves the cost as it was.
+//! * `transfer_block_cost`, on decode workers (no prefill term): a prompt block the worker does
+//!   not cache reaches it by transfer from the prefill worker (or by a prefill there), and a
+//!   block it caches does not. Priced as a block from a slower tier is (0.25 of a block to
+//!   prefill, `tier_block_cost`'s default), so a decode worker holding the prompt's prefix wins
+//!   over an equally loaded one that does not. 0 is Dynamo's cache-blind decode pool.
 //!
 //! This is Dynamo's v1 cost (without the host/disk tiers, credit decay and taint factor, which
 //! kvroute does not model) with kvroute's staged projection as an option.
@@ -48,7 +66,7 @@
 //! With `evict_weight = 16` beside it, a prompt's uncached blocks on a worker that turned its
 //! whole cache over lately cost seventeen times a prefill: the pair came out of `kvroute tune`
 //! over EXPERIMENTS.md's routing workloads, noise off and on ("Is `kv` the best policy
-//! everywhere?").
+//! everywhere?"), as did `fleet_weight = 128` (64 to 256 swept).
 
 use super::load::DecodeProjection;
 use super::policy::Candidate;
@@ -72,6 +90,14 @@ pub struct CostParams {
     /// How much more a prompt's uncached block costs on a worker that evicts, per unit of its
     /// eviction pressure, as a fraction of a block to prefill (0: eviction-blind).
     pub evict_weight: f64,
+    /// How much more a prompt's uncached block costs anywhere when the whole fleet is loaded,
+    /// per unit of the fleet's load ([`RequestView::fleet_load`]), as a fraction of a block to
+    /// prefill (0: load-blind, Dynamo's).
+    pub fleet_weight: f64,
+    /// What a prompt block a decode worker (no prefill term) does not cache costs there, as a
+    /// fraction of a block to prefill: it must be transferred from the prefill worker, or
+    /// computed there (0: decode workers cache-blind, Dynamo's).
+    pub transfer_block_cost: f64,
 }
 
 impl CostParams {
@@ -83,6 +109,8 @@ impl CostParams {
         projection: DecodeProjection::Full,
         tier_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
         evict_weight: 0.0,
+        fleet_weight: 0.0,
+        transfer_block_cost: 0.0,
     };
 
     /// A slower tier's block costs a quarter of a prefilled one: Dynamo's host-tier credit
@@ -90,12 +118,15 @@ impl CostParams {
     pub const DEFAULT_TIER_BLOCK_COST: f64 = 0.25;
 
     /// kvroute's defaults: the staged projection, a prefill block weighing sixteen decode
-    /// blocks, and an uncached block on a worker that evicts weighing up to sixteen more (see the
-    /// module docs for why).
+    /// blocks, an uncached block on a worker that evicts weighing up to sixteen more and on a
+    /// fully loaded fleet up to 128 more, and decode workers counting the blocks they lack at
+    /// the tier's cost (see the module docs for why).
     pub const KV: CostParams = CostParams {
         prefill_load_scale: 16.0,
         projection: DecodeProjection::Staged,
         evict_weight: 16.0,
+        fleet_weight: 128.0,
+        transfer_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
         ..Self::DYNAMO
     };
 
@@ -111,6 +142,8 @@ impl CostParams {
             ),
             ("tier_block_cost", self.tier_block_cost, 1.0),
             ("evict_weight", self.evict_weight, f64::INFINITY),
+            ("fleet_weight", self.fleet_weight, f64::INFINITY),
+            ("transfer_block_cost", self.transfer_block_cost, 1.0),
         ]
         .into_iter()
         .find(|&(_, v, max)| !(v.is_finite() && (0.0..=max).contains(&v)))
@@ -129,12 +162,18 @@ pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidat
         let cached = f64::from(candidate.overlap_blocks) + moved;
         let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
         let mut prefill = params.prefill_load_scale * adjusted;
-        let pressure = params.evict_weight * candidate.eviction_pressure;
+        let pressure =
+            params.evict_weight * candidate.eviction_pressure + params.fleet_weight * request.fleet_load;
         if pressure > 0.0 {
             let prompt = request.prompt_tokens as f64 / f64::from(request.block_size);
             prefill += params.prefill_load_scale * pressure * (prompt - cached).max(0.0);
         }
         prefill
+    } else if params.transfer_block_cost > 0.0 && role.tracks_decode() {
+        // A decode worker: the prompt's blocks it lacks reach it by transfer (or a local prefill).
+        let prompt = request.prompt_tokens as f64 / f64::from(request.block_size);
+        let cached = f64::from(candidate.overlap_blocks) + moved;
+        params.prefill_load_scale * params.transfer_block_cost * (prompt - cached).max(0.0)
     } else {
         0.0
     };

@@ -860,7 +860,10 @@ impl Router {
         locals: &[LocalBlockHash],
     ) -> Result<Decision, Blocked> {
         self.compute_overlaps(now, locals, &request.chain);
-        let view = request.view(now, self.config.block_size);
+        let mut view = request.view(now, self.config.block_size);
+        if self.weighs_fleet_load() {
+            view.fleet_load = self.fleet_load();
+        }
         let adapter = request.adapter.as_deref();
         let stay = request
             .session
@@ -911,6 +914,48 @@ impl Router {
             hint,
             waited: now.saturating_since(request.arrived),
         })
+    }
+
+    /// How loaded the fleet is, in `[0, 1]`: the load of the least loaded worker that computes
+    /// prompts (aggregated and prefill workers, not draining), a worker's load being the larger
+    /// of its booked requests over its `max_requests` and its booked decode blocks over its
+    /// capacity; 0 while one of them has nothing booked, or if there is none. The cost's
+    /// `fleet_weight` reads it ([`RequestView::fleet_load`]).
+    pub fn fleet_load(&self) -> f64 {
+        let workers = self.fleet.workers();
+        let computes = |slot: u32| {
+            let w = &workers[slot as usize];
+            !w.draining && w.spec.role.tracks_prefill()
+        };
+        if self
+            .fleet
+            .idle_sets()
+            .iter()
+            .any(|set| set.first().is_some_and(|&slot| computes(slot)))
+        {
+            return 0.0;
+        }
+        let mut lowest: Option<f64> = None;
+        for &slot in self.fleet.loaded() {
+            if !computes(slot) {
+                continue;
+            }
+            let w = &workers[slot as usize];
+            let load = w.load();
+            let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
+            let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
+            let here = requests.max(blocks).min(1.0);
+            lowest = Some(lowest.map_or(here, |l| l.min(here)));
+        }
+        lowest.unwrap_or(0.0)
+    }
+
+    /// Whether a policy of this router reads the fleet's load (a cost policy with a positive
+    /// `fleet_weight`), so that the others spare [`Router::fleet_load`]'s pass over the fleet.
+    fn weighs_fleet_load(&self) -> bool {
+        std::iter::once(&self.config.policy)
+            .chain(&self.config.prefill_policy)
+            .any(|p| matches!(p, PolicyConfig::Kv(c) | PolicyConfig::Dynamo(c) if c.cost.fleet_weight > 0.0))
     }
 
     /// The candidate of `session`'s worker if the session stays there (see the `session`
@@ -1051,6 +1096,7 @@ impl Router {
             prompt_tokens: booking.prompt_tokens,
             block_size: self.config.block_size,
             chain: &booking.chain,
+            fleet_load: 0.0,
         };
         self.policy.routed(&view, booking.worker);
         if let Some(p) = booking.prefill_worker {

@@ -93,6 +93,10 @@ pub struct RequestView<'a> {
     pub block_size: u32,
     /// Sequence hashes of the prompt's full blocks.
     pub chain: &'a Arc<[SequenceHash]>,
+    /// How loaded the fleet is, in `[0, 1]`: the load of its least loaded worker that computes
+    /// prompts (see `Router::fleet_load`); 0 while one of them has nothing booked, and when no
+    /// policy of the router weighs it (`fleet_weight` 0).
+    pub fleet_load: f64,
 }
 
 impl RequestView<'_> {
@@ -126,6 +130,7 @@ impl Prepared {
             prompt_tokens: self.prompt_tokens,
             block_size,
             chain: &self.chain,
+            fleet_load: 0.0,
         }
     }
 }
