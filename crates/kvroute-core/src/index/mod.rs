@@ -454,6 +454,9 @@ impl PrefixIndex {
             known += 1;
         }
         self.new_chain(at, &blocks[known..], &mut path);
+        // The blocks on new nodes are new to the worker (unless a store is refused): make room
+        // for them in its map at once, rather than growing it step by step on the way.
+        self.slot_mut(slot).blocks.reserve(blocks.len() - known);
         // One copy of the loop per kind of index, so no block branches on which.
         let result = match (self.rows.wide(), self.cap.is_some()) {
             (false, false) => self.hold_path::<false, false>(worker, slot, blocks, &path),
