@@ -104,6 +104,10 @@ struct IndexArgs {
     /// Print up to this many mismatching lookups to stderr.
     #[arg(long, default_value_t = 5)]
     show_mismatches: usize,
+    /// Size each worker's map of external hashes for this many blocks up front (the stream's
+    /// per-worker cache, in its blocks); 0: the maps grow from empty, as the peers' do.
+    #[arg(long, default_value_t = 0)]
+    blocks_per_worker: usize,
 }
 
 #[derive(Args)]
@@ -263,7 +267,7 @@ fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let report = bench::index::run(&stream, &name, args.reps);
+    let report = bench::index::run(&stream, &name, args.reps, args.blocks_per_worker);
     for m in report.mismatch_list.iter().take(args.show_mismatches) {
         eprintln!("mismatch at op {}: got {:?} expect {:?}", m.op, m.got, m.expect);
     }

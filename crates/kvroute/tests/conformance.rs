@@ -35,8 +35,13 @@ fn shared_bench_dir() -> PathBuf {
 /// Runs `stream` through the index benchmark once and returns a description of what went wrong,
 /// if anything.
 fn check(stream: &OpStream, name: &str) -> Option<String> {
+    check_sized(stream, name, 0)
+}
+
+/// [`check`] with each worker's map sized ahead for `blocks_per_worker` blocks.
+fn check_sized(stream: &OpStream, name: &str, blocks_per_worker: usize) -> Option<String> {
     assert!(!stream.ops.is_empty(), "{name}: no operations");
-    let report = run(stream, name, 1);
+    let report = run(stream, name, 1, blocks_per_worker);
     if report.mismatches == 0 && report.apply_errors == 0 {
         return None;
     }
@@ -65,6 +70,12 @@ fn mini_fixture_conforms() {
     assert!(matches >= 50, "the fixture has only {matches} lookups");
     if let Some(failure) = check(&stream, "mini") {
         panic!("{failure}");
+    }
+    // Maps sized ahead, below and above what a worker holds, answer the same.
+    for blocks_per_worker in [3, 1000] {
+        if let Some(failure) = check_sized(&stream, "mini, sized maps", blocks_per_worker) {
+            panic!("{failure}");
+        }
     }
 }
 
@@ -214,7 +225,7 @@ fn a_wrong_expect_is_reported() {
         }
     }
     assert_eq!(edited.len(), 2);
-    let report = run(&stream, "mini-edited", 1);
+    let report = run(&stream, "mini-edited", 1, 0);
     assert_eq!(report.mismatches, 2);
     assert_eq!(
         report.mismatch_list.iter().map(|m| m.op).collect::<Vec<_>>(),

@@ -244,14 +244,54 @@ impl ExtMap {
     pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         if vacancy.at == usize::MAX || self.len >= self.max_len {
             // Too full (or unallocated): grow, then place the key afresh.
-            self.grow();
-            let home = self.home(key);
-            let at = self.first_vacant(home);
-            self.place(at, home, key, node);
+            self.grow_to((self.lines.len() * 2).max(Self::MIN_LINES));
+            self.reinsert(key, node);
         } else {
             self.place(vacancy.at, vacancy.home, key, node);
         }
         self.len += 1;
+    }
+
+    /// Makes room for `additional` more entries, so that inserting them grows the table at most
+    /// once, here: to the size inserting them one by one would reach, in one rehash instead of
+    /// one per doubling on the way (a long chain's store into a small table).
+    pub fn reserve(&mut self, additional: usize) {
+        // The table holds at most as many entries as node ids (see `len`).
+        let needed = (self.len as usize)
+            .saturating_add(additional)
+            .min(u32::MAX as usize);
+        if needed <= self.max_len as usize {
+            return;
+        }
+        let mut lines = self.lines.len().max(Self::MIN_LINES);
+        while Self::max_len_of(lines) < needed {
+            lines *= 2;
+        }
+        self.grow_to(lines);
+    }
+
+    /// The most entries a table of `lines` lines takes before it grows (see `max_len`).
+    fn max_len_of(lines: usize) -> usize {
+        lines.saturating_mul(LINE_SLOTS * MAX_LOAD.0) / MAX_LOAD.1
+    }
+
+    /// Puts `key`, which is absent, into the first empty slot from its home line on: a
+    /// rehash's insert, with no probe for the key.
+    #[inline(always)]
+    fn reinsert(&mut self, key: u64, node: NodeId) {
+        let home = self.home(key);
+        let l = &mut self.lines[home];
+        let empty = !l.used & ALL_USED;
+        if empty != 0 {
+            // The home line has room (at most 5/8 of the slots are full): no line is passed.
+            let s = empty.trailing_zeros() as usize;
+            l.keys[s] = key;
+            l.nodes[s] = node;
+            l.used |= 1 << s;
+        } else {
+            let at = self.first_vacant(self.next(home));
+            self.place(at, home, key, node);
+        }
     }
 
     /// Writes `key`, whose home line is `home`, into the empty slot `at` and counts it on the
@@ -343,9 +383,7 @@ impl ExtMap {
         let kept: Vec<(u64, NodeId)> = self.iter().filter(|&(k, n)| keep(k, n)).collect();
         self.clear();
         for (key, node) in kept {
-            let home = self.home(key);
-            let at = self.first_vacant(home);
-            self.place(at, home, key, node);
+            self.reinsert(key, node);
             self.len += 1;
         }
     }
@@ -380,20 +418,20 @@ impl ExtMap {
         Ok(())
     }
 
-    fn grow(&mut self) {
-        let new_lines = (self.lines.len() * 2).max(Self::MIN_LINES);
-        let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; new_lines].into());
-        self.shift = 64 - new_lines.trailing_zeros();
+    /// Rehashes into a table of `lines` lines (a power of two, more than today's).
+    fn grow_to(&mut self, lines: usize) {
+        let old = std::mem::replace(&mut self.lines, vec![VACANT_LINE; lines].into());
+        self.shift = 64 - lines.trailing_zeros();
         // The table holds at most as many entries as node ids (see `len`).
-        self.max_len = u32::try_from(new_lines * LINE_SLOTS * MAX_LOAD.0 / MAX_LOAD.1).unwrap_or(u32::MAX);
-        // Old line `i`'s keys go to new lines `2i` and `2i + 1`, so the writes move forward in
-        // order; a line's free slot is read from its in-use bits, with no scan.
+        self.max_len = u32::try_from(Self::max_len_of(lines)).unwrap_or(u32::MAX);
+        // Old line `i`'s keys go to new lines from `i * lines / old.len()` on, so the writes
+        // move forward in order; the slots in use are read from the in-use bits, one at a time.
         for line in &old {
-            for s in in_use(line.used) {
-                let key = line.keys[s];
-                let home = self.home(key);
-                let at = self.first_vacant(home);
-                self.place(at, home, key, line.nodes[s]);
+            let mut used = line.used;
+            while used != 0 {
+                let s = used.trailing_zeros() as usize;
+                used &= used - 1;
+                self.reinsert(line.keys[s], line.nodes[s]);
             }
         }
     }
@@ -498,6 +536,42 @@ mod tests {
             assert_eq!(map.check_overflow(), Ok(()));
         }
         assert!((0u64..200).all(|k| map.get(k) == Some(k as NodeId)));
+    }
+
+    fn insert_new(map: &mut ExtMap, key: u64, node: NodeId) {
+        match map.probe(key) {
+            Probe::Vacant(at) => map.insert_at(at, key, node),
+            Probe::Found(_) => panic!("key {key} found before insert"),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_reserve_reaches_the_size_of_inserting_one_by_one_and_needs_no_growth_after(
+            before in 0u64..300,
+            batch in 0usize..700,
+        ) {
+            // Keys `0..before` are held; `batch` more are reserved, then inserted.
+            let mut one_by_one = ExtMap::default();
+            let mut reserved = ExtMap::default();
+            for k in 0..before {
+                insert_new(&mut one_by_one, k, k as NodeId);
+                insert_new(&mut reserved, k, k as NodeId);
+            }
+            reserved.reserve(batch);
+            let lines = reserved.lines.len();
+            prop_assert_eq!(reserved.check_overflow(), Ok(()));
+            for k in before..before + batch as u64 {
+                insert_new(&mut one_by_one, k, k as NodeId);
+                insert_new(&mut reserved, k, k as NodeId);
+                prop_assert_eq!(reserved.lines.len(), lines, "grew after the reserve");
+            }
+            prop_assert_eq!(reserved.lines.len(), one_by_one.lines.len());
+            prop_assert_eq!(reserved.check_overflow(), Ok(()));
+            let held = before + batch as u64;
+            prop_assert!((0..held).all(|k| reserved.get(k) == Some(k as NodeId)));
+            prop_assert_eq!(reserved.len(), held as usize);
+        }
     }
 
     #[test]

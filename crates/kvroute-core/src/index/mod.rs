@@ -106,6 +106,10 @@ pub struct StoredBlock {
 pub struct IndexConfig {
     /// Blocks to reserve room for up front (a hint; the index grows as needed).
     pub expected_blocks: usize,
+    /// Blocks each worker's map of external hashes is sized for when the worker is added (a
+    /// hint, such as the engine's cache size in blocks; zero: maps grow from empty). A map sized
+    /// ahead never rehashes on the way to that many blocks.
+    pub expected_blocks_per_worker: usize,
     /// The most blocks one worker may hold; `None`: unbounded. See the module docs ("Bound").
     pub max_blocks_per_worker: Option<NonZeroUsize>,
 }
@@ -276,6 +280,8 @@ pub struct PrefixIndex {
     scratch: Vec<NodeId>,
     /// [`IndexConfig::max_blocks_per_worker`].
     cap: Option<NonZeroUsize>,
+    /// [`IndexConfig::expected_blocks_per_worker`].
+    per_worker: usize,
     /// The slower tiers' blocks (see `tier`).
     tiers: Tiers,
 }
@@ -300,6 +306,7 @@ impl PrefixIndex {
             stats: IndexStats::default(),
             scratch: Vec::new(),
             cap: config.max_blocks_per_worker,
+            per_worker: config.expected_blocks_per_worker,
             tiers: Tiers::default(),
         }
     }
@@ -316,9 +323,11 @@ impl PrefixIndex {
                 self.slots.len() - 1
             }
         };
+        let mut blocks = ExtMap::default();
+        blocks.reserve(self.per_worker);
         self.slots[slot] = Some(WorkerSlot {
             key: worker,
-            blocks: ExtMap::default(),
+            blocks,
             order: VecDeque::new(),
         });
         self.slot_of.insert(worker, slot as u32);
@@ -454,6 +463,9 @@ impl PrefixIndex {
             known += 1;
         }
         self.new_chain(at, &blocks[known..], &mut path);
+        // The blocks on new nodes are new to the worker (unless a store is refused): make room
+        // for them in its map at once, rather than growing it step by step on the way.
+        self.slot_mut(slot).blocks.reserve(blocks.len() - known);
         // One copy of the loop per kind of index, so no block branches on which.
         let result = match (self.rows.wide(), self.cap.is_some()) {
             (false, false) => self.hold_path::<false, false>(worker, slot, blocks, &path),

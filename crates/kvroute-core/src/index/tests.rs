@@ -170,3 +170,40 @@ fn sole_blocks_are_those_no_other_worker_holds() {
         );
     }
 }
+
+#[test]
+fn maps_sized_ahead_answer_as_maps_grown_from_empty() {
+    // The same stores and removals on an index whose workers' maps start sized for 300 blocks
+    // and on one whose maps grow: the same depths and entries; the sized maps never grow.
+    let mut grown = PrefixIndex::new(IndexConfig::default());
+    let mut sized = PrefixIndex::new(IndexConfig {
+        expected_blocks_per_worker: 300,
+        ..IndexConfig::default()
+    });
+    let size_of_map = |index: &PrefixIndex, i: u64| index.slot(key(i)).map(|s| s.blocks.allocation_size());
+    for index in [&mut grown, &mut sized] {
+        for i in 0..3 {
+            index.add_worker(key(i));
+        }
+    }
+    let sized_at_start: Vec<_> = (0..3).map(|i| size_of_map(&sized, i)).collect();
+    let chains: Vec<Vec<StoredBlock>> = (0..6).map(|s| chain(s, 40 + 7 * s)).collect();
+    for (n, blocks) in chains.iter().enumerate() {
+        let w = key(n as u64 % 3);
+        for index in [&mut grown, &mut sized] {
+            index.apply_stored(w, None, blocks).unwrap();
+            let gone: Vec<ExternalBlockHash> = blocks[5..9].iter().map(|b| b.external).collect();
+            index.apply_removed(w, &gone).unwrap();
+            index.check_invariants().unwrap();
+        }
+        let locals: Vec<LocalBlockHash> = blocks.iter().map(|b| b.local).collect();
+        assert_eq!(depths(&sized, &locals, 3), depths(&grown, &locals, 3));
+    }
+    assert_eq!(sized.footprint().entries, grown.footprint().entries);
+    let sized_at_end: Vec<_> = (0..3).map(|i| size_of_map(&sized, i)).collect();
+    assert_eq!(
+        sized_at_end, sized_at_start,
+        "a map sized for 300 blocks grew below 300"
+    );
+    assert!(sized_at_start.iter().all(|s| s.is_some_and(|b| b > 0)));
+}

@@ -125,8 +125,11 @@ struct Run {
     entries: u64,
 }
 
-fn run_once(stream: &OpStream, prepared: &[Prepared]) -> Run {
-    let mut index = PrefixIndex::new(IndexConfig::default());
+fn run_once(stream: &OpStream, prepared: &[Prepared], blocks_per_worker: usize) -> Run {
+    let mut index = PrefixIndex::new(IndexConfig {
+        expected_blocks_per_worker: blocks_per_worker,
+        ..IndexConfig::default()
+    });
     for w in 0..stream.header.workers {
         index.add_worker(worker(w));
     }
@@ -187,9 +190,11 @@ fn run_once(stream: &OpStream, prepared: &[Prepared]) -> Run {
 }
 
 /// Applies `stream` `reps` times (each on a fresh index) and reports the median run.
-pub fn run(stream: &OpStream, stream_name: &str, reps: usize) -> IndexBenchReport {
+pub fn run(stream: &OpStream, stream_name: &str, reps: usize, blocks_per_worker: usize) -> IndexBenchReport {
     let prepared = prepare(stream);
-    let mut runs: Vec<Run> = (0..reps.max(1)).map(|_| run_once(stream, &prepared)).collect();
+    let mut runs: Vec<Run> = (0..reps.max(1))
+        .map(|_| run_once(stream, &prepared, blocks_per_worker))
+        .collect();
     runs.sort_by_key(|r| r.total_ns);
     let mid = runs.len() / 2;
     let mut r = runs.swap_remove(mid);
