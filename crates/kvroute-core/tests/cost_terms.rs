@@ -97,10 +97,12 @@ proptest! {
         prop_assert_eq!(cost(&blind, &v, &a), cost(&blind, &v, &b));
     }
 
-    /// The fleet's load is a fraction, 0 while some worker has nothing booked.
+    /// The fleet's load is a fraction, 0 while some worker in routing has nothing booked (a
+    /// draining one, idle or not, does not count).
     #[test]
     fn fleet_load_is_zero_while_a_worker_is_idle(
         workers in 1u64..5,
+        drain_first in any::<bool>(),
         prompts in prop::collection::vec(1usize..40, 0..30),
     ) {
         let mut router = Router::new(RouterConfig { block_size: BLOCK, ..RouterConfig::default() }).unwrap();
@@ -108,13 +110,18 @@ proptest! {
             let spec = WorkerSpec::new(WorkerKey::new(WorkerId(w), DpRank(0)), WorkerRole::Aggregated, 64);
             router.handle_worker_added(Timestamp(0), spec).unwrap();
         }
+        // The first worker added, first of its idle set, drained before any request.
+        let drained = (drain_first && workers > 1).then_some(0);
+        if let Some(w) = drained {
+            router.handle_worker_draining(Timestamp(0), WorkerKey::new(WorkerId(w), DpRank(0))).unwrap();
+        }
         for (i, len) in prompts.into_iter().enumerate() {
             let tokens: Vec<u32> = (0..len as u32 * BLOCK).map(|t| t + 7 * i as u32).collect();
             let request = RouteRequest::new(RequestId(i as u64), Prompt::Tokens(&tokens));
             router.handle_request(Timestamp(i as u64), &request).unwrap();
             let load = router.fleet_load();
             prop_assert!((0.0..=1.0).contains(&load), "{load}");
-            let idle = (0..workers).any(|w| {
+            let idle = (0..workers).filter(|&w| Some(w) != drained).any(|w| {
                 router.worker_load(WorkerKey::new(WorkerId(w), DpRank(0))).is_some_and(|l| l.requests == 0)
             });
             if idle {

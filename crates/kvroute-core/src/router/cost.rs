@@ -156,24 +156,23 @@ pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidat
     let role = candidate.spec.role;
     // The part of the slower tier's blocks taken off the prefill term as if cached.
     let moved = (1.0 - params.tier_block_cost) * f64::from(candidate.tier_blocks);
+    let cached = f64::from(candidate.overlap_blocks) + moved;
+    // The prompt's blocks the worker lacks: what eviction pressure and the fleet's load make
+    // dearer on a worker that prefills, and what reaches a decode worker by transfer.
+    let uncached = (request.prompt_tokens as f64 / f64::from(request.block_size) - cached).max(0.0);
     let prefill = if role.tracks_prefill() {
         let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
         let blocks = tokens as f64 / f64::from(request.block_size);
-        let cached = f64::from(candidate.overlap_blocks) + moved;
         let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
-        let mut prefill = params.prefill_load_scale * adjusted;
         let pressure =
             params.evict_weight * candidate.eviction_pressure + params.fleet_weight * request.fleet_load;
+        let mut prefill = params.prefill_load_scale * adjusted;
         if pressure > 0.0 {
-            let prompt = request.prompt_tokens as f64 / f64::from(request.block_size);
-            prefill += params.prefill_load_scale * pressure * (prompt - cached).max(0.0);
+            prefill += params.prefill_load_scale * pressure * uncached;
         }
         prefill
-    } else if params.transfer_block_cost > 0.0 && role.tracks_decode() {
-        // A decode worker: the prompt's blocks it lacks reach it by transfer (or a local prefill).
-        let prompt = request.prompt_tokens as f64 / f64::from(request.block_size);
-        let cached = f64::from(candidate.overlap_blocks) + moved;
-        params.prefill_load_scale * params.transfer_block_cost * (prompt - cached).max(0.0)
+    } else if role.tracks_decode() {
+        params.prefill_load_scale * params.transfer_block_cost * uncached
     } else {
         0.0
     };
