@@ -163,27 +163,40 @@ fn scale_up_only_when_every_engine_breaks_the_sla() {
     assert!(d.text.contains("breaks the SLA"), "{}", d.text);
 }
 
-#[test]
-fn scale_up_waits_for_its_ticks_in_a_row() {
-    let config = PlannerConfig {
+/// Prefill engines held to a TTFT target of 500 ms, a scale-up waiting `scale_up_ticks` ticks
+/// unless past `scale_up_at_once`.
+fn waiting_scale_ups(scale_up_ticks: u32, scale_up_at_once: Option<f64>) -> PlannerConfig {
+    PlannerConfig {
         sla: kvroute_planner::Sla {
             ttft_ms: 500.0,
             itl_ms: 50.0,
         },
-        scale_up_ticks: 2,
+        scale_up_ticks,
+        scale_up_at_once,
         ..load_only(Mode::Prefill)
-    };
-    let busy = |id| worker(id, Pool::Prefill, 40_000, 0, 0);
-    let breached = Observation {
+    }
+}
+
+/// Two prefill engines with `queued` prompt tokens each, under steady traffic.
+fn queued_prefill(queued: u64) -> Observation {
+    Observation {
         traffic: traffic(20, 4000.0, 100.0, None, 4.0),
-        workers: vec![busy(0), busy(1)],
+        workers: vec![
+            worker(0, Pool::Prefill, queued, 0, 0),
+            worker(1, Pool::Prefill, queued, 0, 0),
+        ],
         queued_requests: 0,
-    };
+    }
+}
+
+#[test]
+fn scale_up_waits_for_its_ticks_in_a_row() {
+    let breached = queued_prefill(40_000);
     let one_meets = Observation {
-        workers: vec![busy(0), worker(1, Pool::Prefill, 0, 0, 0)],
+        workers: vec![breached.workers[0].clone(), worker(1, Pool::Prefill, 0, 0, 0)],
         ..breached.clone()
     };
-    let mut p = warmed(config, &breached.workers);
+    let mut p = warmed(waiting_scale_ups(2, None), &breached.workers);
     let interval = p.config().load_interval_s;
     let mut tick = |k: f64, obs: &Observation| p.tick(at(interval * k), obs).decision;
     // A breach, then a tick that meets the SLA: the streak starts over.
@@ -196,47 +209,32 @@ fn scale_up_waits_for_its_ticks_in_a_row() {
 
 #[test]
 fn a_breach_past_scale_up_at_once_does_not_wait() {
-    let config = |at_once| PlannerConfig {
-        sla: kvroute_planner::Sla {
-            ttft_ms: 500.0,
-            itl_ms: 50.0,
-        },
-        scale_up_ticks: 3,
-        scale_up_at_once: at_once,
-        ..load_only(Mode::Prefill)
-    };
-    let busy = |id, queued| worker(id, Pool::Prefill, queued, 0, 0);
-    let obs = |queued| Observation {
-        traffic: traffic(20, 4000.0, 100.0, None, 4.0),
-        workers: vec![busy(0, queued), busy(1, queued)],
-        queued_requests: 0,
-    };
+    // The first tick of a planner waiting three ticks, with engines of `queued` tokens each.
     let first_tick = |at_once, queued| {
-        let observed = obs(queued);
-        let mut p = warmed(config(at_once), &observed.workers);
+        let observed = queued_prefill(queued);
+        let mut p = warmed(waiting_scale_ups(3, at_once), &observed.workers);
         let at_s = p.config().load_interval_s;
-        p.tick(at(at_s), &observed).decision
+        p.tick(at(at_s), &observed)
     };
     // The breach's size, from the planner's own estimate: the best engine over the target.
     let severity = |queued| {
-        let observed = obs(queued);
-        let mut p = warmed(config(None), &observed.workers);
-        let at_s = p.config().load_interval_s;
-        let record = p.tick(at(at_s), &observed).record;
+        let record = first_tick(None, queued).record;
         record.pools[0].est_ttft_ms.expect("an estimate") / 500.0
     };
     let (mild, severe) = (severity(20_000), severity(80_000));
     assert!(mild > 1.0 && mild < 2.0, "a mild breach: {mild}");
     assert!(severe > 2.0, "a severe breach: {severe}");
     assert!(
-        first_tick(None, 80_000).is_none(),
+        first_tick(None, 80_000).decision.is_none(),
         "without the factor, every scale-up waits"
     );
     assert!(
-        first_tick(Some(2.0), 20_000).is_none(),
+        first_tick(Some(2.0), 20_000).decision.is_none(),
         "a mild breach waits its ticks"
     );
-    let d = first_tick(Some(2.0), 80_000).expect("a severe breach scales up at once");
+    let d = first_tick(Some(2.0), 80_000)
+        .decision
+        .expect("a severe breach scales up at once");
     assert_eq!(d.actions, vec![Action::Add { pool: Pool::Prefill }]);
 }
 
