@@ -154,8 +154,8 @@ struct RouteArgs {
     /// `cold` (generated 64 MiB of prompts earlier, read from memory).
     #[arg(long, value_enum, default_value_t = bench::route::PromptCache::Warm)]
     prompt_cache: bench::route::PromptCache,
-    /// A follow-up turn's earlier blocks: `kept` (its previous turn's hashes, as the proxy's
-    /// conversation cache keeps them: only new blocks are hashed) or `rehashed` (hashed whole).
+    /// A follow-up turn's earlier blocks: `kept` (its previous turn's hashes, kept by the
+    /// driver: only new blocks are hashed) or `rehashed` (hashed whole, as the proxy does).
     #[arg(long, value_enum, default_value_t = bench::route::EarlierHashes::Kept)]
     earlier_hashes: bench::route::EarlierHashes,
 }

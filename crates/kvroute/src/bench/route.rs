@@ -18,10 +18,11 @@
 //! alone on the same prompts. Fresh prompts and follow-ups are also reported apart.
 //!
 //! **A follow-up's earlier hashes** ([`EarlierHashes`]). A driver that keeps a conversation's
-//! hashes (the proxy's conversation cache keeps each turn's) routes the next turn as
-//! [`Prompt::Continues`], so the router hashes only the blocks past the previous turn's; the
-//! default [`EarlierHashes::Kept`] models that, the previous turn's hashes made untimed.
-//! [`EarlierHashes::Rehashed`] routes every prompt as token ids, hashed whole.
+//! hashes routes the next turn as [`Prompt::Continues`], so the router hashes only the blocks
+//! past the previous turn's; the default [`EarlierHashes::Kept`] models that, the previous turn's
+//! hashes made untimed. [`EarlierHashes::Rehashed`] routes every prompt as token ids, hashed
+//! whole, as the proxy's routing does today: it hashes a prompt's blocks when it tokenizes and
+//! keeps no turn's hashes for the next.
 //!
 //! **Where the prompt is.** In the proxy a prompt is routed right after it was tokenized, so its
 //! token ids (512 KiB at 128K tokens) are in the CPU's caches; [`PromptCache::Warm`] (the
@@ -68,7 +69,7 @@ pub enum PromptCache {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum EarlierHashes {
-    /// The previous turn's hashes, kept as a conversation cache keeps them: only the new blocks
+    /// The previous turn's hashes, kept as a driver may keep them: only the new blocks
     /// are hashed ([`Prompt::Continues`]).
     #[default]
     Kept,
