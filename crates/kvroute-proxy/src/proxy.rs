@@ -127,14 +127,8 @@ impl ProxyHandle {
         actuator: Arc<dyn crate::autoscale::Actuator>,
         settings: crate::autoscale::Settings,
     ) {
-        let task = crate::autoscale::start(
-            Arc::clone(&self.fleet),
-            planner,
-            actuator,
-            settings,
-            Arc::clone(&self.planner),
-        );
-        self.tasks.push(task);
+        let (fleet, status) = (Arc::clone(&self.fleet), Arc::clone(&self.planner));
+        self.run_planner(fleet, status, planner, actuator, settings);
     }
 
     /// [`Self::start_planner`] on the fleet of the model named `model` (its pools, its
@@ -146,18 +140,25 @@ impl ProxyHandle {
         actuator: Arc<dyn crate::autoscale::Actuator>,
         settings: crate::autoscale::Settings,
     ) -> bool {
-        let Some(m) = self.models.iter().find(|m| m.name == model) else {
+        let Some(m) = self.model(model) else {
             return false;
         };
-        let task = crate::autoscale::start(
-            Arc::clone(&m.fleet),
-            planner,
-            actuator,
-            settings,
-            Arc::clone(&m.planner),
-        );
-        self.tasks.push(task);
+        let (fleet, status) = (Arc::clone(&m.fleet), Arc::clone(&m.planner));
+        self.run_planner(fleet, status, planner, actuator, settings);
         true
+    }
+
+    /// Starts the planner task on `fleet`, reporting into `status`.
+    fn run_planner(
+        &mut self,
+        fleet: Arc<Fleet>,
+        status: Arc<crate::autoscale::Status>,
+        planner: kvroute_planner::Planner,
+        actuator: Arc<dyn crate::autoscale::Actuator>,
+        settings: crate::autoscale::Settings,
+    ) {
+        let task = crate::autoscale::start(fleet, planner, actuator, settings, status);
+        self.tasks.push(task);
     }
 
     /// The model named `model`.
