@@ -187,11 +187,8 @@ async fn two_models_and_their_adapters_behind_one_proxy_each_request_served_as_i
         ("beta".to_owned(), None),
         ("chat".to_owned(), Some("beta".to_owned())),
     ];
-    let deadline = std::time::Instant::now() + PATIENCE;
-    while p.models().await != want {
-        assert!(std::time::Instant::now() < deadline, "{:?}", p.models().await);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    p.until_models("both models and their adapters", |models| models == want)
+        .await;
     let (status, card) = p.get("/v1/models/chat").await;
     assert_eq!(status, 200);
     let card: Value = serde_json::from_str(&card).unwrap();

@@ -98,13 +98,21 @@ impl Proxy {
 
     /// Waits until the proxy's `/v1/models` lists `id` (or, `listed` false, does not).
     pub async fn until_listed(&self, id: &str, listed: bool) {
+        let what = format!("{id} listed should be {listed}");
+        self.until_models(&what, |models| models.iter().any(|(m, _)| m == id) == listed)
+            .await;
+    }
+
+    /// Waits until the proxy's `/v1/models` (ids with their parents) is `done`, failing with
+    /// `what` and the last list after [`PATIENCE`].
+    pub async fn until_models(&self, what: &str, done: impl Fn(&[(String, Option<String>)]) -> bool) {
         let deadline = std::time::Instant::now() + PATIENCE;
-        while self.models().await.iter().any(|(m, _)| m == id) != listed {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{id} listed should be {listed}: {:?}",
-                self.models().await
-            );
+        loop {
+            let models = self.models().await;
+            if done(&models) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: {models:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
