@@ -197,6 +197,39 @@ impl Fleet {
         &self.loaded
     }
 
+    /// The load of the least loaded worker that computes prompts (aggregated or prefill, not
+    /// draining), in `[0, 1]`: the larger of its booked requests over its `max_requests` and its
+    /// booked decode blocks over its capacity; 0 while one of them has nothing booked, or if
+    /// there is none (`Router::fleet_load`).
+    pub(crate) fn load_of_least_loaded_computing(&self) -> f64 {
+        let computes = |slot: u32| {
+            let w = &self.workers[slot as usize];
+            !w.draining && w.spec.role.tracks_prefill()
+        };
+        // An idle set's workers share a spec (so a role) and none drains.
+        if self
+            .idle
+            .iter()
+            .any(|set| set.first().is_some_and(|&slot| computes(slot)))
+        {
+            return 0.0;
+        }
+        self.loaded
+            .iter()
+            .filter(|&&slot| computes(slot))
+            .map(|&slot| {
+                let w = &self.workers[slot as usize];
+                let load = w.load();
+                let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
+                let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
+                requests.max(blocks).min(1.0)
+            })
+            .fold(None, |lowest: Option<f64>, here| {
+                Some(lowest.map_or(here, |l| l.min(here)))
+            })
+            .unwrap_or(0.0)
+    }
+
     /// The position of `key` in [`Fleet::workers`].
     pub(crate) fn slot(&self, key: WorkerKey) -> Option<usize> {
         self.slot_of.get(&key).copied()

@@ -922,32 +922,7 @@ impl Router {
     /// capacity; 0 while one of them has nothing booked, or if there is none. The cost's
     /// `fleet_weight` reads it ([`RequestView::fleet_load`]).
     pub fn fleet_load(&self) -> f64 {
-        let workers = self.fleet.workers();
-        let computes = |slot: u32| {
-            let w = &workers[slot as usize];
-            !w.draining && w.spec.role.tracks_prefill()
-        };
-        if self
-            .fleet
-            .idle_sets()
-            .iter()
-            .any(|set| set.first().is_some_and(|&slot| computes(slot)))
-        {
-            return 0.0;
-        }
-        let mut lowest: Option<f64> = None;
-        for &slot in self.fleet.loaded() {
-            if !computes(slot) {
-                continue;
-            }
-            let w = &workers[slot as usize];
-            let load = w.load();
-            let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
-            let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
-            let here = requests.max(blocks).min(1.0);
-            lowest = Some(lowest.map_or(here, |l| l.min(here)));
-        }
-        lowest.unwrap_or(0.0)
+        self.fleet.load_of_least_loaded_computing()
     }
 
     /// Whether a policy of this router reads the fleet's load (a cost policy with a positive
