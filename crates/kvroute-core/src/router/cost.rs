@@ -50,10 +50,12 @@
 //!   request. Without it `kv` sends a long prompt to the worker with the shortest prefill queue
 //!   even when that worker decodes many more requests, whose every later token is then slower:
 //!   on small caches (EXPERIMENTS.md's small-cache case) its TTFT was the best and its E2E
-//!   behind `least-loaded`'s. A cached prompt stalls nobody, so affinity keeps its weight. At 1
+//!   behind `least-loaded`'s and `power-of-two`'s. A cached prompt stalls nobody, so affinity keeps its weight. At 1
 //!   every stalled request counts as much as the request's own wait, which buys E2E with TTFT
-//!   (TTFT p90 past `dynamo`'s on the small-cache case); `kv`'s 0.07 came out of a sweep of
-//!   0.02 to 1 over EXPERIMENTS.md's routing workloads. 0 is stall-blind (Dynamo's).
+//!   (TTFT p90 past `dynamo`'s on the small-cache case on some seeds); of a sweep of 0.03 to 1,
+//!   only `kv`'s 0.07 kept it within 2 % of the best policy on every routing workload of
+//!   EXPERIMENTS.md where one can be ("Is `kv` the best policy everywhere?"). 0 is stall-blind
+//!   (Dynamo's).
 //! * `transfer_block_cost`, on decode workers (no prefill term): a prompt block the worker does
 //!   not cache reaches it by transfer from the prefill worker (or by a prefill there), and a
 //!   block it caches does not. Priced as a block from a slower tier is (0.25 of a block to
