@@ -10,7 +10,7 @@ set -eu
 K=${K:-target/release/kvroute}
 D=${D:-../shared/data}
 OUT=${OUT:-/tmp/route-exp}
-P=${P:-round-robin,random,least-loaded,power-of-two,kv,kv:fleet=0,dynamo,sglang-cache-aware,llmd-weighted}
+P=${P:-round-robin,random,least-loaded,power-of-two,kv,kv:stall=0,dynamo,sglang-cache-aware,llmd-weighted}
 WORKLOADS=${WORKLOADS:-conv msyn gen small staged}
 NOISE="--step-jitter lognormal:0.05 --worker-speed uniform:0.05 --isl-spread lognormal:0.2 \
 --http-latency-ms 2 --http-jitter lognormal:0.5"

@@ -1,7 +1,8 @@
-//! The cost's fleet-load and decode-transfer terms against what they are for: the fleet's load
-//! only ever favours the worker that caches more of the prompt, and is 0 while a worker that
-//! computes prompts has nothing booked; a decode worker that caches more of the prompt costs
-//! less, all else equal.
+//! The cost's fleet-load, stall and decode-transfer terms against what they are for: the fleet's
+//! load only ever favours the worker that caches more of the prompt, and is 0 while a worker that
+//! computes prompts has nothing booked; stalls only ever favour the worker with fewer booked
+//! requests, and cost nothing for a prompt cached whole; a decode worker that caches more of the
+//! prompt costs less, all else equal.
 
 use std::sync::Arc;
 
@@ -95,6 +96,35 @@ proptest! {
         prop_assert!((cost(&params, &v, &b) - cost(&params, &v, &a) - saved).abs() < 1e-6);
         let blind = CostParams { transfer_block_cost: 0.0, ..params };
         prop_assert_eq!(cost(&blind, &v, &a), cost(&blind, &v, &b));
+    }
+
+    /// Of two workers caching the same share of the prompt, the one with more booked requests
+    /// only loses ground to the other as the stall weight grows; a prompt the worker caches
+    /// whole stalls nobody there, and at weight 0 the term is absent.
+    #[test]
+    fn stalls_only_favour_the_worker_with_fewer_requests(
+        blocks in 1u32..64,
+        overlap in 0u32..64,
+        (load_a, load_b) in (load(), load()),
+        (decode_a, decode_b) in (0u64..2000, 0u64..2000),
+        (low, high) in (0.0f64..4.0, 0.0f64..4.0).prop_map(|(a, b)| (a.min(b), a.max(b))),
+    ) {
+        let chain: Arc<[SequenceHash]> = (0..u64::from(blocks)).map(SequenceHash).collect();
+        let v = view(&chain, 0.0);
+        let (busy, calm) = if load_a.requests >= load_b.requests { (load_a, load_b) } else { (load_b, load_a) };
+        let overlap = overlap.min(blocks);
+        let a = candidate(WorkerRole::Aggregated, overlap, busy, decode_a);
+        let b = candidate(WorkerRole::Aggregated, overlap, calm, decode_b);
+        let gap = |stall_weight| {
+            let params = CostParams { stall_weight, ..CostParams::KV };
+            cost(&params, &v, &a) - cost(&params, &v, &b)
+        };
+        prop_assert!(gap(high) >= gap(low) - 1e-6 * gap(low).abs().max(1.0));
+        let blind = CostParams { stall_weight: 0.0, ..CostParams::KV };
+        let cached = candidate(WorkerRole::Aggregated, blocks, busy, decode_a);
+        prop_assert_eq!(cost(&CostParams::KV, &v, &cached), cost(&blind, &v, &cached));
+        let idle = candidate(WorkerRole::Aggregated, overlap, WorkerLoad::default(), decode_a);
+        prop_assert_eq!(cost(&CostParams::KV, &v, &idle), cost(&blind, &v, &idle));
     }
 
     /// The fleet's load is a fraction, 0 while some worker in routing has nothing booked (a

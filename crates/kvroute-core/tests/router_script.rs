@@ -196,6 +196,7 @@ fn set_policy_param(policy: &mut PolicyConfig, key: &str, value: &str) {
             "req_weight" => p.cost.decode_active_request_weight = num(key, value),
             "evict" => p.cost.evict_weight = num(key, value),
             "fleet" => p.cost.fleet_weight = num(key, value),
+            "stall" => p.cost.stall_weight = num(key, value),
             "transfer" => p.cost.transfer_block_cost = num(key, value),
             "temperature" => p.temperature = num(key, value),
             other => panic!("unknown cost option {other:?}"),
@@ -755,4 +756,5 @@ scripts!(
     adapters,
     decode_cache,
     fleet_load,
+    stall,
 );

@@ -31,7 +31,7 @@ pub struct TuneArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// An option of the base policy and the values to try, `NAME=V1,V2,...` (the policy spec's
-    /// options: `scale`, `credit`, `tier`, `evict`, `fleet`, `transfer`, `requests`, `temperature`, `spread`; `full`
+    /// options: `scale`, `credit`, `tier`, `evict`, `fleet`, `stall`, `transfer`, `requests`, `temperature`, `spread`; `full`
     /// or `staged` as `projection=full,staged`). Repeat for several options: every combination
     /// is a candidate.
     #[arg(long = "grid", value_name = "NAME=V1,V2,...")]

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! cost = prefill_load_scale * max(prefill_blocks - overlap_credit * (overlap_blocks + moved), 0)
-//!      + prefill_load_scale * (evict_weight * eviction_pressure + fleet_weight * fleet_load)
+//!      + prefill_load_scale * (evict_weight * eviction_pressure + fleet_weight * fleet_load
+//!                              + stall_weight * active_requests)
 //!                           * max(prefill_blocks_of_prompt - overlap_blocks - moved, 0)
 //!      + prefill_load_scale * transfer_block_cost * max(prompt_blocks - overlap_blocks - moved, 0)
 //!                                                          (decode workers only)
@@ -42,6 +43,19 @@
 //!   saves fleet-wide work, and it is worth more than the queue a worker has over another.
 //!   `fleet_weight = 128` lets a session stay where its prefix is on an overloaded fleet, as
 //!   SGLang's affinity does, while an idle worker (load 0) leaves the cost as it was.
+//! * `stall_weight`: the pass that computes a prompt's uncached blocks on a worker lengthens
+//!   the step of every request booked there (chunked prefill shares the pass with the decodes),
+//!   so each of them waits as long as the prompt's own prefill. The rest of the cost weighs the
+//!   request's own wait (queue and prefill); this term weighs the wait it imposes, per booked
+//!   request. Without it `kv` sends a long prompt to the worker with the shortest prefill queue
+//!   even when that worker decodes many more requests, whose every later token is then slower:
+//!   on small caches (EXPERIMENTS.md's small-cache case) its TTFT was the best and its E2E
+//!   behind `least-loaded`'s and `power-of-two`'s. A cached prompt stalls nobody, so affinity keeps its weight. At 1
+//!   every stalled request counts as much as the request's own wait, which buys E2E with TTFT
+//!   (TTFT p90 past `dynamo`'s on the small-cache case on some seeds); of a sweep of 0.03 to 1,
+//!   only `kv`'s 0.07 kept it within 2 % of the best policy on every routing workload of
+//!   EXPERIMENTS.md where one can be ("Is `kv` the best policy everywhere?"). 0 is stall-blind
+//!   (Dynamo's).
 //! * `transfer_block_cost`, on decode workers (no prefill term): a prompt block the worker does
 //!   not cache reaches it by transfer from the prefill worker (or by a prefill there), and a
 //!   block it caches does not. Priced as a block from a slower tier is (0.25 of a block to
@@ -66,7 +80,7 @@
 //! With `evict_weight = 16` beside it, a prompt's uncached blocks on a worker that turned its
 //! whole cache over lately cost seventeen times a prefill: the pair came out of `kvroute tune`
 //! over EXPERIMENTS.md's routing workloads, noise off and on ("Is `kv` the best policy
-//! everywhere?"), as did `fleet_weight = 128` (64 to 256 swept).
+//! everywhere?"), as did `fleet_weight = 128` (64 to 256 swept) and `stall_weight = 0.07`.
 
 use super::load::DecodeProjection;
 use super::policy::Candidate;
@@ -94,6 +108,10 @@ pub struct CostParams {
     /// per unit of the fleet's load ([`RequestView::fleet_load`]), as a fraction of a block to
     /// prefill (0: load-blind, Dynamo's).
     pub fleet_weight: f64,
+    /// How much a prompt's uncached block costs per request booked on the worker, as a
+    /// fraction of a block to prefill: the pass that computes it stalls every one of them
+    /// (0: stall-blind, Dynamo's).
+    pub stall_weight: f64,
     /// What a prompt block a decode worker (no prefill term) does not cache costs there, as a
     /// fraction of a block to prefill: it must be transferred from the prefill worker, or
     /// computed there (0: decode workers cache-blind, Dynamo's).
@@ -110,6 +128,7 @@ impl CostParams {
         tier_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
         evict_weight: 0.0,
         fleet_weight: 0.0,
+        stall_weight: 0.0,
         transfer_block_cost: 0.0,
     };
 
@@ -118,14 +137,15 @@ impl CostParams {
     pub const DEFAULT_TIER_BLOCK_COST: f64 = 0.25;
 
     /// kvroute's defaults: the staged projection, a prefill block weighing sixteen decode
-    /// blocks, an uncached block on a worker that evicts weighing up to sixteen more and on a
-    /// fully loaded fleet up to 128 more, and decode workers counting the blocks they lack at
+    /// blocks, an uncached block on a worker that evicts weighing up to sixteen more, on a
+    /// fully loaded fleet up to 128 more and 0.07 more per request it stalls, and decode workers counting the blocks they lack at
     /// the tier's cost (see the module docs for why).
     pub const KV: CostParams = CostParams {
         prefill_load_scale: 16.0,
         projection: DecodeProjection::Staged,
         evict_weight: 16.0,
         fleet_weight: 128.0,
+        stall_weight: 0.07,
         transfer_block_cost: Self::DEFAULT_TIER_BLOCK_COST,
         ..Self::DYNAMO
     };
@@ -143,6 +163,7 @@ impl CostParams {
             ("tier_block_cost", self.tier_block_cost, 1.0),
             ("evict_weight", self.evict_weight, f64::INFINITY),
             ("fleet_weight", self.fleet_weight, f64::INFINITY),
+            ("stall_weight", self.stall_weight, f64::INFINITY),
             ("transfer_block_cost", self.transfer_block_cost, 1.0),
         ]
         .into_iter()
@@ -164,8 +185,9 @@ pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidat
         let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
         let blocks = tokens as f64 / f64::from(request.block_size);
         let adjusted = (blocks - params.overlap_credit * cached).max(0.0);
-        let pressure =
-            params.evict_weight * candidate.eviction_pressure + params.fleet_weight * request.fleet_load;
+        let pressure = params.evict_weight * candidate.eviction_pressure
+            + params.fleet_weight * request.fleet_load
+            + params.stall_weight * f64::from(candidate.load.requests);
         let mut prefill = params.prefill_load_scale * adjusted;
         if pressure > 0.0 {
             prefill += params.prefill_load_scale * pressure * uncached;

@@ -17,6 +17,7 @@
 //! | `tier=X` | `tier_block_cost`: a block held only on a slower tier (host memory), as a fraction of a block to prefill (1: tier-blind) |
 //! | `evict=X` | `evict_weight`: a prompt's uncached blocks on a worker that evicts, times its eviction pressure (0: eviction-blind) |
 //! | `fleet=X` | `fleet_weight`: a prompt's uncached blocks anywhere, times the fleet's load (0: load-blind) |
+//! | `stall=X` | `stall_weight`: a prompt's uncached blocks on a worker, times its booked requests (0: stall-blind) |
 //! | `transfer=X` | `transfer_block_cost`: a prompt block a decode worker lacks, as a fraction of a block to prefill (0: cache-blind decode workers) |
 //! | `requests=X` | `decode_active_request_weight`: block-equivalents per request booked on the worker |
 //! | `temperature=X` | softmax sampling over the normalized costs instead of the argmin |
@@ -166,7 +167,7 @@ pub struct OptionError {
 
 // ---- policies ----
 
-const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, tier=X, evict=X, fleet=X, transfer=X, requests=X, temperature=X, spread=X";
+const COST_OPTIONS: &str = "full, staged, scale=X, credit=X, tier=X, evict=X, fleet=X, stall=X, transfer=X, requests=X, temperature=X, spread=X";
 
 impl FromStr for PolicyConfig {
     type Err = SpecError;
@@ -205,6 +206,7 @@ impl FromStr for PolicyConfig {
                 Some(("tier", v)) => cost.tier_block_cost = number("tier", v)?,
                 Some(("evict", v)) => cost.evict_weight = number("evict", v)?,
                 Some(("fleet", v)) => cost.fleet_weight = number("fleet", v)?,
+                Some(("stall", v)) => cost.stall_weight = number("stall", v)?,
                 Some(("transfer", v)) => cost.transfer_block_cost = number("transfer", v)?,
                 Some(("requests", v)) => cost.decode_active_request_weight = number("requests", v)?,
                 Some(("temperature", v)) => *temperature = number("temperature", v)?,
@@ -254,6 +256,7 @@ impl fmt::Display for PolicyConfig {
             ("tier", c.cost.tier_block_cost, d.cost.tier_block_cost),
             ("evict", c.cost.evict_weight, d.cost.evict_weight),
             ("fleet", c.cost.fleet_weight, d.cost.fleet_weight),
+            ("stall", c.cost.stall_weight, d.cost.stall_weight),
             ("transfer", c.cost.transfer_block_cost, d.cost.transfer_block_cost),
             (
                 "requests",
@@ -826,6 +829,7 @@ mod tests {
             (0.0f64..=1.0).prop_map(|v| format!("tier={v}")),
             number().prop_map(|v| format!("evict={v}")),
             number().prop_map(|v| format!("fleet={v}")),
+            number().prop_map(|v| format!("stall={v}")),
             (0.0f64..=1.0).prop_map(|v| format!("transfer={v}")),
             number().prop_map(|v| format!("requests={v}")),
             number().prop_map(|v| format!("temperature={v}")),
