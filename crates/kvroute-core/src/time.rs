@@ -45,8 +45,12 @@ impl Timestamp {
 /// give zero and values too large saturate, where [`Duration::from_secs_f64`] would panic: timing
 /// models compute in `f64`, and their output is rounded here, once.
 pub fn duration_from_secs_f64(secs: f64) -> Duration {
-    // `as` saturates and maps NaN to 0.
-    Duration::from_nanos((secs * 1e9).round() as u64)
+    // `f64::round` without its libm call (a call on baseline x86-64, where every jittered step
+    // time passes): `as` truncates, saturates and maps NaN to 0, and below 2^53 the fraction
+    // `x - n` is exact (at and above, `x` is whole), so a half rounds up, as `round`'s does.
+    let x = secs * 1e9;
+    let n = x as u64;
+    Duration::from_nanos(n.saturating_add(u64::from(x - n as f64 >= 0.5)))
 }
 
 impl Add<Duration> for Timestamp {
@@ -167,5 +171,43 @@ mod scale_tests {
         let d = Duration::from_nanos(123_456_789);
         assert_eq!(TimeScale::REAL.modeled(d), d);
         assert_eq!(TimeScale::REAL.timestamp(Duration::MAX), Timestamp(u64::MAX));
+    }
+
+    /// The reference: `f64::round`, then `as` (saturating, NaN to 0).
+    fn rounded_nanos(secs: f64) -> Duration {
+        Duration::from_nanos((secs * 1e9).round() as u64)
+    }
+
+    #[test]
+    fn seconds_round_to_nanoseconds_as_f64_round_does_at_the_edges() {
+        let halves = (0..64).map(|k| (k as f64 + 0.5) / 1e9);
+        let edges = [
+            0.0,
+            -0.0,
+            -1e-9,
+            0.49e-9,
+            0.5e-9,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+        ];
+        let large = [
+            2f64.powi(52) / 1e9,
+            2f64.powi(53) / 1e9,
+            1.8446744073709552e10,
+            1e300,
+        ];
+        for secs in halves.chain(edges).chain(large) {
+            assert_eq!(duration_from_secs_f64(secs), rounded_nanos(secs), "{secs:e}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn seconds_round_to_nanoseconds_as_f64_round_does(bits: u64, secs in 0.0..1e3_f64) {
+            let any = f64::from_bits(bits);
+            proptest::prop_assert_eq!(duration_from_secs_f64(any), rounded_nanos(any));
+            proptest::prop_assert_eq!(duration_from_secs_f64(secs), rounded_nanos(secs));
+        }
     }
 }

@@ -77,6 +77,13 @@ const GAMMA_LN: f64 = 0.001_998_002_662_673_056; // ln(1.002)
 const LOW_LN: f64 = -13.815_510_557_964_274; // ln(1e-6)
 const BUCKETS: usize = 17_300;
 
+/// The bucket of `v` milliseconds (above 0): `floor((ln v - LOW_LN) / GAMMA_LN)` within the
+/// buckets. The floor is the cast's truncation of a value kept at 0 or above (`f64::floor` is a
+/// libm call on baseline x86-64, and every jittered gap passes here).
+fn bucket(v: f64) -> usize {
+    (((v.ln() - LOW_LN) / GAMMA_LN).max(0.0) as usize).min(BUCKETS - 1)
+}
+
 impl Default for Sketch {
     fn default() -> Self {
         Self {
@@ -116,10 +123,7 @@ impl Sketch {
         if self.buckets.is_empty() {
             self.buckets = vec![0; BUCKETS];
         }
-        let i = ((v.ln() - LOW_LN) / GAMMA_LN)
-            .floor()
-            .clamp(0.0, (BUCKETS - 1) as f64) as usize;
-        self.buckets[i] += k;
+        self.buckets[bucket(v)] += k;
     }
 
     /// Samples recorded.
@@ -202,6 +206,22 @@ impl Sketch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        #[test]
+        fn bucket_is_the_clamped_floor_of_the_log_index(bits in 1u64..0x7FF0_0000_0000_0000) {
+            // Every positive finite `v`, subnormals to the largest.
+            let v = f64::from_bits(bits);
+            let reference = ((v.ln() - LOW_LN) / GAMMA_LN).floor().clamp(0.0, (BUCKETS - 1) as f64) as usize;
+            proptest::prop_assert_eq!(bucket(v), reference);
+        }
+
+        #[test]
+        fn bucket_matches_the_floor_over_the_buckets_range(ms in 1e-7..1e10_f64) {
+            let reference = ((ms.ln() - LOW_LN) / GAMMA_LN).floor().clamp(0.0, (BUCKETS - 1) as f64) as usize;
+            proptest::prop_assert_eq!(bucket(ms), reference);
+        }
+    }
 
     #[test]
     fn exact_uses_nearest_rank() {
