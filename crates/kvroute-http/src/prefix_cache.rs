@@ -30,6 +30,14 @@
 //! at a cut; the rest is tokenized piece by piece (and each piece checked as above), and new
 //! entries are made at the last cuts and at the end.
 //!
+//! **A turn's block hashes** ([`Turn`]). A driver that hashes a prompt's blocks keeps the hashes
+//! ([`PromptHashes`]) beside the entries the prompt hit and made, all of them sharing one copy
+//! (counted in the bytes, and freed with the last entry holding it); a follow-up that finds one
+//! of those entries is hashed after that entry's full blocks, so only its new blocks are hashed
+//! ([`Turn::hashes`]). The entry's tokens are the first of the follow-up's, so its hashes are
+//! the first of the follow-up's under the same rule; hashes made under another block size,
+//! adapter or cache salt are not used.
+//!
 //! **Cuts inside text** ([`TextCuts`]). A long piece of text between special tokens (a 4 MB
 //! message) is tokenized in slices, so that a prompt over the token limit is refused after the
 //! first slices instead of after all of it. A slice ends only where the tokenizer's pipeline is
