@@ -54,6 +54,6 @@ callgrind_control -d $KP > /dev/null; sleep 1
 N=$((CONVS * TURNS))
 IR=$(callgrind_annotate "$OUT/cg-$TAG.out.1" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1; exit}')
 # Exclusive costs of the hash module's functions and of its code inlined elsewhere.
-HASH=$(callgrind_annotate --threshold=100 --inclusive=no "$OUT/cg-$TAG.out.1" 2>/dev/null \
+HASH=$(callgrind_annotate --auto=no --threshold=100 --inclusive=no "$OUT/cg-$TAG.out.1" 2>/dev/null \
   | awk '/kvroute_core::hash::|kvroute-core\/src\/hash\.rs:/ {gsub(",", "", $1); s += $1} END {print s + 0}')
 python3 -c "print('$TAG: %d requests (%s failed), %.0f Ir per request, %.0f of them in kvroute_core::hash' % ($N, '$FAILED', $IR / $N, $HASH / $N))"

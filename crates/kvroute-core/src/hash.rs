@@ -414,11 +414,9 @@ impl PromptHasher {
         if earlier.rule != HashRule::of(self) || known == 0 {
             return Some(self.hash_prompt_shared(tokens, locals));
         }
-        // The earlier local hashes first, written over what the buffer held (not zeroed first).
-        if locals.len() < known {
-            locals.resize(known, LocalBlockHash(0));
-        }
-        locals[..known].copy_from_slice(earlier.locals());
+        // The earlier local hashes first, copied in (never zeroed first).
+        locals.clear();
+        locals.extend_from_slice(earlier.locals());
         if rest.len() < self.block_size() {
             // No new full block: the earlier chain is this prompt's, shared as it is when it is
             // whole (not a prefix of a longer one's).
@@ -477,7 +475,7 @@ impl Eq for PromptHashes {}
 impl PromptHashes {
     /// The hashes of the full blocks of `tokens` under `hasher`.
     pub fn new(hasher: &PromptHasher, tokens: &[u32]) -> Self {
-        let mut locals = Vec::new();
+        let mut locals = Vec::with_capacity(tokens.len() / hasher.block_size());
         let chain = hasher.hash_prompt_shared(tokens, &mut locals);
         Self::made(hasher, locals, chain)
     }
@@ -485,7 +483,8 @@ impl PromptHashes {
     /// The hashes of a prompt continuing `earlier` (see [`PromptHasher::hash_prompt_after`]), or
     /// `None` when `earlier` holds more blocks than `tokens`.
     pub fn after(hasher: &PromptHasher, tokens: &[u32], earlier: &PromptHashes) -> Option<Self> {
-        let mut locals = Vec::new();
+        // Sized once: the earlier hashes are copied in, the new ones written after them.
+        let mut locals = Vec::with_capacity(tokens.len() / hasher.block_size());
         let chain = hasher.hash_prompt_after(tokens, earlier, &mut locals)?;
         Some(Self::made(hasher, locals, chain))
     }
