@@ -414,9 +414,14 @@ impl PromptHasher {
         if earlier.rule != HashRule::of(self) || known == 0 {
             return Some(self.hash_prompt_shared(tokens, locals));
         }
-        // The earlier local hashes first, copied in (never zeroed first).
-        locals.clear();
-        locals.extend_from_slice(earlier.locals());
+        // The earlier local hashes first, written over what the buffer held (a router's buffer,
+        // left longer by an earlier prompt), or copied into an empty one: never zeroed first.
+        if locals.len() < known {
+            locals.clear();
+            locals.extend_from_slice(earlier.locals());
+        } else {
+            locals[..known].copy_from_slice(earlier.locals());
+        }
         if rest.len() < self.block_size() {
             // No new full block: the earlier chain is this prompt's, shared as it is when it is
             // whole (not a prefix of a longer one's).
