@@ -32,11 +32,12 @@
 //!
 //! **A turn's block hashes** ([`Turn`]). A driver that hashes a prompt's blocks keeps the hashes
 //! ([`PromptHashes`]) beside the entries the prompt hit and made, all of them sharing one copy
-//! (counted in the bytes, and freed with the last entry holding it); a follow-up that finds one
-//! of those entries is hashed after that entry's full blocks, so only its new blocks are hashed
-//! ([`Turn::hashes`]). The entry's tokens are the first of the follow-up's, so its hashes are
-//! the first of the follow-up's under the same rule; hashes made under another block size,
-//! adapter or cache salt are not used.
+//! (16 bytes a block, counted in the bytes, and freed with the last entry holding it: each turn
+//! keeps its whole prompt's, and older turns' go as their entries are evicted); a follow-up
+//! that finds one of those entries is hashed after that entry's full blocks, so only its new
+//! blocks are hashed ([`Turn::hashes`]). The entry's tokens are the first of the follow-up's,
+//! so its hashes are the first of the follow-up's under the same rule; hashes made under
+//! another block size, adapter or cache salt are not used.
 //!
 //! **Cuts inside text** ([`TextCuts`]). A long piece of text between special tokens (a 4 MB
 //! message) is tokenized in slices, so that a prompt over the token limit is refused after the
@@ -586,7 +587,8 @@ impl Turn {
     /// The block hashes of this prompt, whose tokens (as the cache gave them) are `tokens`,
     /// under `hasher`: after the kept hashes of the prefix it continues when they were made
     /// under `hasher`'s rule, so only the blocks past them are hashed ([`PromptHashes::after`]),
-    /// else all of them; the same values either way. Kept for the next turn, beside the entries this prompt hit and made.
+    /// else all of them; the same values either way. Kept for the next turn, beside the entries
+    /// this prompt hit and made.
     pub fn hashes(&self, hasher: &PromptHasher, tokens: &[u32]) -> PromptHashes {
         let hashes = self
             .earlier
