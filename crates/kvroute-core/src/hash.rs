@@ -414,18 +414,25 @@ impl PromptHasher {
         if earlier.rule != HashRule::of(self) || known == 0 {
             return Some(self.hash_prompt_shared(tokens, locals));
         }
-        // The earlier local hashes first, written over what the buffer held (not zeroed first).
+        // The earlier local hashes first, written over what the buffer held (a router's buffer,
+        // left longer by an earlier prompt), or copied into an empty one: never zeroed first.
         if locals.len() < known {
-            locals.resize(known, LocalBlockHash(0));
+            locals.clear();
+            locals.extend_from_slice(earlier.locals());
+        } else {
+            locals[..known].copy_from_slice(earlier.locals());
         }
-        locals[..known].copy_from_slice(&earlier.locals);
         if rest.len() < self.block_size() {
-            // No new full block: the earlier chain is this prompt's, shared as it is.
+            // No new full block: the earlier chain is this prompt's, shared as it is when it is
+            // whole (not a prefix of a longer one's).
             locals.truncate(known);
-            return Some(Arc::clone(&earlier.chain));
+            return Some(match earlier.chain.len() == known {
+                true => Arc::clone(&earlier.chain),
+                false => Arc::from(earlier.chain()),
+            });
         }
         // The first block's salt is in `earlier`'s first hashes; later blocks take the adapter's.
-        Some(self.rest.hash_prompt_after(rest, &earlier.chain, locals))
+        Some(self.rest.hash_prompt_after(rest, earlier.chain(), locals))
     }
 }
 
@@ -450,51 +457,81 @@ impl HashRule {
 
 /// A prompt's block hashes as a driver keeps them (a conversation cache, for the next turn), so
 /// that a prompt continuing it hashes only its new blocks
-/// ([`PromptHasher::hash_prompt_after`]); they remember the rule they were made under.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// ([`PromptHasher::hash_prompt_after`]); they remember the rule they were made under. Cloning
+/// shares them, and so does a [`PromptHashes::prefix`].
+#[derive(Clone, Debug)]
 pub struct PromptHashes {
     rule: HashRule,
-    locals: Vec<LocalBlockHash>,
+    locals: Arc<[LocalBlockHash]>,
     chain: Arc<[SequenceHash]>,
+    /// The blocks these are the hashes of: the first of `locals` and `chain` (fewer than they
+    /// hold in a prefix).
+    blocks: usize,
 }
+
+impl PartialEq for PromptHashes {
+    fn eq(&self, other: &Self) -> bool {
+        self.rule == other.rule && self.locals() == other.locals() && self.chain() == other.chain()
+    }
+}
+
+impl Eq for PromptHashes {}
 
 impl PromptHashes {
     /// The hashes of the full blocks of `tokens` under `hasher`.
     pub fn new(hasher: &PromptHasher, tokens: &[u32]) -> Self {
-        let mut locals = Vec::new();
+        let mut locals = Vec::with_capacity(tokens.len() / hasher.block_size());
         let chain = hasher.hash_prompt_shared(tokens, &mut locals);
-        Self {
-            rule: HashRule::of(hasher),
-            locals,
-            chain,
-        }
+        Self::made(hasher, locals, chain)
     }
 
     /// The hashes of a prompt continuing `earlier` (see [`PromptHasher::hash_prompt_after`]), or
     /// `None` when `earlier` holds more blocks than `tokens`.
     pub fn after(hasher: &PromptHasher, tokens: &[u32], earlier: &PromptHashes) -> Option<Self> {
-        let mut locals = Vec::new();
+        // Sized once: the earlier hashes are copied in, the new ones written after them.
+        let mut locals = Vec::with_capacity(tokens.len() / hasher.block_size());
         let chain = hasher.hash_prompt_after(tokens, earlier, &mut locals)?;
-        Some(Self {
+        Some(Self::made(hasher, locals, chain))
+    }
+
+    fn made(hasher: &PromptHasher, locals: Vec<LocalBlockHash>, chain: Arc<[SequenceHash]>) -> Self {
+        Self {
             rule: HashRule::of(hasher),
-            locals,
+            blocks: locals.len(),
+            locals: locals.into(),
             chain,
-        })
+        }
+    }
+
+    /// The hashes of the prompt's first `tokens` tokens (the full blocks among them, at most
+    /// all of these), sharing these.
+    pub fn prefix(&self, tokens: usize) -> Self {
+        Self {
+            blocks: self.blocks.min(tokens / self.rule.block_size),
+            ..self.clone()
+        }
     }
 
     /// Full blocks hashed.
     pub fn blocks(&self) -> usize {
-        self.locals.len()
+        self.blocks
     }
 
     /// The blocks' local hashes.
     pub fn locals(&self) -> &[LocalBlockHash] {
-        &self.locals
+        &self.locals[..self.blocks]
     }
 
     /// The blocks' sequence hashes.
-    pub fn chain(&self) -> &Arc<[SequenceHash]> {
-        &self.chain
+    pub fn chain(&self) -> &[SequenceHash] {
+        &self.chain[..self.blocks]
+    }
+
+    /// Bytes of the hashes these share (a prefix counts its whole prompt's), for a cache's
+    /// memory bound.
+    pub fn shared_bytes(&self) -> usize {
+        std::mem::size_of_val::<[LocalBlockHash]>(&self.locals)
+            + std::mem::size_of_val::<[SequenceHash]>(&self.chain)
     }
 }
 
@@ -870,6 +907,7 @@ mod tests {
             lora in prop_oneof![Just(None), Just(Some("a"))],
             salt in prop_oneof![Just(None), Just(Some("t"))],
             other_salt in any::<bool>(),
+            other_tail in proptest::collection::vec(token(), 0..80),
         ) {
             let cut = cut.min(tokens.len());
             let hasher = PromptHasher::new(block, &HashSalt { lora_name: lora, namespace: salt });
@@ -882,15 +920,22 @@ mod tests {
             let earlier = PromptHashes::new(&made_by, &tokens[..cut]);
             let after = PromptHashes::after(&hasher, &tokens, &earlier);
             prop_assert_eq!(after.as_ref(), Some(&whole));
+            // The earlier prompt's hashes as the prefix of a prompt that went on otherwise (a
+            // previous turn's, kept whole): the same hashes, and the same continuation.
+            let longer: Vec<u32> = tokens[..cut].iter().chain(&other_tail).copied().collect();
+            let prefix = PromptHashes::new(&made_by, &longer).prefix(cut);
+            prop_assert_eq!(&prefix, &earlier);
+            let continued = PromptHashes::after(&hasher, &tokens, &prefix);
+            prop_assert_eq!(continued.as_ref(), Some(&whole));
             // Into a buffer left longer by an earlier prompt: its stale entries do not show.
             let mut locals = vec![LocalBlockHash(7); 40];
             let chain = hasher.hash_prompt_after(&tokens, &earlier, &mut locals);
-            prop_assert_eq!(chain.as_deref(), Some(&whole.chain()[..]));
+            prop_assert_eq!(chain.as_deref(), Some(whole.chain()));
             prop_assert_eq!(&locals[..], whole.locals());
             // Under one rule, the earlier prompt's hashes are a prefix of the whole's.
             if !other_salt {
                 prop_assert_eq!(&whole.locals()[..earlier.blocks()], earlier.locals());
-                prop_assert_eq!(&whole.chain()[..earlier.blocks()], &earlier.chain()[..]);
+                prop_assert_eq!(&whole.chain()[..earlier.blocks()], earlier.chain());
             }
             if earlier.blocks() > 0 {
                 let shorter = &tokens[..earlier.blocks() * block - 1];

@@ -51,7 +51,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
         &["kvroute-core", "kvroute-engine", "kvroute-planner"],
     ),
     ("kvroute-zmq", &["kvroute-core", "kvroute-wire"]),
-    ("kvroute-http", &[]),
+    ("kvroute-http", &["kvroute-core"]),
     ("kvroute-testkit", &[]),
     ("kvroute-sync", &["kvroute-core"]),
     (

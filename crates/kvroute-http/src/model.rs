@@ -24,7 +24,7 @@ use tokenizers::pipeline::{EncodeOptions, Override, PipelineToken, PipelineToken
 use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
 
 use crate::chat_template::{self, ChatOptions};
-use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, TextCuts, whole_answer};
+use crate::prefix_cache::{AddedToken, Boundaries, ChatCache, Encoded, Lookup, TextCuts, Turn, whole_answer};
 
 /// The built-in tiny model's `tokenizer.json`: a byte-level BPE without merges (one token per
 /// byte) and three special tokens. Made by `tests/data/tiny-model/gen.py`.
@@ -248,11 +248,27 @@ impl Model {
         special: SpecialTokens,
         limit: usize,
     ) -> Result<(Encoded, Lookup), PromptError> {
+        self.encode_chat_turn(text, special, limit)
+            .map(|(encoded, lookup, _)| (encoded, lookup))
+    }
+
+    /// [`Model::encode_chat`], with the prompt's place in the conversation cache when its
+    /// tokens went through it ([`ChatCache::encode_turn`]), where the prompt's block hashes may
+    /// be kept for its follow-ups.
+    pub fn encode_chat_turn(
+        &self,
+        text: &str,
+        special: SpecialTokens,
+        limit: usize,
+    ) -> Result<(Encoded, Lookup, Option<Turn>), PromptError> {
         match special {
-            SpecialTokens::Omit => self.chat_cache.encode(&self.boundaries, text, limit, |t| {
+            SpecialTokens::Omit => self.chat_cache.encode_turn(&self.boundaries, text, limit, |t| {
                 self.encode(t, SpecialTokens::Omit)
             }),
-            SpecialTokens::Add => Ok(whole_answer(self.encode(text, special)?, text, limit)),
+            SpecialTokens::Add => {
+                let (encoded, lookup) = whole_answer(self.encode(text, special)?, text, limit);
+                Ok((encoded, lookup, None))
+            }
         }
     }
 

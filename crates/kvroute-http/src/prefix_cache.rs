@@ -30,6 +30,15 @@
 //! at a cut; the rest is tokenized piece by piece (and each piece checked as above), and new
 //! entries are made at the last cuts and at the end.
 //!
+//! **A turn's block hashes** ([`Turn`]). A driver that hashes a prompt's blocks keeps the hashes
+//! ([`PromptHashes`]) beside the entries the prompt hit and made, all of them sharing one copy
+//! (16 bytes a block, counted in the bytes, and freed with the last entry holding it: each turn
+//! keeps its whole prompt's, and older turns' go as their entries are evicted); a follow-up
+//! that finds one of those entries is hashed after that entry's full blocks, so only its new
+//! blocks are hashed ([`Turn::hashes`]). The entry's tokens are the first of the follow-up's,
+//! so its hashes are the first of the follow-up's under the same rule; hashes made under
+//! another block size, adapter or cache salt are not used.
+//!
 //! **Cuts inside text** ([`TextCuts`]). A long piece of text between special tokens (a 4 MB
 //! message) is tokenized in slices, so that a prompt over the token limit is refused after the
 //! first slices instead of after all of it. A slice ends only where the tokenizer's pipeline is
@@ -63,6 +72,8 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounter, IntGauge};
 use xxhash_rust::xxh3::Xxh3;
+
+use kvroute_core::hash::{PromptHasher, PromptHashes};
 
 use crate::model::PromptError;
 
@@ -348,29 +359,76 @@ impl Drop for Node {
     }
 }
 
+/// A prompt's block hashes kept beside the entries it made, counted in [`ChatCache::bytes`]
+/// while an entry holds them.
+struct Kept {
+    hashes: PromptHashes,
+    bytes: usize,
+    live: Arc<AtomicUsize>,
+}
+
+impl Kept {
+    fn new(hashes: PromptHashes, live: &Arc<AtomicUsize>) -> Self {
+        let bytes = hashes.shared_bytes() + std::mem::size_of::<Self>();
+        live.fetch_add(bytes, Ordering::Relaxed);
+        Self {
+            hashes,
+            bytes,
+            live: Arc::clone(live),
+        }
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A cache entry: its prefix's tokens, its last use, and the block hashes of a prompt that
+/// began with them, if a driver kept some ([`Turn::hashes`]).
+struct Entry {
+    node: Arc<Node>,
+    used: u64,
+    hashes: Option<Arc<Kept>>,
+}
+
+impl Entry {
+    /// The kept hashes of this entry's prefix (its full blocks').
+    fn earlier(&self) -> Option<PromptHashes> {
+        let kept = self.hashes.as_ref()?;
+        Some(kept.hashes.prefix(self.node.total))
+    }
+}
+
 #[derive(Default)]
 struct Inner {
-    map: HashMap<Key, (Arc<Node>, u64)>,
+    map: HashMap<Key, Entry>,
     /// Entries by last use.
     lru: BTreeMap<u64, Key>,
     tick: u64,
 }
 
 impl Inner {
-    fn touch(&mut self, key: Key) -> Option<Arc<Node>> {
+    fn touch(&mut self, key: Key) -> Option<&Entry> {
         self.tick += 1;
         let tick = self.tick;
-        let (node, used) = self.map.get_mut(&key)?;
-        self.lru.remove(used);
-        *used = tick;
+        let entry = self.map.get_mut(&key)?;
+        self.lru.remove(&entry.used);
+        entry.used = tick;
         self.lru.insert(tick, key);
-        Some(Arc::clone(node))
+        Some(entry)
     }
 
     fn insert(&mut self, key: Key, node: Arc<Node>) {
         self.tick += 1;
-        if let Some((_, used)) = self.map.insert(key, (node, self.tick)) {
-            self.lru.remove(&used);
+        let entry = Entry {
+            node,
+            used: self.tick,
+            hashes: None,
+        };
+        if let Some(old) = self.map.insert(key, entry) {
+            self.lru.remove(&old.used);
         }
         self.lru.insert(self.tick, key);
     }
@@ -443,6 +501,11 @@ pub struct Lookup {
 /// The bounded conversation cache (see the module's documentation). Off (tokenizing every text
 /// whole) until given a limit.
 pub struct ChatCache {
+    shared: Arc<Shared>,
+}
+
+/// The cache's state, which [`Turn`]s share.
+struct Shared {
     inner: Mutex<Inner>,
     limit: AtomicUsize,
     live: Arc<AtomicUsize>,
@@ -450,11 +513,116 @@ pub struct ChatCache {
     counters: Counters,
 }
 
+impl Shared {
+    fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    fn bytes(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every update leaves the maps whole: a poisoned lock's data is still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn evict(&self, inner: &mut Inner) {
+        let limit = self.limit();
+        while self.bytes() > limit {
+            let Some((_, key)) = inner.lru.pop_first() else {
+                break;
+            };
+            inner.map.remove(&key);
+            self.counters.evictions.inc();
+        }
+        self.counters
+            .bytes
+            .set(i64::try_from(self.bytes()).unwrap_or(i64::MAX));
+        self.counters
+            .entries
+            .set(i64::try_from(inner.map.len()).unwrap_or(i64::MAX));
+    }
+}
+
+/// A chat prompt's place in the conversation cache, as [`ChatCache::encode_turn`] found it: the
+/// block hashes kept for the cached prefix it continues, if any, and the entries it hit and
+/// made, beside which [`Turn::hashes`] keeps the prompt's own hashes for its follow-ups. Those
+/// entries' tokens are the first of the prompt's.
+#[derive(Clone)]
+pub struct Turn {
+    cache: Arc<Shared>,
+    earlier: Option<PromptHashes>,
+    /// The entries, with their tokens.
+    entries: Vec<(Key, usize)>,
+}
+
+impl std::fmt::Debug for Turn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Turn")
+            .field("earlier_blocks", &self.earlier.as_ref().map(PromptHashes::blocks))
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Two turns are equal when they name the same entries of the same cache.
+impl PartialEq for Turn {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.cache, &other.cache) && self.entries == other.entries
+    }
+}
+
+impl Turn {
+    /// The block hashes kept for the cached prefix this prompt continues (a previous turn's,
+    /// cut to that prefix's full blocks), if its entry holds some: under the same rule
+    /// (block size and salts) only the blocks past them need hashing
+    /// ([`PromptHasher::hash_prompt_after`], which uses none made under another rule).
+    ///
+    /// [`PromptHasher::hash_prompt_after`]: kvroute_core::hash::PromptHasher::hash_prompt_after
+    pub fn earlier(&self) -> Option<&PromptHashes> {
+        self.earlier.as_ref()
+    }
+
+    /// The block hashes of this prompt, whose tokens (as the cache gave them) are `tokens`,
+    /// under `hasher`: after the kept hashes of the prefix it continues when they were made
+    /// under `hasher`'s rule, so only the blocks past them are hashed ([`PromptHashes::after`]),
+    /// else all of them; the same values either way. Kept for the next turn, beside the entries
+    /// this prompt hit and made.
+    pub fn hashes(&self, hasher: &PromptHasher, tokens: &[u32]) -> PromptHashes {
+        let hashes = self
+            .earlier
+            .as_ref()
+            .and_then(|earlier| PromptHashes::after(hasher, tokens, earlier))
+            .unwrap_or_else(|| PromptHashes::new(hasher, tokens));
+        self.keep(&hashes);
+        hashes
+    }
+
+    /// Keeps `hashes`, the block hashes of this prompt (or of its first tokens), beside the
+    /// entries it hit and made (those still cached), replacing what they kept; counted in the
+    /// cache's bytes, evicting past its bound.
+    fn keep(&self, hashes: &PromptHashes) {
+        let cache = &self.cache;
+        let kept = Arc::new(Kept::new(hashes.clone(), &cache.live));
+        let mut inner = cache.lock();
+        for (key, tokens) in &self.entries {
+            if let Some(entry) = inner.map.get_mut(key)
+                && entry.node.total == *tokens
+            {
+                entry.hashes = Some(Arc::clone(&kept));
+            }
+        }
+        drop(kept);
+        cache.evict(&mut inner);
+    }
+}
+
 impl std::fmt::Debug for ChatCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatCache")
-            .field("limit", &self.limit())
-            .field("bytes", &self.bytes())
+            .field("limit", &self.shared.limit())
+            .field("bytes", &self.shared.bytes())
             .finish_non_exhaustive()
     }
 }
@@ -485,68 +653,49 @@ const LAST_CUTS_KEPT: usize = 2;
 impl ChatCache {
     /// A cache of at most `limit_bytes` (0: off).
     pub fn new(limit_bytes: usize) -> Self {
-        Self {
+        let shared = Shared {
             inner: Mutex::new(Inner::default()),
             limit: AtomicUsize::new(limit_bytes),
             live: Arc::new(AtomicUsize::new(0)),
             seed: std::collections::hash_map::RandomState::new().hash_one(0x006b_7672_6f75_7465_u64),
             counters: Counters::new(),
+        };
+        Self {
+            shared: Arc::new(shared),
         }
     }
 
     /// Sets the bound (0 turns the cache off and empties it).
     pub fn set_limit(&self, limit_bytes: usize) {
-        self.limit.store(limit_bytes, Ordering::Relaxed);
-        let mut inner = self.lock();
-        self.evict(&mut inner);
+        self.shared.limit.store(limit_bytes, Ordering::Relaxed);
+        let mut inner = self.shared.lock();
+        self.shared.evict(&mut inner);
     }
 
     /// The bound, bytes.
     pub fn limit(&self) -> usize {
-        self.limit.load(Ordering::Relaxed)
+        self.shared.limit()
     }
 
     /// Bytes held now.
     pub fn bytes(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.shared.bytes()
     }
 
     /// Entries held now.
     pub fn entries(&self) -> usize {
-        self.lock().map.len()
+        self.shared.lock().map.len()
     }
 
     /// (hits, misses) so far.
     pub fn hits_and_misses(&self) -> (u64, u64) {
-        (self.counters.hits.get(), self.counters.misses.get())
+        (self.shared.counters.hits.get(), self.shared.counters.misses.get())
     }
 
     /// The Prometheus collector of the cache's metrics (hits, misses, reused tokens,
     /// evictions, bytes, entries), for a registry.
     pub fn collector(&self) -> Box<dyn Collector> {
-        Box::new(CacheCollector(self.counters.clone()))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // Every update leaves the maps whole: a poisoned lock's data is still usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn evict(&self, inner: &mut Inner) {
-        let limit = self.limit();
-        while self.bytes() > limit {
-            let Some((_, key)) = inner.lru.pop_first() else {
-                break;
-            };
-            inner.map.remove(&key);
-            self.counters.evictions.inc();
-        }
-        self.counters
-            .bytes
-            .set(i64::try_from(self.bytes()).unwrap_or(i64::MAX));
-        self.counters
-            .entries
-            .set(i64::try_from(inner.map.len()).unwrap_or(i64::MAX));
+        Box::new(CacheCollector(self.shared.counters.clone()))
     }
 
     /// The tokens of `text` (special tokens in it recognized, none added), `encode` being the
@@ -559,14 +708,31 @@ impl ChatCache {
         limit: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
     ) -> Result<(Encoded, Lookup), PromptError> {
-        let whole = |text: &str| whole_sliced(boundaries.text, text, limit, &encode);
-        if self.limit() == 0 || boundaries.is_empty() {
+        self.encode_turn(boundaries, text, limit, encode)
+            .map(|(encoded, lookup, _)| (encoded, lookup))
+    }
+
+    /// [`ChatCache::encode`], with the prompt's [`Turn`] when its tokens went through the
+    /// cache (not when it is off, nor when they were tokenized whole or were too many).
+    pub fn encode_turn(
+        &self,
+        boundaries: &Boundaries,
+        text: &str,
+        limit: usize,
+        encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
+    ) -> Result<(Encoded, Lookup, Option<Turn>), PromptError> {
+        let whole = |text: &str| {
+            whole_sliced(boundaries.text, text, limit, &encode)
+                .map(|(encoded, lookup)| (encoded, lookup, None))
+        };
+        let cache = &self.shared;
+        if cache.limit() == 0 || boundaries.is_empty() {
             return whole(text);
         }
         let cuts = boundaries.cuts(text);
         // The key of the prefix ending at each cut, and of the whole text.
         let mut keys = Vec::with_capacity(cuts.len() + 1);
-        let mut hasher = Xxh3::with_seed(self.seed);
+        let mut hasher = Xxh3::with_seed(cache.seed);
         let mut at = 0;
         for &(cut, _) in cuts.iter().chain([&(text.len(), 0)]) {
             hasher.update(&text.as_bytes()[at..cut]);
@@ -576,22 +742,29 @@ impl ChatCache {
                 hash: hasher.digest128(),
             });
         }
-        let whole_key = keys[cuts.len()];
-        // The longest cached prefix: the whole text, else the last cut that has one.
+        // The longest cached prefix: the whole text, else the last cut that has one; with the
+        // hashes kept for it.
         let found = {
-            let mut inner = self.lock();
-            match inner.touch(whole_key) {
-                Some(node) => Some((cuts.len(), node)),
-                None => (0..cuts.len())
-                    .rev()
-                    .find_map(|i| inner.touch(keys[i]).map(|node| (i, node))),
-            }
+            let mut inner = cache.lock();
+            let mut hit = |i: usize| {
+                inner
+                    .touch(keys[i])
+                    .map(|entry| (i, Arc::clone(&entry.node), entry.earlier()))
+            };
+            hit(cuts.len()).or_else(|| (0..cuts.len()).rev().find_map(hit))
         };
         let mut out = Vec::new();
+        let mut turn = Turn {
+            cache: Arc::clone(cache),
+            earlier: None,
+            entries: Vec::new(),
+        };
         let (next_cut, mut parent) = match found {
-            Some((i, node)) => {
-                self.counters.hits.inc();
-                self.counters.reused_tokens.inc_by(node.total as u64);
+            Some((i, node, earlier)) => {
+                cache.counters.hits.inc();
+                cache.counters.reused_tokens.inc_by(node.total as u64);
+                turn.earlier = earlier;
+                turn.entries.push((keys[i], node.total));
                 // Room for the rest's tokens too (a hint: at most a token a byte, for most
                 // tokenizers), so that the cached tokens are copied once.
                 let rest = text.len() - cuts.get(i).map_or(text.len(), |c| c.0);
@@ -603,14 +776,14 @@ impl ChatCache {
                         tokenized_bytes: 0,
                     };
                     return Ok(match out.len() > limit {
-                        true => (Encoded::TooLong(out.len()), lookup),
-                        false => (Encoded::Tokens(out), lookup),
+                        true => (Encoded::TooLong(out.len()), lookup, None),
+                        false => (Encoded::Tokens(out), lookup, Some(turn)),
                     });
                 }
                 (i, Some(node))
             }
             None => {
-                self.counters.misses.inc();
+                cache.counters.misses.inc();
                 (0, None)
             }
         };
@@ -639,28 +812,33 @@ impl ChatCache {
                     reused_tokens: reused,
                     tokenized_bytes: tokenized,
                 };
-                return Ok((Encoded::TooLong(out.len()), lookup));
+                return Ok((Encoded::TooLong(out.len()), lookup, None));
             }
             pending.extend_from_slice(&out[before..]);
             if piece.keep {
-                let node = Arc::new(Node::new(parent.take(), std::mem::take(&mut pending), &self.live));
+                let node = Arc::new(Node::new(
+                    parent.take(),
+                    std::mem::take(&mut pending),
+                    &cache.live,
+                ));
                 let key = keys[cuts.partition_point(|c| c.0 < piece.end)];
+                turn.entries.push((key, node.total));
                 made.push((key, Arc::clone(&node)));
                 parent = Some(node);
             }
         }
         {
-            let mut inner = self.lock();
+            let mut inner = cache.lock();
             for (key, node) in made {
                 inner.insert(key, node);
             }
-            self.evict(&mut inner);
+            cache.evict(&mut inner);
         }
         let lookup = Lookup {
             reused_tokens: reused,
             tokenized_bytes: tokenized,
         };
-        Ok((Encoded::Tokens(out), lookup))
+        Ok((Encoded::Tokens(out), lookup, Some(turn)))
     }
 }
 

@@ -2,10 +2,12 @@
 //! the prompt tokenized whole, on the repository's tokenizer fixtures (byte-level BPEs shaped like
 //! Llama-3, Qwen2 and GPT-2, a SentencePiece-style Llama-2, one with `prepend_scheme: first`, the
 //! tiny and BOS models), over generated conversations whose messages end mid-word, in whitespace,
-//! in multi-byte characters, are empty, or hold special tokens' text and pieces of it.
+//! in multi-byte characters, are empty, or hold special tokens' text and pieces of it. The block
+//! hashes a turn keeps beside its entries give a follow-up the chain of its prompt hashed whole.
 
+use kvroute_core::hash::{HashSalt, PromptHasher, PromptHashes};
 use kvroute_http::model::{Model, SpecialTokens, TINY_TOKENIZER_CONFIG_JSON};
-use kvroute_http::prefix_cache::{AddedToken, Boundaries, Encoded, TextCuts};
+use kvroute_http::prefix_cache::{AddedToken, Boundaries, Encoded, TextCuts, Turn};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -170,6 +172,142 @@ proptest! {
             }
         }
     }
+}
+
+/// A chat prompt through the cache as the proxy routes it: its tokens (equal to tokenizing it
+/// whole), and, when they went through the cache, its block hashes under `salt` after the kept
+/// ones (kept in turn), with the turn. The hashes are checked against the prompt hashed whole.
+fn hashed_turn(model: &Model, text: &str, block: usize, salt: &HashSalt<'_>) -> Option<(PromptHashes, Turn)> {
+    let (encoded, _, turn) = model
+        .encode_chat_turn(text, SpecialTokens::Omit, usize::MAX)
+        .expect("the text tokenizes");
+    let whole = model
+        .encode(text, SpecialTokens::Omit)
+        .expect("the text tokenizes");
+    assert_eq!(encoded, Encoded::Tokens(whole.clone()), "{text:?}");
+    let turn = turn?;
+    let hasher = PromptHasher::new(block, salt);
+    let hashes = turn.hashes(&hasher, &whole);
+    assert_eq!(hashes, PromptHashes::new(&hasher, &whole), "{text:?}");
+    Some((hashes, turn))
+}
+
+/// A turn's salt: none, a cache salt, an adapter, or both.
+fn salt_of(choice: u8) -> HashSalt<'static> {
+    HashSalt {
+        lora_name: (choice & 1 != 0).then_some("adapter"),
+        namespace: (choice & 2 != 0).then_some("tenant"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Turn by turn through one cache per model, each turn under a salt drawn anew (so hashes
+    /// kept under one salt meet a prompt under another), with the cache emptied or bounded
+    /// small between turns and an earlier message edited (the prefix diverges): the hashes
+    /// after the kept ones always equal the prompt hashed whole, and the cache, hashes
+    /// counted, stays within its bound.
+    #[test]
+    fn kept_hashes_give_a_follow_up_the_whole_prompts_chain(
+        messages in conversation(),
+        block in prop_oneof![Just(1usize), Just(4), Just(16)],
+        salts in prop::collection::vec(0u8..4, 10),
+        emptied in prop::collection::vec(any::<bool>(), 10),
+        small in any::<bool>(),
+        edit in any::<prop::sample::Index>(),
+    ) {
+        for (_, model) in &models() {
+            let limit = if small { 4096 } else { 1 << 24 };
+            model.chat_cache().set_limit(limit);
+            let mut messages = messages.clone();
+            for turn in 1..=messages.len() {
+                if emptied[turn - 1] {
+                    model.chat_cache().set_limit(0);
+                    model.chat_cache().set_limit(limit);
+                }
+                if turn == messages.len() && turn > 1 {
+                    // The last turn edits an earlier message.
+                    let at = edit.index(turn - 1);
+                    let content = messages[at]["content"].as_str().unwrap_or_default().to_owned();
+                    messages[at]["content"] = Value::from(format!("{content} (edited)"));
+                }
+                let so_far = Value::Array(messages[..turn].to_vec());
+                let text = model.render_chat(&so_far, true).expect("renders");
+                hashed_turn(model, &text, block, &salt_of(salts[turn - 1]));
+                prop_assert!(model.chat_cache().bytes() <= limit);
+            }
+        }
+    }
+}
+
+/// A follow-up under the same salt hashes only the blocks past its previous turn's (kept
+/// beside the cache's entries, counted in its bytes); under another salt, after the cache was
+/// emptied, or past an edited message, it hashes what it must, and always gets the chain of
+/// its prompt hashed whole (`hashed_turn` checks it).
+#[test]
+fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
+    let model = Model::tiny().expect("loads");
+    model.chat_cache().set_limit(64 << 20);
+    let block = 16;
+    let plain = salt_of(0);
+    let mut messages = vec![json!({"role": "system", "content": "You answer briefly."})];
+    // The next user message's prompt; the assistant's answer follows.
+    let render = |messages: &mut Vec<Value>, content: String| {
+        messages.push(json!({"role": "user", "content": content}));
+        let text = model
+            .render_chat(&Value::Array(messages.clone()), true)
+            .expect("renders");
+        messages.push(json!({"role": "assistant", "content": "ok ".repeat(40)}));
+        text
+    };
+    let first = render(&mut messages, "a".repeat(500));
+    let before = model.chat_cache().bytes();
+    let (hashes, turn) = hashed_turn(&model, &first, block, &plain).expect("through the cache");
+    assert!(turn.earlier().is_none(), "a miss has nothing kept");
+    let blocks = hashes.blocks();
+    assert!(
+        model.chat_cache().bytes() >= before + 16 * blocks,
+        "the hashes are counted"
+    );
+
+    let second = render(&mut messages, "b".repeat(500));
+    let (hashes, turn) = hashed_turn(&model, &second, block, &plain).expect("through the cache");
+    let earlier = turn.earlier().expect("the first turn's hashes are kept").blocks();
+    assert!(
+        earlier >= blocks - 1 && earlier <= blocks,
+        "{earlier} of {blocks}"
+    );
+    assert!(hashes.blocks() > earlier);
+
+    // Another salt: the kept (unsalted) hashes are found, not used.
+    let salted = salt_of(2);
+    let third = render(&mut messages, "c".repeat(500));
+    let (hashes, turn) = hashed_turn(&model, &third, block, &salted).expect("through the cache");
+    assert!(turn.earlier().is_some_and(|e| e.blocks() > 0));
+    let tokens = model.encode(&third, SpecialTokens::Omit).expect("tokenizes");
+    let unsalted = PromptHashes::new(&PromptHasher::new(block, &plain), &tokens);
+    assert!(hashes.chain().iter().zip(unsalted.chain()).all(|(a, b)| a != b));
+
+    // Emptied: nothing kept.
+    model.chat_cache().set_limit(0);
+    model.chat_cache().set_limit(64 << 20);
+    let fourth = render(&mut messages, "d".repeat(500));
+    let (_, turn) = hashed_turn(&model, &fourth, block, &salted).expect("through the cache");
+    assert!(turn.earlier().is_none());
+
+    // The follow-up, now that the fourth turn's salted hashes are kept.
+    let fifth = render(&mut messages, "e".repeat(500));
+    let (hashes, turn) = hashed_turn(&model, &fifth, block, &salted).expect("through the cache");
+    let earlier = turn.earlier().expect("kept").blocks();
+    assert!(earlier > 0 && hashes.blocks() > earlier);
+
+    // An edit in the first user message: only the system prompt's entry is still a prefix.
+    messages[1]["content"] = Value::from("z".repeat(500));
+    let edited = render(&mut messages, "f".repeat(500));
+    let (hashes, turn) = hashed_turn(&model, &edited, block, &salted).expect("through the cache");
+    assert!(turn.earlier().is_none_or(|e| e.blocks() < 4), "{turn:?}");
+    assert!(hashes.blocks() > earlier);
 }
 
 /// The fixtures' pipelines that text may be cut in (a regex or space split, BPE, no

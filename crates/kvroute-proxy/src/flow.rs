@@ -133,6 +133,7 @@ impl Forwarder {
                         tenant: class.tenant,
                         priority: class.router_priority(),
                         session: request.session,
+                        turn: request.parsed.turn.as_ref(),
                     },
                 )
                 .await

@@ -3,7 +3,8 @@
 //! a worker that serves it, and the router's predicted cached tokens equal the engine's
 //! reported ones under adapters and salts alike (the block hashes are salted as the engine's
 //! are); an adapter loaded at run time becomes routable, and unloaded stops being; a salted
-//! request never predicts a hit on another salt's blocks.
+//! request never predicts a hit on another salt's blocks; a chat conversation under changing salts
+//! is predicted as the engine reports, turn after turn.
 
 // Helpers outside `#[test]` functions unwrap as the tests do (clippy.toml allows it only inside).
 #![allow(clippy::unwrap_used)]
@@ -201,5 +202,45 @@ async fn a_salted_request_never_predicts_a_hit_on_another_salts_blocks() {
     let a = p.complete(body(None), &[]).await;
     assert!(a.reported > 0);
     assert_eq!(a.predicted, Some(a.reported));
+    c.assert_drained().await;
+}
+
+/// A chat conversation through the proxy, turn after turn, under one salt, another, none and
+/// the first again (its follow-ups hashed after the block hashes the conversation cache kept
+/// for its previous turn): every turn's predicted cached tokens equal the engine's, and a
+/// follow-up under its previous turn's salt hits that turn's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_conversation_is_predicted_as_the_engine_reports_turn_after_turn() {
+    // One worker: every request meets every block the engine holds.
+    let c = cluster(1, 20.0, |c| c.server.debug_headers = true).await;
+    let p = Proxy::new(&c.proxy);
+    let mut messages = vec![json!({"role": "system", "content": prompt("system")})];
+    let mut previous = None;
+    for (turn, salt) in [Some("a"), Some("a"), Some("b"), None, None, Some("a")]
+        .into_iter()
+        .enumerate()
+    {
+        messages.push(json!({"role": "user", "content": prompt(&format!("question {turn}"))}));
+        let mut body = json!({"messages": messages, "max_tokens": 2});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let before: u64 = c.cached_blocks().iter().sum();
+        let a = p.generate("/v1/chat/completions", body, &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.predicted, Some(a.reported), "turn {turn} under salt {salt:?}");
+        if turn > 0 && previous == Some(salt) {
+            assert!(a.reported > 0, "turn {turn} hits its previous turn's blocks");
+        }
+        previous = Some(salt);
+        let stored = c
+            .proxy
+            .driver
+            .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
+            .await;
+        assert!(stored, "turn {turn}: its blocks never reached the index");
+        let answer: Value = serde_json::from_str(&a.body).unwrap();
+        messages.push(json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}));
+    }
     c.assert_drained().await;
 }

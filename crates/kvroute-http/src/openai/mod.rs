@@ -22,7 +22,9 @@ pub use fields::validate_fields;
 pub use parse::{
     INTERNAL_FIELDS, Keep, Parsed, Prompt, Side, TRUNCATED_TO_NOTHING, Truncation, parse, parse_with,
 };
-pub use tokens::{TextTooLong, check_text_len, encode_text, engine_tokens, truncated_tokens};
+pub use tokens::{
+    TextTooLong, check_text_len, encode_text, engine_tokens, engine_tokens_with_turn, truncated_tokens,
+};
 
 /// The two generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

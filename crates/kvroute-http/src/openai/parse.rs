@@ -6,7 +6,10 @@ use serde_json::{Map, Value};
 use crate::chat_template::ChatOptions;
 use crate::model::Model;
 
-use super::{ApiError, Endpoint, KvCacheReport, Length, chat, engine_tokens, too_long, validate_fields};
+use super::{
+    ApiError, Endpoint, KvCacheReport, Length, chat, engine_tokens_with_turn, too_long, validate_fields,
+};
+use crate::prefix_cache::Turn;
 
 /// A prompt as the request gives it, before tokenization.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,6 +92,10 @@ pub struct Parsed {
     pub add_special_tokens: Option<bool>,
     /// The request's truncation, if it asks for one: [`Parsed::tokens`] are already cut.
     pub truncation: Option<Truncation>,
+    /// A chat prompt's place in the model's conversation cache, when its tokens went through
+    /// it ([`engine_tokens_with_turn`]): the block hashes kept for the cached prefix they
+    /// continue, and where to keep theirs.
+    pub turn: Option<Turn>,
     /// Whether a completion asks for its prompt back (`echo`).
     pub echo: bool,
     /// `max_tokens` (or `max_completion_tokens`), if given.
@@ -139,20 +146,28 @@ pub const INTERNAL_FIELDS: &[&str] = &[
     "bootstrap_room",
 ];
 
-/// Parses a request body for `endpoint`, tokenizing as the engine does ([`engine_tokens`])
-/// with `model`. Prompts longer than `max_prompt_tokens` are refused.
+/// Parses a request body for `endpoint`, tokenizing as the engine does
+/// ([`engine_tokens_with_turn`]) with `model`. Prompts longer than `max_prompt_tokens` are
+/// refused.
 pub fn parse(
     endpoint: Endpoint,
     body: &[u8],
     model: &Model,
     max_prompt_tokens: usize,
 ) -> Result<Parsed, ApiError> {
-    parse_with(
+    let mut turn = None;
+    let parsed = parse_with(
         endpoint,
         body,
         max_prompt_tokens,
-        |prompt, special, truncation| engine_tokens(model, prompt, special, truncation, max_prompt_tokens),
-    )
+        |prompt, special, truncation| {
+            let (tokens, found) =
+                engine_tokens_with_turn(model, prompt, special, truncation, max_prompt_tokens)?;
+            turn = found;
+            Ok(tokens)
+        },
+    )?;
+    Ok(Parsed { turn, ..parsed })
 }
 
 /// Parses a request body for `endpoint` and tokenizes its prompt with `tokenize` (given the
@@ -271,6 +286,7 @@ pub fn parse_with(
         prompt,
         add_special_tokens,
         truncation,
+        turn: None,
         echo: flag("echo").unwrap_or(false),
         max_tokens,
         model: model_name,

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use crate::model::{Model, SpecialTokens};
-use crate::prefix_cache::Encoded;
+use crate::prefix_cache::{Encoded, Turn};
 
 use super::parse::{Side, Truncation};
 use super::{ApiError, Length, Prompt, too_long};
@@ -22,22 +22,38 @@ pub fn engine_tokens(
     truncation: Option<Truncation>,
     max_prompt_tokens: usize,
 ) -> Result<Vec<u32>, ApiError> {
+    engine_tokens_with_turn(model, prompt, add_special_tokens, truncation, max_prompt_tokens)
+        .map(|(tokens, _)| tokens)
+}
+
+/// [`engine_tokens`], with the prompt's place in the conversation cache when they are a chat's
+/// tokens taken through it whole (not truncated): its [`Turn`], where the prompt's block hashes
+/// may be kept for the next turn.
+pub fn engine_tokens_with_turn(
+    model: &Model,
+    prompt: &Prompt,
+    add_special_tokens: Option<bool>,
+    truncation: Option<Truncation>,
+    max_prompt_tokens: usize,
+) -> Result<(Vec<u32>, Option<Turn>), ApiError> {
     if let Some(truncation) = truncation {
-        return truncated_tokens(model, prompt, add_special_tokens, truncation, max_prompt_tokens);
+        let tokens = truncated_tokens(model, prompt, add_special_tokens, truncation, max_prompt_tokens)?;
+        return Ok((tokens, None));
     }
     let text = match PromptText::of(model, prompt, add_special_tokens)? {
-        Err(ids) => return Ok(ids.to_vec()),
+        Err(ids) => return Ok((ids.to_vec(), None)),
         Ok(text) if !text.chat => {
-            return encode_text(model, &text.text, text.special, max_prompt_tokens, text.param);
+            let tokens = encode_text(model, &text.text, text.special, max_prompt_tokens, text.param)?;
+            return Ok((tokens, None));
         }
         Ok(text) => text,
     };
     check_text_len(model, &text.text, max_prompt_tokens)
         .map_err(|e| too_long("messages", Length::Chars(e), max_prompt_tokens))?;
     // Through the conversation cache: a follow-up turn tokenizes only its new text.
-    match model.encode_chat(&text.text, text.special, max_prompt_tokens) {
-        Ok((Encoded::Tokens(tokens), _)) => Ok(tokens),
-        Ok((Encoded::TooLong(at_least), _)) => {
+    match model.encode_chat_turn(&text.text, text.special, max_prompt_tokens) {
+        Ok((Encoded::Tokens(tokens), _, turn)) => Ok((tokens, turn)),
+        Ok((Encoded::TooLong(at_least), _, _)) => {
             Err(too_long("messages", Length::AtLeast(at_least), max_prompt_tokens))
         }
         Err(e) => Err(ApiError::bad_request("messages", e.to_string())),

@@ -158,9 +158,9 @@ pub struct ModelConfig {
     /// for any real engine. Default false: `kvroute serve` refuses to start without a
     /// tokenizer.
     pub approximate_tokenizer: bool,
-    /// Bytes the conversation cache of chat prompts' tokens may hold (`kvroute_http::prefix_cache`:
-    /// a follow-up turn tokenizes only its new text; with several models, each model's); 0 turns
-    /// it off. Default 256 MiB.
+    /// Bytes the conversation cache of chat prompts' tokens and block hashes may hold
+    /// (`kvroute_http::prefix_cache`: a follow-up turn tokenizes and hashes only its new text and
+    /// blocks; with several models, each model's); 0 turns it off. Default 256 MiB.
     pub tokenizer_cache_bytes: usize,
 }
 

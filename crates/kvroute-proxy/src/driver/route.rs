@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{HashSalt, PromptHasher};
+use kvroute_core::hash::{HashSalt, PromptHasher, PromptHashes};
 use kvroute_core::ids::{RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{
     Decision, Output, Prompt, RejectReason, RouteOutcome, RouteRequest, Router, RouterError, SessionId,
@@ -13,12 +13,21 @@ use kvroute_core::router::{
 };
 use kvroute_core::time::Timestamp;
 use kvroute_http::openai::KvCacheReport;
+use kvroute_http::prefix_cache::Turn;
 use tokio::sync::oneshot;
 
 use crate::config::ServeConfig;
 use crate::registry::WorkerUrls;
 
 use super::{Driver, DriverState, RequestGuard};
+
+/// A prompt's hashes as the driver hands them to the router.
+enum Hashed {
+    /// All its hashes, kept in the conversation cache too.
+    Kept(PromptHashes),
+    /// Its blocks' local hashes, which the router chains.
+    Locals(Vec<kvroute_core::ids::LocalBlockHash>),
+}
 
 /// Why a request could not be routed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,8 +85,9 @@ pub struct Target {
 }
 
 /// What the router reads of a request besides its prompt and salt: its LoRA adapter, its tenant
-/// and queue priority (the router's convention: higher first), and its conversation (the
-/// session header's), kept on its worker by the router's session rule.
+/// and queue priority (the router's convention: higher first), its conversation (the session
+/// header's), kept on its worker by the router's session rule, and its place in the
+/// conversation cache.
 #[derive(Clone, Copy, Debug)]
 pub struct Routing<'a> {
     /// The LoRA adapter it runs under, which only the workers serving it may take.
@@ -88,6 +98,10 @@ pub struct Routing<'a> {
     pub priority: i32,
     /// Its session, if it carries one.
     pub session: Option<SessionId>,
+    /// A chat prompt's place in the conversation cache: the block hashes kept for the prefix
+    /// it continues (only the blocks past them are hashed), and where the prompt's are kept for
+    /// the next turn.
+    pub turn: Option<&'a Turn>,
 }
 
 impl Default for Routing<'_> {
@@ -98,6 +112,7 @@ impl Default for Routing<'_> {
             tenant: TenantId::OTHER,
             priority: 0,
             session: None,
+            turn: None,
         }
     }
 }
@@ -133,23 +148,43 @@ impl Driver {
             lora_name: routing.lora_name,
             namespace: cache_salt,
         };
-        let locals = PromptHasher::new(self.config.routing.block_size as usize, &salt).local_hashes(tokens);
+        let hasher = PromptHasher::new(self.config.routing.block_size as usize, &salt);
+        // Hashed outside the router's lock. A chat prompt is hashed after its cached prefix's
+        // kept hashes (hashes kept under another salt or block size are not used), its own kept
+        // for the next turn, and reaches the router whole (`Prompt::Continues` with nothing
+        // left to hash); any other prompt's local hashes are chained by the router.
+        let hashed = match routing.turn {
+            Some(turn) => Hashed::Kept(turn.hashes(&hasher, tokens)),
+            None => Hashed::Locals(hasher.local_hashes(tokens)),
+        };
         let t1 = Instant::now();
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
+        let (prompt, blocks) = match &hashed {
+            Hashed::Kept(hashes) => (
+                Prompt::Continues {
+                    tokens,
+                    earlier: hashes,
+                },
+                hashes.blocks(),
+            ),
+            Hashed::Locals(locals) => (
+                Prompt::Blocks {
+                    locals,
+                    prompt_tokens: tokens.len() as u64,
+                },
+                locals.len(),
+            ),
+        };
         let request = RouteRequest {
             lora_name: routing.lora_name,
+            // The salt the kept hashes were made under (a local hash comes salted).
+            cache_salt,
             tenant: routing.tenant,
             priority: routing.priority,
             session: routing.session,
-            ..RouteRequest::new(
-                id,
-                Prompt::Blocks {
-                    locals: &locals,
-                    prompt_tokens: tokens.len() as u64,
-                },
-            )
+            ..RouteRequest::new(id, prompt)
         };
-        let admission = self.admit(&request, tokens.len() as u64, locals.len() as u32);
+        let admission = self.admit(&request, tokens.len() as u64, blocks as u32);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.metrics.overhead_block_hashing.observe(ms(t1 - t0));
         self.metrics.overhead_scheduling.observe(ms(t1.elapsed()));
@@ -169,7 +204,7 @@ impl Driver {
                     return Err(RouteError::QueueTimeout);
                 };
                 let mut inner = self.lock();
-                inner.observe_routed(&decision, locals.len() as u32);
+                inner.observe_routed(&decision, blocks as u32);
                 let target = inner.target(&decision, self.reannounce_window());
                 drop(inner);
                 (decision, target, guard)
@@ -184,10 +219,10 @@ impl Driver {
         if decision.prefill.is_some() {
             self.metrics.disaggregated_requests.inc();
         }
-        if !locals.is_empty() {
+        if blocks > 0 {
             self.metrics
                 .kv_hit_rate
-                .observe(f64::from(decision.overlap_blocks) / locals.len() as f64);
+                .observe(f64::from(decision.overlap_blocks) / blocks as f64);
         }
         Ok((guard, target, decision))
     }

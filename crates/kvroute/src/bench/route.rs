@@ -20,9 +20,12 @@
 //! **A follow-up's earlier hashes** ([`EarlierHashes`]). A driver that keeps a conversation's
 //! hashes routes the next turn as [`Prompt::Continues`], so the router hashes only the blocks
 //! past the previous turn's; the default [`EarlierHashes::Kept`] models that, the previous turn's
-//! hashes made untimed. [`EarlierHashes::Rehashed`] routes every prompt as token ids, hashed
-//! whole, as the proxy's routing does today: it hashes a prompt's blocks when it tokenizes and
-//! keeps no turn's hashes for the next.
+//! hashes made untimed. The proxy does so for a chat whose previous turn its conversation cache
+//! holds (`kvroute_http::prefix_cache::Turn`: the turn's hashes kept beside the cache's entries);
+//! it hashes the new blocks just before the decision, outside the router's lock, and hands the
+//! router the whole chain. [`EarlierHashes::Rehashed`] routes every prompt as token ids, hashed
+//! whole: a proxied prompt that is not a chat, or whose previous turn the cache no longer holds
+//! or hashed under another salt.
 //!
 //! **Where the prompt is.** In the proxy a prompt is routed right after it was tokenized, so its
 //! token ids (512 KiB at 128K tokens) are in the CPU's caches; [`PromptCache::Warm`] (the
