@@ -286,6 +286,14 @@ impl Fleet {
         })
     }
 
+    /// The floor of the loaded worker at `slot`, if the fleet keeps its role ordered under
+    /// `params` (see the module docs).
+    pub(crate) fn floor(&self, slot: usize, params: &CostParams) -> Option<f64> {
+        let role = role_index(self.workers.get(slot)?.spec.role);
+        let key = (*self.order.keys.get(slot)?)?;
+        (self.order.params.as_ref()?[role].as_ref() == Some(params)).then(|| f64::from_bits(key))
+    }
+
     /// Files the worker at `slot` under its floor as its load now stands.
     fn reorder(&mut self, slot: usize) {
         let order = &mut self.order;

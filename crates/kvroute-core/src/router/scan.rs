@@ -126,6 +126,9 @@ pub(super) struct ArgminScratch {
     tied_bulk: Vec<(u32, usize)>,
     /// Positions of one class's idle set scored one by one, ascending.
     skip: Vec<u32>,
+    /// The loaded workers the prompt overlaps, each with the lowest cost it can have by its
+    /// floor (see [`floor`]).
+    lower: Vec<(f64, usize)>,
     /// Scores every loaded worker, the bounds unused (the tests' reference).
     #[cfg(test)]
     unbounded: bool,
@@ -294,11 +297,13 @@ fn deepest_cost(
 
 /// A loaded worker's **floor**: the part of its [`bound`] that no request changes, its bound
 /// for an empty prompt at no eviction pressure (under `params`, at `block_size` tokens a block;
-/// `empty` is an empty chain). For a request of the same role that it does not overlap, its
-/// bound is at least its floor plus the request's ([`request_floor`]), the bound of a worker
-/// with nothing booked: the cost is a sum of load terms and request terms, the prefill term
-/// is linear in the tokens of both, and the eviction pressure only adds (checked over random
-/// weights, loads and requests in the tests). The fleet keeps the loaded workers ordered by it.
+/// `empty` is an empty chain). A request's bound on it is at least its floor plus the
+/// request's part ([`request_floor`]), the bound of a worker of its role with nothing booked
+/// and the same overlap: the cost is a sum of load terms and request terms, the prefill term
+/// is linear in the tokens of both (and what the overlap takes off is at most the prompt's
+/// full blocks, so it never reaches the worker's own tokens), and the eviction pressure only
+/// adds (checked over random weights, loads, overlaps and requests in the tests). The fleet
+/// keeps the loaded workers ordered by it.
 pub(super) fn floor(
     params: &CostParams,
     block_size: u32,
@@ -317,10 +322,19 @@ pub(super) fn floor(
     deepest_cost(spec, load, Overlap::default(), 0.0, params, &view)
 }
 
-/// The request's part of the bound of a worker of `spec`'s role that it does not overlap: the
-/// bound of such a worker with nothing booked (see [`floor`]).
-fn request_floor(spec: &WorkerSpec, params: &CostParams, view: &RequestView<'_>) -> f64 {
-    deepest_cost(spec, &WorkerLoad::default(), Overlap::default(), 0.0, params, view)
+/// The request's part of the bound of a worker of `spec`'s role that caches `overlap` of it:
+/// the bound of such a worker with nothing booked (see [`floor`]). `None` if the prompt has
+/// fewer tokens than its full blocks hold (the router refuses such a prompt), where the
+/// overlap's credit could reach the worker's own tokens.
+fn request_floor(
+    spec: &WorkerSpec,
+    overlap: Overlap,
+    params: &CostParams,
+    view: &RequestView<'_>,
+) -> Option<f64> {
+    let full = view.chain.len() as u64 * u64::from(view.block_size);
+    (view.prompt_tokens >= full)
+        .then(|| deepest_cost(spec, &WorkerLoad::default(), overlap, 0.0, params, view))
 }
 
 /// How far below a worker's floor plus a request's its bound may come out in floating point (a
@@ -509,7 +523,10 @@ impl Router {
                 s.tied.push(pos as usize);
             }
         };
-        // The loaded workers the prompt overlaps.
+        // The loaded workers the prompt overlaps, by ascending floor plus the request's part
+        // on each (see [`floor`]), until it is above the lowest cost so far.
+        let mut lower = std::mem::take(&mut s.lower);
+        lower.clear();
         for &slot in overlapping.iter() {
             let (w, overlap) = (&workers[slot], overlap_of(slot));
             if !matches!(w.membership(), Membership::Loaded(_))
@@ -520,8 +537,22 @@ impl Router {
                 continue;
             }
             eligible += 1;
-            visit(w, overlap, &mut lowest, s);
+            let floor = self.fleet.floor(slot, params);
+            let request = || request_floor(&w.spec, overlap, params, view);
+            let lb = floor.zip(request()).map_or(f64::NEG_INFINITY, |(f, r)| f + r);
+            lower.push((lb, slot));
         }
+        lower.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for &(lb, slot) in &lower {
+            if !unbounded
+                && let Some(low) = lowest.0
+                && lb * (1.0 - FLOOR_SLACK) > low
+            {
+                break;
+            }
+            visit(&workers[slot], overlap_of(slot), &mut lowest, s);
+        }
+        s.lower = lower;
         // The others, of each role the stage admits, by ascending floor (see [`floor`]): once a
         // worker's floor plus the request's is above the lowest cost so far, so is every later
         // worker's bound, and the scan of the role stops.
@@ -539,9 +570,10 @@ impl Router {
                     workers[next].prefetch();
                 }
                 let w = &workers[slot];
-                let request = *request.get_or_insert_with(|| request_floor(&w.spec, params, view));
+                let request =
+                    *request.get_or_insert_with(|| request_floor(&w.spec, Overlap::default(), params, view));
                 if !unbounded
-                    && let Some(low) = lowest.0
+                    && let (Some(low), Some(request)) = (lowest.0, request)
                     && (floor + request) * (1.0 - FLOOR_SLACK) > low
                 {
                     break;
@@ -628,8 +660,8 @@ mod tests {
     use crate::hash::{BlockHasher, HashSalt};
     use crate::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
     use crate::router::load::WorkerLoad;
-    use crate::router::request::RequestView;
     use crate::router::policy::CostPolicyConfig;
+    use crate::router::request::RequestView;
     use crate::router::{
         Booking, BusyThresholds, CacheMode, CostParams, Decider, DecodeProjection, IndexEvent, LoadChange,
         PolicyConfig, PrefillLoadHint, Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId,
@@ -934,39 +966,48 @@ mod tests {
             (0.0..64.0f64, 0.0..=1.0f64, 0.0..8.0f64, any::<bool>()),
             (0.0..=1.0f64, 0.0..64.0f64, 0.0..256.0f64, 0.0..=1.0f64),
         )
-            .prop_map(|((scale, credit, per_request, full), (tier, evict, fleet, transfer))| CostParams {
-                prefill_load_scale: scale,
-                overlap_credit: credit,
-                decode_active_request_weight: per_request,
-                projection: if full {
-                    DecodeProjection::Full
-                } else {
-                    DecodeProjection::Staged
+            .prop_map(
+                |((scale, credit, per_request, full), (tier, evict, fleet, transfer))| CostParams {
+                    prefill_load_scale: scale,
+                    overlap_credit: credit,
+                    decode_active_request_weight: per_request,
+                    projection: if full {
+                        DecodeProjection::Full
+                    } else {
+                        DecodeProjection::Staged
+                    },
+                    tier_block_cost: tier,
+                    evict_weight: evict,
+                    fleet_weight: fleet,
+                    transfer_block_cost: transfer,
                 },
-                tier_block_cost: tier,
-                evict_weight: evict,
-                fleet_weight: fleet,
-                transfer_block_cost: transfer,
-            })
+            )
     }
 
     fn load() -> impl Strategy<Value = WorkerLoad> {
-        (0..200u32, 0..2_000_000u64, 0..1_000_000u64, 0..1_000_000u64, 0..100_000u64).prop_map(
-            |(requests, prefill_tokens, decode_blocks, staged, output_blocks)| WorkerLoad {
-                requests,
-                prefill_requests: requests / 2,
-                prefill_tokens,
-                decode_blocks,
-                staged_decode_blocks: staged.min(decode_blocks),
-                output_blocks: output_blocks.min(decode_blocks),
-            },
+        (
+            0..200u32,
+            0..2_000_000u64,
+            0..1_000_000u64,
+            0..1_000_000u64,
+            0..100_000u64,
         )
+            .prop_map(
+                |(requests, prefill_tokens, decode_blocks, staged, output_blocks)| WorkerLoad {
+                    requests,
+                    prefill_requests: requests / 2,
+                    prefill_tokens,
+                    decode_blocks,
+                    staged_decode_blocks: staged.min(decode_blocks),
+                    output_blocks: output_blocks.min(decode_blocks),
+                },
+            )
     }
 
     proptest! {
         /// The floor the argmin scan orders loaded workers by: a worker's bound for a request
-        /// it does not overlap is at least its floor plus the request's, within the slack the
-        /// scan allows; at no eviction pressure the two are equal but for rounding.
+        /// is at least its floor plus the request's part at the worker's overlap, within the
+        /// slack the scan allows; at no eviction pressure the two are equal but for rounding.
         #[test]
         fn a_bound_is_at_least_the_workers_floor_plus_the_requests(
             params in weights(),
@@ -975,7 +1016,8 @@ mod tests {
             load in load(),
             pressure in prop_oneof![Just(0.0), 0.0..=1.0f64],
             block_size in 1..256u32,
-            prompt_tokens in 0..500_000u64,
+            (prompt_tokens, gpu, tier) in (0..500_000u64, 0.0..1.2f64, 0.0..1.2f64),
+            overlapped in any::<bool>(),
             fleet_load in prop_oneof![Just(0.0), 0.0..=1.0f64],
         ) {
             let spec = WorkerSpec::new(WorkerKey::new(WorkerId(0), DpRank(0)), role, capacity);
@@ -989,10 +1031,16 @@ mod tests {
                 chain: &chain,
                 fleet_load,
             };
+            // Up to a little past the prompt's blocks (the scan clamps).
+            let overlap = if overlapped {
+                Overlap { gpu: (gpu * blocks as f64) as u32, tier: (tier * blocks as f64) as u32 }
+            } else {
+                Overlap::default()
+            };
             let empty: Arc<[SequenceHash]> = Arc::from(Vec::new());
-            let bound = deepest_cost(&spec, &load, Overlap::default(), pressure, &params, &view);
+            let bound = deepest_cost(&spec, &load, overlap, pressure, &params, &view);
             let floor = floor(&params, block_size, &empty, &spec, &load);
-            let request = request_floor(&spec, &params, &view);
+            let request = request_floor(&spec, overlap, &params, &view).expect("a consistent prompt");
             let sum = floor + request;
             prop_assert!(floor >= 0.0 && request >= 0.0, "{floor} {request}");
             prop_assert!(bound >= sum * (1.0 - FLOOR_SLACK), "bound {bound} below {floor} + {request}");
