@@ -19,7 +19,9 @@
 //! workers ordered by their **floor** ([`scan::floor`]: the part of the lowest cost a worker can
 //! have that no request changes, under the weights of the stage the role belongs to), updated
 //! wherever a worker's load changes ([`Fleet::order_by`], [`Fleet::ordered`]). The argmin scan
-//! visits them in that order and stops where the floor rules out the rest.
+//! visits them in that order and stops where the floor rules out the rest. It keeps the loaded
+//! workers that compute prompts ordered by their load, too, so the fleet's load
+//! ([`Fleet::load_of_least_loaded_computing`]) is the first of them, not a pass over the fleet.
 
 use hashbrown::HashMap;
 use std::collections::BTreeSet;
@@ -163,6 +165,11 @@ pub(crate) struct Fleet {
     clock: Timestamp,
     /// The loaded workers per role, by floor (see the module docs).
     order: LoadedOrder,
+    /// The loaded workers that compute prompts and are not draining, by their load as
+    /// [`Fleet::load_of_least_loaded_computing`] reads it: `(its bits, slot)`.
+    computing: BTreeSet<(u64, u32)>,
+    /// Per slot, the bits of the load it is filed under in `computing`, if it is there.
+    computing_keys: Vec<Option<u64>>,
 }
 
 /// The loaded workers of each role ordered by their floor (see the module docs); kept only
@@ -294,8 +301,20 @@ impl Fleet {
         (self.order.params.as_ref()?[role].as_ref() == Some(params)).then(|| f64::from_bits(key))
     }
 
-    /// Files the worker at `slot` under its floor as its load now stands.
+    /// Files the worker at `slot` under its floor and its load as they now stand.
     fn reorder(&mut self, slot: usize) {
+        // In [0, 1], so the bits order as the values do.
+        let key = self.computing_load(slot).map(f64::to_bits);
+        let old = self.computing_keys[slot];
+        if key != old {
+            if let Some(old) = old {
+                self.computing.remove(&(old, slot as u32));
+            }
+            if let Some(key) = key {
+                self.computing.insert((key, slot as u32));
+            }
+            self.computing_keys[slot] = key;
+        }
         let order = &mut self.order;
         if order.params.is_none() {
             return;
@@ -333,20 +352,22 @@ impl Fleet {
         {
             return 0.0;
         }
-        self.loaded
-            .iter()
-            .filter(|&&slot| computes(slot))
-            .map(|&slot| {
-                let w = &self.workers[slot as usize];
-                let load = w.load();
-                let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
-                let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
-                requests.max(blocks).min(1.0)
-            })
-            .fold(None, |lowest: Option<f64>, here| {
-                Some(lowest.map_or(here, |l| l.min(here)))
-            })
-            .unwrap_or(0.0)
+        self.computing
+            .first()
+            .map_or(0.0, |&(bits, _)| f64::from_bits(bits))
+    }
+
+    /// The load [`Fleet::load_of_least_loaded_computing`] reads of the worker at `slot`, if it
+    /// is loaded, not draining and computes prompts.
+    fn computing_load(&self, slot: usize) -> Option<f64> {
+        let w = &self.workers[slot];
+        if w.draining || !w.spec.role.tracks_prefill() || !matches!(w.member, Membership::Loaded(_)) {
+            return None;
+        }
+        let load = w.load();
+        let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
+        let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
+        Some(requests.max(blocks).min(1.0))
     }
 
     /// The position of `key` in [`Fleet::workers`].
@@ -454,6 +475,9 @@ impl Fleet {
         self.order.sets.iter_mut().for_each(BTreeSet::clear);
         self.order.keys.clear();
         self.order.keys.resize(self.workers.len(), None);
+        self.computing.clear();
+        self.computing_keys.clear();
+        self.computing_keys.resize(self.workers.len(), None);
         for slot in 0..self.workers.len() {
             self.workers[slot].member = Membership::DrainingIdle;
             self.join(slot);
@@ -544,8 +568,14 @@ impl Fleet {
         self.check_order()
     }
 
-    /// Checks the order of the loaded workers against a recomputation of every floor.
+    /// Checks the orders of the loaded workers against a recomputation of every floor and load.
     fn check_order(&self) -> Result<(), String> {
+        let computing: BTreeSet<(u64, u32)> = (0..self.workers.len())
+            .filter_map(|slot| Some((self.computing_load(slot)?.to_bits(), slot as u32)))
+            .collect();
+        if computing != self.computing {
+            return Err("the computing workers' order is stale".to_owned());
+        }
         let order = &self.order;
         if order.params.is_none() {
             return Ok(());
