@@ -293,12 +293,14 @@ impl Fleet {
         })
     }
 
-    /// The floor of the loaded worker at `slot`, if the fleet keeps its role ordered under
-    /// `params` (see the module docs).
-    pub(crate) fn floor(&self, slot: usize, params: &CostParams) -> Option<f64> {
-        let role = role_index(self.workers.get(slot)?.spec.role);
-        let key = (*self.order.keys.get(slot)?)?;
-        (self.order.params.as_ref()?[role].as_ref() == Some(params)).then(|| f64::from_bits(key))
+    /// Per slot, the bits of the floor of each loaded worker, if the fleet keeps every role of
+    /// `roles` ordered under `params` (see the module docs).
+    pub(crate) fn floors(&self, roles: &[WorkerRole], params: &CostParams) -> Option<&[Option<u64>]> {
+        let weights = self.order.params.as_ref()?;
+        roles
+            .iter()
+            .all(|&r| weights[role_index(r)].as_ref() == Some(params))
+            .then_some(&self.order.keys[..])
     }
 
     /// Files the worker at `slot` under its floor and its load as they now stand.

@@ -129,6 +129,8 @@ pub(super) struct ArgminScratch {
     /// The loaded workers the prompt overlaps, each with the lowest cost it can have by its
     /// floor (see [`floor`]).
     lower: Vec<(f64, usize)>,
+    /// The request's parts of the bound ([`request_floor`]) by role and overlap (clamped).
+    parts: Vec<(WorkerRole, Overlap, Option<f64>)>,
     /// Scores every loaded worker, the bounds unused (the tests' reference).
     #[cfg(test)]
     unbounded: bool,
@@ -155,6 +157,26 @@ impl ArgminScratch {
             });
         }
         cost
+    }
+
+    /// The request's part of the bound of a worker of `w`'s role at `overlap` (clamped), from
+    /// the memo or [`request_floor`].
+    fn request_part(
+        &mut self,
+        w: &FleetWorker,
+        overlap: Overlap,
+        params: &CostParams,
+        view: &RequestView<'_>,
+    ) -> Option<f64> {
+        let role = w.spec.role;
+        if let Some(&(_, _, part)) = self.parts.iter().find(|p| p.0 == role && p.1 == overlap) {
+            return part;
+        }
+        let part = request_floor(&w.spec, overlap, params, view);
+        if self.parts.len() < IDLE_MEMO {
+            self.parts.push((role, overlap, part));
+        }
+        part
     }
 
     /// The slot of the `draw`-th of the tied workers: those scored one by one first, then each
@@ -523,10 +545,14 @@ impl Router {
                 s.tied.push(pos as usize);
             }
         };
-        // The loaded workers the prompt overlaps, by ascending floor plus the request's part
-        // on each (see [`floor`]), until it is above the lowest cost so far.
+        // The loaded workers the prompt overlaps: each one's floor plus the request's part at
+        // its overlap (see [`floor`]; the parts are few, one per distinct role and overlap), then
+        // the lowest of them visited first, and every other whose is not above the lowest cost
+        // by then.
+        let floors = self.fleet.floors(stage.roles(), params);
         let mut lower = std::mem::take(&mut s.lower);
         lower.clear();
+        s.parts.clear();
         for &slot in overlapping.iter() {
             let (w, overlap) = (&workers[slot], overlap_of(slot));
             if !matches!(w.membership(), Membership::Loaded(_))
@@ -537,18 +563,19 @@ impl Router {
                 continue;
             }
             eligible += 1;
-            let floor = self.fleet.floor(slot, params);
-            let request = || request_floor(&w.spec, overlap, params, view);
-            let lb = floor.zip(request()).map_or(f64::NEG_INFINITY, |(f, r)| f + r);
+            let floor = floors.and_then(|f| f[slot]).map(f64::from_bits);
+            let lb = floor
+                .zip(s.request_part(w, overlap.within(blocks), params, view))
+                .map_or(f64::NEG_INFINITY, |(f, r)| f + r);
             lower.push((lb, slot));
         }
-        lower.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let first = (0..lower.len()).min_by(|&i, &j| lower[i].0.total_cmp(&lower[j].0));
+        if let Some(i) = first {
+            lower.swap(0, i);
+        }
         for &(lb, slot) in &lower {
-            if !unbounded
-                && let Some(low) = lowest.0
-                && lb * (1.0 - FLOOR_SLACK) > low
-            {
-                break;
+            if !unbounded && lowest.0.is_some_and(|low| lb * (1.0 - FLOOR_SLACK) > low) {
+                continue;
             }
             visit(&workers[slot], overlap_of(slot), &mut lowest, s);
         }
