@@ -14,13 +14,24 @@
 //! bookings, peer loss, expiry, removal) and where it starts draining; adding or removing a
 //! worker shifts slots and rebuilds them. The argmin scan (`scan` module) reads them to visit
 //! only the loaded workers and the idle ones the prompt overlaps.
+//!
+//! When a policy of the router weighs the cost, the fleet also keeps, per role, its loaded
+//! workers ordered by their **floor** ([`scan::floor`]: the part of the lowest cost a worker can
+//! have that no request changes, under the weights of the stage the role belongs to), updated
+//! wherever a worker's load changes ([`Fleet::order_by`], [`Fleet::ordered`]). The argmin scan
+//! visits them in that order and stops where the floor rules out the rest. It keeps the loaded
+//! workers that compute prompts ordered by their load, too, so the fleet's load
+//! ([`Fleet::load_of_least_loaded_computing`]) is the first of them, not a pass over the fleet.
 
 use hashbrown::HashMap;
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use super::chain_trie::Touched;
 use super::churn::Churn;
+use super::cost::CostParams;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
+use super::scan;
 use super::sync::{Booking, RouterId};
 use super::worker::{WorkerRole, WorkerSpec};
 use crate::ids::{RequestId, SequenceHash, WorkerKey};
@@ -152,6 +163,54 @@ pub(crate) struct Fleet {
     scratch: Touched,
     /// The router's time: load changes are integrated up to it (`LoadState::accrue`).
     clock: Timestamp,
+    /// The loaded workers per role, by floor (see the module docs).
+    order: LoadedOrder,
+    /// The loaded workers that compute prompts and are not draining, by their load as
+    /// [`Fleet::load_of_least_loaded_computing`] reads it: `(its bits, slot)`.
+    computing: BTreeSet<(u64, u32)>,
+    /// Per slot, the bits of the load it is filed under in `computing`, if it is there.
+    computing_keys: Vec<Option<u64>>,
+}
+
+/// The loaded workers of each role ordered by their floor (see the module docs); kept only
+/// once [`Fleet::order_by`] names the weights.
+#[derive(Clone, Debug, Default)]
+struct LoadedOrder {
+    /// The weights per role ([`role_index`]), `None` for a role whose stage weighs no cost (its
+    /// workers are then ordered by slot alone); `None` altogether: no order is kept.
+    params: Option<[Option<CostParams>; 3]>,
+    block_size: u32,
+    /// Per role, `(floor's bits, slot)` of its loaded workers.
+    sets: [BTreeSet<(u64, u32)>; 3],
+    /// Per slot, the floor's bits it is filed under, if it is in a set.
+    keys: Vec<Option<u64>>,
+    /// An empty prompt's chain, for the floors' request.
+    empty: Arc<[crate::ids::SequenceHash]>,
+}
+
+/// The index of `role` in [`LoadedOrder`]'s arrays.
+fn role_index(role: WorkerRole) -> usize {
+    match role {
+        WorkerRole::Aggregated => 0,
+        WorkerRole::Prefill => 1,
+        WorkerRole::Decode => 2,
+    }
+}
+
+impl LoadedOrder {
+    /// The key `w` is filed under (`None`: in no set).
+    fn key(&self, w: &FleetWorker) -> Option<u64> {
+        let params = self.params.as_ref()?;
+        if !matches!(w.member, Membership::Loaded(_)) {
+            return None;
+        }
+        let floor = params[role_index(w.spec.role)].map_or(0.0, |p| {
+            scan::floor(&p, self.block_size, &self.empty, &w.spec, &w.load())
+        });
+        // Non-negative (the weights and loads are), so the bits order as the values do; `+ 0.0`
+        // turns a -0 into 0.
+        Some((floor + 0.0).to_bits())
+    }
 }
 
 impl Fleet {
@@ -197,6 +256,87 @@ impl Fleet {
         &self.loaded
     }
 
+    /// Keeps the loaded workers of each role ordered by their floor under the weights of the
+    /// stage it belongs to: `decode` for aggregated and decode workers, `prefill` for prefill
+    /// workers (`None`: that stage weighs no cost), with prompts of `block_size`-token blocks.
+    pub(crate) fn order_by(
+        &mut self,
+        decode: Option<CostParams>,
+        prefill: Option<CostParams>,
+        block_size: u32,
+    ) {
+        let mut params = [None; 3];
+        params[role_index(WorkerRole::Aggregated)] = decode;
+        params[role_index(WorkerRole::Decode)] = decode;
+        params[role_index(WorkerRole::Prefill)] = prefill;
+        self.order = LoadedOrder {
+            params: Some(params),
+            block_size,
+            empty: Arc::from(Vec::new()),
+            ..LoadedOrder::default()
+        };
+        self.reindex();
+    }
+
+    /// The loaded workers of `role` in ascending floor, each with its floor, if the fleet keeps
+    /// them ordered under `params` (see the module docs); `None` otherwise.
+    pub(crate) fn ordered(
+        &self,
+        role: WorkerRole,
+        params: &CostParams,
+    ) -> Option<impl Iterator<Item = (f64, usize)> + Clone + '_> {
+        let i = role_index(role);
+        (self.order.params.as_ref()?[i].as_ref() == Some(params)).then(|| {
+            self.order.sets[i]
+                .iter()
+                .map(|&(bits, slot)| (f64::from_bits(bits), slot as usize))
+        })
+    }
+
+    /// Per slot, the bits of the floor of each loaded worker, if the fleet keeps every role of
+    /// `roles` ordered under `params` (see the module docs).
+    pub(crate) fn floors(&self, roles: &[WorkerRole], params: &CostParams) -> Option<&[Option<u64>]> {
+        let weights = self.order.params.as_ref()?;
+        roles
+            .iter()
+            .all(|&r| weights[role_index(r)].as_ref() == Some(params))
+            .then_some(&self.order.keys[..])
+    }
+
+    /// Files the worker at `slot` under its floor and its load as they now stand.
+    fn reorder(&mut self, slot: usize) {
+        // In [0, 1], so the bits order as the values do.
+        let key = self.computing_load(slot).map(f64::to_bits);
+        let old = self.computing_keys[slot];
+        if key != old {
+            if let Some(old) = old {
+                self.computing.remove(&(old, slot as u32));
+            }
+            if let Some(key) = key {
+                self.computing.insert((key, slot as u32));
+            }
+            self.computing_keys[slot] = key;
+        }
+        let order = &mut self.order;
+        if order.params.is_none() {
+            return;
+        }
+        let w = &self.workers[slot];
+        let key = order.key(w);
+        let old = order.keys[slot];
+        if key == old {
+            return;
+        }
+        let set = &mut order.sets[role_index(w.spec.role)];
+        if let Some(old) = old {
+            set.remove(&(old, slot as u32));
+        }
+        if let Some(key) = key {
+            set.insert((key, slot as u32));
+        }
+        order.keys[slot] = key;
+    }
+
     /// The load of the least loaded worker that computes prompts (aggregated or prefill, not
     /// draining), in `[0, 1]`: the larger of its booked requests over its `max_requests` and its
     /// booked decode blocks over its capacity; 0 while one of them has nothing booked, or if
@@ -214,20 +354,22 @@ impl Fleet {
         {
             return 0.0;
         }
-        self.loaded
-            .iter()
-            .filter(|&&slot| computes(slot))
-            .map(|&slot| {
-                let w = &self.workers[slot as usize];
-                let load = w.load();
-                let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
-                let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
-                requests.max(blocks).min(1.0)
-            })
-            .fold(None, |lowest: Option<f64>, here| {
-                Some(lowest.map_or(here, |l| l.min(here)))
-            })
-            .unwrap_or(0.0)
+        self.computing
+            .first()
+            .map_or(0.0, |&(bits, _)| f64::from_bits(bits))
+    }
+
+    /// The load [`Fleet::load_of_least_loaded_computing`] reads of the worker at `slot`, if it
+    /// is loaded, not draining and computes prompts.
+    fn computing_load(&self, slot: usize) -> Option<f64> {
+        let w = &self.workers[slot];
+        if w.draining || !w.spec.role.tracks_prefill() || !matches!(w.member, Membership::Loaded(_)) {
+            return None;
+        }
+        let load = w.load();
+        let requests = f64::from(load.requests) / w.spec.max_requests.max(1) as f64;
+        let blocks = load.decode_blocks as f64 / w.spec.capacity_blocks.max(1) as f64;
+        Some(requests.max(blocks).min(1.0))
     }
 
     /// The position of `key` in [`Fleet::workers`].
@@ -332,21 +474,30 @@ impl Fleet {
         self.prefill_workers = self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill);
         self.idle.iter_mut().for_each(Vec::clear);
         self.loaded.clear();
+        self.order.sets.iter_mut().for_each(BTreeSet::clear);
+        self.order.keys.clear();
+        self.order.keys.resize(self.workers.len(), None);
+        self.computing.clear();
+        self.computing_keys.clear();
+        self.computing_keys.resize(self.workers.len(), None);
         for slot in 0..self.workers.len() {
             self.workers[slot].member = Membership::DrainingIdle;
             self.join(slot);
+            self.reorder(slot);
         }
     }
 
     // ---- the idle and loaded sets ----
 
-    /// Moves the worker at `slot` to the set its state calls for, if it is not there.
+    /// Moves the worker at `slot` to the set its state calls for, if it is not there, and files
+    /// it under its floor.
     fn settle(&mut self, slot: usize) {
         let w = &self.workers[slot];
         if !same_set(w.member, w.wanted()) {
             self.leave(slot);
             self.join(slot);
         }
+        self.reorder(slot);
     }
 
     /// Takes the worker at `slot` out of its set (swap-remove).
@@ -416,6 +567,34 @@ impl Fleet {
         if sizes != members {
             return Err(format!("the sets hold {sizes} slots for {members} members"));
         }
+        self.check_order()
+    }
+
+    /// Checks the orders of the loaded workers against a recomputation of every floor and load.
+    fn check_order(&self) -> Result<(), String> {
+        let computing: BTreeSet<(u64, u32)> = (0..self.workers.len())
+            .filter_map(|slot| Some((self.computing_load(slot)?.to_bits(), slot as u32)))
+            .collect();
+        if computing != self.computing {
+            return Err("the computing workers' order is stale".to_owned());
+        }
+        let order = &self.order;
+        if order.params.is_none() {
+            return Ok(());
+        }
+        let mut sets: [BTreeSet<(u64, u32)>; 3] = Default::default();
+        for (slot, w) in self.workers.iter().enumerate() {
+            let key = order.key(w);
+            if order.keys.get(slot) != Some(&key) {
+                return Err(format!("worker {} is filed under a stale floor", w.spec.key));
+            }
+            if let Some(key) = key {
+                sets[role_index(w.spec.role)].insert((key, slot as u32));
+            }
+        }
+        if sets != order.sets || order.keys.len() != self.workers.len() {
+            return Err("the loaded workers' order is stale".to_owned());
+        }
         Ok(())
     }
 
@@ -466,6 +645,7 @@ impl Fleet {
             let (decode, slot) = self.decode_share(&active);
             self.workers[slot].load.accrue(self.clock);
             self.workers[slot].load.finish_prefill(decode, &mut self.scratch);
+            self.reorder(slot);
             if let Some((share, slot)) = self.prefill_share(&active) {
                 self.workers[slot].load.accrue(self.clock);
                 self.workers[slot].load.free(share, &mut self.scratch);
@@ -489,6 +669,7 @@ impl Fleet {
             worker.load.accrue(self.clock);
             worker.load.add_output_block();
             active.output_blocks += 1;
+            self.reorder(slot);
         }
         self.debug_check();
         true

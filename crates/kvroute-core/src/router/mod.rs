@@ -227,6 +227,19 @@ impl Router {
         let mut prefill_policy = config.prefill_policy.as_ref().unwrap_or(&config.policy).build();
         policy.set_replica_rank(config.replica_rank);
         prefill_policy.set_replica_rank(config.replica_rank);
+        // The argmin scan visits the loaded workers by floor under the cost's weights.
+        let weights = |p: &PolicyConfig| match p {
+            PolicyConfig::Kv(c) | PolicyConfig::Dynamo(c) => Some(c.cost),
+            _ => None,
+        };
+        let mut fleet = Fleet::default();
+        let (decode, prefill) = (
+            weights(&config.policy),
+            weights(config.prefill_policy.as_ref().unwrap_or(&config.policy)),
+        );
+        if decode.is_some() || prefill.is_some() {
+            fleet.order_by(decode, prefill, config.block_size);
+        }
         let recent = match config.cache {
             CacheMode::Events => None,
             CacheMode::EventsWithPrediction(r) | CacheMode::Approximate(r) => Some(RecentChains::new(r)),
@@ -240,7 +253,7 @@ impl Router {
                 ..IndexConfig::default()
             }),
             recent,
-            fleet: Fleet::default(),
+            fleet,
             adapters: Adapters::default(),
             queue: WaitQueue::new(config.queue),
             fair: FairShare::new(config.fair.clone()),

@@ -20,23 +20,31 @@
 //!   class's idle set skipping the positions scored one by one. Busy workers are never tied
 //!   (busy is decided on the same candidate), draining ones are in no idle set, and a stage
 //!   counts only the roles it admits. The full scan draws differently (one draw per tie as it
-//!   goes): the two scans' picks follow the same distribution, not the same draws. A loaded
-//!   worker's depth walk (a read of its active set) is spared when its lowest possible cost
-//!   ([`bound`], the cost at the deepest depth) is above a cost some worker has: it cannot be
-//!   tied at the minimum, and the offers keep their order, so the pick is the one the scan
-//!   without bounds makes.
+//!   goes): the two scans' picks follow the same distribution, not the same draws.
+//!
+//! The loaded workers are visited without costing them all. A loaded worker's depth walk (a
+//! read of its active set) is spared when its lowest possible cost ([`bound`], the cost at the
+//! deepest depth) is above the lowest cost so far: it cannot be tied at the minimum. The loaded
+//! workers the prompt overlaps are visited first; the others, whose bound is at least their
+//! [`floor`] (the part no request changes) plus the request's, in the fleet's order of
+//! ascending floor per role (`Fleet::ordered`), until a floor plus the request's is above the
+//! lowest cost so far: every later worker's bound is too. The ties found are then put in the
+//! loaded set's order, the order of a scan of every loaded worker, so the pick and the draw
+//! are the ones that scan makes (checked against it in the tests).
 //!
 //! Debug builds run the full scan after every argmin scan and check that the argmin scan's
 //! pick is one of the workers the full scan finds at the minimum cost (`check_argmin_pick`).
 
+use std::sync::Arc;
+
 use super::cost::{CostParams, cost};
 use super::fleet::{FleetWorker, Membership};
-use super::load::{ActiveDepth, project};
+use super::load::{ActiveDepth, WorkerLoad, project};
 use super::policy::{Candidate, Policy};
 use super::request::RequestView;
-use super::worker::WorkerRole;
+use super::worker::{WorkerRole, WorkerSpec};
 use super::{Blocked, Router, Scratch};
-use crate::ids::SequenceHash;
+use crate::ids::{RequestId, SequenceHash};
 use crate::time::Timestamp;
 
 /// Which pool a scan chooses from, with its policy.
@@ -55,9 +63,17 @@ impl Stage {
             Stage::Prefill => role == WorkerRole::Prefill,
         }
     }
+
+    /// The roles it admits.
+    fn roles(self) -> &'static [WorkerRole] {
+        match self {
+            Stage::Decode => &[WorkerRole::Aggregated, WorkerRole::Decode],
+            Stage::Prefill => &[WorkerRole::Prefill],
+        }
+    }
 }
 
-/// How many loaded workers ahead of the one whose bound is computed the scan prefetches.
+/// How many loaded workers ahead of the one it visits the scan prefetches.
 const PREFETCH_AHEAD: usize = 8;
 
 /// The most distinct (spec, overlap) pairs of idle workers remembered per decision; further
@@ -110,9 +126,11 @@ pub(super) struct ArgminScratch {
     tied_bulk: Vec<(u32, usize)>,
     /// Positions of one class's idle set scored one by one, ascending.
     skip: Vec<u32>,
-    /// Per loaded worker, in the loaded set's order: the lowest cost it can have ([`bound`]),
-    /// `None` if it is busy or not of the stage.
-    bounds: Vec<Option<f64>>,
+    /// The loaded workers the prompt overlaps, each with the lowest cost it can have by its
+    /// floor (see [`floor`]).
+    lower: Vec<(f64, usize)>,
+    /// The request's parts of the bound ([`request_floor`]) by role and overlap (clamped).
+    parts: Vec<(WorkerRole, Overlap, Option<f64>)>,
     /// Scores every loaded worker, the bounds unused (the tests' reference).
     #[cfg(test)]
     unbounded: bool,
@@ -139,6 +157,26 @@ impl ArgminScratch {
             });
         }
         cost
+    }
+
+    /// The request's part of the bound of a worker of `w`'s role at `overlap` (clamped), from
+    /// the memo or [`request_floor`].
+    fn request_part(
+        &mut self,
+        w: &FleetWorker,
+        overlap: Overlap,
+        params: &CostParams,
+        view: &RequestView<'_>,
+    ) -> Option<f64> {
+        let role = w.spec.role;
+        if let Some(&(_, _, part)) = self.parts.iter().find(|p| p.0 == role && p.1 == overlap) {
+            return part;
+        }
+        let part = request_floor(&w.spec, overlap, params, view);
+        if self.parts.len() < IDLE_MEMO {
+            self.parts.push((role, overlap, part));
+        }
+        part
     }
 
     /// The slot of the `draw`-th of the tied workers: those scored one by one first, then each
@@ -236,7 +274,6 @@ pub(super) fn candidate(
 fn bound(
     w: &FleetWorker,
     overlap: Overlap,
-    chain: &[SequenceHash],
     busy: &super::BusyThresholds,
     params: &CostParams,
     view: &RequestView<'_>,
@@ -245,7 +282,22 @@ fn bound(
     if busy.is_busy(&w.spec, &load) {
         return None;
     }
-    let blocks = chain.len() as u32;
+    let pressure = w.eviction_pressure(view.now);
+    Some(deepest_cost(&w.spec, &load, overlap, pressure, params, view))
+}
+
+/// The cost of a worker of `spec` with `load`, caching `overlap` leading blocks of the prompt
+/// and at eviction pressure `pressure`, at the prompt's deepest depth in its active set (the
+/// whole chain: [`bound`]).
+fn deepest_cost(
+    spec: &WorkerSpec,
+    load: &WorkerLoad,
+    overlap: Overlap,
+    pressure: f64,
+    params: &CostParams,
+    view: &RequestView<'_>,
+) -> f64 {
+    let blocks = view.chain.len() as u32;
     let Overlap {
         gpu: overlap_blocks,
         tier: tier_blocks,
@@ -255,15 +307,61 @@ fn bound(
         staged: blocks,
     };
     let c = Candidate {
-        spec: w.spec,
+        spec: *spec,
         overlap_blocks,
         tier_blocks,
-        load,
-        projection: project(w.spec.role, &load, blocks, overlap_blocks, deepest),
-        eviction_pressure: w.eviction_pressure(view.now),
+        load: *load,
+        projection: project(spec.role, load, blocks, overlap_blocks, deepest),
+        eviction_pressure: pressure,
     };
-    Some(cost(params, view, &c))
+    cost(params, view, &c)
 }
+
+/// A loaded worker's **floor**: the part of its [`bound`] that no request changes, its bound
+/// for an empty prompt at no eviction pressure (under `params`, at `block_size` tokens a block;
+/// `empty` is an empty chain). A request's bound on it is at least its floor plus the
+/// request's part ([`request_floor`]), the bound of a worker of its role with nothing booked
+/// and the same overlap: the cost is a sum of load terms and request terms, the prefill term
+/// is linear in the tokens of both (and what the overlap takes off is at most the prompt's
+/// full blocks, so it never reaches the worker's own tokens), and the eviction pressure only
+/// adds (checked over random weights, loads, overlaps and requests in the tests). The fleet
+/// keeps the loaded workers ordered by it.
+pub(super) fn floor(
+    params: &CostParams,
+    block_size: u32,
+    empty: &Arc<[SequenceHash]>,
+    spec: &WorkerSpec,
+    load: &WorkerLoad,
+) -> f64 {
+    let view = RequestView {
+        now: Timestamp::ZERO,
+        id: RequestId(0),
+        prompt_tokens: 0,
+        block_size,
+        chain: empty,
+        fleet_load: 0.0,
+    };
+    deepest_cost(spec, load, Overlap::default(), 0.0, params, &view)
+}
+
+/// The request's part of the bound of a worker of `spec`'s role that caches `overlap` of it:
+/// the bound of such a worker with nothing booked (see [`floor`]). `None` if the prompt has
+/// fewer tokens than its full blocks hold (the router refuses such a prompt), where the
+/// overlap's credit could reach the worker's own tokens.
+fn request_floor(
+    spec: &WorkerSpec,
+    overlap: Overlap,
+    params: &CostParams,
+    view: &RequestView<'_>,
+) -> Option<f64> {
+    let full = view.chain.len() as u64 * u64::from(view.block_size);
+    (view.prompt_tokens >= full)
+        .then(|| deepest_cost(spec, &WorkerLoad::default(), overlap, 0.0, params, view))
+}
+
+/// How far below a worker's floor plus a request's its bound may come out in floating point (a
+/// relative margin, far above the few roundings' error): the scan stops only past it.
+const FLOOR_SLACK: f64 = 1e-9;
 
 impl Router {
     fn policy_of(&self, stage: Stage) -> &dyn Policy {
@@ -422,65 +520,103 @@ impl Router {
         };
         let mut lowest = Lowest::default();
         let mut eligible = 0;
-        // The loaded workers, one by one. Each one's depth walk reads its active set, a cache
-        // miss or more per worker; a worker whose lowest possible cost ([`bound`]) is above a
-        // cost some worker has cannot be at the minimum, so it is skipped. The first such cost
-        // is that of the worker of the lowest bound; the order of the offers is the loaded
-        // set's, as without the bounds, so the ties and the draw are the same.
-        s.bounds.clear();
-        let mut best: Option<(f64, usize)> = None;
+        #[cfg(test)]
+        let unbounded = s.unbounded;
+        #[cfg(not(test))]
+        let unbounded = false;
+        // A loaded worker, one by one: its depth walk reads its active set, a cache miss or more,
+        // so it is spared when the worker's lowest possible cost ([`bound`]) is above the lowest
+        // cost so far (it cannot be tied at the minimum). The ties are kept by position in the
+        // loaded set, put in that order below.
         let loaded = self.fleet.loaded();
-        for (i, &slot) in loaded.iter().enumerate() {
-            // The workers are visited in the loaded set's order, scattered over the fleet: each
-            // one's fields a cache miss, unless asked for a few workers ahead.
-            if let Some(&ahead) = loaded.get(i + PREFETCH_AHEAD) {
-                workers[ahead as usize].prefetch();
+        let visit = |w: &FleetWorker, overlap: Overlap, lowest: &mut Lowest, s: &mut ArgminScratch| {
+            let Membership::Loaded(pos) = w.membership() else {
+                return;
+            };
+            let Some(b) = bound(w, overlap, busy, params, view) else {
+                return; // busy
+            };
+            if !unbounded && lowest.0.is_some_and(|low| b > low) {
+                return;
             }
-            let slot = slot as usize;
-            let w = &workers[slot];
-            let b = (!w.draining && stage.admits(w.spec.role))
-                .then(|| bound(w, overlap_of(slot), chain, busy, params, view))
-                .flatten();
-            if let Some(b) = b
-                && best.is_none_or(|(low, _)| b < low)
+            if let Some(value) = score(w, overlap)
+                && lowest.offer(value, s)
             {
-                best = Some((b, i));
+                s.tied.push(pos as usize);
             }
-            s.bounds.push(b);
-        }
-        let best = best.map(|(_, i)| {
-            let slot = self.fleet.loaded()[i] as usize;
-            (i, score(&workers[slot], overlap_of(slot)))
-        });
-        let cap = best.and_then(|(_, c)| c).unwrap_or(f64::INFINITY);
-        for (i, &slot) in self.fleet.loaded().iter().enumerate() {
-            let slot = slot as usize;
-            let w = &workers[slot];
-            if w.draining || !stage.admits(w.spec.role) {
+        };
+        // The loaded workers the prompt overlaps: each one's floor plus the request's part at
+        // its overlap (see [`floor`]; the parts are few, one per distinct role and overlap), then
+        // the lowest of them visited first, and every other whose is not above the lowest cost
+        // by then.
+        let floors = self.fleet.floors(stage.roles(), params);
+        let mut lower = std::mem::take(&mut s.lower);
+        lower.clear();
+        s.parts.clear();
+        for &slot in overlapping.iter() {
+            let (w, overlap) = (&workers[slot], overlap_of(slot));
+            if !matches!(w.membership(), Membership::Loaded(_))
+                || overlap.is_none()
+                || w.draining
+                || !stage.admits(w.spec.role)
+            {
                 continue;
             }
             eligible += 1;
-            let Some(b) = s.bounds[i] else {
-                continue; // busy
-            };
-            #[cfg(test)]
-            let (cap, b) = if s.unbounded {
-                (f64::INFINITY, f64::NEG_INFINITY)
-            } else {
-                (cap, b)
-            };
-            if b > cap || lowest.0.is_some_and(|low| b > low) {
+            let floor = floors.and_then(|f| f[slot]).map(f64::from_bits);
+            let lb = floor
+                .zip(s.request_part(w, overlap.within(blocks), params, view))
+                .map_or(f64::NEG_INFINITY, |(f, r)| f + r);
+            lower.push((lb, slot));
+        }
+        let first = (0..lower.len()).min_by(|&i, &j| lower[i].0.total_cmp(&lower[j].0));
+        if let Some(i) = first {
+            lower.swap(0, i);
+        }
+        for &(lb, slot) in &lower {
+            if !unbounded && lowest.0.is_some_and(|low| lb * (1.0 - FLOOR_SLACK) > low) {
                 continue;
             }
-            let value = match best {
-                Some((j, value)) if j == i => value,
-                _ => score(w, overlap_of(slot)),
+            visit(&workers[slot], overlap_of(slot), &mut lowest, s);
+        }
+        s.lower = lower;
+        // The others, of each role the stage admits, by ascending floor (see [`floor`]): once a
+        // worker's floor plus the request's is above the lowest cost so far, so is every later
+        // worker's bound, and the scan of the role stops.
+        for &role in stage.roles() {
+            let Some(order) = self.fleet.ordered(role, params) else {
+                debug_assert!(false, "the fleet keeps no order of its {role} workers");
+                continue;
             };
-            if let Some(value) = value
-                && lowest.offer(value, s)
-            {
-                s.tied.push(slot);
+            let mut request = None;
+            // The workers are visited scattered over the fleet: each one's fields a cache miss,
+            // unless asked for a few workers ahead.
+            let mut ahead = order.clone().skip(PREFETCH_AHEAD);
+            for (floor, slot) in order {
+                if let Some((_, next)) = ahead.next() {
+                    workers[next].prefetch();
+                }
+                let w = &workers[slot];
+                let request =
+                    *request.get_or_insert_with(|| request_floor(&w.spec, Overlap::default(), params, view));
+                if !unbounded
+                    && let (Some(low), Some(request)) = (lowest.0, request)
+                    && (floor + request) * (1.0 - FLOOR_SLACK) > low
+                {
+                    break;
+                }
+                let overlap = overlap_of(slot);
+                if w.draining || !overlap.is_none() {
+                    continue;
+                }
+                eligible += 1;
+                visit(w, overlap, &mut lowest, s);
             }
+        }
+        // The ties in the loaded set's order, as a scan of it in order offers them.
+        s.tied.sort_unstable();
+        for t in &mut s.tied {
+            *t = loaded[*t] as usize;
         }
         // The idle workers the prompt overlaps, one by one (the loaded ones are done).
         for &slot in overlapping.iter() {
@@ -547,10 +683,12 @@ mod tests {
 
     use proptest::prelude::*;
 
-    use super::Stage;
+    use super::{FLOOR_SLACK, Overlap, Stage, deepest_cost, floor, request_floor};
     use crate::hash::{BlockHasher, HashSalt};
-    use crate::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+    use crate::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
+    use crate::router::load::WorkerLoad;
     use crate::router::policy::CostPolicyConfig;
+    use crate::router::request::RequestView;
     use crate::router::{
         Booking, BusyThresholds, CacheMode, CostParams, Decider, DecodeProjection, IndexEvent, LoadChange,
         PolicyConfig, PrefillLoadHint, Prompt, RecentConfig, RouteRequest, Router, RouterConfig, RouterId,
@@ -846,6 +984,96 @@ mod tests {
                 Op::Tick => drop(r.handle_tick(now)),
             }
             Ok(0)
+        }
+    }
+
+    /// Cost weights over their ranges (the validated ones), either projection.
+    fn weights() -> impl Strategy<Value = CostParams> {
+        (
+            (0.0..64.0f64, 0.0..=1.0f64, 0.0..8.0f64, any::<bool>()),
+            (0.0..=1.0f64, 0.0..64.0f64, 0.0..256.0f64, 0.0..=1.0f64),
+        )
+            .prop_map(
+                |((scale, credit, per_request, full), (tier, evict, fleet, transfer))| CostParams {
+                    prefill_load_scale: scale,
+                    overlap_credit: credit,
+                    decode_active_request_weight: per_request,
+                    projection: if full {
+                        DecodeProjection::Full
+                    } else {
+                        DecodeProjection::Staged
+                    },
+                    tier_block_cost: tier,
+                    evict_weight: evict,
+                    fleet_weight: fleet,
+                    transfer_block_cost: transfer,
+                },
+            )
+    }
+
+    fn load() -> impl Strategy<Value = WorkerLoad> {
+        (
+            0..200u32,
+            0..2_000_000u64,
+            0..1_000_000u64,
+            0..1_000_000u64,
+            0..100_000u64,
+        )
+            .prop_map(
+                |(requests, prefill_tokens, decode_blocks, staged, output_blocks)| WorkerLoad {
+                    requests,
+                    prefill_requests: requests / 2,
+                    prefill_tokens,
+                    decode_blocks,
+                    staged_decode_blocks: staged.min(decode_blocks),
+                    output_blocks: output_blocks.min(decode_blocks),
+                },
+            )
+    }
+
+    proptest! {
+        /// The floor the argmin scan orders loaded workers by: a worker's bound for a request
+        /// is at least its floor plus the request's part at the worker's overlap, within the
+        /// slack the scan allows; at no eviction pressure the two are equal but for rounding.
+        #[test]
+        fn a_bound_is_at_least_the_workers_floor_plus_the_requests(
+            params in weights(),
+            role in prop::sample::select(vec![WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode]),
+            capacity in 1..100_000u64,
+            load in load(),
+            pressure in prop_oneof![Just(0.0), 0.0..=1.0f64],
+            block_size in 1..256u32,
+            (prompt_tokens, gpu, tier) in (0..500_000u64, 0.0..1.2f64, 0.0..1.2f64),
+            overlapped in any::<bool>(),
+            fleet_load in prop_oneof![Just(0.0), 0.0..=1.0f64],
+        ) {
+            let spec = WorkerSpec::new(WorkerKey::new(WorkerId(0), DpRank(0)), role, capacity);
+            let blocks = prompt_tokens / u64::from(block_size);
+            let chain: Arc<[SequenceHash]> = (0..blocks).map(SequenceHash).collect();
+            let view = RequestView {
+                now: Timestamp::ZERO,
+                id: RequestId(1),
+                prompt_tokens,
+                block_size,
+                chain: &chain,
+                fleet_load,
+            };
+            // Up to a little past the prompt's blocks (the scan clamps).
+            let overlap = if overlapped {
+                Overlap { gpu: (gpu * blocks as f64) as u32, tier: (tier * blocks as f64) as u32 }
+            } else {
+                Overlap::default()
+            };
+            let empty: Arc<[SequenceHash]> = Arc::from(Vec::new());
+            let bound = deepest_cost(&spec, &load, overlap, pressure, &params, &view);
+            let floor = floor(&params, block_size, &empty, &spec, &load);
+            let request = request_floor(&spec, overlap, &params, &view).expect("a consistent prompt");
+            let sum = floor + request;
+            prop_assert!(floor >= 0.0 && request >= 0.0, "{floor} {request}");
+            prop_assert!(bound >= sum * (1.0 - FLOOR_SLACK), "bound {bound} below {floor} + {request}");
+            if pressure == 0.0 {
+                prop_assert!((bound - sum).abs() <= sum * 1e-12, "bound {bound} against {floor} + {request}");
+            }
         }
     }
 
