@@ -323,8 +323,8 @@ fn deepest_cost(
 /// request's part ([`request_floor`]), the bound of a worker of its role with nothing booked
 /// and the same overlap: the cost is a sum of load terms and request terms, the prefill term
 /// is linear in the tokens of both (and what the overlap takes off is at most the prompt's
-/// full blocks, so it never reaches the worker's own tokens), and the eviction pressure only
-/// adds (checked over random weights, loads, overlaps and requests in the tests). The fleet
+/// full blocks, so it never reaches the worker's own tokens), and the eviction pressure and
+/// the stall term (booked requests times the prompt's uncached blocks) only add (checked over random weights, loads, overlaps and requests in the tests). The fleet
 /// keeps the loaded workers ordered by it.
 pub(super) fn floor(
     params: &CostParams,
@@ -991,10 +991,16 @@ mod tests {
     fn weights() -> impl Strategy<Value = CostParams> {
         (
             (0.0..64.0f64, 0.0..=1.0f64, 0.0..8.0f64, any::<bool>()),
-            (0.0..=1.0f64, 0.0..64.0f64, 0.0..256.0f64, 0.0..=1.0f64),
+            (
+                0.0..=1.0f64,
+                0.0..64.0f64,
+                0.0..256.0f64,
+                0.0..=1.0f64,
+                0.0..2.0f64,
+            ),
         )
             .prop_map(
-                |((scale, credit, per_request, full), (tier, evict, fleet, transfer))| CostParams {
+                |((scale, credit, per_request, full), (tier, evict, fleet, transfer, stall))| CostParams {
                     prefill_load_scale: scale,
                     overlap_credit: credit,
                     decode_active_request_weight: per_request,
@@ -1006,6 +1012,7 @@ mod tests {
                     tier_block_cost: tier,
                     evict_weight: evict,
                     fleet_weight: fleet,
+                    stall_weight: stall,
                     transfer_block_cost: transfer,
                 },
             )
@@ -1034,7 +1041,8 @@ mod tests {
     proptest! {
         /// The floor the argmin scan orders loaded workers by: a worker's bound for a request
         /// is at least its floor plus the request's part at the worker's overlap, within the
-        /// slack the scan allows; at no eviction pressure the two are equal but for rounding.
+        /// slack the scan allows; at no eviction pressure and no stall term the two are equal but
+        /// for rounding.
         #[test]
         fn a_bound_is_at_least_the_workers_floor_plus_the_requests(
             params in weights(),
@@ -1071,7 +1079,9 @@ mod tests {
             let sum = floor + request;
             prop_assert!(floor >= 0.0 && request >= 0.0, "{floor} {request}");
             prop_assert!(bound >= sum * (1.0 - FLOOR_SLACK), "bound {bound} below {floor} + {request}");
-            if pressure == 0.0 {
+            // The eviction pressure and the stall term (booked requests times the prompt's
+            // uncached blocks) are the cross terms; without them the bound is the sum.
+            if pressure == 0.0 && (params.stall_weight == 0.0 || load.requests == 0) {
                 prop_assert!((bound - sum).abs() <= sum * 1e-12, "bound {bound} against {floor} + {request}");
             }
         }
