@@ -41,18 +41,24 @@ async fn fleet() -> Cluster {
     fronting(Vec::new(), mocks, |c| c.server.debug_headers = true).await
 }
 
+/// Whether the router's index comes to hold more than `before` blocks over the fleet in time.
+async fn more_blocks_than(c: &Cluster, before: u64) -> bool {
+    c.proxy
+        .driver
+        .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
+        .await
+}
+
 /// Sends `body` once to store its blocks, waits until the router's index holds them, and sends
 /// it again; the second answer.
 async fn twice(c: &Cluster, p: &Proxy, body: Value) -> (Answer, Answer) {
     let before: u64 = c.cached_blocks().iter().sum();
     let first = p.complete(body.clone(), &[]).await;
     assert_eq!(first.status, 200, "{}", first.body);
-    let stored = c
-        .proxy
-        .driver
-        .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
-        .await;
-    assert!(stored, "the first request's blocks never reached the index");
+    assert!(
+        more_blocks_than(c, before).await,
+        "the first request's blocks never reached the index"
+    );
     let again = p.complete(body, &[]).await;
     assert_eq!(again.status, 200, "{}", again.body);
     (first, again)
@@ -233,12 +239,10 @@ async fn a_salted_conversation_is_predicted_as_the_engine_reports_turn_after_tur
             assert!(a.reported > 0, "turn {turn} hits its previous turn's blocks");
         }
         previous = Some(salt);
-        let stored = c
-            .proxy
-            .driver
-            .wait_for_kv(PATIENCE, |_| c.cached_blocks().iter().sum::<u64>() > before)
-            .await;
-        assert!(stored, "turn {turn}: its blocks never reached the index");
+        assert!(
+            more_blocks_than(&c, before).await,
+            "turn {turn}: its blocks never reached the index"
+        );
         let answer: Value = serde_json::from_str(&a.body).unwrap();
         messages.push(json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}));
     }
