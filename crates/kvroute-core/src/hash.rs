@@ -517,6 +517,16 @@ impl PromptHashes {
         self.blocks
     }
 
+    /// The blocks of these that [`PromptHasher::hash_prompt_after`] takes as they are for a
+    /// prompt of `tokens` continuing them under `hasher`: all of them when they were made under
+    /// `hasher`'s rule and the prompt holds them, else none.
+    pub fn reusable_blocks(&self, hasher: &PromptHasher, tokens: usize) -> usize {
+        match self.rule == HashRule::of(hasher) && self.blocks * hasher.block_size() <= tokens {
+            true => self.blocks,
+            false => 0,
+        }
+    }
+
     /// The blocks' local hashes.
     pub fn locals(&self) -> &[LocalBlockHash] {
         &self.locals[..self.blocks]

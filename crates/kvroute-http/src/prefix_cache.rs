@@ -440,6 +440,8 @@ struct Counters {
     hits: IntCounter,
     misses: IntCounter,
     reused_tokens: IntCounter,
+    kept_hash_blocks: IntCounter,
+    hashed_blocks: IntCounter,
     evictions: IntCounter,
     bytes: IntGauge,
     entries: IntGauge,
@@ -463,6 +465,14 @@ impl Counters {
             reused_tokens: counter(
                 "kvroute_tokenizer_cache_reused_tokens_total",
                 "Prompt tokens taken from the cache instead of tokenized.",
+            ),
+            kept_hash_blocks: counter(
+                "kvroute_tokenizer_cache_kept_hash_blocks_total",
+                "Blocks of chat prompts whose hashes were kept from the turn they continue (not hashed again).",
+            ),
+            hashed_blocks: counter(
+                "kvroute_tokenizer_cache_hashed_blocks_total",
+                "Blocks of chat prompts hashed (past the kept hashes of the turn they continue, or whole).",
             ),
             evictions: counter(
                 "kvroute_tokenizer_cache_evictions_total",
@@ -595,6 +605,13 @@ impl Turn {
             .as_ref()
             .and_then(|earlier| PromptHashes::after(hasher, tokens, earlier))
             .unwrap_or_else(|| PromptHashes::new(hasher, tokens));
+        let kept = self
+            .earlier
+            .as_ref()
+            .map_or(0, |earlier| earlier.reusable_blocks(hasher, tokens.len()));
+        let counters = &self.cache.counters;
+        counters.kept_hash_blocks.inc_by(kept as u64);
+        counters.hashed_blocks.inc_by((hashes.blocks() - kept) as u64);
         self.keep(&hashes);
         hashes
     }
@@ -690,6 +707,12 @@ impl ChatCache {
     /// (hits, misses) so far.
     pub fn hits_and_misses(&self) -> (u64, u64) {
         (self.shared.counters.hits.get(), self.shared.counters.misses.get())
+    }
+
+    /// (kept, hashed) blocks of chat prompts so far ([`Turn::hashes`]).
+    pub fn kept_and_hashed_blocks(&self) -> (u64, u64) {
+        let c = &self.shared.counters;
+        (c.kept_hash_blocks.get(), c.hashed_blocks.get())
     }
 
     /// The Prometheus collector of the cache's metrics (hits, misses, reused tokens,
@@ -891,6 +914,8 @@ impl Collector for CacheCollector {
             c.hits.desc(),
             c.misses.desc(),
             c.reused_tokens.desc(),
+            c.kept_hash_blocks.desc(),
+            c.hashed_blocks.desc(),
             c.evictions.desc(),
             c.bytes.desc(),
             c.entries.desc(),
@@ -906,6 +931,8 @@ impl Collector for CacheCollector {
             c.hits.collect(),
             c.misses.collect(),
             c.reused_tokens.collect(),
+            c.kept_hash_blocks.collect(),
+            c.hashed_blocks.collect(),
             c.evictions.collect(),
             c.bytes.collect(),
             c.entries.collect(),

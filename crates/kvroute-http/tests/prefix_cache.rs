@@ -261,11 +261,20 @@ fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
         messages.push(json!({"role": "assistant", "content": "ok ".repeat(40)}));
         text
     };
+    // The (kept, hashed) blocks counted since the last call.
+    let mut counted = model.chat_cache().kept_and_hashed_blocks();
+    let mut counted_since = || {
+        let now = model.chat_cache().kept_and_hashed_blocks();
+        let since = ((now.0 - counted.0) as usize, (now.1 - counted.1) as usize);
+        counted = now;
+        since
+    };
     let first = render(&mut messages, "a".repeat(500));
     let before = model.chat_cache().bytes();
     let (hashes, turn) = hashed_turn(&model, &first, block, &plain).expect("through the cache");
     assert!(turn.earlier().is_none(), "a miss has nothing kept");
     let blocks = hashes.blocks();
+    assert_eq!(counted_since(), (0, blocks));
     assert!(
         model.chat_cache().bytes() >= before + 16 * blocks,
         "the hashes are counted"
@@ -279,12 +288,14 @@ fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
         "{earlier} of {blocks}"
     );
     assert!(hashes.blocks() > earlier);
+    assert_eq!(counted_since(), (earlier, hashes.blocks() - earlier));
 
     // Another salt: the kept (unsalted) hashes are found, not used.
     let salted = salt_of(2);
     let third = render(&mut messages, "c".repeat(500));
     let (hashes, turn) = hashed_turn(&model, &third, block, &salted).expect("through the cache");
     assert!(turn.earlier().is_some_and(|e| e.blocks() > 0));
+    assert_eq!(counted_since(), (0, hashes.blocks()));
     let tokens = model.encode(&third, SpecialTokens::Omit).expect("tokenizes");
     let unsalted = PromptHashes::new(&PromptHasher::new(block, &plain), &tokens);
     assert!(hashes.chain().iter().zip(unsalted.chain()).all(|(a, b)| a != b));
@@ -293,14 +304,16 @@ fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
     model.chat_cache().set_limit(0);
     model.chat_cache().set_limit(64 << 20);
     let fourth = render(&mut messages, "d".repeat(500));
-    let (_, turn) = hashed_turn(&model, &fourth, block, &salted).expect("through the cache");
+    let (hashes, turn) = hashed_turn(&model, &fourth, block, &salted).expect("through the cache");
     assert!(turn.earlier().is_none());
+    assert_eq!(counted_since(), (0, hashes.blocks()));
 
     // The follow-up, now that the fourth turn's salted hashes are kept.
     let fifth = render(&mut messages, "e".repeat(500));
     let (hashes, turn) = hashed_turn(&model, &fifth, block, &salted).expect("through the cache");
     let earlier = turn.earlier().expect("kept").blocks();
     assert!(earlier > 0 && hashes.blocks() > earlier);
+    assert_eq!(counted_since(), (earlier, hashes.blocks() - earlier));
 
     // An edit in the first user message: only the system prompt's entry is still a prefix.
     messages[1]["content"] = Value::from("z".repeat(500));
@@ -308,6 +321,29 @@ fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
     let (hashes, turn) = hashed_turn(&model, &edited, block, &salted).expect("through the cache");
     assert!(turn.earlier().is_none_or(|e| e.blocks() < 4), "{turn:?}");
     assert!(hashes.blocks() > earlier);
+
+    // The collector exports the counts.
+    let (kept, hashed) = model.chat_cache().kept_and_hashed_blocks();
+    assert!(kept > 0 && hashed > 0);
+    let registry = prometheus::Registry::new();
+    registry
+        .register(model.chat_cache().collector())
+        .expect("registers");
+    let families = registry.gather();
+    let value = |name: &str| {
+        families
+            .iter()
+            .find(|f| f.name() == name)
+            .map(|f| f.get_metric()[0].get_counter().get_value())
+    };
+    assert_eq!(
+        value("kvroute_tokenizer_cache_kept_hash_blocks_total"),
+        Some(kept as f64)
+    );
+    assert_eq!(
+        value("kvroute_tokenizer_cache_hashed_blocks_total"),
+        Some(hashed as f64)
+    );
 }
 
 /// The fixtures' pipelines that text may be cut in (a regex or space split, BPE, no
