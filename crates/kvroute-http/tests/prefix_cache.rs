@@ -325,17 +325,7 @@ fn a_follow_up_hashes_only_its_new_blocks_under_its_salt() {
     // The collector exports the counts.
     let (kept, hashed) = model.chat_cache().kept_and_hashed_blocks();
     assert!(kept > 0 && hashed > 0);
-    let registry = prometheus::Registry::new();
-    registry
-        .register(model.chat_cache().collector())
-        .expect("registers");
-    let families = registry.gather();
-    let value = |name: &str| {
-        families
-            .iter()
-            .find(|f| f.name() == name)
-            .map(|f| f.get_metric()[0].get_counter().get_value())
-    };
+    let value = exported(&model);
     assert_eq!(
         value("kvroute_tokenizer_cache_kept_hash_blocks_total"),
         Some(kept as f64)
@@ -486,17 +476,7 @@ fn a_follow_up_turn_tokenizes_only_its_new_text() {
     assert_eq!((hits, misses), (15, 1));
     assert!(model.chat_cache().bytes() > 0);
     // The collector exports them.
-    let registry = prometheus::Registry::new();
-    registry
-        .register(model.chat_cache().collector())
-        .expect("registers");
-    let families = registry.gather();
-    let value = |name: &str| {
-        families
-            .iter()
-            .find(|f| f.name() == name)
-            .map(|f| f.get_metric()[0].get_counter().get_value())
-    };
+    let value = exported(&model);
     assert_eq!(value("kvroute_tokenizer_cache_hits_total"), Some(15.0));
     assert_eq!(value("kvroute_tokenizer_cache_misses_total"), Some(1.0));
 }
@@ -587,4 +567,19 @@ fn boundary_tokens_are_those_no_match_can_cross() {
     // not in the template.
     assert_eq!(boundaries.texts().collect::<Vec<_>>(), vec!["<|a|>", "zz<|f"]);
     assert!(Boundaries::new(&added, None).is_empty(), "no template, no cut");
+}
+
+/// The value of each counter `model`'s conversation cache exports, by name.
+fn exported(model: &Model) -> impl Fn(&str) -> Option<f64> {
+    let registry = prometheus::Registry::new();
+    registry
+        .register(model.chat_cache().collector())
+        .expect("registers");
+    let families = registry.gather();
+    move |name| {
+        families
+            .iter()
+            .find(|f| f.name() == name)
+            .map(|f| f.get_metric()[0].get_counter().get_value())
+    }
 }
