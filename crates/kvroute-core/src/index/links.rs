@@ -40,8 +40,49 @@ impl Links {
         }
     }
 
+    /// Sets the bits of nodes `from..to` (covered), a word at a time.
+    pub(super) fn set_range(&mut self, from: NodeId, to: NodeId) {
+        let (mut at, to) = (from as usize, to as usize);
+        while at < to {
+            let (word, bit) = (at / 64, at % 64);
+            let n = (64 - bit).min(to - at);
+            let ones = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << bit
+            };
+            if let Some(w) = self.words.get_mut(word) {
+                *w |= ones;
+            }
+            at += n;
+        }
+    }
+
     /// Heap bytes, by capacity.
     pub(super) fn allocation_size(&self) -> usize {
         self.words.capacity() * size_of::<u64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn a_range_sets_exactly_its_bits(from in 0u32..300, len in 0u32..300, before in proptest::collection::vec(any::<bool>(), 600)) {
+            let mut links = Links::default();
+            links.cover(before.len());
+            for (m, &on) in before.iter().enumerate() {
+                links.put(m as NodeId, on);
+            }
+            links.set_range(from, from + len);
+            for (m, &on) in before.iter().enumerate() {
+                let m = m as NodeId;
+                prop_assert_eq!(links.get(m), on || (from..from + len).contains(&m), "bit {}", m);
+            }
+        }
     }
 }

@@ -1005,9 +1005,7 @@ impl PrefixIndex {
             };
         }
         // Inside the stretch every node continues the one before it, all held by nobody.
-        for k in 1..stretch.len() as NodeId {
-            self.links.put(start + k, true);
-        }
+        self.links.set_range(start + 1, start + stretch.len() as NodeId);
         relink(&self.nodes, &mut self.links, start);
         relink(&self.nodes, &mut self.links, start + stretch.len() as NodeId);
         self.adopt(parent, start, stretch[0].local.0);
@@ -1139,17 +1137,28 @@ impl PrefixIndex {
     /// Links as in `hold_path`: two consecutive nodes that both lose the bit keep their link (a
     /// node freed on the way had no children, so the next node's link was clear and stays so).
     fn release<const WIDE: bool>(&mut self, dropped: &[NodeId], slot: usize) {
-        let mut last = NONE;
+        // The ids `lo..=hi` all lost the bit in this call (an engine removes a chain from either
+        // end): only `lo` and `hi + 1` may need relinking.
+        let (mut lo, mut hi) = (NONE, NONE);
         for &node in dropped {
             self.unset_bit::<WIDE>(node, slot);
-            if WIDE || node != last.wrapping_add(1) {
-                relink(&self.nodes, &mut self.links, last.wrapping_add(1));
-                relink(&self.nodes, &mut self.links, node);
+            if !WIDE && hi != NONE && node == hi + 1 {
+                hi = node;
+            } else if !WIDE && lo != NONE && node.wrapping_add(1) == lo {
+                lo = node;
+            } else {
+                if lo != NONE {
+                    relink(&self.nodes, &mut self.links, lo);
+                    relink(&self.nodes, &mut self.links, hi + 1);
+                }
+                (lo, hi) = (node, node);
             }
-            last = node;
             self.collect(node);
         }
-        relink(&self.nodes, &mut self.links, last.wrapping_add(1));
+        if lo != NONE {
+            relink(&self.nodes, &mut self.links, lo);
+            relink(&self.nodes, &mut self.links, hi + 1);
+        }
     }
 
     fn is_unheld(&self, node: NodeId) -> bool {
