@@ -36,9 +36,6 @@
 //!   ids allow (`free_runs`), and a child lookup tries node `n + 1` first: a walk along a chain
 //!   then reads consecutive nodes whose addresses it knows ahead, instead of waiting on each
 //!   node's hint before it can load the next.
-//! * Local hashes are packed in an array beside the nodes, and a bit a node says whether it
-//!   continues the node before it with the same workers (`links`): along such a run a lookup
-//!   reads 8 bytes and a bit a block, not the node.
 //!
 //! # Errors
 //!
@@ -59,7 +56,6 @@
 mod event;
 mod ext_map;
 mod free_runs;
-mod links;
 mod scores;
 mod tier;
 mod walk;
@@ -75,7 +71,6 @@ use crate::hash::next_sequence_hash;
 use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use free_runs::{FreeRuns, Source};
-use links::Links;
 use tier::Tiers;
 use wide::Rows;
 
@@ -232,6 +227,8 @@ impl IndexFootprint {
 /// One prefix in the tree.
 #[derive(Clone, Copy, Debug)]
 struct Node {
+    /// The local hash of this node's last block.
+    local: u64,
     /// The workers that hold this prefix: their bit mask while the fleet has at most 64 worker
     /// slots, a set code (see `wide`) once it has more. `0`: nobody, either way.
     mask0: u64,
@@ -248,6 +245,7 @@ struct Node {
 
 impl Node {
     const FREE: Node = Node {
+        local: 0,
         mask0: 0,
         parent: NONE,
         hint: NONE,
@@ -269,11 +267,6 @@ struct WorkerSlot {
 #[derive(Debug)]
 pub struct PrefixIndex {
     nodes: Vec<Node>,
-    /// The local hash of each node's last block, packed beside `nodes` (same length): a walk
-    /// along a chain reads 8 bytes a block here rather than the node.
-    locals: Vec<u64>,
-    /// Which nodes continue the node before them with the same workers (see `links`).
-    links: Links,
     /// Free node ids, as runs of consecutive ids (see `free_runs`).
     free: FreeRuns,
     /// Children of every node, keyed by `(parent, local)`; holds node ids only.
@@ -298,31 +291,13 @@ fn child_hash(parent: NodeId, local: u64) -> u64 {
     mix(local, u64::from(parent))
 }
 
-/// Sets node `m`'s link bit from the nodes (see `links`); an id past the arena is left alone.
-#[inline(always)]
-fn relink(nodes: &[Node], links: &mut Links, m: NodeId) {
-    if let Some(n) = nodes.get(m as usize) {
-        let on = n.parent == m.wrapping_sub(1)
-            && nodes
-                .get(m.wrapping_sub(1) as usize)
-                .is_some_and(|p| p.mask0 == n.mask0);
-        links.put(m, on);
-    }
-}
-
 impl PrefixIndex {
     /// An empty index with no workers.
     pub fn new(config: IndexConfig) -> Self {
         let mut nodes = Vec::with_capacity(config.expected_blocks + 1);
         nodes.push(Node::FREE);
-        let mut locals = Vec::with_capacity(config.expected_blocks + 1);
-        locals.push(0);
-        let mut links = Links::default();
-        links.cover(1);
         Self {
             nodes,
-            locals,
-            links,
             free: FreeRuns::default(),
             children: HashTable::with_capacity(config.expected_blocks),
             rows: Rows::default(),
@@ -428,8 +403,6 @@ impl PrefixIndex {
             .map(|s| s.blocks.allocation_size())
             .sum();
         let heap = self.nodes.capacity() * size_of::<Node>()
-            + self.locals.capacity() * size_of::<u64>()
-            + self.links.allocation_size()
             + self.free.allocation_size()
             + self.children.allocation_size()
             + self.rows.allocation_size()
@@ -549,7 +522,6 @@ impl PrefixIndex {
     ) -> Result<(), IndexError> {
         let Self {
             nodes,
-            links,
             rows,
             slots,
             stats,
@@ -566,10 +538,6 @@ impl PrefixIndex {
         // Counted once at the end (or at an error): a counter in `self` updated per block is a
         // load and a store the compiler may not keep in a register across the map's writes.
         let mut stored = 0u64;
-        // The last node this store set the worker's bit on. Two consecutive nodes that both gain
-        // the bit keep their link as it was (equal sets stay equal, unequal ones unequal), so a
-        // narrow index relinks only where a stretch of such nodes starts and after it ends.
-        let mut last = NONE;
         for (applied, (block, &node)) in blocks.iter().zip(path).enumerate() {
             if let Some(ahead) = blocks.get(applied + STORE_AHEAD) {
                 map.prefetch(ahead.external.0);
@@ -578,7 +546,6 @@ impl PrefixIndex {
             match map.probe(block.external.0) {
                 Probe::Found(held) if held == node => {}
                 Probe::Found(_) => {
-                    relink(nodes, links, last.wrapping_add(1));
                     stats.blocks_stored += stored;
                     stats.conflicting_block += 1;
                     return Err(IndexError::ConflictingBlock {
@@ -594,7 +561,6 @@ impl PrefixIndex {
                         *set & bit != 0
                     } =>
                 {
-                    relink(nodes, links, last.wrapping_add(1));
                     stats.blocks_stored += stored;
                     stats.duplicate_prefix += 1;
                     return Err(IndexError::DuplicatePrefix {
@@ -610,12 +576,6 @@ impl PrefixIndex {
                     } else {
                         *set |= bit;
                     }
-                    // A wide set's code may change otherwise than by one bit: relink each node.
-                    if wide || node != last.wrapping_add(1) {
-                        relink(nodes, links, last.wrapping_add(1));
-                        relink(nodes, links, node);
-                    }
-                    last = node;
                     stored += 1;
                     if capped {
                         order.push_back(block.external.0);
@@ -623,7 +583,6 @@ impl PrefixIndex {
                 }
             }
         }
-        relink(nodes, links, last.wrapping_add(1));
         stats.blocks_stored += stored;
         Ok(())
     }
@@ -661,9 +620,8 @@ impl PrefixIndex {
                 continue;
             };
             let n = self.nodes[node as usize];
-            let local = LocalBlockHash(self.locals[node as usize]);
             let seq = match prev {
-                Some((p, seq)) if p == n.parent => next_sequence_hash(Some(seq), local),
+                Some((p, seq)) if p == n.parent => next_sequence_hash(Some(seq), LocalBlockHash(n.local)),
                 _ => self.prefix_of(node, &mut path),
             };
             prev = Some((node, seq));
@@ -710,7 +668,10 @@ impl PrefixIndex {
         }
         let mut seq = None;
         for &n in path.iter().rev() {
-            seq = Some(next_sequence_hash(seq, LocalBlockHash(self.locals[n as usize])));
+            seq = Some(next_sequence_hash(
+                seq,
+                LocalBlockHash(self.nodes[n as usize].local),
+            ));
         }
         seq.unwrap_or(SequenceHash(0))
     }
@@ -858,10 +819,10 @@ impl PrefixIndex {
                 return Err(format!("node {id} has a free parent {}", n.parent));
             }
             children[n.parent as usize] += 1;
-            if self.child(n.parent, self.locals[id as usize]) != Some(id) {
+            if self.child(n.parent, n.local) != Some(id) {
                 return Err(format!("node {id} is not found as the child of {}", n.parent));
             }
-            if n.hint != NONE && n.hint_tag != self.locals[n.hint as usize] as u32 {
+            if n.hint != NONE && n.hint_tag != self.nodes[n.hint as usize].local as u32 {
                 return Err(format!("node {id}'s hint tag does not match its hint {}", n.hint));
             }
             if n.children == 0 && self.is_unheld(id) {
@@ -874,13 +835,6 @@ impl PrefixIndex {
                 held_bits += self.rows.count(n.mask0);
             } else {
                 held_bits += n.mask0.count_ones() as usize;
-            }
-        }
-        for id in 0..self.nodes.len() as NodeId {
-            let n = &self.nodes[id as usize];
-            let linked = id != ROOT && n.parent == id - 1 && self.nodes[id as usize - 1].mask0 == n.mask0;
-            if self.links.get(id) != linked {
-                return Err(format!("node {id}'s link bit is {}, should be {linked}", !linked));
             }
         }
         for (id, &count) in children.iter().enumerate() {
@@ -922,12 +876,12 @@ impl PrefixIndex {
         let next = parent.wrapping_add(1);
         if let Some(n) = self.nodes.get(next as usize)
             && n.parent == parent
-            && self.locals[next as usize] == local
+            && n.local == local
         {
             return Some(next);
         }
         let p = &self.nodes[parent as usize];
-        if p.hint != NONE && p.hint_tag == local as u32 && self.locals[p.hint as usize] == local {
+        if p.hint != NONE && p.hint_tag == local as u32 && self.nodes[p.hint as usize].local == local {
             return Some(p.hint);
         }
         // The hint is not it: look in the table if the node has children other than the hint.
@@ -941,10 +895,11 @@ impl PrefixIndex {
     /// The child of `parent` for `local` among those in the children table (not the hint).
     #[inline(never)]
     fn child_in_table(&self, parent: NodeId, local: u64) -> Option<NodeId> {
-        let (nodes, locals) = (&self.nodes, &self.locals);
+        let nodes = &self.nodes;
         self.children
             .find(child_hash(parent, local), |&id| {
-                nodes[id as usize].parent == parent && locals[id as usize] == local
+                let n = &nodes[id as usize];
+                n.parent == parent && n.local == local
             })
             .copied()
     }
@@ -974,9 +929,7 @@ impl PrefixIndex {
                 let start = self.nodes.len();
                 for _ in 0..rest.len() {
                     self.nodes.push(Node::FREE);
-                    self.locals.push(0);
                 }
-                self.links.cover(self.nodes.len());
                 (start as NodeId, rest.len())
             });
             let (stretch, after) = rest.split_at(n);
@@ -991,12 +944,11 @@ impl PrefixIndex {
     /// `parent`: each node the only child of the one before it, reached by its hint.
     fn lay_chain(&mut self, parent: NodeId, start: NodeId, stretch: &[StoredBlock]) {
         let nodes = &mut self.nodes[start as usize..][..stretch.len()];
-        let locals = &mut self.locals[start as usize..][..stretch.len()];
-        for (k, ((node, local), block)) in nodes.iter_mut().zip(locals).zip(stretch).enumerate() {
+        for (k, (node, block)) in nodes.iter_mut().zip(stretch).enumerate() {
             let id = start + k as NodeId;
             let next = stretch.get(k + 1);
-            *local = block.local.0;
             *node = Node {
+                local: block.local.0,
                 mask0: 0,
                 parent: if k == 0 { parent } else { id - 1 },
                 hint: if next.is_some() { id + 1 } else { NONE },
@@ -1004,10 +956,6 @@ impl PrefixIndex {
                 children: u32::from(next.is_some()),
             };
         }
-        // Inside the stretch every node continues the one before it, all held by nobody.
-        self.links.set_range(start + 1, start + stretch.len() as NodeId);
-        relink(&self.nodes, &mut self.links, start);
-        relink(&self.nodes, &mut self.links, start + stretch.len() as NodeId);
         self.adopt(parent, start, stretch[0].local.0);
     }
 
@@ -1021,9 +969,10 @@ impl PrefixIndex {
             p.hint = id;
             p.hint_tag = local as u32;
         } else {
-            let (nodes, locals) = (&self.nodes, &self.locals);
+            let nodes = &self.nodes;
             self.children.insert_unique(child_hash(parent, local), id, |&n| {
-                child_hash(nodes[n as usize].parent, locals[n as usize])
+                let n = &nodes[n as usize];
+                child_hash(n.parent, n.local)
             });
         }
     }
@@ -1039,22 +988,19 @@ impl PrefixIndex {
                 return;
             }
             let n = *n;
-            let local = self.locals[node as usize];
             let p = &mut self.nodes[n.parent as usize];
             p.children -= 1;
             if p.hint == node {
                 p.hint = NONE;
             } else if let Ok(entry) = self
                 .children
-                .find_entry(child_hash(n.parent, local), |&id| id == node)
+                .find_entry(child_hash(n.parent, n.local), |&id| id == node)
             {
                 entry.remove();
             }
             // A free node is one without a parent; its other fields are rewritten when it is
             // taken again (`lay_chain`), and nobody holds it and it has no children already.
             self.nodes[node as usize].parent = NONE;
-            // Node `node + 1` does not continue this one (it had no children): its bit is clear.
-            self.links.put(node, false);
             self.free.free(node);
             node = n.parent;
         }
@@ -1074,9 +1020,6 @@ impl PrefixIndex {
         if !was_wide {
             for node in &mut self.nodes {
                 node.mask0 = self.rows.code_of_mask(node.mask0);
-            }
-            for m in 0..self.nodes.len() as NodeId {
-                relink(&self.nodes, &mut self.links, m);
             }
         }
     }
@@ -1112,14 +1055,6 @@ impl PrefixIndex {
     /// of index.
     #[inline(always)]
     fn clear_bit_as<const WIDE: bool>(&mut self, node: NodeId, slot: usize) {
-        self.unset_bit::<WIDE>(node, slot);
-        relink(&self.nodes, &mut self.links, node);
-        relink(&self.nodes, &mut self.links, node + 1);
-    }
-
-    /// Clears `slot`'s bit on `node` and leaves the links to the caller.
-    #[inline(always)]
-    fn unset_bit<const WIDE: bool>(&mut self, node: NodeId, slot: usize) {
         let set = &mut self.nodes[node as usize].mask0;
         if WIDE {
             self.rows.remove(set, slot);
@@ -1133,31 +1068,10 @@ impl PrefixIndex {
     /// A node is collected as soon as its bit is cleared: one still held by this worker (in
     /// `dropped` further on) is not freed when a descendant climbs to it, so none is freed before
     /// its turn, and a parent whose last child goes later is collected by that child.
-    ///
-    /// Links as in `hold_path`: two consecutive nodes that both lose the bit keep their link (a
-    /// node freed on the way had no children, so the next node's link was clear and stays so).
     fn release<const WIDE: bool>(&mut self, dropped: &[NodeId], slot: usize) {
-        // The ids `lo..=hi` all lost the bit in this call (an engine removes a chain from either
-        // end): only `lo` and `hi + 1` may need relinking.
-        let (mut lo, mut hi) = (NONE, NONE);
         for &node in dropped {
-            self.unset_bit::<WIDE>(node, slot);
-            if !WIDE && hi != NONE && node == hi + 1 {
-                hi = node;
-            } else if !WIDE && lo != NONE && node.wrapping_add(1) == lo {
-                lo = node;
-            } else {
-                if lo != NONE {
-                    relink(&self.nodes, &mut self.links, lo);
-                    relink(&self.nodes, &mut self.links, hi + 1);
-                }
-                (lo, hi) = (node, node);
-            }
+            self.clear_bit_as::<WIDE>(node, slot);
             self.collect(node);
-        }
-        if lo != NONE {
-            relink(&self.nodes, &mut self.links, lo);
-            relink(&self.nodes, &mut self.links, hi + 1);
         }
     }
 

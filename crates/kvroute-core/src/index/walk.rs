@@ -127,26 +127,20 @@ impl PrefixIndex {
             return;
         }
         let nodes = self.nodes.as_slice();
-        let (locals, links) = (self.locals.as_slice(), &self.links);
         // Blocks of `rest` matched so far: `node` is `depth + i` blocks deep.
         let mut i = 0usize;
         loop {
             // Along a chain laid out in consecutive nodes (see `free_runs`) where every active
-            // worker holds on, a block is a compare of the next node's packed local hash and its
-            // link bit (see `links`): the node itself is read only where the link is clear, and
-            // no address waits on the node before. The slices are walked in step, so the loop
+            // worker holds on, a block is a compare of the next node's own fields: its address
+            // does not wait on the current node. The two slices are walked in step, so the loop
             // has no bounds check and keeps its few values in registers.
-            let ahead = locals.get(node as usize + 1..).unwrap_or_default();
+            let ahead = nodes.get(node as usize + 1..).unwrap_or_default();
             let run = ahead
                 .iter()
                 .zip(rest.get(i..).unwrap_or_default())
                 .zip(node..)
-                .take_while(|&((&local, q), before)| {
-                    local == q.0
-                        && (links.get(before + 1)
-                            || nodes
-                                .get(before as usize + 1)
-                                .is_some_and(|n| n.parent == before && mask(n) & active == active))
+                .take_while(|&((n, q), before)| {
+                    n.parent == before && n.local == q.0 && mask(n) & active == active
                 })
                 .count();
             node += run as NodeId;
