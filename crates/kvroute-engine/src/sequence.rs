@@ -179,6 +179,22 @@ impl Sequence {
         self.len() - self.num_computed
     }
 
+    /// How many of its next passes are certain to be pure decode by its own state: each
+    /// decodes one token, and none fills a block beyond those it holds (with prefix caching,
+    /// none completes a block, which would be cached) or ends the request. Pass `p` (from 1)
+    /// leaves `num_computed + p` tokens with KV. 0 when its next pass is not a decode.
+    pub fn pure_decode_limit(&self, block_size: u32, prefix_caching: bool) -> u32 {
+        if self.outputs == 0 || self.remaining() != 1 {
+            return 0;
+        }
+        let c = self.num_computed;
+        let mut limit = (self.blocks.len() as u32 * block_size).saturating_sub(c);
+        if prefix_caching {
+            limit = limit.min(((self.num_cached_blocks + 1) * block_size - 1).saturating_sub(c));
+        }
+        limit.min((self.max_output - self.outputs).saturating_sub(1))
+    }
+
     /// Whether it has produced all its output.
     pub fn is_done(&self) -> bool {
         self.outputs == self.max_output
