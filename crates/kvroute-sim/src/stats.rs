@@ -240,25 +240,29 @@ impl Sketch {
         }
         let (mut count, mut sum, mut sum_sq) = (0_u64, 0_u128, 0_u128);
         let (mut least, mut greatest) = (u64::MAX, 0_u64);
+        let mut spans = spans.into_iter();
+        let Some(first) = spans.next() else {
+            return;
+        };
         // The current run of equal spans: its span and length.
-        let (mut span, mut run) = (0_u64, 0_u64);
-        for n in spans {
-            count += 1;
-            sum += u128::from(n);
-            sum_sq += u128::from(n) * u128::from(n);
-            least = least.min(n);
-            greatest = greatest.max(n);
-            if n == span && run > 0 {
+        let (mut span, mut run) = (first, 1_u64);
+        loop {
+            let next = spans.next();
+            if next == Some(span) {
                 run += 1;
-            } else {
-                self.add_run(span, run * k);
-                (span, run) = (n, 1);
+                continue;
+            }
+            count += run;
+            sum += u128::from(span) * u128::from(run);
+            sum_sq += u128::from(span) * u128::from(span) * u128::from(run);
+            least = least.min(span);
+            greatest = greatest.max(span);
+            self.add_run(span, run * k);
+            match next {
+                Some(n) => (span, run) = (n, 1),
+                None => break,
             }
         }
-        if count == 0 {
-            return;
-        }
-        self.add_run(span, run * k);
         let k128 = u128::from(k);
         self.count += count * k;
         self.sum_nanos += sum * k128;
