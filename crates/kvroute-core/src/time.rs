@@ -45,12 +45,18 @@ impl Timestamp {
 /// give zero and values too large saturate, where [`Duration::from_secs_f64`] would panic: timing
 /// models compute in `f64`, and their output is rounded here, once.
 pub fn duration_from_secs_f64(secs: f64) -> Duration {
+    Duration::from_nanos(nanos_from_secs_f64(secs))
+}
+
+/// [`duration_from_secs_f64`] in nanoseconds, without the [`Duration`] (a division to build, a
+/// multiplication to read back).
+pub fn nanos_from_secs_f64(secs: f64) -> u64 {
     // `f64::round` without its libm call (a call on baseline x86-64, where every jittered step
     // time passes): `as` truncates, saturates and maps NaN to 0, and below 2^53 the fraction
     // `x - n` is exact (at and above, `x` is whole), so a half rounds up, as `round`'s does.
     let x = secs * 1e9;
     let n = x as u64;
-    Duration::from_nanos(n.saturating_add(u64::from(x - n as f64 >= 0.5)))
+    n.saturating_add(u64::from(x - n as f64 >= 0.5))
 }
 
 impl Add<Duration> for Timestamp {
@@ -142,6 +148,11 @@ impl TimeScale {
     /// [`duration_from_secs_f64`]).
     pub fn modeled_secs(self, secs: f64) -> Duration {
         duration_from_secs_f64(secs / self.speedup)
+    }
+
+    /// [`TimeScale::modeled_secs`] in nanoseconds.
+    pub fn modeled_nanos(self, secs: f64) -> u64 {
+        nanos_from_secs_f64(secs / self.speedup)
     }
 
     /// A modeled span, sped up (unchanged without speedup).

@@ -333,8 +333,10 @@ impl Engine {
             // One modeled time, jittered pass by pass.
             pass.decode_context_tokens = base + n;
             let secs = self.timer.pass_secs(&pass);
+            ends.reserve(k as usize);
             for p in 0..u64::from(k) {
-                t = t + self.timer.jittered(secs, self.passes + p);
+                // `t + jittered(..)`, without building each `Duration`.
+                t = Timestamp(t.0.saturating_add(self.timer.jittered_nanos(secs, self.passes + p)));
                 ends.push(t);
             }
             return;

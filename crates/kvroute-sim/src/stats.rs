@@ -77,11 +77,105 @@ const GAMMA_LN: f64 = 0.001_998_002_662_673_056; // ln(1.002)
 const LOW_LN: f64 = -13.815_510_557_964_274; // ln(1e-6)
 const BUCKETS: usize = 17_300;
 
-/// The bucket of `v` milliseconds (above 0): `floor((ln v - LOW_LN) / GAMMA_LN)` within the
-/// buckets. The floor is the cast's truncation of a value kept at 0 or above (`f64::floor` is a
-/// libm call on baseline x86-64, and every jittered gap passes here).
-fn bucket(v: f64) -> usize {
+/// The bucket of `v` milliseconds (above 0) by its definition: `floor((ln v - LOW_LN) /
+/// GAMMA_LN)` within the buckets. The floor is the cast's truncation of a value kept at 0 or
+/// above (`f64::floor` is a libm call on baseline x86-64). [`bucket`] gives the same answer
+/// without the logarithm.
+fn bucket_by_log(v: f64) -> usize {
     (((v.ln() - LOW_LN) / GAMMA_LN).max(0.0) as usize).min(BUCKETS - 1)
+}
+
+/// The bucket of `v` milliseconds (above 0), the same as [`bucket_by_log`] (every jittered gap
+/// passes here): a look-up in [`Bounds`] instead of a logarithm.
+fn bucket(v: f64) -> usize {
+    Bounds::get().bucket(v)
+}
+
+/// `n` nanoseconds in milliseconds, as `Duration::from_nanos(n).as_secs_f64() * 1e3` (whole
+/// seconds plus the fraction's nanoseconds over 1e9), without the division into seconds below
+/// a second, where the whole seconds are 0 and adding them changes nothing.
+fn ms_of_nanos(n: u64) -> f64 {
+    if n < 1_000_000_000 {
+        n as f64 / 1e9 * 1e3
+    } else {
+        Duration::from_nanos(n).as_secs_f64() * 1e3
+    }
+}
+
+/// Bits dropped from a positive `f64` to name its cell: the cells split each power of two
+/// into 512, narrower (a ratio of at most 1 + 1/512) than a bucket (1.002), so a cell holds at
+/// most one bucket's lower bound.
+const CELL_SHIFT: u32 = 52 - 9;
+
+/// The buckets' lower bounds, as [`bucket_by_log`] draws them, and the first bucket of each
+/// cell of `f64`s between the first and the last bound: a value's bucket is its cell's first,
+/// or the next if the value reaches the next one's bound.
+struct Bounds {
+    /// `lower[i]`: the least `f64` whose [`bucket_by_log`] is `i` (0 for bucket 0), and
+    /// infinity past the last bucket.
+    lower: Vec<f64>,
+    /// The cell of `lower[1]`.
+    first_cell: u64,
+    /// The bucket of each cell's smallest value, from `first_cell` to the cell of the last
+    /// bound.
+    cell_bucket: Vec<u16>,
+}
+
+impl Bounds {
+    /// Built once for the process (a few million instructions).
+    fn get() -> &'static Self {
+        static BOUNDS: std::sync::OnceLock<Bounds> = std::sync::OnceLock::new();
+        BOUNDS.get_or_init(Self::new)
+    }
+
+    fn new() -> Self {
+        let mut lower = vec![0.0; BUCKETS + 1];
+        for (i, bound) in lower.iter_mut().enumerate().take(BUCKETS).skip(1) {
+            // Near `exp(LOW_LN + i GAMMA_LN)`; then the exact least value of the formula's
+            // bucket `i`, ULP by ULP (the formula is monotone in `v`).
+            let mut v = (LOW_LN + i as f64 * GAMMA_LN).exp();
+            while bucket_by_log(v) >= i {
+                v = f64::from_bits(v.to_bits() - 1);
+            }
+            while bucket_by_log(v) < i {
+                v = f64::from_bits(v.to_bits() + 1);
+            }
+            *bound = v;
+        }
+        lower[BUCKETS] = f64::INFINITY;
+        let first_cell = lower[1].to_bits() >> CELL_SHIFT;
+        let last_cell = lower[BUCKETS - 1].to_bits() >> CELL_SHIFT;
+        let mut b = 0;
+        let cell_bucket = (first_cell..=last_cell)
+            .map(|cell| {
+                let smallest = f64::from_bits(cell << CELL_SHIFT);
+                while lower[b + 1] <= smallest {
+                    b += 1;
+                }
+                b as u16
+            })
+            .collect();
+        Self {
+            lower,
+            first_cell,
+            cell_bucket,
+        }
+    }
+
+    fn bucket(&self, v: f64) -> usize {
+        let Some(&b) = (v.to_bits() >> CELL_SHIFT)
+            .checked_sub(self.first_cell)
+            .and_then(|c| self.cell_bucket.get(c as usize))
+        else {
+            // Outside the cells: below the first bound, or at or past the last one's cell.
+            return if v < self.lower[1] { 0 } else { BUCKETS - 1 };
+        };
+        let mut b = usize::from(b);
+        while v >= self.lower[b + 1] {
+            b += 1;
+        }
+        b
+    }
 }
 
 impl Default for Sketch {
@@ -109,11 +203,21 @@ impl Sketch {
         if k == 0 {
             return;
         }
-        let nanos = d.as_nanos();
         let v = d.as_secs_f64() * 1e3;
         self.count += k;
-        self.sum_nanos += nanos * u128::from(k);
-        self.sum_sq_nanos += nanos * nanos * u128::from(k);
+        match u64::try_from(d.as_nanos()) {
+            // Every span below 584 years: 64-bit by 64-bit products, the same sums.
+            Ok(nanos) => {
+                let (nanos, k) = (u128::from(nanos), u128::from(k));
+                self.sum_nanos += nanos * k;
+                self.sum_sq_nanos += nanos * nanos * k;
+            }
+            Err(_) => {
+                let nanos = d.as_nanos();
+                self.sum_nanos += nanos * u128::from(k);
+                self.sum_sq_nanos += nanos * nanos * u128::from(k);
+            }
+        }
         self.min = self.min.min(v);
         self.max = self.max.max(v);
         if v <= 0.0 {
@@ -124,6 +228,64 @@ impl Sketch {
             self.buckets = vec![0; BUCKETS];
         }
         self.buckets[bucket(v)] += k;
+    }
+
+    /// Records each of `spans` (in nanoseconds) `k` times: the same as [`Sketch::add_n`] on
+    /// each, with the count, sums, least and greatest kept in locals until the end, and a run
+    /// of equal spans given its bucket once (a run of skipped passes' inter-token gaps: all
+    /// equal when the timing model ignores the context, each its own under jitter).
+    pub fn add_nanos_each(&mut self, spans: impl IntoIterator<Item = u64>, k: u64) {
+        if k == 0 {
+            return;
+        }
+        let (mut count, mut sum, mut sum_sq) = (0_u64, 0_u128, 0_u128);
+        let (mut least, mut greatest) = (u64::MAX, 0_u64);
+        let mut spans = spans.into_iter();
+        let Some(first) = spans.next() else {
+            return;
+        };
+        // The current run of equal spans: its span and length.
+        let (mut span, mut run) = (first, 1_u64);
+        loop {
+            let next = spans.next();
+            if next == Some(span) {
+                run += 1;
+                continue;
+            }
+            count += run;
+            sum += u128::from(span) * u128::from(run);
+            sum_sq += u128::from(span) * u128::from(span) * u128::from(run);
+            least = least.min(span);
+            greatest = greatest.max(span);
+            self.add_run(span, run * k);
+            match next {
+                Some(n) => (span, run) = (n, 1),
+                None => break,
+            }
+        }
+        let k128 = u128::from(k);
+        self.count += count * k;
+        self.sum_nanos += sum * k128;
+        self.sum_sq_nanos += sum_sq * k128;
+        // Milliseconds rise with nanoseconds, so the extremes are those of the spans.
+        self.min = self.min.min(ms_of_nanos(least));
+        self.max = self.max.max(ms_of_nanos(greatest));
+    }
+
+    /// Puts `times` samples of `n` nanoseconds in their bucket (or with the zeros), and
+    /// nothing else.
+    fn add_run(&mut self, n: u64, times: u64) {
+        if times == 0 {
+            return;
+        }
+        if n == 0 {
+            self.zeros += times;
+            return;
+        }
+        if self.buckets.is_empty() {
+            self.buckets = vec![0; BUCKETS];
+        }
+        self.buckets[bucket(ms_of_nanos(n))] += times;
     }
 
     /// Samples recorded.
@@ -220,6 +382,60 @@ mod tests {
         fn bucket_matches_the_floor_over_the_buckets_range(ms in 1e-7..1e10_f64) {
             let reference = ((ms.ln() - LOW_LN) / GAMMA_LN).floor().clamp(0.0, (BUCKETS - 1) as f64) as usize;
             proptest::prop_assert_eq!(bucket(ms), reference);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn ms_of_nanos_is_the_durations_milliseconds(n in proptest::prop_oneof![0u64..2_000_000_000, proptest::num::u64::ANY]) {
+            proptest::prop_assert_eq!(ms_of_nanos(n).to_bits(), (Duration::from_nanos(n).as_secs_f64() * 1e3).to_bits());
+        }
+
+        #[test]
+        fn adding_spans_at_once_is_adding_them_one_by_one(
+            before in proptest::collection::vec(0u64..5_000_000_000, 0..4),
+            spans in proptest::collection::vec(proptest::prop_oneof![0u64..3, 1_000u64..100_000_000, 0u64..1 << 50], 0..40),
+            k in 0u64..5,
+        ) {
+            let (mut at_once, mut one_by_one) = (Sketch::default(), Sketch::default());
+            for &n in &before {
+                at_once.add(Duration::from_nanos(n));
+                one_by_one.add(Duration::from_nanos(n));
+            }
+            at_once.add_nanos_each(spans.iter().copied(), k);
+            for &n in &spans {
+                one_by_one.add_n(Duration::from_nanos(n), k);
+            }
+            let state = |s: &Sketch| {
+                (s.buckets.clone(), s.count, s.sum_nanos, s.sum_sq_nanos, s.min.to_bits(), s.max.to_bits(), s.zeros)
+            };
+            proptest::prop_assert_eq!(state(&at_once), state(&one_by_one));
+        }
+    }
+
+    #[test]
+    fn bucket_matches_the_formula_at_every_bound_and_cell_edge() {
+        // Each bucket's lower bound, the values a few ULPs either side of it, and the smallest
+        // and largest value of every cell: where a look-up could go wrong.
+        let bounds = Bounds::get();
+        let near = |v: f64| (0..=8u64).map(move |d| f64::from_bits(v.to_bits() + d - 4));
+        let edges = (0..=bounds.cell_bucket.len() as u64 + 1).flat_map(|c| {
+            let cell = bounds.first_cell + c;
+            [cell << CELL_SHIFT, ((cell + 1) << CELL_SHIFT) - 1].map(f64::from_bits)
+        });
+        let values = bounds.lower[1..BUCKETS]
+            .iter()
+            .flat_map(|&v| near(v))
+            .chain(edges);
+        let mut checked = 0;
+        for v in values {
+            assert_eq!(bucket(v), bucket_by_log(v), "{v:e} ms");
+            checked += 1;
+        }
+        assert!(checked > 9 * (BUCKETS - 1), "{checked} values");
+        // Bounds rise by about a bucket's ratio.
+        for w in bounds.lower[1..BUCKETS].windows(2) {
+            assert!((w[1] / w[0] - 1.002).abs() < 1e-9, "{} then {}", w[0], w[1]);
         }
     }
 

@@ -40,6 +40,8 @@ use crate::spec::SpecError;
 /// The shortest step: a pass takes at least this long, whatever the model says, so that time
 /// always advances between passes.
 pub const MIN_STEP: Duration = Duration::from_micros(1);
+/// [`MIN_STEP`] in nanoseconds.
+const MIN_STEP_NANOS: u64 = MIN_STEP.as_nanos() as u64;
 
 /// A model of forward-pass duration.
 ///
@@ -143,11 +145,16 @@ impl StepTimer {
     /// The duration of pass number `index` whose model time is `secs`: jittered, sped up,
     /// rounded and floored at [`MIN_STEP`].
     pub(crate) fn jittered(&self, secs: f64, index: u64) -> Duration {
+        Duration::from_nanos(self.jittered_nanos(secs, index))
+    }
+
+    /// [`StepTimer::jittered`] in nanoseconds (a run of skipped passes adds them up).
+    pub(crate) fn jittered_nanos(&self, secs: f64, index: u64) -> u64 {
         let secs = match &self.jitter {
             None => secs,
             Some(j) => secs * j.dispersion.draw_at(j.seed, index),
         };
-        self.scale.modeled_secs(secs).max(MIN_STEP)
+        self.scale.modeled_nanos(secs).max(MIN_STEP_NANOS)
     }
 }
 

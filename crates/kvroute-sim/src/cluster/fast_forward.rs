@@ -1,8 +1,5 @@
 //! Fast-forward (see the module docs of [`super`]): skipping an engine's pure-decode passes
 //! and applying them when their event comes or something touches the engine.
-
-use std::time::Duration;
-
 use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 
@@ -109,21 +106,8 @@ impl Run<'_> {
             s.last_token = end;
             s.output_tokens += passes as u32;
         }
-        // Equal gaps (the rule when the timing model ignores the context) are added at once.
-        let mut run: Option<(Duration, u64)> = None;
-        for pair in ends.windows(2) {
-            let gap = pair[1].saturating_since(pair[0]);
-            match &mut run {
-                Some((d, k)) if *d == gap => *k += 1,
-                _ => {
-                    if let Some((d, k)) = run.replace((gap, 1)) {
-                        totals.itl.add_n(d, k * with_first_token);
-                    }
-                }
-            }
-        }
-        if let Some((d, k)) = run {
-            totals.itl.add_n(d, k * with_first_token);
-        }
+        // The gaps between the passes, for every request with its first token.
+        let gaps = ends.windows(2).map(|p| p[1].0.saturating_sub(p[0].0));
+        totals.itl.add_nanos_each(gaps, with_first_token);
     }
 }
