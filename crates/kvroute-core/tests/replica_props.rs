@@ -181,7 +181,7 @@ proptest! {
         let mut deadlines = Vec::new();
         let mut sent: Vec<(Timestamp, Vec<usize>)> = Vec::new();
         let mut now = Timestamp::ZERO;
-        let mut drain = |batcher: &mut Batcher<usize>, until: Option<Timestamp>, sent: &mut Vec<(Timestamp, Vec<usize>)>| {
+        let drain = |batcher: &mut Batcher<usize>, until: Option<Timestamp>, sent: &mut Vec<(Timestamp, Vec<usize>)>| {
             // A driver: takes each batch when it is due, up to `until`.
             while let Some(due) = batcher.poll_timeout() {
                 if until.is_some_and(|u| due > u) {
@@ -241,7 +241,7 @@ proptest! {
         // Every broadcast: (when, is a heartbeat).
         let mut said: Vec<(Timestamp, bool)> = vec![(start, false)];
         let mut now = start;
-        let mut timeouts = |protocol: &mut ReplicaProtocol, until: Timestamp, said: &mut Vec<(Timestamp, bool)>| {
+        let timeouts = |protocol: &mut ReplicaProtocol, until: Timestamp, said: &mut Vec<(Timestamp, bool)>| {
             while let Some(t) = protocol.poll_timeout().filter(|&t| t <= until) {
                 for a in protocol.handle_timeout::<u32>(t) {
                     if let Action::Send { to: To::Everyone, message: Message::Heartbeat { .. } } = a {

@@ -114,7 +114,7 @@ pub struct ServeOptions {
     #[arg(long)]
     pub nats_peer_timeout_ms: Option<u64>,
     /// How long a request's prefill-done and freed changes may wait for this replica's next
-    /// booking before they go to the peers on their own. Default 250 ms; 0: at once.
+    /// booking before they go to the peers on their own. Default 100 ms; 0: at once.
     #[arg(long)]
     pub nats_lazy_ms: Option<u64>,
     /// The token the NATS server requires. Better `--nats-token-file` (a flag's value shows in

@@ -103,7 +103,7 @@ pub struct BatchConfig {
     /// How long an urgent change may wait for others. Default 2 ms.
     pub window: Duration,
     /// How long a lazy change may wait for others (an urgent one takes it along sooner).
-    /// Default 250 ms; equal to `window`, every change is urgent.
+    /// Default 100 ms; equal to `window`, every change is urgent.
     pub lazy_window: Duration,
     /// The most changes in one batch: a full batch is due at once. Default 256.
     pub max_events: usize,
@@ -113,7 +113,7 @@ impl Default for BatchConfig {
     fn default() -> Self {
         Self {
             window: Duration::from_millis(2),
-            lazy_window: Duration::from_millis(250),
+            lazy_window: Duration::from_millis(100),
             max_events: 256,
         }
     }

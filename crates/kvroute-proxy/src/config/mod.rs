@@ -324,7 +324,7 @@ pub struct ReplicasConfig {
     /// How long a request's prefill-done and freed changes may wait for this replica's next
     /// booking before they go to the peers on their own (they only lower a peer's view of load;
     /// a booking goes within 2 ms). Fewer NATS messages a request, at the cost of peers seeing
-    /// finished work a little longer. Default 250 ms; 0: at once.
+    /// finished work a little longer. Default 100 ms; 0: at once.
     pub nats_lazy_ms: u64,
     /// The token the NATS server requires (its `authorization { token }`). Better
     /// `nats-token-file`: a flag's value shows in the process list. Default none.
@@ -364,7 +364,7 @@ impl Default for ReplicasConfig {
             nats_subject_prefix: "kvroute".to_owned(),
             nats_heartbeat_ms: 1_000,
             nats_peer_timeout_ms: 3_000,
-            nats_lazy_ms: 250,
+            nats_lazy_ms: 100,
             nats_token: None,
             nats_token_file: None,
             nats_user: None,

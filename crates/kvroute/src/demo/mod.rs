@@ -67,8 +67,8 @@ pub struct DemoArgs {
     #[arg(long)]
     pub no_sync: bool,
     /// With replicas: how long prefill-done and freed changes may wait for the replica's next
-    /// booking (`serve --nats-lazy-ms`). Default 250 ms; 0: at once.
-    #[arg(long, default_value_t = 250)]
+    /// booking (`serve --nats-lazy-ms`). Default 100 ms; 0: at once.
+    #[arg(long, default_value_t = 100)]
     pub sync_lazy_ms: u64,
     /// The planner, live and simulated, on a load ramp (low, high, low) of the example trace:
     /// the live proxy's planner starts and stops `kvroute mock` processes. With a FILE, its
