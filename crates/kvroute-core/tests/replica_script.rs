@@ -16,7 +16,7 @@
 //!
 //! | command | meaning |
 //! | --- | --- |
-//! | `config heartbeat=MS timeout=MS join=MS asks=N reannounces=N parts=N` | protocol settings (first); `parts`: events per snapshot part |
+//! | `config heartbeat=MS timeout=MS join=MS asks=N reannounces=N parts=N batch=MS lazy=MS max=N` | protocol settings (first); `parts`: events per snapshot part; `batch`, `lazy`, `max`: the [`Batcher`]'s |
 //! | `at 1500` | the time is now 1,500 ms |
 //! | `start` | the link is up: join |
 //! | `link up`, `link down` | the link changed |
@@ -26,7 +26,10 @@
 //! | `from 2 ask` | replica 2 asks for this replica's snapshot |
 //! | `from 2 snapshot last=N part=P end\|more [peers=3,4] EVENT...` | a part of replica 2's snapshot |
 //! | `route r1` | this replica routes and books its request r1 (a four-block prompt) |
+//! | `first r1`, `finish r1` | this replica's request r1 has its first token, finishes |
 //! | `publish` | this replica's exported changes since the last `publish`, as one batch |
+//! | `queue` | this replica's exported changes into its [`Batcher`], each with its urgency |
+//! | `flush` | the batcher's changes, if due now, published as one batch |
 //! | `timeout` | the next timeout, if any |
 //! | `tick` | the protocol's timeouts due now |
 //! | `loads` | requests booked per worker, and the peers heard |
@@ -43,7 +46,8 @@ use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, LocalBlockHash, RequestId, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::router::replica::{
-    Action, BatchSeq, LinkState, Message, ProtocolConfig, Release, ReplicaProtocol, SnapshotPart, To,
+    Action, BatchConfig, BatchSeq, Batcher, LinkState, Message, ProtocolConfig, Release, ReplicaProtocol,
+    SnapshotPart, To,
 };
 use kvroute_core::router::{
     Booking, LoadChange, Output, PrefillLoadHint, Prompt, RouteOutcome, RouteRequest, Router, RouterConfig,
@@ -62,6 +66,10 @@ fn num<T: std::str::FromStr>(key: &str, value: &str) -> T {
     value
         .parse()
         .unwrap_or_else(|_| panic!("bad value {value:?} for {key}"))
+}
+
+fn ms_of(t: Timestamp) -> u64 {
+    t.as_nanos() / 1_000_000
 }
 
 fn request_id(spec: &str) -> RequestId {
@@ -158,6 +166,8 @@ fn fmt_message(m: &Message<SyncEvent>) -> String {
 
 struct Harness {
     config: ProtocolConfig,
+    batch_config: BatchConfig,
+    batcher: Option<Batcher<SyncEvent>>,
     /// Events per snapshot part.
     part_size: usize,
     protocol: Option<ReplicaProtocol>,
@@ -184,6 +194,8 @@ impl Harness {
         }
         Self {
             config: ProtocolConfig::default(),
+            batch_config: BatchConfig::default(),
+            batcher: None,
             part_size: 64,
             protocol: None,
             router,
@@ -222,6 +234,9 @@ impl Harness {
                         "asks" => self.config.snapshot_asks = num(key, value),
                         "reannounces" => self.config.reannounces = num(key, value),
                         "parts" => self.part_size = num(key, value),
+                        "batch" => self.batch_config.window = ms(),
+                        "lazy" => self.batch_config.lazy_window = ms(),
+                        "max" => self.batch_config.max_events = num(key, value),
                         other => panic!("unknown config key {other:?}"),
                     }
                 }
@@ -274,13 +289,57 @@ impl Harness {
                 while let Some(e) = self.router.poll_sync_event() {
                     batch.push(e);
                 }
-                match self.protocol().publish(batch) {
+                match self.protocol().publish(now, batch) {
                     Some(m) => format!("send everyone {}", fmt_message(&m)),
                     None => "nothing sent".to_owned(),
                 }
             }
+            "first" | "finish" => {
+                let id = request_id(arg(0));
+                let done = if command == "first" {
+                    self.router.handle_first_token(now, id)
+                } else {
+                    self.router.handle_finished(now, id)
+                };
+                match done {
+                    Ok(_) => "ok".to_owned(),
+                    Err(e) => format!("error: {e}"),
+                }
+            }
+            "queue" => {
+                let config = self.batch_config;
+                let batcher = self.batcher.get_or_insert_with(|| Batcher::new(config));
+                let mut queued = 0;
+                while let Some(e) = self.router.poll_sync_event() {
+                    let urgency = e.change.urgency();
+                    batcher.push(now, e, urgency);
+                    queued += 1;
+                }
+                match batcher.poll_timeout() {
+                    Some(t) => format!(
+                        "{queued} queued, {} waiting, due at {} ms",
+                        batcher.len(),
+                        ms_of(t)
+                    ),
+                    None => format!("{queued} queued, none waiting"),
+                }
+            }
+            "flush" => {
+                let config = self.batch_config;
+                let batcher = self.batcher.get_or_insert_with(|| Batcher::new(config));
+                match batcher.take_due(now) {
+                    Some(batch) => match self.protocol().publish(now, batch) {
+                        Some(m) => format!("send everyone {}", fmt_message(&m)),
+                        None => "nothing sent".to_owned(),
+                    },
+                    None => match batcher.poll_timeout() {
+                        Some(t) => format!("not due (at {} ms)", ms_of(t)),
+                        None => "none waiting".to_owned(),
+                    },
+                }
+            }
             "timeout" => match self.protocol().poll_timeout() {
-                Some(t) => format!("at {} ms", t.as_nanos() / 1_000_000),
+                Some(t) => format!("at {} ms", ms_of(t)),
                 None => "none".to_owned(),
             },
             "tick" => {
@@ -419,4 +478,6 @@ scripts!(
     duplicates_and_gaps,
     reconnect,
     tombstones,
+    batching,
+    heartbeats_ride_on_batches,
 );

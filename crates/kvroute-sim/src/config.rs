@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use kvroute_core::router::RouterConfig;
+use kvroute_core::router::replica::BatchConfig;
 use kvroute_engine::{Dispersion, EngineConfig, KvTransfer};
 
 /// How requests enter the simulation.
@@ -51,6 +52,18 @@ pub struct Replicas {
     /// it routed run to their end on their engines, and its peers release its bookings once it
     /// has been silent past the peer timeout. `None`: it does not.
     pub fail_at: Option<Duration>,
+    /// How each replica cuts its changes into batches, with sync (the live transport's rule,
+    /// [`kvroute_core::router::replica::Batcher`]). Default [`Replicas::IMMEDIATE`].
+    pub batching: BatchConfig,
+}
+
+impl Replicas {
+    /// No batch window: one batch per input a replica takes.
+    pub const IMMEDIATE: BatchConfig = BatchConfig {
+        window: Duration::ZERO,
+        lazy_window: Duration::ZERO,
+        max_events: usize::MAX,
+    };
 }
 
 impl Default for Replicas {
@@ -62,6 +75,7 @@ impl Default for Replicas {
             spread: Spread::RoundRobin,
             join_at: None,
             fail_at: None,
+            batching: Self::IMMEDIATE,
         }
     }
 }

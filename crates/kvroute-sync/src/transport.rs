@@ -7,8 +7,11 @@
 //! **Routing never waits on NATS.** A change reaches the transport through
 //! [`Outgoing::push`], a `try_send` into a bounded queue: when it is full the change is dropped
 //! and counted (`kvroute_sync_events_dropped_total{cause="queue_full"}`). The task cuts batches
-//! by size or by time, whichever comes first; with no connection a due batch is dropped and
-//! counted (`cause="disconnected"`), since the view is rebuilt from snapshots on reconnect.
+//! with the core's [`Batcher`] (a booking within [`NatsSyncConfig::batch_max_delay`], prefill
+//! done and freed within [`NatsSyncConfig::batch_lazy_delay`] or with the next booking, a full
+//! batch at once); with no connection a due batch is dropped and counted
+//! (`cause="disconnected"`), since the view is rebuilt from snapshots on reconnect. A snapshot
+//! first publishes whatever waits, so that it never runs ahead of the batches.
 //!
 //! **Join warm.** [`SyncTransport::start`] subscribes, asks every replica for its snapshot (registry and
 //! in-flight bookings) and returns once the protocol's join is over, so the host serves its
@@ -33,7 +36,8 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use kvroute_core::router::RouterId;
 use kvroute_core::router::replica::{
-    Action, Message, ProtocolConfig, ProtocolCounters, Release, ReplicaProtocol, To,
+    Action, BatchConfig, Batcher, Message, ProtocolConfig, ProtocolCounters, Release, ReplicaProtocol, To,
+    Urgency,
 };
 use kvroute_core::time::{TimeScale, Timestamp};
 use tokio::sync::{mpsc, watch};
@@ -67,8 +71,11 @@ pub struct NatsSyncConfig {
     pub batch_max_events: usize,
     /// The most bytes (about) in one message.
     pub batch_max_bytes: usize,
-    /// How long the first event of a batch may wait for others.
+    /// How long a booking (an urgent change) may wait for others.
     pub batch_max_delay: Duration,
+    /// How long a prefill-done or freed change (a lazy one: it only lowers a peer's view of load)
+    /// may wait for others; the next booking takes it along sooner.
+    pub batch_lazy_delay: Duration,
     /// The outgoing queue's capacity in events; past it, events are dropped and counted.
     pub queue_capacity: usize,
     /// How long a (re)join waits for its peers' snapshots.
@@ -80,6 +87,7 @@ impl NatsSyncConfig {
     /// `kvroute.<cluster>`).
     pub fn new(url: impl Into<String>, prefix: &str) -> Self {
         let protocol = ProtocolConfig::default();
+        let batching = BatchConfig::default();
         Self {
             url: url.into(),
             auth: NatsAuth::None,
@@ -87,9 +95,10 @@ impl NatsSyncConfig {
             subject_prefix: prefix.to_owned(),
             heartbeat_interval: protocol.heartbeat_interval,
             peer_timeout: protocol.peer_timeout,
-            batch_max_events: 256,
+            batch_max_events: batching.max_events,
             batch_max_bytes: 512 * 1024,
-            batch_max_delay: Duration::from_millis(2),
+            batch_max_delay: batching.window,
+            batch_lazy_delay: batching.lazy_window,
             queue_capacity: 65_536,
             join_timeout: protocol.join_timeout,
         }
@@ -102,6 +111,15 @@ impl NatsSyncConfig {
     /// The subject of what is addressed to replica `id`.
     fn direct(&self, id: RouterId) -> String {
         self.subject(&format!("to.{:016x}", id.0))
+    }
+
+    /// How changes are cut into batches.
+    pub fn batching(&self) -> BatchConfig {
+        BatchConfig {
+            window: self.batch_max_delay,
+            lazy_window: self.batch_lazy_delay,
+            max_events: self.batch_max_events,
+        }
     }
 
     /// The protocol's timing.
@@ -243,6 +261,8 @@ impl SyncTransport {
         let mut node = Node {
             id,
             protocol: ReplicaProtocol::new(id, config.protocol()),
+            batcher: Batcher::new(config.batching()),
+            batch_at: None,
             config: config.clone(),
             client: client.clone(),
             host,
@@ -330,6 +350,11 @@ struct Subscriptions {
 struct Node {
     id: RouterId,
     protocol: ReplicaProtocol,
+    /// This replica's changes waiting to be published.
+    batcher: Batcher<SyncItem>,
+    /// When (Unix microseconds) the waiting batch's first booking, else its first change, left
+    /// the queue: the batch's stamp, for the booking-age metric.
+    batch_at: Option<(Urgency, u64)>,
     config: NatsSyncConfig,
     client: Client,
     host: Arc<dyn SyncHost>,
@@ -360,28 +385,30 @@ impl Node {
         mut link_events: mpsc::UnboundedReceiver<Event>,
         mut changes: mpsc::Receiver<SyncItem>,
     ) {
-        let mut batch: Vec<SyncItem> = Vec::with_capacity(self.config.batch_max_events);
-        let mut batch_due = tokio::time::Instant::now();
-        let mut batch_at = 0;
         loop {
             let timeout = self.protocol.poll_timeout().map(|t| self.instant(t));
+            let batch_due = self.batcher.poll_timeout().map(|t| self.instant(t));
             tokio::select! {
                 Some(m) = subs.joins.next() => self.receive(m).await,
                 Some(m) = subs.direct.next() => self.receive(m).await,
                 Some(m) = subs.events.next() => self.receive(m).await,
                 Some(m) = subs.heartbeats.next() => self.receive(m).await,
                 Some(event) = changes.recv() => {
-                    if batch.is_empty() {
-                        batch_due = tokio::time::Instant::now() + self.config.batch_max_delay;
-                        batch_at = unix_micros();
+                    let urgency = event.urgency();
+                    if self.batch_at.is_none_or(|(u, _)| u > urgency) {
+                        self.batch_at = Some((urgency, unix_micros()));
                     }
-                    batch.push(event);
-                    if batch.len() >= self.config.batch_max_events {
-                        self.flush(std::mem::take(&mut batch), batch_at).await;
+                    let now = self.now();
+                    self.batcher.push(now, event, urgency);
+                    if let Some(batch) = self.batcher.take_due(now) {
+                        self.flush(batch).await;
                     }
                 }
-                _ = tokio::time::sleep_until(batch_due), if !batch.is_empty() => {
-                    self.flush(std::mem::take(&mut batch), batch_at).await;
+                _ = sleep_until(batch_due), if batch_due.is_some() => {
+                    let now = self.now();
+                    if let Some(batch) = self.batcher.take_due(now) {
+                        self.flush(batch).await;
+                    }
                 }
                 _ = sleep_until(timeout), if timeout.is_some() => {
                     let now = self.now();
@@ -433,9 +460,10 @@ impl Node {
         }
     }
 
-    /// Publishes this replica's changes, taken off the queue from `at_us` (Unix microseconds)
-    /// on, in messages under the size limits.
-    async fn flush(&mut self, events: Vec<SyncItem>, at_us: u64) {
+    /// Publishes this replica's changes, in messages under the size limits, stamped with the
+    /// time the batch's first booking (else its first change) left the queue.
+    async fn flush(&mut self, events: Vec<SyncItem>) {
+        let at_us = self.batch_at.take().map_or_else(unix_micros, |(_, t)| t);
         if self.protocol.link() == LinkState::Disconnected {
             self.metrics
                 .events_dropped
@@ -445,7 +473,8 @@ impl Node {
         }
         for events in pack(events, self.config.batch_max_events, self.config.batch_max_bytes) {
             let n = events.len() as u64;
-            if let Some(message) = self.protocol.publish(events)
+            let now = self.now();
+            if let Some(message) = self.protocol.publish(now, events)
                 && self.send(To::Everyone, message, Some(at_us)).await
             {
                 self.metrics.events_sent.inc_by(n);
@@ -536,6 +565,10 @@ impl Node {
                     self.send(to, message, None).await;
                 }
                 Action::SendSnapshot { to } => {
+                    if !self.batcher.is_empty() {
+                        let waiting = self.batcher.take_all();
+                        self.flush(waiting).await;
+                    }
                     let parts = pack(
                         self.host.snapshot(),
                         self.config.batch_max_events.max(1024),

@@ -113,6 +113,10 @@ pub struct ServeOptions {
     /// Default 3,000 ms.
     #[arg(long)]
     pub nats_peer_timeout_ms: Option<u64>,
+    /// How long a request's prefill-done and freed changes may wait for this replica's next
+    /// booking before they go to the peers on their own. Default 100 ms; 0: at once.
+    #[arg(long)]
+    pub nats_lazy_ms: Option<u64>,
     /// The token the NATS server requires. Better `--nats-token-file` (a flag's value shows in
     /// the process list). Default: none.
     #[arg(long)]

@@ -6,8 +6,9 @@
 //! # Messages
 //!
 //! Every replica broadcasts ([`To::Everyone`]) its load changes as numbered batches
-//! ([`Message::Events`]) and a [`Message::Heartbeat`] every
-//! [`ProtocolConfig::heartbeat_interval`], carrying the number of its last batch. A replica asks
+//! ([`Message::Events`]), cut by a [`Batcher`], and a [`Message::Heartbeat`] carrying the number
+//! of its last batch after every [`ProtocolConfig::heartbeat_interval`] in which it broadcast
+//! nothing else (a batch counts as a heartbeat: it names the sender and its number). A replica asks
 //! for snapshots with [`Message::SnapshotRequest`], to everyone when it (re)joins and to one
 //! peer ([`To::Peer`]) otherwise; the answer is a [`Message::Snapshot`] in parts, addressed to the
 //! asker.
@@ -31,6 +32,13 @@
 //!   already applied, and a part that does not follow the part before it.
 //! * **Gaps.** A batch, or a heartbeat, numbered past the next one expected shows lost batches:
 //!   the sender is asked for its snapshot.
+//! * **Batching.** A change that raises a peer's view of load (a booking: [`Urgency::Urgent`])
+//!   leaves within [`BatchConfig::window`]; one that only lowers it (prefill done, freed:
+//!   [`Urgency::Lazy`]) within [`BatchConfig::lazy_window`], or sooner with the next urgent
+//!   batch. Every change queued goes out in each batch, in order.
+//! * **Heartbeats** are skipped while batches flow: the next is due an interval after the last
+//!   batch or heartbeat (not while the replica re-announces its snapshot), so a connected
+//!   replica is never silent for longer than the interval.
 //! * **Peer loss.** A peer silent past [`ProtocolConfig::peer_timeout`] ([`PeerTracker`]) has its
 //!   bookings released ([`Release::Silent`]) and is forgotten.
 //! * **Link down and back.** While the link is down nothing is sent (a batch handed over is
@@ -74,6 +82,113 @@ impl Default for ProtocolConfig {
             snapshot_asks: 3,
             reannounces: 3,
         }
+    }
+}
+
+/// How soon a change must reach the peers ([`Batcher`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Urgency {
+    /// It raises a peer's view of load (a booking) or changes what a peer may route to (a
+    /// session, the registry): within [`BatchConfig::window`].
+    Urgent,
+    /// It only lowers a peer's view of load (prefill done, freed): a peer that hears it late
+    /// routes around load that is gone, never onto load it does not know. Within
+    /// [`BatchConfig::lazy_window`], or with the next urgent batch.
+    Lazy,
+}
+
+/// How a replica's changes are cut into batches ([`Batcher`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// How long an urgent change may wait for others. Default 2 ms.
+    pub window: Duration,
+    /// How long a lazy change may wait for others (an urgent one takes it along sooner).
+    /// Default 100 ms; equal to `window`, every change is urgent.
+    pub lazy_window: Duration,
+    /// The most changes in one batch: a full batch is due at once. Default 256.
+    pub max_events: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            window: Duration::from_millis(2),
+            lazy_window: Duration::from_millis(100),
+            max_events: 256,
+        }
+    }
+}
+
+/// A replica's changes waiting to be published, and when they are due: the earliest of each
+/// change's deadline (its arrival plus its [`Urgency`]'s window), or at once when
+/// [`BatchConfig::max_events`] are waiting. Sans-IO: the driver pushes changes, asks
+/// [`Batcher::poll_timeout`] and takes the batch with [`Batcher::take_due`], then hands it to
+/// [`ReplicaProtocol::publish`].
+#[derive(Clone, Debug)]
+pub struct Batcher<E> {
+    config: BatchConfig,
+    events: Vec<E>,
+    due: Option<Timestamp>,
+}
+
+impl<E> Batcher<E> {
+    /// An empty batcher.
+    pub fn new(config: BatchConfig) -> Self {
+        Self {
+            config,
+            events: Vec::new(),
+            due: None,
+        }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> BatchConfig {
+        self.config
+    }
+
+    /// Queues `event`, a change of `urgency` made at `now`.
+    pub fn push(&mut self, now: Timestamp, event: E, urgency: Urgency) {
+        let wait = match urgency {
+            Urgency::Urgent => self.config.window,
+            Urgency::Lazy => self.config.lazy_window,
+        };
+        let mut at = now + wait;
+        self.events.push(event);
+        if self.events.len() >= self.config.max_events.max(1) {
+            at = now;
+        }
+        self.due = Some(self.due.map_or(at, |d| d.min(at)));
+    }
+
+    /// When the waiting changes are due, if any wait.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.due
+    }
+
+    /// Every waiting change, in order, if they are due at `now`.
+    pub fn take_due(&mut self, now: Timestamp) -> Option<Vec<E>> {
+        if self.due.is_some_and(|d| d <= now) {
+            Some(self.take_all())
+        } else {
+            None
+        }
+    }
+
+    /// Every waiting change, in order, due or not (before a snapshot, which must not run ahead
+    /// of the batches).
+    pub fn take_all(&mut self) -> Vec<E> {
+        self.due = None;
+        std::mem::take(&mut self.events)
+    }
+
+    /// How many changes wait.
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
     }
 }
 
@@ -373,12 +488,16 @@ impl ReplicaProtocol {
         }
     }
 
-    /// This replica's own batch of changes, numbered for its peers: the message to send to
-    /// [`To::Everyone`], or `None` if the link is down (the batch is lost; peers resync when it
-    /// returns). An empty batch is no message.
-    pub fn publish<E>(&mut self, events: Vec<E>) -> Option<Message<E>> {
+    /// This replica's own batch of changes at `now`, numbered for its peers: the message to send
+    /// to [`To::Everyone`], or `None` if the link is down (the batch is lost; peers resync when
+    /// it returns). An empty batch is no message. The batch stands for a heartbeat: the next is
+    /// due an interval from now (unless the snapshot is being re-announced on heartbeats).
+    pub fn publish<E>(&mut self, now: Timestamp, events: Vec<E>) -> Option<Message<E>> {
         if self.link == LinkState::Disconnected || events.is_empty() {
             return None;
+        }
+        if self.reannounce == 0 && self.next_heartbeat.is_some() {
+            self.next_heartbeat = Some(now + self.config.heartbeat_interval);
         }
         self.sent.0 += 1;
         Some(Message::Events {

@@ -98,6 +98,18 @@ pub enum LoadChange {
     },
 }
 
+impl LoadChange {
+    /// How soon peers must hear it: a booking or a session's binding at once (within the batch
+    /// window), prefill done and freed lazily (they only lower a peer's view of load).
+    pub fn urgency(&self) -> super::replica::Urgency {
+        use super::replica::Urgency;
+        match self {
+            Self::Added(_) | Self::Session { .. } => Urgency::Urgent,
+            Self::PrefillDone | Self::Freed => Urgency::Lazy,
+        }
+    }
+}
+
 /// An active-load change made by router `router` for its request `request`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyncEvent {

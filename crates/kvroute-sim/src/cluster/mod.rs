@@ -59,7 +59,7 @@ use std::time::Duration;
 
 use kvroute_core::events::KvEvent;
 use kvroute_core::ids::{ExternalBlockHash, LocalBlockHash, RequestId};
-use kvroute_core::router::replica::ReplicaProtocol;
+use kvroute_core::router::replica::{Batcher, ReplicaProtocol};
 use kvroute_core::router::{
     Output, Prompt as RoutePrompt, Rng, RouteOutcome, RouteRequest, Router, WorkerRole,
 };
@@ -82,7 +82,7 @@ mod worker;
 
 pub(crate) use record::{ReqState, Totals};
 pub(crate) use replicas::ReplicaLife;
-use replicas::{InTransit, replica_config, replica_protocols};
+use replicas::{InTransit, replica_batchers, replica_config, replica_protocols};
 pub(crate) use worker::{Life, SimWorker};
 use worker::{engine_request, kv_use};
 
@@ -151,6 +151,8 @@ pub(crate) struct Run<'w> {
     pub(crate) routers: Vec<Router>,
     /// Each replica's replica-sync protocol (none without sync).
     pub(crate) protocols: Vec<ReplicaProtocol>,
+    /// Each replica's changes waiting for their batch (none without sync).
+    pub(crate) batchers: Vec<Batcher<kvroute_core::router::SyncEvent>>,
     /// Each replica's life: waiting to start, up, dead.
     pub(crate) replica_life: Vec<ReplicaLife>,
     /// Work events on the heap ([`Event::is_work`]).
@@ -260,6 +262,7 @@ impl<'w> Run<'w> {
             workload,
             routers,
             protocols: replica_protocols(config),
+            batchers: replica_batchers(config),
             replica_life,
             work_events: 0,
             sync: BinaryHeap::new(),
@@ -423,11 +426,15 @@ impl<'w> Run<'w> {
 
     /// The earliest pending source, or `None` when the run is over.
     fn next_source(&self) -> Option<(Timestamp, Source)> {
-        // The protocols keep time while work is left (not after: the run would not end).
-        let protocol =
-            (self.in_flight_requests > 0 || self.open_next < self.open.len() || self.work_events > 0)
-                .then(|| self.next_protocol_timeout())
-                .flatten();
+        // The protocols keep time while work is left (not after: the run would not end), and
+        // until the last batch is out.
+        let work_left =
+            self.in_flight_requests > 0 || self.open_next < self.open.len() || self.work_events > 0;
+        let protocol = if work_left {
+            self.next_protocol_timeout()
+        } else {
+            self.next_batch_due()
+        };
         let mut best: Option<(Timestamp, Source)> = None;
         let mut consider = |t: Option<Timestamp>, s: Source| {
             if let Some(t) = t

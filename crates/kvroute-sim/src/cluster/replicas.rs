@@ -4,7 +4,7 @@
 
 use std::cmp::Reverse;
 
-use kvroute_core::router::replica::{Action, Message, ProtocolConfig, ReplicaProtocol, To};
+use kvroute_core::router::replica::{Action, Batcher, Message, ProtocolConfig, ReplicaProtocol, To};
 use kvroute_core::router::{RouterConfig, RouterError, RouterId, SyncEvent, SyncMode};
 use kvroute_core::time::Timestamp;
 
@@ -96,6 +96,9 @@ impl Run<'_> {
     pub(super) fn replica_fail(&mut self, r: usize) {
         self.replica_life[r] = ReplicaLife::Dead;
         while self.routers[r].poll_sync_event().is_some() {}
+        if let Some(b) = self.batchers.get_mut(r) {
+            b.take_all();
+        }
     }
 
     /// Replica `r`'s router id.
@@ -114,20 +117,29 @@ impl Run<'_> {
         (r < self.routers.len() as u64).then_some(r as usize)
     }
 
-    /// Publishes replica `r`'s exported changes as one batch (dropped if it is not up).
+    /// Queues replica `r`'s exported changes for its batch (dropped if it is not up), and
+    /// publishes the batch if it is due.
     pub(super) fn export_sync(&mut self, r: usize) -> Result<(), SimError> {
         if self.protocols.is_empty() {
             return Ok(());
         }
-        let mut batch = Vec::new();
+        let up = self.up(r);
         while let Some(event) = self.routers[r].poll_sync_event() {
-            batch.push(event);
+            if up {
+                let urgency = event.change.urgency();
+                self.batchers[r].push(self.now, event, urgency);
+            }
         }
-        if batch.is_empty() || !self.up(r) {
+        self.publish_due(r)
+    }
+
+    /// Publishes replica `r`'s waiting changes as one batch, if due.
+    fn publish_due(&mut self, r: usize) -> Result<(), SimError> {
+        let Some(batch) = self.batchers[r].take_due(self.now) else {
             return Ok(());
-        }
+        };
         self.totals.sync_events_published += batch.len() as u64;
-        if let Some(message) = self.protocols[r].publish(batch) {
+        if let Some(message) = self.protocols[r].publish(self.now, batch) {
             self.send(r, To::Everyone, message)?;
         }
         Ok(())
@@ -184,10 +196,14 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Replica `r`'s protocol timeouts due now.
+    /// Replica `r`'s protocol timeouts and batch due now.
     pub(super) fn protocol_timeout(&mut self, r: usize) -> Result<(), SimError> {
-        let actions = self.protocols[r].handle_timeout(self.now);
-        self.carry_out(r, actions)
+        self.publish_due(r)?;
+        if self.protocols[r].poll_timeout().is_some_and(|t| t <= self.now) {
+            let actions = self.protocols[r].handle_timeout(self.now);
+            self.carry_out(r, actions)?;
+        }
+        Ok(())
     }
 
     /// Carries out replica `r`'s protocol actions, in order.
@@ -196,6 +212,14 @@ impl Run<'_> {
             match action {
                 Action::Send { to, message } => self.send(r, to, message)?,
                 Action::SendSnapshot { to } => {
+                    // What waits goes first: a snapshot never runs ahead of the batches.
+                    let waiting = self.batchers[r].take_all();
+                    if !waiting.is_empty() {
+                        self.totals.sync_events_published += waiting.len() as u64;
+                        if let Some(message) = self.protocols[r].publish(self.now, waiting) {
+                            self.send(r, To::Everyone, message)?;
+                        }
+                    }
                     let mut state = self.routers[r].sync_snapshot();
                     state.extend(self.routers[r].session_snapshot());
                     for message in self.protocols[r].snapshot_messages(vec![state]) {
@@ -228,7 +252,20 @@ impl Run<'_> {
             .iter()
             .enumerate()
             .filter(|&(r, _)| self.up(r))
-            .filter_map(|(r, p)| p.poll_timeout().map(|t| (t.max(self.now), r)))
+            .filter_map(|(r, p)| {
+                let due = [p.poll_timeout(), self.batchers[r].poll_timeout()];
+                due.into_iter().flatten().min().map(|t| (t.max(self.now), r))
+            })
+            .min()
+    }
+
+    /// The earliest batch due among the replicas that are up, and whose.
+    pub(super) fn next_batch_due(&self) -> Option<(Timestamp, usize)> {
+        self.batchers
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| self.up(r))
+            .filter_map(|(r, b)| b.poll_timeout().map(|t| (t.max(self.now), r)))
             .min()
     }
 }
@@ -245,6 +282,16 @@ pub(super) fn replica_config(config: &SimConfig, r: usize) -> RouterConfig {
         c.sync.mode = SyncMode::Export;
     }
     c
+}
+
+/// The replicas' batchers: one per replica with sync on, none without.
+pub(super) fn replica_batchers(config: &SimConfig) -> Vec<Batcher<SyncEvent>> {
+    if config.replicas.sync == ReplicaSync::Off {
+        return Vec::new();
+    }
+    (0..config.replicas.count)
+        .map(|_| Batcher::new(config.replicas.batching))
+        .collect()
 }
 
 /// The replicas' protocols: one per replica with sync on, none without.

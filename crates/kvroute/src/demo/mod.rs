@@ -24,7 +24,7 @@ use flate2::read::GzDecoder;
 use http_body_util::{BodyExt, Full};
 use kvroute_http::Model;
 use kvroute_mock::{self as mock, MockConfig};
-use kvroute_proxy::config::{LimitsConfig, RoutingConfig, ServerConfig, UpstreamConfig};
+use kvroute_proxy::config::{LimitsConfig, ReplicasConfig, RoutingConfig, ServerConfig, UpstreamConfig};
 use kvroute_proxy::{ServeConfig, WorkerConfig};
 use kvroute_sim::report::{CompletedRequest, Report, ReportBuilder};
 use kvroute_sim::stats::Summary;
@@ -66,6 +66,10 @@ pub struct DemoArgs {
     /// Run the replicas without sync (to measure what sync buys and costs).
     #[arg(long)]
     pub no_sync: bool,
+    /// With replicas: how long prefill-done and freed changes may wait for the replica's next
+    /// booking (`serve --nats-lazy-ms`). Default 100 ms; 0: at once.
+    #[arg(long, default_value_t = 100)]
+    pub sync_lazy_ms: u64,
     /// The planner, live and simulated, on a load ramp (low, high, low) of the example trace:
     /// the live proxy's planner starts and stops `kvroute mock` processes. With a FILE, its
     /// planner file (as `serve --planner` takes it); without, the demo's own.
@@ -345,6 +349,10 @@ fn serve_config(args: &DemoArgs, block_size: u32, workers: Vec<WorkerConfig>) ->
         },
         upstream: UpstreamConfig {
             health_interval_ms: 1000,
+            ..Default::default()
+        },
+        replicas: ReplicasConfig {
+            nats_lazy_ms: args.sync_lazy_ms,
             ..Default::default()
         },
         workers,

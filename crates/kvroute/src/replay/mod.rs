@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use flate2::read::GzDecoder;
+use kvroute_core::router::replica::BatchConfig;
 use kvroute_core::router::{
     CacheMode, PolicyConfig, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty,
 };
@@ -197,6 +198,14 @@ pub struct ReplayConfig {
     /// With `--sync on`: probability that a sync message is lost (for every peer). Default 0.
     #[arg(long)]
     pub sync_loss: Option<f64>,
+    /// With `--sync on`: how long a replica's booking may wait for others in its batch, ms (the
+    /// live transport's is 2). Default 0: one batch per input.
+    #[arg(long)]
+    pub sync_batch_ms: Option<f64>,
+    /// With `--sync on`: how long prefill-done and freed changes may wait for the replica's
+    /// next booking, ms (`serve --nats-lazy-ms`). Default: `--sync-batch-ms`.
+    #[arg(long)]
+    pub sync_lazy_ms: Option<f64>,
     /// How requests are spread over the replicas: `round-robin` or `random` (seeded). Default
     /// `round-robin`.
     #[arg(long)]
@@ -617,6 +626,8 @@ impl<'a> Plan<'a> {
         non_negative("--kv-lag-ms", o.kv_lag_ms)?;
         at_least_one("--replicas", o.replicas.map(|v| v as u64))?;
         non_negative("--sync-delay-ms", o.sync_delay_ms)?;
+        non_negative("--sync-batch-ms", o.sync_batch_ms)?;
+        non_negative("--sync-lazy-ms", o.sync_lazy_ms)?;
         non_negative("--replica-join-s", o.replica_join_s)?;
         non_negative("--replica-fail-s", o.replica_fail_s)?;
         if let Some(p) = o.sync_loss {
@@ -876,9 +887,23 @@ fn replicas(o: &ReplayConfig) -> anyhow::Result<Replicas> {
         Some(other) => bail!("--sync {other:?}: off or on"),
     };
     ensure!(
-        sync_on || (o.sync_delay_ms.is_none() && o.sync_loss.is_none()),
-        "--sync-delay-ms and --sync-loss apply only with --sync on"
+        sync_on
+            || (o.sync_delay_ms.is_none()
+                && o.sync_loss.is_none()
+                && o.sync_batch_ms.is_none()
+                && o.sync_lazy_ms.is_none()),
+        "--sync-delay-ms, --sync-loss, --sync-batch-ms and --sync-lazy-ms apply only with --sync on"
     );
+    let ms = |flag: &str, v: f64| Duration::try_from_secs_f64(v / 1e3).with_context(|| flag.to_owned());
+    let window = ms("--sync-batch-ms", o.sync_batch_ms.unwrap_or(0.0))?;
+    let batching = BatchConfig {
+        window,
+        lazy_window: match o.sync_lazy_ms {
+            Some(v) => ms("--sync-lazy-ms", v)?,
+            None => window,
+        },
+        ..Replicas::IMMEDIATE
+    };
     let sync = if sync_on {
         ReplicaSync::On {
             delay: Duration::try_from_secs_f64(o.sync_delay_ms.unwrap_or(0.0) / 1e3)
@@ -908,6 +933,7 @@ fn replicas(o: &ReplayConfig) -> anyhow::Result<Replicas> {
         spread,
         join_at: seconds("--replica-join-s", o.replica_join_s)?,
         fail_at: seconds("--replica-fail-s", o.replica_fail_s)?,
+        batching,
     })
 }
 
