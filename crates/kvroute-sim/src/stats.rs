@@ -204,30 +204,18 @@ impl Sketch {
             return;
         }
         let v = d.as_secs_f64() * 1e3;
+        let nanos = d.as_nanos();
+        // Every span below 584 years squares as a 64-bit by 64-bit product.
+        let square = match u64::try_from(nanos) {
+            Ok(n) => u128::from(n) * u128::from(n),
+            Err(_) => nanos * nanos,
+        };
         self.count += k;
-        match u64::try_from(d.as_nanos()) {
-            // Every span below 584 years: 64-bit by 64-bit products, the same sums.
-            Ok(nanos) => {
-                let (nanos, k) = (u128::from(nanos), u128::from(k));
-                self.sum_nanos += nanos * k;
-                self.sum_sq_nanos += nanos * nanos * k;
-            }
-            Err(_) => {
-                let nanos = d.as_nanos();
-                self.sum_nanos += nanos * u128::from(k);
-                self.sum_sq_nanos += nanos * nanos * u128::from(k);
-            }
-        }
+        self.sum_nanos += nanos * u128::from(k);
+        self.sum_sq_nanos += square * u128::from(k);
         self.min = self.min.min(v);
         self.max = self.max.max(v);
-        if v <= 0.0 {
-            self.zeros += k;
-            return;
-        }
-        if self.buckets.is_empty() {
-            self.buckets = vec![0; BUCKETS];
-        }
-        self.buckets[bucket(v)] += k;
+        self.add_to_bucket(v, k);
     }
 
     /// Records each of `spans` (in nanoseconds) `k` times: the same as [`Sketch::add_n`] on
@@ -257,7 +245,7 @@ impl Sketch {
             sum_sq += u128::from(span) * u128::from(span) * u128::from(run);
             least = least.min(span);
             greatest = greatest.max(span);
-            self.add_run(span, run * k);
+            self.add_to_bucket(ms_of_nanos(span), run * k);
             match next {
                 Some(n) => (span, run) = (n, 1),
                 None => break,
@@ -272,20 +260,17 @@ impl Sketch {
         self.max = self.max.max(ms_of_nanos(greatest));
     }
 
-    /// Puts `times` samples of `n` nanoseconds in their bucket (or with the zeros), and
+    /// Puts `times` samples of `v` milliseconds in their bucket (or with the zeros), and
     /// nothing else.
-    fn add_run(&mut self, n: u64, times: u64) {
-        if times == 0 {
-            return;
-        }
-        if n == 0 {
+    fn add_to_bucket(&mut self, v: f64, times: u64) {
+        if v <= 0.0 {
             self.zeros += times;
             return;
         }
         if self.buckets.is_empty() {
             self.buckets = vec![0; BUCKETS];
         }
-        self.buckets[bucket(ms_of_nanos(n))] += times;
+        self.buckets[bucket(v)] += times;
     }
 
     /// Samples recorded.
