@@ -7,7 +7,7 @@ use crate::config::{ConfigError, EngineConfig};
 use crate::cpu_tier::CpuTier;
 use crate::metrics::{ForwardPass, StepMetrics};
 use crate::request::{EngineRequest, Finished, RequestError, TokenEmission};
-use crate::scheduler::{PassResults, PureDecode, Schedule, Scheduler};
+use crate::scheduler::{PassResults, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
 use kvroute_core::events::KvEvent;
@@ -26,10 +26,6 @@ pub struct Engine {
     clock: Timestamp,
     /// Passes run (stepped or skipped): the index of the next pass's jitter draw.
     passes: u64,
-    /// The running requests' pure-decode state as the last pass left it (less the passes
-    /// skipped since), while nothing else has touched the requests; `None` after anything
-    /// else did, and the running requests are walked instead.
-    pure: Option<PureDecode>,
 }
 
 /// What one forward pass did. Its effects happen at `end`: a driver delivers the tokens and
@@ -98,7 +94,6 @@ impl Engine {
             busy_until: Timestamp::ZERO,
             clock: Timestamp::ZERO,
             passes: 0,
-            pure: None,
         })
     }
 
@@ -115,7 +110,6 @@ impl Engine {
         }
         let seq = Sequence::new(request, &self.config)?;
         self.clock = self.clock.max(now);
-        self.pure = None;
         self.scheduler.enqueue(seq);
         Ok(())
     }
@@ -133,7 +127,6 @@ impl Engine {
     /// retry after a pass frees some).
     pub fn import_request(&mut self, now: Timestamp, request: EngineRequest) -> Result<Import, RequestError> {
         let id = request.id;
-        self.pure = None;
         if self.scheduler.seqs.contains_key(&id) {
             return Err(RequestError::DuplicateId(id));
         }
@@ -177,7 +170,6 @@ impl Engine {
     /// engine sampled. Returns the `stored` events of the blocks newly cached, to publish after
     /// those of any pass already returned.
     pub fn complete_import(&mut self, now: Timestamp, id: RequestId) -> Result<Vec<KvEvent>, RequestError> {
-        self.pure = None;
         if !self.scheduler.complete_import(id) {
             return Err(RequestError::NotImporting(id));
         }
@@ -190,7 +182,6 @@ impl Engine {
     /// already returned keeps what it reported of the request. False if `id` is not live (it
     /// finished, or never came).
     pub fn abort_request(&mut self, id: RequestId) -> bool {
-        self.pure = None;
         self.scheduler.abort(id)
     }
 
@@ -244,8 +235,7 @@ impl Engine {
         self.passes += 1;
         let end = now + metrics.duration;
         self.busy_until = end;
-        let mut progress = self.scheduler.commit(&schedule);
-        self.pure = progress.pure.take();
+        let progress = self.scheduler.commit(&schedule);
         Some(self.output(now, end, schedule, progress, metrics))
     }
 
@@ -263,22 +253,6 @@ impl Engine {
         {
             return 0;
         }
-        match self.pure {
-            Some(pure) => {
-                debug_assert_eq!(
-                    pure.horizon,
-                    self.walk_horizon(),
-                    "the kept horizon is the walk's"
-                );
-                pure.horizon
-            }
-            None => self.walk_horizon(),
-        }
-    }
-
-    /// [`Engine::decode_horizon`] by the running requests' own limits, read one by one.
-    fn walk_horizon(&self) -> u32 {
-        let s = &self.scheduler;
         let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
         let mut horizon = u32::MAX;
         for id in &s.running {
@@ -291,26 +265,15 @@ impl Engine {
         horizon
     }
 
-    /// The running requests' computed tokens, summed.
-    fn walk_computed(&self) -> u64 {
-        let s = &self.scheduler;
-        s.running
-            .iter()
-            .map(|id| u64::from(s.seqs[id].num_computed))
-            .sum()
-    }
-
     /// The end times of the next `k` passes (`k` at most [`Engine::decode_horizon`]), run back
     /// to back from `now`, onto `ends`. Changes nothing.
     pub fn decode_pass_ends(&self, now: Timestamp, k: u32, ends: &mut Vec<Timestamp>) {
         let s = &self.scheduler;
-        let base = match self.pure {
-            Some(pure) => {
-                debug_assert_eq!(pure.computed, self.walk_computed(), "the kept sum is the walk's");
-                pure.computed
-            }
-            None => self.walk_computed(),
-        };
+        let base: u64 = s
+            .running
+            .iter()
+            .map(|id| u64::from(s.seqs[id].num_computed))
+            .sum();
         let n = s.running.len() as u64;
         let mut pass = ForwardPass {
             decode_seqs: n as u32,
@@ -362,10 +325,6 @@ impl Engine {
             let seq = s.seqs.get_mut(id).expect("running requests are live");
             seq.num_computed += k;
             seq.push_outputs(k);
-        }
-        if let Some(pure) = &mut self.pure {
-            pure.horizon = pure.horizon.saturating_sub(k);
-            pure.computed += u64::from(k) * s.running.len() as u64;
         }
         self.clock = self.clock.max(last_start);
         self.busy_until = end;
@@ -424,7 +383,6 @@ impl Engine {
     /// `AllCleared` event to publish (none when prefix caching is off). Refused while running
     /// requests hold blocks.
     pub fn reset_prefix_cache(&mut self) -> Result<Option<KvEvent>, ResetError> {
-        self.pure = None;
         let pool = &mut self.scheduler.pool;
         if !pool.reset() {
             return Err(ResetError::BlocksInUse {

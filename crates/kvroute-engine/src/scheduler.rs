@@ -92,19 +92,6 @@ pub(crate) struct PassResults {
     pub emitted: Vec<TokenEmission>,
     pub first_token: Vec<RequestId>,
     pub finished: Vec<Finished>,
-    /// The running requests' pure-decode state after the pass, when every request still
-    /// running took part in it (read while committing them, so no walk is needed later).
-    pub pure: Option<PureDecode>,
-}
-
-/// The running requests' pure-decode state, summed up: what [`crate::Engine::decode_horizon`]
-/// and [`crate::Engine::decode_pass_ends`] would otherwise walk the running requests for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PureDecode {
-    /// The least [`Sequence::pure_decode_limit`] of the running requests.
-    pub horizon: u32,
-    /// Their computed tokens, summed.
-    pub computed: u64,
 }
 
 /// Queues, live requests and the block pool.
@@ -457,19 +444,11 @@ impl Scheduler {
     /// known tokens are computed, and retires finished requests, freeing their blocks.
     pub fn commit(&mut self, schedule: &Schedule) -> PassResults {
         let mut progress = PassResults::default();
-        let (bs, caching) = (self.limits.block_size, self.limits.prefix_caching);
-        let mut pure = PureDecode {
-            horizon: u32::MAX,
-            computed: 0,
-        };
         for chunk in &schedule.chunks {
             let seq = self.seqs.get_mut(&chunk.id).expect("scheduled requests are live");
             seq.num_computed += chunk.new_tokens;
             if seq.remaining() > 0 {
-                // A prefill chunk short of the end.
-                pure.horizon = pure.horizon.min(seq.pure_decode_limit(bs, caching));
-                pure.computed += u64::from(seq.num_computed);
-                continue;
+                continue; // a prefill chunk short of the end
             }
             if !seq.is_done() {
                 seq.push_output();
@@ -487,18 +466,11 @@ impl Scheduler {
                     output_tokens: seq.outputs,
                     reason: seq.finish_reason(),
                 });
-            } else {
-                pure.horizon = pure.horizon.min(seq.pure_decode_limit(bs, caching));
-                pure.computed += u64::from(seq.num_computed);
             }
         }
         if !progress.finished.is_empty() {
             self.retire(&progress.finished);
         }
-        // The chunks are running requests, each once, so the counts tell whether every request
-        // still running was in the pass.
-        progress.pure =
-            (self.running.len() + progress.finished.len() == schedule.chunks.len()).then_some(pure);
         progress
     }
 
