@@ -211,7 +211,7 @@ impl Replica {
             if let Some(out) = out
                 && let Some(wire) = SyncItem::from_sync(&event, |w| urls.get(w.0 as usize).cloned())
             {
-                out.push(wire);
+                out.push(wire, event.change.urgency());
             }
         }
         value
