@@ -19,8 +19,8 @@
 //! arrival to the moment every change has had time to reach the peers (the lazy window and 300 ms
 //! after the last end). Transports are started (joined) before and stopped after the measured
 //! span. Sync's CPU a request is (synced - unsynced) / requests within a round; the server's is
-//! reported beside it and not folded in. At the end of a synced pass every replica's books must be
-//! empty (its peers' bookings all freed), else the bench fails.
+//! reported beside it and not folded in. After a synced pass every replica's books must empty
+//! (its peers' bookings all freed) within 10 s, else the bench fails.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -342,13 +342,22 @@ async fn pass(
         requests.len()
     );
     if nats.is_some() {
-        for (i, replica) in replicas.iter().enumerate() {
-            let active = replica.lock().router.metrics().active_now;
-            anyhow::ensure!(
-                active == 0,
-                "replica {i} still books {active} requests after the pass: sync lost changes"
-            );
+        // Every peer's booking freed (within a bound, for a slow machine; after the measurement).
+        let booked = || -> usize {
+            replicas
+                .iter()
+                .map(|r| r.lock().router.metrics().active_now)
+                .sum()
+        };
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+        while booked() > 0 && tokio::time::Instant::now() < give_up {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        let active = booked();
+        anyhow::ensure!(
+            active == 0,
+            "the replicas still book {active} requests 10 s after the pass: sync lost changes"
+        );
     }
     let (mut messages, mut events, mut bytes) = (0, 0, 0);
     for (_, m) in &transports {
