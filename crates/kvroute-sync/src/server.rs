@@ -142,6 +142,11 @@ impl NatsServer {
         Ok(server)
     }
 
+    /// The server's process id (to read its CPU time), while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `nats://127.0.0.1:PORT`, or `tls://127.0.0.1:PORT` when it requires TLS.
     pub fn url(&self) -> String {
         let scheme = if self.tls { "tls" } else { "nats" };

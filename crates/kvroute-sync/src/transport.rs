@@ -5,13 +5,19 @@
 //! send, peers' changes to apply, bookings to release).
 //!
 //! **Routing never waits on NATS.** A change reaches the transport through
-//! [`Outgoing::push`], a `try_send` into a bounded queue: when it is full the change is dropped
-//! and counted (`kvroute_sync_events_dropped_total{cause="queue_full"}`). The task cuts batches
-//! with the core's [`Batcher`] (a booking within [`NatsSyncConfig::batch_max_delay`], prefill
-//! done and freed within [`NatsSyncConfig::batch_lazy_delay`] or with the next booking, a full
-//! batch at once); with no connection a due batch is dropped and counted
-//! (`cause="disconnected"`), since the view is rebuilt from snapshots on reconnect. A snapshot
-//! first publishes whatever waits, so that it never runs ahead of the batches.
+//! [`Outgoing::push`] with the urgency the router gave it ([`LoadChange::urgency`]; a registry
+//! change is urgent): it goes straight into the core's [`Batcher`], behind a lock held for that
+//! alone, and past [`NatsSyncConfig::queue_capacity`] waiting changes it is dropped and counted
+//! (`kvroute_sync_events_dropped_total{cause="queue_full"}`). The task is woken only when a
+//! change brings the batch's deadline forward (a booking within
+//! [`NatsSyncConfig::batch_max_delay`], prefill done and freed within
+//! [`NatsSyncConfig::batch_lazy_delay`] or with the next booking, a full batch at once): a change
+//! that joins a batch already due sooner costs no wake-up. The task keeps one timer, at the
+//! earlier of the batch's deadline and the protocol's. With no connection a due batch is dropped
+//! and counted (`cause="disconnected"`), since the view is rebuilt from snapshots on reconnect.
+//! A snapshot first publishes whatever waits, so that it never runs ahead of the batches.
+//!
+//! [`LoadChange::urgency`]: kvroute_core::router::LoadChange::urgency
 //!
 //! **Join warm.** [`SyncTransport::start`] subscribes, asks every replica for its snapshot (registry and
 //! in-flight bookings) and returns once the protocol's join is over, so the host serves its
@@ -27,8 +33,8 @@
 //! `kvroute_sync_connected` and in [`SyncTransport::link`]; peers time out and are released. The
 //! protocol's rules for the link coming back (announce, re-announce, ask everyone) apply.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use async_nats::{Client, Event, Subscriber};
@@ -40,7 +46,7 @@ use kvroute_core::router::replica::{
     Urgency,
 };
 use kvroute_core::time::{TimeScale, Timestamp};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::connect::{NatsAuth, NatsTls};
@@ -76,7 +82,7 @@ pub struct NatsSyncConfig {
     /// How long a prefill-done or freed change (a lazy one: it only lowers a peer's view of load)
     /// may wait for others; the next booking takes it along sooner.
     pub batch_lazy_delay: Duration,
-    /// The outgoing queue's capacity in events; past it, events are dropped and counted.
+    /// The most changes waiting to be published; past it, changes are dropped and counted.
     pub queue_capacity: usize,
     /// How long a (re)join waits for its peers' snapshots.
     pub join_timeout: Duration,
@@ -177,19 +183,112 @@ pub trait SyncHost: Send + std::marker::Sync + 'static {
 /// Where the host puts its changes for the peers. Never waits.
 #[derive(Clone, Debug)]
 pub struct Outgoing {
-    tx: mpsc::Sender<SyncItem>,
+    shared: Arc<Shared>,
     metrics: SyncMetrics,
 }
 
 impl Outgoing {
-    /// Queues `event` for the next batch, or drops and counts it if the queue is full.
-    pub fn push(&self, event: SyncItem) {
-        if self.tx.try_send(event).is_err() {
-            self.metrics
-                .events_dropped
-                .with_label_values(&["queue_full"])
-                .inc();
+    /// Queues `event`, a change of `urgency` (the router's [`LoadChange::urgency`] of it;
+    /// [`Urgency::Urgent`] for a registry change), for its batch, or drops and counts it if
+    /// [`NatsSyncConfig::queue_capacity`] changes wait already. Wakes the transport's task only
+    /// if the change brings the batch's deadline forward.
+    ///
+    /// [`LoadChange::urgency`]: kvroute_core::router::LoadChange::urgency
+    pub fn push(&self, event: SyncItem, urgency: Urgency) {
+        let now = self.shared.now();
+        let wake = {
+            let mut pending = self.shared.lock();
+            if pending.batcher.len() >= self.shared.capacity {
+                drop(pending);
+                self.metrics
+                    .events_dropped
+                    .with_label_values(&["queue_full"])
+                    .inc();
+                return;
+            }
+            pending.push(now, event, urgency, unix_micros())
+        };
+        if wake {
+            self.shared.wake.notify_one();
         }
+    }
+}
+
+/// What the pushers and the task share: the waiting changes and the task's wake-up.
+#[derive(Debug)]
+struct Shared {
+    pending: Mutex<Pending>,
+    /// Told when a change brought the batch's deadline forward.
+    wake: Notify,
+    /// The protocol's time 0.
+    epoch: Instant,
+    /// The most changes waiting.
+    capacity: usize,
+}
+
+impl Shared {
+    fn now(&self) -> Timestamp {
+        TimeScale::REAL.timestamp(self.epoch.elapsed())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// This replica's changes waiting to be published.
+#[derive(Debug)]
+struct Pending {
+    batcher: Batcher<SyncItem>,
+    /// When (Unix microseconds) the waiting batch's first booking, else its first change, was
+    /// pushed: the batch's stamp, for the booking-age metric.
+    batch_at: Option<(Urgency, u64)>,
+    /// The batch deadline the task last saw (its timer is set to it, or to the protocol's
+    /// sooner one); `None`: none.
+    seen: Option<Timestamp>,
+}
+
+impl Pending {
+    fn new(config: BatchConfig) -> Self {
+        Self {
+            batcher: Batcher::new(config),
+            batch_at: None,
+            seen: None,
+        }
+    }
+
+    /// Queues `event` (of `urgency`, pushed at `now`, `at_us` on the wall clock); whether the
+    /// task must wake: the batch is due sooner than the task knows.
+    fn push(&mut self, now: Timestamp, event: SyncItem, urgency: Urgency, at_us: u64) -> bool {
+        if self.batch_at.is_none_or(|(u, _)| u > urgency) {
+            self.batch_at = Some((urgency, at_us));
+        }
+        self.batcher.push(now, event, urgency);
+        let due = self.batcher.poll_timeout();
+        let wake = match (due, self.seen) {
+            (Some(due), Some(seen)) => due < seen,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if wake {
+            self.seen = due;
+        }
+        wake
+    }
+
+    /// The waiting batch and its stamp, if due at `now` (every waiting change if `all`); the
+    /// deadline of what is left becomes the one the task knows.
+    fn take(&mut self, now: Timestamp, all: bool) -> Option<(Vec<SyncItem>, Option<u64>)> {
+        let batch = if all {
+            Some(self.batcher.take_all()).filter(|b| !b.is_empty())
+        } else {
+            self.batcher.take_due(now)
+        };
+        let taken = batch.map(|b| (b, self.batch_at.take().map(|(_, t)| t)));
+        self.seen = self.batcher.poll_timeout();
+        taken
     }
 }
 
@@ -253,21 +352,24 @@ impl SyncTransport {
         };
         let (link_tx, link) = watch::channel(LinkState::Disconnected);
         let (joined_tx, mut joined) = watch::channel(false);
-        let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(Pending::new(config.batching())),
+            wake: Notify::new(),
+            epoch: Instant::now(),
+            capacity: config.queue_capacity.max(1),
+        });
         let outgoing = Outgoing {
-            tx,
+            shared: Arc::clone(&shared),
             metrics: metrics.clone(),
         };
         let mut node = Node {
             id,
             protocol: ReplicaProtocol::new(id, config.protocol()),
-            batcher: Batcher::new(config.batching()),
-            batch_at: None,
+            shared,
             config: config.clone(),
             client: client.clone(),
             host,
             metrics: metrics.clone(),
-            epoch: Instant::now(),
             link: link_tx,
             joined: joined_tx,
             counted: ProtocolCounters::default(),
@@ -292,7 +394,7 @@ impl SyncTransport {
                 "NATS unreachable; routing on this replica's own view until it is"
             );
         }
-        let task = tokio::spawn(node.run(subs, link_events, rx));
+        let task = tokio::spawn(node.run(subs, link_events));
         if connected {
             // The protocol ends the join itself (at the latest at the join timeout).
             let _ = joined.wait_for(|&j| j).await;
@@ -350,16 +452,12 @@ struct Subscriptions {
 struct Node {
     id: RouterId,
     protocol: ReplicaProtocol,
-    /// This replica's changes waiting to be published.
-    batcher: Batcher<SyncItem>,
-    /// When (Unix microseconds) the waiting batch's first booking, else its first change, left
-    /// the queue: the batch's stamp, for the booking-age metric.
-    batch_at: Option<(Urgency, u64)>,
+    /// This replica's changes waiting to be published, shared with its [`Outgoing`].
+    shared: Arc<Shared>,
     config: NatsSyncConfig,
     client: Client,
     host: Arc<dyn SyncHost>,
     metrics: SyncMetrics,
-    epoch: Instant,
     link: watch::Sender<LinkState>,
     joined: watch::Sender<bool>,
     /// The protocol's counters as last reflected in the metrics.
@@ -374,46 +472,43 @@ const MAX_VERSIONS_LOGGED: usize = 64;
 
 impl Node {
     fn now(&self) -> Timestamp {
-        TimeScale::REAL.timestamp(self.epoch.elapsed())
+        self.shared.now()
     }
 
-    /// The task's loop: messages, this replica's changes, link changes and the protocol's
-    /// timeouts, one at a time.
-    async fn run(
-        mut self,
-        mut subs: Subscriptions,
-        mut link_events: mpsc::UnboundedReceiver<Event>,
-        mut changes: mpsc::Receiver<SyncItem>,
-    ) {
+    /// The task's loop: messages, link changes, and one timer at the earlier of the batch's
+    /// deadline and the protocol's, one at a time. A pusher wakes it when the batch's deadline
+    /// comes forward.
+    async fn run(mut self, mut subs: Subscriptions, mut link_events: mpsc::UnboundedReceiver<Event>) {
+        let timer = tokio::time::sleep_until(self.instant(Timestamp::ZERO));
+        tokio::pin!(timer);
+        // What the timer is set to.
+        let mut set: Option<Timestamp> = None;
         loop {
-            let timeout = self.protocol.poll_timeout().map(|t| self.instant(t));
-            let batch_due = self.batcher.poll_timeout().map(|t| self.instant(t));
+            let batch_due = self.shared.lock().seen;
+            let next = match (batch_due, self.protocol.poll_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if next != set {
+                if let Some(t) = next {
+                    timer.as_mut().reset(self.instant(t));
+                }
+                set = next;
+            }
             tokio::select! {
                 Some(m) = subs.joins.next() => self.receive(m).await,
                 Some(m) = subs.direct.next() => self.receive(m).await,
                 Some(m) = subs.events.next() => self.receive(m).await,
                 Some(m) = subs.heartbeats.next() => self.receive(m).await,
-                Some(event) = changes.recv() => {
-                    let urgency = event.urgency();
-                    if self.batch_at.is_none_or(|(u, _)| u > urgency) {
-                        self.batch_at = Some((urgency, unix_micros()));
-                    }
+                () = self.shared.wake.notified() => self.flush_due(false).await,
+                () = &mut timer, if set.is_some() => {
+                    set = None;
+                    self.flush_due(false).await;
                     let now = self.now();
-                    self.batcher.push(now, event, urgency);
-                    if let Some(batch) = self.batcher.take_due(now) {
-                        self.flush(batch).await;
+                    if self.protocol.poll_timeout().is_some_and(|t| t <= now) {
+                        let actions = self.protocol.handle_timeout(now);
+                        self.carry_out(actions).await;
                     }
-                }
-                _ = sleep_until(batch_due), if batch_due.is_some() => {
-                    let now = self.now();
-                    if let Some(batch) = self.batcher.take_due(now) {
-                        self.flush(batch).await;
-                    }
-                }
-                _ = sleep_until(timeout), if timeout.is_some() => {
-                    let now = self.now();
-                    let actions = self.protocol.handle_timeout(now);
-                    self.carry_out(actions).await;
                 }
                 Some(event) = link_events.recv() => {
                     let link = match event {
@@ -433,9 +528,18 @@ impl Node {
         }
     }
 
+    /// Publishes the waiting batch if it is due (every waiting change if `all`).
+    async fn flush_due(&mut self, all: bool) {
+        let now = self.now();
+        let taken = self.shared.lock().take(now, all);
+        if let Some((events, at_us)) = taken {
+            self.flush(events, at_us).await;
+        }
+    }
+
     /// The wall-clock instant of protocol time `t`.
     fn instant(&self, t: Timestamp) -> tokio::time::Instant {
-        tokio::time::Instant::from_std(self.epoch) + Duration::from_nanos(t.as_nanos())
+        tokio::time::Instant::from_std(self.shared.epoch) + Duration::from_nanos(t.as_nanos())
     }
 
     fn link_changed(&self, link: LinkState) {
@@ -461,9 +565,9 @@ impl Node {
     }
 
     /// Publishes this replica's changes, in messages under the size limits, stamped with the
-    /// time the batch's first booking (else its first change) left the queue.
-    async fn flush(&mut self, events: Vec<SyncItem>) {
-        let at_us = self.batch_at.take().map_or_else(unix_micros, |(_, t)| t);
+    /// time the batch's first booking (else its first change) was pushed (`at_us`).
+    async fn flush(&mut self, events: Vec<SyncItem>, at_us: Option<u64>) {
+        let at_us = at_us.unwrap_or_else(unix_micros);
         if self.protocol.link() == LinkState::Disconnected {
             self.metrics
                 .events_dropped
@@ -565,10 +669,7 @@ impl Node {
                     self.send(to, message, None).await;
                 }
                 Action::SendSnapshot { to } => {
-                    if !self.batcher.is_empty() {
-                        let waiting = self.batcher.take_all();
-                        self.flush(waiting).await;
-                    }
+                    self.flush_due(true).await;
                     let parts = pack(
                         self.host.snapshot(),
                         self.config.batch_max_events.max(1024),
@@ -654,10 +755,52 @@ fn unix_micros() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// Sleeps until `at`, or forever.
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::ZERO + Duration::from_millis(ms)
+    }
+
+    fn item(r: u64) -> SyncItem {
+        SyncItem::Freed { r }
+    }
+
+    /// The task is woken exactly when a change brings the batch's deadline forward, and sees
+    /// every change by its deadline.
+    #[test]
+    fn a_change_wakes_the_task_only_when_it_brings_the_deadline_forward() {
+        let config = BatchConfig {
+            window: Duration::from_millis(2),
+            lazy_window: Duration::from_millis(100),
+            max_events: 4,
+        };
+        let mut p = Pending::new(config);
+        // A lazy change into an empty batch: the task must set its timer.
+        assert!(p.push(at(0), item(1), Urgency::Lazy, 1));
+        assert_eq!(p.seen, Some(at(100)));
+        // Another lazy one rides along: its own deadline is later.
+        assert!(!p.push(at(10), item(2), Urgency::Lazy, 2));
+        // A booking brings the deadline forward to its window.
+        assert!(p.push(at(20), item(3), Urgency::Urgent, 3));
+        assert_eq!(p.seen, Some(at(22)));
+        assert!(p.take(at(21), false).is_none(), "not due before its deadline");
+        let (batch, stamp) = p.take(at(22), false).unwrap();
+        assert_eq!(batch, vec![item(1), item(2), item(3)]);
+        assert_eq!(stamp, Some(3), "stamped by the booking");
+        assert_eq!(p.seen, None);
+        // A full batch is due at once.
+        for r in 0..3 {
+            p.push(at(30), item(r), Urgency::Lazy, 4);
+        }
+        assert!(
+            p.push(at(30), item(3), Urgency::Lazy, 4),
+            "the fourth fills the batch"
+        );
+        assert_eq!(p.seen, Some(at(30)));
+        // All, due or not, before a snapshot.
+        assert_eq!(p.take(at(0), true).map(|(b, _)| b.len()), Some(4));
+        assert!(p.take(at(0), true).is_none());
     }
 }

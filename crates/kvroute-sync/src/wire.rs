@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
-use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart, Urgency};
+use kvroute_core::router::replica::{BatchSeq, Message, SnapshotPart};
 use kvroute_core::router::{Booking, LoadChange, PrefillLoadHint, RouterId, SessionId, SyncEvent, TenantId};
 use serde::{Deserialize, Serialize};
 
@@ -389,15 +389,6 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl SyncItem {
-    /// How soon peers must hear it: that of its router change ([`LoadChange::urgency`]); a
-    /// registry change is urgent.
-    pub fn urgency(&self) -> Urgency {
-        match self {
-            Self::Added { .. } | Self::Session { .. } | Self::Worker(_) => Urgency::Urgent,
-            Self::PrefillDone { .. } | Self::Freed { .. } => Urgency::Lazy,
-        }
-    }
-
     /// The wire form of `event`, naming workers through `name` (a worker's base URL); `None` if
     /// `name` knows a worker it books on no longer.
     pub fn from_sync(event: &SyncEvent, name: impl Fn(WorkerId) -> Option<String>) -> Option<Self> {
@@ -563,10 +554,6 @@ mod tests {
         };
         let again: Vec<SyncEvent> = wire.iter().map(|e| e.to_sync(RouterId(7), id).unwrap()).collect();
         assert_eq!(again, events);
-        // The wire keeps each change's urgency.
-        for (w, e) in wire.iter().zip(&events) {
-            assert_eq!(w.urgency(), e.change.urgency(), "{e:?}");
-        }
     }
 
     #[test]

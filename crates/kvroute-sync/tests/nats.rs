@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvroute_core::router::RouterId;
+use kvroute_core::router::replica::Urgency;
 use kvroute_sync::server::NatsServer;
 use kvroute_sync::{LinkState, NatsSyncConfig, SyncHost, SyncItem, SyncMetrics, SyncTransport};
 use kvroute_testkit::{External, eventually, require};
@@ -99,7 +100,7 @@ async fn batches_reach_peers_in_order_and_never_their_sender() {
     // B joined after A: A knows B from B's join request, so A's events reach B.
     let sent: Vec<SyncItem> = (0..1000).map(freed).collect();
     for e in &sent {
-        a.outgoing().push(e.clone());
+        a.outgoing().push(e.clone(), Urgency::Lazy);
     }
     eventually("B applied every batch A sent", || {
         host_b.applied(RouterId(1)).len() >= sent.len()
@@ -165,7 +166,7 @@ async fn a_server_restart_ends_in_a_resync() {
     })
     .await;
     // Changes made while down are dropped (and counted), not queued without bound.
-    a.outgoing().push(freed(8));
+    a.outgoing().push(freed(8), Urgency::Lazy);
     eventually("B routes alone", || host_b.lost(RouterId(1)) > joined).await;
     nats.restart().unwrap();
     eventually("both links up again", || {

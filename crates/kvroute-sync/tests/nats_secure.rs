@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvroute_core::router::RouterId;
+use kvroute_core::router::replica::Urgency;
 use kvroute_sync::server::{NatsServer, ServerAuth, ServerSecurity, ServerTls};
 use kvroute_sync::{
     ClientCertificate, NatsAuth, NatsSyncConfig, NatsTls, Secret, SyncError, SyncHost, SyncItem, SyncMetrics,
@@ -118,7 +119,7 @@ async fn two_replicas_sync(url: &str, auth: NatsAuth, tls: NatsTls) {
     );
     let sent: Vec<SyncItem> = (0..100).map(|r| SyncItem::Freed { r }).collect();
     for e in &sent {
-        a.outgoing().push(e.clone());
+        a.outgoing().push(e.clone(), Urgency::Lazy);
     }
     eventually("B applied every batch A sent", || {
         host_b.from(RouterId(1)).len() > sent.len()

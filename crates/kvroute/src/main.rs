@@ -73,7 +73,8 @@ enum BenchCommand {
     Upstream(kvroute::bench::serve::UpstreamArgs),
     /// Added latency over a long multi-turn conversation, the proxy's tokenizer cache on and off.
     Chat(kvroute::bench::chat::ChatBenchArgs),
-    /// Replica sync's CPU and bytes a request: the binary format beside the JSON one before it.
+    /// Replica sync's CPU and bytes a request: the binary format beside the JSON one before it;
+    /// with `--live`, the whole path's CPU over a local nats-server, sync on and off.
     Sync(SyncArgs),
 }
 
@@ -91,6 +92,17 @@ struct SyncArgs {
     /// Seed of the block hashes.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The whole sync path instead of the codec: three replicas over a local nats-server, the
+    /// example trace's first `--requests` rows, `--reps` rounds of a synced and an unsynced
+    /// pass; the process's CPU (and the server's, apart) a pass.
+    #[arg(long)]
+    live: bool,
+    /// With `--live`: speed-up of the trace's times (the demo's 10: about 25 requests a second).
+    #[arg(long, default_value_t = 10.0, value_parser = kvroute::config::positive)]
+    speedup: f64,
+    /// With `--live`: the lazy window, ms (`serve --nats-lazy-ms`).
+    #[arg(long, default_value_t = 100)]
+    lazy_ms: u64,
 }
 
 #[derive(Args)]
@@ -305,6 +317,24 @@ fn bench_hash(args: HashArgs) -> anyhow::Result<()> {
 }
 
 fn bench_sync(args: SyncArgs) -> anyhow::Result<()> {
+    if args.live {
+        let config = bench::sync_live::LiveConfig {
+            requests: args.requests,
+            rounds: args.reps,
+            speedup: args.speedup,
+            lazy: std::time::Duration::from_millis(args.lazy_ms),
+        };
+        let mut print = |line: &bench::sync_live::PassReport| match serde_json::to_string(line) {
+            Ok(text) => println!("{text}"),
+            Err(e) => eprintln!("serializing a pass: {e}"),
+        };
+        let summary = bench::sync_live::run(&config, &mut print)?;
+        println!(
+            "{}",
+            serde_json::to_string(&summary).context("serializing the summary")?
+        );
+        return Ok(());
+    }
     for report in bench::sync::run(&args.blocks, args.requests, args.reps, args.seed)? {
         println!(
             "{}",

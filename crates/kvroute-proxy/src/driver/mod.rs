@@ -119,7 +119,7 @@ impl Drop for Locked<'_> {
                 while let Some(event) = router.poll_sync_event() {
                     let name = |id: WorkerId| registry.get(id).map(|w| w.base.clone());
                     if let Some(wire) = SyncItem::from_sync(&event, name) {
-                        out.push(wire);
+                        out.push(wire, event.change.urgency());
                     }
                 }
             }

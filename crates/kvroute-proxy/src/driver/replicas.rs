@@ -2,6 +2,7 @@
 
 use kvroute_core::ids::WorkerId;
 use kvroute_core::router::RouterId;
+use kvroute_core::router::replica::Urgency;
 use kvroute_sync::{LinkState, SyncItem, WorkerChange};
 
 use crate::config::WorkerConfig;
@@ -30,10 +31,11 @@ impl Driver {
         }
     }
 
-    /// Hands an operator's registry change to the peers, if synced.
+    /// Hands an operator's registry change to the peers, if synced: urgent, since it changes
+    /// what a peer may route to.
     pub(super) fn announce(&self, change: WorkerChange) {
         if let Some(sync) = self.sync.get() {
-            sync.outgoing().push(SyncItem::Worker(change));
+            sync.outgoing().push(SyncItem::Worker(change), Urgency::Urgent);
         }
     }
 

@@ -10,6 +10,7 @@ pub mod index;
 pub mod route;
 pub mod serve;
 pub mod sync;
+pub mod sync_live;
 
 /// The nearest-rank `p`-th percentile of `sorted` (ascending); 0 when empty.
 pub fn percentile(sorted: &[u64], p: f64) -> u64 {
