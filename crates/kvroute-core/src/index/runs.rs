@@ -20,7 +20,7 @@
 use hashbrown::{HashMap, HashTable};
 
 use super::free_runs::{FreeRuns, Source};
-use super::{ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, StoredBlock};
+use super::{ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock};
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 
@@ -192,6 +192,10 @@ impl RunIndex {
     ) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
         let bit = 1u64 << slot;
+        let map = self.map(slot);
+        for block in blocks.iter().take(STORE_AHEAD) {
+            map.prefetch(block.external.0);
+        }
         let mut at = match parent {
             None => NONE,
             Some(parent) => match self.map(slot).get(parent.0) {
@@ -219,6 +223,9 @@ impl RunIndex {
             let mut error = None;
             for (k, block) in blocks[i..i + n].iter().enumerate() {
                 let id = from + k as BlockId;
+                if let Some(ahead) = blocks.get(i + k + STORE_AHEAD) {
+                    map.prefetch(ahead.external.0);
+                }
                 match map.probe(block.external.0) {
                     Probe::Found(h) if h == id => {}
                     Probe::Found(_) => {
@@ -304,6 +311,9 @@ impl RunIndex {
         let mut error = None;
         let ids = segments.iter().flat_map(|&(s, n)| s..s + n);
         for (k, (block, id)) in rest.iter().zip(ids).enumerate() {
+            if let Some(ahead) = rest.get(k + STORE_AHEAD) {
+                map.prefetch(ahead.external.0);
+            }
             match map.probe(block.external.0) {
                 Probe::Found(_) => {
                     applied = k;
@@ -372,7 +382,17 @@ impl RunIndex {
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
         let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
-        dropped.extend(externals.iter().filter_map(|e| map.remove(e.0)));
+        for e in externals.iter().take(REMOVE_AHEAD) {
+            map.prefetch(e.0);
+        }
+        for (i, e) in externals.iter().enumerate() {
+            if let Some(ahead) = externals.get(i + REMOVE_AHEAD) {
+                map.prefetch(ahead.0);
+            }
+            if let Some(b) = map.remove(e.0) {
+                dropped.push(b);
+            }
+        }
         let count = dropped.len();
         self.release(&mut dropped, slot);
         self.scratch = dropped;
@@ -535,8 +555,14 @@ impl RunIndex {
     /// The child run of block `parent` (a run's last block, or `NONE`) starting with `local`.
     #[inline]
     fn child(&self, parent: BlockId, local: u64) -> Option<RunId> {
-        if parent != NONE {
-            let p = &self.runs[self.run_of[parent as usize] as usize];
+        let run = (parent != NONE).then(|| &self.runs[self.run_of[parent as usize] as usize]);
+        self.child_of(run, parent, local)
+    }
+
+    /// [`RunIndex::child`] where `run` is the run of `parent` (`None` for the root).
+    #[inline]
+    fn child_of(&self, run: Option<&Run>, parent: BlockId, local: u64) -> Option<RunId> {
+        if let Some(p) = run {
             if p.hint != NONE && self.locals[self.runs[p.hint as usize].start as usize] == local {
                 return Some(p.hint);
             }
@@ -582,7 +608,7 @@ impl RunIndex {
             if m < tail.len() || depth == query.len() {
                 break;
             }
-            let Some(c) = self.child(run.last(), query[depth].0) else {
+            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
                 break;
             };
             let kept = active & self.runs[c as usize].mask;

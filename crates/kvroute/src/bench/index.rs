@@ -31,7 +31,8 @@ pub enum Layout {
     Runs,
 }
 
-/// The operations the benchmark times, alike for both layouts.
+/// The operations the benchmark times, alike for both layouts (out of line, so a profiler
+/// counts each layout's operations by the same four functions).
 trait Bench: Sized {
     fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self>;
     fn store(
@@ -57,6 +58,7 @@ impl Bench for PrefixIndex {
         }
         Ok(index)
     }
+    #[inline(never)]
     fn store(
         &mut self,
         w: WorkerKey,
@@ -65,12 +67,15 @@ impl Bench for PrefixIndex {
     ) -> Result<(), IndexError> {
         self.apply_stored(w, parent, blocks)
     }
+    #[inline(never)]
     fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
         self.apply_removed(w, exts)
     }
+    #[inline(never)]
     fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
         self.clear_worker(w)
     }
+    #[inline(never)]
     fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
         self.find_matches_into(query, false, out);
     }
@@ -87,6 +92,7 @@ impl Bench for RunIndex {
         }
         Ok(index)
     }
+    #[inline(never)]
     fn store(
         &mut self,
         w: WorkerKey,
@@ -95,12 +101,15 @@ impl Bench for RunIndex {
     ) -> Result<(), IndexError> {
         self.apply_stored(w, parent, blocks)
     }
+    #[inline(never)]
     fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
         self.apply_removed(w, exts)
     }
+    #[inline(never)]
     fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
         self.clear_worker(w)
     }
+    #[inline(never)]
     fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
         self.find_matches_into(query, false, out);
     }
