@@ -20,7 +20,9 @@
 use hashbrown::{HashMap, HashTable};
 
 use super::free_runs::{FreeRuns, Source};
-use super::{ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock};
+use super::{
+    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
+};
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 
@@ -411,21 +413,33 @@ impl RunIndex {
         Ok(())
     }
 
-    /// Clears `slot`'s bit on `dropped` (block ids it held), a stretch of a run at a time.
+    /// Clears `slot`'s bit on `dropped` (block ids it held), a stretch of a run at a time: ids
+    /// that follow each other in `dropped`, rising or falling by one within one run, are one
+    /// stretch. Any order is correct (a run is looked up again for each stretch, and a run
+    /// holding a block still to be dropped keeps the bit, so it is not freed before its turn);
+    /// an engine's removals list a chain's blocks in order, so stretches are long.
     fn release(&mut self, dropped: &mut [BlockId], slot: usize) {
         let bit = 1u64 << slot;
-        dropped.sort_unstable();
         let mut k = 0;
         while k < dropped.len() {
             let b = dropped[k];
             let r = self.run_of[b as usize];
-            let end = self.runs[r as usize].end();
+            let run = self.runs[r as usize];
             let mut n = 1;
-            while k + n < dropped.len() && dropped[k + n] == b + n as BlockId && b + (n as BlockId) < end {
-                n += 1;
+            if dropped.get(k + 1) == Some(&b.wrapping_add(1)) {
+                while dropped.get(k + n) == Some(&(b + n as BlockId)) && b + (n as BlockId) < run.end() {
+                    n += 1;
+                }
+            } else if dropped.get(k + 1) == Some(&b.wrapping_sub(1)) {
+                while b >= n as BlockId
+                    && b - (n as BlockId) >= run.start
+                    && dropped.get(k + n) == Some(&(b - n as BlockId))
+                {
+                    n += 1;
+                }
             }
-            let off = b - self.runs[r as usize].start;
-            let r = self.change_range(r, off, n as u32, |m| m & !bit);
+            let first = b.min(dropped[k + n - 1]);
+            let r = self.change_range(r, first - run.start, n as u32, |m| m & !bit);
             self.collect(r);
             k += n;
         }
