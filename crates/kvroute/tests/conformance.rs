@@ -48,7 +48,8 @@ fn check_sized(stream: &OpStream, name: &str, blocks_per_worker: usize) -> Optio
     }
     let mut failures = Vec::new();
     for layout in layouts {
-        let report = run(stream, name, 1, blocks_per_worker, layout).unwrap();
+        let report =
+            run(stream, name, 1, blocks_per_worker, layout).expect("the stream has at most 64 workers");
         if report.mismatches == 0 && report.apply_errors == 0 {
             continue;
         }
