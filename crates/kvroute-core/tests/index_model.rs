@@ -29,7 +29,9 @@ use std::marker::PhantomData;
 
 use kvroute_core::hash::next_sequence_hash;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, IndexError, IndexStats, OverlapScores, PrefixIndex, StoredBlock};
+use kvroute_core::index::{
+    IndexConfig, IndexError, IndexFootprint, IndexStats, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
+};
 use proptest::prelude::*;
 use proptest::sample::{Index, select};
 use proptest::test_runner::Config;
@@ -584,9 +586,10 @@ impl<S: Shape> ReferenceStateMachine for Model<S> {
 
 /// Checks one lookup against the reference. With early exit, the walk may stop once a single
 /// worker is left: that one worker's depth is then a lower bound, above every other depth.
-fn check_match(index: &PrefixIndex, model: &BTreeMap<u64, u32>, query: &[u64], early_exit: bool) {
+fn check_match<L: Layout>(index: &L, model: &BTreeMap<u64, u32>, query: &[u64], early_exit: bool) {
     let locals: Vec<LocalBlockHash> = query.iter().map(|&l| LocalBlockHash(l)).collect();
-    let scores = index.find_matches(&locals, early_exit);
+    let mut scores = OverlapScores::default();
+    index.find_into(&locals, early_exit, &mut scores);
     let got: BTreeMap<u64, u32> = scores
         .iter()
         .filter(|&(_, d)| d > 0)
@@ -599,9 +602,9 @@ fn check_match(index: &PrefixIndex, model: &BTreeMap<u64, u32>, query: &[u64], e
     );
 
     let mut reused = OverlapScores::default();
-    index.find_matches_into(&[LocalBlockHash(ALPHABET[0])], false, &mut reused);
-    index.find_matches_into(&locals, early_exit, &mut reused);
-    assert_eq!(reused, scores, "find_matches_into disagrees with find_matches");
+    index.find_into(&[LocalBlockHash(ALPHABET[0])], false, &mut reused);
+    index.find_into(&locals, early_exit, &mut reused);
+    assert_eq!(reused, scores, "a reused result disagrees with a fresh one");
 
     if !early_exit {
         assert_eq!(&got, model, "query {query:x?}");
@@ -639,24 +642,148 @@ fn check_match(index: &PrefixIndex, model: &BTreeMap<u64, u32>, query: &[u64], e
     }
 }
 
-struct IndexTest<S>(PhantomData<S>);
+/// What the test needs of an index layout: [`PrefixIndex`] and [`RunIndex`] answer alike.
+trait Layout: Sized {
+    fn empty() -> Self;
+    fn add(&mut self, w: WorkerKey);
+    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError>;
+    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError>;
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError>;
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError>;
+    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores);
+    fn footprint(&self) -> IndexFootprint;
+    fn block_count(&self, w: WorkerKey) -> usize;
+    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool;
+    fn check_invariants(&self) -> Result<(), String>;
+    /// The layout's own checks against the model beyond the shared ones.
+    fn check_more<S: Shape>(&self, model: &Model<S>);
+}
 
-impl<S: Shape> StateMachineTest for IndexTest<S> {
-    type SystemUnderTest = PrefixIndex;
+impl Layout for PrefixIndex {
+    fn empty() -> Self {
+        PrefixIndex::new(IndexConfig::default())
+    }
+    fn add(&mut self, w: WorkerKey) {
+        self.add_worker(w);
+    }
+    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        PrefixIndex::remove_worker(self, w)
+    }
+    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        PrefixIndex::clear_worker(self, w)
+    }
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        self.apply_stored(w, parent, blocks)
+    }
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
+        self.apply_removed(w, exts)
+    }
+    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        let fresh = self.find_matches(query, early_exit);
+        self.find_matches_into(query, early_exit, out);
+        assert_eq!(&fresh, out, "find_matches_into disagrees with find_matches");
+    }
+    fn footprint(&self) -> IndexFootprint {
+        PrefixIndex::footprint(self)
+    }
+    fn block_count(&self, w: WorkerKey) -> usize {
+        PrefixIndex::block_count(self, w)
+    }
+    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool {
+        PrefixIndex::holds(self, w, ext)
+    }
+    fn check_invariants(&self) -> Result<(), String> {
+        PrefixIndex::check_invariants(self)
+    }
+    fn check_more<S: Shape>(&self, model: &Model<S>) {
+        let workers: BTreeSet<u64> = self.workers().map(id_of).collect();
+        assert_eq!(workers, model.workers.keys().copied().collect(), "worker set");
+        assert_eq!(
+            self.workers().count(),
+            model.workers.len(),
+            "a worker listed twice"
+        );
+        assert_eq!(self.stats(), model.stats, "stats");
+        for w in 0..S::IDS {
+            let empty = WorkerModel::default();
+            let m = model.workers.get(&w).unwrap_or(&empty);
+            let held: BTreeSet<u64> = self.held_blocks(key(w)).map(|e| e.0).collect();
+            assert_eq!(held, m.held, "held_blocks of worker {w}");
+        }
+        assert!(self.find_matches(&[], false).is_empty());
+    }
+}
+
+impl Layout for RunIndex {
+    fn empty() -> Self {
+        RunIndex::new(0)
+    }
+    fn add(&mut self, w: WorkerKey) {
+        self.add_worker(w).expect("few workers");
+    }
+    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        RunIndex::remove_worker(self, w)
+    }
+    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        RunIndex::clear_worker(self, w)
+    }
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        self.apply_stored(w, parent, blocks)
+    }
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
+        self.apply_removed(w, exts)
+    }
+    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        self.find_matches_into(query, early_exit, out);
+    }
+    fn footprint(&self) -> IndexFootprint {
+        RunIndex::footprint(self)
+    }
+    fn block_count(&self, w: WorkerKey) -> usize {
+        RunIndex::block_count(self, w)
+    }
+    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool {
+        RunIndex::holds(self, w, ext)
+    }
+    fn check_invariants(&self) -> Result<(), String> {
+        RunIndex::check_invariants(self)
+    }
+    fn check_more<S: Shape>(&self, _model: &Model<S>) {}
+}
+
+struct IndexTest<S, L = PrefixIndex>(PhantomData<(S, L)>);
+
+impl<S: Shape, L: Layout> StateMachineTest for IndexTest<S, L> {
+    type SystemUnderTest = L;
     type Reference = Model<S>;
 
-    fn init_test(ref_state: &Model<S>) -> PrefixIndex {
-        let mut index = PrefixIndex::new(IndexConfig::default());
+    fn init_test(ref_state: &Model<S>) -> L {
+        let mut index = L::empty();
         for &w in ref_state.workers.keys() {
-            index.add_worker(key(w));
+            index.add(key(w));
         }
         index
     }
 
-    fn apply(mut index: PrefixIndex, ref_state: &Model<S>, t: Transition) -> PrefixIndex {
+    fn apply(mut index: L, ref_state: &Model<S>, t: Transition) -> L {
         let got = match t {
             Transition::AddWorker(w) => {
-                index.add_worker(key(w));
+                index.add(key(w));
                 Expect::Nothing
             }
             Transition::RemoveWorker(w) => Expect::Unit(index.remove_worker(key(w))),
@@ -669,7 +796,7 @@ impl<S: Shape> StateMachineTest for IndexTest<S> {
             } => {
                 let before = index.footprint();
                 let blocks = store_blocks(parent, &locals, corrupt);
-                let result = index.apply_stored(key(w), parent.map(ExternalBlockHash), &blocks);
+                let result = index.store(key(w), parent.map(ExternalBlockHash), &blocks);
                 if let Err(IndexError::UnknownWorker(_) | IndexError::UnknownParent { .. }) = result {
                     assert_eq!(index.footprint(), before, "a refused store changed the index");
                 }
@@ -677,7 +804,7 @@ impl<S: Shape> StateMachineTest for IndexTest<S> {
             }
             Transition::Remove { w, exts } => {
                 let exts: Vec<ExternalBlockHash> = exts.into_iter().map(ExternalBlockHash).collect();
-                Expect::Count(index.apply_removed(key(w), &exts))
+                Expect::Count(index.remove(key(w), &exts))
             }
             Transition::Match { query, early_exit } => {
                 check_match(&index, &ref_state.depths(&query), &query, early_exit);
@@ -688,18 +815,11 @@ impl<S: Shape> StateMachineTest for IndexTest<S> {
         index
     }
 
-    fn check_invariants(index: &PrefixIndex, model: &Model<S>) {
+    fn check_invariants(index: &L, model: &Model<S>) {
         if let Err(e) = index.check_invariants() {
             panic!("index invariant broken: {e}");
         }
-        let workers: BTreeSet<u64> = index.workers().map(id_of).collect();
-        assert_eq!(workers, model.workers.keys().copied().collect(), "worker set");
-        assert_eq!(
-            index.workers().count(),
-            model.workers.len(),
-            "a worker listed twice"
-        );
-        assert_eq!(index.stats(), model.stats, "stats");
+        index.check_more(model);
 
         let footprint = index.footprint();
         let entries: usize = model.workers.values().map(|m| m.held.len()).sum();
@@ -714,8 +834,6 @@ impl<S: Shape> StateMachineTest for IndexTest<S> {
                 m.held.len(),
                 "block_count of worker {w}"
             );
-            let held: BTreeSet<u64> = index.held_blocks(key(w)).map(|e| e.0).collect();
-            assert_eq!(held, m.held, "held_blocks of worker {w}");
             if w >= S::HOT_FROM || model.paths.len() < 32 {
                 for &ext in model.paths.keys().chain([&STRANGER]) {
                     assert_eq!(
@@ -732,17 +850,18 @@ impl<S: Shape> StateMachineTest for IndexTest<S> {
             let path = &model.paths[ext];
             check_match(index, &model.depths(path), path, false);
         }
-        assert!(index.find_matches(&[], false).is_empty());
+        let mut none = OverlapScores::default();
+        index.find_into(&[], false, &mut none);
+        assert!(none.is_empty());
     }
 
-    fn teardown(mut index: PrefixIndex, model: Model<S>) {
+    fn teardown(mut index: L, model: Model<S>) {
         // Once every worker is gone, no node may be left behind.
         for &w in model.workers.keys() {
             index
                 .remove_worker(key(w))
                 .expect("removing a worker the model has");
         }
-        assert_eq!(index.workers().count(), 0);
         assert_eq!(
             index.footprint().nodes,
             0,
@@ -767,6 +886,13 @@ prop_state_machine! {
 
     #[test]
     fn seventy_workers_agree_with_the_reference(sequential 1..80 => IndexTest<Many>);
+}
+
+prop_state_machine! {
+    #![proptest_config(Config { cases: 192, max_shrink_iters: 4096, ..Config::default() })]
+
+    #[test]
+    fn the_run_layout_agrees_with_the_reference(sequential 1..100 => IndexTest<Few, RunIndex>);
 }
 
 /// The reference itself, on the A B C D example of OPSTREAM.md, so a bug in it cannot hide one in

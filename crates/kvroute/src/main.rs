@@ -120,6 +120,10 @@ struct IndexArgs {
     /// per-worker cache, in its blocks); 0: the maps grow from empty, as the peers' do.
     #[arg(long, default_value_t = 0)]
     blocks_per_worker: usize,
+    /// The index layout: `nodes` (the router's `PrefixIndex`) or `runs` (`RunIndex`, at most 64
+    /// workers).
+    #[arg(long, value_enum, default_value_t)]
+    layout: bench::index::Layout,
 }
 
 #[derive(Args)]
@@ -279,7 +283,7 @@ fn bench_index(args: IndexArgs) -> anyhow::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let report = bench::index::run(&stream, &name, args.reps, args.blocks_per_worker);
+    let report = bench::index::run(&stream, &name, args.reps, args.blocks_per_worker, args.layout)?;
     for m in report.mismatch_list.iter().take(args.show_mismatches) {
         eprintln!("mismatch at op {}: got {:?} expect {:?}", m.op, m.got, m.expect);
     }

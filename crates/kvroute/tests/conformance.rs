@@ -1,6 +1,7 @@
 //! Conformance of the prefix index with kv-opstream files (`shared/bench/OPSTREAM.md`): every
 //! lookup of a stream must return exactly the depths in its `expect`, and every operation must
-//! apply without error.
+//! apply without error. Both layouts run (`bench index --layout`), the run layout on streams of
+//! at most 64 workers.
 //!
 //! Two sources of streams:
 //!
@@ -19,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use kvroute::bench::index::run;
+use kvroute::bench::index::{Layout, run};
 use kvroute::opstream::{Op, OpStream};
 use kvroute_core::hash::next_sequence_hash;
 use kvroute_core::ids::{LocalBlockHash, SequenceHash};
@@ -41,21 +42,30 @@ fn check(stream: &OpStream, name: &str) -> Option<String> {
 /// [`check`] with each worker's map sized ahead for `blocks_per_worker` blocks.
 fn check_sized(stream: &OpStream, name: &str, blocks_per_worker: usize) -> Option<String> {
     assert!(!stream.ops.is_empty(), "{name}: no operations");
-    let report = run(stream, name, 1, blocks_per_worker);
-    if report.mismatches == 0 && report.apply_errors == 0 {
-        return None;
+    let mut layouts = vec![Layout::Nodes];
+    if stream.header.workers as usize <= kvroute_core::index::RUN_INDEX_MAX_WORKERS {
+        layouts.push(Layout::Runs);
     }
-    let mut text = format!(
-        "{name} ({} ops): {} mismatching lookups, {} apply errors",
-        report.ops, report.mismatches, report.apply_errors
-    );
-    for m in report.mismatch_list.iter().take(5) {
-        text.push_str(&format!(
-            "\n  op {}: got {:?}, expect {:?}",
-            m.op, m.got, m.expect
-        ));
+    let mut failures = Vec::new();
+    for layout in layouts {
+        let report =
+            run(stream, name, 1, blocks_per_worker, layout).expect("the stream has at most 64 workers");
+        if report.mismatches == 0 && report.apply_errors == 0 {
+            continue;
+        }
+        let mut text = format!(
+            "{name} ({} ops, {layout:?}): {} mismatching lookups, {} apply errors",
+            report.ops, report.mismatches, report.apply_errors
+        );
+        for m in report.mismatch_list.iter().take(5) {
+            text.push_str(&format!(
+                "\n  op {}: got {:?}, expect {:?}",
+                m.op, m.got, m.expect
+            ));
+        }
+        failures.push(text);
     }
-    Some(text)
+    (!failures.is_empty()).then(|| failures.join("\n"))
 }
 
 #[test]
@@ -225,13 +235,15 @@ fn a_wrong_expect_is_reported() {
         }
     }
     assert_eq!(edited.len(), 2);
-    let report = run(&stream, "mini-edited", 1, 0);
-    assert_eq!(report.mismatches, 2);
-    assert_eq!(
-        report.mismatch_list.iter().map(|m| m.op).collect::<Vec<_>>(),
-        edited
-    );
-    assert_eq!(report.apply_errors, 0);
+    for layout in [Layout::Nodes, Layout::Runs] {
+        let report = run(&stream, "mini-edited", 1, 0, layout).unwrap();
+        assert_eq!(report.mismatches, 2, "{layout:?}");
+        assert_eq!(
+            report.mismatch_list.iter().map(|m| m.op).collect::<Vec<_>>(),
+            edited
+        );
+        assert_eq!(report.apply_errors, 0);
+    }
 }
 
 #[test]

@@ -56,6 +56,7 @@
 mod event;
 mod ext_map;
 mod free_runs;
+mod runs;
 mod scores;
 mod tier;
 mod walk;
@@ -76,6 +77,7 @@ use wide::Rows;
 
 pub use event::{IndexEvent, Tier, stored_blocks};
 pub use ext_map::{ExtMap, Probe, Vacancy};
+pub use runs::{RUN_INDEX_MAX_WORKERS, RunIndex};
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -170,6 +172,14 @@ pub enum IndexError {
         external: ExternalBlockHash,
         /// How many of the store's blocks were left out; the others were applied.
         unplaced: usize,
+    },
+    /// A [`RunIndex`] was asked to track more workers than its one mask word holds.
+    #[error("worker {worker} refused: the index tracks at most {limit} workers")]
+    TooManyWorkers {
+        /// The worker.
+        worker: WorkerKey,
+        /// The most workers the index tracks.
+        limit: usize,
     },
 }
 

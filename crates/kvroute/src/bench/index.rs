@@ -1,4 +1,5 @@
-//! `kvroute bench index`: an op-stream applied to [`PrefixIndex`] in order on one thread.
+//! `kvroute bench index`: an op-stream applied to [`PrefixIndex`] (or, with `--layout runs`,
+//! [`RunIndex`]) in order on one thread.
 //!
 //! The output line carries the fields of `shared/bench/peerbench`'s `peer-index-bench`, so the
 //! two can be read side by side, plus the index's memory per entry and the peak RSS.
@@ -7,7 +8,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, OverlapScores, PrefixIndex, StoredBlock};
+use kvroute_core::index::{
+    IndexConfig, IndexError, IndexFootprint, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
+};
 use serde::Serialize;
 
 use super::{mean, percentile};
@@ -15,6 +18,105 @@ use crate::opstream::{Op, OpStream};
 
 /// The name this implementation reports as `impl`.
 pub const IMPL_NAME: &str = "kvroute-prefix-index";
+/// [`IMPL_NAME`] of the run layout.
+pub const RUNS_IMPL_NAME: &str = "kvroute-run-index";
+
+/// Which index layout the benchmark drives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    /// [`PrefixIndex`]: a node a block (the router's index).
+    #[default]
+    Nodes,
+    /// [`RunIndex`]: a record a run of blocks with one holder set, local hashes packed.
+    Runs,
+}
+
+/// The operations the benchmark times, alike for both layouts (out of line, so a profiler
+/// counts each layout's operations by the same four functions).
+trait Bench: Sized {
+    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self>;
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError>;
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError>;
+    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError>;
+    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores);
+    fn footprint(&self) -> IndexFootprint;
+}
+
+impl Bench for PrefixIndex {
+    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self> {
+        let mut index = PrefixIndex::new(IndexConfig {
+            expected_blocks_per_worker: blocks_per_worker,
+            ..IndexConfig::default()
+        });
+        for w in 0..workers {
+            index.add_worker(worker(w));
+        }
+        Ok(index)
+    }
+    #[inline(never)]
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        self.apply_stored(w, parent, blocks)
+    }
+    #[inline(never)]
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
+        self.apply_removed(w, exts)
+    }
+    #[inline(never)]
+    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        self.clear_worker(w)
+    }
+    #[inline(never)]
+    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        self.find_matches_into(query, false, out);
+    }
+    fn footprint(&self) -> IndexFootprint {
+        PrefixIndex::footprint(self)
+    }
+}
+
+impl Bench for RunIndex {
+    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self> {
+        let mut index = RunIndex::new(blocks_per_worker);
+        for w in 0..workers {
+            index.add_worker(worker(w))?;
+        }
+        Ok(index)
+    }
+    #[inline(never)]
+    fn store(
+        &mut self,
+        w: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        self.apply_stored(w, parent, blocks)
+    }
+    #[inline(never)]
+    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
+        self.apply_removed(w, exts)
+    }
+    #[inline(never)]
+    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
+        self.clear_worker(w)
+    }
+    #[inline(never)]
+    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        self.find_matches_into(query, false, out);
+    }
+    fn footprint(&self) -> IndexFootprint {
+        RunIndex::footprint(self)
+    }
+}
 
 /// One lookup whose answer differed from the stream's `expect`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,42 +227,40 @@ struct Run {
     entries: u64,
 }
 
-fn run_once(stream: &OpStream, prepared: &[Prepared], blocks_per_worker: usize) -> Run {
-    let mut index = PrefixIndex::new(IndexConfig {
-        expected_blocks_per_worker: blocks_per_worker,
-        ..IndexConfig::default()
-    });
-    for w in 0..stream.header.workers {
-        index.add_worker(worker(w));
-    }
+fn run_once<I: Bench>(
+    stream: &OpStream,
+    prepared: &[Prepared],
+    blocks_per_worker: usize,
+) -> anyhow::Result<Run> {
+    let mut index = I::build(stream.header.workers, blocks_per_worker)?;
     let mut run = Run::default();
     let mut scores = OverlapScores::default();
     for (i, op) in prepared.iter().enumerate() {
         let (ns, ok) = match op {
             Prepared::Store(w, parent, blocks) => {
                 let t0 = Instant::now();
-                let ok = index.apply_stored(*w, *parent, blocks).is_ok();
+                let ok = index.store(*w, *parent, blocks).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.stores.push(ns);
                 (ns, ok)
             }
             Prepared::Remove(w, exts) => {
                 let t0 = Instant::now();
-                let ok = index.apply_removed(*w, exts).is_ok();
+                let ok = index.remove(*w, exts).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.removes.push(ns);
                 (ns, ok)
             }
             Prepared::Clear(w) => {
                 let t0 = Instant::now();
-                let ok = index.clear_worker(*w).is_ok();
+                let ok = index.clear(*w).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.clears.push(ns);
                 (ns, ok)
             }
             Prepared::Match(query) => {
                 let t0 = Instant::now();
-                index.find_matches_into(query, false, &mut scores);
+                index.find(query, &mut scores);
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.matches.push(ns);
                 if let Op::Match { expect, .. } = &stream.ops[i] {
@@ -186,15 +286,25 @@ fn run_once(stream: &OpStream, prepared: &[Prepared], blocks_per_worker: usize) 
     let footprint = index.footprint();
     run.bytes_per_entry = footprint.bytes_per_entry();
     run.entries = footprint.entries;
-    run
+    Ok(run)
 }
 
 /// Applies `stream` `reps` times (each on a fresh index) and reports the median run.
-pub fn run(stream: &OpStream, stream_name: &str, reps: usize, blocks_per_worker: usize) -> IndexBenchReport {
+pub fn run(
+    stream: &OpStream,
+    stream_name: &str,
+    reps: usize,
+    blocks_per_worker: usize,
+    layout: Layout,
+) -> anyhow::Result<IndexBenchReport> {
     let prepared = prepare(stream);
+    let once = match layout {
+        Layout::Nodes => run_once::<PrefixIndex>,
+        Layout::Runs => run_once::<RunIndex>,
+    };
     let mut runs: Vec<Run> = (0..reps.max(1))
-        .map(|_| run_once(stream, &prepared, blocks_per_worker))
-        .collect();
+        .map(|_| once(stream, &prepared, blocks_per_worker))
+        .collect::<anyhow::Result<_>>()?;
     runs.sort_by_key(|r| r.total_ns);
     let mid = runs.len() / 2;
     let mut r = runs.swap_remove(mid);
@@ -210,8 +320,11 @@ pub fn run(stream: &OpStream, stream_name: &str, reps: usize, blocks_per_worker:
         .collect();
     let ops = prepared.len();
     let secs = r.total_ns as f64 / 1e9;
-    IndexBenchReport {
-        implementation: IMPL_NAME,
+    Ok(IndexBenchReport {
+        implementation: match layout {
+            Layout::Nodes => IMPL_NAME,
+            Layout::Runs => RUNS_IMPL_NAME,
+        },
         stream: stream_name.to_owned(),
         ops,
         secs,
@@ -235,5 +348,5 @@ pub fn run(stream: &OpStream, stream_name: &str, reps: usize, blocks_per_worker:
         peak_rss_bytes: super::peak_rss_bytes(),
         reps: reps.max(1),
         mismatch_list: r.mismatches,
-    }
+    })
 }

@@ -1,0 +1,738 @@
+//! [`RunIndex`]: the prefix index laid out as runs, for fleets of at most 64 worker slots.
+//!
+//! The semantics are [`PrefixIndex`](super::PrefixIndex)'s (holding, depth, holes and heals,
+//! the same errors for the same bad stores); the layout differs. A run is a stretch of a chain
+//! whose blocks have one holder set and no branch before its last block: one record (first
+//! block, length, holder mask, parent block, children) for the whole stretch. A run's blocks
+//! have consecutive block ids, and the blocks' local hashes are one packed array indexed by
+//! block id, so a lookup along a run is a loop comparing 8-byte hashes, with one child lookup
+//! a run rather than a node read a block.
+//!
+//! * Children hang off a run's last block and are keyed by that block's id, which never changes,
+//!   so splitting a run (a store that branches or covers part of it, a removal of part of it:
+//!   holes stay exact) moves no child. A split rewrites the run id of the blocks after the cut.
+//! * A store that continues a run held by its worker alone, with no children and free ids after
+//!   it, appends to the run.
+//! * Runs are not merged back when holder sets become equal again.
+//!
+//! Block ids come from the same coalescing free runs as the node arena's (`free_runs`).
+
+use hashbrown::{HashMap, HashTable};
+
+use super::free_runs::{FreeRuns, Source};
+use super::{
+    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
+};
+use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
+use crate::key_hasher::{BuildKeyHasher, mix};
+
+/// A block id: its place in the packed arrays.
+type BlockId = u32;
+/// A run id.
+type RunId = u32;
+
+/// Worker slots a [`RunIndex`] holds (one mask word).
+pub const RUN_INDEX_MAX_WORKERS: usize = 64;
+
+/// A stretch of a chain with one holder set.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    /// The first block's id; the run is `start..start + len`.
+    start: BlockId,
+    /// Blocks in the run; 0 for a free run.
+    len: u32,
+    /// The workers that hold every block of the run.
+    mask: u64,
+    /// The block the run continues (the last block of another run), or `NONE` under the root.
+    parent: BlockId,
+    /// A child run reached without the table, or `NONE`.
+    hint: RunId,
+    /// Child runs of the last block.
+    children: u32,
+}
+
+impl Run {
+    const FREE: Run = Run {
+        start: 0,
+        len: 0,
+        mask: 0,
+        parent: NONE,
+        hint: NONE,
+        children: 0,
+    };
+
+    fn end(&self) -> BlockId {
+        self.start + self.len
+    }
+
+    fn last(&self) -> BlockId {
+        self.end() - 1
+    }
+}
+
+/// One worker's view: the engine's external hashes of the blocks it holds.
+#[derive(Debug)]
+struct Slot {
+    key: WorkerKey,
+    blocks: ExtMap,
+}
+
+#[inline]
+fn child_hash(parent: BlockId, local: u64) -> u64 {
+    mix(local, u64::from(parent))
+}
+
+/// The prefix index as runs of blocks with one holder set; see the module docs.
+#[derive(Debug, Default)]
+pub struct RunIndex {
+    /// Local hash of each block id.
+    locals: Vec<u64>,
+    /// Run of each block id; `NONE` for free ids.
+    run_of: Vec<RunId>,
+    runs: Vec<Run>,
+    free_run_ids: Vec<RunId>,
+    /// Free block ids.
+    free: FreeRuns,
+    /// Child runs not reached by their parent run's hint (and every run under the root), keyed
+    /// by `(parent block, first local)`.
+    children: HashTable<RunId>,
+    slots: Vec<Option<Slot>>,
+    slot_of: HashMap<WorkerKey, u32, BuildKeyHasher>,
+    /// Reused block id buffer.
+    scratch: Vec<BlockId>,
+    /// New-block id stretches of a store.
+    segments: Vec<(BlockId, u32)>,
+    per_worker: usize,
+}
+
+impl RunIndex {
+    /// An empty index whose workers' maps are sized for `blocks_per_worker` (a hint).
+    pub fn new(blocks_per_worker: usize) -> Self {
+        Self {
+            per_worker: blocks_per_worker,
+            ..Self::default()
+        }
+    }
+
+    /// Starts tracking `worker`, empty; a worker already tracked is left alone. Refused past
+    /// [`RUN_INDEX_MAX_WORKERS`] workers.
+    pub fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
+        if self.slot_of.contains_key(&worker) {
+            return Ok(());
+        }
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None if self.slots.len() < RUN_INDEX_MAX_WORKERS => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+            None => {
+                return Err(IndexError::TooManyWorkers {
+                    worker,
+                    limit: RUN_INDEX_MAX_WORKERS,
+                });
+            }
+        };
+        let mut blocks = ExtMap::default();
+        blocks.reserve(self.per_worker);
+        self.slots[slot] = Some(Slot { key: worker, blocks });
+        self.slot_of.insert(worker, slot as u32);
+        Ok(())
+    }
+
+    /// Stops tracking `worker` and forgets every block it held.
+    pub fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
+        self.clear_worker(worker)?;
+        if let Some(slot) = self.slot_of.remove(&worker) {
+            self.slots[slot as usize] = None;
+        }
+        Ok(())
+    }
+
+    /// How many blocks `worker` holds.
+    pub fn block_count(&self, worker: WorkerKey) -> usize {
+        self.slot(worker).map_or(0, |s| s.blocks.len())
+    }
+
+    /// Whether `worker` holds the block the engine calls `external`.
+    pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
+        self.slot(worker)
+            .is_some_and(|s| s.blocks.get(external.0).is_some())
+    }
+
+    /// Entries, live blocks and heap bytes (`nodes` counts live blocks).
+    pub fn footprint(&self) -> IndexFootprint {
+        let entries: usize = self.slots.iter().flatten().map(|s| s.blocks.len()).sum();
+        let maps: usize = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| s.blocks.allocation_size())
+            .sum();
+        let heap = self.locals.capacity() * size_of::<u64>()
+            + self.run_of.capacity() * size_of::<RunId>()
+            + self.runs.capacity() * size_of::<Run>()
+            + self.free_run_ids.capacity() * size_of::<RunId>()
+            + self.free.allocation_size()
+            + self.children.allocation_size()
+            + self.slots.capacity() * size_of::<Option<Slot>>()
+            + self.slot_of.allocation_size()
+            + maps;
+        IndexFootprint {
+            entries: entries as u64,
+            nodes: (self.locals.len() - self.free.len()) as u64,
+            heap_bytes: heap as u64,
+        }
+    }
+
+    /// [`PrefixIndex::apply_stored`](super::PrefixIndex::apply_stored), with the same results.
+    pub fn apply_stored(
+        &mut self,
+        worker: WorkerKey,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let bit = 1u64 << slot;
+        let map = self.map(slot);
+        for block in blocks.iter().take(STORE_AHEAD) {
+            map.prefetch(block.external.0);
+        }
+        let mut at = match parent {
+            None => NONE,
+            Some(parent) => match self.map(slot).get(parent.0) {
+                Some(block) => block,
+                None => return Err(IndexError::UnknownParent { worker, parent }),
+            },
+        };
+        let mut i = 0;
+        // The blocks already in the tree, a stretch of one run at a time.
+        while i < blocks.len() {
+            let Some((r, off)) = self.next(at, blocks[i].local.0) else {
+                break;
+            };
+            let run = self.runs[r as usize];
+            let from = run.start + off;
+            let room = ((run.end() - from) as usize).min(blocks.len() - i);
+            let n = 1 + self.locals[from as usize + 1..][..room - 1]
+                .iter()
+                .zip(&blocks[i + 1..])
+                .take_while(|(l, b)| **l == b.local.0)
+                .count();
+            let held = run.mask & bit != 0;
+            let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+            let mut applied = n;
+            let mut error = None;
+            for (k, block) in blocks[i..i + n].iter().enumerate() {
+                let id = from + k as BlockId;
+                if let Some(ahead) = blocks.get(i + k + STORE_AHEAD) {
+                    map.prefetch(ahead.external.0);
+                }
+                match map.probe(block.external.0) {
+                    Probe::Found(h) if h == id => {}
+                    Probe::Found(_) => {
+                        error = Some(IndexError::ConflictingBlock {
+                            worker,
+                            external: block.external,
+                            applied: i + k,
+                        });
+                    }
+                    Probe::Vacant(_) if held => {
+                        error = Some(IndexError::DuplicatePrefix {
+                            worker,
+                            external: block.external,
+                            applied: i + k,
+                        });
+                    }
+                    Probe::Vacant(v) => map.insert_at(v, block.external.0, id),
+                }
+                if error.is_some() {
+                    applied = k;
+                    break;
+                }
+            }
+            if !held && applied > 0 {
+                self.change_range(r, off, applied as u32, |m| m | bit);
+            }
+            if let Some(error) = error {
+                return Err(error);
+            }
+            i += n;
+            at = from + n as BlockId - 1;
+        }
+        if i == blocks.len() {
+            return Ok(());
+        }
+        // A branch inside a run: the new blocks hang off a run's last block.
+        if at != NONE {
+            let r = self.run_of[at as usize];
+            let run = self.runs[r as usize];
+            if at != run.last() {
+                self.split(r, at + 1 - run.start);
+            }
+        }
+        self.new_blocks(worker, slot, at, &blocks[i..], i)
+    }
+
+    /// Lays `rest`, new to the tree, under block `at` (a run's last block, or `NONE`) for the
+    /// worker in `slot`; `before` blocks of the store came before them.
+    fn new_blocks(
+        &mut self,
+        worker: WorkerKey,
+        slot: usize,
+        mut at: BlockId,
+        rest: &[StoredBlock],
+        before: usize,
+    ) -> Result<(), IndexError> {
+        let bit = 1u64 << slot;
+        // Ids first (an append to `at`'s run where it is this worker's alone, childless and
+        // the next id is free), then the map, then the runs for the blocks the map took.
+        let mut segments = std::mem::take(&mut self.segments);
+        segments.clear();
+        let mut need = rest.len();
+        while need > 0 {
+            let source = self.free.source(need, self.locals.len(), self.locals.capacity());
+            let taken = match source {
+                Source::Free => self.free.take_up_to(need),
+                Source::End => None,
+            };
+            let (start, n) = taken.unwrap_or_else(|| {
+                let start = self.locals.len();
+                for _ in 0..need {
+                    self.locals.push(0);
+                    self.run_of.push(NONE);
+                }
+                (start as BlockId, need)
+            });
+            segments.push((start, n as u32));
+            need -= n;
+        }
+        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        map.reserve(rest.len());
+        let mut applied = rest.len();
+        let mut error = None;
+        let ids = segments.iter().flat_map(|&(s, n)| s..s + n);
+        for (k, (block, id)) in rest.iter().zip(ids).enumerate() {
+            if let Some(ahead) = rest.get(k + STORE_AHEAD) {
+                map.prefetch(ahead.external.0);
+            }
+            match map.probe(block.external.0) {
+                Probe::Found(_) => {
+                    applied = k;
+                    error = Some(IndexError::ConflictingBlock {
+                        worker,
+                        external: block.external,
+                        applied: before + k,
+                    });
+                    break;
+                }
+                Probe::Vacant(v) => map.insert_at(v, block.external.0, id),
+            }
+        }
+        let mut left = applied;
+        let mut laid = 0;
+        for &(start, n) in &segments {
+            let used = (n as usize).min(left);
+            for id in start + used as u32..start + n {
+                self.free.free(id);
+            }
+            if used == 0 {
+                continue;
+            }
+            for (k, block) in rest[laid..laid + used].iter().enumerate() {
+                self.locals[start as usize + k] = block.local.0;
+            }
+            let extend = (at != NONE).then(|| self.run_of[at as usize]).filter(|&r| {
+                let run = &self.runs[r as usize];
+                run.mask == bit && run.children == 0 && run.end() == start
+            });
+            let r = match extend {
+                Some(r) => {
+                    self.runs[r as usize].len += used as u32;
+                    r
+                }
+                None => {
+                    let r = self.new_run(Run {
+                        start,
+                        len: used as u32,
+                        mask: bit,
+                        parent: at,
+                        hint: NONE,
+                        children: 0,
+                    });
+                    self.adopt(at, r);
+                    r
+                }
+            };
+            self.run_of[start as usize..start as usize + used].fill(r);
+            at = start + used as u32 - 1;
+            left -= used;
+            laid += used;
+        }
+        self.segments = segments;
+        error.map_or(Ok(()), Err)
+    }
+
+    /// [`PrefixIndex::apply_removed`](super::PrefixIndex::apply_removed): drops `externals`
+    /// from `worker`; returns how many it held.
+    pub fn apply_removed(
+        &mut self,
+        worker: WorkerKey,
+        externals: &[ExternalBlockHash],
+    ) -> Result<usize, IndexError> {
+        let slot = self.slot_index(worker)?;
+        let mut dropped = std::mem::take(&mut self.scratch);
+        dropped.clear();
+        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        for e in externals.iter().take(REMOVE_AHEAD) {
+            map.prefetch(e.0);
+        }
+        for (i, e) in externals.iter().enumerate() {
+            if let Some(ahead) = externals.get(i + REMOVE_AHEAD) {
+                map.prefetch(ahead.0);
+            }
+            if let Some(b) = map.remove(e.0) {
+                dropped.push(b);
+            }
+        }
+        let count = dropped.len();
+        self.release(&mut dropped, slot);
+        self.scratch = dropped;
+        Ok(count)
+    }
+
+    /// `worker` now holds nothing.
+    pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let mut dropped = std::mem::take(&mut self.scratch);
+        dropped.clear();
+        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        dropped.extend(map.drain_nodes());
+        self.release(&mut dropped, slot);
+        self.scratch = dropped;
+        Ok(())
+    }
+
+    /// Clears `slot`'s bit on `dropped` (block ids it held), a stretch of a run at a time: ids
+    /// that follow each other in `dropped`, rising or falling by one within one run, are one
+    /// stretch. Any order is correct (a run is looked up again for each stretch, and a run
+    /// holding a block still to be dropped keeps the bit, so it is not freed before its turn);
+    /// an engine's removals list a chain's blocks in order, so stretches are long.
+    fn release(&mut self, dropped: &mut [BlockId], slot: usize) {
+        let bit = 1u64 << slot;
+        let mut k = 0;
+        while k < dropped.len() {
+            let b = dropped[k];
+            let r = self.run_of[b as usize];
+            let run = self.runs[r as usize];
+            let mut n = 1;
+            if dropped.get(k + 1) == Some(&b.wrapping_add(1)) {
+                while dropped.get(k + n) == Some(&(b + n as BlockId)) && b + (n as BlockId) < run.end() {
+                    n += 1;
+                }
+            } else if dropped.get(k + 1) == Some(&b.wrapping_sub(1)) {
+                while b >= n as BlockId
+                    && b - (n as BlockId) >= run.start
+                    && dropped.get(k + n) == Some(&(b - n as BlockId))
+                {
+                    n += 1;
+                }
+            }
+            let first = b.min(dropped[k + n - 1]);
+            let r = self.change_range(r, first - run.start, n as u32, |m| m & !bit);
+            self.collect(r);
+            k += n;
+        }
+    }
+
+    /// Gives blocks `off..off + n` of run `r` the holder mask `f(mask)`, splitting the run
+    /// around them; returns their run.
+    fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(u64) -> u64) -> RunId {
+        let mut r = r;
+        if off > 0 {
+            r = self.split(r, off);
+        }
+        if self.runs[r as usize].len > n {
+            self.split(r, n);
+        }
+        let run = &mut self.runs[r as usize];
+        run.mask = f(run.mask);
+        r
+    }
+
+    /// Cuts run `r` before its block `at` (`0 < at < len`); returns the new run of the blocks
+    /// from `at` on, which takes over `r`'s children.
+    fn split(&mut self, r: RunId, at: u32) -> RunId {
+        let run = self.runs[r as usize];
+        let tail = self.new_run(Run {
+            start: run.start + at,
+            len: run.len - at,
+            mask: run.mask,
+            parent: run.start + at - 1,
+            hint: run.hint,
+            children: run.children,
+        });
+        self.run_of[(run.start + at) as usize..run.end() as usize].fill(tail);
+        let head = &mut self.runs[r as usize];
+        head.len = at;
+        head.hint = tail;
+        head.children = 1;
+        tail
+    }
+
+    fn new_run(&mut self, run: Run) -> RunId {
+        match self.free_run_ids.pop() {
+            Some(r) => {
+                self.runs[r as usize] = run;
+                r
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as RunId
+            }
+        }
+    }
+
+    /// Counts run `r`, just written, among the children of block `parent`.
+    fn adopt(&mut self, parent: BlockId, r: RunId) {
+        if parent != NONE {
+            let p = &mut self.runs[self.run_of[parent as usize] as usize];
+            p.children += 1;
+            if p.hint == NONE && p.children == 1 {
+                p.hint = r;
+                return;
+            }
+        }
+        let local = self.locals[self.runs[r as usize].start as usize];
+        let (runs, locals) = (&self.runs, &self.locals);
+        self.children.insert_unique(child_hash(parent, local), r, |&c| {
+            let c = &runs[c as usize];
+            child_hash(c.parent, locals[c.start as usize])
+        });
+    }
+
+    /// Frees run `r` if nobody holds it and it has no children, then its ancestors likewise.
+    fn collect(&mut self, mut r: RunId) {
+        loop {
+            let run = self.runs[r as usize];
+            if run.mask != 0 || run.children != 0 {
+                return;
+            }
+            let local = self.locals[run.start as usize];
+            let in_table = if run.parent == NONE {
+                true
+            } else {
+                let p = &mut self.runs[self.run_of[run.parent as usize] as usize];
+                p.children -= 1;
+                if p.hint == r {
+                    p.hint = NONE;
+                    false
+                } else {
+                    true
+                }
+            };
+            if in_table
+                && let Ok(entry) = self
+                    .children
+                    .find_entry(child_hash(run.parent, local), |&c| c == r)
+            {
+                entry.remove();
+            }
+            // Last block first, so the ids coalesce into one free run in order.
+            for id in (run.start..run.end()).rev() {
+                self.run_of[id as usize] = NONE;
+                self.free.free(id);
+            }
+            self.runs[r as usize] = Run::FREE;
+            self.free_run_ids.push(r);
+            if run.parent == NONE {
+                return;
+            }
+            r = self.run_of[run.parent as usize];
+        }
+    }
+
+    /// The place of the block after block `at` (`NONE`: the root) whose local hash is `local`:
+    /// its run and offset.
+    #[inline]
+    fn next(&self, at: BlockId, local: u64) -> Option<(RunId, u32)> {
+        if at != NONE {
+            let r = self.run_of[at as usize];
+            let run = &self.runs[r as usize];
+            if at != run.last() {
+                return (self.locals[at as usize + 1] == local).then_some((r, at + 1 - run.start));
+            }
+        }
+        self.child(at, local).map(|c| (c, 0))
+    }
+
+    /// The child run of block `parent` (a run's last block, or `NONE`) starting with `local`.
+    #[inline]
+    fn child(&self, parent: BlockId, local: u64) -> Option<RunId> {
+        let run = (parent != NONE).then(|| &self.runs[self.run_of[parent as usize] as usize]);
+        self.child_of(run, parent, local)
+    }
+
+    /// [`RunIndex::child`] where `run` is the run of `parent` (`None` for the root).
+    #[inline]
+    fn child_of(&self, run: Option<&Run>, parent: BlockId, local: u64) -> Option<RunId> {
+        if let Some(p) = run {
+            if p.hint != NONE && self.locals[self.runs[p.hint as usize].start as usize] == local {
+                return Some(p.hint);
+            }
+            if p.children <= u32::from(p.hint != NONE) {
+                return None;
+            }
+        }
+        let (runs, locals) = (&self.runs, &self.locals);
+        self.children
+            .find(child_hash(parent, local), |&c| {
+                let c = &runs[c as usize];
+                c.parent == parent && locals[c.start as usize] == local
+            })
+            .copied()
+    }
+
+    /// [`PrefixIndex::find_matches_into`](super::PrefixIndex::find_matches_into).
+    pub fn find_matches_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        out.clear();
+        let Some(first) = query.first() else {
+            return;
+        };
+        let Some(mut r) = self.child(NONE, first.0) else {
+            return;
+        };
+        let mut active = self.runs[r as usize].mask;
+        let mut depth = 1usize;
+        loop {
+            if active == 0 {
+                return;
+            }
+            if early_exit && active & (active - 1) == 0 {
+                break;
+            }
+            let run = self.runs[r as usize];
+            let tail = &self.locals[run.start as usize + 1..run.end() as usize];
+            let m = tail
+                .iter()
+                .zip(&query[depth..])
+                .take_while(|(l, q)| **l == q.0)
+                .count();
+            depth += m;
+            if m < tail.len() || depth == query.len() {
+                break;
+            }
+            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
+                break;
+            };
+            let kept = active & self.runs[c as usize].mask;
+            self.emit(active & !kept, depth as u32, out);
+            active = kept;
+            depth += 1;
+            r = c;
+        }
+        self.emit(active, depth as u32, out);
+    }
+
+    /// Records `depth` for every worker whose bit is set in `bits`.
+    fn emit(&self, mut bits: u64, depth: u32, out: &mut OverlapScores) {
+        while bits != 0 {
+            let slot = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(Some(s)) = self.slots.get(slot) {
+                out.push(s.key, depth);
+            }
+        }
+    }
+
+    /// Checks the layout's invariants, for tests: runs cover their blocks, children hang off
+    /// last blocks and are found, counts match, no run is kept that nobody holds and that has no
+    /// children, and every worker's map agrees with the runs' masks.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut children = vec![0u32; self.runs.len()];
+        let mut held_bits = 0usize;
+        let mut live_blocks = 0usize;
+        for (r, run) in self.runs.iter().enumerate() {
+            if run.len == 0 {
+                continue;
+            }
+            live_blocks += run.len as usize;
+            for id in run.start..run.end() {
+                if self.run_of[id as usize] != r as RunId {
+                    return Err(format!(
+                        "block {id} of run {r} maps to run {}",
+                        self.run_of[id as usize]
+                    ));
+                }
+            }
+            if run.parent != NONE {
+                let p = self.run_of[run.parent as usize];
+                if p == NONE || self.runs[p as usize].last() != run.parent {
+                    return Err(format!(
+                        "run {r} hangs off block {}, not a live run's last",
+                        run.parent
+                    ));
+                }
+                children[p as usize] += 1;
+            }
+            if self.child(run.parent, self.locals[run.start as usize]) != Some(r as RunId) {
+                return Err(format!("run {r} is not found as a child of block {}", run.parent));
+            }
+            if run.mask == 0 && run.children == 0 {
+                return Err(format!(
+                    "run {r} is held by nobody and has no children, but was kept"
+                ));
+            }
+            held_bits += run.len as usize * run.mask.count_ones() as usize;
+        }
+        for (r, run) in self.runs.iter().enumerate() {
+            if run.len > 0 && run.children != children[r] {
+                return Err(format!(
+                    "run {r} counts {} children, has {}",
+                    run.children, children[r]
+                ));
+            }
+        }
+        if live_blocks + self.free.len() != self.locals.len() {
+            return Err(format!(
+                "{live_blocks} live and {} free blocks in an arena of {}",
+                self.free.len(),
+                self.locals.len()
+            ));
+        }
+        let mut entries = 0;
+        for (slot, s) in self.slots.iter().enumerate() {
+            let Some(s) = s else { continue };
+            for (ext, id) in s.blocks.iter() {
+                let r = self.run_of[id as usize];
+                if r == NONE || self.runs[r as usize].mask & (1 << slot) == 0 {
+                    return Err(format!(
+                        "worker {} maps {ext:#x} to block {id}, which it does not hold",
+                        s.key
+                    ));
+                }
+            }
+            entries += s.blocks.len();
+        }
+        if entries != held_bits {
+            return Err(format!("{entries} map entries but {held_bits} worker bits set"));
+        }
+        Ok(())
+    }
+
+    fn slot(&self, worker: WorkerKey) -> Option<&Slot> {
+        let slot = *self.slot_of.get(&worker)?;
+        self.slots[slot as usize].as_ref()
+    }
+
+    fn slot_index(&self, worker: WorkerKey) -> Result<usize, IndexError> {
+        self.slot_of
+            .get(&worker)
+            .map(|&s| s as usize)
+            .ok_or(IndexError::UnknownWorker(worker))
+    }
+
+    fn map(&self, slot: usize) -> &ExtMap {
+        &self.slots[slot].as_ref().expect("registered slot").blocks
+    }
+}
