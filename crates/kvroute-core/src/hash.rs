@@ -136,10 +136,8 @@ impl BlockHasher {
     /// Local hashes of every full block of `tokens`.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
         fn short<const N: usize>(hasher: &BlockHasher, tokens: &[u32]) -> Vec<LocalBlockHash> {
-            tokens
-                .chunks_exact(N)
-                .map(|block| LocalBlockHash(hasher.keys.hash_chunk::<N>(block, hasher.seed)))
-                .collect()
+            let (blocks, _) = tokens.as_chunks::<N>();
+            blocks.iter().map(|block| LocalBlockHash(hasher.keys.hash(block))).collect()
         }
         match self.block_size {
             16 => short::<16>(self, tokens),
@@ -184,107 +182,83 @@ impl BlockHasher {
         tokens: &[u32],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        match self.block_size {
-            16 => self.hash_blocks::<16>(tokens, locals),
-            32 => self.hash_blocks::<32>(tokens, locals),
-            _ => self.hash_any_blocks(tokens, locals),
-        }
-    }
-
-    /// [`BlockHasher::hash_prompt_shared`] for blocks of `N` tokens, `N` in 5..=32.
-    fn hash_blocks<const N: usize>(
-        &self,
-        tokens: &[u32],
-        locals: &mut Vec<LocalBlockHash>,
-    ) -> Arc<[SequenceHash]> {
-        debug_assert_eq!(N, self.block_size);
-        let keys = &self.keys;
-        let mut blocks = tokens.chunks_exact(N);
-        // Sized up front and written through `iter_mut`: no capacity check per block. Every
-        // entry is written below, so what a longer earlier prompt left is overwritten, not zeroed
-        // first (a 64 KiB `memset` per 128K-token prompt).
-        locals.resize(blocks.len(), LocalBlockHash(0));
-        let (Some(first), Some((first_local, rest_locals))) = (blocks.next(), locals.split_first_mut())
-        else {
-            return Arc::new([]);
-        };
-        let mut prev = keys.hash_chunk::<N>(first, self.seed);
-        *first_local = LocalBlockHash(prev);
-        // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
-        // blocks' local hashes, which do not depend on it. `once` chained to a zip of slices
-        // has an exact length, so the `Arc` is allocated once and filled in place. (The same
-        // loop as `hash_blocks_after`'s, kept apart: with its extra chained parts this loop ran
-        // 7 % slower.)
-        std::iter::once(SequenceHash(prev))
-            .chain(blocks.zip(rest_locals).map(|(block, slot)| {
-                let local = keys.hash_chunk::<N>(block, self.seed);
-                *slot = LocalBlockHash(local);
-                prev = chain_step(prev, local);
-                SequenceHash(prev)
-            }))
-            .collect()
+        self.hash_from(tokens, &[], None, locals)
     }
 
     /// The chain of a prompt whose first blocks' sequence hashes are `known` (their local hashes
-    /// the first `known.len()` of `locals`), followed by the full blocks of `tokens`, blocks of
-    /// `N` tokens, `N` in 5..=32: `tokens`' local hashes follow them in `locals` (whatever else
-    /// it held is overwritten or cut); the result holds `known` and the new blocks' sequence
-    /// hashes, in one allocation.
+    /// the first `known.len()` of `locals`), followed by the full blocks of `tokens`: `tokens`'
+    /// local hashes follow them in `locals` (whatever else it held is cut); the result holds
+    /// `known` and the new blocks' sequence hashes, in one allocation. When nothing is known,
+    /// `first_seed` (if any) is the first block's local seed (a cache salt's).
+    fn hash_from(
+        &self,
+        tokens: &[u32],
+        known: &[SequenceHash],
+        first_seed: Option<u64>,
+        locals: &mut Vec<LocalBlockHash>,
+    ) -> Arc<[SequenceHash]> {
+        match self.block_size {
+            16 => self.hash_blocks_after::<16>(tokens, known, first_seed, locals),
+            32 => self.hash_blocks_after::<32>(tokens, known, first_seed, locals),
+            _ => self.hash_any_blocks_after(tokens, known, first_seed, locals),
+        }
+    }
+
+    /// [`BlockHasher::hash_from`] for blocks of `N` tokens, `N` in 5..=32.
+    ///
+    /// One pass: each chain step (a latency chain of about 13 cycles) overlaps the next blocks'
+    /// local hashes, which do not depend on it. The blocks are `as_chunks` arrays (no length
+    /// check per block), the chain is written into its one shared allocation through plain
+    /// slices (the known part copied whole), and the local hashes are appended as an exact-length
+    /// extend (one capacity check).
     fn hash_blocks_after<const N: usize>(
         &self,
         tokens: &[u32],
         known: &[SequenceHash],
+        first_seed: Option<u64>,
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
         debug_assert_eq!(N, self.block_size);
         debug_assert!(known.len() <= locals.len());
         let keys = &self.keys;
-        let mut blocks = tokens.chunks_exact(N);
-        // Sized up front and written through `iter_mut`: no capacity check per block. Every
-        // new entry is written below, so what a longer earlier prompt left is overwritten, not
-        // zeroed first (a 64 KiB `memset` per 128K-token prompt).
+        let (blocks, _) = tokens.as_chunks::<N>();
         let start = known.len();
-        locals.resize(start + blocks.len(), LocalBlockHash(0));
-        let mut slots = locals[start..].iter_mut();
-        // The root block, when nothing is known: its sequence hash is its local hash.
-        let (root, mut prev) = match known.last() {
-            Some(last) => (None, last.0),
-            None => {
-                let (Some(first), Some(slot)) = (blocks.next(), slots.next()) else {
-                    return Arc::new([]);
-                };
-                let local = keys.hash_chunk::<N>(first, self.seed);
-                *slot = LocalBlockHash(local);
-                (Some(SequenceHash(local)), local)
-            }
-        };
-        // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
-        // blocks' local hashes, which do not depend on it. A slice, an `Option` and a zip of
-        // slices chained have an exact length, so the `Arc` is allocated once and filled in
-        // place.
-        known
-            .iter()
-            .copied()
-            .chain(root)
-            .chain(blocks.zip(slots).map(|(block, slot)| {
-                let local = keys.hash_chunk::<N>(block, self.seed);
-                *slot = LocalBlockHash(local);
+        locals.truncate(start);
+        shared_chain(start + blocks.len(), |chain| {
+            let (head, new) = chain.split_at_mut(start);
+            head.copy_from_slice(known);
+            let (mut blocks, mut slots) = (blocks.iter(), new.iter_mut());
+            // The root block, when nothing is known: its sequence hash is its local hash.
+            let mut prev = match known.last() {
+                Some(last) => last.0,
+                None => {
+                    let (Some(block), Some(slot)) = (blocks.next(), slots.next()) else {
+                        return;
+                    };
+                    let local = match first_seed {
+                        Some(seed) => hash_u32_le(block, seed),
+                        None => keys.hash(block),
+                    };
+                    locals.push(LocalBlockHash(local));
+                    *slot = SequenceHash(local);
+                    local
+                }
+            };
+            locals.extend(blocks.zip(slots).map(|(block, slot)| {
+                let local = keys.hash(block);
                 prev = chain_step(prev, local);
-                SequenceHash(prev)
-            }))
-            .collect()
+                *slot = SequenceHash(prev);
+                LocalBlockHash(local)
+            }));
+        })
     }
 
-    /// [`BlockHasher::hash_prompt_shared`] for any block size, through `xxh3_64_with_seed`.
-    fn hash_any_blocks(&self, tokens: &[u32], locals: &mut Vec<LocalBlockHash>) -> Arc<[SequenceHash]> {
-        self.hash_any_blocks_after(tokens, &[], locals)
-    }
-
-    /// [`BlockHasher::hash_blocks_after`] for any block size, through `xxh3_64_with_seed`.
+    /// [`BlockHasher::hash_from`] for any block size, through `xxh3_64_with_seed`.
     fn hash_any_blocks_after(
         &self,
         tokens: &[u32],
         known: &[SequenceHash],
+        first_seed: Option<u64>,
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
         debug_assert!(known.len() <= locals.len());
@@ -297,7 +271,10 @@ impl BlockHasher {
             .iter()
             .copied()
             .chain(tokens.chunks_exact(self.block_size).map(|block| {
-                let local = LocalBlockHash(self.hash_any(block));
+                let local = match (prev, first_seed) {
+                    (None, Some(seed)) => LocalBlockHash(hash_u32_le(block, seed)),
+                    _ => LocalBlockHash(self.hash_any(block)),
+                };
                 let seq = next_sequence_hash(prev, local);
                 locals.push(local);
                 prev = Some(seq);
@@ -315,12 +292,24 @@ impl BlockHasher {
         known: &[SequenceHash],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        match self.block_size {
-            16 => self.hash_blocks_after::<16>(tokens, known, locals),
-            32 => self.hash_blocks_after::<32>(tokens, known, locals),
-            _ => self.hash_any_blocks_after(tokens, known, locals),
+        self.hash_from(tokens, known, None, locals)
+    }
+}
+
+/// A shared chain of `len` sequence hashes, written by `fill` in place: allocated once (zeroed),
+/// neither grown nor copied.
+fn shared_chain(len: usize, fill: impl FnOnce(&mut [SequenceHash])) -> Arc<[SequenceHash]> {
+    let mut chain: Arc<[SequenceHash]> = std::iter::repeat_n(SequenceHash(0), len).collect();
+    match Arc::get_mut(&mut chain) {
+        Some(slots) => fill(slots),
+        // Never: a fresh `Arc` is unique. Through a buffer all the same, rather than a panic.
+        None => {
+            let mut slots = vec![SequenceHash(0); len];
+            fill(&mut slots);
+            chain = slots.into();
         }
     }
+    chain
 }
 
 /// Hashes a request's prompt as vLLM salts its blocks: the LoRA adapter salts every block, a
@@ -386,14 +375,8 @@ impl PromptHasher {
         tokens: &[u32],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        let chain = self.rest.hash_prompt_shared(tokens, locals);
-        match (self.first, locals.first_mut()) {
-            (Some(seed), Some(first)) => {
-                *first = LocalBlockHash(hash_u32_le(&tokens[..self.block_size()], seed));
-                sequence_hashes_shared(locals)
-            }
-            _ => chain,
-        }
+        // The first block under its own seed, in the one pass: hashed once, chained once.
+        self.rest.hash_from(tokens, &[], self.first, locals)
     }
 
     /// The hashes of a prompt that continues the earlier prompt whose hashes are `earlier`: the
@@ -548,18 +531,18 @@ impl PromptHashes {
 /// The sequence hashes of `locals`, starting from the root, written straight into one shared
 /// allocation (no copy from a buffer): the chain a router books.
 pub fn sequence_hashes_shared(locals: &[LocalBlockHash]) -> Arc<[SequenceHash]> {
-    let Some((first, rest)) = locals.split_first() else {
-        return Arc::new([]);
-    };
-    let mut prev = first.0;
-    // `once` chained to a slice map has an exact length, so the `Arc` is allocated once and
-    // filled in place.
-    std::iter::once(SequenceHash(prev))
-        .chain(rest.iter().map(|local| {
+    shared_chain(locals.len(), |chain| {
+        let (Some((first, rest)), Some((root, slots))) = (locals.split_first(), chain.split_first_mut())
+        else {
+            return;
+        };
+        let mut prev = first.0;
+        *root = SequenceHash(prev);
+        for (local, slot) in rest.iter().zip(slots) {
             prev = chain_step(prev, local.0);
-            SequenceHash(prev)
-        }))
-        .collect()
+            *slot = SequenceHash(prev);
+        }
+    })
 }
 
 /// The sequence hashes of `locals` into `chain` (cleared first), starting from the root.
@@ -663,16 +646,6 @@ impl ShortKeys {
     fn mix16<const N: usize>(&self, block: &[u32; N], offset: usize, secret: usize) -> u64 {
         let (i, k) = (offset / 4, secret / 8);
         mul128_fold64(word(block, i) ^ self.0[k], word(block, i + 2) ^ self.0[k + 1])
-    }
-
-    /// [`ShortKeys::hash`] of a block `chunks_exact(N)` cut, so of `N` tokens; any other length
-    /// (which `chunks_exact` never gives) takes the general XXH3 with `seed`, these keys' seed.
-    #[inline(always)]
-    fn hash_chunk<const N: usize>(&self, block: &[u32], seed: u64) -> u64 {
-        match <&[u32; N]>::try_from(block) {
-            Ok(block) => self.hash(block),
-            Err(_) => hash_u32_le(block, seed),
-        }
     }
 
     /// `XXH3_64_with_seed` of the `4 * N` little-endian bytes of `block`, for `N` in 5..=32
