@@ -251,8 +251,7 @@ impl BlockHasher {
     /// empty: else [`BlockHasher::hash_blocks`]).
     ///
     /// One pass: each chain step (a latency chain of about 13 cycles) overlaps the next blocks'
-    /// local hashes, which do not depend on it. The blocks are `as_chunks` arrays (no length
-    /// check per block), the chain is written into its one shared allocation through plain
+    /// local hashes, which do not depend on it. The chain is written into its one shared allocation through plain
     /// slices, the known part copied whole (a `memcpy`, where an iterator chained to the new
     /// hashes copied it hash by hash), and the local hashes are appended as an exact-length
     /// extend (one capacity check).
@@ -265,13 +264,13 @@ impl BlockHasher {
         debug_assert_eq!(N, self.block_size);
         debug_assert!(known.len() <= locals.len());
         let keys = &self.keys;
-        let (blocks, _) = tokens.as_chunks::<N>();
+        let blocks = tokens.chunks_exact(N);
         let start = known.len();
         locals.truncate(start);
         shared_chain(start + blocks.len(), |chain| {
             let (head, new) = chain.split_at_mut(start);
             head.copy_from_slice(known);
-            let (mut blocks, mut slots) = (blocks.iter(), new.iter_mut());
+            let (mut blocks, mut slots) = (blocks, new.iter_mut());
             // The root block, when nothing is known: its sequence hash is its local hash.
             let mut prev = match known.last() {
                 Some(last) => last.0,
@@ -279,14 +278,14 @@ impl BlockHasher {
                     let (Some(block), Some(slot)) = (blocks.next(), slots.next()) else {
                         return;
                     };
-                    let local = keys.hash(block);
+                    let local = keys.hash_chunk::<N>(block, self.seed);
                     locals.push(LocalBlockHash(local));
                     *slot = SequenceHash(local);
                     local
                 }
             };
             locals.extend(blocks.zip(slots).map(|(block, slot)| {
-                let local = keys.hash(block);
+                let local = keys.hash_chunk::<N>(block, self.seed);
                 prev = chain_step(prev, local);
                 *slot = SequenceHash(prev);
                 LocalBlockHash(local)
