@@ -184,17 +184,35 @@ impl BlockHasher {
         tokens: &[u32],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        match self.block_size {
-            16 => self.hash_blocks::<16>(tokens, locals),
-            32 => self.hash_blocks::<32>(tokens, locals),
-            _ => self.hash_any_blocks(tokens, locals),
+        self.hash_from(tokens, &[], None, locals)
+    }
+
+    /// The chain of a prompt whose first blocks' sequence hashes are `known` (their local hashes
+    /// the first `known.len()` of `locals`), followed by the full blocks of `tokens`: `tokens`'
+    /// local hashes follow them in `locals` (whatever else it held is cut); the result holds
+    /// `known` and the new blocks' sequence hashes, in one allocation. When nothing is known,
+    /// `first_seed` (if any) is the first block's local seed (a cache salt's).
+    fn hash_from(
+        &self,
+        tokens: &[u32],
+        known: &[SequenceHash],
+        first_seed: Option<u64>,
+        locals: &mut Vec<LocalBlockHash>,
+    ) -> Arc<[SequenceHash]> {
+        match (self.block_size, known.is_empty()) {
+            (16, true) => self.hash_blocks::<16>(tokens, first_seed, locals),
+            (32, true) => self.hash_blocks::<32>(tokens, first_seed, locals),
+            (16, false) => self.hash_blocks_after::<16>(tokens, known, locals),
+            (32, false) => self.hash_blocks_after::<32>(tokens, known, locals),
+            _ => self.hash_any_blocks_after(tokens, known, first_seed, locals),
         }
     }
 
-    /// [`BlockHasher::hash_prompt_shared`] for blocks of `N` tokens, `N` in 5..=32.
+    /// [`BlockHasher::hash_from`] with nothing known, for blocks of `N` tokens, `N` in 5..=32.
     fn hash_blocks<const N: usize>(
         &self,
         tokens: &[u32],
+        first_seed: Option<u64>,
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
         debug_assert_eq!(N, self.block_size);
@@ -208,13 +226,17 @@ impl BlockHasher {
         else {
             return Arc::new([]);
         };
-        let mut prev = keys.hash_chunk::<N>(first, self.seed);
+        // A cache salt's first block under its own seed, in this one pass: chained once.
+        let mut prev = match first_seed {
+            Some(seed) => hash_u32_le(first, seed),
+            None => keys.hash_chunk::<N>(first, self.seed),
+        };
         *first_local = LocalBlockHash(prev);
         // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
         // blocks' local hashes, which do not depend on it. `once` chained to a zip of slices
         // has an exact length, so the `Arc` is allocated once and filled in place. (The same
-        // loop as `hash_blocks_after`'s, kept apart: with its extra chained parts this loop ran
-        // 7 % slower.)
+        // loop as `hash_blocks_after`'s, kept apart: written as that one is, through a zeroed
+        // `Arc`, this one ran 5 % slower.)
         std::iter::once(SequenceHash(prev))
             .chain(blocks.zip(rest_locals).map(|(block, slot)| {
                 let local = keys.hash_chunk::<N>(block, self.seed);
@@ -225,11 +247,14 @@ impl BlockHasher {
             .collect()
     }
 
-    /// The chain of a prompt whose first blocks' sequence hashes are `known` (their local hashes
-    /// the first `known.len()` of `locals`), followed by the full blocks of `tokens`, blocks of
-    /// `N` tokens, `N` in 5..=32: `tokens`' local hashes follow them in `locals` (whatever else
-    /// it held is overwritten or cut); the result holds `known` and the new blocks' sequence
-    /// hashes, in one allocation.
+    /// [`BlockHasher::hash_from`] for blocks of `N` tokens, `N` in 5..=32, after `known` (not
+    /// empty: else [`BlockHasher::hash_blocks`]).
+    ///
+    /// One pass: each chain step (a latency chain of about 13 cycles) overlaps the next blocks'
+    /// local hashes, which do not depend on it. The chain is written into its one shared allocation through plain
+    /// slices, the known part copied whole (a `memcpy`, where an iterator chained to the new
+    /// hashes copied it hash by hash), and the local hashes are appended as an exact-length
+    /// extend (one capacity check).
     fn hash_blocks_after<const N: usize>(
         &self,
         tokens: &[u32],
@@ -239,52 +264,41 @@ impl BlockHasher {
         debug_assert_eq!(N, self.block_size);
         debug_assert!(known.len() <= locals.len());
         let keys = &self.keys;
-        let mut blocks = tokens.chunks_exact(N);
-        // Sized up front and written through `iter_mut`: no capacity check per block. Every
-        // new entry is written below, so what a longer earlier prompt left is overwritten, not
-        // zeroed first (a 64 KiB `memset` per 128K-token prompt).
+        let blocks = tokens.chunks_exact(N);
         let start = known.len();
-        locals.resize(start + blocks.len(), LocalBlockHash(0));
-        let mut slots = locals[start..].iter_mut();
-        // The root block, when nothing is known: its sequence hash is its local hash.
-        let (root, mut prev) = match known.last() {
-            Some(last) => (None, last.0),
-            None => {
-                let (Some(first), Some(slot)) = (blocks.next(), slots.next()) else {
-                    return Arc::new([]);
-                };
-                let local = keys.hash_chunk::<N>(first, self.seed);
-                *slot = LocalBlockHash(local);
-                (Some(SequenceHash(local)), local)
-            }
-        };
-        // One pass: each chain step (a latency chain of about 13 cycles) overlaps the next
-        // blocks' local hashes, which do not depend on it. A slice, an `Option` and a zip of
-        // slices chained have an exact length, so the `Arc` is allocated once and filled in
-        // place.
-        known
-            .iter()
-            .copied()
-            .chain(root)
-            .chain(blocks.zip(slots).map(|(block, slot)| {
+        locals.truncate(start);
+        shared_chain(start + blocks.len(), |chain| {
+            let (head, new) = chain.split_at_mut(start);
+            head.copy_from_slice(known);
+            let (mut blocks, mut slots) = (blocks, new.iter_mut());
+            // The root block, when nothing is known: its sequence hash is its local hash.
+            let mut prev = match known.last() {
+                Some(last) => last.0,
+                None => {
+                    let (Some(block), Some(slot)) = (blocks.next(), slots.next()) else {
+                        return;
+                    };
+                    let local = keys.hash_chunk::<N>(block, self.seed);
+                    locals.push(LocalBlockHash(local));
+                    *slot = SequenceHash(local);
+                    local
+                }
+            };
+            locals.extend(blocks.zip(slots).map(|(block, slot)| {
                 let local = keys.hash_chunk::<N>(block, self.seed);
-                *slot = LocalBlockHash(local);
                 prev = chain_step(prev, local);
-                SequenceHash(prev)
-            }))
-            .collect()
+                *slot = SequenceHash(prev);
+                LocalBlockHash(local)
+            }));
+        })
     }
 
-    /// [`BlockHasher::hash_prompt_shared`] for any block size, through `xxh3_64_with_seed`.
-    fn hash_any_blocks(&self, tokens: &[u32], locals: &mut Vec<LocalBlockHash>) -> Arc<[SequenceHash]> {
-        self.hash_any_blocks_after(tokens, &[], locals)
-    }
-
-    /// [`BlockHasher::hash_blocks_after`] for any block size, through `xxh3_64_with_seed`.
+    /// [`BlockHasher::hash_from`] for any block size, through `xxh3_64_with_seed`.
     fn hash_any_blocks_after(
         &self,
         tokens: &[u32],
         known: &[SequenceHash],
+        first_seed: Option<u64>,
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
         debug_assert!(known.len() <= locals.len());
@@ -297,7 +311,10 @@ impl BlockHasher {
             .iter()
             .copied()
             .chain(tokens.chunks_exact(self.block_size).map(|block| {
-                let local = LocalBlockHash(self.hash_any(block));
+                let local = match (prev, first_seed) {
+                    (None, Some(seed)) => LocalBlockHash(hash_u32_le(block, seed)),
+                    _ => LocalBlockHash(self.hash_any(block)),
+                };
                 let seq = next_sequence_hash(prev, local);
                 locals.push(local);
                 prev = Some(seq);
@@ -315,12 +332,24 @@ impl BlockHasher {
         known: &[SequenceHash],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        match self.block_size {
-            16 => self.hash_blocks_after::<16>(tokens, known, locals),
-            32 => self.hash_blocks_after::<32>(tokens, known, locals),
-            _ => self.hash_any_blocks_after(tokens, known, locals),
+        self.hash_from(tokens, known, None, locals)
+    }
+}
+
+/// A shared chain of `len` sequence hashes, written by `fill` in place: allocated once (zeroed),
+/// neither grown nor copied.
+fn shared_chain(len: usize, fill: impl FnOnce(&mut [SequenceHash])) -> Arc<[SequenceHash]> {
+    let mut chain: Arc<[SequenceHash]> = std::iter::repeat_n(SequenceHash(0), len).collect();
+    match Arc::get_mut(&mut chain) {
+        Some(slots) => fill(slots),
+        // Never: a fresh `Arc` is unique. Through a buffer all the same, rather than a panic.
+        None => {
+            let mut slots = vec![SequenceHash(0); len];
+            fill(&mut slots);
+            chain = slots.into();
         }
     }
+    chain
 }
 
 /// Hashes a request's prompt as vLLM salts its blocks: the LoRA adapter salts every block, a
@@ -386,14 +415,8 @@ impl PromptHasher {
         tokens: &[u32],
         locals: &mut Vec<LocalBlockHash>,
     ) -> Arc<[SequenceHash]> {
-        let chain = self.rest.hash_prompt_shared(tokens, locals);
-        match (self.first, locals.first_mut()) {
-            (Some(seed), Some(first)) => {
-                *first = LocalBlockHash(hash_u32_le(&tokens[..self.block_size()], seed));
-                sequence_hashes_shared(locals)
-            }
-            _ => chain,
-        }
+        // The first block under its own seed, in the one pass: hashed once, chained once.
+        self.rest.hash_from(tokens, &[], self.first, locals)
     }
 
     /// The hashes of a prompt that continues the earlier prompt whose hashes are `earlier`: the
@@ -548,18 +571,18 @@ impl PromptHashes {
 /// The sequence hashes of `locals`, starting from the root, written straight into one shared
 /// allocation (no copy from a buffer): the chain a router books.
 pub fn sequence_hashes_shared(locals: &[LocalBlockHash]) -> Arc<[SequenceHash]> {
-    let Some((first, rest)) = locals.split_first() else {
-        return Arc::new([]);
-    };
-    let mut prev = first.0;
-    // `once` chained to a slice map has an exact length, so the `Arc` is allocated once and
-    // filled in place.
-    std::iter::once(SequenceHash(prev))
-        .chain(rest.iter().map(|local| {
+    shared_chain(locals.len(), |chain| {
+        let (Some((first, rest)), Some((root, slots))) = (locals.split_first(), chain.split_first_mut())
+        else {
+            return;
+        };
+        let mut prev = first.0;
+        *root = SequenceHash(prev);
+        for (local, slot) in rest.iter().zip(slots) {
             prev = chain_step(prev, local.0);
-            SequenceHash(prev)
-        }))
-        .collect()
+            *slot = SequenceHash(prev);
+        }
+    })
 }
 
 /// The sequence hashes of `locals` into `chain` (cleared first), starting from the root.
