@@ -30,7 +30,7 @@ use std::marker::PhantomData;
 use kvroute_core::hash::next_sequence_hash;
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerId, WorkerKey};
 use kvroute_core::index::{
-    IndexConfig, IndexError, IndexFootprint, IndexStats, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
+    IndexConfig, IndexError, IndexLayout, IndexStats, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
 };
 use proptest::prelude::*;
 use proptest::sample::{Index, select};
@@ -642,68 +642,26 @@ fn check_match<L: Layout>(index: &L, model: &BTreeMap<u64, u32>, query: &[u64], 
     }
 }
 
-/// What the test needs of an index layout: [`PrefixIndex`] and [`RunIndex`] answer alike.
-trait Layout: Sized {
+/// What the test needs of an index layout beyond [`IndexLayout`]: [`PrefixIndex`] and
+/// [`RunIndex`] answer alike.
+trait Layout: IndexLayout + Sized {
     fn empty() -> Self;
-    fn add(&mut self, w: WorkerKey);
-    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError>;
-    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError>;
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError>;
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError>;
-    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores);
-    fn footprint(&self) -> IndexFootprint;
-    fn block_count(&self, w: WorkerKey) -> usize;
-    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool;
-    fn check_invariants(&self) -> Result<(), String>;
+    /// [`IndexLayout::find_matches_into`], checked against the layout's other lookups.
+    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        self.find_matches_into(query, early_exit, out);
+    }
     /// The layout's own checks against the model beyond the shared ones.
-    fn check_more<S: Shape>(&self, model: &Model<S>);
+    fn check_more<S: Shape>(&self, _model: &Model<S>) {}
 }
 
 impl Layout for PrefixIndex {
     fn empty() -> Self {
         PrefixIndex::new(IndexConfig::default())
     }
-    fn add(&mut self, w: WorkerKey) {
-        self.add_worker(w);
-    }
-    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        PrefixIndex::remove_worker(self, w)
-    }
-    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        PrefixIndex::clear_worker(self, w)
-    }
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError> {
-        self.apply_stored(w, parent, blocks)
-    }
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
-        self.apply_removed(w, exts)
-    }
     fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
         let fresh = self.find_matches(query, early_exit);
         self.find_matches_into(query, early_exit, out);
         assert_eq!(&fresh, out, "find_matches_into disagrees with find_matches");
-    }
-    fn footprint(&self) -> IndexFootprint {
-        PrefixIndex::footprint(self)
-    }
-    fn block_count(&self, w: WorkerKey) -> usize {
-        PrefixIndex::block_count(self, w)
-    }
-    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool {
-        PrefixIndex::holds(self, w, ext)
-    }
-    fn check_invariants(&self) -> Result<(), String> {
-        PrefixIndex::check_invariants(self)
     }
     fn check_more<S: Shape>(&self, model: &Model<S>) {
         let workers: BTreeSet<u64> = self.workers().map(id_of).collect();
@@ -728,42 +686,6 @@ impl Layout for RunIndex {
     fn empty() -> Self {
         RunIndex::new(0)
     }
-    fn add(&mut self, w: WorkerKey) {
-        self.add_worker(w).expect("few workers");
-    }
-    fn remove_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        RunIndex::remove_worker(self, w)
-    }
-    fn clear_worker(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        RunIndex::clear_worker(self, w)
-    }
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError> {
-        self.apply_stored(w, parent, blocks)
-    }
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
-        self.apply_removed(w, exts)
-    }
-    fn find_into(&self, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
-        self.find_matches_into(query, early_exit, out);
-    }
-    fn footprint(&self) -> IndexFootprint {
-        RunIndex::footprint(self)
-    }
-    fn block_count(&self, w: WorkerKey) -> usize {
-        RunIndex::block_count(self, w)
-    }
-    fn holds(&self, w: WorkerKey, ext: ExternalBlockHash) -> bool {
-        RunIndex::holds(self, w, ext)
-    }
-    fn check_invariants(&self) -> Result<(), String> {
-        RunIndex::check_invariants(self)
-    }
-    fn check_more<S: Shape>(&self, _model: &Model<S>) {}
 }
 
 struct IndexTest<S, L = PrefixIndex>(PhantomData<(S, L)>);
@@ -775,7 +697,7 @@ impl<S: Shape, L: Layout> StateMachineTest for IndexTest<S, L> {
     fn init_test(ref_state: &Model<S>) -> L {
         let mut index = L::empty();
         for &w in ref_state.workers.keys() {
-            index.add(key(w));
+            index.add_worker(key(w)).expect("few workers");
         }
         index
     }
@@ -783,7 +705,7 @@ impl<S: Shape, L: Layout> StateMachineTest for IndexTest<S, L> {
     fn apply(mut index: L, ref_state: &Model<S>, t: Transition) -> L {
         let got = match t {
             Transition::AddWorker(w) => {
-                index.add(key(w));
+                index.add_worker(key(w)).expect("few workers");
                 Expect::Nothing
             }
             Transition::RemoveWorker(w) => Expect::Unit(index.remove_worker(key(w))),
@@ -796,7 +718,7 @@ impl<S: Shape, L: Layout> StateMachineTest for IndexTest<S, L> {
             } => {
                 let before = index.footprint();
                 let blocks = store_blocks(parent, &locals, corrupt);
-                let result = index.store(key(w), parent.map(ExternalBlockHash), &blocks);
+                let result = index.apply_stored(key(w), parent.map(ExternalBlockHash), &blocks);
                 if let Err(IndexError::UnknownWorker(_) | IndexError::UnknownParent { .. }) = result {
                     assert_eq!(index.footprint(), before, "a refused store changed the index");
                 }
@@ -804,7 +726,7 @@ impl<S: Shape, L: Layout> StateMachineTest for IndexTest<S, L> {
             }
             Transition::Remove { w, exts } => {
                 let exts: Vec<ExternalBlockHash> = exts.into_iter().map(ExternalBlockHash).collect();
-                Expect::Count(index.remove(key(w), &exts))
+                Expect::Count(index.apply_removed(key(w), &exts))
             }
             Transition::Match { query, early_exit } => {
                 check_match(&index, &ref_state.depths(&query), &query, early_exit);

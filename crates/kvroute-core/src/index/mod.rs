@@ -56,6 +56,7 @@
 mod event;
 mod ext_map;
 mod free_runs;
+mod layout;
 mod runs;
 mod scores;
 mod tier;
@@ -77,6 +78,7 @@ use wide::Rows;
 
 pub use event::{IndexEvent, Tier, stored_blocks};
 pub use ext_map::{ExtMap, Probe, Vacancy};
+pub use layout::IndexLayout;
 pub use runs::{RUN_INDEX_MAX_WORKERS, RunIndex};
 pub use scores::OverlapScores;
 

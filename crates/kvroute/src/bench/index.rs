@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId, WorkerKey};
 use kvroute_core::index::{
-    IndexConfig, IndexError, IndexFootprint, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
+    IndexConfig, IndexError, IndexLayout, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
 };
 use serde::Serialize;
 
@@ -31,91 +31,56 @@ pub enum Layout {
     Runs,
 }
 
-/// The operations the benchmark times, alike for both layouts (out of line, so a profiler
-/// counts each layout's operations by the same four functions).
-trait Bench: Sized {
-    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self>;
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError>;
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError>;
-    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError>;
-    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores);
-    fn footprint(&self) -> IndexFootprint;
+/// A layout the benchmark can build empty, sized for `blocks_per_worker` blocks a worker.
+trait Empty: IndexLayout + Sized {
+    fn empty(blocks_per_worker: usize) -> Self;
 }
 
-impl Bench for PrefixIndex {
-    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self> {
-        let mut index = PrefixIndex::new(IndexConfig {
+impl Empty for PrefixIndex {
+    fn empty(blocks_per_worker: usize) -> Self {
+        PrefixIndex::new(IndexConfig {
             expected_blocks_per_worker: blocks_per_worker,
             ..IndexConfig::default()
-        });
-        for w in 0..workers {
-            index.add_worker(worker(w));
-        }
-        Ok(index)
-    }
-    #[inline(never)]
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError> {
-        self.apply_stored(w, parent, blocks)
-    }
-    #[inline(never)]
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
-        self.apply_removed(w, exts)
-    }
-    #[inline(never)]
-    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        self.clear_worker(w)
-    }
-    #[inline(never)]
-    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
-        self.find_matches_into(query, false, out);
-    }
-    fn footprint(&self) -> IndexFootprint {
-        PrefixIndex::footprint(self)
+        })
     }
 }
 
-impl Bench for RunIndex {
-    fn build(workers: u32, blocks_per_worker: usize) -> anyhow::Result<Self> {
-        let mut index = RunIndex::new(blocks_per_worker);
-        for w in 0..workers {
-            index.add_worker(worker(w))?;
-        }
-        Ok(index)
+impl Empty for RunIndex {
+    fn empty(blocks_per_worker: usize) -> Self {
+        RunIndex::new(blocks_per_worker)
     }
-    #[inline(never)]
-    fn store(
-        &mut self,
-        w: WorkerKey,
-        parent: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<(), IndexError> {
-        self.apply_stored(w, parent, blocks)
-    }
-    #[inline(never)]
-    fn remove(&mut self, w: WorkerKey, exts: &[ExternalBlockHash]) -> Result<usize, IndexError> {
-        self.apply_removed(w, exts)
-    }
-    #[inline(never)]
-    fn clear(&mut self, w: WorkerKey) -> Result<(), IndexError> {
-        self.clear_worker(w)
-    }
-    #[inline(never)]
-    fn find(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
-        self.find_matches_into(query, false, out);
-    }
-    fn footprint(&self) -> IndexFootprint {
-        RunIndex::footprint(self)
-    }
+}
+
+// The timed operations, out of line so that a profiler counts either layout's by the same four
+// names (`kvroute::bench::index::timed_store` and so on).
+
+#[inline(never)]
+fn timed_store<I: IndexLayout>(
+    index: &mut I,
+    w: WorkerKey,
+    parent: Option<ExternalBlockHash>,
+    blocks: &[StoredBlock],
+) -> Result<(), IndexError> {
+    index.apply_stored(w, parent, blocks)
+}
+
+#[inline(never)]
+fn timed_remove<I: IndexLayout>(
+    index: &mut I,
+    w: WorkerKey,
+    exts: &[ExternalBlockHash],
+) -> Result<usize, IndexError> {
+    index.apply_removed(w, exts)
+}
+
+#[inline(never)]
+fn timed_clear<I: IndexLayout>(index: &mut I, w: WorkerKey) -> Result<(), IndexError> {
+    index.clear_worker(w)
+}
+
+#[inline(never)]
+fn timed_find<I: IndexLayout>(index: &I, query: &[LocalBlockHash], out: &mut OverlapScores) {
+    index.find_matches_into(query, false, out);
 }
 
 /// One lookup whose answer differed from the stream's `expect`.
@@ -227,40 +192,43 @@ struct Run {
     entries: u64,
 }
 
-fn run_once<I: Bench>(
+fn run_once<I: Empty>(
     stream: &OpStream,
     prepared: &[Prepared],
     blocks_per_worker: usize,
 ) -> anyhow::Result<Run> {
-    let mut index = I::build(stream.header.workers, blocks_per_worker)?;
+    let mut index = I::empty(blocks_per_worker);
+    for w in 0..stream.header.workers {
+        index.add_worker(worker(w))?;
+    }
     let mut run = Run::default();
     let mut scores = OverlapScores::default();
     for (i, op) in prepared.iter().enumerate() {
         let (ns, ok) = match op {
             Prepared::Store(w, parent, blocks) => {
                 let t0 = Instant::now();
-                let ok = index.store(*w, *parent, blocks).is_ok();
+                let ok = timed_store(&mut index, *w, *parent, blocks).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.stores.push(ns);
                 (ns, ok)
             }
             Prepared::Remove(w, exts) => {
                 let t0 = Instant::now();
-                let ok = index.remove(*w, exts).is_ok();
+                let ok = timed_remove(&mut index, *w, exts).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.removes.push(ns);
                 (ns, ok)
             }
             Prepared::Clear(w) => {
                 let t0 = Instant::now();
-                let ok = index.clear(*w).is_ok();
+                let ok = timed_clear(&mut index, *w).is_ok();
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.clears.push(ns);
                 (ns, ok)
             }
             Prepared::Match(query) => {
                 let t0 = Instant::now();
-                index.find(query, &mut scores);
+                timed_find(&index, query, &mut scores);
                 let ns = t0.elapsed().as_nanos() as u64;
                 run.matches.push(ns);
                 if let Op::Match { expect, .. } = &stream.ops[i] {

@@ -34,7 +34,24 @@ use kvroute_sync::wire::{self, Body, Envelope, SyncItem};
 use serde::Serialize;
 
 /// Workers a booking may name (the demo's four).
-const WORKERS: usize = 4;
+pub(super) const WORKERS: usize = 4;
+
+/// A router of `config` over the benchmarks' fleet: [`WORKERS`] aggregated workers of 65,536
+/// blocks.
+pub(super) fn fleet_router(config: RouterConfig) -> anyhow::Result<Router> {
+    let mut router = Router::new(config)?;
+    for w in 0..WORKERS {
+        router.handle_worker_added(
+            Timestamp::ZERO,
+            WorkerSpec::new(
+                WorkerKey::new(WorkerId(w as u64), DpRank(0)),
+                WorkerRole::Aggregated,
+                1 << 16,
+            ),
+        )?;
+    }
+    Ok(router)
+}
 /// Distinct prompts the requests cycle through.
 const POOL: usize = 64;
 
@@ -213,20 +230,10 @@ fn pass(
     urls: &[String],
 ) -> anyhow::Result<Pass> {
     let from = RouterId(1);
-    let mut peer = Router::new(RouterConfig {
+    let mut peer = fleet_router(RouterConfig {
         router_id: RouterId(2),
         ..RouterConfig::default()
     })?;
-    for w in 0..WORKERS {
-        peer.handle_worker_added(
-            Timestamp::ZERO,
-            WorkerSpec::new(
-                WorkerKey::new(WorkerId(w as u64), DpRank(0)),
-                WorkerRole::Aggregated,
-                1 << 16,
-            ),
-        )?;
-    }
     let (mut send, mut receive, mut apply) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     for r in 0..requests as u64 {
         let chain = &pool[r as usize % pool.len()];

@@ -26,19 +26,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
+use kvroute_core::ids::{RequestId, WorkerId};
 use kvroute_core::router::{
-    Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncMode, WorkerRole,
-    WorkerSpec,
+    Prompt, RouteOutcome, RouteRequest, Router, RouterConfig, RouterId, SyncConfig, SyncMode,
 };
 use kvroute_core::time::{TimeScale, Timestamp};
 use kvroute_sync::{NatsSyncConfig, Outgoing, SyncHost, SyncItem, SyncMetrics, SyncTransport};
 use serde::Serialize;
 
+use super::sync::{WORKERS, fleet_router};
+
 /// Replicas sharing the workers.
 const REPLICAS: usize = 3;
-/// Workers (the demo's four).
-const WORKERS: usize = 4;
 /// Clock ticks a second of `/proc/*/stat` (Linux's `USER_HZ`).
 const TICKS_PER_SECOND: f64 = 100.0;
 
@@ -162,7 +161,7 @@ struct State {
 
 impl Replica {
     fn new(id: RouterId, mode: SyncMode, epoch: Instant) -> anyhow::Result<Self> {
-        let mut router = Router::new(RouterConfig {
+        let router = fleet_router(RouterConfig {
             router_id: id,
             sync: SyncConfig {
                 mode,
@@ -170,16 +169,6 @@ impl Replica {
             },
             ..RouterConfig::default()
         })?;
-        for w in 0..WORKERS {
-            router.handle_worker_added(
-                Timestamp::ZERO,
-                WorkerSpec::new(
-                    WorkerKey::new(WorkerId(w as u64), DpRank(0)),
-                    WorkerRole::Aggregated,
-                    1 << 16,
-                ),
-            )?;
-        }
         Ok(Self {
             state: Mutex::new(State {
                 router,
