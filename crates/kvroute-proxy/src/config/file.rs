@@ -106,79 +106,69 @@ impl Default for ServeFile {
     }
 }
 
-impl TryFrom<ServeFile> for ServeConfig {
-    type Error = ConfigError;
+/// The conversions between [`ServeFile`] and [`ServeConfig`], each group's keys named once:
+/// both directions take every key apart by name and put it back by name, and `file_to_config`
+/// and `config_to_file` (statements run in between, with every key bound) rebind the keys whose
+/// form differs between the two.
+macro_rules! flat_groups {
+    (
+        groups { $( $group:ident: $group_ty:ident { $($key:ident),* $(,)? } ),* $(,)? }
+        whole { $($whole:ident),* $(,)? }
+        file_to_config { $($to_config:tt)* }
+        config_to_file { $($to_file:tt)* }
+    ) => {
+        impl TryFrom<ServeFile> for ServeConfig {
+            type Error = ConfigError;
 
-    fn try_from(file: ServeFile) -> Result<Self, ConfigError> {
-        let ServeFile {
-            listen,
-            admin_listen,
-            admin_token,
-            api_key,
-            header_read_timeout_ms,
-            body_read_timeout_ms,
-            idle_timeout_ms,
-            drain_timeout_ms,
-            model_name,
-            model_dir,
-            approximate_tokenizer,
-            debug_headers,
-            policy,
-            block_size,
-            seed,
-            decider,
-            disagg_protocol,
-            cache,
-            queue_capacity,
-            queue_timeout_ms,
-            when_empty,
-            busy_requests_fraction,
-            max_body_bytes,
-            max_prompt_tokens,
-            request_timeout_ms,
-            connect_timeout_ms,
-            health_interval_ms,
-            health_timeout_ms,
-            health_failure_threshold,
-            health_success_threshold,
-            threads,
-            max_blocks_per_worker,
-            reannounce_window_ms,
-            session_header,
-            session_idle_timeout_ms,
-            max_sessions,
-            tokenizer_cache_bytes,
-            models,
-            nats,
-            nats_subject_prefix,
-            nats_heartbeat_ms,
-            nats_peer_timeout_ms,
-            nats_lazy_ms,
-            nats_token,
-            nats_token_file,
-            nats_user,
-            nats_password,
-            nats_password_file,
-            nats_credentials,
-            nats_tls_ca,
-            nats_tls_cert,
-            nats_tls_key,
-            peer_worker_api_key,
+            fn try_from(file: ServeFile) -> Result<Self, ConfigError> {
+                let ServeFile { $($($key,)*)* $($whole,)* } = file;
+                $($to_config)*
+                Ok(Self { $( $group: $group_ty { $($key,)* }, )* $($whole,)* })
+            }
+        }
+
+        impl From<ServeConfig> for ServeFile {
+            fn from(config: ServeConfig) -> Self {
+                let ServeConfig { $( $group: $group_ty { $($key,)* }, )* $($whole,)* } = config;
+                $($to_file)*
+                Self { $($($key,)*)* $($whole,)* }
+            }
+        }
+    };
+}
+
+flat_groups! {
+    groups {
+        server: ServerConfig {
+            listen, admin_listen, admin_token, api_key, header_read_timeout_ms,
+            body_read_timeout_ms, idle_timeout_ms, drain_timeout_ms, debug_headers, threads,
+        },
+        model: ModelConfig { model_name, model_dir, approximate_tokenizer, tokenizer_cache_bytes },
+        routing: RoutingConfig {
+            policy, block_size, seed, decider, disagg_protocol, cache, queue_capacity,
+            queue_timeout_ms, when_empty, busy_requests_fraction, max_blocks_per_worker,
+            reannounce_window_ms, session_header, session_idle_timeout_ms, max_sessions,
+        },
+        limits: LimitsConfig { max_body_bytes, max_prompt_tokens },
+        upstream: UpstreamConfig {
+            request_timeout_ms, connect_timeout_ms, health_interval_ms, health_timeout_ms,
+            health_failure_threshold, health_success_threshold,
+        },
+        replicas: ReplicasConfig {
+            nats, nats_subject_prefix, nats_heartbeat_ms, nats_peer_timeout_ms, nats_lazy_ms,
+            nats_token, nats_token_file, nats_user, nats_password, nats_password_file,
+            nats_credentials, nats_tls_ca, nats_tls_cert, nats_tls_key, peer_worker_api_key,
             peer_worker_api_key_file,
-            discover_dns,
-            discover_dns_type,
-            discover_dns_server,
-            discover_file,
-            discover_interval_ms,
-            discover_worker_template,
-            discover_port,
+        },
+        discovery: DiscoveryConfig {
+            discover_dns, discover_dns_type, discover_dns_server, discover_file,
+            discover_interval_ms, discover_worker_template, discover_port,
             discover_drain_timeout_ms,
-            workers,
-            tenant_header,
-            priority_header,
-            forward_priority,
-            tenants,
-        } = file;
+        },
+        tenants: TenantsConfig { tenant_header, priority_header, forward_priority, tenants },
+    }
+    whole { models, workers }
+    file_to_config {
         if !models.is_empty() {
             let flat: Vec<&str> = [
                 ("model-name", model_name.is_some()),
@@ -198,190 +188,11 @@ impl TryFrom<ServeFile> for ServeConfig {
             }
         }
         let model = ModelConfig::default();
+        let model_name = model_name.unwrap_or(model.model_name);
+        let approximate_tokenizer = approximate_tokenizer.unwrap_or(model.approximate_tokenizer);
         let block_size = block_size.unwrap_or(RoutingConfig::default().block_size);
-        Ok(Self {
-            server: ServerConfig {
-                listen,
-                admin_listen,
-                admin_token,
-                api_key,
-                header_read_timeout_ms,
-                body_read_timeout_ms,
-                idle_timeout_ms,
-                drain_timeout_ms,
-                debug_headers,
-                threads,
-            },
-            model: ModelConfig {
-                model_name: model_name.unwrap_or(model.model_name),
-                model_dir,
-                approximate_tokenizer: approximate_tokenizer.unwrap_or(model.approximate_tokenizer),
-                tokenizer_cache_bytes,
-            },
-            models,
-            routing: RoutingConfig {
-                policy,
-                block_size,
-                seed,
-                decider,
-                disagg_protocol,
-                cache,
-                queue_capacity,
-                queue_timeout_ms,
-                when_empty,
-                busy_requests_fraction,
-                max_blocks_per_worker,
-                reannounce_window_ms,
-                session_header,
-                session_idle_timeout_ms,
-                max_sessions,
-            },
-            limits: LimitsConfig {
-                max_body_bytes,
-                max_prompt_tokens,
-            },
-            upstream: UpstreamConfig {
-                request_timeout_ms,
-                connect_timeout_ms,
-                health_interval_ms,
-                health_timeout_ms,
-                health_failure_threshold,
-                health_success_threshold,
-            },
-            replicas: ReplicasConfig {
-                nats,
-                nats_subject_prefix,
-                nats_heartbeat_ms,
-                nats_peer_timeout_ms,
-                nats_lazy_ms,
-                nats_token,
-                nats_token_file,
-                nats_user,
-                nats_password,
-                nats_password_file,
-                nats_credentials,
-                nats_tls_ca,
-                nats_tls_cert,
-                nats_tls_key,
-                peer_worker_api_key,
-                peer_worker_api_key_file,
-            },
-            discovery: DiscoveryConfig {
-                discover_dns,
-                discover_dns_type,
-                discover_dns_server,
-                discover_file,
-                discover_interval_ms,
-                discover_worker_template,
-                discover_port,
-                discover_drain_timeout_ms,
-            },
-            workers,
-            tenants: TenantsConfig {
-                tenant_header,
-                priority_header,
-                forward_priority,
-                tenants,
-            },
-        })
     }
-}
-
-impl From<ServeConfig> for ServeFile {
-    fn from(config: ServeConfig) -> Self {
-        let ServeConfig {
-            server:
-                ServerConfig {
-                    listen,
-                    admin_listen,
-                    admin_token,
-                    api_key,
-                    header_read_timeout_ms,
-                    body_read_timeout_ms,
-                    idle_timeout_ms,
-                    drain_timeout_ms,
-                    debug_headers,
-                    threads,
-                },
-            model:
-                ModelConfig {
-                    model_name,
-                    model_dir,
-                    approximate_tokenizer,
-                    tokenizer_cache_bytes,
-                },
-            models,
-            routing:
-                RoutingConfig {
-                    policy,
-                    block_size,
-                    seed,
-                    decider,
-                    disagg_protocol,
-                    cache,
-                    queue_capacity,
-                    queue_timeout_ms,
-                    when_empty,
-                    busy_requests_fraction,
-                    max_blocks_per_worker,
-                    reannounce_window_ms,
-                    session_header,
-                    session_idle_timeout_ms,
-                    max_sessions,
-                },
-            limits:
-                LimitsConfig {
-                    max_body_bytes,
-                    max_prompt_tokens,
-                },
-            upstream:
-                UpstreamConfig {
-                    request_timeout_ms,
-                    connect_timeout_ms,
-                    health_interval_ms,
-                    health_timeout_ms,
-                    health_failure_threshold,
-                    health_success_threshold,
-                },
-            replicas:
-                ReplicasConfig {
-                    nats,
-                    nats_subject_prefix,
-                    nats_heartbeat_ms,
-                    nats_peer_timeout_ms,
-                    nats_lazy_ms,
-                    nats_token,
-                    nats_token_file,
-                    nats_user,
-                    nats_password,
-                    nats_password_file,
-                    nats_credentials,
-                    nats_tls_ca,
-                    nats_tls_cert,
-                    nats_tls_key,
-                    peer_worker_api_key,
-                    peer_worker_api_key_file,
-                },
-            discovery:
-                DiscoveryConfig {
-                    discover_dns,
-                    discover_dns_type,
-                    discover_dns_server,
-                    discover_file,
-                    discover_interval_ms,
-                    discover_worker_template,
-                    discover_port,
-                    discover_drain_timeout_ms,
-                },
-            workers,
-            tenants:
-                TenantsConfig {
-                    tenant_header,
-                    priority_header,
-                    forward_priority,
-                    tenants,
-                },
-        } = config;
+    config_to_file {
         // With `[[model]]` tables the single-model keys are each table's.
         let single = models.is_empty();
         let (model_name, approximate_tokenizer, block_size) = match single {
@@ -389,74 +200,5 @@ impl From<ServeConfig> for ServeFile {
             false => (None, None, None),
         };
         let model_dir = model_dir.filter(|_| single);
-        Self {
-            listen,
-            admin_listen,
-            admin_token,
-            api_key,
-            header_read_timeout_ms,
-            body_read_timeout_ms,
-            idle_timeout_ms,
-            drain_timeout_ms,
-            model_name,
-            model_dir,
-            approximate_tokenizer,
-            debug_headers,
-            policy,
-            block_size,
-            seed,
-            decider,
-            disagg_protocol,
-            cache,
-            queue_capacity,
-            queue_timeout_ms,
-            when_empty,
-            busy_requests_fraction,
-            max_body_bytes,
-            max_prompt_tokens,
-            request_timeout_ms,
-            connect_timeout_ms,
-            health_interval_ms,
-            health_timeout_ms,
-            health_failure_threshold,
-            health_success_threshold,
-            threads,
-            max_blocks_per_worker,
-            reannounce_window_ms,
-            session_header,
-            session_idle_timeout_ms,
-            max_sessions,
-            tokenizer_cache_bytes,
-            models,
-            nats,
-            nats_subject_prefix,
-            nats_heartbeat_ms,
-            nats_peer_timeout_ms,
-            nats_lazy_ms,
-            nats_token,
-            nats_token_file,
-            nats_user,
-            nats_password,
-            nats_password_file,
-            nats_credentials,
-            nats_tls_ca,
-            nats_tls_cert,
-            nats_tls_key,
-            peer_worker_api_key,
-            peer_worker_api_key_file,
-            discover_dns,
-            discover_dns_type,
-            discover_dns_server,
-            discover_file,
-            discover_interval_ms,
-            discover_worker_template,
-            discover_port,
-            discover_drain_timeout_ms,
-            workers,
-            tenant_header,
-            priority_header,
-            forward_priority,
-            tenants,
-        }
     }
 }
