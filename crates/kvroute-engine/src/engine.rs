@@ -253,15 +253,27 @@ impl Engine {
         {
             return 0;
         }
-        // Right after a run of skipped passes, the next pass is never pure: 0 then.
-        s.pure_decode_horizon()
+        let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
+        let mut horizon = u32::MAX;
+        for id in &s.running {
+            horizon = horizon.min(s.seqs[id].pure_decode_limit(bs, caching));
+            if horizon == 0 {
+                // Right after a run of skipped passes, the next pass is never pure.
+                return 0;
+            }
+        }
+        horizon
     }
 
     /// The end times of the next `k` passes (`k` at most [`Engine::decode_horizon`]), run back
     /// to back from `now`, onto `ends`. Changes nothing.
     pub fn decode_pass_ends(&self, now: Timestamp, k: u32, ends: &mut Vec<Timestamp>) {
         let s = &self.scheduler;
-        let base = s.decode_context();
+        let base: u64 = s
+            .running
+            .iter()
+            .map(|id| u64::from(s.seqs[id].num_computed))
+            .sum();
         let n = s.running.len() as u64;
         let mut pass = ForwardPass {
             decode_seqs: n as u32,
@@ -308,7 +320,12 @@ impl Engine {
         if k == 0 {
             return;
         }
-        self.scheduler.skip_decode_passes(k);
+        let s = &mut self.scheduler;
+        for id in &s.running {
+            let seq = s.seqs.get_mut(id).expect("running requests are live");
+            seq.num_computed += k;
+            seq.push_outputs(k);
+        }
         self.clock = self.clock.max(last_start);
         self.busy_until = end;
         self.passes += u64::from(k);
@@ -423,7 +440,6 @@ impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
         let s = &self.scheduler;
         s.pool.check_invariants(&s.holders())?;
-        s.check_batch()?;
         if let Some(cpu) = &s.cpu {
             cpu.check_invariants()?;
         }

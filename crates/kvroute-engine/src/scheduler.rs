@@ -94,37 +94,6 @@ pub(crate) struct PassResults {
     pub finished: Vec<Finished>,
 }
 
-/// The running requests' pure-decode state as of the last pass, so that a driver skipping
-/// pure-decode passes reads a few lines per engine instead of every running request: each one's
-/// [`Sequence::pure_decode_limit`] and computed tokens (parallel to [`Scheduler::running`]),
-/// and the passes skipped since, which the sequences take in at the next pass.
-#[derive(Debug, Default)]
-pub(crate) struct Batch {
-    slots: Vec<Slot>,
-    /// The sum of the slots' computed tokens.
-    context: u64,
-    /// Pure-decode passes skipped since the last pass, not yet applied to the sequences.
-    lag: u32,
-}
-
-/// One running request's entry in the [`Batch`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Slot {
-    /// Its pure-decode limit after the last pass.
-    limit: u32,
-    /// Its computed tokens after the last pass.
-    computed: u32,
-}
-
-impl Slot {
-    fn of(seq: &Sequence, limits: &Limits) -> Self {
-        Self {
-            limit: seq.pure_decode_limit(limits.block_size, limits.prefix_caching),
-            computed: seq.num_computed,
-        }
-    }
-}
-
 /// Queues, live requests and the block pool.
 #[derive(Debug)]
 pub(crate) struct Scheduler {
@@ -136,8 +105,6 @@ pub(crate) struct Scheduler {
     pub waiting: VecDeque<RequestId>,
     /// Oldest first; preemption takes from the back.
     pub running: Vec<RequestId>,
-    /// The running requests' pure-decode state (see [`Batch`]).
-    batch: Batch,
     /// Imported requests whose KV is in transfer (vLLM's `WAITING_FOR_REMOTE_KVS`): they hold
     /// blocks for their whole prompt and compute nothing.
     pub importing: BTreeSet<RequestId>,
@@ -166,7 +133,6 @@ impl Scheduler {
             seqs: KeyMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            batch: Batch::default(),
             importing: BTreeSet::new(),
             imported: VecDeque::new(),
             hits: Vec::new(),
@@ -198,10 +164,8 @@ impl Scheduler {
         self.seqs.insert(seq.id, seq);
     }
 
-    /// Chooses the next pass (see the module docs), after applying the pure-decode passes
-    /// skipped since the last one.
+    /// Chooses the next pass (see the module docs).
     pub fn schedule(&mut self) -> Schedule {
-        self.catch_up();
         let mut budget = self.limits.max_num_batched_tokens;
         let mut schedule = Schedule::default();
         while self.running.len() < self.limits.max_num_seqs
@@ -507,81 +471,7 @@ impl Scheduler {
         if !progress.finished.is_empty() {
             self.retire(&progress.finished);
         }
-        self.fill_batch();
         progress
-    }
-
-    /// How many of the next passes are pure decode by every running request's own state (see
-    /// [`Sequence::pure_decode_limit`]); `u32::MAX` when none runs.
-    pub fn pure_decode_horizon(&self) -> u32 {
-        let b = &self.batch;
-        b.slots
-            .iter()
-            .map(|s| s.limit)
-            .min()
-            .map_or(u32::MAX, |m| m - b.lag)
-    }
-
-    /// The running requests' computed tokens, skipped passes included.
-    pub fn decode_context(&self) -> u64 {
-        self.batch.context + self.batch.slots.len() as u64 * u64::from(self.batch.lag)
-    }
-
-    /// Skips `k` pure-decode passes (at most [`Scheduler::pure_decode_horizon`]): every running
-    /// request decodes `k` tokens, which its sequence takes in at the next pass.
-    pub fn skip_decode_passes(&mut self, k: u32) {
-        self.batch.lag += k;
-    }
-
-    /// Applies the skipped passes to the running sequences.
-    fn catch_up(&mut self) {
-        let lag = std::mem::take(&mut self.batch.lag);
-        if lag == 0 {
-            return;
-        }
-        for id in &self.running {
-            let seq = self.seqs.get_mut(id).expect("running requests are live");
-            seq.num_computed += lag;
-            seq.push_outputs(lag);
-        }
-    }
-
-    /// Refills the batch from the running sequences, after a pass.
-    fn fill_batch(&mut self) {
-        let Self {
-            batch,
-            running,
-            seqs,
-            limits,
-            ..
-        } = self;
-        debug_assert_eq!(batch.lag, 0, "a pass applies the skipped passes first");
-        batch.slots.clear();
-        batch
-            .slots
-            .extend(running.iter().map(|id| Slot::of(&seqs[id], limits)));
-        batch.context = batch.slots.iter().map(|s| u64::from(s.computed)).sum();
-    }
-
-    /// Whether the batch holds what the running sequences say, the skipped passes aside.
-    pub fn check_batch(&self) -> Result<(), String> {
-        let b = &self.batch;
-        if b.slots.len() != self.running.len() {
-            return Err(format!(
-                "{} batch slots for {} running",
-                b.slots.len(),
-                self.running.len()
-            ));
-        }
-        for (id, slot) in self.running.iter().zip(&b.slots) {
-            if *slot != Slot::of(&self.seqs[id], &self.limits) || slot.limit < b.lag {
-                return Err(format!("{id:?}: batch slot {slot:?} stale (lag {})", b.lag));
-            }
-        }
-        if b.context != b.slots.iter().map(|s| u64::from(s.computed)).sum::<u64>() {
-            return Err("batch context is not its slots' sum".into());
-        }
-        Ok(())
     }
 
     /// Removes `finished` requests from the running list and frees their blocks.
@@ -604,11 +494,7 @@ impl Scheduler {
         };
         self.pool.release(&seq.blocks);
         self.waiting.retain(|&r| r != id);
-        if let Some(i) = self.running.iter().position(|&r| r == id) {
-            self.running.remove(i);
-            let slot = self.batch.slots.remove(i);
-            self.batch.context -= u64::from(slot.computed);
-        }
+        self.running.retain(|&r| r != id);
         self.importing.remove(&id);
         self.imported.retain(|&r| r != id);
         true
