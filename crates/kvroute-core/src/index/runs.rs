@@ -71,6 +71,31 @@ impl Run {
     }
 }
 
+/// How many of `locals` from the first on equal the local hashes `local` gives of `other`'s.
+///
+/// Four at a time, one branch for the four: along a run a query or a store matches far more
+/// often than not, and a branch per block is most of a long match's instructions.
+#[inline]
+fn matching<T>(locals: &[u64], other: &[T], local: impl Fn(&T) -> u64) -> usize {
+    const CHUNK: usize = 4;
+    let n = locals.len().min(other.len());
+    let (locals, other) = (&locals[..n], &other[..n]);
+    let mut same = 0;
+    for (l, o) in locals.chunks_exact(CHUNK).zip(other.chunks_exact(CHUNK)) {
+        let diff =
+            (l[0] ^ local(&o[0])) | (l[1] ^ local(&o[1])) | (l[2] ^ local(&o[2])) | (l[3] ^ local(&o[3]));
+        if diff != 0 {
+            break;
+        }
+        same += CHUNK;
+    }
+    same + locals[same..]
+        .iter()
+        .zip(&other[same..])
+        .take_while(|&(l, o)| *l == local(o))
+        .count()
+}
+
 #[inline]
 fn child_hash(parent: BlockId, local: u64) -> u64 {
     mix(local, u64::from(parent))
@@ -178,11 +203,11 @@ impl RunIndex {
             let run = self.runs[r as usize];
             let from = run.start + off;
             let room = ((run.end() - from) as usize).min(blocks.len() - i);
-            let n = 1 + self.locals[from as usize + 1..][..room - 1]
-                .iter()
-                .zip(&blocks[i + 1..])
-                .take_while(|(l, b)| **l == b.local.0)
-                .count();
+            let n = 1 + matching(
+                &self.locals[from as usize + 1..][..room - 1],
+                &blocks[i + 1..],
+                |b| b.local.0,
+            );
             let held = run.mask & bit != 0;
             let map = &mut self.slots.taken_mut(slot).blocks;
             let mut applied = n;
@@ -577,11 +602,7 @@ impl RunIndex {
             }
             let run = self.runs[r as usize];
             let tail = &self.locals[run.start as usize + 1..run.end() as usize];
-            let m = tail
-                .iter()
-                .zip(&query[depth..])
-                .take_while(|(l, q)| **l == q.0)
-                .count();
+            let m = matching(tail, &query[depth..], |q| q.0);
             depth += m;
             if m < tail.len() || depth == query.len() {
                 break;
@@ -689,5 +710,27 @@ impl RunIndex {
 
     fn map(&self, slot: usize) -> &ExtMap {
         &self.slots.taken(slot).blocks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::matching;
+
+    proptest! {
+        #[test]
+        fn matching_counts_the_common_prefix(
+            common in proptest::collection::vec(0u64..4, 0..40),
+            a in proptest::collection::vec(0u64..4, 0..12),
+            b in proptest::collection::vec(0u64..4, 0..12),
+        ) {
+            // Few distinct values, so the tails often agree for a while too.
+            let locals: Vec<u64> = common.iter().chain(&a).copied().collect();
+            let other: Vec<u64> = common.iter().chain(&b).copied().collect();
+            let expected = locals.iter().zip(&other).take_while(|(l, o)| l == o).count();
+            prop_assert_eq!(matching(&locals, &other, |&o| o), expected);
+        }
     }
 }
