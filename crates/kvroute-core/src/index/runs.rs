@@ -287,10 +287,8 @@ impl RunIndex {
             };
             let (start, n) = taken.unwrap_or_else(|| {
                 let start = self.locals.len();
-                for _ in 0..need {
-                    self.locals.push(0);
-                    self.run_of.push(NONE);
-                }
+                self.locals.resize(start + need, 0);
+                self.run_of.resize(start + need, NONE);
                 (start as BlockId, need)
             });
             segments.push((start, n as u32));
