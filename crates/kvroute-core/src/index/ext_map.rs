@@ -181,37 +181,18 @@ impl ExtMap {
     /// that follows: see `kvroute-prefetch`).
     #[inline(always)]
     pub fn prefetch(&self, key: u64) {
-        // An unallocated table has no line at any home (one check for both).
-        if let Some(line) = self.lines.get(self.home(key)) {
-            kvroute_prefetch::prefetch_read(line);
+        if !self.lines.is_empty() {
+            kvroute_prefetch::prefetch_read(&self.lines[self.home(key)]);
         }
     }
 
     /// Looks `key` up, reporting the node or the slot to insert it into.
     #[inline(always)]
     pub fn probe(&self, key: u64) -> Probe {
-        // The home line alone, inline: almost every probe ends there (an unallocated table has
-        // no line at any home).
-        let home = self.home(key);
-        let Some(l) = self.lines.get(home) else {
+        if self.lines.is_empty() {
             return Probe::Vacant(Vacancy::NONE);
-        };
-        let (hits, empty) = l.scan(key);
-        if hits != 0 {
-            return Probe::Found(l.nodes[hits.trailing_zeros() as usize]);
         }
-        if l.overflow == 0 && empty != 0 {
-            return Probe::Vacant(Vacancy {
-                at: home * SLOT_STRIDE + empty.trailing_zeros() as usize,
-                home,
-            });
-        }
-        self.probe_on(key, home)
-    }
-
-    /// [`ExtMap::probe`] from `key`'s home line on, once that line has overflowed or is full.
-    #[inline(never)]
-    fn probe_on(&self, key: u64, home: usize) -> Probe {
+        let home = self.home(key);
         let mut line = home;
         let mut vacant = usize::MAX;
         // Every line is visited at most once: a table whose every line has overflowed could

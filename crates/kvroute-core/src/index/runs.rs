@@ -287,8 +287,10 @@ impl RunIndex {
             };
             let (start, n) = taken.unwrap_or_else(|| {
                 let start = self.locals.len();
-                self.locals.resize(start + need, 0);
-                self.run_of.resize(start + need, NONE);
+                for _ in 0..need {
+                    self.locals.push(0);
+                    self.run_of.push(NONE);
+                }
                 (start as BlockId, need)
             });
             segments.push((start, n as u32));
