@@ -59,20 +59,20 @@ mod free_runs;
 mod layout;
 mod runs;
 mod scores;
+mod slots;
 mod tier;
 mod walk;
 mod wide;
 
-use std::collections::VecDeque;
 use std::num::NonZeroUsize;
 
-use hashbrown::HashMap;
 use hashbrown::HashTable;
 
 use crate::hash::next_sequence_hash;
 use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::{BuildKeyHasher, mix};
 use free_runs::{FreeRuns, Source};
+use slots::{Slots, WorkerSlot};
 use tier::Tiers;
 use wide::Rows;
 
@@ -266,15 +266,6 @@ impl Node {
     };
 }
 
-/// One worker's view: the engine's external hashes of the blocks it holds.
-#[derive(Debug)]
-struct WorkerSlot {
-    key: WorkerKey,
-    blocks: ExtMap,
-    /// With a cap: the external hashes of the blocks stored, oldest first (some since removed).
-    order: VecDeque<u64>,
-}
-
 /// Which KV blocks each worker holds, for prefix-match lookups. See the module docs.
 #[derive(Debug)]
 pub struct PrefixIndex {
@@ -285,8 +276,7 @@ pub struct PrefixIndex {
     children: HashTable<NodeId>,
     /// The worker sets of a fleet of more than 64 slots (see `wide`); empty before.
     rows: Rows,
-    slots: Vec<Option<WorkerSlot>>,
-    slot_of: HashMap<WorkerKey, u32, BuildKeyHasher>,
+    slots: Slots,
     stats: IndexStats,
     /// Reused buffer of node ids for batched updates.
     scratch: Vec<NodeId>,
@@ -313,8 +303,7 @@ impl PrefixIndex {
             free: FreeRuns::default(),
             children: HashTable::with_capacity(config.expected_blocks),
             rows: Rows::default(),
-            slots: Vec::new(),
-            slot_of: HashMap::default(),
+            slots: Slots::default(),
             stats: IndexStats::default(),
             scratch: Vec::new(),
             cap: config.max_blocks_per_worker,
@@ -325,63 +314,46 @@ impl PrefixIndex {
 
     /// Starts tracking `worker`'s cache, empty. Adding a worker that is already tracked does nothing.
     pub fn add_worker(&mut self, worker: WorkerKey) {
-        if self.slot_of.contains_key(&worker) {
-            return;
+        // Without a limit a slot is always found.
+        if let Ok(Some(slot)) = self.slots.add(worker, self.per_worker, None) {
+            self.ensure_mask_words(slot);
         }
-        let slot = match self.slots.iter().position(Option::is_none) {
-            Some(free) => free,
-            None => {
-                self.slots.push(None);
-                self.slots.len() - 1
-            }
-        };
-        let mut blocks = ExtMap::default();
-        blocks.reserve(self.per_worker);
-        self.slots[slot] = Some(WorkerSlot {
-            key: worker,
-            blocks,
-            order: VecDeque::new(),
-        });
-        self.slot_of.insert(worker, slot as u32);
-        self.ensure_mask_words(slot);
     }
 
     /// Stops tracking `worker` and forgets every block it held.
     pub fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         self.clear_worker(worker)?;
-        if let Some(slot) = self.slot_of.remove(&worker) {
-            self.slots[slot as usize] = None;
-        }
+        self.slots.remove(worker);
         Ok(())
     }
 
     /// The workers tracked, in slot order.
     pub fn workers(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.slots.iter().flatten().map(|s| s.key)
+        self.slots.iter().map(|(_, s)| s.key)
     }
 
     /// Whether `worker` holds the block the engine calls `external`.
     pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slot(worker)
-            .is_some_and(|s| s.blocks.get(external.0).is_some())
+        self.slots.holds(worker, external)
     }
 
     /// The external hashes of every block `worker` holds, in no particular order.
     pub fn held_blocks(&self, worker: WorkerKey) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        self.slot(worker)
+        self.slots
+            .get(worker)
             .into_iter()
             .flat_map(|s| s.blocks.iter().map(|(e, _)| ExternalBlockHash(e)))
     }
 
     /// How many blocks `worker` holds.
     pub fn block_count(&self, worker: WorkerKey) -> usize {
-        self.slot(worker).map_or(0, |s| s.blocks.len())
+        self.slots.block_count(worker)
     }
 
     /// How many of `worker`'s blocks no other worker holds: the cached prefix the fleet loses
     /// with it. Walks the worker's blocks (for scale-down choices, not the routing path).
     pub fn sole_blocks(&self, worker: WorkerKey) -> usize {
-        let Some(s) = self.slot(worker) else {
+        let Some(s) = self.slots.get(worker) else {
             return 0;
         };
         s.blocks
@@ -407,20 +379,12 @@ impl PrefixIndex {
 
     /// Entries, nodes and heap bytes.
     pub fn footprint(&self) -> IndexFootprint {
-        let entries: usize = self.slots.iter().flatten().map(|s| s.blocks.len()).sum();
-        let worker_maps: usize = self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| s.blocks.allocation_size())
-            .sum();
+        let entries = self.slots.entries();
         let heap = self.nodes.capacity() * size_of::<Node>()
             + self.free.allocation_size()
             + self.children.allocation_size()
             + self.rows.allocation_size()
-            + self.slots.capacity() * size_of::<Option<WorkerSlot>>()
-            + self.slot_of.allocation_size()
-            + worker_maps;
+            + self.slots.allocation_size();
         IndexFootprint {
             entries: entries as u64,
             nodes: (self.nodes.len() - 1 - self.free.len()) as u64,
@@ -443,7 +407,7 @@ impl PrefixIndex {
         // Start loading the home lines of the first blocks: the map updates (`hold_path`) keep
         // prefetching `STORE_AHEAD` blocks ahead of themselves, so each block's miss overlaps
         // with the work on the blocks before it, and the tree walk runs meanwhile.
-        let map = &self.slot_ref(slot).blocks;
+        let map = &self.slots.taken(slot).blocks;
         for block in blocks.iter().take(STORE_AHEAD) {
             map.prefetch(block.external.0);
         }
@@ -477,7 +441,7 @@ impl PrefixIndex {
         self.new_chain(at, &blocks[known..], &mut path);
         // The blocks on new nodes are new to the worker (unless a store is refused): make room
         // for them in its map at once, rather than growing it step by step on the way.
-        self.slot_mut(slot).blocks.reserve(blocks.len() - known);
+        self.slots.taken_mut(slot).blocks.reserve(blocks.len() - known);
         // One copy of the loop per kind of index, so no block branches on which.
         let result = match (self.rows.wide(), self.cap.is_some()) {
             (false, false) => self.hold_path::<false, false>(worker, slot, blocks, &path),
@@ -501,18 +465,18 @@ impl PrefixIndex {
     /// Evicts `slot`'s oldest blocks until it holds at most `cap`, and compacts its order.
     fn enforce_cap(&mut self, slot: usize, cap: usize) {
         let mut evicted = 0u64;
-        while self.slot_ref(slot).blocks.len() > cap {
-            let Some(oldest) = self.slot_mut(slot).order.pop_front() else {
+        while self.slots.taken(slot).blocks.len() > cap {
+            let Some(oldest) = self.slots.taken_mut(slot).order.pop_front() else {
                 break;
             };
-            if let Some(node) = self.slot_mut(slot).blocks.remove(oldest) {
+            if let Some(node) = self.slots.taken_mut(slot).blocks.remove(oldest) {
                 self.clear_bit(node, slot);
                 self.collect(node);
                 evicted += 1;
             }
         }
         self.stats.blocks_evicted += evicted;
-        let s = self.slot_mut(slot);
+        let s = self.slots.taken_mut(slot);
         if s.order.len() > 2 * s.blocks.len() + 64 {
             // Keep the first entry of each block still held (a block removed and stored again
             // is listed twice; its first place in line is kept).
@@ -541,12 +505,9 @@ impl PrefixIndex {
         } = self;
         let (wide, capped) = (WIDE, CAPPED);
         let bit = 1u64 << (slot % 64);
-        let Some(WorkerSlot {
+        let WorkerSlot {
             blocks: map, order, ..
-        }) = &mut slots[slot]
-        else {
-            unreachable!("slot {slot} is registered in slot_of")
-        };
+        } = slots.taken_mut(slot);
         // Counted once at the end (or at an error): a counter in `self` updated per block is a
         // load and a store the compiler may not keep in a register across the map's writes.
         let mut stored = 0u64;
@@ -625,7 +586,7 @@ impl PrefixIndex {
         let mut prev: Option<(NodeId, SequenceHash)> = None;
         let mut path = std::mem::take(&mut self.scratch);
         for &external in externals {
-            let Some(node) = self.slot_mut(slot).blocks.get(external.0) else {
+            let Some(node) = self.slots.taken_mut(slot).blocks.get(external.0) else {
                 let first = unplaced.map_or(external, |(e, _)| e);
                 unplaced = Some((first, unplaced.map_or(0, |(_, n)| n) + 1));
                 prev = None;
@@ -741,9 +702,7 @@ impl PrefixIndex {
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
         let Self { nodes, slots, .. } = self;
-        let Some(WorkerSlot { blocks, .. }) = &mut slots[slot] else {
-            unreachable!("slot {slot} is registered in slot_of")
-        };
+        let blocks = &mut slots.taken_mut(slot).blocks;
         for e in externals.iter().take(REMOVE_AHEAD) {
             blocks.prefetch(e.0);
         }
@@ -784,8 +743,8 @@ impl PrefixIndex {
     pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
         self.tiers.clear(worker);
-        self.slot_mut(slot).order.clear();
-        let held: Vec<NodeId> = self.slot_mut(slot).blocks.drain_nodes().collect();
+        self.slots.taken_mut(slot).order.clear();
+        let held: Vec<NodeId> = self.slots.taken_mut(slot).blocks.drain_nodes().collect();
         for &node in &held {
             self.clear_bit(node, slot);
         }
@@ -809,7 +768,7 @@ impl PrefixIndex {
                 .get(tier)
                 .workers()
                 .into_iter()
-                .find(|w| !self.slot_of.contains_key(w))
+                .find(|&w| !self.slots.contains(w))
             {
                 return Err(format!(
                     "{tier:?} holds blocks of worker {w}, which is not tracked"
@@ -858,8 +817,7 @@ impl PrefixIndex {
             }
         }
         let mut entries = 0usize;
-        for (slot, s) in self.slots.iter().enumerate() {
-            let Some(s) = s else { continue };
+        for (slot, s) in self.slots.iter() {
             for (ext, node) in s.blocks.iter() {
                 if !live(node) || !self.holds_slot(node, slot) {
                     return Err(format!(
@@ -1091,33 +1049,13 @@ impl PrefixIndex {
         self.nodes[node as usize].mask0 == 0
     }
 
-    // ---- worker slots ----
-
-    fn slot(&self, worker: WorkerKey) -> Option<&WorkerSlot> {
-        let slot = *self.slot_of.get(&worker)?;
-        self.slots[slot as usize].as_ref()
-    }
-
+    /// `worker`'s slot, counting an unknown worker.
     fn slot_index(&mut self, worker: WorkerKey) -> Result<usize, IndexError> {
-        match self.slot_of.get(&worker) {
-            Some(&slot) => Ok(slot as usize),
-            None => {
-                self.stats.unknown_worker += 1;
-                Err(IndexError::UnknownWorker(worker))
-            }
+        let slot = self.slots.index_of(worker);
+        if slot.is_err() {
+            self.stats.unknown_worker += 1;
         }
-    }
-
-    fn slot_ref(&self, slot: usize) -> &WorkerSlot {
-        self.slots[slot]
-            .as_ref()
-            .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
-    }
-
-    fn slot_mut(&mut self, slot: usize) -> &mut WorkerSlot {
-        self.slots[slot]
-            .as_mut()
-            .unwrap_or_else(|| unreachable!("slot {slot} is registered in slot_of"))
+        slot
     }
 }
 

@@ -17,14 +17,15 @@
 //!
 //! Block ids come from the same coalescing free runs as the node arena's (`free_runs`).
 
-use hashbrown::{HashMap, HashTable};
+use hashbrown::HashTable;
 
 use super::free_runs::{FreeRuns, Source};
+use super::slots::Slots;
 use super::{
     ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
 };
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
-use crate::key_hasher::{BuildKeyHasher, mix};
+use crate::key_hasher::mix;
 
 /// A block id: its place in the packed arrays.
 type BlockId = u32;
@@ -70,11 +71,29 @@ impl Run {
     }
 }
 
-/// One worker's view: the engine's external hashes of the blocks it holds.
-#[derive(Debug)]
-struct Slot {
-    key: WorkerKey,
-    blocks: ExtMap,
+/// How many of `locals` from the first on equal the local hashes `local` gives of `other`'s.
+///
+/// Four at a time, one branch for the four: along a run a query or a store matches far more
+/// often than not, and a branch per block is most of a long match's instructions.
+#[inline]
+fn matching<T>(locals: &[u64], other: &[T], local: impl Fn(&T) -> u64) -> usize {
+    const CHUNK: usize = 4;
+    let n = locals.len().min(other.len());
+    let (locals, other) = (&locals[..n], &other[..n]);
+    let mut same = 0;
+    for (l, o) in locals.chunks_exact(CHUNK).zip(other.chunks_exact(CHUNK)) {
+        let diff =
+            (l[0] ^ local(&o[0])) | (l[1] ^ local(&o[1])) | (l[2] ^ local(&o[2])) | (l[3] ^ local(&o[3]));
+        if diff != 0 {
+            break;
+        }
+        same += CHUNK;
+    }
+    same + locals[same..]
+        .iter()
+        .zip(&other[same..])
+        .take_while(|&(l, o)| *l == local(o))
+        .count()
 }
 
 #[inline]
@@ -96,8 +115,7 @@ pub struct RunIndex {
     /// Child runs not reached by their parent run's hint (and every run under the root), keyed
     /// by `(parent block, first local)`.
     children: HashTable<RunId>,
-    slots: Vec<Option<Slot>>,
-    slot_of: HashMap<WorkerKey, u32, BuildKeyHasher>,
+    slots: Slots,
     /// Reused block id buffer.
     scratch: Vec<BlockId>,
     /// New-block id stretches of a store.
@@ -117,67 +135,38 @@ impl RunIndex {
     /// Starts tracking `worker`, empty; a worker already tracked is left alone. Refused past
     /// [`RUN_INDEX_MAX_WORKERS`] workers.
     pub fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
-        if self.slot_of.contains_key(&worker) {
-            return Ok(());
-        }
-        let slot = match self.slots.iter().position(Option::is_none) {
-            Some(free) => free,
-            None if self.slots.len() < RUN_INDEX_MAX_WORKERS => {
-                self.slots.push(None);
-                self.slots.len() - 1
-            }
-            None => {
-                return Err(IndexError::TooManyWorkers {
-                    worker,
-                    limit: RUN_INDEX_MAX_WORKERS,
-                });
-            }
-        };
-        let mut blocks = ExtMap::default();
-        blocks.reserve(self.per_worker);
-        self.slots[slot] = Some(Slot { key: worker, blocks });
-        self.slot_of.insert(worker, slot as u32);
-        Ok(())
+        self.slots
+            .add(worker, self.per_worker, Some(RUN_INDEX_MAX_WORKERS))
+            .map(drop)
     }
 
     /// Stops tracking `worker` and forgets every block it held.
     pub fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         self.clear_worker(worker)?;
-        if let Some(slot) = self.slot_of.remove(&worker) {
-            self.slots[slot as usize] = None;
-        }
+        self.slots.remove(worker);
         Ok(())
     }
 
     /// How many blocks `worker` holds.
     pub fn block_count(&self, worker: WorkerKey) -> usize {
-        self.slot(worker).map_or(0, |s| s.blocks.len())
+        self.slots.block_count(worker)
     }
 
     /// Whether `worker` holds the block the engine calls `external`.
     pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slot(worker)
-            .is_some_and(|s| s.blocks.get(external.0).is_some())
+        self.slots.holds(worker, external)
     }
 
     /// Entries, live blocks and heap bytes (`nodes` counts live blocks).
     pub fn footprint(&self) -> IndexFootprint {
-        let entries: usize = self.slots.iter().flatten().map(|s| s.blocks.len()).sum();
-        let maps: usize = self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| s.blocks.allocation_size())
-            .sum();
+        let entries = self.slots.entries();
         let heap = self.locals.capacity() * size_of::<u64>()
             + self.run_of.capacity() * size_of::<RunId>()
             + self.runs.capacity() * size_of::<Run>()
             + self.free_run_ids.capacity() * size_of::<RunId>()
             + self.free.allocation_size()
             + self.children.allocation_size()
-            + self.slots.capacity() * size_of::<Option<Slot>>()
-            + self.slot_of.allocation_size()
-            + maps;
+            + self.slots.allocation_size();
         IndexFootprint {
             entries: entries as u64,
             nodes: (self.locals.len() - self.free.len()) as u64,
@@ -214,13 +203,13 @@ impl RunIndex {
             let run = self.runs[r as usize];
             let from = run.start + off;
             let room = ((run.end() - from) as usize).min(blocks.len() - i);
-            let n = 1 + self.locals[from as usize + 1..][..room - 1]
-                .iter()
-                .zip(&blocks[i + 1..])
-                .take_while(|(l, b)| **l == b.local.0)
-                .count();
+            let n = 1 + matching(
+                &self.locals[from as usize + 1..][..room - 1],
+                &blocks[i + 1..],
+                |b| b.local.0,
+            );
             let held = run.mask & bit != 0;
-            let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+            let map = &mut self.slots.taken_mut(slot).blocks;
             let mut applied = n;
             let mut error = None;
             for (k, block) in blocks[i..i + n].iter().enumerate() {
@@ -307,7 +296,7 @@ impl RunIndex {
             segments.push((start, n as u32));
             need -= n;
         }
-        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        let map = &mut self.slots.taken_mut(slot).blocks;
         map.reserve(rest.len());
         let mut applied = rest.len();
         let mut error = None;
@@ -383,7 +372,7 @@ impl RunIndex {
         let slot = self.slot_index(worker)?;
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
-        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        let map = &mut self.slots.taken_mut(slot).blocks;
         for e in externals.iter().take(REMOVE_AHEAD) {
             map.prefetch(e.0);
         }
@@ -406,7 +395,7 @@ impl RunIndex {
         let slot = self.slot_index(worker)?;
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
-        let map = &mut self.slots[slot].as_mut().expect("registered slot").blocks;
+        let map = &mut self.slots.taken_mut(slot).blocks;
         dropped.extend(map.drain_nodes());
         self.release(&mut dropped, slot);
         self.scratch = dropped;
@@ -613,11 +602,7 @@ impl RunIndex {
             }
             let run = self.runs[r as usize];
             let tail = &self.locals[run.start as usize + 1..run.end() as usize];
-            let m = tail
-                .iter()
-                .zip(&query[depth..])
-                .take_while(|(l, q)| **l == q.0)
-                .count();
+            let m = matching(tail, &query[depth..], |q| q.0);
             depth += m;
             if m < tail.len() || depth == query.len() {
                 break;
@@ -639,7 +624,7 @@ impl RunIndex {
         while bits != 0 {
             let slot = bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            if let Some(Some(s)) = self.slots.get(slot) {
+            if let Some(s) = self.slots.at(slot) {
                 out.push(s.key, depth);
             }
         }
@@ -701,8 +686,7 @@ impl RunIndex {
             ));
         }
         let mut entries = 0;
-        for (slot, s) in self.slots.iter().enumerate() {
-            let Some(s) = s else { continue };
+        for (slot, s) in self.slots.iter() {
             for (ext, id) in s.blocks.iter() {
                 let r = self.run_of[id as usize];
                 if r == NONE || self.runs[r as usize].mask & (1 << slot) == 0 {
@@ -720,19 +704,33 @@ impl RunIndex {
         Ok(())
     }
 
-    fn slot(&self, worker: WorkerKey) -> Option<&Slot> {
-        let slot = *self.slot_of.get(&worker)?;
-        self.slots[slot as usize].as_ref()
-    }
-
     fn slot_index(&self, worker: WorkerKey) -> Result<usize, IndexError> {
-        self.slot_of
-            .get(&worker)
-            .map(|&s| s as usize)
-            .ok_or(IndexError::UnknownWorker(worker))
+        self.slots.index_of(worker)
     }
 
     fn map(&self, slot: usize) -> &ExtMap {
-        &self.slots[slot].as_ref().expect("registered slot").blocks
+        &self.slots.taken(slot).blocks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::matching;
+
+    proptest! {
+        #[test]
+        fn matching_counts_the_common_prefix(
+            common in proptest::collection::vec(0u64..4, 0..40),
+            a in proptest::collection::vec(0u64..4, 0..12),
+            b in proptest::collection::vec(0u64..4, 0..12),
+        ) {
+            // Few distinct values, so the tails often agree for a while too.
+            let locals: Vec<u64> = common.iter().chain(&a).copied().collect();
+            let other: Vec<u64> = common.iter().chain(&b).copied().collect();
+            let expected = locals.iter().zip(&other).take_while(|(l, o)| l == o).count();
+            prop_assert_eq!(matching(&locals, &other, |&o| o), expected);
+        }
     }
 }

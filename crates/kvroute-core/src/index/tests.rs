@@ -180,7 +180,8 @@ fn maps_sized_ahead_answer_as_maps_grown_from_empty() {
         expected_blocks_per_worker: 300,
         ..IndexConfig::default()
     });
-    let size_of_map = |index: &PrefixIndex, i: u64| index.slot(key(i)).map(|s| s.blocks.allocation_size());
+    let size_of_map =
+        |index: &PrefixIndex, i: u64| index.slots.get(key(i)).map(|s| s.blocks.allocation_size());
     for index in [&mut grown, &mut sized] {
         for i in 0..3 {
             index.add_worker(key(i));

@@ -174,7 +174,7 @@ impl PrefixIndex {
         while bits != 0 {
             let slot = word * 64 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            if let Some(Some(s)) = self.slots.get(slot) {
+            if let Some(s) = self.slots.at(slot) {
                 out.push(s.key, depth);
             }
         }
