@@ -79,16 +79,10 @@ const BUCKETS: usize = 17_300;
 
 /// The bucket of `v` milliseconds (above 0) by its definition: `floor((ln v - LOW_LN) /
 /// GAMMA_LN)` within the buckets. The floor is the cast's truncation of a value kept at 0 or
-/// above (`f64::floor` is a libm call on baseline x86-64). [`bucket`] gives the same answer
+/// above (`f64::floor` is a libm call on baseline x86-64). [`Bounds::bucket`] gives the same answer
 /// without the logarithm.
 fn bucket_by_log(v: f64) -> usize {
     (((v.ln() - LOW_LN) / GAMMA_LN).max(0.0) as usize).min(BUCKETS - 1)
-}
-
-/// The bucket of `v` milliseconds (above 0), the same as [`bucket_by_log`] (every jittered gap
-/// passes here): a look-up in [`Bounds`] instead of a logarithm.
-fn bucket(v: f64) -> usize {
-    Bounds::get().bucket(v)
 }
 
 /// `n` nanoseconds in milliseconds, as `Duration::from_nanos(n).as_secs_f64() * 1e3` (whole
@@ -162,6 +156,9 @@ impl Bounds {
         }
     }
 
+    /// The bucket of `v` milliseconds (above 0), the same as [`bucket_by_log`] (every jittered
+    /// gap passes here): a look-up instead of a logarithm.
+    #[inline(always)]
     fn bucket(&self, v: f64) -> usize {
         let Some(&b) = (v.to_bits() >> CELL_SHIFT)
             .checked_sub(self.first_cell)
@@ -228,6 +225,7 @@ impl Sketch {
         }
         let (mut count, mut sum, mut sum_sq) = (0_u64, 0_u128, 0_u128);
         let (mut least, mut greatest) = (u64::MAX, 0_u64);
+        let bounds = Bounds::get();
         let mut spans = spans.into_iter();
         let Some(first) = spans.next() else {
             return;
@@ -245,7 +243,7 @@ impl Sketch {
             sum_sq += u128::from(span) * u128::from(span) * u128::from(run);
             least = least.min(span);
             greatest = greatest.max(span);
-            self.add_to_bucket(ms_of_nanos(span), run * k);
+            self.add_to_bucket_of(bounds, ms_of_nanos(span), run * k);
             match next {
                 Some(n) => (span, run) = (n, 1),
                 None => break,
@@ -263,6 +261,13 @@ impl Sketch {
     /// Puts `times` samples of `v` milliseconds in their bucket (or with the zeros), and
     /// nothing else.
     fn add_to_bucket(&mut self, v: f64, times: u64) {
+        self.add_to_bucket_of(Bounds::get(), v, times);
+    }
+
+    /// [`Sketch::add_to_bucket`] with the bounds at hand (inlined where every jittered gap
+    /// passes).
+    #[inline(always)]
+    fn add_to_bucket_of(&mut self, bounds: &Bounds, v: f64, times: u64) {
         if v <= 0.0 {
             self.zeros += times;
             return;
@@ -270,7 +275,7 @@ impl Sketch {
         if self.buckets.is_empty() {
             self.buckets = vec![0; BUCKETS];
         }
-        self.buckets[bucket(v)] += times;
+        self.buckets[bounds.bucket(v)] += times;
     }
 
     /// Samples recorded.
@@ -360,13 +365,13 @@ mod tests {
             // Every positive finite `v`, subnormals to the largest.
             let v = f64::from_bits(bits);
             let reference = ((v.ln() - LOW_LN) / GAMMA_LN).floor().clamp(0.0, (BUCKETS - 1) as f64) as usize;
-            proptest::prop_assert_eq!(bucket(v), reference);
+            proptest::prop_assert_eq!(Bounds::get().bucket(v), reference);
         }
 
         #[test]
         fn bucket_matches_the_floor_over_the_buckets_range(ms in 1e-7..1e10_f64) {
             let reference = ((ms.ln() - LOW_LN) / GAMMA_LN).floor().clamp(0.0, (BUCKETS - 1) as f64) as usize;
-            proptest::prop_assert_eq!(bucket(ms), reference);
+            proptest::prop_assert_eq!(Bounds::get().bucket(ms), reference);
         }
     }
 
@@ -414,7 +419,7 @@ mod tests {
             .chain(edges);
         let mut checked = 0;
         for v in values {
-            assert_eq!(bucket(v), bucket_by_log(v), "{v:e} ms");
+            assert_eq!(Bounds::get().bucket(v), bucket_by_log(v), "{v:e} ms");
             checked += 1;
         }
         assert!(checked > 9 * (BUCKETS - 1), "{checked} values");
