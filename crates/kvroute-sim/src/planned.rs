@@ -137,7 +137,7 @@ pub struct RequestSla {
     pub outcome: crate::report::Outcome,
     /// Its first token, if any.
     pub first_token: Option<Timestamp>,
-    /// Its last token.
+    /// Its last token, as its client received it.
     pub last_token: Timestamp,
     /// Its output tokens.
     pub output_tokens: u32,
@@ -185,9 +185,12 @@ pub fn sla_windows(
                 sum.1 += 1;
                 let mut itl_ok = true;
                 if let Some(first) = s.first_token
-                    && s.output_tokens > 1
+                    && let Some(itl) = crate::report::tpot_ms(
+                        first.as_nanos(),
+                        s.last_token.as_nanos(),
+                        u64::from(s.output_tokens),
+                    )
                 {
-                    let itl = ms(first, s.last_token) / f64::from(s.output_tokens - 1);
                     sum.2 += itl;
                     sum.3 += 1;
                     itl_ok = itl <= itl_sla;

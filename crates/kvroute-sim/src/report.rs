@@ -143,7 +143,7 @@ pub struct CompletedRequest {
     pub arrival_ns: u64,
     /// First output token, if one was seen.
     pub first_token_ns: Option<u64>,
-    /// Last output token.
+    /// Last output token, as the client receives it (with HTTP latency, with the completion).
     pub last_token_ns: u64,
     /// End of the request.
     pub finished_ns: u64,
@@ -248,6 +248,13 @@ pub fn ms_between(from: u64, to: u64) -> f64 {
     (to - from) as f64 / 1e6
 }
 
+/// A request's time per output token after the first, ms: from its first token to its last (as
+/// its client receives them, nanoseconds), over the tokens after the first. `None` with fewer
+/// than two tokens.
+pub fn tpot_ms(first_ns: u64, last_ns: u64, output_tokens: u64) -> Option<f64> {
+    (output_tokens > 1).then(|| ms_between(first_ns, last_ns) / (output_tokens - 1) as f64)
+}
+
 impl ReportBuilder {
     /// A builder for a run of `policy` on `num_workers` workers of `gpus_per_worker` GPUs, with
     /// `num_requests` requests; nothing counted yet.
@@ -270,9 +277,8 @@ impl ReportBuilder {
         self.e2e_ms.push(ms_between(c.arrival_ns, c.finished_ns));
         if let Some(first) = c.first_token_ns {
             self.ttft_ms.push(ms_between(c.arrival_ns, first));
-            if c.output_tokens > 1 {
-                self.tpot_ms
-                    .push(ms_between(first, c.last_token_ns) / (c.output_tokens - 1) as f64);
+            if let Some(tpot) = tpot_ms(first, c.last_token_ns, c.output_tokens) {
+                self.tpot_ms.push(tpot);
             }
         }
     }

@@ -63,7 +63,9 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
             b.complete(&CompletedRequest {
                 arrival_ns: arrived,
                 first_token_ns: s.first_token.map(|t| t.as_nanos()),
-                last_token_ns: s.last_token.as_nanos(),
+                // The client receives the last token with the completion: behind the same
+                // HTTP latency as the first (the engine's own time may come before the first's).
+                last_token_ns: finished.as_nanos(),
                 finished_ns: finished.as_nanos(),
                 input_tokens: u64::from(r.prompt_tokens),
                 output_tokens: u64::from(s.output_tokens),
@@ -204,7 +206,7 @@ fn planner_run(
             arrived: s.arrived?,
             outcome: s.outcome(),
             first_token: s.first_token,
-            last_token: s.last_token,
+            last_token: s.finished.unwrap_or(s.last_token),
             output_tokens: s.output_tokens,
         })
     });

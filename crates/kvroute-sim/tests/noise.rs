@@ -195,6 +195,31 @@ fn http_latency_is_in_every_ttft_twice() {
 }
 
 #[test]
+fn tpot_is_measured_on_the_clients_clock_under_http_jitter() {
+    // Short outputs and a wide HTTP jitter: a request's last token often leaves its engine
+    // before its first token reaches the client. TPOT runs from the first token received to the
+    // last received (with the completion), so it stays within the request's E2E.
+    let w = workload(6, 200);
+    let mut c = config("kv");
+    c.noise.http = Some(HttpLatency {
+        delay: Duration::from_millis(20),
+        jitter: Some(Dispersion::Lognormal(1.5)),
+    });
+    let result = run(c, &w);
+    let number = |key: &str| {
+        result
+            .report
+            .number(key)
+            .unwrap_or_else(|| panic!("{key} in the report"))
+    };
+    let (max_tpot, max_e2e) = (number("max_tpot_ms"), number("max_e2e_latency_ms"));
+    assert!(
+        max_tpot.is_finite() && max_tpot > 0.0 && max_tpot <= max_e2e,
+        "TPOT max {max_tpot} ms against E2E max {max_e2e} ms"
+    );
+}
+
+#[test]
 fn a_slower_worker_takes_longer_over_the_same_requests() {
     // Round-robin gives each worker the same share; worker 1 runs at half speed.
     let w = workload(5, 120);

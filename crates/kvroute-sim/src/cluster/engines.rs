@@ -323,7 +323,7 @@ impl Run<'_> {
             let decode_ms = s
                 .first_token
                 .filter(|_| warm)
-                .map(|first| s.last_token.saturating_since(first).as_secs_f64() * 1e3);
+                .map(|first| now.saturating_since(first).as_secs_f64() * 1e3);
             p.traffic.completed(s.output_tokens, decode_ms);
         }
         self.uncount(i);
