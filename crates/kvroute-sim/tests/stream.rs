@@ -18,7 +18,7 @@ use kvroute_sim::{
 
 fn sessions() -> SyntheticConfig {
     SyntheticConfig {
-        requests: 150,
+        requests: 60,
         rate_rps: 30.0,
         isl: Lengths::Uniform { min: 16, max: 300 },
         osl: Lengths::Uniform { min: 1, max: 40 },
@@ -33,8 +33,11 @@ fn sessions() -> SyntheticConfig {
 
 /// The workload `shape` makes of `synthetic`, held whole (by the [`Workload`] methods).
 fn whole(synthetic: &SyntheticConfig, shape: &Reshape) -> Workload {
-    let mut w = generate(synthetic, 16).multiply(shape.copies).unwrap();
-    w.spread_lengths(&shape.spread, shape.seed).unwrap();
+    let mut w = generate(synthetic, 16)
+        .multiply(shape.copies)
+        .expect("not too many");
+    w.spread_lengths(&shape.spread, shape.seed)
+        .expect("a valid spread");
     w.speed_up(shape.speedup);
     if let Some(warp) = &shape.warp {
         for r in &mut w.requests {
@@ -56,11 +59,14 @@ fn stream<'w>(
         vec![plan.hash(all.start..mid), plan.hash(mid..all.end)]
     };
     let s = SyntheticStream::with_hasher(synthetic, 16, chunk, Box::new(halves));
-    Reshaped::new(s, shape.clone()).unwrap()
+    Reshaped::new(s, shape.clone()).expect("a valid shape")
 }
 
+/// A change to the base configuration.
+type Tweak = fn(SimConfig) -> SimConfig;
+
 fn assert_same(a: &RunResult, b: &RunResult, what: &str) {
-    let json = |r: &RunResult| serde_json::to_string(&r.report).unwrap();
+    let json = |r: &RunResult| serde_json::to_string(&r.report).expect("serializable");
     assert_eq!(json(a), json(b), "{what}");
     assert_eq!(a.requests, b.requests, "{what}");
     assert_eq!(a.series, b.series, "{what}");
@@ -100,7 +106,7 @@ fn a_stream_runs_as_the_workload_held_whole() {
         c.sample_interval = Some(Duration::from_millis(250));
         c
     };
-    let configs: [(&str, fn(SimConfig) -> SimConfig); 7] = [
+    let configs: [(&str, Tweak); 7] = [
         ("plain", |c| c),
         ("http latency and jitter", noisy),
         ("closed loop", closed),
