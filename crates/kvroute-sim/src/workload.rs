@@ -555,15 +555,24 @@ impl<'w, S: RequestSource<'w>> RequestSource<'w> for Reshaped<'w, S> {
         if self.copying.is_none() {
             self.copying = self.inner.next_request()?.map(|r| (r, 0));
         }
-        let Some((original, c)) = &mut self.copying else {
-            return Ok(None);
-        };
         let shape = &self.shape;
-        let mut r = copy_of(original, shape.copies, *c);
-        *c += 1;
-        if *c == shape.copies {
-            self.copying = None;
-        }
+        let mut r = if shape.copies == 1 {
+            // The one copy is the original.
+            match self.copying.take() {
+                Some((original, _)) => original.into_owned(),
+                None => return Ok(None),
+            }
+        } else {
+            let Some((original, c)) = &mut self.copying else {
+                return Ok(None);
+            };
+            let r = copy_of(original, shape.copies, *c);
+            *c += 1;
+            if *c == shape.copies {
+                self.copying = None;
+            }
+            r
+        };
         shape
             .spread
             .apply(&mut r, self.next_id, shape.seed, self.inner.block_size());

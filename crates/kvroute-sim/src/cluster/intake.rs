@@ -9,7 +9,6 @@
 
 use std::borrow::Cow;
 use std::cell::Cell;
-use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::ops::{Index, IndexMut};
 
@@ -132,8 +131,8 @@ impl<'w> Run<'w> {
             && (!self.streaming
                 || self
                     .open
-                    .peek()
-                    .is_none_or(|Reverse((t, _))| self.latest_open.is_none_or(|l| l <= *t)))
+                    .front()
+                    .is_none_or(|&(t, _)| self.latest_open.is_none_or(|l| l <= t)))
         {
             self.take_one()?;
         }
@@ -147,6 +146,10 @@ impl<'w> Run<'w> {
         }
         let Some(request) = self.source.next_request()? else {
             self.source_done = true;
+            // A source in arrival order gave them in order; any other is taken whole, then sorted.
+            if !self.streaming {
+                self.open.make_contiguous().sort_unstable();
+            }
             return Ok(None);
         };
         let i = self.reqs.taken();
@@ -162,7 +165,7 @@ impl<'w> Run<'w> {
                         )));
                     }
                     self.latest_open = Some(t);
-                    self.open.push(Reverse((t, i as u32)));
+                    self.open.push_back((t, i as u32));
                 }
                 Arrival::After { request: leader, .. } if leader < i => {
                     if self.reqs.slot(leader).is_none_or(|s| s.state.done()) {

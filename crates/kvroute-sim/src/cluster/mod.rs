@@ -5,7 +5,7 @@
 //! arrivals in workload order, then the heap in push order, then the routers' deadlines):
 //!
 //! * open-loop arrivals, the requests taken from the source (`intake.rs`) and not yet arrived,
-//!   by arrival time;
+//!   in order of (arrival time, id);
 //! * a heap keyed by `(time, time pushed, class, tie-break)`: engine step ends (class 1, ties
 //!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
 //!   ties broken in push order);
@@ -182,7 +182,7 @@ pub(crate) struct Run<'w> {
     current: Key,
     /// Requests taken with a fixed arrival, not yet arrived, by (time, id); the latest such
     /// time taken.
-    open: BinaryHeap<Reverse<(Timestamp, u32)>>,
+    open: VecDeque<(Timestamp, u32)>,
     latest_open: Option<Timestamp>,
     channel: VecDeque<(Timestamp, u32, KvEvent)>,
     /// The arriving request's prompt blocks, in one slice for the router.
@@ -271,7 +271,7 @@ impl<'w> Run<'w> {
             heap: BinaryHeap::new(),
             seq: 0,
             current: (Timestamp::ZERO, Timestamp::ZERO, 0, 0),
-            open: BinaryHeap::new(),
+            open: VecDeque::new(),
             latest_open: None,
             channel: VecDeque::new(),
             prompt: Vec::new(),
@@ -367,7 +367,7 @@ impl<'w> Run<'w> {
                 Source::Channel => self.deliver_kv()?,
                 Source::Sync => self.deliver_sync()?,
                 Source::Open => {
-                    if let Some(Reverse((_, i))) = self.open.pop() {
+                    if let Some((_, i)) = self.open.pop_front() {
                         self.arrive(i as usize)?;
                     }
                 }
@@ -448,7 +448,7 @@ impl<'w> Run<'w> {
         }
         consider(self.channel.front().map(|e| e.0), Source::Channel);
         consider(self.sync.peek().map(|Reverse(e)| e.key.0), Source::Sync);
-        consider(self.open.peek().map(|Reverse((t, _))| *t), Source::Open);
+        consider(self.open.front().map(|&(t, _)| t), Source::Open);
         consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
         if self.in_flight_requests > 0 {
             for (r, router) in self.routers.iter().enumerate() {
