@@ -74,7 +74,9 @@ pub use kvroute_engine::Dispersion;
 pub use kvroute_engine::KvTransfer;
 pub use planned::{PlannerRun, RequestSla, SlaWindow, sla_windows};
 pub use report::{CompletedRequest, Latency, Outcome, Report, ReportBuilder, RequestRecord, TimeSeries};
-pub use workload::{Arrival, LengthSpread, PromptBlocks, SimRequest, Workload};
+pub use workload::{
+    Arrival, LengthSpread, PromptBlocks, RequestSource, SimRequest, Workload, WorkloadSource,
+};
 
 /// The first 2,000 rows of the Mooncake conversation trace (Apache-2.0; see `data/NOTICE.md`),
 /// gzip'd: the trace `kvroute replay` runs when none is named.
@@ -202,15 +204,26 @@ impl Simulation {
         workload: &Workload,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<RunResult, SimError> {
-        if workload.block_size != self.config.engine.block_size {
+        self.run_source(WorkloadSource::new(workload), progress)
+    }
+
+    /// Runs the requests of `source` to the end, as [`Simulation::run`] runs a workload: the
+    /// same requests give the same result, whether held whole or made as the run goes.
+    pub fn run_source<'w>(
+        &'w self,
+        source: impl RequestSource<'w> + 'w,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RunResult, SimError> {
+        if source.block_size() != self.config.engine.block_size {
             return Err(SimError::Config(format!(
                 "workload block size {} != engine block size {}",
-                workload.block_size, self.config.engine.block_size
+                source.block_size(),
+                self.config.engine.block_size
             )));
         }
-        let mut run = cluster::Run::new(&self.config, workload)?;
+        let mut run = cluster::Run::new(&self.config, Box::new(source))?;
         run.run(progress)?;
         run.check()?;
-        Ok(summary::summarize(&self.config, workload, run))
+        Ok(summary::summarize(&self.config, run))
     }
 }

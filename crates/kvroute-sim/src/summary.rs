@@ -5,17 +5,18 @@ use kvroute_core::router::RouterCounters;
 use kvroute_core::router::replica::ProtocolCounters;
 
 use crate::RunResult;
+use crate::cluster::ReqState;
 use crate::cluster::Run;
 use crate::config::{PlannerSetup, ReplicaSync, SimConfig, Topology};
-use crate::planned::{PlannerRun, PlannerState, WorkerLife, sla_of};
+use crate::planned::{PlannerRun, PlannerState, RequestSla, WorkerLife, sla_of};
 use crate::report::{
     CompletedRequest, Disaggregation, EngineCounts, Outcome, Report, ReportBuilder, RequestRecord, Value,
     ms_between,
 };
-use crate::workload::Workload;
+use crate::workload::SimRequest;
 
 /// The run's result.
-pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -> RunResult {
+pub(crate) fn summarize(config: &SimConfig, mut run: Run<'_>) -> RunResult {
     let t = &run.totals;
     // The replicas' counters, summed (each counts its own decisions).
     let mut counters = RouterCounters::default();
@@ -27,12 +28,7 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         counters.expired += c.expired;
         counters.disaggregated += c.disaggregated;
     }
-    let mut b = ReportBuilder::new(
-        config.router.policy.name(),
-        config.workers() as u64,
-        config.gpus_per_worker,
-        workload.requests.len() as u64,
-    );
+    let mut b = std::mem::replace(&mut run.tally.builder, ReportBuilder::new("", 0, 0, 0));
     b.arrived = Some(t.arrived);
     b.rejected = run.rejected();
     b.itl = t.itl.summary();
@@ -48,62 +44,12 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         engine_steps: t.steps,
         busy_worker_seconds: t.busy_nanos as f64 / 1e9,
     });
-    let (mut hit_rate_sum, mut hit_rate_n) = (0.0, 0u64);
-    let mut records = Vec::new();
-    let bs = workload.block_size;
-    for (i, (s, r)) in run.reqs.iter().zip(&workload.requests).enumerate() {
-        let Some(arrived) = s.arrived else { continue };
-        let arrived = arrived.as_nanos();
-        let prompt_blocks = r.prompt_tokens / bs;
-        if s.routed.is_some() && prompt_blocks > 0 {
-            hit_rate_sum += f64::from(s.overlap_blocks) / f64::from(prompt_blocks);
-            hit_rate_n += 1;
-        }
-        if let Some(finished) = s.finished {
-            b.complete(&CompletedRequest {
-                arrival_ns: arrived,
-                first_token_ns: s.first_token.map(|t| t.as_nanos()),
-                // The client receives the last token with the completion: behind the same
-                // HTTP latency as the first (the engine's own time may come before the first's).
-                last_token_ns: finished.as_nanos(),
-                finished_ns: finished.as_nanos(),
-                input_tokens: u64::from(r.prompt_tokens),
-                output_tokens: u64::from(s.output_tokens),
-            });
-        }
-        if config.keep_requests {
-            records.push(RequestRecord {
-                id: i as u64,
-                outcome: s.outcome(),
-                arrival_ms: ms_between(0, arrived),
-                routed_ms: s.routed.map(|t| ms_between(0, t.as_nanos())),
-                worker: s.worker.map(u64::from),
-                input_tokens: r.prompt_tokens,
-                output_tokens: s.output_tokens,
-                prompt_blocks,
-                predicted_overlap_blocks: s.overlap_blocks,
-                ttft_ms: s.first_token.map(|t| ms_between(arrived, t.as_nanos())),
-                e2e_latency_ms: s.finished.map(|t| ms_between(arrived, t.as_nanos())),
-                cached_tokens: s.cached_tokens,
-                router_queue_ms: s.routed.map(|t| ms_between(arrived, t.as_nanos())),
-                engine_queue_ms: s
-                    .routed
-                    .zip(s.admitted)
-                    .map(|(r, a)| ms_between(r.as_nanos(), a.as_nanos().max(r.as_nanos()))),
-                queue_ms: s.admitted.map(|a| ms_between(arrived, a.as_nanos().max(arrived))),
-            });
-        }
-    }
-    b.unfinished = Some(
-        run.reqs
-            .iter()
-            .filter(|s| s.arrived.is_some() && s.outcome() == Outcome::Unfinished)
-            .count() as u64,
-    );
-    b.router_mean_kv_hit_rate = Some(if hit_rate_n == 0 {
+    let tally = &run.tally;
+    b.unfinished = Some(tally.unfinished);
+    b.router_mean_kv_hit_rate = Some(if tally.hit_rate.1 == 0 {
         0.0
     } else {
-        hit_rate_sum / hit_rate_n as f64
+        tally.hit_rate.0 / tally.hit_rate.1 as f64
     });
     // With a planner, workers are counted from provisioning (startup included) to removal.
     if run.planner.is_some() {
@@ -143,12 +89,119 @@ pub(crate) fn summarize(config: &SimConfig, workload: &Workload, run: Run<'_>) -
         .map(|(setup, state)| planner_run(setup, state, &run, &mut report, worker_seconds, duration_s));
     RunResult {
         report,
-        requests: records,
+        requests: std::mem::take(&mut run.tally.records),
         series: run.series,
         ttft_ms: b.ttft_ms().to_vec(),
         e2e_ms: b.e2e_ms().to_vec(),
         itl_cdf: t.itl.cdf(800),
         planner,
+    }
+}
+
+/// What the report keeps of each request, taken as the run releases it (in id order).
+pub(crate) struct Tally {
+    pub(crate) builder: ReportBuilder,
+    /// Sum over routed requests with a full block of the router's predicted hit rate, and
+    /// their count.
+    hit_rate: (f64, u64),
+    /// One record per request, with [`SimConfig::keep_requests`].
+    records: Vec<RequestRecord>,
+    keep_requests: bool,
+    /// Each arrived request as SLA attainment counts it, with a planner.
+    slas: Option<Vec<RequestSla>>,
+    /// Arrived requests neither completed nor turned away.
+    pub(crate) unfinished: u64,
+    /// The first completed request whose arrival, routing, first token and finish are out of
+    /// order.
+    pub(crate) out_of_order: Option<usize>,
+    block_size: u32,
+}
+
+impl Tally {
+    /// An empty tally of a run of `requests` requests under `config`.
+    pub(crate) fn new(config: &SimConfig, requests: usize) -> Self {
+        Self {
+            builder: ReportBuilder::new(
+                config.router.policy.name(),
+                config.workers() as u64,
+                config.gpus_per_worker,
+                requests as u64,
+            ),
+            hit_rate: (0.0, 0),
+            records: Vec::new(),
+            keep_requests: config.keep_requests,
+            slas: config.planner.as_ref().map(|_| Vec::new()),
+            unfinished: 0,
+            out_of_order: None,
+            block_size: config.engine.block_size.max(1),
+        }
+    }
+
+    /// Request `i`, at its end (or the run's).
+    pub(crate) fn add(&mut self, i: usize, s: &ReqState, r: &SimRequest) {
+        let Some(arrived_at) = s.arrived else { return };
+        if s.outcome() == Outcome::Unfinished {
+            self.unfinished += 1;
+        }
+        if let Some(slas) = &mut self.slas {
+            slas.push(RequestSla {
+                arrived: arrived_at,
+                outcome: s.outcome(),
+                first_token: s.first_token,
+                last_token: s.finished.unwrap_or(s.last_token),
+                output_tokens: s.output_tokens,
+            });
+        }
+        if let Some(finished) = s.finished {
+            let first = s.first_token.unwrap_or(arrived_at);
+            if self.out_of_order.is_none()
+                && !(arrived_at <= first
+                    && first <= finished
+                    && s.routed.is_some_and(|t| arrived_at <= t && t <= first))
+            {
+                self.out_of_order = Some(i);
+            }
+        }
+        let arrived = arrived_at.as_nanos();
+        let prompt_blocks = r.prompt_tokens / self.block_size;
+        if s.routed.is_some() && prompt_blocks > 0 {
+            self.hit_rate.0 += f64::from(s.overlap_blocks) / f64::from(prompt_blocks);
+            self.hit_rate.1 += 1;
+        }
+        if let Some(finished) = s.finished {
+            self.builder.complete(&CompletedRequest {
+                arrival_ns: arrived,
+                first_token_ns: s.first_token.map(|t| t.as_nanos()),
+                // The client receives the last token with the completion: behind the same
+                // HTTP latency as the first (the engine's own time may come before the first's).
+                last_token_ns: finished.as_nanos(),
+                finished_ns: finished.as_nanos(),
+                input_tokens: u64::from(r.prompt_tokens),
+                output_tokens: u64::from(s.output_tokens),
+            });
+        }
+        if self.keep_requests {
+            self.records.push(RequestRecord {
+                id: i as u64,
+                outcome: s.outcome(),
+                arrival_ms: ms_between(0, arrived),
+                routed_ms: s.routed.map(|t| ms_between(0, t.as_nanos())),
+                worker: s.worker.map(u64::from),
+                input_tokens: r.prompt_tokens,
+                output_tokens: s.output_tokens,
+                prompt_blocks,
+                predicted_overlap_blocks: s.overlap_blocks,
+                ttft_ms: s.first_token.map(|t| ms_between(arrived, t.as_nanos())),
+                e2e_latency_ms: s.finished.map(|t| ms_between(arrived, t.as_nanos())),
+                cached_tokens: s.cached_tokens,
+                router_queue_ms: s.routed.map(|t| ms_between(arrived, t.as_nanos())),
+                engine_queue_ms: s
+                    .routed
+                    .zip(s.admitted)
+                    .map(|(r, a)| ms_between(r.as_nanos(), a.as_nanos().max(r.as_nanos()))),
+                queue_ms: s.admitted.map(|a| ms_between(arrived, a.as_nanos().max(arrived))),
+            });
+        }
     }
 }
 
@@ -201,15 +254,7 @@ fn planner_run(
     duration_s: f64,
 ) -> PlannerRun {
     let (ttft_sla, itl_sla) = sla_of(&setup.config);
-    let requests = run.reqs.iter().filter_map(|s| {
-        Some(crate::planned::RequestSla {
-            arrived: s.arrived?,
-            outcome: s.outcome(),
-            first_token: s.first_token,
-            last_token: s.finished.unwrap_or(s.last_token),
-            output_tokens: s.output_tokens,
-        })
-    });
+    let requests = run.tally.slas.iter().flatten().copied();
     let windows = crate::planned::sla_windows(requests, setup.sla_window, &setup.config.sla);
     let workers: Vec<WorkerLife> = run
         .workers

@@ -5,6 +5,7 @@
 //! `k`'s prompt followed by `isl` new tokens (the previous answer and the user's next message), so
 //! a router that keeps a session on one worker finds the whole earlier prompt cached.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use kvroute_core::time::Timestamp;
 use crate::error::SimError;
 #[cfg(test)]
 use crate::trace::unique_token;
-use crate::workload::{Arrival, PromptBlocks, PromptHasher, SimRequest, Workload};
+use crate::workload::{Arrival, PromptBlocks, PromptHasher, RequestSource, SimRequest, Workload};
 
 /// How session starts are spaced.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -109,22 +110,124 @@ type GroupPrefix = (Arc<[LocalBlockHash]>, Vec<u32>);
 /// session's next turn hashes only the blocks its new tokens complete. Prompts share their
 /// memory the same way ([`PromptBlocks`]: the group's prefix and each earlier turn are segments
 /// every later request of the group or session points to), so a million requests generate in
-/// time and memory linear in their new tokens.
+/// time and memory linear in their new tokens. [`SyntheticStream`] makes the same requests one
+/// at a time.
 pub fn generate(config: &SyntheticConfig, block_size: u32) -> Workload {
     let plan = WorkloadPlan::new(config, block_size);
-    let own = plan.hash(0..plan.len());
+    let own = plan.hash(plan.requests());
     plan.build(own.blocks)
+}
+
+/// The synthetic workload as a [`RequestSource`]: each request made when the run needs it (the
+/// requests [`generate`] makes, in order), so that a run's memory does not grow with the
+/// workload's length. Requests are drawn and hashed a chunk at a time; the hashing of a chunk
+/// ([`WorkloadPlan::hash`] over ranges of it) may be handed to any number of threads
+/// ([`SyntheticStream::with_hasher`]; this crate starts none).
+pub struct SyntheticStream<'h> {
+    draws: Draws,
+    assembler: Assembler,
+    chunk: usize,
+    hash: HashPlan<'h>,
+    /// The requests of the chunk drawn and hashed, not yet made, with their own blocks.
+    pending: std::collections::VecDeque<(PlannedTurn, Vec<LocalBlockHash>)>,
+    next_id: usize,
+}
+
+/// Hashes a chunk of a [`SyntheticStream`]: [`WorkloadPlan::hash`] over ranges that cover the
+/// chunk's requests ([`WorkloadPlan::requests`]) in order.
+pub type HashPlan<'h> = Box<dyn FnMut(&WorkloadPlan) -> Vec<OwnBlocks> + 'h>;
+
+impl std::fmt::Debug for SyntheticStream<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyntheticStream")
+            .field("config", &self.draws.config)
+            .field("next_id", &self.next_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'h> SyntheticStream<'h> {
+    /// Requests drawn and hashed at a time by [`SyntheticStream::new`].
+    pub const CHUNK: usize = 1 << 13;
+
+    /// The workload `config` describes at `block_size` tokens per block, hashed here.
+    pub fn new(config: &SyntheticConfig, block_size: u32) -> Self {
+        Self::with_hasher(
+            config,
+            block_size,
+            Self::CHUNK,
+            Box::new(|plan: &WorkloadPlan| vec![plan.hash(plan.requests())]),
+        )
+    }
+
+    /// The same requests, drawn `chunk` at a time, each chunk hashed by `hash`.
+    pub fn with_hasher(config: &SyntheticConfig, block_size: u32, chunk: usize, hash: HashPlan<'h>) -> Self {
+        Self {
+            draws: Draws::new(config, block_size.max(1) as usize),
+            assembler: Assembler::new(config, block_size),
+            chunk: chunk.max(1),
+            hash,
+            pending: std::collections::VecDeque::new(),
+            next_id: 0,
+        }
+    }
+
+    /// The next request, from the chunk in hand or a new one.
+    fn next_request_checked(&mut self) -> Result<Option<SimRequest>, SimError> {
+        if self.pending.is_empty() {
+            let first = self.next_id;
+            let plan = WorkloadPlan {
+                config: self.draws.config,
+                block_size: self.assembler.block_size,
+                first,
+                turns: self.draws.by_ref().take(self.chunk).collect(),
+            };
+            if plan.is_empty() {
+                return Ok(None);
+            }
+            let parts = (self.hash)(&plan);
+            let own = plan.own_blocks(parts)?;
+            self.pending = plan.turns.into_iter().zip(own).collect();
+        }
+        Ok(self.pending.pop_front().map(|(turn, middle)| {
+            let id = self.next_id;
+            self.next_id += 1;
+            self.assembler.request(id, &turn, middle)
+        }))
+    }
+}
+
+impl<'w> RequestSource<'w> for SyntheticStream<'_> {
+    fn block_size(&self) -> u32 {
+        self.assembler.block_size
+    }
+
+    fn len(&self) -> usize {
+        self.draws.config.requests
+    }
+
+    fn next_request(&mut self) -> Result<Option<Cow<'w, SimRequest>>, SimError> {
+        Ok(self.next_request_checked()?.map(Cow::Owned))
+    }
+
+    /// Session starts never go back, and a session's turns are made before the next session's.
+    fn in_arrival_order(&self) -> bool {
+        true
+    }
 }
 
 /// [`generate`] in three steps, so that a caller can hash on several threads (this crate starts
 /// none): [`WorkloadPlan::new`] makes every draw; [`WorkloadPlan::hash`] hashes the blocks made of a range of
 /// requests' own tokens (all of a turn's blocks but the one that completes the session's
 /// partial block), each range independently; [`WorkloadPlan::assemble`] builds the workload from the
-/// ranges: [`generate`]'s, whatever the ranges.
+/// ranges: [`generate`]'s, whatever the ranges. A [`SyntheticStream`] hands its chunks out as
+/// plans of a range of the workload's requests.
 #[derive(Clone, Debug)]
 pub struct WorkloadPlan {
     config: SyntheticConfig,
     block_size: u32,
+    /// The id of the first request planned.
+    first: usize,
     turns: Vec<PlannedTurn>,
 }
 
@@ -141,7 +244,8 @@ impl WorkloadPlan {
         Self {
             config: *config,
             block_size,
-            turns: plan(config, block_size.max(1) as usize),
+            first: 0,
+            turns: Draws::new(config, block_size.max(1) as usize).collect(),
         }
     }
 
@@ -155,13 +259,19 @@ impl WorkloadPlan {
         self.turns.is_empty()
     }
 
+    /// The ids of the requests planned.
+    pub fn requests(&self) -> Range<usize> {
+        self.first..self.first + self.turns.len()
+    }
+
     /// The local hashes of the blocks made of the own tokens of requests `range` (clamped to
-    /// the plan).
+    /// the plan's).
     pub fn hash(&self, range: Range<usize>) -> OwnBlocks {
-        let end = range.end.min(self.turns.len());
-        let first = range.start.min(end);
+        let all = self.requests();
+        let end = range.end.clamp(all.start, all.end);
+        let first = range.start.clamp(all.start, end);
         let mut hasher = PromptHasher::new(self.block_size.max(1));
-        let blocks = self.turns[first..end]
+        let blocks = self.turns[first - all.start..end - all.start]
             .iter()
             .enumerate()
             .map(|(k, t)| hasher.unique_blocks((first + k) as u64, t.head, t.new - t.head))
@@ -169,10 +279,14 @@ impl WorkloadPlan {
         OwnBlocks { first, blocks }
     }
 
-    /// The workload, from `parts` that cover the requests in order (ranges `0..a`, `a..b`, ...,
-    /// up to [`WorkloadPlan::len`]); an error says where a request is missing.
-    pub fn assemble(&self, parts: Vec<OwnBlocks>) -> Result<Workload, SimError> {
-        let mut next = 0;
+    /// Every planned request's own blocks, in order, from `parts` that cover the requests in
+    /// order; an error says where a request is missing.
+    fn own_blocks(
+        &self,
+        parts: Vec<OwnBlocks>,
+    ) -> Result<impl Iterator<Item = Vec<LocalBlockHash>> + use<>, SimError> {
+        let all = self.requests();
+        let mut next = all.start;
         for part in &parts {
             if part.first != next {
                 return Err(SimError::Workload(format!(
@@ -182,66 +296,102 @@ impl WorkloadPlan {
             }
             next += part.blocks.len();
         }
-        if next != self.turns.len() {
+        if next != all.end {
             return Err(SimError::Workload(format!(
                 "the hashed blocks end at request {next}, not at {}",
-                self.turns.len()
+                all.end
             )));
         }
-        Ok(self.build(parts.into_iter().flat_map(|p| p.blocks)))
+        Ok(parts.into_iter().flat_map(|p| p.blocks))
+    }
+
+    /// The workload, from `parts` that cover the requests in order (ranges `0..a`, `a..b`, ...,
+    /// up to [`WorkloadPlan::len`]); an error says where a request is missing.
+    pub fn assemble(&self, parts: Vec<OwnBlocks>) -> Result<Workload, SimError> {
+        Ok(self.build(self.own_blocks(parts)?))
     }
 
     /// The workload, given every request's own blocks in order.
     fn build(&self, own: impl IntoIterator<Item = Vec<LocalBlockHash>>) -> Workload {
-        let (config, block_size) = (&self.config, self.block_size);
-        let bs = block_size.max(1) as usize;
-        let mut workload = Workload::new(block_size);
+        let mut workload = Workload::new(self.block_size);
         workload.requests.reserve_exact(self.turns.len());
-        let mut hasher = PromptHasher::new(block_size.max(1));
-        // Per prefix group: its prefix's full blocks and the tokens after them.
-        let mut prefixes: Vec<Option<GroupPrefix>> = vec![None; config.prefix_groups as usize];
-        // The session's prompt so far: segments of full blocks, then the tokens of its partial
-        // block.
-        let mut segments: Vec<Arc<[LocalBlockHash]>> = Vec::new();
-        let mut tail: Vec<u32> = Vec::new();
-        let mut blocks = 0u64;
-        for ((id, turn), middle) in self.turns.iter().enumerate().zip(own) {
-            if turn.turn == 0 {
-                segments.clear();
-                blocks = 0;
-                tail.clear();
-                if let Some(group) = turn.group {
-                    let (prefix, rest) = prefixes[group].get_or_insert_with(|| {
-                        let (mut full, mut rest) = (Vec::new(), Vec::new());
-                        hasher.push_unique_tokens(
-                            &mut rest,
-                            u64::MAX - group as u64,
-                            config.shared_prefix_tokens,
-                            &mut full,
-                        );
-                        (full.into(), rest)
-                    });
-                    if !prefix.is_empty() {
-                        blocks += prefix.len() as u64;
-                        segments.push(Arc::clone(prefix));
-                    }
-                    tail.extend_from_slice(rest);
-                }
-            }
-            let new_blocks = hasher.push_unique_tokens_around(&mut tail, id as u64, turn.new, middle);
-            if !new_blocks.is_empty() {
-                blocks += new_blocks.len() as u64;
-                segments.push(Arc::from(new_blocks));
-            }
-            let tokens = blocks * bs as u64 + tail.len() as u64;
-            workload.requests.push(SimRequest {
-                arrival: turn_arrival(turn.turn, turn.start, id, config),
-                locals: PromptBlocks::from_segments(segments.clone()),
-                prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
-                output_tokens: turn.output_tokens,
-            });
+        let mut assembler = Assembler::new(&self.config, self.block_size);
+        for ((k, turn), middle) in self.turns.iter().enumerate().zip(own) {
+            workload
+                .requests
+                .push(assembler.request(self.first + k, turn, middle));
         }
         workload
+    }
+}
+
+/// Makes the requests from their draws and own blocks, in order: it keeps each group's prefix
+/// and the prompt of the session so far.
+#[derive(Debug)]
+struct Assembler {
+    config: SyntheticConfig,
+    block_size: u32,
+    hasher: PromptHasher,
+    /// Per prefix group: its prefix's full blocks and the tokens after them.
+    prefixes: Vec<Option<GroupPrefix>>,
+    /// The session's prompt so far: segments of full blocks (`blocks` of them), then the
+    /// tokens of its partial block.
+    segments: Vec<Arc<[LocalBlockHash]>>,
+    blocks: u64,
+    tail: Vec<u32>,
+}
+
+impl Assembler {
+    fn new(config: &SyntheticConfig, block_size: u32) -> Self {
+        Self {
+            config: *config,
+            block_size,
+            hasher: PromptHasher::new(block_size.max(1)),
+            prefixes: vec![None; config.prefix_groups as usize],
+            segments: Vec::new(),
+            blocks: 0,
+            tail: Vec::new(),
+        }
+    }
+
+    /// Request `id`, drawn as `turn`, with `middle` its own blocks ([`WorkloadPlan::hash`]'s).
+    fn request(&mut self, id: usize, turn: &PlannedTurn, middle: Vec<LocalBlockHash>) -> SimRequest {
+        let (config, hasher) = (&self.config, &mut self.hasher);
+        let bs = self.block_size.max(1) as usize;
+        if turn.turn == 0 {
+            self.segments.clear();
+            self.blocks = 0;
+            self.tail.clear();
+            if let Some(group) = turn.group {
+                let (prefix, rest) = self.prefixes[group].get_or_insert_with(|| {
+                    let (mut full, mut rest) = (Vec::new(), Vec::new());
+                    hasher.push_unique_tokens(
+                        &mut rest,
+                        u64::MAX - group as u64,
+                        config.shared_prefix_tokens,
+                        &mut full,
+                    );
+                    (full.into(), rest)
+                });
+                if !prefix.is_empty() {
+                    self.blocks += prefix.len() as u64;
+                    self.segments.push(Arc::clone(prefix));
+                }
+                self.tail.extend_from_slice(rest);
+            }
+        }
+        let new_blocks = hasher.push_unique_tokens_around(&mut self.tail, id as u64, turn.new, middle);
+        if !new_blocks.is_empty() {
+            self.blocks += new_blocks.len() as u64;
+            self.segments.push(Arc::from(new_blocks));
+        }
+        let tokens = self.blocks * bs as u64 + self.tail.len() as u64;
+        SimRequest {
+            arrival: turn_arrival(turn.turn, turn.start, id, config),
+            locals: PromptBlocks::from_segments(self.segments.clone()),
+            prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+            output_tokens: turn.output_tokens,
+        }
     }
 }
 
@@ -261,42 +411,75 @@ struct PlannedTurn {
     head: u32,
 }
 
-/// Every draw of [`generate`], in its order, with the length of each session's partial block.
-fn plan(config: &SyntheticConfig, bs: usize) -> Vec<PlannedTurn> {
-    let mut rng = Rng::new(config.seed);
-    let mut turns = Vec::with_capacity(config.requests);
-    let per_session = config.turns_per_session.max(1) as usize;
-    let mut start = 0.0_f64;
-    while turns.len() < config.requests {
-        start += gap_secs(config, &mut rng);
-        let mut partial = 0usize;
-        let mut group = None;
-        if config.prefix_groups > 0 {
-            group = Some(rng.below(config.prefix_groups as usize));
-            partial = config.shared_prefix_tokens as usize % bs;
-        }
-        for turn in 0..per_session {
-            if turns.len() >= config.requests {
-                break;
-            }
-            let new = config.isl.sample(&mut rng).max(1);
-            let head = if partial == 0 {
-                0
-            } else {
-                (bs - partial).min(new as usize) as u32
-            };
-            turns.push(PlannedTurn {
-                start,
-                turn,
-                group: if turn == 0 { group } else { None },
-                new,
-                output_tokens: config.osl.sample(&mut rng),
-                head,
-            });
-            partial = (partial + new as usize) % bs;
+/// Every draw of [`generate`], one request at a time, in its order, with the length of each
+/// session's partial block.
+#[derive(Clone, Debug)]
+struct Draws {
+    config: SyntheticConfig,
+    bs: usize,
+    rng: Rng,
+    made: usize,
+    /// The session's start, seconds.
+    start: f64,
+    /// The session's next turn (`turns_per_session` or more: a new session is next).
+    turn: usize,
+    group: Option<usize>,
+    /// Tokens in the session's partial block.
+    partial: usize,
+}
+
+impl Draws {
+    fn new(config: &SyntheticConfig, bs: usize) -> Self {
+        Self {
+            config: *config,
+            bs,
+            rng: Rng::new(config.seed),
+            made: 0,
+            start: 0.0,
+            turn: usize::MAX,
+            group: None,
+            partial: 0,
         }
     }
-    turns
+}
+
+impl Iterator for Draws {
+    type Item = PlannedTurn;
+
+    fn next(&mut self) -> Option<PlannedTurn> {
+        let config = &self.config;
+        if self.made >= config.requests {
+            return None;
+        }
+        if self.turn >= config.turns_per_session.max(1) as usize {
+            self.start += gap_secs(config, &mut self.rng);
+            self.partial = 0;
+            self.group = None;
+            if config.prefix_groups > 0 {
+                self.group = Some(self.rng.below(config.prefix_groups as usize));
+                self.partial = config.shared_prefix_tokens as usize % self.bs;
+            }
+            self.turn = 0;
+        }
+        let new = config.isl.sample(&mut self.rng).max(1);
+        let head = if self.partial == 0 {
+            0
+        } else {
+            (self.bs - self.partial).min(new as usize) as u32
+        };
+        let planned = PlannedTurn {
+            start: self.start,
+            turn: self.turn,
+            group: if self.turn == 0 { self.group } else { None },
+            new,
+            output_tokens: config.osl.sample(&mut self.rng),
+            head,
+        };
+        self.partial = (self.partial + new as usize) % self.bs;
+        self.turn += 1;
+        self.made += 1;
+        Some(planned)
+    }
 }
 
 /// One gap between session starts, in seconds.

@@ -4,6 +4,7 @@
 //! A workload is built once (from a trace or a generator) and run under any number of router
 //! configurations: each policy of a comparison sees the identical requests.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use kvroute_core::time::Timestamp;
 use kvroute_engine::Dispersion;
 use kvroute_engine::noise::mix;
 
+use crate::error::SimError;
 use crate::trace::fill_unique_tokens;
 
 /// When a request arrives.
@@ -135,6 +137,68 @@ pub struct SimRequest {
     pub output_tokens: u32,
 }
 
+/// Where a run takes its requests from, one at a time, in the order of their ids (request `i`
+/// is `RequestId(i)`): a [`Workload`] held whole, or a stream that makes each request when the
+/// run needs it ([`crate::synthetic::SyntheticStream`]), so that the run's memory follows what
+/// is in flight, not the workload's length.
+pub trait RequestSource<'w> {
+    /// Tokens per block of every request's `locals`.
+    fn block_size(&self) -> u32;
+
+    /// Requests in all.
+    fn len(&self) -> usize;
+
+    /// Whether it has no request.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The next request, `None` after the last; an error says why it cannot be made.
+    fn next_request(&mut self) -> Result<Option<Cow<'w, SimRequest>>, SimError>;
+
+    /// Whether the run may take the requests as it needs them: the fixed arrival times never
+    /// decrease from one request to the next, and every request of a session (an open arrival
+    /// and the requests that follow it, directly or not) comes before the first fixed arrival
+    /// later than the session's first request. A source that does not promise it is taken
+    /// whole when the run starts (a trace's rows need not be in time order). A promise broken
+    /// is an error of the run, never a different run.
+    fn in_arrival_order(&self) -> bool;
+}
+
+/// A [`Workload`] as a [`RequestSource`]: its requests lent, taken whole at the run's start.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkloadSource<'w> {
+    workload: &'w Workload,
+    next: usize,
+}
+
+impl<'w> WorkloadSource<'w> {
+    /// The requests of `workload`, from the first.
+    pub fn new(workload: &'w Workload) -> Self {
+        Self { workload, next: 0 }
+    }
+}
+
+impl<'w> RequestSource<'w> for WorkloadSource<'w> {
+    fn block_size(&self) -> u32 {
+        self.workload.block_size
+    }
+
+    fn len(&self) -> usize {
+        self.workload.requests.len()
+    }
+
+    fn next_request(&mut self) -> Result<Option<Cow<'w, SimRequest>>, SimError> {
+        let r = self.workload.requests.get(self.next).map(Cow::Borrowed);
+        self.next += usize::from(r.is_some());
+        Ok(r)
+    }
+
+    fn in_arrival_order(&self) -> bool {
+        false
+    }
+}
+
 /// Prompt- and output-length spread, applied to a built workload
 /// ([`Workload::spread_lengths`]) before any run, so the router sees the spread prompts.
 /// Default: none.
@@ -147,6 +211,60 @@ pub struct LengthSpread {
     pub prompt: Option<Dispersion>,
     /// Each output length times a factor drawn per request, at least 1 token.
     pub output: Option<Dispersion>,
+}
+
+impl LengthSpread {
+    /// Whether both amounts are in range; an error names the one that is not.
+    pub fn validate(&self) -> Result<(), String> {
+        for (d, what) in [(&self.prompt, "prompt"), (&self.output, "output")] {
+            if let Some(d) = d {
+                d.validate().map_err(|e| format!("{what} length spread: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Spreads request `i`'s lengths, its factors drawn from `seed` and `i` alone, its blocks
+    /// of `bs` tokens.
+    fn apply(&self, r: &mut SimRequest, i: usize, seed: u64, bs: u32) {
+        let bs = u64::from(bs.max(1));
+        if let Some(d) = &self.output {
+            let f = d.draw_at(seed ^ OUTPUT_SALT, i as u64);
+            r.output_tokens = scale_tokens(r.output_tokens, f);
+        }
+        let Some(d) = &self.prompt else {
+            return;
+        };
+        let f = d.draw_at(seed ^ PROMPT_SALT, i as u64);
+        let segments = &r.locals.segments;
+        let tail_blocks = segments.last().map_or(0, |s| s.len()) as u64;
+        let head_blocks = r.locals.len() as u64 - tail_blocks;
+        let head_tokens = head_blocks * bs;
+        let tail_tokens = u64::from(r.prompt_tokens).saturating_sub(head_tokens);
+        let new_tail = u64::from(scale_tokens(u32::try_from(tail_tokens).unwrap_or(u32::MAX), f));
+        let tokens = (head_tokens + new_tail).min(u64::from(u32::MAX));
+        let full = tokens / bs;
+        let mut kept: Vec<Arc<[LocalBlockHash]>> = segments[..segments.len().saturating_sub(1)].to_vec();
+        if let Some(last) = segments.last() {
+            let keep = (full.saturating_sub(head_blocks) as usize).min(last.len());
+            if keep == last.len() {
+                kept.push(Arc::clone(last));
+            } else if keep > 0 {
+                kept.push(Arc::from(&last[..keep]));
+            }
+        }
+        let have = head_blocks + tail_blocks.min(full.saturating_sub(head_blocks));
+        if full > have {
+            let mut rng = Rng::new(mix(seed ^ BLOCK_SALT, i as u64));
+            let extra: Vec<LocalBlockHash> = (have..full).map(|_| LocalBlockHash(rng.next_u64())).collect();
+            kept.push(Arc::from(extra));
+        }
+        r.locals = PromptBlocks {
+            segments: kept.into_boxed_slice(),
+            salt: r.locals.salt,
+        };
+        r.prompt_tokens = tokens as u32;
+    }
 }
 
 /// Salts of the length-spread streams.
@@ -176,50 +294,10 @@ impl Workload {
     /// Spreads every request's prompt and output length (see [`LengthSpread`]), request `i`'s
     /// factors drawn from `seed` and `i` alone; an error names an amount out of range.
     pub fn spread_lengths(&mut self, spread: &LengthSpread, seed: u64) -> Result<(), String> {
-        for (d, what) in [(&spread.prompt, "prompt"), (&spread.output, "output")] {
-            if let Some(d) = d {
-                d.validate().map_err(|e| format!("{what} length spread: {e}"))?;
-            }
-        }
-        let bs = u64::from(self.block_size.max(1));
+        spread.validate()?;
+        let bs = self.block_size;
         for (i, r) in self.requests.iter_mut().enumerate() {
-            if let Some(d) = &spread.output {
-                let f = d.draw_at(seed ^ OUTPUT_SALT, i as u64);
-                r.output_tokens = scale_tokens(r.output_tokens, f);
-            }
-            let Some(d) = &spread.prompt else {
-                continue;
-            };
-            let f = d.draw_at(seed ^ PROMPT_SALT, i as u64);
-            let segments = &r.locals.segments;
-            let tail_blocks = segments.last().map_or(0, |s| s.len()) as u64;
-            let head_blocks = r.locals.len() as u64 - tail_blocks;
-            let head_tokens = head_blocks * bs;
-            let tail_tokens = u64::from(r.prompt_tokens).saturating_sub(head_tokens);
-            let new_tail = u64::from(scale_tokens(u32::try_from(tail_tokens).unwrap_or(u32::MAX), f));
-            let tokens = (head_tokens + new_tail).min(u64::from(u32::MAX));
-            let full = tokens / bs;
-            let mut kept: Vec<Arc<[LocalBlockHash]>> = segments[..segments.len().saturating_sub(1)].to_vec();
-            if let Some(last) = segments.last() {
-                let keep = (full.saturating_sub(head_blocks) as usize).min(last.len());
-                if keep == last.len() {
-                    kept.push(Arc::clone(last));
-                } else if keep > 0 {
-                    kept.push(Arc::from(&last[..keep]));
-                }
-            }
-            let have = head_blocks + tail_blocks.min(full.saturating_sub(head_blocks));
-            if full > have {
-                let mut rng = Rng::new(mix(seed ^ BLOCK_SALT, i as u64));
-                let extra: Vec<LocalBlockHash> =
-                    (have..full).map(|_| LocalBlockHash(rng.next_u64())).collect();
-                kept.push(Arc::from(extra));
-            }
-            r.locals = PromptBlocks {
-                segments: kept.into_boxed_slice(),
-                salt: r.locals.salt,
-            };
-            r.prompt_tokens = tokens as u32;
+            spread.apply(r, i, seed, bs);
         }
         Ok(())
     }
@@ -232,17 +310,8 @@ impl Workload {
     /// Divides every fixed arrival time and think time by `speedup` (2.0 arrives twice as fast).
     /// Values that are not finite and positive leave the workload unchanged.
     pub fn speed_up(&mut self, speedup: f64) {
-        if !(speedup.is_finite() && speedup > 0.0) || speedup == 1.0 {
-            return;
-        }
         for r in &mut self.requests {
-            r.arrival = match r.arrival {
-                Arrival::At(t) => Arrival::At(Timestamp((t.as_nanos() as f64 / speedup).round() as u64)),
-                Arrival::After { request, delay } => Arrival::After {
-                    request,
-                    delay: delay.div_f64(speedup),
-                },
-            };
+            r.arrival = sped_up(r.arrival, speedup);
         }
     }
 
@@ -253,61 +322,11 @@ impl Workload {
     /// daily cycle while its requests, lengths and order stay. Think times are kept. Points must
     /// have increasing times and positive, finite multipliers; otherwise an error says why.
     pub fn warp_rate(&mut self, points: &[(f64, f64)]) -> Result<(), String> {
-        if points.is_empty() {
+        let Some(warp) = RateWarp::new(points)? else {
             return Ok(());
-        }
-        for (i, &(t, m)) in points.iter().enumerate() {
-            if !(t.is_finite() && t >= 0.0 && m.is_finite() && m > 0.0) {
-                return Err(format!(
-                    "rate profile point ({t}, {m}): time >= 0 and multiplier > 0"
-                ));
-            }
-            if i > 0 && t <= points[i - 1].0 {
-                return Err(format!(
-                    "rate profile times must increase ({t} after {})",
-                    points[i - 1].0
-                ));
-            }
-        }
-        // Segments (start, end, m at start, m at end), the first from 0, the last open.
-        let mut segments = Vec::with_capacity(points.len() + 1);
-        let (t0, m0) = points[0];
-        if t0 > 0.0 {
-            segments.push((0.0, t0, m0, m0));
-        }
-        for pair in points.windows(2) {
-            segments.push((pair[0].0, pair[1].0, pair[0].1, pair[1].1));
-        }
-        let (tl, ml) = points[points.len() - 1];
-        segments.push((tl, f64::INFINITY, ml, ml));
-        let invert = |target: f64| -> f64 {
-            let mut area = 0.0;
-            for &(a, b, ma, mb) in &segments {
-                let slope = if b.is_finite() { (mb - ma) / (b - a) } else { 0.0 };
-                let seg_area = if b.is_finite() {
-                    (ma + mb) / 2.0 * (b - a)
-                } else {
-                    f64::INFINITY
-                };
-                if area + seg_area >= target {
-                    // Solve ma·x + slope·x²/2 = target - area for x in [0, b - a].
-                    let need = target - area;
-                    let x = if slope.abs() < 1e-15 {
-                        need / ma
-                    } else {
-                        (-ma + (ma * ma + 2.0 * slope * need).max(0.0).sqrt()) / slope
-                    };
-                    return a + x.max(0.0);
-                }
-                area += seg_area;
-            }
-            target
         };
         for r in &mut self.requests {
-            if let Arrival::At(t) = r.arrival {
-                let tau = invert(t.as_secs_f64());
-                r.arrival = Arrival::At(Timestamp((tau * 1e9).round() as u64));
-            }
+            r.arrival = warp.arrival(r.arrival);
         }
         Ok(())
     }
@@ -322,33 +341,10 @@ impl Workload {
     /// workload unchanged; a result beyond `u32::MAX` requests is an error.
     pub fn multiply(&self, copies: usize) -> Result<Workload, String> {
         let copies = copies.max(1);
-        let n = self.requests.len();
-        match n.checked_mul(copies) {
-            Some(total) if total <= u32::MAX as usize => {}
-            _ => {
-                return Err(format!(
-                    "{n} requests times {copies} copies is over 2^32 requests"
-                ));
-            }
-        }
-        let mut requests = Vec::with_capacity(n * copies);
+        let n = multiplied_len(self.requests.len(), copies)?;
+        let mut requests = Vec::with_capacity(n);
         for r in &self.requests {
-            for c in 0..copies {
-                let arrival = match r.arrival {
-                    Arrival::At(t) => Arrival::At(t),
-                    Arrival::After { request, delay } => Arrival::After {
-                        request: request * copies + c,
-                        delay,
-                    },
-                };
-                let locals = r.locals.salted(copy_salt(c as u64));
-                requests.push(SimRequest {
-                    arrival,
-                    locals,
-                    prompt_tokens: r.prompt_tokens,
-                    output_tokens: r.output_tokens,
-                });
-            }
+            requests.extend((0..copies).map(|c| copy_of(r, copies, c)));
         }
         Ok(Workload {
             block_size: self.block_size,
@@ -372,6 +368,227 @@ fn copy_salt(c: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// `n` requests times `copies` ([`Workload::multiply`]), or why that is too many.
+pub fn multiplied_len(n: usize, copies: usize) -> Result<usize, String> {
+    match n.checked_mul(copies) {
+        Some(total) if total <= u32::MAX as usize => Ok(total),
+        _ => Err(format!(
+            "{n} requests times {copies} copies is over 2^32 requests"
+        )),
+    }
+}
+
+/// Copy `c` of `copies` of request `r` ([`Workload::multiply`]).
+fn copy_of(r: &SimRequest, copies: usize, c: usize) -> SimRequest {
+    let arrival = match r.arrival {
+        Arrival::At(t) => Arrival::At(t),
+        Arrival::After { request, delay } => Arrival::After {
+            request: request * copies + c,
+            delay,
+        },
+    };
+    SimRequest {
+        arrival,
+        locals: r.locals.salted(copy_salt(c as u64)),
+        prompt_tokens: r.prompt_tokens,
+        output_tokens: r.output_tokens,
+    }
+}
+
+/// `arrival` `speedup` times as fast ([`Workload::speed_up`]).
+fn sped_up(arrival: Arrival, speedup: f64) -> Arrival {
+    if !(speedup.is_finite() && speedup > 0.0) || speedup == 1.0 {
+        return arrival;
+    }
+    match arrival {
+        Arrival::At(t) => Arrival::At(Timestamp((t.as_nanos() as f64 / speedup).round() as u64)),
+        Arrival::After { request, delay } => Arrival::After {
+            request,
+            delay: delay.div_f64(speedup),
+        },
+    }
+}
+
+/// A rate profile's time warp ([`Workload::warp_rate`]): segments (start, end, multiplier at
+/// start, at end), the first from 0, the last open.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RateWarp {
+    segments: Vec<(f64, f64, f64, f64)>,
+}
+
+impl RateWarp {
+    /// The warp of the profile through `points`, `None` for no points, or why the points are
+    /// unusable.
+    pub fn new(points: &[(f64, f64)]) -> Result<Option<Self>, String> {
+        if points.is_empty() {
+            return Ok(None);
+        }
+        for (i, &(t, m)) in points.iter().enumerate() {
+            if !(t.is_finite() && t >= 0.0 && m.is_finite() && m > 0.0) {
+                return Err(format!(
+                    "rate profile point ({t}, {m}): time >= 0 and multiplier > 0"
+                ));
+            }
+            if i > 0 && t <= points[i - 1].0 {
+                return Err(format!(
+                    "rate profile times must increase ({t} after {})",
+                    points[i - 1].0
+                ));
+            }
+        }
+        let mut segments = Vec::with_capacity(points.len() + 1);
+        let (t0, m0) = points[0];
+        if t0 > 0.0 {
+            segments.push((0.0, t0, m0, m0));
+        }
+        for pair in points.windows(2) {
+            segments.push((pair[0].0, pair[1].0, pair[0].1, pair[1].1));
+        }
+        let (tl, ml) = points[points.len() - 1];
+        segments.push((tl, f64::INFINITY, ml, ml));
+        Ok(Some(Self { segments }))
+    }
+
+    /// The new time of original time `target`, seconds.
+    fn invert(&self, target: f64) -> f64 {
+        let mut area = 0.0;
+        for &(a, b, ma, mb) in &self.segments {
+            let slope = if b.is_finite() { (mb - ma) / (b - a) } else { 0.0 };
+            let seg_area = if b.is_finite() {
+                (ma + mb) / 2.0 * (b - a)
+            } else {
+                f64::INFINITY
+            };
+            if area + seg_area >= target {
+                // Solve ma·x + slope·x²/2 = target - area for x in [0, b - a].
+                let need = target - area;
+                let x = if slope.abs() < 1e-15 {
+                    need / ma
+                } else {
+                    (-ma + (ma * ma + 2.0 * slope * need).max(0.0).sqrt()) / slope
+                };
+                return a + x.max(0.0);
+            }
+            area += seg_area;
+        }
+        target
+    }
+
+    /// `arrival` warped: a fixed time moves, a think time stays.
+    pub fn arrival(&self, arrival: Arrival) -> Arrival {
+        match arrival {
+            Arrival::At(t) => Arrival::At(Timestamp((self.invert(t.as_secs_f64()) * 1e9).round() as u64)),
+            after => after,
+        }
+    }
+}
+
+/// How a workload is reshaped before it runs, in this order: [`Workload::multiply`],
+/// [`Workload::spread_lengths`], [`Workload::speed_up`], [`Workload::warp_rate`]. Applied to
+/// a [`RequestSource`] by [`Reshaped`], request by request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reshape {
+    /// Copies of each request (0 or 1: none).
+    pub copies: usize,
+    /// The length spread, and the seed of its draws.
+    pub spread: LengthSpread,
+    /// The seed of the length spread's draws.
+    pub seed: u64,
+    /// Arrival speed-up (1: none).
+    pub speedup: f64,
+    /// The rate profile's warp, if any.
+    pub warp: Option<RateWarp>,
+}
+
+impl Default for Reshape {
+    fn default() -> Self {
+        Self {
+            copies: 1,
+            spread: LengthSpread::default(),
+            seed: 0,
+            speedup: 1.0,
+            warp: None,
+        }
+    }
+}
+
+/// A [`RequestSource`] reshaped ([`Reshape`]): the requests the whole workload, reshaped by the
+/// [`Workload`] methods, would have, made one at a time.
+pub struct Reshaped<'w, S> {
+    inner: S,
+    shape: Reshape,
+    len: usize,
+    /// The request being copied and its next copy.
+    copying: Option<(Cow<'w, SimRequest>, usize)>,
+    next_id: usize,
+}
+
+impl<'w, S: RequestSource<'w>> Reshaped<'w, S> {
+    /// `inner` reshaped by `shape`, or why it cannot be (a spread out of range, too many
+    /// requests).
+    pub fn new(inner: S, mut shape: Reshape) -> Result<Self, String> {
+        shape.copies = shape.copies.max(1);
+        shape.spread.validate()?;
+        let len = multiplied_len(inner.len(), shape.copies)?;
+        Ok(Self {
+            inner,
+            shape,
+            len,
+            copying: None,
+            next_id: 0,
+        })
+    }
+}
+
+impl<'w, S: RequestSource<'w>> RequestSource<'w> for Reshaped<'w, S> {
+    fn block_size(&self) -> u32 {
+        self.inner.block_size()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn next_request(&mut self) -> Result<Option<Cow<'w, SimRequest>>, SimError> {
+        if self.copying.is_none() {
+            self.copying = self.inner.next_request()?.map(|r| (r, 0));
+        }
+        let shape = &self.shape;
+        let mut r = if shape.copies == 1 {
+            // The one copy is the original.
+            match self.copying.take() {
+                Some((original, _)) => original.into_owned(),
+                None => return Ok(None),
+            }
+        } else {
+            let Some((original, c)) = &mut self.copying else {
+                return Ok(None);
+            };
+            let r = copy_of(original, shape.copies, *c);
+            *c += 1;
+            if *c == shape.copies {
+                self.copying = None;
+            }
+            r
+        };
+        shape
+            .spread
+            .apply(&mut r, self.next_id, shape.seed, self.inner.block_size());
+        self.next_id += 1;
+        r.arrival = sped_up(r.arrival, shape.speedup);
+        if let Some(warp) = &shape.warp {
+            r.arrival = warp.arrival(r.arrival);
+        }
+        Ok(Some(Cow::Owned(r)))
+    }
+
+    /// Copies, spread and warp keep the order: copies arrive with their original, and speed-up
+    /// and warp never swap two times.
+    fn in_arrival_order(&self) -> bool {
+        self.inner.in_arrival_order()
+    }
 }
 
 /// Hashes synthesized prompts into a workload's blocks, reusing one token buffer.

@@ -5,7 +5,6 @@ use kvroute_core::router::CacheMode;
 
 use crate::config::ReplicaSync;
 use crate::error::SimError;
-use crate::report::Outcome;
 
 use super::{Life, ReplicaLife, Run};
 
@@ -13,11 +12,7 @@ impl Run<'_> {
     /// Checks the end-of-run invariants.
     pub(crate) fn check(&self) -> Result<(), SimError> {
         let fail = |what: String| Err(SimError::Invariant(what));
-        let unfinished = self
-            .reqs
-            .iter()
-            .filter(|r| r.arrived.is_some() && r.outcome() == Outcome::Unfinished)
-            .count() as u64;
+        let unfinished = self.tally.unfinished;
         if self.totals.arrived != self.totals.completed + self.rejected() + unfinished {
             return fail(format!(
                 "arrived {} != completed {} + rejected {} + unfinished {unfinished}",
@@ -26,19 +21,13 @@ impl Run<'_> {
                 self.rejected()
             ));
         }
-        for (i, r) in self.reqs.iter().enumerate() {
-            let (Some(arrived), Some(finished)) = (r.arrived, r.finished) else {
-                continue;
-            };
-            let first = r.first_token.unwrap_or(arrived);
-            if !(arrived <= first
-                && first <= finished
-                && r.routed.is_some_and(|t| arrived <= t && t <= first))
-            {
-                return fail(format!(
-                    "request {i}: arrival, routing, first token and finish out of order"
-                ));
-            }
+        if let Some(i) = self.tally.out_of_order {
+            return fail(format!(
+                "request {i}: arrival, routing, first token and finish out of order"
+            ));
+        }
+        if let Some(i) = self.reqs.stray() {
+            return fail(format!("request {i} was looked at outside the requests held"));
         }
         if unfinished == 0 && self.totals.kv_transfers != self.totals.kv_transfers_done {
             return fail(format!(

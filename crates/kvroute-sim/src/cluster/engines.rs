@@ -18,7 +18,10 @@ impl Run<'_> {
     pub(super) fn start(&mut self, decision: Decision) -> Result<(), SimError> {
         let i = decision.request.0 as usize;
         let w = decision.worker.worker.0 as usize;
-        let r = &self.workload.requests[i];
+        let (prompt_tokens, output_tokens) = {
+            let r = self.reqs.request(i)?;
+            (r.prompt_tokens, r.output_tokens)
+        };
         let state = &mut self.reqs[i];
         state.routed = Some(self.now);
         state.worker = Some(w as u32);
@@ -28,13 +31,13 @@ impl Run<'_> {
         let state = &mut self.reqs[i];
         if let Some(p) = &mut self.planner {
             p.traffic
-                .routed(&decision, r.prompt_tokens / self.workload.block_size);
+                .routed(&decision, prompt_tokens / self.config.engine.block_size);
         }
         // A prefill-only instance samples the first token; a request of at most one token is
         // then complete there.
         if let Some(p) = decision.prefill {
             state.prefill_worker = Some(p.worker.worker.0 as u32);
-            state.in_prefill = r.output_tokens >= 2;
+            state.in_prefill = output_tokens >= 2;
         }
         match self.config.noise.http {
             Some(http) => {
@@ -58,7 +61,7 @@ impl Run<'_> {
     /// Routed request `i` reaches its engine (its prefill worker's, if it has one).
     pub(super) fn hand_to_engine(&mut self, i: usize) -> Result<(), SimError> {
         self.reqs[i].in_transit = false;
-        let mut request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        let mut request = engine_request(RequestId(i as u64), self.reqs.request(i)?);
         let w = match self.reqs[i].prefill_worker {
             Some(p) => {
                 request.output_len = request.output_len.min(1);
@@ -68,7 +71,7 @@ impl Run<'_> {
         };
         self.materialize(w)?;
         self.reqs[i].queued_on = Some(w as u32);
-        self.workers[w].queued_prefill_tokens += u64::from(self.workload.requests[i].prompt_tokens);
+        self.workers[w].queued_prefill_tokens += u64::from(self.reqs.request(i)?.prompt_tokens);
         let worker = &mut self.workers[w];
         if worker.host.add(self.now, request).is_err() {
             return self.reject_in_engine(i);
@@ -80,7 +83,7 @@ impl Run<'_> {
     /// Request `i` was refused by an engine: turned away, and cancelled at the router.
     pub(super) fn reject_in_engine(&mut self, i: usize) -> Result<(), SimError> {
         self.totals.rejected_by_engine += 1;
-        self.unqueue(i);
+        self.unqueue(i)?;
         self.reqs[i].rejected = true;
         self.reqs[i].in_prefill = false;
         self.uncount(i);
@@ -91,7 +94,7 @@ impl Run<'_> {
             Vec::new()
         };
         self.export_sync(r)?;
-        self.done(i);
+        self.done(i)?;
         self.route_outputs(outputs)
     }
 
@@ -122,7 +125,7 @@ impl Run<'_> {
         if self.workers[w].host.num_waiting_imports() == 0 {
             self.materialize(w)?;
         }
-        let request = engine_request(RequestId(i as u64), &self.workload.requests[i]);
+        let request = engine_request(RequestId(i as u64), self.reqs.request(i)?);
         match self.workers[w].host.import(self.now, request) {
             Ok(ImportAdmission::Started(import)) => self.import_started(w, import),
             Ok(ImportAdmission::Waiting) => {
@@ -261,7 +264,7 @@ impl Run<'_> {
         for &id in &out.first_token {
             let i = id.0 as usize;
             self.reqs[i].emitted_first = true;
-            self.unqueue(i);
+            self.unqueue(i)?;
             match self.config.noise.http {
                 Some(http) => {
                     let at = self.http_arrival(i, 1, &http);
@@ -330,13 +333,13 @@ impl Run<'_> {
         let r = self.reqs[i].replica as usize;
         if !self.up(r) {
             // Its router is dead.
-            self.done(i);
+            self.done(i)?;
             return Ok(());
         }
         let result = self.routers[r].handle_finished(now, RequestId(i as u64));
         self.export_sync(r)?;
         let outputs = self.lifecycle(result)?;
-        self.done(i);
+        self.done(i)?;
         self.route_outputs(outputs)?;
         if self.config.noise.http.is_some()
             && let Some(w) = self.reqs[i].worker
@@ -364,11 +367,12 @@ impl Run<'_> {
     }
 
     /// Request `i` no longer waits for its first token on the worker computing its prompt.
-    pub(super) fn unqueue(&mut self, i: usize) {
+    pub(super) fn unqueue(&mut self, i: usize) -> Result<(), SimError> {
         if let Some(w) = self.reqs[i].queued_on.take() {
-            let tokens = u64::from(self.workload.requests[i].prompt_tokens);
+            let tokens = u64::from(self.reqs.request(i)?.prompt_tokens);
             let q = &mut self.workers[w as usize].queued_prefill_tokens;
             *q = q.saturating_sub(tokens);
         }
+        Ok(())
     }
 }

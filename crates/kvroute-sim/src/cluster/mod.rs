@@ -4,7 +4,8 @@
 //! Sources of events, merged by time (ties: KV deliveries, then replica-sync deliveries, then
 //! arrivals in workload order, then the heap in push order, then the routers' deadlines):
 //!
-//! * open-loop arrivals, a cursor over the workload sorted by arrival time;
+//! * open-loop arrivals, the requests taken from the source (`intake.rs`) and not yet arrived,
+//!   in order of (arrival time, id);
 //! * a heap keyed by `(time, time pushed, class, tie-break)`: engine step ends (class 1, ties
 //!   broken by worker), session follow-ups, closed-loop arrivals, transfers and samples (class 0,
 //!   ties broken in push order);
@@ -54,7 +55,7 @@
 //! pass.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 use kvroute_core::events::KvEvent;
@@ -69,17 +70,20 @@ use crate::config::{ArrivalMode, SimConfig, Topology};
 use crate::error::SimError;
 use crate::planned::PlannerState;
 use crate::report::TimeSeries;
-use crate::workload::{Arrival, Workload};
+use crate::summary::Tally;
+use crate::workload::{Arrival, RequestSource};
 
 mod check;
 mod engines;
 mod fast_forward;
+mod intake;
 mod kv;
 mod record;
 mod replicas;
 mod scaling;
 mod worker;
 
+use intake::Requests;
 pub(crate) use record::{ReqState, Totals};
 pub(crate) use replicas::ReplicaLife;
 use replicas::{InTransit, replica_batchers, replica_config, replica_protocols};
@@ -146,7 +150,12 @@ type Key = (Timestamp, Timestamp, u8, u64);
 /// A run's state. Built by [`crate::Simulation::run`], consumed into a [`crate::RunResult`].
 pub(crate) struct Run<'w> {
     config: &'w SimConfig,
-    workload: &'w Workload,
+    /// Where the requests come from, and whether it is read as the run goes
+    /// ([`RequestSource::in_arrival_order`]) and is spent.
+    source: Box<dyn RequestSource<'w> + 'w>,
+    streaming: bool,
+    source_done: bool,
+    total_requests: usize,
     /// The router replicas (one without [`crate::Replicas`]).
     pub(crate) routers: Vec<Router>,
     /// Each replica's replica-sync protocol (none without sync).
@@ -171,19 +180,23 @@ pub(crate) struct Run<'w> {
     /// The key of the event being handled (open arrivals come before heap events at the same
     /// time, router ticks after).
     current: Key,
-    open: Vec<u32>,
-    open_next: usize,
+    /// Requests taken with a fixed arrival, not yet arrived, by (time, id); the latest such
+    /// time taken.
+    open: VecDeque<(Timestamp, u32)>,
+    latest_open: Option<Timestamp>,
     channel: VecDeque<(Timestamp, u32, KvEvent)>,
     /// The arriving request's prompt blocks, in one slice for the router.
     prompt: Vec<LocalBlockHash>,
     /// Removals of one pass that reach the index at the same moment, applied as one event.
     removed_batch: Vec<ExternalBlockHash>,
-    followers: Vec<Vec<u32>>,
-    closed_next: usize,
+    /// The requests taken that follow a request, by the request they follow.
+    followers: BTreeMap<u32, Vec<u32>>,
     rng: Rng,
     now: Timestamp,
     in_flight_requests: u64,
-    pub(crate) reqs: Vec<ReqState>,
+    pub(crate) reqs: Requests<'w>,
+    /// What the report keeps of the requests released.
+    pub(crate) tally: Tally,
     pub(crate) totals: Totals,
     pub(crate) series: Option<TimeSeries>,
     window_hits: (u64, u64),
@@ -195,7 +208,10 @@ pub(crate) struct Run<'w> {
 }
 
 impl<'w> Run<'w> {
-    pub(crate) fn new(config: &'w SimConfig, workload: &'w Workload) -> Result<Self, SimError> {
+    pub(crate) fn new(
+        config: &'w SimConfig,
+        source: Box<dyn RequestSource<'w> + 'w>,
+    ) -> Result<Self, SimError> {
         let mut routers = (0..config.replicas.count)
             .map(|r| Router::new(replica_config(config, r)))
             .collect::<Result<Vec<_>, _>>()?;
@@ -224,29 +240,6 @@ impl<'w> Run<'w> {
             }
             None => None,
         };
-        let n = workload.requests.len();
-        let mut followers = Vec::new();
-        let mut open = Vec::new();
-        for (i, r) in workload.requests.iter().enumerate() {
-            match r.arrival {
-                Arrival::At(_) => open.push(i as u32),
-                Arrival::After { request, .. } if request < i => {
-                    if followers.is_empty() {
-                        followers = vec![Vec::new(); n];
-                    }
-                    followers[request].push(i as u32);
-                }
-                Arrival::After { request, .. } => {
-                    return Err(SimError::Workload(format!(
-                        "request {i} follows request {request}, which is not earlier"
-                    )));
-                }
-            }
-        }
-        open.sort_by_key(|&i| match workload.requests[i as usize].arrival {
-            Arrival::At(t) => (t, i),
-            Arrival::After { .. } => (Timestamp::ZERO, i),
-        });
         let series = config.sample_interval.map(|_| TimeSeries {
             worker_requests: vec![Vec::new(); config.workers()],
             worker_kv_use: vec![Vec::new(); config.workers()],
@@ -257,9 +250,13 @@ impl<'w> Run<'w> {
         if config.replicas.join_at.is_some() {
             replica_life[replicas - 1] = ReplicaLife::Waiting;
         }
+        let total_requests = source.len();
         Ok(Self {
             config,
-            workload,
+            streaming: source.in_arrival_order(),
+            source,
+            source_done: false,
+            total_requests,
             routers,
             protocols: replica_protocols(config),
             batchers: replica_batchers(config),
@@ -274,17 +271,17 @@ impl<'w> Run<'w> {
             heap: BinaryHeap::new(),
             seq: 0,
             current: (Timestamp::ZERO, Timestamp::ZERO, 0, 0),
-            open,
-            open_next: 0,
+            open: VecDeque::new(),
+            latest_open: None,
             channel: VecDeque::new(),
             prompt: Vec::new(),
             removed_batch: Vec::new(),
-            followers,
-            closed_next: 0,
+            followers: BTreeMap::new(),
             rng: Rng::new(config.seed),
             now: Timestamp::ZERO,
             in_flight_requests: 0,
-            reqs: vec![ReqState::default(); n],
+            reqs: Requests::new(),
+            tally: Tally::new(config, total_requests),
             totals: Totals::default(),
             series,
             window_hits: (0, 0),
@@ -319,9 +316,8 @@ impl<'w> Run<'w> {
     /// Runs to the end: until no event is left.
     pub(crate) fn run(&mut self, progress: &mut dyn FnMut(Progress)) -> Result<(), SimError> {
         if let ArrivalMode::Closed { concurrency } = self.config.arrivals {
-            self.open.clear();
             for _ in 0..concurrency {
-                self.launch_next_closed(Timestamp::ZERO);
+                self.launch_next_closed(Timestamp::ZERO)?;
             }
         }
         if self.config.sample_interval.is_some() {
@@ -345,6 +341,7 @@ impl<'w> Run<'w> {
         }
         let mut handled: u64 = 0;
         loop {
+            self.take_requests()?;
             while let Some(&Reverse((_, event))) = self.heap.peek()
                 && self.stale(event)
             {
@@ -370,9 +367,9 @@ impl<'w> Run<'w> {
                 Source::Channel => self.deliver_kv()?,
                 Source::Sync => self.deliver_sync()?,
                 Source::Open => {
-                    let i = self.open[self.open_next];
-                    self.open_next += 1;
-                    self.arrive(i as usize)?;
+                    if let Some((_, i)) = self.open.pop_front() {
+                        self.arrive(i as usize)?;
+                    }
                 }
                 Source::Heap => {
                     if let Some(Reverse((_, event))) = self.heap.pop() {
@@ -403,15 +400,17 @@ impl<'w> Run<'w> {
                 }
                 Source::Protocol(r) => self.protocol_timeout(r as usize)?,
             }
+            self.release_settled(false);
             handled += 1;
             if handled % (1 << 15) == 0 {
                 progress(Progress {
                     now: self.now,
                     done: (self.totals.completed + self.rejected()) as usize,
-                    total: self.workload.requests.len(),
+                    total: self.total_requests,
                 });
             }
         }
+        self.release_settled(true);
         self.totals.end = self.now;
         let end = self.now;
         for w in &mut self.workers {
@@ -428,8 +427,7 @@ impl<'w> Run<'w> {
     fn next_source(&self) -> Option<(Timestamp, Source)> {
         // The protocols keep time while work is left (not after: the run would not end), and
         // until the last batch is out.
-        let work_left =
-            self.in_flight_requests > 0 || self.open_next < self.open.len() || self.work_events > 0;
+        let work_left = self.in_flight_requests > 0 || !self.open.is_empty() || self.work_events > 0;
         let protocol = if work_left {
             self.next_protocol_timeout()
         } else {
@@ -450,15 +448,7 @@ impl<'w> Run<'w> {
         }
         consider(self.channel.front().map(|e| e.0), Source::Channel);
         consider(self.sync.peek().map(|Reverse(e)| e.key.0), Source::Sync);
-        consider(
-            self.open
-                .get(self.open_next)
-                .map(|&i| match self.workload.requests[i as usize].arrival {
-                    Arrival::At(t) => t,
-                    Arrival::After { .. } => Timestamp::ZERO,
-                }),
-            Source::Open,
-        );
+        consider(self.open.front().map(|&(t, _)| t), Source::Open);
         consider(self.heap.peek().map(|Reverse((k, _))| k.0), Source::Heap);
         if self.in_flight_requests > 0 {
             for (r, router) in self.routers.iter().enumerate() {
@@ -481,22 +471,21 @@ impl<'w> Run<'w> {
 
     /// Request `i` arrives now.
     fn arrive(&mut self, i: usize) -> Result<(), SimError> {
-        let r = &self.workload.requests[i];
+        let prompt_tokens = self.reqs.request(i)?.prompt_tokens;
         self.reqs[i].arrived = Some(self.now);
         self.totals.arrived += 1;
         if let Some(p) = &mut self.planner {
-            p.traffic.arrival(u64::from(r.prompt_tokens));
+            p.traffic.arrival(u64::from(prompt_tokens));
         }
         self.in_flight_requests += 1;
         let replica = self.pick_replica();
         self.reqs[i].replica = replica as u32;
-        let r = &self.workload.requests[i];
-        r.locals.write_to(&mut self.prompt);
+        self.reqs.request(i)?.locals.write_to(&mut self.prompt);
         let request = RouteRequest::new(
             RequestId(i as u64),
             RoutePrompt::Blocks {
                 locals: &self.prompt,
-                prompt_tokens: u64::from(r.prompt_tokens),
+                prompt_tokens: u64::from(prompt_tokens),
             },
         );
         match self.routers[replica].handle_request(self.now, &request)? {
@@ -505,7 +494,7 @@ impl<'w> Run<'w> {
             RouteOutcome::Rejected(_) => {
                 self.totals.rejected_by_router += 1;
                 self.reqs[i].rejected = true;
-                self.done(i);
+                self.done(i)?;
             }
         }
         self.export_sync(replica)?;
@@ -524,27 +513,27 @@ impl<'w> Run<'w> {
     }
 
     /// Request `i` completed or was turned away: its followers and the closed loop move on.
-    fn done(&mut self, i: usize) {
+    fn done(&mut self, i: usize) -> Result<(), SimError> {
         self.in_flight_requests -= 1;
         if matches!(self.config.arrivals, ArrivalMode::Closed { .. }) {
-            self.launch_next_closed(self.now);
-            return;
+            return self.launch_next_closed(self.now);
         }
-        if let Some(next) = self.followers.get(i) {
+        if let Some(next) = self.followers.get(&(i as u32)) {
             for j in next.clone() {
-                if let Arrival::After { delay, .. } = self.workload.requests[j as usize].arrival {
+                if let Arrival::After { delay, .. } = self.reqs.request(j as usize)?.arrival {
                     self.push(self.now + delay, Event::Arrive(j));
                 }
             }
         }
+        Ok(())
     }
 
-    fn launch_next_closed(&mut self, at: Timestamp) {
-        if self.closed_next < self.workload.requests.len() {
-            let i = self.closed_next as u32;
-            self.closed_next += 1;
-            self.push(at, Event::Arrive(i));
+    /// Closed loop: the source's next request, if any, arrives at `at`.
+    fn launch_next_closed(&mut self, at: Timestamp) -> Result<(), SimError> {
+        if let Some(i) = self.take_one()? {
+            self.push(at, Event::Arrive(i as u32));
         }
+        Ok(())
     }
 
     /// Records one sample of the time series and schedules the next while work remains.
@@ -578,7 +567,7 @@ impl<'w> Run<'w> {
     /// Whether anything but samples and planner ticks is left to happen.
     fn more_work(&self) -> bool {
         self.in_flight_requests > 0
-            || self.open_next < self.open.len()
+            || !self.open.is_empty()
             || self
                 .heap
                 .iter()

@@ -21,7 +21,10 @@ use kvroute_core::router::replica::BatchConfig;
 use kvroute_core::router::{
     CacheMode, PolicyConfig, RecentConfig, RouterConfig, RouterOptions, RouterSpec, WhenEmpty,
 };
-use kvroute_sim::synthetic::{ArrivalProcess, Lengths, SyntheticConfig};
+use kvroute_sim::synthetic::{
+    ArrivalProcess, Lengths, OwnBlocks, SyntheticConfig, SyntheticStream, WorkloadPlan,
+};
+use kvroute_sim::workload::{RateWarp, Reshape, Reshaped};
 use kvroute_sim::{
     ArrivalMode, EventChannel, KvTransfer, PlannerSetup, ReplicaSync, Replicas, Report, RunResult, SimConfig,
     Simulation, Spread, Workload,
@@ -327,8 +330,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let trace = plan.trace()?;
     let (workload, source) = plan.workload(&trace)?;
     eprintln!(
-        "workload: {} requests from {source} (loaded in {:.2}s)",
-        workload.requests.len(),
+        "workload: {} requests from {source} ({} in {:.2}s)",
+        workload.len(),
+        workload.how(),
         t0.elapsed().as_secs_f64()
     );
     let mut results: Vec<(String, RunResult)> = if plan.sweep.is_some() {
@@ -338,7 +342,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         for (name, sim) in &plan.runs {
             let started = Instant::now();
             let mut bar = ProgressBar::new(name, started);
-            let result = sim.run(&workload, &mut |p| bar.update(p))?;
+            let result = workload.run(sim, hashing_threads(), &mut |p| bar.update(p))?;
             bar.finish();
             eprintln!(
                 "{name}: simulated in {:.3}s wall",
@@ -418,7 +422,7 @@ pub(crate) fn simulate(args: &ReplayArgs) -> anyhow::Result<Vec<(String, Report)
     );
     let trace = plan.trace()?;
     let (workload, source) = plan.workload(&trace)?;
-    eprintln!("workload: {} requests from {source}", workload.requests.len());
+    eprintln!("workload: {} requests from {source}", workload.len());
     let results = run_on_every_core(&plan.runs, &workload)?;
     Ok(plan
         .runs
@@ -432,7 +436,7 @@ pub(crate) fn simulate(args: &ReplayArgs) -> anyhow::Result<Vec<(String, Report)
 /// the same whatever ran beside it (a simulation shares nothing).
 fn run_on_every_core(
     runs: &[(String, Simulation)],
-    workload: &Workload,
+    workload: &Requests,
 ) -> anyhow::Result<Vec<(String, RunResult)>> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -448,7 +452,8 @@ fn run_on_every_core(
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some((name, sim)) = runs.get(i) else { break };
                         let started = Instant::now();
-                        let result = sim.run(workload, &mut |_| {}).map_err(anyhow::Error::from);
+                        // Every core runs a simulation: each hashes its own requests.
+                        let result = workload.run(sim, 1, &mut |_| {});
                         eprintln!(
                             "{name}: simulated in {:.3}s wall",
                             started.elapsed().as_secs_f64()
@@ -729,15 +734,40 @@ impl<'a> Plan<'a> {
         })
     }
 
-    /// The workload and a description of where it came from.
-    fn workload(&self, trace: &Trace) -> anyhow::Result<(Workload, String)> {
+    /// The workload and a description of where it came from: a trace's, read whole; the
+    /// synthetic generator's, made by each run as it goes.
+    fn workload(&self, trace: &Trace) -> anyhow::Result<(Requests, String)> {
         let o = self.options;
-        let mut workload = match (&self.synthetic, &trace.bytes) {
-            (Some(config), _) => {
-                let w = generate_on_every_core(config, self.block_size)?;
-                (w, format!("the synthetic generator ({config:?})"))
+        if let Some(config) = &self.synthetic {
+            let mut source = format!("the synthetic generator ({config:?})");
+            let copies = o.multiply.filter(|&c| c > 1).unwrap_or(1);
+            kvroute_sim::workload::multiplied_len(config.requests, copies)
+                .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))?;
+            if copies > 1 {
+                source.push_str(&format!(", {copies} copies"));
             }
-            (None, Some(bytes)) => {
+            self.lengths.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut warp = None;
+            if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
+                warp = RateWarp::new(points).map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
+                source.push_str(&format!(", rate profile {profile}"));
+            }
+            let shape = Reshape {
+                copies,
+                spread: self.lengths,
+                seed: self.seed,
+                speedup: o.arrival_speedup.unwrap_or(1.0),
+                warp,
+            };
+            let requests = Requests::Synthetic {
+                config: *config,
+                block_size: self.block_size,
+                shape,
+            };
+            return Ok((requests, source));
+        }
+        let mut workload = match &trace.bytes {
+            Some(bytes) => {
                 let (reader, source) = open_trace(o.trace.as_deref(), bytes);
                 let w = match self.format {
                     Format::Azure => kvroute_sim::trace::read_azure(reader, self.block_size, o.limit),
@@ -749,7 +779,7 @@ impl<'a> Plan<'a> {
                 .with_context(|| format!("reading {source}"))?;
                 (w, source)
             }
-            (None, None) => bail!("no trace and no synthetic workload"),
+            None => bail!("no trace and no synthetic workload"),
         };
         if let Some(copies) = o.multiply.filter(|&c| c > 1) {
             workload.0 = workload
@@ -772,7 +802,7 @@ impl<'a> Plan<'a> {
                 .map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
             workload.1.push_str(&format!(", rate profile {profile}"));
         }
-        Ok(workload)
+        Ok((Requests::Whole(workload.0), workload.1))
     }
 }
 
@@ -1082,28 +1112,87 @@ fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticConfig> {
     })
 }
 
-/// The synthetic workload, its prompts' blocks hashed on every core: the simulator's crate starts
-/// no thread, so its generator's hashing step ([`kvroute_sim::synthetic::WorkloadPlan::hash`]) runs
-/// here, one range of requests per thread. The workload is
-/// [`kvroute_sim::synthetic::generate`]'s on any number of cores.
-fn generate_on_every_core(config: &SyntheticConfig, block_size: u32) -> anyhow::Result<Workload> {
-    let plan = kvroute_sim::synthetic::WorkloadPlan::new(config, block_size);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let chunk = plan.len().div_ceil(threads).max(1);
-    let parts = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..plan.len())
+/// The requests of every run: a trace's workload, held whole, or the synthetic generator's,
+/// made anew by each run as it needs them (the same requests: a run's memory then follows what
+/// is in flight, not the workload's length).
+enum Requests {
+    Whole(Workload),
+    Synthetic {
+        config: SyntheticConfig,
+        block_size: u32,
+        shape: Reshape,
+    },
+}
+
+impl Requests {
+    /// Requests in all.
+    fn len(&self) -> usize {
+        match self {
+            Self::Whole(w) => w.requests.len(),
+            Self::Synthetic { config, shape, .. } => config.requests.saturating_mul(shape.copies.max(1)),
+        }
+    }
+
+    /// How they were had.
+    fn how(&self) -> &'static str {
+        match self {
+            Self::Whole(_) => "loaded",
+            Self::Synthetic { .. } => "planned, made as each run goes,",
+        }
+    }
+
+    /// `sim` run on the requests, a synthetic workload's blocks hashed on `threads` threads.
+    fn run(
+        &self,
+        sim: &Simulation,
+        threads: usize,
+        progress: &mut dyn FnMut(kvroute_sim::Progress),
+    ) -> anyhow::Result<RunResult> {
+        Ok(match self {
+            Self::Whole(w) => sim.run(w, progress)?,
+            Self::Synthetic {
+                config,
+                block_size,
+                shape,
+            } => {
+                let chunk = SyntheticStream::CHUNK * threads.max(1);
+                let stream = SyntheticStream::with_hasher(
+                    config,
+                    *block_size,
+                    chunk,
+                    Box::new(move |plan: &WorkloadPlan| hash_on_threads(plan, threads)),
+                );
+                let source = Reshaped::new(stream, shape.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+                sim.run_source(source, progress)?
+            }
+        })
+    }
+}
+
+/// Threads to hash a synthetic workload on when one run goes at a time: every core.
+fn hashing_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The own blocks of `plan`'s requests, hashed on `threads` threads, one range each: the
+/// simulator's crate starts no thread, so its generator's hashing step
+/// ([`kvroute_sim::synthetic::WorkloadPlan::hash`]) runs here.
+fn hash_on_threads(plan: &WorkloadPlan, threads: usize) -> Vec<OwnBlocks> {
+    let all = plan.requests();
+    let chunk = all.len().div_ceil(threads.max(1)).max(1);
+    if threads <= 1 || all.len() <= chunk {
+        return vec![plan.hash(all)];
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = all
+            .clone()
             .step_by(chunk)
-            .map(|first| {
-                let plan = &plan;
-                scope.spawn(move || plan.hash(first..first + chunk))
-            })
+            .map(|first| scope.spawn(move || plan.hash(first..first + chunk)))
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a hashing thread panicked")))
-            .collect::<anyhow::Result<Vec<_>>>()
-    })?;
-    Ok(plan.assemble(parts)?)
+        // A thread that panicked hashes nothing: its range is missing, which the stream
+        // reports as an error.
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    })
 }
 
 /// `N` or `MIN-MAX` tokens, at least 1.
