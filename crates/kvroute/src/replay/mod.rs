@@ -735,10 +735,12 @@ impl<'a> Plan<'a> {
     }
 
     /// The workload and a description of where it came from: a trace's, read whole; the
-    /// synthetic generator's, made by each run as it goes.
+    /// synthetic generator's made as the run goes when one run takes it, else made once, whole,
+    /// for every run (each run making its own would draw and hash it once a run).
     fn workload(&self, trace: &Trace) -> anyhow::Result<(Requests, String)> {
         let o = self.options;
-        if let Some(config) = &self.synthetic {
+        let one_run = self.runs.len() == 1 && self.sweep.is_none();
+        if let Some(config) = self.synthetic.as_ref().filter(|_| one_run) {
             let mut source = format!("the synthetic generator ({config:?})");
             let copies = o.multiply.filter(|&c| c > 1).unwrap_or(1);
             kvroute_sim::workload::multiplied_len(config.requests, copies)
@@ -766,8 +768,15 @@ impl<'a> Plan<'a> {
             };
             return Ok((requests, source));
         }
-        let mut workload = match &trace.bytes {
-            Some(bytes) => {
+        let mut workload = match (&self.synthetic, &trace.bytes) {
+            (Some(config), _) => {
+                let plan = WorkloadPlan::new(config, self.block_size);
+                let w = plan
+                    .assemble(hash_on_threads(&plan, hashing_threads()))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                (w, format!("the synthetic generator ({config:?})"))
+            }
+            (None, Some(bytes)) => {
                 let (reader, source) = open_trace(o.trace.as_deref(), bytes);
                 let w = match self.format {
                     Format::Azure => kvroute_sim::trace::read_azure(reader, self.block_size, o.limit),
@@ -779,7 +788,7 @@ impl<'a> Plan<'a> {
                 .with_context(|| format!("reading {source}"))?;
                 (w, source)
             }
-            None => bail!("no trace and no synthetic workload"),
+            (None, None) => bail!("no trace and no synthetic workload"),
         };
         if let Some(copies) = o.multiply.filter(|&c| c > 1) {
             workload.0 = workload
