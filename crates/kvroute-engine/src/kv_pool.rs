@@ -23,7 +23,7 @@
 //! holds.
 
 use kvroute_core::ids::ExternalBlockHash;
-use kvroute_core::index::{ExtMap, Probe};
+use kvroute_core::index::ExtMap;
 
 use kvroute_core::events::{BlocksRemoved, KvEvent};
 
@@ -183,17 +183,17 @@ impl BlockPool {
             self.blocks[*block as usize].hash.is_none(),
             "block {block} cached twice"
         );
-        match self.cached.probe(hash.0) {
-            Probe::Found(cached) if self.blocks[cached as usize].hash == Some(hash) => {
+        match self.cached.insert_new(hash.0, *block) {
+            Ok(()) => {}
+            Err(cached) if self.blocks[cached as usize].hash == Some(hash) => {
                 self.claim(cached);
                 self.release(&[*block]);
                 *block = cached;
                 return false;
             }
-            Probe::Found(_) => {
+            Err(_) => {
                 self.cached.replace(hash.0, *block);
             }
-            Probe::Vacant(at) => self.cached.insert_at(at, hash.0, *block),
         }
         self.blocks[*block as usize].hash = Some(hash);
         self.num_cached += 1;
@@ -488,10 +488,7 @@ mod tests {
         assert!(check(&pool, &[1, 1, 1, 0]).starts_with("free block 2 has 1 references"));
         // Stale entries (a block since evicted or recached) are not violations.
         let (mut pool, holders) = four_cached();
-        let Probe::Vacant(at) = pool.cached.probe(77) else {
-            panic!("hash 77 is not cached")
-        };
-        pool.cached.insert_at(at, 77, 2);
+        assert_eq!(pool.cached.insert_new(77, 2), Ok(()), "hash 77 was cached");
         pool.check_invariants(&holders).unwrap();
     }
 

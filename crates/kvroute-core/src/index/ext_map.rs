@@ -122,7 +122,7 @@ pub struct ExtMap {
 }
 
 /// Where a key is, or where it would go.
-pub enum Probe {
+enum Probe {
     /// The key is present, mapped to this node.
     Found(NodeId),
     /// The key is absent: the slot to insert it into, and the key's home line.
@@ -131,7 +131,7 @@ pub enum Probe {
 
 /// Where an absent key goes: handed from [`ExtMap::probe`] to [`ExtMap::insert_at`].
 #[derive(Clone, Copy, Debug)]
-pub struct Vacancy {
+struct Vacancy {
     /// The empty slot (`line * SLOT_STRIDE + slot`), or `usize::MAX` when the table must grow.
     at: usize,
     /// The key's home line.
@@ -154,7 +154,7 @@ impl ExtMap {
         (line + 1) & (self.lines.len() - 1)
     }
 
-    /// `key`'s home line (the table is allocated).
+    /// `key`'s home line; past the end of an unallocated table (whose shift is zero).
     #[inline]
     fn home(&self, key: u64) -> usize {
         // High bits of the multiplicative hash are the best mixed; shift them down.
@@ -181,14 +181,54 @@ impl ExtMap {
     /// that follows: see `kvroute-prefetch`).
     #[inline(always)]
     pub fn prefetch(&self, key: u64) {
-        if !self.lines.is_empty() {
-            kvroute_prefetch::prefetch_read(&self.lines[self.home(key)]);
+        // An unallocated table has shift 0: every home is past its (empty) end.
+        if let Some(line) = self.lines.get(self.home(key)) {
+            kvroute_prefetch::prefetch_read(line);
+        }
+    }
+
+    /// Maps `key` to `node` if `key` is absent; otherwise changes nothing and returns the node
+    /// `key` maps to.
+    ///
+    /// The common case is one line: the key is not in its home line, no key passed over that
+    /// line (so the key is absent), and the line has room; it goes there. Anything else (a full
+    /// home line, an overflowed one, a table due to grow or unallocated) takes the general probe,
+    /// out of line.
+    #[inline(always)]
+    pub fn insert_new(&mut self, key: u64, node: NodeId) -> Result<(), NodeId> {
+        let home = self.home(key);
+        if let Some(l) = self.lines.get_mut(home) {
+            let (hits, empty) = l.scan(key);
+            if hits != 0 {
+                return Err(l.nodes[hits.trailing_zeros() as usize]);
+            }
+            if l.overflow == 0 && empty != 0 && self.len < self.max_len {
+                let s = empty.trailing_zeros() as usize;
+                l.keys[s] = key;
+                l.nodes[s] = node;
+                l.used |= 1 << s;
+                self.len += 1;
+                return Ok(());
+            }
+        }
+        self.insert_probed(key, node)
+    }
+
+    /// [`ExtMap::insert_new`] through the general probe.
+    #[inline(never)]
+    fn insert_probed(&mut self, key: u64, node: NodeId) -> Result<(), NodeId> {
+        match self.probe(key) {
+            Probe::Found(held) => Err(held),
+            Probe::Vacant(vacancy) => {
+                self.insert_at(vacancy, key, node);
+                Ok(())
+            }
         }
     }
 
     /// Looks `key` up, reporting the node or the slot to insert it into.
     #[inline(always)]
-    pub fn probe(&self, key: u64) -> Probe {
+    fn probe(&self, key: u64) -> Probe {
         if self.lines.is_empty() {
             return Probe::Vacant(Vacancy::NONE);
         }
@@ -232,16 +272,32 @@ impl ExtMap {
     /// The node `key` maps to.
     #[inline]
     pub fn get(&self, key: u64) -> Option<NodeId> {
-        match self.probe(key) {
-            Probe::Found(node) => Some(node),
-            Probe::Vacant(_) => None,
+        self.locate(key).map(|(_, line, s)| self.lines[line].nodes[s])
+    }
+
+    /// Where `key` is: its home line, its line and its slot.
+    #[inline(always)]
+    fn locate(&self, key: u64) -> Option<(usize, usize, usize)> {
+        let home = self.home(key);
+        let mut line = home;
+        // At most every line once (see `probe`); none when unallocated.
+        for _ in 0..self.lines.len() {
+            let l = &self.lines[line];
+            if let Some(s) = l.find(key) {
+                return Some((home, line, s));
+            }
+            if l.overflow == 0 {
+                return None;
+            }
+            line = self.next(line);
         }
+        None
     }
 
     /// Inserts `key` where a [`Probe::Vacant`] for it said, with no other insert or removal in
     /// between.
     #[inline(always)]
-    pub fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
+    fn insert_at(&mut self, vacancy: Vacancy, key: u64, node: NodeId) {
         if vacancy.at == usize::MAX || self.len >= self.max_len {
             // Too full (or unallocated): grow, then place the key afresh.
             self.grow_to((self.lines.len() * 2).max(Self::MIN_LINES));
@@ -313,30 +369,17 @@ impl ExtMap {
     /// Removes `key`, returning its node.
     #[inline(always)]
     pub fn remove(&mut self, key: u64) -> Option<NodeId> {
-        if self.lines.is_empty() {
-            return None;
+        let (home, line, s) = self.locate(key)?;
+        let l = &mut self.lines[line];
+        let removed = l.nodes[s];
+        l.used &= !(1 << s);
+        let mut passed = home;
+        while passed != line {
+            self.lines[passed].unpass();
+            passed = self.next(passed);
         }
-        let home = self.home(key);
-        let mut line = home;
-        for _ in 0..self.lines.len() {
-            let l = &mut self.lines[line];
-            if let Some(s) = l.find(key) {
-                let removed = l.nodes[s];
-                l.used &= !(1 << s);
-                let mut passed = home;
-                while passed != line {
-                    self.lines[passed].unpass();
-                    passed = self.next(passed);
-                }
-                self.len -= 1;
-                return Some(removed);
-            }
-            if l.overflow == 0 {
-                return None;
-            }
-            line = self.next(line);
-        }
-        None
+        self.len -= 1;
+        Some(removed)
     }
 
     /// Removes every entry, keeping the allocation, and yields the nodes that were mapped.
@@ -360,22 +403,11 @@ impl ExtMap {
     /// Maps `key`, which is present, to `node` instead; returns false (and changes nothing)
     /// if `key` is absent.
     pub fn replace(&mut self, key: u64, node: NodeId) -> bool {
-        if self.lines.is_empty() {
+        let Some((_, line, s)) = self.locate(key) else {
             return false;
-        }
-        let mut line = self.home(key);
-        for _ in 0..self.lines.len() {
-            let l = &mut self.lines[line];
-            if let Some(s) = l.find(key) {
-                l.nodes[s] = node;
-                return true;
-            }
-            if l.overflow == 0 {
-                return false;
-            }
-            line = self.next(line);
-        }
-        false
+        };
+        self.lines[line].nodes[s] = node;
+        true
     }
 
     /// Keeps only the entries for which `keep(key, node)` holds (the table keeps its size).
@@ -476,11 +508,10 @@ mod tests {
             let mut model: HashMap<u64, NodeId> = HashMap::new();
             for op in ops {
                 match op {
-                    MapOp::Insert(k, v) => match map.probe(k) {
-                        Probe::Found(node) => prop_assert_eq!(model.get(&k), Some(&node)),
-                        Probe::Vacant(at) => {
+                    MapOp::Insert(k, v) => match map.insert_new(k, v) {
+                        Err(node) => prop_assert_eq!(model.get(&k), Some(&node)),
+                        Ok(()) => {
                             prop_assert!(!model.contains_key(&k));
-                            map.insert_at(at, k, v);
                             model.insert(k, v);
                         }
                     },
@@ -526,10 +557,11 @@ mod tests {
         let mut map = ExtMap::default();
         for k in 0u64..200 {
             let lines_before = map.lines.len();
-            match map.probe(k) {
-                Probe::Vacant(at) => map.insert_at(at, k, k as NodeId),
-                Probe::Found(_) => panic!("key {k} found before insert"),
-            }
+            assert_eq!(
+                map.insert_new(k, k as NodeId),
+                Ok(()),
+                "key {k} found before insert"
+            );
             let slots_before = lines_before * LINE_SLOTS;
             let must_grow = (k as usize + 1) * MAX_LOAD.1 > slots_before * MAX_LOAD.0;
             assert_eq!(map.lines.len() > lines_before, must_grow, "insert of key {k}");
@@ -539,10 +571,7 @@ mod tests {
     }
 
     fn insert_new(map: &mut ExtMap, key: u64, node: NodeId) {
-        match map.probe(key) {
-            Probe::Vacant(at) => map.insert_at(at, key, node),
-            Probe::Found(_) => panic!("key {key} found before insert"),
-        }
+        assert_eq!(map.insert_new(key, node), Ok(()), "key {key} found before insert");
     }
 
     proptest! {
@@ -579,11 +608,7 @@ mod tests {
         // Twelve keys with one home line in the smallest table: they fill it and spill over
         // into the next lines; removing them in any order must keep the rest reachable.
         let mut map = ExtMap::default();
-        let at = match map.probe(0) {
-            Probe::Vacant(at) => at,
-            Probe::Found(_) => unreachable!("empty map"),
-        };
-        map.insert_at(at, 0, 0);
+        insert_new(&mut map, 0, 0);
         let home = map.home(0);
         let keys: Vec<u64> = (0u64..)
             .filter(|&k| map.home(k) == home)
@@ -591,10 +616,7 @@ mod tests {
             .collect();
         map.remove(0);
         for (i, &k) in keys.iter().enumerate() {
-            match map.probe(k) {
-                Probe::Vacant(at) => map.insert_at(at, k, i as NodeId),
-                Probe::Found(_) => panic!("key {k} found before insert"),
-            }
+            insert_new(&mut map, k, i as NodeId);
             assert_eq!(map.lines.len(), ExtMap::MIN_LINES, "the table must not grow");
             assert_eq!(map.check_overflow(), Ok(()));
         }

@@ -77,7 +77,7 @@ use tier::Tiers;
 use wide::Rows;
 
 pub use event::{IndexEvent, Tier, stored_blocks};
-pub use ext_map::{ExtMap, Probe, Vacancy};
+pub use ext_map::ExtMap;
 pub use layout::IndexLayout;
 pub use runs::{RUN_INDEX_MAX_WORKERS, RunIndex};
 pub use scores::OverlapScores;
@@ -95,6 +95,52 @@ const STORE_AHEAD: usize = 16;
 /// `STORE_AHEAD` for removals: a removal's work per block is smaller, so it reaches further to
 /// cover a miss to memory.
 const REMOVE_AHEAD: usize = 32;
+
+/// Why a stored block on a place the tree already has was refused.
+#[derive(Clone, Copy, Debug)]
+enum Refusal {
+    /// The worker's map has the block's external hash on another block.
+    Conflicting,
+    /// The worker holds the place, under another external hash.
+    Duplicate,
+}
+
+impl Refusal {
+    fn error(self, worker: WorkerKey, external: ExternalBlockHash, applied: usize) -> IndexError {
+        match self {
+            Refusal::Conflicting => IndexError::ConflictingBlock {
+                worker,
+                external,
+                applied,
+            },
+            Refusal::Duplicate => IndexError::DuplicatePrefix {
+                worker,
+                external,
+                applied,
+            },
+        }
+    }
+}
+
+/// Records in a worker's `map` that it holds `block` (a node or block id, either layout's) under
+/// `external`; `held` says whether the tree counts the worker on `block` already. `Ok(true)`:
+/// the map took it (the caller sets the worker's bit); `Ok(false)`: the map had it.
+#[inline(always)]
+fn hold_block(map: &mut ExtMap, external: u64, block: NodeId, held: bool) -> Result<bool, Refusal> {
+    if held {
+        match map.get(external) {
+            Some(b) if b == block => Ok(false),
+            Some(_) => Err(Refusal::Conflicting),
+            None => Err(Refusal::Duplicate),
+        }
+    } else {
+        match map.insert_new(external, block) {
+            Ok(()) => Ok(true),
+            Err(b) if b == block => Ok(false),
+            Err(_) => Err(Refusal::Conflicting),
+        }
+    }
+}
 
 /// One block a worker now holds: its content hash and the engine's id for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -516,34 +562,14 @@ impl PrefixIndex {
                 map.prefetch(ahead.external.0);
             }
             let set = &mut nodes[node as usize].mask0;
-            match map.probe(block.external.0) {
-                Probe::Found(held) if held == node => {}
-                Probe::Found(_) => {
-                    stats.blocks_stored += stored;
-                    stats.conflicting_block += 1;
-                    return Err(IndexError::ConflictingBlock {
-                        worker,
-                        external: block.external,
-                        applied,
-                    });
-                }
-                Probe::Vacant(_)
-                    if if wide {
-                        rows.contains(*set, slot)
-                    } else {
-                        *set & bit != 0
-                    } =>
-                {
-                    stats.blocks_stored += stored;
-                    stats.duplicate_prefix += 1;
-                    return Err(IndexError::DuplicatePrefix {
-                        worker,
-                        external: block.external,
-                        applied,
-                    });
-                }
-                Probe::Vacant(at) => {
-                    map.insert_at(at, block.external.0, node);
+            let held = if wide {
+                rows.contains(*set, slot)
+            } else {
+                *set & bit != 0
+            };
+            match hold_block(map, block.external.0, node, held) {
+                Ok(false) => {}
+                Ok(true) => {
                     if wide {
                         rows.insert(set, slot);
                     } else {
@@ -553,6 +579,14 @@ impl PrefixIndex {
                     if capped {
                         order.push_back(block.external.0);
                     }
+                }
+                Err(refusal) => {
+                    stats.blocks_stored += stored;
+                    match refusal {
+                        Refusal::Conflicting => stats.conflicting_block += 1,
+                        Refusal::Duplicate => stats.duplicate_prefix += 1,
+                    }
+                    return Err(refusal.error(worker, block.external, applied));
                 }
             }
         }

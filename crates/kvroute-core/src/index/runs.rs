@@ -22,7 +22,8 @@ use hashbrown::HashTable;
 use super::free_runs::{FreeRuns, Source};
 use super::slots::Slots;
 use super::{
-    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, Probe, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
+    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
+    hold_block,
 };
 use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
 use crate::key_hasher::mix;
@@ -94,6 +95,20 @@ fn matching<T>(locals: &[u64], other: &[T], local: impl Fn(&T) -> u64) -> usize 
         .zip(&other[same..])
         .take_while(|&(l, o)| *l == local(o))
         .count()
+}
+
+/// Makes room in `v` for `additional` more items at the capacity pushing them one by one would
+/// reach (doubling from 4), where one `extend` would take exactly the length it needs: the
+/// arena's capacity decides whether a store takes free ids or the arena's end.
+fn reserve_doubling<T>(v: &mut Vec<T>, additional: usize) {
+    let needed = v.len() + additional;
+    if needed > v.capacity() {
+        let mut capacity = v.capacity().max(4);
+        while capacity < needed {
+            capacity *= 2;
+        }
+        v.reserve_exact(capacity - v.len());
+    }
 }
 
 #[inline]
@@ -217,25 +232,8 @@ impl RunIndex {
                 if let Some(ahead) = blocks.get(i + k + STORE_AHEAD) {
                     map.prefetch(ahead.external.0);
                 }
-                match map.probe(block.external.0) {
-                    Probe::Found(h) if h == id => {}
-                    Probe::Found(_) => {
-                        error = Some(IndexError::ConflictingBlock {
-                            worker,
-                            external: block.external,
-                            applied: i + k,
-                        });
-                    }
-                    Probe::Vacant(_) if held => {
-                        error = Some(IndexError::DuplicatePrefix {
-                            worker,
-                            external: block.external,
-                            applied: i + k,
-                        });
-                    }
-                    Probe::Vacant(v) => map.insert_at(v, block.external.0, id),
-                }
-                if error.is_some() {
+                if let Err(refusal) = hold_block(map, block.external.0, id, held) {
+                    error = Some(refusal.error(worker, block.external, i + k));
                     applied = k;
                     break;
                 }
@@ -276,50 +274,60 @@ impl RunIndex {
         let bit = 1u64 << slot;
         // Ids first (an append to `at`'s run where it is this worker's alone, childless and
         // the next id is free), then the map, then the runs for the blocks the map took.
+        // Each id gets its block's local hash here; an id the map then refuses is freed again,
+        // and a free id's local hash is never read.
         let mut segments = std::mem::take(&mut self.segments);
         segments.clear();
-        let mut need = rest.len();
-        while need > 0 {
+        let mut done = 0;
+        while done < rest.len() {
+            let need = rest.len() - done;
             let source = self.free.source(need, self.locals.len(), self.locals.capacity());
             let taken = match source {
                 Source::Free => self.free.take_up_to(need),
                 Source::End => None,
             };
-            let (start, n) = taken.unwrap_or_else(|| {
-                let start = self.locals.len();
-                for _ in 0..need {
-                    self.locals.push(0);
-                    self.run_of.push(NONE);
+            let (start, n) = match taken {
+                Some((start, n)) => {
+                    let ids = &mut self.locals[start as usize..start as usize + n];
+                    for (local, block) in ids.iter_mut().zip(&rest[done..]) {
+                        *local = block.local.0;
+                    }
+                    (start, n)
                 }
-                (start as BlockId, need)
-            });
+                None => {
+                    let start = self.locals.len();
+                    reserve_doubling(&mut self.locals, need);
+                    reserve_doubling(&mut self.run_of, need);
+                    self.locals.extend(rest[done..].iter().map(|b| b.local.0));
+                    self.run_of.resize(self.locals.len(), NONE);
+                    (start as BlockId, need)
+                }
+            };
             segments.push((start, n as u32));
-            need -= n;
+            done += n;
         }
         let map = &mut self.slots.taken_mut(slot).blocks;
         map.reserve(rest.len());
-        let mut applied = rest.len();
+        let mut applied = 0;
         let mut error = None;
-        let ids = segments.iter().flat_map(|&(s, n)| s..s + n);
-        for (k, (block, id)) in rest.iter().zip(ids).enumerate() {
-            if let Some(ahead) = rest.get(k + STORE_AHEAD) {
-                map.prefetch(ahead.external.0);
-            }
-            match map.probe(block.external.0) {
-                Probe::Found(_) => {
-                    applied = k;
+        'ids: for &(start, n) in &segments {
+            let blocks = &rest[applied..applied + n as usize];
+            for (id, block) in (start..start + n).zip(blocks) {
+                if let Some(ahead) = rest.get(applied + STORE_AHEAD) {
+                    map.prefetch(ahead.external.0);
+                }
+                if map.insert_new(block.external.0, id).is_err() {
                     error = Some(IndexError::ConflictingBlock {
                         worker,
                         external: block.external,
-                        applied: before + k,
+                        applied: before + applied,
                     });
-                    break;
+                    break 'ids;
                 }
-                Probe::Vacant(v) => map.insert_at(v, block.external.0, id),
+                applied += 1;
             }
         }
         let mut left = applied;
-        let mut laid = 0;
         for &(start, n) in &segments {
             let used = (n as usize).min(left);
             for id in start + used as u32..start + n {
@@ -327,9 +335,6 @@ impl RunIndex {
             }
             if used == 0 {
                 continue;
-            }
-            for (k, block) in rest[laid..laid + used].iter().enumerate() {
-                self.locals[start as usize + k] = block.local.0;
             }
             let extend = (at != NONE).then(|| self.run_of[at as usize]).filter(|&r| {
                 let run = &self.runs[r as usize];
@@ -356,7 +361,6 @@ impl RunIndex {
             self.run_of[start as usize..start as usize + used].fill(r);
             at = start + used as u32 - 1;
             left -= used;
-            laid += used;
         }
         self.segments = segments;
         error.map_or(Ok(()), Err)
