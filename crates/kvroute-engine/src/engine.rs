@@ -11,6 +11,7 @@ use crate::scheduler::{PassResults, Schedule, Scheduler};
 use crate::sequence::Sequence;
 use crate::timing::{MIN_STEP, StepTimer};
 use kvroute_core::events::KvEvent;
+use std::time::Duration;
 
 /// A simulated vLLM-like engine. See the crate docs.
 #[derive(Debug)]
@@ -53,6 +54,60 @@ pub struct StepOutput {
     pub prefix_hits: Vec<(RequestId, u32)>,
     /// The step's metrics.
     pub metrics: StepMetrics,
+}
+
+/// A stretch of passes that decode every running request, planned by
+/// [`Engine::plan_decode_stretch`] and run by the engine it was planned on: some allocate or
+/// complete blocks (grows). Its buffers are reused from one stretch to the next.
+#[derive(Debug, Default)]
+pub struct DecodeStretch {
+    /// The engine's pass count when planned.
+    at: u64,
+    /// Passes planned.
+    passes: u32,
+    /// The running requests' computed tokens, summed.
+    context: u64,
+    /// Per running request: the pure passes before its first new block and before its first
+    /// completed block.
+    marks: Vec<(u32, u32)>,
+    /// The pass of each block allocated, in order.
+    allocs: Vec<u32>,
+    /// Grows by (pass, index in the running list), in order.
+    grows: Vec<(u32, u32)>,
+    /// Grows run.
+    done: usize,
+    /// Per running request: its passes applied to its state.
+    synced: Vec<u32>,
+}
+
+impl DecodeStretch {
+    /// The next pass (from 1) with a grow not yet run, if any: it may have KV events.
+    pub fn next_grow(&self) -> Option<u32> {
+        self.grows.get(self.done).map(|&(p, _)| p)
+    }
+
+    /// Passes planned (0 once finished).
+    pub fn passes(&self) -> u32 {
+        self.passes
+    }
+
+    fn clear(&mut self) {
+        self.passes = 0;
+        self.context = 0;
+        self.marks.clear();
+        self.allocs.clear();
+        self.grows.clear();
+        self.done = 0;
+        self.synced.clear();
+    }
+}
+
+/// Applies `k` committed decode passes to `seq`: its computed tokens and its outputs.
+fn advance(seq: &mut Sequence, k: u32) {
+    if k > 0 {
+        seq.num_computed += k;
+        seq.push_outputs(k);
+    }
 }
 
 /// What [`Engine::import_request`] reserved for a request whose KV is transferred in.
@@ -246,11 +301,7 @@ impl Engine {
     /// as long as nothing else touches the engine meanwhile. 0 when the next pass is not one.
     pub fn decode_horizon(&self) -> u32 {
         let s = &self.scheduler;
-        if s.running.is_empty()
-            || !s.waiting.is_empty()
-            || !s.imported.is_empty()
-            || s.running.len() > self.config.max_num_batched_tokens as usize
-        {
+        if !self.only_running_decodes() {
             return 0;
         }
         let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
@@ -265,50 +316,197 @@ impl Engine {
         horizon
     }
 
+    /// Whether the next pass can only run the running requests, each with its whole share: some
+    /// run, none waits or is imported, and the budget covers one token of each.
+    fn only_running_decodes(&self) -> bool {
+        let s = &self.scheduler;
+        !s.running.is_empty()
+            && s.waiting.is_empty()
+            && s.imported.is_empty()
+            && s.running.len() <= self.config.max_num_batched_tokens as usize
+    }
+
     /// The end times of the next `k` passes (`k` at most [`Engine::decode_horizon`]), run back
     /// to back from `now`, onto `ends`. Changes nothing.
     pub fn decode_pass_ends(&self, now: Timestamp, k: u32, ends: &mut Vec<Timestamp>) {
         let s = &self.scheduler;
-        let base: u64 = s
+        let base = s
             .running
             .iter()
             .map(|id| u64::from(s.seqs[id].num_computed))
             .sum();
+        self.pass_ends(now, k, base, &[], ends);
+    }
+
+    /// How many of the next passes are certain to decode one token of every running request
+    /// and do nothing else the engine's state does not plan for: none finishes a request,
+    /// nothing waits to be admitted, and the blocks they allocate are free (so none preempts).
+    /// Unlike [`Engine::decode_horizon`]'s, these passes may allocate blocks and complete
+    /// (cache) blocks, with KV events; `stretch` plans them. A driver may skip them
+    /// ([`Engine::decode_stretch_ends`], [`Engine::run_decode_stretch`],
+    /// [`Engine::finish_decode_stretch`]) as long as nothing else touches the engine meanwhile.
+    pub fn plan_decode_stretch(&self, stretch: &mut DecodeStretch) -> u32 {
+        stretch.clear();
+        let s = &self.scheduler;
+        if !self.only_running_decodes() {
+            return 0;
+        }
+        let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
+        let mut horizon = u32::MAX;
+        for id in &s.running {
+            let seq = &s.seqs[id];
+            let Some(m) = seq.decode_marks(bs, caching) else {
+                return 0;
+            };
+            horizon = horizon.min(m.finish);
+            if m.fill < horizon {
+                // The block it completes is cached as planned (its KV use unchanged) unless
+                // another request holds a block of the same hash, whose chain of hashes is
+                // then this request's: the block before it would be held by both.
+                let b = seq.num_cached_blocks as usize;
+                if b == 0 || s.pool.refs(seq.blocks[b - 1]) != 1 {
+                    horizon = m.fill;
+                }
+            }
+            if horizon == 0 {
+                return 0;
+            }
+            stretch.context += u64::from(seq.num_computed);
+            stretch.marks.push((m.alloc, m.fill));
+        }
+        // Every pass `a + 1 + j·bs` allocates a block for a request with mark `a`.
+        let passes_from =
+            |first: u32, last: u32| (u64::from(first) + 1..=u64::from(last)).step_by(bs as usize);
+        for &(alloc, _) in &stretch.marks {
+            stretch
+                .allocs
+                .extend(passes_from(alloc, horizon).map(|p| p as u32));
+        }
+        stretch.allocs.sort_unstable();
+        let free = s.pool.free() as usize;
+        if let Some(&first_short) = stretch.allocs.get(free) {
+            horizon = first_short - 1;
+            stretch.allocs.retain(|&p| p <= horizon);
+        }
+        for (i, &(alloc, fill)) in stretch.marks.iter().enumerate() {
+            let i = i as u32;
+            let grows = passes_from(alloc, horizon).chain(passes_from(fill, horizon));
+            stretch.grows.extend(grows.map(|p| (p as u32, i)));
+        }
+        stretch.grows.sort_unstable();
+        stretch.grows.dedup();
+        stretch.synced.resize(s.running.len(), 0);
+        stretch.at = self.passes;
+        stretch.passes = horizon;
+        horizon
+    }
+
+    /// The end times of the passes of `stretch` ([`Engine::plan_decode_stretch`]), run back to
+    /// back from `now`, onto `ends`. Changes nothing.
+    pub fn decode_stretch_ends(&self, now: Timestamp, stretch: &DecodeStretch, ends: &mut Vec<Timestamp>) {
+        debug_assert_eq!(stretch.at, self.passes, "a stretch planned at this pass");
+        self.pass_ends(now, stretch.passes, stretch.context, &stretch.allocs, ends);
+    }
+
+    /// The end times of the next `k` passes, each decoding every running request (whose
+    /// computed tokens sum to `base`), back to back from `now`, onto `ends`; pass `p` (from 1)
+    /// allocates a block for each entry `p` of `allocs` (in order).
+    fn pass_ends(&self, now: Timestamp, k: u32, base: u64, allocs: &[u32], ends: &mut Vec<Timestamp>) {
+        let s = &self.scheduler;
         let n = s.running.len() as u64;
+        let active = s.pool.active();
         let mut pass = ForwardPass {
             decode_seqs: n as u32,
-            kv_active_blocks: s.pool.active(),
+            kv_active_blocks: active,
             kv_total_blocks: s.pool.total(),
+            decode_context_tokens: base + n,
             ..ForwardPass::default()
         };
+        ends.reserve(k as usize);
+        let (constant, by_context) = (
+            self.timer.constant_decode_passes(),
+            self.timer.reads_decode_context(),
+        );
+        // While the blocks in use do not change: the passes' duration when constant, else
+        // their modeled time when the model does not read the context.
+        let refresh = |pass: &ForwardPass| match (constant, by_context) {
+            (true, _) => (0.0, self.timer.duration(pass, self.passes)),
+            (false, false) => (self.timer.pass_secs(pass), Duration::ZERO),
+            (false, true) => (0.0, Duration::ZERO),
+        };
+        let (mut secs, mut d) = refresh(&pass);
+        let mut allocated = 0;
         let mut t = now;
-        if self.timer.constant_decode_passes() {
-            // Every pass takes as long as the first.
-            pass.decode_context_tokens = base + n;
-            let d = self.timer.duration(&pass, self.passes);
-            for _ in 0..k {
-                t = t + d;
-                ends.push(t);
-            }
-            return;
-        }
-        if !self.timer.reads_decode_context() {
-            // One modeled time, jittered pass by pass.
-            pass.decode_context_tokens = base + n;
-            let secs = self.timer.pass_secs(&pass);
-            ends.reserve(k as usize);
-            for p in 0..u64::from(k) {
-                // `t + jittered(..)`, without building each `Duration`.
-                t = Timestamp(t.0.saturating_add(self.timer.jittered_nanos(secs, self.passes + p)));
-                ends.push(t);
-            }
-            return;
-        }
         for p in 1..=u64::from(k) {
-            pass.decode_context_tokens = base + n * p;
-            t = t + self.timer.duration(&pass, self.passes + p - 1);
+            let before = allocated;
+            while allocs.get(allocated).is_some_and(|&a| u64::from(a) == p) {
+                allocated += 1;
+            }
+            if allocated != before {
+                pass.kv_active_blocks = active + allocated as u32;
+                (secs, d) = refresh(&pass);
+            }
+            let index = self.passes + p - 1;
+            if constant {
+                // Every pass takes as long as the first with these blocks in use.
+                t = t + d;
+            } else if !by_context {
+                // One modeled time, jittered pass by pass: `t + jittered(..)`, without building
+                // each `Duration`.
+                t = Timestamp(t.0.saturating_add(self.timer.jittered_nanos(secs, index)));
+            } else {
+                pass.decode_context_tokens = base + n * p;
+                t = t + self.timer.duration(&pass, index);
+            }
             ends.push(t);
         }
+    }
+
+    /// Runs the grows of `stretch`'s passes up to pass `p` (from 1) not yet run: the blocks
+    /// allocated and completed then, as [`Engine::step`] would. Returns their KV events, in
+    /// order: those of pass `p` when the driver calls this at each pass
+    /// [`DecodeStretch::next_grow`] names, to publish when that pass ends.
+    pub fn run_decode_stretch(&mut self, stretch: &mut DecodeStretch, p: u32) -> Vec<KvEvent> {
+        debug_assert_eq!(stretch.at, self.passes, "a stretch planned at this pass");
+        let s = &mut self.scheduler;
+        while let Some(&(q, i)) = stretch.grows.get(stretch.done)
+            && q <= p
+        {
+            let id = s.running[i as usize];
+            let seq = s.seqs.get_mut(&id).expect("running requests are live");
+            // The request's passes before `q`; pass `q` itself is scheduled here and
+            // committed with the passes after it.
+            advance(seq, q - 1 - stretch.synced[i as usize]);
+            stretch.synced[i as usize] = q - 1;
+            s.grow_decode(id);
+            stretch.done += 1;
+        }
+        s.pool.take_events()
+    }
+
+    /// Ends `stretch` after its first `k` passes, the last of them started at `last_start` and
+    /// ending at `end`: the engine is then as `k` calls of [`Engine::step`] leave it. Returns
+    /// the KV events of the grows not yet run ([`Engine::run_decode_stretch`]), in order.
+    pub fn finish_decode_stretch(
+        &mut self,
+        stretch: &mut DecodeStretch,
+        k: u32,
+        last_start: Timestamp,
+        end: Timestamp,
+    ) -> Vec<KvEvent> {
+        debug_assert!(k <= stretch.passes, "only planned passes are run");
+        let events = self.run_decode_stretch(stretch, k);
+        if k > 0 {
+            let s = &mut self.scheduler;
+            for (id, &synced) in s.running.iter().zip(&stretch.synced) {
+                advance(s.seqs.get_mut(id).expect("running requests are live"), k - synced);
+            }
+            self.clock = self.clock.max(last_start);
+            self.busy_until = end;
+            self.passes += u64::from(k);
+        }
+        stretch.clear();
+        events
     }
 
     /// Advances the engine by `k` pure-decode passes (`k` at most [`Engine::decode_horizon`])
@@ -322,9 +520,7 @@ impl Engine {
         }
         let s = &mut self.scheduler;
         for id in &s.running {
-            let seq = s.seqs.get_mut(id).expect("running requests are live");
-            seq.num_computed += k;
-            seq.push_outputs(k);
+            advance(s.seqs.get_mut(id).expect("running requests are live"), k);
         }
         self.clock = self.clock.max(last_start);
         self.busy_until = end;

@@ -102,6 +102,16 @@ impl BlockPool {
         self.total() - self.free
     }
 
+    /// Blocks not held by any request (cached ones included): what can be allocated.
+    pub fn free(&self) -> u32 {
+        self.free
+    }
+
+    /// Requests holding `block`.
+    pub fn refs(&self, block: BlockId) -> u32 {
+        self.blocks[block as usize].refs
+    }
+
     /// Blocks that carry a cached hash.
     pub fn cached(&self) -> u32 {
         self.num_cached

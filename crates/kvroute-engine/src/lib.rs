@@ -93,7 +93,7 @@ pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
 pub use cpu_tier::CpuOffload;
-pub use engine::{Engine, Import, ResetError, StepOutput};
+pub use engine::{DecodeStretch, Engine, Import, ResetError, StepOutput};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use noise::{Dispersion, StepJitter};

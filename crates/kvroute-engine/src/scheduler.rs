@@ -226,6 +226,15 @@ impl Scheduler {
         }
     }
 
+    /// Schedules running request `id`'s decode of one token inside a stretch of passes whose
+    /// blocks are known to fit ([`crate::Engine::plan_decode_stretch`]): its new block and
+    /// the block it completes, with their events, as [`Scheduler::schedule`] would.
+    pub fn grow_decode(&mut self, id: RequestId) {
+        let mut unused = Schedule::default();
+        let grown = self.grow(id, 1, &mut unused);
+        debug_assert!(grown && unused.preempted.is_empty(), "a planned block fits");
+    }
+
     /// Frees `id`'s blocks, resets its progress and puts it at the front of the waiting queue.
     fn preempt(&mut self, id: RequestId, schedule: &mut Schedule) {
         let seq = self.seqs.get_mut(&id).expect("preempted requests are live");

@@ -43,6 +43,14 @@ pub fn external_hash(
     ExternalBlockHash(xxh3_64_with_seed(&bytes, seed))
 }
 
+/// See [`Sequence::decode_marks`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeMarks {
+    pub alloc: u32,
+    pub fill: u32,
+    pub finish: u32,
+}
+
 /// A live request: its tokens, their block hashes, the blocks it holds and its progress.
 #[derive(Debug)]
 pub(crate) struct Sequence {
@@ -184,15 +192,31 @@ impl Sequence {
     /// none completes a block, which would be cached) or ends the request. Pass `p` (from 1)
     /// leaves `num_computed + p` tokens with KV. 0 when its next pass is not a decode.
     pub fn pure_decode_limit(&self, block_size: u32, prefix_caching: bool) -> u32 {
+        self.decode_marks(block_size, prefix_caching)
+            .map_or(0, |m| m.alloc.min(m.fill).min(m.finish))
+    }
+
+    /// While it decodes one token a pass, the pure passes before each thing its own state
+    /// makes happen: its first new block, its first block completed (cached; `u32::MAX`
+    /// without prefix caching), and its last token. Afterwards a block is allocated and one
+    /// completed every `block_size` passes. `None` when its next pass is not a decode, or its
+    /// blocks are not those its computed tokens need.
+    pub fn decode_marks(&self, block_size: u32, prefix_caching: bool) -> Option<DecodeMarks> {
         if self.outputs == 0 || self.remaining() != 1 {
-            return 0;
+            return None;
         }
         let c = self.num_computed;
-        let mut limit = (self.blocks.len() as u32 * block_size).saturating_sub(c);
-        if prefix_caching {
-            limit = limit.min(((self.num_cached_blocks + 1) * block_size - 1).saturating_sub(c));
-        }
-        limit.min((self.max_output - self.outputs).saturating_sub(1))
+        let alloc = (self.blocks.len() as u32 * block_size).checked_sub(c)?;
+        let fill = if prefix_caching {
+            ((self.num_cached_blocks + 1) * block_size - 1).checked_sub(c)?
+        } else {
+            u32::MAX
+        };
+        Some(DecodeMarks {
+            alloc,
+            fill,
+            finish: (self.max_output - self.outputs).saturating_sub(1),
+        })
     }
 
     /// Whether it has produced all its output.

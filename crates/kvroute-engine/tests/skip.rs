@@ -8,7 +8,7 @@ mod common;
 use common::{request, with};
 use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
-use kvroute_engine::Engine;
+use kvroute_engine::{DecodeStretch, Engine};
 
 /// Runs two engines on the same requests, one stepping every pass, the other skipping what its
 /// horizon promises; with `abort`, aborts the middle running request in both right after the
@@ -77,4 +77,143 @@ fn skipping_pure_decode_passes_matches_stepping_them() {
 #[test]
 fn a_request_aborted_after_skipped_passes_leaves_the_others_exact() {
     assert!(skip_against_step(true) > 0);
+}
+
+/// Runs two engines under `config` on the same requests (`requests` of them, some sharing a
+/// prompt prefix, the later ones added partway), one stepping every pass, the other running
+/// every stretch [`Engine::plan_decode_stretch`] plans: its grows at their passes and the rest
+/// skipped. Every pass of a stretch ends when the stepped one does, with the stepped pass's KV
+/// events, in order, and decodes every running request and nothing else. Returns the passes
+/// run in stretches and those of them that had KV events.
+fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> (u64, u64) {
+    let mut stepped = Engine::new(config.clone()).expect("valid config");
+    let mut skipping = Engine::new(config).expect("valid config");
+    let prompt = |i: u32| {
+        // Requests in pairs share their first 40 tokens; prompts of 3 to 70 tokens.
+        let shared = (i / 2) * 1000..(i / 2) * 1000 + 40;
+        shared
+            .chain(i * 1000 + 500..i * 1000 + 500 + (3 + 17 * i) % 31)
+            .take((3 + 23 * i as usize) % 71)
+    };
+    let add = |engine: &mut Engine, at: Timestamp, i: u32| {
+        engine
+            .add_request(at, request(u64::from(i), prompt(i), 30 + 37 * i % 90))
+            .expect("the request fits");
+    };
+    for i in 0..requests / 2 {
+        add(&mut stepped, Timestamp::ZERO, i);
+        add(&mut skipping, Timestamp::ZERO, i);
+    }
+    let (mut later, mut real) = (requests / 2, 0);
+    let (mut stretched, mut with_events) = (0, 0);
+    let (mut stretch, mut ends) = (DecodeStretch::default(), Vec::new());
+    let mut now = Timestamp::ZERO;
+    loop {
+        // Every few real passes a request arrives, and whenever the engines are idle.
+        let idle = skipping.next_wakeup().is_none();
+        if later < requests && (real % 5 == 4 || idle) {
+            add(&mut stepped, now, later);
+            add(&mut skipping, now, later);
+            later += 1;
+        }
+        let Some(at) = skipping.next_wakeup() else {
+            break;
+        };
+        let k = skipping.plan_decode_stretch(&mut stretch);
+        assert_eq!(stepped.next_wakeup(), Some(at), "both engines wake together");
+        if k == 0 {
+            real += 1;
+            let out = skipping.step(at).expect("an engine with work steps");
+            skipping.check_invariants().expect("engine invariants");
+            let expected = stepped.step(at).expect("the stepped engine keeps up");
+            assert_eq!(out, expected, "a real pass after a stretch differs");
+            now = out.end;
+            continue;
+        }
+        assert!(k >= skipping.decode_horizon(), "a stretch spans the pure passes");
+        ends.clear();
+        skipping.decode_stretch_ends(at, &stretch, &mut ends);
+        assert_eq!(ends.len(), k as usize);
+        let running = skipping.running_requests().to_vec();
+        for p in 1..=k {
+            let events = if p == k {
+                let last_start = if k >= 2 { ends[k as usize - 2] } else { at };
+                skipping.finish_decode_stretch(&mut stretch, k, last_start, ends[k as usize - 1])
+            } else if stretch.next_grow() == Some(p) {
+                skipping.run_decode_stretch(&mut stretch, p)
+            } else {
+                Vec::new()
+            };
+            let next = stepped.next_wakeup().expect("the stepped engine has work");
+            let out = stepped.step(next).expect("the stepped engine keeps up");
+            assert_eq!(
+                out.end,
+                ends[p as usize - 1],
+                "a skipped pass ends when the stepped one does"
+            );
+            assert_eq!(
+                events, out.events,
+                "a skipped pass's KV events are the stepped one's"
+            );
+            let emitted: Vec<RequestId> = out.emitted.iter().map(|e| e.request).collect();
+            assert_eq!(emitted, running, "a skipped pass decodes every running request");
+            assert!(out.finished.is_empty() && out.first_token.is_empty() && out.preempted.is_empty());
+            with_events += u64::from(!events.is_empty());
+        }
+        skipping.check_invariants().expect("engine invariants");
+        assert_eq!(skipping.kv_blocks(), stepped.kv_blocks());
+        now = ends[k as usize - 1];
+        stretched += u64::from(k);
+    }
+    assert_eq!(stepped.next_wakeup(), None, "both engines finish together");
+    assert_eq!(later, requests, "every request came");
+    assert_eq!(
+        skipping.cached_blocks().collect::<Vec<_>>(),
+        stepped.cached_blocks().collect::<Vec<_>>()
+    );
+    (stretched, with_events)
+}
+
+#[test]
+fn stretches_across_block_boundaries_match_stepping() {
+    // Blocks of 8 tokens; the default pool of 64 blocks fills, so blocks are evicted (`removed`
+    // events inside stretches) and the free blocks bound some stretches.
+    let (stretched, with_events) = stretch_against_step(with(|c| c.block_size = 8), 12);
+    assert!(
+        stretched > 0 && with_events > 0,
+        "stretches crossed blocks: {stretched}, {with_events}"
+    );
+}
+
+#[test]
+fn stretches_match_stepping_under_every_timing_path() {
+    use kvroute_engine::timing::{RooflineConfig, RooflineEfficiency};
+    use kvroute_engine::{Dispersion, GpuSpec, ModelSpec, StepJitter, TimingConfig};
+    let jitter = StepJitter {
+        dispersion: Dispersion::Lognormal(0.3),
+        seed: 7,
+    };
+    let roofline = TimingConfig::Roofline(RooflineConfig {
+        model: ModelSpec::builtin("llama-3.1-8b").expect("built in"),
+        gpu: GpuSpec::builtin("h100-sxm").expect("built in"),
+        tensor_parallel: 1,
+        efficiency: RooflineEfficiency::TYPICAL,
+    });
+    let configs = [
+        with(|c| c.step_jitter = Some(jitter)),
+        with(|c| c.timing = roofline.clone()),
+        with(|c| {
+            c.timing = roofline.clone();
+            c.step_jitter = Some(jitter);
+        }),
+        with(|c| c.enable_prefix_caching = false),
+        with(|c| {
+            c.block_size = 16;
+            c.num_blocks = 40;
+        }),
+    ];
+    for config in configs {
+        let (stretched, _) = stretch_against_step(config, 10);
+        assert!(stretched > 0, "some passes were run in stretches");
+    }
 }

@@ -183,9 +183,10 @@ impl Run<'_> {
 
     /// Engine `w`'s pass ended (or it was idle and got work): deliver, then start the next pass.
     pub(super) fn step(&mut self, w: usize) -> Result<(), SimError> {
-        if let Some(start) = self.workers[w].stretch_start.take() {
-            let passes = self.workers[w].stretch_ends.len();
-            self.apply_stretch(w, start, passes);
+        if let Some(start) = self.workers[w].stretch_start {
+            if self.stretch_event(w, start)? {
+                return Ok(());
+            }
         } else if let Some(out) = self.workers[w].host.finish_pass() {
             self.deliver_step(w, out)?;
         }

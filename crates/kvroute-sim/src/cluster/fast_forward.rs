@@ -1,5 +1,6 @@
 //! Fast-forward (see the module docs of [`super`]): skipping an engine's pure-decode passes
 //! and applying them when their event comes or something touches the engine.
+use kvroute_core::events::KvEvent;
 use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 
@@ -8,31 +9,69 @@ use crate::error::SimError;
 use super::{Event, Run, kv_use};
 
 impl Run<'_> {
-    /// Skips engine `w`'s next passes if they are pure decode (see the module docs): pushes
-    /// the event of the last of them. False if there are fewer than two.
+    /// Skips engine `w`'s next passes if they only decode (see the module docs): pushes the
+    /// event of the first of them that allocates or completes a block, or of the last. False
+    /// if there are fewer than two.
     pub(super) fn begin_stretch(&mut self, w: usize) -> bool {
         let now = self.now;
         let worker = &mut self.workers[w];
         if worker.host.num_waiting_imports() > 0 {
             return false;
         }
-        let passes = worker.host.engine().decode_horizon();
+        let passes = worker.host.engine().plan_decode_stretch(&mut worker.stretch);
         if passes < 2 {
             return false;
         }
-        // The passes change no block, so the KV use they report is the current one; a value
-        // not yet shown (blocks imported since the last pass) waits for a real pass.
+        // The KV use the passes report starts from the current one; a value not yet shown
+        // (blocks imported since the last pass) waits for a real pass.
         if kv_use(worker.host.engine().kv_blocks()).to_bits() != worker.kv_use.to_bits() {
             return false;
         }
         let ends = &mut worker.stretch_ends;
         ends.clear();
-        worker.host.engine().decode_pass_ends(now, passes, ends);
-        let (end, pushed) = (ends[ends.len() - 1], ends[ends.len() - 2]);
+        worker
+            .host
+            .engine()
+            .decode_stretch_ends(now, &worker.stretch, ends);
         worker.stretch_start = Some(now);
-        let generation = worker.generation;
-        self.push_from(end, pushed, Event::Step(w as u32, generation));
+        self.push_stretch_event(w, now);
         true
+    }
+
+    /// Pushes the event of engine `w`'s stretch (from `start`): its next pass that grows a
+    /// request, or its last, keyed as that pass's step would be.
+    fn push_stretch_event(&mut self, w: usize, start: Timestamp) {
+        let worker = &self.workers[w];
+        let ends = &worker.stretch_ends;
+        let p = worker
+            .stretch
+            .next_grow()
+            .map_or(ends.len(), |p| (p as usize).min(ends.len()));
+        let pushed = if p >= 2 { ends[p - 2] } else { start };
+        let generation = worker.generation;
+        self.push_from(ends[p - 1], pushed, Event::Step(w as u32, generation));
+    }
+
+    /// Engine `w`'s stretch (from `start`) reached its event: a pass that grows a request
+    /// before the last, whose KV events are published now; or the last, which ends the
+    /// stretch. True in the first case.
+    pub(super) fn stretch_event(&mut self, w: usize, start: Timestamp) -> Result<bool, SimError> {
+        let worker = &mut self.workers[w];
+        let passes = worker.stretch_ends.len();
+        let Some(p) = worker.stretch.next_grow().filter(|&p| (p as usize) < passes) else {
+            worker.stretch_start = None;
+            let events = self.apply_stretch(w, start, passes);
+            self.publish(w, events)?;
+            return Ok(false);
+        };
+        let events = worker
+            .host
+            .engine_mut()
+            .run_decode_stretch(&mut worker.stretch, p);
+        worker.kv_use = kv_use(worker.host.engine().kv_blocks());
+        self.publish(w, events)?;
+        self.push_stretch_event(w, start);
+        Ok(true)
     }
 
     /// Engine `w` is touched while the current event is handled: applies the skipped passes
@@ -55,7 +94,12 @@ impl Run<'_> {
             )));
         }
         let next_end = ends[done];
-        self.apply_stretch(w, start, done);
+        // The grows of the passes applied were run at their own events, before this one.
+        if !self.apply_stretch(w, start, done).is_empty() {
+            return Err(SimError::Invariant(format!(
+                "worker {w}: a skipped pass's KV events were not published when it ended"
+            )));
+        }
         let worker = &mut self.workers[w];
         worker
             .host
@@ -70,11 +114,9 @@ impl Run<'_> {
 
     /// Applies the first `passes` skipped passes of engine `w`'s stretch from `start`: the
     /// engine's progress, and what delivering each would have done (one token per running
-    /// request and pass; no block, event, first token or completion).
-    pub(super) fn apply_stretch(&mut self, w: usize, start: Timestamp, passes: usize) {
-        if passes == 0 {
-            return;
-        }
+    /// request and pass; no first token or completion). Returns the KV events of its grows
+    /// not yet run, to publish now.
+    pub(super) fn apply_stretch(&mut self, w: usize, start: Timestamp, passes: usize) -> Vec<KvEvent> {
         let Self {
             workers,
             reqs,
@@ -82,14 +124,23 @@ impl Run<'_> {
             ..
         } = self;
         let worker = &mut workers[w];
+        if passes == 0 {
+            return worker
+                .host
+                .engine_mut()
+                .finish_decode_stretch(&mut worker.stretch, 0, start, start);
+        }
         let ends = &worker.stretch_ends[..passes];
         let end = ends[passes - 1];
         let last_start = if passes >= 2 { ends[passes - 2] } else { start };
-        worker
-            .host
-            .engine_mut()
-            .skip_decode_passes(passes as u32, last_start, end);
+        let events = worker.host.engine_mut().finish_decode_stretch(
+            &mut worker.stretch,
+            passes as u32,
+            last_start,
+            end,
+        );
         debug_assert_eq!(worker.host.engine().check_invariants(), Ok(()));
+        worker.kv_use = kv_use(worker.host.engine().kv_blocks());
         totals.steps += passes as u64;
         let busy = end.as_nanos() - start.as_nanos();
         totals.busy_nanos += busy;
@@ -109,5 +160,6 @@ impl Run<'_> {
         // The gaps between the passes, for every request with its first token.
         let gaps = ends.windows(2).map(|p| p[1].0.saturating_sub(p[0].0));
         totals.itl.add_nanos_each(gaps, with_first_token);
+        events
     }
 }

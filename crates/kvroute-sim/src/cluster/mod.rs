@@ -27,15 +27,18 @@
 //! An engine runs one forward pass at a time: a `Step` event at the pass's end delivers its
 //! effects (tokens, first tokens, completions, KV events) and starts the next pass at once.
 //!
-//! Fast-forward ([`SimConfig::fast_forward`]): when an engine's next passes are pure decode
-//! ([`Engine::decode_horizon`](kvroute_engine::Engine::decode_horizon): nothing allocated, cached, admitted or finished, so nothing the
-//! router or another engine sees), the run computes their end times and pushes one `Step` event,
-//! keyed as the last of them would have been, instead of one per pass. The skipped passes are
-//! applied when that event comes, or earlier when something touches the engine (a request or
-//! import sent to it, a transfer landing): then exactly the passes whose keys come before the
-//! current event's are applied, the pass in flight is started as it was, and the stretch's event
-//! is dropped. A step's key does not depend on the sequence number, so the order of events, and
-//! every result, is the same with fast-forward on or off.
+//! Fast-forward ([`SimConfig::fast_forward`]): when an engine's next passes only decode
+//! ([`Engine::plan_decode_stretch`](kvroute_engine::Engine::plan_decode_stretch): every running
+//! request decodes one token, none finishes, nothing is admitted and the blocks they allocate
+//! are free), the run computes their end times and pushes one `Step` event, keyed as the pass it
+//! stands for would have been, for the first of them that allocates or completes a block (its
+//! KV events are published when it ends, and the event of the next such pass is pushed) or
+//! else for the last. The skipped passes are applied when that last event comes, or earlier
+//! when something touches the engine (a request or import sent to it, a transfer landing):
+//! then exactly the passes whose keys come before the current event's are applied, the pass in
+//! flight is started as it was, and the stretch's event is dropped. A step's key does not
+//! depend on the sequence number, so the order of events, and every result, is the same with
+//! fast-forward on or off.
 //!
 //! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
 //! the prefill engine with an output of one token (a prefill-only vLLM instance: the first

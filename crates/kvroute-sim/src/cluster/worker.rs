@@ -4,7 +4,7 @@
 use kvroute_core::ids::{DpRank, RequestId, WorkerId, WorkerKey};
 use kvroute_core::router::{WorkerRole, WorkerSpec};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{Engine, EngineHost, EnginePrompt, EngineRequest, StepJitter};
+use kvroute_engine::{DecodeStretch, Engine, EngineHost, EnginePrompt, EngineRequest, StepJitter};
 use kvroute_planner::{PassSample, Pool};
 
 use crate::config::{JITTER_SALT, SimConfig, WorkerSpeed};
@@ -34,8 +34,10 @@ pub(crate) struct SimWorker {
     pub(super) generation: u32,
     /// The start of the pure-decode passes being skipped, if any ...
     pub(super) stretch_start: Option<Timestamp>,
-    /// ... and their end times.
+    /// ... their end times ...
     pub(super) stretch_ends: Vec<Timestamp>,
+    /// ... and their plan: the passes that allocate or complete blocks.
+    pub(super) stretch: DecodeStretch,
     /// Its life under a planner.
     pub(crate) life: Life,
     pub(crate) provisioned_at: Timestamp,
@@ -87,6 +89,7 @@ impl SimWorker {
             generation: 0,
             stretch_start: None,
             stretch_ends: Vec::new(),
+            stretch: DecodeStretch::default(),
             life: Life::Ready,
             provisioned_at: now,
             ready_at: Some(now),
