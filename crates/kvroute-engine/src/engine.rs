@@ -294,28 +294,6 @@ impl Engine {
         Some(self.output(now, end, schedule, progress, metrics))
     }
 
-    /// How many of the next passes are certain to be **pure decode** passes that change nothing
-    /// but the running requests' progress: every running request decodes one token, none
-    /// needs a new block, caches a block or finishes, and nothing waits to be admitted. A
-    /// driver may then skip them ([`Engine::decode_pass_ends`], [`Engine::skip_decode_passes`])
-    /// as long as nothing else touches the engine meanwhile. 0 when the next pass is not one.
-    pub fn decode_horizon(&self) -> u32 {
-        let s = &self.scheduler;
-        if !self.only_running_decodes() {
-            return 0;
-        }
-        let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
-        let mut horizon = u32::MAX;
-        for id in &s.running {
-            horizon = horizon.min(s.seqs[id].pure_decode_limit(bs, caching));
-            if horizon == 0 {
-                // Right after a run of skipped passes, the next pass is never pure.
-                return 0;
-            }
-        }
-        horizon
-    }
-
     /// Whether the next pass can only run the running requests, each with its whole share: some
     /// run, none waits or is imported, and the budget covers one token of each.
     fn only_running_decodes(&self) -> bool {
@@ -326,23 +304,12 @@ impl Engine {
             && s.running.len() <= self.config.max_num_batched_tokens as usize
     }
 
-    /// The end times of the next `k` passes (`k` at most [`Engine::decode_horizon`]), run back
-    /// to back from `now`, onto `ends`. Changes nothing.
-    pub fn decode_pass_ends(&self, now: Timestamp, k: u32, ends: &mut Vec<Timestamp>) {
-        let s = &self.scheduler;
-        let base = s
-            .running
-            .iter()
-            .map(|id| u64::from(s.seqs[id].num_computed))
-            .sum();
-        self.pass_ends(now, k, base, &[], ends);
-    }
-
     /// How many of the next passes are certain to decode one token of every running request
     /// and do nothing else the engine's state does not plan for: none finishes a request,
     /// nothing waits to be admitted, and the blocks they allocate are free (so none preempts).
-    /// Unlike [`Engine::decode_horizon`]'s, these passes may allocate blocks and complete
-    /// (cache) blocks, with KV events; `stretch` plans them. A driver may skip them
+    /// These passes may allocate blocks and complete (cache) blocks, with KV events; `stretch`
+    /// plans them, and the passes before [`DecodeStretch::next_grow`] change nothing but the
+    /// running requests' progress. A driver may skip them
     /// ([`Engine::decode_stretch_ends`], [`Engine::run_decode_stretch`],
     /// [`Engine::finish_decode_stretch`]) as long as nothing else touches the engine meanwhile.
     pub fn plan_decode_stretch(&self, stretch: &mut DecodeStretch) -> u32 {
@@ -507,24 +474,6 @@ impl Engine {
         }
         stretch.clear();
         events
-    }
-
-    /// Advances the engine by `k` pure-decode passes (`k` at most [`Engine::decode_horizon`])
-    /// exactly as `k` calls of [`Engine::step`] would, the last of them started at `last_start`
-    /// and ending at `end`. Their outputs (one token per running request and pass) are the
-    /// driver's to account.
-    pub fn skip_decode_passes(&mut self, k: u32, last_start: Timestamp, end: Timestamp) {
-        debug_assert!(k <= self.decode_horizon(), "only pure-decode passes are skipped");
-        if k == 0 {
-            return;
-        }
-        let s = &mut self.scheduler;
-        for id in &s.running {
-            advance(s.seqs.get_mut(id).expect("running requests are live"), k);
-        }
-        self.clock = self.clock.max(last_start);
-        self.busy_until = end;
-        self.passes += u64::from(k);
     }
 
     /// KV blocks in use and in all.

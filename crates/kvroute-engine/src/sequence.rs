@@ -187,15 +187,6 @@ impl Sequence {
         self.len() - self.num_computed
     }
 
-    /// How many of its next passes are certain to be pure decode by its own state: each
-    /// decodes one token, and none fills a block beyond those it holds (with prefix caching,
-    /// none completes a block, which would be cached) or ends the request. Pass `p` (from 1)
-    /// leaves `num_computed + p` tokens with KV. 0 when its next pass is not a decode.
-    pub fn pure_decode_limit(&self, block_size: u32, prefix_caching: bool) -> u32 {
-        self.decode_marks(block_size, prefix_caching)
-            .map_or(0, |m| m.alloc.min(m.fill).min(m.finish))
-    }
-
     /// While it decodes one token a pass, the pure passes before each thing its own state
     /// makes happen: its first new block, its first block completed (cached; `u32::MAX`
     /// without prefix caching), and its last token. Afterwards a block is allocated and one

@@ -1,7 +1,7 @@
-//! Skipping pure-decode passes: an engine that skips every run of passes its horizon promises
-//! pure ends every real pass exactly as one that steps through them all, with its invariants
-//! holding after every skip and pass, a request aborted between skipped passes and the next
-//! real one included.
+//! Stretches of decode passes: an engine that runs every stretch it plans (its grows at their
+//! passes, the rest skipped) ends every pass exactly as one that steps through them all, with
+//! the same KV events and its invariants holding after every stretch and pass, a stretch cut
+//! short and a request aborted after it included.
 
 mod common;
 
@@ -10,82 +10,15 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{DecodeStretch, Engine};
 
-/// Runs two engines on the same requests, one stepping every pass, the other skipping what its
-/// horizon promises; with `abort`, aborts the middle running request in both right after the
-/// first run of skipped passes with two or more running. Returns the passes
-/// skipped.
-fn skip_against_step(abort: bool) -> u64 {
-    // Blocks of 16 tokens: several requests decode between block boundaries.
-    let config = with(|c| c.block_size = 16);
-    let mut stepped = Engine::new(config.clone()).expect("valid config");
-    let mut skipping = Engine::new(config).expect("valid config");
-    for engine in [&mut stepped, &mut skipping] {
-        for i in 0..6u32 {
-            let prompt = i * 100..i * 100 + 5 + 3 * i;
-            engine
-                .add_request(Timestamp::ZERO, request(u64::from(i), prompt, 20 + 7 * i))
-                .expect("the request fits");
-        }
-    }
-    let (mut skipped, mut aborted, mut ends) = (0, false, Vec::new());
-    while let Some(at) = skipping.next_wakeup() {
-        let k = skipping.decode_horizon();
-        if k == 0 {
-            let out = skipping.step(at).expect("an engine with work steps");
-            skipping.check_invariants().expect("engine invariants");
-            assert_eq!(stepped.next_wakeup(), Some(at), "both engines wake together");
-            let expected = stepped.step(at).expect("the stepped engine keeps up");
-            assert_eq!(out, expected, "a real pass after skipped ones differs");
-            continue;
-        }
-        ends.clear();
-        skipping.decode_pass_ends(at, k, &mut ends);
-        let last_start = if k >= 2 { ends[ends.len() - 2] } else { at };
-        skipping.skip_decode_passes(k, last_start, ends[ends.len() - 1]);
-        skipping.check_invariants().expect("engine invariants");
-        skipped += u64::from(k);
-        let running = skipping.running_requests().to_vec();
-        for &end in &ends {
-            let next = stepped.next_wakeup().expect("the stepped engine has work");
-            let out = stepped.step(next).expect("the stepped engine keeps up");
-            assert_eq!(out.end, end, "a skipped pass ends when the stepped one does");
-            let emitted: Vec<RequestId> = out.emitted.iter().map(|e| e.request).collect();
-            assert_eq!(emitted, running, "a skipped pass decodes every running request");
-            assert!(out.events.is_empty() && out.finished.is_empty() && out.first_token.is_empty());
-        }
-        if abort && !aborted && running.len() >= 2 {
-            let id = running[running.len() / 2];
-            assert!(skipping.abort_request(id) && stepped.abort_request(id));
-            skipping.check_invariants().expect("engine invariants");
-            aborted = true;
-        }
-    }
-    assert_eq!(stepped.next_wakeup(), None, "both engines finish together");
-    assert_eq!(
-        skipping.cached_blocks().collect::<Vec<_>>(),
-        stepped.cached_blocks().collect::<Vec<_>>()
-    );
-    assert_eq!(aborted, abort, "the abort happened");
-    skipped
-}
-
-#[test]
-fn skipping_pure_decode_passes_matches_stepping_them() {
-    assert!(skip_against_step(false) > 0, "some passes were skipped");
-}
-
-#[test]
-fn a_request_aborted_after_skipped_passes_leaves_the_others_exact() {
-    assert!(skip_against_step(true) > 0);
-}
-
 /// Runs two engines under `config` on the same requests (`requests` of them, some sharing a
 /// prompt prefix, the later ones added partway), one stepping every pass, the other running
 /// every stretch [`Engine::plan_decode_stretch`] plans: its grows at their passes and the rest
 /// skipped. Every pass of a stretch ends when the stepped one does, with the stepped pass's KV
-/// events, in order, and decodes every running request and nothing else. Returns the passes
-/// run in stretches and those of them that had KV events.
-fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> (u64, u64) {
+/// events, in order, and decodes every running request and nothing else. With `abort`, the
+/// first stretch of two or more passes with two or more running is cut halfway (as a driver
+/// cuts one when a request arrives) and the middle running request aborted in both. Returns
+/// the passes run in stretches and those of them that had KV events.
+fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abort: bool) -> (u64, u64) {
     let mut stepped = Engine::new(config.clone()).expect("valid config");
     let mut skipping = Engine::new(config).expect("valid config");
     let prompt = |i: u32| {
@@ -107,7 +40,7 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> 
     let (mut later, mut real) = (requests / 2, 0);
     let (mut stretched, mut with_events) = (0, 0);
     let (mut stretch, mut ends) = (DecodeStretch::default(), Vec::new());
-    let mut now = Timestamp::ZERO;
+    let (mut now, mut aborted) = (Timestamp::ZERO, false);
     loop {
         // Every few real passes a request arrives, and whenever the engines are idle.
         let idle = skipping.next_wakeup().is_none();
@@ -130,11 +63,12 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> 
             now = out.end;
             continue;
         }
-        assert!(k >= skipping.decode_horizon(), "a stretch spans the pure passes");
         ends.clear();
         skipping.decode_stretch_ends(at, &stretch, &mut ends);
         assert_eq!(ends.len(), k as usize);
         let running = skipping.running_requests().to_vec();
+        let cut = abort && !aborted && k >= 2 && running.len() >= 2;
+        let k = if cut { k / 2 } else { k };
         for p in 1..=k {
             let events = if p == k {
                 let last_start = if k >= 2 { ends[k as usize - 2] } else { at };
@@ -164,7 +98,14 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> 
         assert_eq!(skipping.kv_blocks(), stepped.kv_blocks());
         now = ends[k as usize - 1];
         stretched += u64::from(k);
+        if cut {
+            let id = running[running.len() / 2];
+            assert!(skipping.abort_request(id) && stepped.abort_request(id));
+            skipping.check_invariants().expect("engine invariants");
+            aborted = true;
+        }
     }
+    assert_eq!(aborted, abort, "the abort happened");
     assert_eq!(stepped.next_wakeup(), None, "both engines finish together");
     assert_eq!(later, requests, "every request came");
     assert_eq!(
@@ -178,7 +119,7 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32) -> 
 fn stretches_across_block_boundaries_match_stepping() {
     // Blocks of 8 tokens; the default pool of 64 blocks fills, so blocks are evicted (`removed`
     // events inside stretches) and the free blocks bound some stretches.
-    let (stretched, with_events) = stretch_against_step(with(|c| c.block_size = 8), 12);
+    let (stretched, with_events) = stretch_against_step(with(|c| c.block_size = 8), 12, false);
     assert!(
         stretched > 0 && with_events > 0,
         "stretches crossed blocks: {stretched}, {with_events}"
@@ -213,7 +154,13 @@ fn stretches_match_stepping_under_every_timing_path() {
         }),
     ];
     for config in configs {
-        let (stretched, _) = stretch_against_step(config, 10);
+        let (stretched, _) = stretch_against_step(config, 10, false);
         assert!(stretched > 0, "some passes were run in stretches");
     }
+}
+
+#[test]
+fn a_stretch_cut_short_then_an_abort_leave_the_others_exact() {
+    let (stretched, _) = stretch_against_step(with(|c| c.block_size = 16), 8, true);
+    assert!(stretched > 0, "some passes were run in stretches");
 }

@@ -9,7 +9,7 @@ use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKe
 use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
-    Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
+    DecodeStretch, Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
 };
 
 /// A small engine: blocks of 4 tokens, 64 blocks, 8 sequences, 32 tokens per pass.
@@ -64,9 +64,9 @@ pub struct Harness {
     pub now: Timestamp,
     /// Every step's output, in order.
     pub log: Vec<StepOutput>,
-    /// The running requests and the pure-decode horizon before the last step, if positive.
+    /// The running requests and the pure passes planned before the last step, if any.
     promised: Option<(Vec<RequestId>, u32)>,
-    /// Passes the horizon promised pure, checked.
+    /// Passes a plan promised pure, checked.
     pub pure_passes: u64,
 }
 
@@ -97,7 +97,11 @@ impl Harness {
         let at = self.engine.next_wakeup()?;
         assert!(at >= self.now, "time went back from {:?} to {at:?}", self.now);
         let running = self.engine.running_requests().to_vec();
-        let horizon = self.engine.decode_horizon();
+        // The pure passes a stretch plans: those before its first grow (a block allocated or
+        // completed), none when none is planned.
+        let mut stretch = DecodeStretch::default();
+        let planned = self.engine.plan_decode_stretch(&mut stretch);
+        let horizon = stretch.next_grow().map_or(planned, |g| g - 1);
         // After a promised pure pass the promise shrinks by one, unless the engine was touched
         // since (the same requests run and nothing waits).
         if let Some((before, promised)) = self.promised.take()
