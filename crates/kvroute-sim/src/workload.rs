@@ -352,6 +352,25 @@ impl Workload {
         })
     }
 
+    /// The workload `shape` makes of this one, held whole: the requests a [`Reshaped`] source
+    /// gives, one rule for a workload made whole and one made as the run goes; the same as
+    /// [`Workload::multiply`], then [`Workload::spread_lengths`], [`Workload::speed_up`] and the
+    /// warp. A shape that changes nothing gives the workload back as it is.
+    pub fn reshaped(self, shape: Reshape) -> Result<Workload, String> {
+        if shape.changes_nothing() {
+            return Ok(self);
+        }
+        let mut source = Reshaped::new(WorkloadSource::new(&self), shape)?;
+        let mut requests = Vec::with_capacity(source.len());
+        while let Some(r) = source.next_request().map_err(|e| e.to_string())? {
+            requests.push(r.into_owned());
+        }
+        Ok(Workload {
+            block_size: self.block_size,
+            requests,
+        })
+    }
+
     /// Keeps the first `n` requests, dropping any session link to a dropped request.
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);
@@ -500,6 +519,16 @@ pub struct Reshape {
     pub speedup: f64,
     /// The rate profile's warp, if any.
     pub warp: Option<RateWarp>,
+}
+
+impl Reshape {
+    /// Whether it leaves every request as it is: one copy, no spread, no speed-up, no warp.
+    pub fn changes_nothing(&self) -> bool {
+        self.copies <= 1
+            && self.spread == LengthSpread::default()
+            && self.speedup == 1.0
+            && self.warp.is_none()
+    }
 }
 
 impl Default for Reshape {

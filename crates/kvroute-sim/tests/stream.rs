@@ -212,3 +212,28 @@ fn a_source_out_of_its_promised_order_is_an_error() {
     };
     assert!(sim.run(&w, &mut |_| {}).is_ok());
 }
+
+#[test]
+fn a_workload_reshaped_whole_is_the_one_its_methods_make() {
+    let shapes = [
+        Reshape::default(),
+        Reshape {
+            copies: 2,
+            spread: LengthSpread {
+                prompt: Some(Dispersion::Uniform(0.4)),
+                output: Some(Dispersion::Lognormal(0.2)),
+            },
+            seed: 4,
+            speedup: 1.5,
+            warp: RateWarp::new(&[(0.0, 2.0), (1.0, 0.5)]).unwrap(),
+        },
+        Reshape {
+            copies: 3,
+            ..Reshape::default()
+        },
+    ];
+    for shape in shapes {
+        let reshaped = generate(&sessions(), 16).reshaped(shape.clone()).unwrap();
+        assert_eq!(reshaped, whole(&sessions(), &shape), "{shape:?}");
+    }
+}

@@ -51,36 +51,40 @@ impl Plan<'_> {
     /// for every run (each run making its own would draw and hash it once a run).
     pub(super) fn workload(&self, trace: &Trace) -> anyhow::Result<(Requests, String)> {
         let o = self.options;
+        // One shape for both: copies, then the length spread, the speed-up and the rate profile.
+        let copies = o.multiply.filter(|&c| c > 1).unwrap_or(1);
+        let mut shaped = String::new();
+        if copies > 1 {
+            shaped.push_str(&format!(", {copies} copies"));
+        }
+        self.lengths.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut warp = None;
+        if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
+            warp = RateWarp::new(points).map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
+            shaped.push_str(&format!(", rate profile {profile}"));
+        }
+        let shape = Reshape {
+            copies,
+            spread: self.lengths,
+            seed: self.seed,
+            speedup: o.arrival_speedup.unwrap_or(1.0),
+            warp,
+        };
+        let copied = |n: usize| {
+            kvroute_sim::workload::multiplied_len(n, copies)
+                .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))
+        };
         let one_run = self.runs.len() == 1 && self.sweep.is_none();
         if let Some(config) = self.synthetic.as_ref().filter(|_| one_run) {
-            let mut source = format!("the synthetic generator ({config:?})");
-            let copies = o.multiply.filter(|&c| c > 1).unwrap_or(1);
-            kvroute_sim::workload::multiplied_len(config.requests, copies)
-                .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))?;
-            if copies > 1 {
-                source.push_str(&format!(", {copies} copies"));
-            }
-            self.lengths.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-            let mut warp = None;
-            if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
-                warp = RateWarp::new(points).map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
-                source.push_str(&format!(", rate profile {profile}"));
-            }
-            let shape = Reshape {
-                copies,
-                spread: self.lengths,
-                seed: self.seed,
-                speedup: o.arrival_speedup.unwrap_or(1.0),
-                warp,
-            };
+            copied(config.requests)?;
             let requests = Requests::Synthetic {
                 config: *config,
                 block_size: self.block_size,
                 shape,
             };
-            return Ok((requests, source));
+            return Ok((requests, format!("the synthetic generator ({config:?}){shaped}")));
         }
-        let mut workload = match (&self.synthetic, &trace.bytes) {
+        let (workload, source) = match (&self.synthetic, &trace.bytes) {
             (Some(config), _) => {
                 let plan = WorkloadPlan::new(config, self.block_size);
                 let w = plan
@@ -102,28 +106,9 @@ impl Plan<'_> {
             }
             (None, None) => bail!("no trace and no synthetic workload"),
         };
-        if let Some(copies) = o.multiply.filter(|&c| c > 1) {
-            workload.0 = workload
-                .0
-                .multiply(copies)
-                .map_err(|e| anyhow::anyhow!("--multiply {copies}: {e}"))?;
-            workload.1.push_str(&format!(", {copies} copies"));
-        }
-        if self.lengths != kvroute_sim::LengthSpread::default() {
-            workload
-                .0
-                .spread_lengths(&self.lengths, self.seed)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-        }
-        workload.0.speed_up(o.arrival_speedup.unwrap_or(1.0));
-        if let (Some(points), Some(profile)) = (&self.profile, &o.rate_profile) {
-            workload
-                .0
-                .warp_rate(points)
-                .map_err(|e| anyhow::anyhow!("--rate-profile {profile}: {e}"))?;
-            workload.1.push_str(&format!(", rate profile {profile}"));
-        }
-        Ok((Requests::Whole(workload.0), workload.1))
+        copied(workload.requests.len())?;
+        let workload = workload.reshaped(shape).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok((Requests::Whole(workload), source + &shaped))
     }
 }
 
