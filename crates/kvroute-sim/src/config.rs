@@ -270,9 +270,10 @@ pub struct SimConfig {
     pub keep_requests: bool,
     /// GPUs per worker, for GPU-seconds.
     pub gpus_per_worker: u32,
-    /// Whether to skip over runs of pure-decode passes of an engine (every running request
-    /// decodes, nothing is allocated, cached, admitted or finished) instead of simulating them
-    /// one by one, applying them only when something touches the engine or the run ends. The
+    /// Whether to skip over runs of decode passes of an engine (every running request decodes
+    /// one token, none finishes, nothing is admitted, every block they allocate is free) instead
+    /// of simulating them one by one, stopping only at the passes that allocate or complete a
+    /// block and applying the rest when something touches the engine or the run ends. The
     /// results are identical either way; off, every pass is an event (for checking that).
     /// A run with a planner steps every pass (the planner fits on each one).
     pub fast_forward: bool,

@@ -1,4 +1,4 @@
-//! Fast-forward (see the module docs of [`super`]): skipping an engine's pure-decode passes
+//! Fast-forward (see the module docs of [`super`]): skipping an engine's decode-only passes
 //! and applying them when their event comes or something touches the engine.
 use kvroute_core::events::KvEvent;
 use kvroute_core::router::WorkerRole;
