@@ -572,3 +572,30 @@ fn a_model_from_its_config_json_sizes_the_engine_and_gpu_hours_count_tp() {
         "{cached} / {input} vs {reuse}"
     );
 }
+
+#[test]
+fn a_synthetic_workload_of_seed_zero_is_the_default_one() {
+    let dir = scratch("seed-zero");
+    let records = |name: &str, seed: &[&str]| {
+        let path = dir.join(name);
+        let mut args = vec![
+            "replay",
+            "--format",
+            "synthetic",
+            "--requests",
+            "40",
+            "--workers",
+            "2",
+            "--per-request-jsonl",
+            path.to_str().unwrap(),
+        ];
+        args.extend_from_slice(seed);
+        let out = kvroute(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read_to_string(&path).unwrap()
+    };
+    let default = records("default.jsonl", &[]);
+    assert_eq!(default.lines().count(), 40);
+    assert_eq!(records("zero.jsonl", &["--seed", "0"]), default);
+    assert_ne!(records("one.jsonl", &["--seed", "1"]), default);
+}

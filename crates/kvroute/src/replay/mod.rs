@@ -106,7 +106,8 @@ pub struct ReplayConfig {
     /// worker). Default reject.
     #[arg(long)]
     pub when_empty: Option<String>,
-    /// Seed of the router and the simulator. Default 0.
+    /// Seed of the router, the simulator and a synthetic workload (`--seed 0` is the default's
+    /// run). Default 0.
     #[arg(long)]
     pub seed: Option<u64>,
     /// Use only the first N requests of the trace.

@@ -153,7 +153,9 @@ pub(super) fn synthetic_config(args: &ReplayConfig) -> anyhow::Result<SyntheticC
         shared_prefix_tokens: args.prefix_tokens.unwrap_or(d.shared_prefix_tokens),
         turns_per_session: args.turns.unwrap_or(d.turns_per_session),
         think_time: args.think_ms.map_or(d.think_time, Duration::from_millis),
-        seed: args.seed.unwrap_or(d.seed),
+        // `--seed N` draws the generator's seed 1 + N (its default seed is 1), so that no flag
+        // and `--seed 0` make one workload, as they make one router and simulator.
+        seed: d.seed.wrapping_add(args.seed.unwrap_or(0)),
     })
 }
 
