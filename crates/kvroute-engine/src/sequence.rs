@@ -100,6 +100,12 @@ pub(crate) struct Sequence {
     hasher: PromptHasher,
 }
 
+// What a pass reads of a running request (up to its report mode) stays on its first line.
+const _: () = assert!(
+    std::mem::offset_of!(Sequence, kv_report) + std::mem::size_of::<KvReportMode>() <= 64
+        && std::mem::offset_of!(Sequence, blocks) < 64
+);
+
 impl Sequence {
     /// The output `request` may generate under `config` (its `output_len`, capped by
     /// `max_model_len`), or why it can never run there: the one admission rule of requests and
