@@ -82,6 +82,7 @@ pub mod cpu_tier;
 mod engine;
 pub mod host;
 mod kv_pool;
+mod live;
 pub mod metrics;
 pub mod noise;
 pub mod request;

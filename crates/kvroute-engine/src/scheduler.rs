@@ -27,10 +27,10 @@ use kvroute_core::index::StoredBlock;
 
 use crate::config::EngineConfig;
 use kvroute_core::events::{BlocksStored, KvEvent};
-use kvroute_core::key_hasher::KeyMap;
 
 use crate::cpu_tier::CpuTier;
 use crate::kv_pool::{BlockId, BlockPool};
+use crate::live::Live;
 use crate::metrics::ForwardPass;
 use crate::request::{Finished, KvReportMode, TokenEmission};
 use crate::sequence::Sequence;
@@ -99,9 +99,8 @@ pub(crate) struct PassResults {
 pub(crate) struct Scheduler {
     limits: Limits,
     pub pool: BlockPool,
-    /// Live requests (a hash map: looked up several times per request and step; nothing
-    /// iterates it in an order that reaches an output).
-    pub seqs: KeyMap<RequestId, Sequence>,
+    /// Live requests (looked up several times per request and step).
+    pub seqs: Live,
     pub waiting: VecDeque<RequestId>,
     /// Oldest first; preemption takes from the back.
     pub running: Vec<RequestId>,
@@ -130,7 +129,7 @@ impl Scheduler {
                 prefix_caching: config.enable_prefix_caching,
             },
             pool: BlockPool::new(config.num_blocks),
-            seqs: KeyMap::default(),
+            seqs: Live::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             importing: BTreeSet::new(),
@@ -161,7 +160,7 @@ impl Scheduler {
     /// Queues a new request at the back of the waiting queue.
     pub fn enqueue(&mut self, seq: Sequence) {
         self.waiting.push_back(seq.id);
-        self.seqs.insert(seq.id, seq);
+        self.seqs.insert(seq);
     }
 
     /// Chooses the next pass (see the module docs).
@@ -375,7 +374,7 @@ impl Scheduler {
         let hit = hits.len() as u32;
         self.hits = hits;
         self.importing.insert(seq.id);
-        self.seqs.insert(seq.id, seq);
+        self.seqs.insert(seq);
         Ok((hit, fresh))
     }
 

@@ -52,41 +52,59 @@ pub(crate) struct DecodeMarks {
 }
 
 /// A live request: its tokens, their block hashes, the blocks it holds and its progress.
+///
+/// A pass reads its running requests' progress and blocks: those fields come first and fill
+/// the first cache line (the table of live requests finds a request by its `id` there, see
+/// [`crate::live`]); the tokens, hashes and names, read when a block fills, follow.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(crate) struct Sequence {
     pub id: RequestId,
+    /// Tokens whose KV has been (or, in the pass being scheduled, is being) computed.
+    pub num_computed: u32,
+    /// Output tokens produced.
+    pub outputs: u32,
     /// Tokens it will produce: the requested output, cut at `max_model_len`.
     pub max_output: u32,
+    /// Prompt tokens (the given blocks' included).
+    prompt_len: u32,
+    /// Leading blocks this request has offered to the cache (hits included).
+    pub num_cached_blocks: u32,
+    /// Tokens per block.
+    block_size: u32,
+    /// KV blocks held, in token order.
+    pub blocks: Vec<BlockId>,
     /// Whether `max_output` was cut.
     pub truncated: bool,
-    /// Prompt then output tokens from token `offset` on. For a block-hash prompt, `offset`
-    /// skips the given blocks (their tokens are never needed) and the prompt's tail is zeros.
+    /// Whether `tokens` holds the real prompt (false for block-hash prompts).
+    pub token_ids_known: bool,
+    /// What its KV events report of its prefix-cache hits.
+    pub kv_report: KvReportMode,
+    /// Prompt then output tokens from token `offset` on, up to the end of the last full block
+    /// at least: an output token is written out when a block it is in fills (it is
+    /// [`synthetic_output_token`], so nothing else needs it earlier). For a block-hash prompt,
+    /// `offset` skips the given blocks (their tokens are never needed) and the prompt's tail
+    /// is zeros.
     tokens: Vec<u32>,
     /// Tokens before `tokens[0]`: the given blocks' (zero for a token prompt).
     offset: u32,
-    /// Whether `tokens` holds the real prompt (false for block-hash prompts).
-    pub token_ids_known: bool,
+    /// Local and external hashes of every full block.
+    pub locals: Vec<LocalBlockHash>,
+    pub externals: Vec<ExternalBlockHash>,
+    /// Prompt blocks whose local hash was given instead of tokens.
+    given: Vec<LocalBlockHash>,
+    external_seed: u64,
     pub lora_name: Option<String>,
     /// Its `cache_salt` (cache namespace), which salts its first block.
     pub cache_salt: Option<String>,
-    /// What its KV events report of its prefix-cache hits.
-    pub kv_report: KvReportMode,
     hasher: PromptHasher,
-    /// Prompt blocks whose local hash was given instead of tokens.
-    given: Vec<LocalBlockHash>,
-    /// Local and external hashes of every full block of `tokens`.
-    pub locals: Vec<LocalBlockHash>,
-    pub externals: Vec<ExternalBlockHash>,
-    external_seed: u64,
-    /// KV blocks held, in token order.
-    pub blocks: Vec<BlockId>,
-    /// Tokens whose KV has been (or, in the pass being scheduled, is being) computed.
-    pub num_computed: u32,
-    /// Leading blocks this request has offered to the cache (hits included).
-    pub num_cached_blocks: u32,
-    /// Output tokens produced.
-    pub outputs: u32,
 }
+
+// What a pass reads of a running request (up to its report mode) stays on its first line.
+const _: () = assert!(
+    std::mem::offset_of!(Sequence, kv_report) + std::mem::size_of::<KvReportMode>() <= 64
+        && std::mem::offset_of!(Sequence, blocks) < 64
+);
 
 impl Sequence {
     /// The output `request` may generate under `config` (its `output_len`, capped by
@@ -155,6 +173,8 @@ impl Sequence {
         let mut seq = Self {
             id,
             max_output,
+            prompt_len,
+            block_size: bs,
             truncated: max_output < request.output_len,
             tokens,
             offset,
@@ -179,7 +199,7 @@ impl Sequence {
 
     /// Tokens known: the prompt and the outputs so far.
     pub fn len(&self) -> u32 {
-        self.offset + self.tokens.len() as u32
+        self.prompt_len + self.outputs
     }
 
     /// Tokens known whose KV is not computed yet.
@@ -227,18 +247,16 @@ impl Sequence {
     /// Appends the next `k` output tokens and hashes the blocks they fill, as `k` calls of
     /// [`Sequence::push_output`].
     pub fn push_outputs(&mut self, k: u32) {
-        for _ in 0..k {
-            self.tokens.push(synthetic_output_token(self.id, self.outputs));
-            self.outputs += 1;
+        let full = self.len() / self.block_size;
+        self.outputs += k;
+        if self.len() / self.block_size > full {
+            self.hash_full_blocks();
         }
-        self.hash_full_blocks();
     }
 
     /// Appends the next output token and hashes the block it fills, if any.
     pub fn push_output(&mut self) {
-        self.tokens.push(synthetic_output_token(self.id, self.outputs));
-        self.outputs += 1;
-        self.hash_full_blocks();
+        self.push_outputs(1);
     }
 
     /// The tokens of block `index`, which must not be a given block.
@@ -248,9 +266,13 @@ impl Sequence {
         &self.tokens[start..start + bs]
     }
 
-    /// Extends `locals` and `externals` over every full block of `tokens`.
+    /// Extends `locals` and `externals` over every full block, writing out the output tokens
+    /// not yet written.
     fn hash_full_blocks(&mut self) {
-        let full = self.len() as usize / self.hasher.block_size();
+        let written = self.offset + self.tokens.len() as u32 - self.prompt_len;
+        self.tokens
+            .extend((written..self.outputs).map(|i| synthetic_output_token(self.id, i)));
+        let full = (self.len() / self.block_size) as usize;
         while self.locals.len() < full {
             let i = self.locals.len();
             let local = match self.given.get(i) {
