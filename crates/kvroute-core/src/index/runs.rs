@@ -17,15 +17,18 @@
 //!
 //! Block ids come from the same coalescing free runs as the node arena's (`free_runs`).
 
+use std::num::NonZeroUsize;
+
 use hashbrown::HashTable;
 
 use super::free_runs::{FreeRuns, Source};
-use super::slots::Slots;
+use super::slots::{Slots, WorkerSlot};
+use super::tier::Tiers;
 use super::{
-    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
-    hold_block,
+    ExtMap, IndexConfig, IndexError, IndexEvent, IndexFootprint, IndexStats, NONE, OverlapScores,
+    REMOVE_AHEAD, STORE_AHEAD, StoredBlock, Tier, hold_block,
 };
-use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
+use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::mix;
 
 /// A block id: its place in the packed arrays.
@@ -136,15 +139,30 @@ pub struct RunIndex {
     /// New-block id stretches of a store.
     segments: Vec<(BlockId, u32)>,
     per_worker: usize,
+    stats: IndexStats,
+    /// [`IndexConfig::max_blocks_per_worker`].
+    cap: Option<NonZeroUsize>,
+    /// The slower tiers' blocks (see `tier`).
+    tiers: Tiers,
 }
 
 impl RunIndex {
-    /// An empty index whose workers' maps are sized for `blocks_per_worker` (a hint).
-    pub fn new(blocks_per_worker: usize) -> Self {
+    /// An empty index with no workers.
+    pub fn new(config: IndexConfig) -> Self {
         Self {
-            per_worker: blocks_per_worker,
+            locals: Vec::with_capacity(config.expected_blocks),
+            run_of: Vec::with_capacity(config.expected_blocks),
+            per_worker: config.expected_blocks_per_worker,
+            cap: config.max_blocks_per_worker,
             ..Self::default()
         }
+    }
+
+    shared_index_api!();
+
+    /// How many workers hold block `b`.
+    fn holder_count(&self, b: BlockId) -> usize {
+        self.runs[self.run_of[b as usize] as usize].mask.count_ones() as usize
     }
 
     /// Starts tracking `worker`, empty; a worker already tracked is left alone. Refused past
@@ -160,16 +178,6 @@ impl RunIndex {
         self.clear_worker(worker)?;
         self.slots.remove(worker);
         Ok(())
-    }
-
-    /// How many blocks `worker` holds.
-    pub fn block_count(&self, worker: WorkerKey) -> usize {
-        self.slots.block_count(worker)
-    }
-
-    /// Whether `worker` holds the block the engine calls `external`.
-    pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slots.holds(worker, external)
     }
 
     /// Entries, live blocks and heap bytes (`nodes` counts live blocks).
@@ -197,6 +205,35 @@ impl RunIndex {
         blocks: &[StoredBlock],
     ) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
+        let result = self.store(worker, slot, parent, blocks);
+        match &result {
+            Err(IndexError::UnknownParent { .. }) => self.stats.unknown_parent += 1,
+            Err(IndexError::ConflictingBlock { .. }) => self.stats.conflicting_block += 1,
+            Err(IndexError::DuplicatePrefix { .. }) => self.stats.duplicate_prefix += 1,
+            _ => {}
+        }
+        // A store refused before its first block changed nothing (as the node layout's).
+        if let Some(cap) = self.cap
+            && !matches!(result, Err(IndexError::UnknownParent { .. }))
+        {
+            let mut dropped = std::mem::take(&mut self.scratch);
+            dropped.clear();
+            self.stats.blocks_evicted += self.slots.evict_over_cap(slot, cap.get(), &mut dropped);
+            self.release(&mut dropped, slot);
+            self.scratch = dropped;
+        }
+        result
+    }
+
+    /// [`RunIndex::apply_stored`] for the worker in `slot`, before the cap and the counters of
+    /// refusals.
+    fn store(
+        &mut self,
+        worker: WorkerKey,
+        slot: usize,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
         let bit = 1u64 << slot;
         let map = self.map(slot);
         for block in blocks.iter().take(STORE_AHEAD) {
@@ -224,20 +261,34 @@ impl RunIndex {
                 |b| b.local.0,
             );
             let held = run.mask & bit != 0;
-            let map = &mut self.slots.taken_mut(slot).blocks;
+            let capped = self.cap.is_some();
+            let WorkerSlot {
+                blocks: map, order, ..
+            } = self.slots.taken_mut(slot);
             let mut applied = n;
             let mut error = None;
+            let mut stored = 0;
             for (k, block) in blocks[i..i + n].iter().enumerate() {
                 let id = from + k as BlockId;
                 if let Some(ahead) = blocks.get(i + k + STORE_AHEAD) {
                     map.prefetch(ahead.external.0);
                 }
-                if let Err(refusal) = hold_block(map, block.external.0, id, held) {
-                    error = Some(refusal.error(worker, block.external, i + k));
-                    applied = k;
-                    break;
+                match hold_block(map, block.external.0, id, held) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        stored += 1;
+                        if capped {
+                            order.push_back(block.external.0);
+                        }
+                    }
+                    Err(refusal) => {
+                        error = Some(refusal.error(worker, block.external, i + k));
+                        applied = k;
+                        break;
+                    }
                 }
             }
+            self.stats.blocks_stored += stored;
             if !held && applied > 0 {
                 self.change_range(r, off, applied as u32, |m| m | bit);
             }
@@ -306,7 +357,10 @@ impl RunIndex {
             segments.push((start, n as u32));
             done += n;
         }
-        let map = &mut self.slots.taken_mut(slot).blocks;
+        let capped = self.cap.is_some();
+        let WorkerSlot {
+            blocks: map, order, ..
+        } = self.slots.taken_mut(slot);
         map.reserve(rest.len());
         let mut applied = 0;
         let mut error = None;
@@ -324,9 +378,13 @@ impl RunIndex {
                     });
                     break 'ids;
                 }
+                if capped {
+                    order.push_back(block.external.0);
+                }
                 applied += 1;
             }
         }
+        self.stats.blocks_stored += applied as u64;
         let mut left = applied;
         for &(start, n) in &segments {
             let used = (n as usize).min(left);
@@ -391,19 +449,65 @@ impl RunIndex {
         let count = dropped.len();
         self.release(&mut dropped, slot);
         self.scratch = dropped;
+        self.stats.removed_not_held += (externals.len() - count) as u64;
+        self.stats.blocks_removed += count as u64;
         Ok(count)
     }
 
     /// `worker` now holds nothing.
     pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
+        self.tiers.clear(worker);
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
-        let map = &mut self.slots.taken_mut(slot).blocks;
-        dropped.extend(map.drain_nodes());
+        let s = self.slots.taken_mut(slot);
+        s.order.clear();
+        dropped.extend(s.blocks.drain_nodes());
         self.release(&mut dropped, slot);
         self.scratch = dropped;
+        self.stats.clears += 1;
         Ok(())
+    }
+
+    /// `worker` copied `externals`, blocks it holds on the GPU, to `tier`: each is placed at
+    /// its GPU block's prefix. Blocks it does not hold on the GPU are left out (the others
+    /// applied) and reported with [`IndexError::UnplacedTierBlock`].
+    pub fn apply_tier_stored(
+        &mut self,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+    ) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let mut path = std::mem::take(&mut self.scratch);
+        let Self {
+            locals,
+            run_of,
+            runs,
+            slots,
+            stats,
+            tiers,
+            ..
+        } = self;
+        let result = tiers.store_placed(
+            stats,
+            &slots.taken(slot).blocks,
+            worker,
+            tier,
+            externals,
+            |b| {
+                let run = &runs[run_of[b as usize] as usize];
+                if b > run.start {
+                    Some(b - 1)
+                } else {
+                    Some(run.parent).filter(|&p| p != NONE)
+                }
+            },
+            |b| locals[b as usize],
+            &mut path,
+        );
+        self.scratch = path;
+        result
     }
 
     /// Clears `slot`'s bit on `dropped` (block ids it held), a stretch of a run at a time: ids
@@ -638,6 +742,7 @@ impl RunIndex {
     /// last blocks and are found, counts match, no run is kept that nobody holds and that has no
     /// children, and every worker's map agrees with the runs' masks.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.check_tiers()?;
         let mut children = vec![0u32; self.runs.len()];
         let mut held_bits = 0usize;
         let mut live_blocks = 0usize;
@@ -706,10 +811,6 @@ impl RunIndex {
             return Err(format!("{entries} map entries but {held_bits} worker bits set"));
         }
         Ok(())
-    }
-
-    fn slot_index(&self, worker: WorkerKey) -> Result<usize, IndexError> {
-        self.slots.index_of(worker)
     }
 
     fn map(&self, slot: usize) -> &ExtMap {

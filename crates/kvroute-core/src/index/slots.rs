@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
-use super::{ExtMap, IndexError};
+use super::{ExtMap, IndexError, NodeId};
 use crate::ids::{ExternalBlockHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 
@@ -131,6 +131,32 @@ impl Slots {
     pub(super) fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
         self.get(worker)
             .is_some_and(|s| s.blocks.get(external.0).is_some())
+    }
+
+    /// Takes the oldest blocks of the worker in `slot` (in the order they were first stored) out
+    /// of its map until it holds at most `cap`, onto `dropped` (the layout's block ids, for the
+    /// layout to release), and compacts its order; returns how many. Shared by both layouts.
+    pub(super) fn evict_over_cap(&mut self, slot: usize, cap: usize, dropped: &mut Vec<NodeId>) -> u64 {
+        let s = self.taken_mut(slot);
+        let mut evicted = 0u64;
+        while s.blocks.len() > cap {
+            let Some(oldest) = s.order.pop_front() else {
+                break;
+            };
+            if let Some(block) = s.blocks.remove(oldest) {
+                dropped.push(block);
+                evicted += 1;
+            }
+        }
+        if s.order.len() > 2 * s.blocks.len() + 64 {
+            // Keep the first entry of each block still held (a block removed and stored again
+            // is listed twice; its first place in line is kept).
+            let mut seen: hashbrown::HashSet<u64, BuildKeyHasher> =
+                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher);
+            let blocks = &s.blocks;
+            s.order.retain(|&e| blocks.get(e).is_some() && seen.insert(e));
+        }
+        evicted
     }
 
     /// Map entries over every worker.

@@ -31,24 +31,12 @@ pub enum Layout {
     Runs,
 }
 
-/// A layout the benchmark can build empty, sized for `blocks_per_worker` blocks a worker.
-trait Empty: IndexLayout + Sized {
-    fn empty(blocks_per_worker: usize) -> Self;
-}
-
-impl Empty for PrefixIndex {
-    fn empty(blocks_per_worker: usize) -> Self {
-        PrefixIndex::new(IndexConfig {
-            expected_blocks_per_worker: blocks_per_worker,
-            ..IndexConfig::default()
-        })
-    }
-}
-
-impl Empty for RunIndex {
-    fn empty(blocks_per_worker: usize) -> Self {
-        RunIndex::new(blocks_per_worker)
-    }
+/// A layout built empty, sized for `blocks_per_worker` blocks a worker.
+fn empty<I: IndexLayout>(blocks_per_worker: usize) -> I {
+    I::with_config(IndexConfig {
+        expected_blocks_per_worker: blocks_per_worker,
+        ..IndexConfig::default()
+    })
 }
 
 // The timed operations, out of line so that a profiler counts either layout's by the same four
@@ -192,12 +180,12 @@ struct Run {
     entries: u64,
 }
 
-fn run_once<I: Empty>(
+fn run_once<I: IndexLayout>(
     stream: &OpStream,
     prepared: &[Prepared],
     blocks_per_worker: usize,
 ) -> anyhow::Result<Run> {
-    let mut index = I::empty(blocks_per_worker);
+    let mut index: I = empty(blocks_per_worker);
     for w in 0..stream.header.workers {
         index.add_worker(worker(w))?;
     }
