@@ -95,9 +95,7 @@ fn run<L: IndexLayout>(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
     // Every held block in store order, per worker (the reference's view, for picking).
     let mut chains: Vec<Chain> = Vec::new();
     for w in 0..WORKERS {
-        index
-            .add_worker(key(w))
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        index.add_worker(key(w));
     }
     let mut next = 1u64;
     for op in ops {
@@ -224,7 +222,7 @@ fn oldest_chain_first<L: IndexLayout>() {
             max_blocks_per_worker: cap,
             ..IndexConfig::default()
         });
-        index.add_worker(key(0)).expect("a few workers");
+        index.add_worker(key(0));
         for blocks in &stores {
             index
                 .apply_event(key(0), IndexEvent::Stored { parent: None, blocks })

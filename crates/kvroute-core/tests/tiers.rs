@@ -115,7 +115,7 @@ fn the_index_gives_each_worker_its_gpu_depth_and_the_cpu_run_past_it() {
 fn gpu_depth_and_cpu_run<L: IndexLayout>() {
     for (i, (gpu, cpu, want_gpu, want_cpu)) in CASES.iter().cloned().enumerate() {
         let mut index = L::with_config(IndexConfig::default());
-        index.add_worker(key(1)).expect("a few workers");
+        index.add_worker(key(1));
         feed(&mut |w, e| index.apply_event(w, e), 1, Holding { gpu, cpu });
         index.check_invariants().expect("invariants hold");
         let scores = find(&index, &locals(8));
@@ -135,7 +135,7 @@ fn a_tier_store_of_a_block_the_gpu_never_held_is_refused_by_name_and_a_clear_emp
 
 fn refused_by_name_and_cleared<L: IndexLayout>() {
     let mut index = L::with_config(IndexConfig::default());
-    index.add_worker(key(1)).expect("a few workers");
+    index.add_worker(key(1));
     feed(
         &mut |w, e| index.apply_event(w, e),
         1,
@@ -322,7 +322,7 @@ fn tier_runs_against_the_reference<L: IndexLayout>(ops: &[Op]) -> Result<(), Tes
     let mut gpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
     let mut cpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
     for w in 0..3 {
-        index.add_worker(key(w)).expect("a few workers");
+        index.add_worker(key(w));
     }
     for op in ops {
         match *op {

@@ -14,8 +14,8 @@ pub trait IndexLayout {
     fn with_config(config: IndexConfig) -> Self
     where
         Self: Sized;
-    /// Starts tracking `worker`, empty; refused past the layout's worker limit, if it has one.
-    fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError>;
+    /// Starts tracking `worker`, empty (a worker already tracked is left alone).
+    fn add_worker(&mut self, worker: WorkerKey);
     /// Stops tracking `worker` and drops its blocks.
     fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError>;
     /// Drops every block of `worker`, which stays tracked.
@@ -78,6 +78,9 @@ macro_rules! same_named {
     ($layout:ty) => {
         fn with_config(config: IndexConfig) -> Self {
             <$layout>::new(config)
+        }
+        fn add_worker(&mut self, worker: WorkerKey) {
+            <$layout>::add_worker(self, worker)
         }
         fn remove_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
             <$layout>::remove_worker(self, worker)
@@ -160,17 +163,9 @@ macro_rules! same_named {
 }
 
 impl IndexLayout for PrefixIndex {
-    /// The node layout has no worker limit.
-    fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
-        PrefixIndex::add_worker(self, worker);
-        Ok(())
-    }
     same_named!(PrefixIndex);
 }
 
 impl IndexLayout for RunIndex {
-    fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
-        RunIndex::add_worker(self, worker)
-    }
     same_named!(RunIndex);
 }

@@ -80,7 +80,7 @@ use wide::Rows;
 pub use event::{IndexEvent, Tier, stored_blocks};
 pub use ext_map::ExtMap;
 pub use layout::IndexLayout;
-pub use runs::{RUN_INDEX_MAX_WORKERS, RunIndex};
+pub use runs::RunIndex;
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -222,14 +222,6 @@ pub enum IndexError {
         /// How many of the store's blocks were left out; the others were applied.
         unplaced: usize,
     },
-    /// A [`RunIndex`] was asked to track more workers than its one mask word holds.
-    #[error("worker {worker} refused: the index tracks at most {limit} workers")]
-    TooManyWorkers {
-        /// The worker.
-        worker: WorkerKey,
-        /// The most workers the index tracks.
-        limit: usize,
-    },
 }
 
 /// Counters of what the index has been asked to do. They only grow.
@@ -361,9 +353,9 @@ impl PrefixIndex {
 
     /// Starts tracking `worker`'s cache, empty. Adding a worker that is already tracked does nothing.
     pub fn add_worker(&mut self, worker: WorkerKey) {
-        // Without a limit a slot is always found.
-        if let Ok(Some(slot)) = self.slots.add(worker, self.per_worker, None) {
-            self.ensure_mask_words(slot);
+        if let Some(slot) = self.slots.add(worker, self.per_worker) {
+            let sets = self.nodes.iter_mut().map(|n| &mut n.mask0);
+            self.rows.ensure_slot(slot, sets);
         }
     }
 
@@ -378,12 +370,7 @@ impl PrefixIndex {
 
     /// How many workers hold `node`.
     fn holder_count(&self, node: NodeId) -> usize {
-        let set = self.nodes[node as usize].mask0;
-        if self.rows.wide() {
-            self.rows.count(set)
-        } else {
-            set.count_ones() as usize
-        }
+        self.rows.set_len(self.nodes[node as usize].mask0)
     }
 
     /// Entries, nodes and heap bytes.
@@ -854,33 +841,10 @@ impl PrefixIndex {
 
     // ---- worker masks ----
 
-    /// Makes room for worker `slot` in the nodes' worker sets: past 64 slots the index turns
-    /// wide (see `wide`), and a wide index's rows widen as slots are added.
-    fn ensure_mask_words(&mut self, slot: usize) {
-        let needed = slot / 64 + 1;
-        if needed <= self.rows.mask_words().max(1) {
-            return;
-        }
-        let was_wide = self.rows.wide();
-        self.rows.widen(needed.max(self.rows.mask_words() * 2));
-        if !was_wide {
-            for node in &mut self.nodes {
-                node.mask0 = self.rows.code_of_mask(node.mask0);
-            }
-        }
-    }
-
     /// Mask word `word` of `node`'s worker set.
     #[inline]
     fn mask_word(&self, node: NodeId, word: usize) -> u64 {
-        let set = self.nodes[node as usize].mask0;
-        if self.rows.wide() {
-            self.rows.word(set, word)
-        } else if word == 0 {
-            set
-        } else {
-            0
-        }
+        self.rows.set_word(self.nodes[node as usize].mask0, word)
     }
 
     /// Whether the worker in `slot` holds `node`.

@@ -1,9 +1,9 @@
-//! [`RunIndex`]: the prefix index laid out as runs, for fleets of at most 64 worker slots.
+//! [`RunIndex`]: the prefix index laid out as runs.
 //!
 //! The semantics are [`PrefixIndex`](super::PrefixIndex)'s (holding, depth, holes and heals,
 //! the same errors for the same bad stores); the layout differs. A run is a stretch of a chain
 //! whose blocks have one holder set and no branch before its last block: one record (first
-//! block, length, holder mask, parent block, children) for the whole stretch. A run's blocks
+//! block, length, holder set, parent block, children) for the whole stretch. A run's blocks
 //! have consecutive block ids, and the blocks' local hashes are one packed array indexed by
 //! block id, so a lookup along a run is a loop comparing 8-byte hashes, with one child lookup
 //! a run rather than a node read a block.
@@ -15,7 +15,13 @@
 //!   it, appends to the run.
 //! * Runs are not merged back when holder sets become equal again.
 //!
-//! Block ids come from the same coalescing free runs as the node arena's (`free_runs`).
+//! * A run's holder set is the node layout's: a bit mask while the fleet has at most 64 worker
+//!   slots, a set code past that (`wide`); a lookup reads one mask word once every worker still
+//!   matching is in it.
+//!
+//! Block ids come from the same coalescing free runs as the node arena's (`free_runs`). The
+//! worker table, the counters, the cap and the slower tiers are the node layout's (`api`,
+//! `slots`, `tier`).
 
 use std::num::NonZeroUsize;
 
@@ -24,6 +30,7 @@ use hashbrown::HashTable;
 use super::free_runs::{FreeRuns, Source};
 use super::slots::{Slots, WorkerSlot};
 use super::tier::Tiers;
+use super::wide::Rows;
 use super::{
     ExtMap, IndexConfig, IndexError, IndexEvent, IndexFootprint, IndexStats, NONE, OverlapScores,
     REMOVE_AHEAD, STORE_AHEAD, StoredBlock, Tier, hold_block,
@@ -36,9 +43,6 @@ type BlockId = u32;
 /// A run id.
 type RunId = u32;
 
-/// Worker slots a [`RunIndex`] holds (one mask word).
-pub const RUN_INDEX_MAX_WORKERS: usize = 64;
-
 /// A stretch of a chain with one holder set.
 #[derive(Clone, Copy, Debug)]
 struct Run {
@@ -46,7 +50,8 @@ struct Run {
     start: BlockId,
     /// Blocks in the run; 0 for a free run.
     len: u32,
-    /// The workers that hold every block of the run.
+    /// The workers that hold every block of the run: a holder set of `rows` (a bit mask while
+    /// narrow, a code once wide).
     mask: u64,
     /// The block the run continues (the last block of another run), or `NONE` under the root.
     parent: BlockId,
@@ -144,6 +149,8 @@ pub struct RunIndex {
     cap: Option<NonZeroUsize>,
     /// The slower tiers' blocks (see `tier`).
     tiers: Tiers,
+    /// The holder sets of a fleet of more than 64 slots (see `wide`); empty before.
+    rows: Rows,
 }
 
 impl RunIndex {
@@ -162,15 +169,16 @@ impl RunIndex {
 
     /// How many workers hold block `b`.
     fn holder_count(&self, b: BlockId) -> usize {
-        self.runs[self.run_of[b as usize] as usize].mask.count_ones() as usize
+        self.rows
+            .set_len(self.runs[self.run_of[b as usize] as usize].mask)
     }
 
-    /// Starts tracking `worker`, empty; a worker already tracked is left alone. Refused past
-    /// [`RUN_INDEX_MAX_WORKERS`] workers.
-    pub fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
-        self.slots
-            .add(worker, self.per_worker, Some(RUN_INDEX_MAX_WORKERS))
-            .map(drop)
+    /// Starts tracking `worker`, empty; a worker already tracked is left alone.
+    pub fn add_worker(&mut self, worker: WorkerKey) {
+        if let Some(slot) = self.slots.add(worker, self.per_worker) {
+            let sets = self.runs.iter_mut().map(|r| &mut r.mask);
+            self.rows.ensure_slot(slot, sets);
+        }
     }
 
     /// Stops tracking `worker` and forgets every block it held.
@@ -189,6 +197,7 @@ impl RunIndex {
             + self.free_run_ids.capacity() * size_of::<RunId>()
             + self.free.allocation_size()
             + self.children.allocation_size()
+            + self.rows.allocation_size()
             + self.slots.allocation_size();
         IndexFootprint {
             entries: entries as u64,
@@ -234,7 +243,6 @@ impl RunIndex {
         parent: Option<ExternalBlockHash>,
         blocks: &[StoredBlock],
     ) -> Result<(), IndexError> {
-        let bit = 1u64 << slot;
         let map = self.map(slot);
         for block in blocks.iter().take(STORE_AHEAD) {
             map.prefetch(block.external.0);
@@ -260,37 +268,31 @@ impl RunIndex {
                 &blocks[i + 1..],
                 |b| b.local.0,
             );
-            let held = run.mask & bit != 0;
-            let capped = self.cap.is_some();
+            let held = self.rows.set_has(run.mask, slot);
             let WorkerSlot {
                 blocks: map, order, ..
             } = self.slots.taken_mut(slot);
             let mut applied = n;
             let mut error = None;
-            let mut stored = 0;
             for (k, block) in blocks[i..i + n].iter().enumerate() {
                 let id = from + k as BlockId;
                 if let Some(ahead) = blocks.get(i + k + STORE_AHEAD) {
                     map.prefetch(ahead.external.0);
                 }
-                match hold_block(map, block.external.0, id, held) {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        stored += 1;
-                        if capped {
-                            order.push_back(block.external.0);
-                        }
-                    }
-                    Err(refusal) => {
-                        error = Some(refusal.error(worker, block.external, i + k));
-                        applied = k;
-                        break;
-                    }
+                if let Err(refusal) = hold_block(map, block.external.0, id, held) {
+                    error = Some(refusal.error(worker, block.external, i + k));
+                    applied = k;
+                    break;
                 }
             }
-            self.stats.blocks_stored += stored;
+            // The run's holder set and the worker's map agree, so the blocks applied are all
+            // new to the worker or all held already.
             if !held && applied > 0 {
-                self.change_range(r, off, applied as u32, |m| m | bit);
+                self.stats.blocks_stored += applied as u64;
+                if self.cap.is_some() {
+                    order.extend(blocks[i..i + applied].iter().map(|b| b.external.0));
+                }
+                self.change_range(r, off, applied as u32, |rows, m| rows.set_add(m, slot));
             }
             if let Some(error) = error {
                 return Err(error);
@@ -322,7 +324,6 @@ impl RunIndex {
         rest: &[StoredBlock],
         before: usize,
     ) -> Result<(), IndexError> {
-        let bit = 1u64 << slot;
         // Ids first (an append to `at`'s run where it is this worker's alone, childless and
         // the next id is free), then the map, then the runs for the blocks the map took.
         // Each id gets its block's local hash here; an id the map then refuses is freed again,
@@ -378,13 +379,13 @@ impl RunIndex {
                     });
                     break 'ids;
                 }
-                if capped {
-                    order.push_back(block.external.0);
-                }
                 applied += 1;
             }
         }
         self.stats.blocks_stored += applied as u64;
+        if capped {
+            order.extend(rest[..applied].iter().map(|b| b.external.0));
+        }
         let mut left = applied;
         for &(start, n) in &segments {
             let used = (n as usize).min(left);
@@ -396,7 +397,7 @@ impl RunIndex {
             }
             let extend = (at != NONE).then(|| self.run_of[at as usize]).filter(|&r| {
                 let run = &self.runs[r as usize];
-                run.mask == bit && run.children == 0 && run.end() == start
+                self.rows.set_is_only(run.mask, slot) && run.children == 0 && run.end() == start
             });
             let r = match extend {
                 Some(r) => {
@@ -404,10 +405,12 @@ impl RunIndex {
                     r
                 }
                 None => {
+                    let mut mask = 0;
+                    self.rows.set_add(&mut mask, slot);
                     let r = self.new_run(Run {
                         start,
                         len: used as u32,
-                        mask: bit,
+                        mask,
                         parent: at,
                         hint: NONE,
                         children: 0,
@@ -516,7 +519,6 @@ impl RunIndex {
     /// holding a block still to be dropped keeps the bit, so it is not freed before its turn);
     /// an engine's removals list a chain's blocks in order, so stretches are long.
     fn release(&mut self, dropped: &mut [BlockId], slot: usize) {
-        let bit = 1u64 << slot;
         let mut k = 0;
         while k < dropped.len() {
             let b = dropped[k];
@@ -536,15 +538,15 @@ impl RunIndex {
                 }
             }
             let first = b.min(dropped[k + n - 1]);
-            let r = self.change_range(r, first - run.start, n as u32, |m| m & !bit);
+            let r = self.change_range(r, first - run.start, n as u32, |rows, m| rows.set_remove(m, slot));
             self.collect(r);
             k += n;
         }
     }
 
-    /// Gives blocks `off..off + n` of run `r` the holder mask `f(mask)`, splitting the run
+    /// Changes the holder set of blocks `off..off + n` of run `r` with `f`, splitting the run
     /// around them; returns their run.
-    fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(u64) -> u64) -> RunId {
+    fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(&mut Rows, &mut u64)) -> RunId {
         let mut r = r;
         if off > 0 {
             r = self.split(r, off);
@@ -552,8 +554,7 @@ impl RunIndex {
         if self.runs[r as usize].len > n {
             self.split(r, n);
         }
-        let run = &mut self.runs[r as usize];
-        run.mask = f(run.mask);
+        f(&mut self.rows, &mut self.runs[r as usize].mask);
         r
     }
 
@@ -561,10 +562,11 @@ impl RunIndex {
     /// from `at` on, which takes over `r`'s children.
     fn split(&mut self, r: RunId, at: u32) -> RunId {
         let run = self.runs[r as usize];
+        let mask = self.rows.set_copy(run.mask);
         let tail = self.new_run(Run {
             start: run.start + at,
             len: run.len - at,
-            mask: run.mask,
+            mask,
             parent: run.start + at - 1,
             hint: run.hint,
             children: run.children,
@@ -696,11 +698,91 @@ impl RunIndex {
         let Some(first) = query.first() else {
             return;
         };
-        let Some(mut r) = self.child(NONE, first.0) else {
+        let Some(r) = self.child(NONE, first.0) else {
             return;
         };
-        let mut active = self.runs[r as usize].mask;
+        let set = self.runs[r as usize].mask;
+        if self.rows.wide() {
+            self.walk_wide(r, query, early_exit, out);
+        } else {
+            self.walk_word(r, 1, query, 0, set, early_exit, out, |run| run.mask);
+        }
+    }
+
+    /// The walk of a wide index from run `r`, whose first block matched the query's first:
+    /// over every mask word until the workers still matching are all in one.
+    fn walk_wide(&self, mut r: RunId, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        let rows = &self.rows;
+        let words = rows.mask_words();
+        // Fleets of up to 1,024 worker slots keep the walk's worker set on the stack.
+        let mut stack = [0u64; 16];
+        let mut heap = Vec::new();
+        let active: &mut [u64] = if words <= stack.len() {
+            &mut stack[..words]
+        } else {
+            heap.resize(words, 0);
+            &mut heap
+        };
+        for (w, word) in active.iter_mut().enumerate() {
+            *word = rows.word(self.runs[r as usize].mask, w);
+        }
         let mut depth = 1usize;
+        loop {
+            let mut live = active.iter().enumerate().filter(|&(_, &w)| w != 0);
+            let Some((first, &word)) = live.next() else {
+                return;
+            };
+            if live.next().is_none() {
+                // One word of workers left (a long prompt past its shared prefix, the common
+                // case): the walk reads only that word from here on.
+                let mask = |run: &Run| rows.word(run.mask, first);
+                self.walk_word(r, depth, query, first, word, early_exit, out, mask);
+                return;
+            }
+            // Two words or more: at least two workers, so no early exit yet.
+            let run = self.runs[r as usize];
+            let tail = &self.locals[run.start as usize + 1..run.end() as usize];
+            let m = matching(tail, &query[depth..], |q| q.0);
+            depth += m;
+            if m < tail.len() || depth == query.len() {
+                break;
+            }
+            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
+                break;
+            };
+            let set = self.runs[c as usize].mask;
+            for (w, word) in active.iter_mut().enumerate() {
+                if *word == 0 {
+                    continue;
+                }
+                let kept = *word & rows.word(set, w);
+                self.emit(w, *word & !kept, depth as u32, out);
+                *word = kept;
+            }
+            depth += 1;
+            r = c;
+        }
+        for (w, &word) in active.iter().enumerate() {
+            self.emit(w, word, depth as u32, out);
+        }
+    }
+
+    /// The walk once every worker still matching is in mask word `word`: `active` are those
+    /// workers, matched `depth` blocks deep, the last of them the first block of run `r`;
+    /// `mask` reads a run's word `word`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
+    fn walk_word(
+        &self,
+        mut r: RunId,
+        mut depth: usize,
+        query: &[LocalBlockHash],
+        word: usize,
+        mut active: u64,
+        early_exit: bool,
+        out: &mut OverlapScores,
+        mask: impl Fn(&Run) -> u64,
+    ) {
         loop {
             if active == 0 {
                 return;
@@ -718,19 +800,20 @@ impl RunIndex {
             let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
                 break;
             };
-            let kept = active & self.runs[c as usize].mask;
-            self.emit(active & !kept, depth as u32, out);
+            let kept = active & mask(&self.runs[c as usize]);
+            self.emit(word, active & !kept, depth as u32, out);
             active = kept;
             depth += 1;
             r = c;
         }
-        self.emit(active, depth as u32, out);
+        self.emit(word, active, depth as u32, out);
     }
 
-    /// Records `depth` for every worker whose bit is set in `bits`.
-    fn emit(&self, mut bits: u64, depth: u32, out: &mut OverlapScores) {
+    /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.
+    #[inline]
+    fn emit(&self, word: usize, mut bits: u64, depth: u32, out: &mut OverlapScores) {
         while bits != 0 {
-            let slot = bits.trailing_zeros() as usize;
+            let slot = word * 64 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
             if let Some(s) = self.slots.at(slot) {
                 out.push(s.key, depth);
@@ -777,7 +860,10 @@ impl RunIndex {
                     "run {r} is held by nobody and has no children, but was kept"
                 ));
             }
-            held_bits += run.len as usize * run.mask.count_ones() as usize;
+            if self.rows.wide() {
+                self.rows.check(run.mask).map_err(|e| format!("run {r}: {e}"))?;
+            }
+            held_bits += run.len as usize * self.rows.set_len(run.mask);
         }
         for (r, run) in self.runs.iter().enumerate() {
             if run.len > 0 && run.children != children[r] {
@@ -798,7 +884,7 @@ impl RunIndex {
         for (slot, s) in self.slots.iter() {
             for (ext, id) in s.blocks.iter() {
                 let r = self.run_of[id as usize];
-                if r == NONE || self.runs[r as usize].mask & (1 << slot) == 0 {
+                if r == NONE || !self.rows.set_has(self.runs[r as usize].mask, slot) {
                     return Err(format!(
                         "worker {} maps {ext:#x} to block {id}, which it does not hold",
                         s.key

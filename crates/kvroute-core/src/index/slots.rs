@@ -28,28 +28,16 @@ pub(super) struct Slots {
 
 impl Slots {
     /// Gives `worker` a slot (the lowest free one) whose map is sized for `per_worker` blocks,
-    /// and returns it; `Ok(None)` if `worker` is already tracked. Refused when every one of
-    /// `limit` slots is taken.
-    pub(super) fn add(
-        &mut self,
-        worker: WorkerKey,
-        per_worker: usize,
-        limit: Option<usize>,
-    ) -> Result<Option<usize>, IndexError> {
+    /// and returns it; `None` if `worker` is already tracked.
+    pub(super) fn add(&mut self, worker: WorkerKey, per_worker: usize) -> Option<usize> {
         if self.slot_of.contains_key(&worker) {
-            return Ok(None);
+            return None;
         }
         let slot = match self.slots.iter().position(Option::is_none) {
             Some(free) => free,
-            None if limit.is_none_or(|limit| self.slots.len() < limit) => {
+            None => {
                 self.slots.push(None);
                 self.slots.len() - 1
-            }
-            None => {
-                return Err(IndexError::TooManyWorkers {
-                    worker,
-                    limit: limit.unwrap_or(usize::MAX),
-                });
             }
         };
         let mut blocks = ExtMap::default();
@@ -60,7 +48,7 @@ impl Slots {
             order: VecDeque::new(),
         });
         self.slot_of.insert(worker, slot as u32);
-        Ok(Some(slot))
+        Some(slot)
     }
 
     /// Frees `worker`'s slot, if it has one.

@@ -180,14 +180,10 @@ struct Run {
     entries: u64,
 }
 
-fn run_once<I: IndexLayout>(
-    stream: &OpStream,
-    prepared: &[Prepared],
-    blocks_per_worker: usize,
-) -> anyhow::Result<Run> {
+fn run_once<I: IndexLayout>(stream: &OpStream, prepared: &[Prepared], blocks_per_worker: usize) -> Run {
     let mut index: I = empty(blocks_per_worker);
     for w in 0..stream.header.workers {
-        index.add_worker(worker(w))?;
+        index.add_worker(worker(w));
     }
     let mut run = Run::default();
     let mut scores = OverlapScores::default();
@@ -242,7 +238,7 @@ fn run_once<I: IndexLayout>(
     let footprint = index.footprint();
     run.bytes_per_entry = footprint.bytes_per_entry();
     run.entries = footprint.entries;
-    Ok(run)
+    run
 }
 
 /// Applies `stream` `reps` times (each on a fresh index) and reports the median run.
@@ -260,7 +256,7 @@ pub fn run(
     };
     let mut runs: Vec<Run> = (0..reps.max(1))
         .map(|_| once(stream, &prepared, blocks_per_worker))
-        .collect::<anyhow::Result<_>>()?;
+        .collect();
     runs.sort_by_key(|r| r.total_ns);
     let mid = runs.len() / 2;
     let mut r = runs.swap_remove(mid);
