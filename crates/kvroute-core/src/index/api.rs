@@ -6,6 +6,17 @@
 
 macro_rules! shared_index_api {
     () => {
+        /// Each worker's matched depth for the query `locals`: how many blocks from block 0 of
+        /// the query's prefix it holds. Workers with depth 0 are left out.
+        ///
+        /// With `early_exit`, the walk stops once a single worker remains; that worker's depth is
+        /// then a lower bound (it matches at least that deep).
+        pub fn find_matches(&self, locals: &[LocalBlockHash], early_exit: bool) -> OverlapScores {
+            let mut out = OverlapScores::default();
+            self.find_matches_into(locals, early_exit, &mut out);
+            out
+        }
+
         /// The workers tracked, in slot order.
         pub fn workers(&self) -> impl Iterator<Item = WorkerKey> + '_ {
             self.slots.iter().map(|(_, s)| s.key)

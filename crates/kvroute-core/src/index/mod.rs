@@ -14,6 +14,13 @@
 //!   stop at the hole, but the blocks after it stay held. Storing the missing block again (under
 //!   its parent) makes the whole chain reachable again.
 //!
+//! # Layouts
+//!
+//! Two layouts give the same answers (`tests/index_model.rs` checks both against one reference):
+//! [`RunIndex`] (`runs`), the router's index, keeps a record a run of blocks with one holder set;
+//! [`PrefixIndex`], described below, a node a block. They share the worker table, the holder
+//! sets, the counters, the cap and the slower tiers (`api`, `slots`, `wide`, `tier`).
+//!
 //! # Shape
 //!
 //! One tree of prefixes is shared by all workers. A node stands for one prefix of local hashes:
