@@ -24,10 +24,10 @@ pub const RUNS_IMPL_NAME: &str = "kvroute-run-index";
 /// Which index layout the benchmark drives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Layout {
-    /// [`PrefixIndex`]: a node a block (the router's index).
+    /// [`PrefixIndex`]: a node a block.
     #[default]
     Nodes,
-    /// [`RunIndex`]: a record a run of blocks with one holder set, local hashes packed.
+    /// [`RunIndex`] (the router's index): a record a run of blocks with one holder set.
     Runs,
 }
 
