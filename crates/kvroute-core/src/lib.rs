@@ -13,14 +13,14 @@
 //! ```
 //! use kvroute_core::hash::{BlockHasher, HashSalt};
 //! use kvroute_core::ids::{WorkerId, DpRank, WorkerKey};
-//! use kvroute_core::index::{IndexConfig, PrefixIndex, StoredBlock};
+//! use kvroute_core::index::{IndexConfig, RunIndex, StoredBlock};
 //!
 //! let hasher = BlockHasher::new(4, &HashSalt::NONE);
 //! let tokens: Vec<u32> = (0..10).collect();
 //! let locals = hasher.local_hashes(&tokens); // two full blocks; the last two tokens are not hashed
 //! let seqs = hasher.sequence_hashes(&locals);
 //!
-//! let mut index = PrefixIndex::new(IndexConfig::default());
+//! let mut index = RunIndex::new(IndexConfig::default());
 //! let w = WorkerKey::new(WorkerId(7), DpRank(0));
 //! index.add_worker(w);
 //! let blocks: Vec<StoredBlock> = locals

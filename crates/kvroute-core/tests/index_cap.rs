@@ -1,4 +1,5 @@
-//! The per-worker cap of [`PrefixIndex`] (`IndexConfig::max_blocks_per_worker`) against a small
+//! The per-worker cap of both index layouts, [`PrefixIndex`] and [`RunIndex`]
+//! (`IndexConfig::max_blocks_per_worker`), against a small
 //! reference: per worker, the set of blocks held and the queue of blocks in first-store order
 //! (compacted by the same rule as the index). A store past the cap evicts from the front of
 //! the queue; engines' removals and clears apply as usual; re-announcing a held chain (as vLLM
@@ -8,7 +9,9 @@ use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::num::NonZeroUsize;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, IndexEvent, PrefixIndex, StoredBlock};
+use kvroute_core::index::{
+    IndexConfig, IndexEvent, IndexLayout, OverlapScores, PrefixIndex, RunIndex, StoredBlock,
+};
 use proptest::prelude::*;
 
 const WORKERS: u64 = 3;
@@ -83,8 +86,8 @@ impl Reference {
 /// One stored chain: the worker, its parent, its blocks.
 type Chain = (u64, Option<u64>, Vec<StoredBlock>);
 
-fn run(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut index = PrefixIndex::new(IndexConfig {
+fn run<L: IndexLayout>(cap: usize, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut index = L::with_config(IndexConfig {
         max_blocks_per_worker: NonZeroUsize::new(cap),
         ..IndexConfig::default()
     });
@@ -192,12 +195,18 @@ proptest! {
         cap in 1usize..12,
         ops in proptest::collection::vec(op(), 1..120),
     ) {
-        run(cap, &ops)?;
+        run::<PrefixIndex>(cap, &ops)?;
+        run::<RunIndex>(cap, &ops)?;
     }
 }
 
 #[test]
 fn without_a_cap_nothing_is_evicted_and_with_one_the_oldest_chain_goes_first() {
+    oldest_chain_first::<PrefixIndex>();
+    oldest_chain_first::<RunIndex>();
+}
+
+fn oldest_chain_first<L: IndexLayout>() {
     let stores: Vec<Vec<StoredBlock>> = (0..3u64)
         .map(|c| {
             (0..4u64)
@@ -209,7 +218,7 @@ fn without_a_cap_nothing_is_evicted_and_with_one_the_oldest_chain_goes_first() {
         })
         .collect();
     for (cap, held) in [(None, 12), (NonZeroUsize::new(8), 8)] {
-        let mut index = PrefixIndex::new(IndexConfig {
+        let mut index = L::with_config(IndexConfig {
             max_blocks_per_worker: cap,
             ..IndexConfig::default()
         });
@@ -217,7 +226,7 @@ fn without_a_cap_nothing_is_evicted_and_with_one_the_oldest_chain_goes_first() {
         for blocks in &stores {
             index
                 .apply_event(key(0), IndexEvent::Stored { parent: None, blocks })
-                .unwrap();
+                .expect("the test's own input");
         }
         assert_eq!(index.block_count(key(0)), held);
         assert_eq!(index.stats().blocks_evicted, 12 - held as u64);
@@ -225,11 +234,10 @@ fn without_a_cap_nothing_is_evicted_and_with_one_the_oldest_chain_goes_first() {
             // The first chain (stored first) went; the last two are whole.
             assert!((1..=4).all(|e| !index.holds(key(0), ExternalBlockHash(e))));
             let locals: Vec<LocalBlockHash> = (201..=204).map(LocalBlockHash).collect();
-            assert_eq!(
-                index.find_matches(&locals, false).iter().collect::<Vec<_>>(),
-                vec![(key(0), 4)]
-            );
+            let mut scores = OverlapScores::default();
+            index.find_matches_into(&locals, false, &mut scores);
+            assert_eq!(scores.iter().collect::<Vec<_>>(), vec![(key(0), 4)]);
         }
-        index.check_invariants().unwrap();
+        index.check_invariants().expect("invariants hold");
     }
 }

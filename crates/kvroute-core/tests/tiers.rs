@@ -8,7 +8,9 @@ use kvroute_core::hash::sequence_hashes_into;
 use kvroute_core::ids::{
     DpRank, ExternalBlockHash, LocalBlockHash, RequestId, SequenceHash, WorkerId, WorkerKey,
 };
-use kvroute_core::index::{IndexConfig, IndexError, PrefixIndex, StoredBlock, Tier};
+use kvroute_core::index::{
+    IndexConfig, IndexError, IndexLayout, OverlapScores, PrefixIndex, RunIndex, StoredBlock, Tier,
+};
 use kvroute_core::router::{
     IndexEvent, PolicyConfig, Prompt, RequestView, RouteOutcome, RouteRequest, Router, RouterConfig,
     WorkerRole, WorkerSpec, cost,
@@ -97,14 +99,26 @@ const CASES: &[(u64, std::ops::Range<u64>, u32, u32)] = &[
     (2, 0..2, 2, 0), // the CPU holds only what the GPU does
 ];
 
+/// Each worker's GPU depths for `locals`.
+fn find<L: IndexLayout>(index: &L, locals: &[LocalBlockHash]) -> OverlapScores {
+    let mut scores = OverlapScores::default();
+    index.find_matches_into(locals, false, &mut scores);
+    scores
+}
+
 #[test]
 fn the_index_gives_each_worker_its_gpu_depth_and_the_cpu_run_past_it() {
+    gpu_depth_and_cpu_run::<PrefixIndex>();
+    gpu_depth_and_cpu_run::<RunIndex>();
+}
+
+fn gpu_depth_and_cpu_run<L: IndexLayout>() {
     for (i, (gpu, cpu, want_gpu, want_cpu)) in CASES.iter().cloned().enumerate() {
-        let mut index = PrefixIndex::new(IndexConfig::default());
+        let mut index = L::with_config(IndexConfig::default());
         index.add_worker(key(1));
         feed(&mut |w, e| index.apply_event(w, e), 1, Holding { gpu, cpu });
-        index.check_invariants().unwrap();
-        let scores = index.find_matches(&locals(8), false);
+        index.check_invariants().expect("invariants hold");
+        let scores = find(&index, &locals(8));
         assert_eq!(scores.depth(key(1)), want_gpu, "case {i}");
         let mut runs = Vec::new();
         index.tier_runs_into(Tier::Cpu, &chain(8), |w| scores.depth(w), &mut runs);
@@ -115,7 +129,12 @@ fn the_index_gives_each_worker_its_gpu_depth_and_the_cpu_run_past_it() {
 
 #[test]
 fn a_tier_store_of_a_block_the_gpu_never_held_is_refused_by_name_and_a_clear_empties_every_tier() {
-    let mut index = PrefixIndex::new(IndexConfig::default());
+    refused_by_name_and_cleared::<PrefixIndex>();
+    refused_by_name_and_cleared::<RunIndex>();
+}
+
+fn refused_by_name_and_cleared<L: IndexLayout>() {
+    let mut index = L::with_config(IndexConfig::default());
     index.add_worker(key(1));
     feed(
         &mut |w, e| index.apply_event(w, e),
@@ -131,17 +150,19 @@ fn a_tier_store_of_a_block_the_gpu_never_held_is_refused_by_name_and_a_clear_emp
                 blocks: &[ExternalBlockHash(10_000), unknown],
             },
         )
-        .unwrap_err();
+        .expect_err("refused");
     assert!(matches!(
         err,
         IndexError::UnplacedTierBlock { external, unplaced: 1, .. } if external == unknown
     ));
     assert_eq!(index.tier_block_count(key(1), Tier::Cpu), 4);
     assert_eq!(index.stats().tier_unplaced, 1);
-    index.apply_event(key(1), IndexEvent::Cleared).unwrap();
+    index
+        .apply_event(key(1), IndexEvent::Cleared)
+        .expect("the test's own input");
     assert_eq!(index.tier_block_count(key(1), Tier::Cpu), 0);
     assert!(!index.has_tier_blocks());
-    index.check_invariants().unwrap();
+    index.check_invariants().expect("invariants hold");
 }
 
 fn router(policy: &str) -> Router {
@@ -291,54 +312,91 @@ proptest! {
     /// CPU blocks (a CPU store counts only for blocks then on the GPU).
     #[test]
     fn tier_runs_agree_with_a_reference(ops in prop::collection::vec(op(), 1..40)) {
-        let mut index = PrefixIndex::new(IndexConfig::default());
-        let mut gpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
-        let mut cpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
-        for w in 0..3 {
-            index.add_worker(key(w));
+        tier_runs_against_the_reference::<PrefixIndex>(&ops)?;
+        tier_runs_against_the_reference::<RunIndex>(&ops)?;
+    }
+}
+
+fn tier_runs_against_the_reference<L: IndexLayout>(ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut index = L::with_config(IndexConfig::default());
+    let mut gpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+    let mut cpu: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+    for w in 0..3 {
+        index.add_worker(key(w));
+    }
+    for op in ops {
+        match *op {
+            Op::Gpu(w, n) => {
+                let mut held = gpu.entry(w).or_default().clone();
+                // A store continues from the root over blocks it may already hold.
+                let _ = index.apply_event(
+                    key(w),
+                    IndexEvent::Stored {
+                        parent: None,
+                        blocks: &blocks(w, n),
+                    },
+                );
+                held.extend(0..n);
+                gpu.insert(w, held);
+            }
+            Op::GpuRemove(w, i) => {
+                index
+                    .apply_event(
+                        key(w),
+                        IndexEvent::Removed {
+                            blocks: &ext(w, i..i + 1),
+                        },
+                    )
+                    .expect("the test's own input");
+                gpu.entry(w).or_default().remove(&i);
+            }
+            Op::Cpu(w, a, b) => {
+                let _ = index.apply_event(
+                    key(w),
+                    IndexEvent::TierStored {
+                        tier: Tier::Cpu,
+                        blocks: &ext(w, a..b),
+                    },
+                );
+                let on_gpu = gpu.entry(w).or_default().clone();
+                cpu.entry(w)
+                    .or_default()
+                    .extend((a..b).filter(|i| on_gpu.contains(i)));
+            }
+            Op::CpuRemove(w, i) => {
+                index
+                    .apply_event(
+                        key(w),
+                        IndexEvent::TierRemoved {
+                            tier: Tier::Cpu,
+                            blocks: &ext(w, i..i + 1),
+                        },
+                    )
+                    .expect("the test's own input");
+                cpu.entry(w).or_default().remove(&i);
+            }
+            Op::Clear(w) => {
+                index
+                    .apply_event(key(w), IndexEvent::Cleared)
+                    .expect("the test's own input");
+                gpu.remove(&w);
+                cpu.remove(&w);
+            }
         }
-        for op in &ops {
-            match *op {
-                Op::Gpu(w, n) => {
-                    let mut held = gpu.entry(w).or_default().clone();
-                    // A store continues from the root over blocks it may already hold.
-                    let _ = index.apply_event(key(w), IndexEvent::Stored { parent: None, blocks: &blocks(w, n) });
-                    held.extend(0..n);
-                    gpu.insert(w, held);
-                }
-                Op::GpuRemove(w, i) => {
-                    index.apply_event(key(w), IndexEvent::Removed { blocks: &ext(w, i..i + 1) }).unwrap();
-                    gpu.entry(w).or_default().remove(&i);
-                }
-                Op::Cpu(w, a, b) => {
-                    let _ = index.apply_event(key(w), IndexEvent::TierStored { tier: Tier::Cpu, blocks: &ext(w, a..b) });
-                    let on_gpu = gpu.entry(w).or_default().clone();
-                    cpu.entry(w).or_default().extend((a..b).filter(|i| on_gpu.contains(i)));
-                }
-                Op::CpuRemove(w, i) => {
-                    index.apply_event(key(w), IndexEvent::TierRemoved { tier: Tier::Cpu, blocks: &ext(w, i..i + 1) }).unwrap();
-                    cpu.entry(w).or_default().remove(&i);
-                }
-                Op::Clear(w) => {
-                    index.apply_event(key(w), IndexEvent::Cleared).unwrap();
-                    gpu.remove(&w);
-                    cpu.remove(&w);
-                }
-            }
-            index.check_invariants().map_err(TestCaseError::fail)?;
-            let scores = index.find_matches(&locals(6), false);
-            let mut runs = Vec::new();
-            index.tier_runs_into(Tier::Cpu, &chain(6), |w| scores.depth(w), &mut runs);
-            for w in 0..3 {
-                let g = gpu.get(&w).cloned().unwrap_or_default();
-                let c = cpu.get(&w).cloned().unwrap_or_default();
-                let depth = (0..6).take_while(|i| g.contains(i)).count() as u64;
-                let run = (depth..6).take_while(|i| c.contains(i)).count() as u32;
-                prop_assert_eq!(scores.depth(key(w)), depth as u32);
-                let got = runs.iter().find(|(k, _)| *k == key(w)).map_or(0, |&(_, r)| r);
-                prop_assert_eq!(got, run, "worker {} after {:?}", w, op);
-                prop_assert_eq!(index.tier_block_count(key(w), Tier::Cpu), c.len());
-            }
+        index.check_invariants().map_err(TestCaseError::fail)?;
+        let scores = find(&index, &locals(6));
+        let mut runs = Vec::new();
+        index.tier_runs_into(Tier::Cpu, &chain(6), |w| scores.depth(w), &mut runs);
+        for w in 0..3 {
+            let g = gpu.get(&w).cloned().unwrap_or_default();
+            let c = cpu.get(&w).cloned().unwrap_or_default();
+            let depth = (0..6).take_while(|i| g.contains(i)).count() as u64;
+            let run = (depth..6).take_while(|i| c.contains(i)).count() as u32;
+            prop_assert_eq!(scores.depth(key(w)), depth as u32);
+            let got = runs.iter().find(|(k, _)| *k == key(w)).map_or(0, |&(_, r)| r);
+            prop_assert_eq!(got, run, "worker {} after {:?}", w, op);
+            prop_assert_eq!(index.tier_block_count(key(w), Tier::Cpu), c.len());
         }
     }
+    Ok(())
 }

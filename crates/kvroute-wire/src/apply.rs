@@ -5,7 +5,7 @@
 //! the worker's cache namespace as salt), so that a prompt's blocks, hashed the same way, find
 //! them; the engine's hashes become the blocks' external ids, which later removals name. The
 //! conversion produces the owned [`KvEvent`] of `kvroute_core::events`, the simulated engine's event
-//! type, which lends itself to [`PrefixIndex::apply_event`], the one place events change an
+//! type, which lends itself to [`IndexLayout::apply_event`], the one place events change an
 //! index: wire events and simulated ones reach the index by the same path.
 //!
 //! What is not applied is said, never dropped silently ([`SkipReason`]):
@@ -37,7 +37,7 @@ use std::num::NonZeroU32;
 use kvroute_core::events::{BlocksRemoved, BlocksStored, KvEvent, TierBlocks};
 use kvroute_core::hash::{BlockHasher, HashSalt, PromptHasher};
 use kvroute_core::ids::WorkerKey;
-use kvroute_core::index::{IndexError, PrefixIndex, StoredBlock, Tier};
+use kvroute_core::index::{IndexError, IndexLayout, StoredBlock, Tier};
 
 use crate::event::{BlockStored, MEDIUM_GPU, WireEvent};
 
@@ -208,12 +208,12 @@ impl WireEvent {
         }
     }
 
-    /// Applies this event to `index` as `worker`'s: [`WireEvent::to_kv_event`], then
-    /// [`PrefixIndex::apply_event`]. An error is the index's refusal (an unknown worker or parent, a
+    /// Applies this event to `index` (either layout) as `worker`'s: [`WireEvent::to_kv_event`],
+    /// then [`IndexLayout::apply_event`]. An error is the index's refusal (an unknown worker or parent, a
     /// conflicting block); a store applies its blocks up to the bad one.
     pub fn apply_to(
         &self,
-        index: &mut PrefixIndex,
+        index: &mut impl IndexLayout,
         worker: WorkerKey,
         config: &ApplyConfig<'_>,
     ) -> Result<ApplyReport, IndexError> {

@@ -14,6 +14,13 @@
 //!   stop at the hole, but the blocks after it stay held. Storing the missing block again (under
 //!   its parent) makes the whole chain reachable again.
 //!
+//! # Layouts
+//!
+//! Two layouts give the same answers (`tests/index_model.rs` checks both against one reference):
+//! [`RunIndex`] (`runs`), the router's index, keeps a record a run of blocks with one holder set;
+//! [`PrefixIndex`], described below, a node a block. They share the worker table, the holder
+//! sets, the counters, the cap and the slower tiers (`api`, `slots`, `wide`, `tier`).
+//!
 //! # Shape
 //!
 //! One tree of prefixes is shared by all workers. A node stands for one prefix of local hashes:
@@ -53,6 +60,8 @@
 //! The order is one queue of external hashes per worker, compacted when it holds twice as many
 //! entries as the worker holds blocks.
 
+#[macro_use]
+mod api;
 mod event;
 mod ext_map;
 mod free_runs;
@@ -68,9 +77,8 @@ use std::num::NonZeroUsize;
 
 use hashbrown::HashTable;
 
-use crate::hash::next_sequence_hash;
 use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
-use crate::key_hasher::{BuildKeyHasher, mix};
+use crate::key_hasher::mix;
 use free_runs::{FreeRuns, Source};
 use slots::{Slots, WorkerSlot};
 use tier::Tiers;
@@ -79,7 +87,7 @@ use wide::Rows;
 pub use event::{IndexEvent, Tier, stored_blocks};
 pub use ext_map::ExtMap;
 pub use layout::IndexLayout;
-pub use runs::{RUN_INDEX_MAX_WORKERS, RunIndex};
+pub use runs::RunIndex;
 pub use scores::OverlapScores;
 
 /// A node id in the arena.
@@ -221,14 +229,6 @@ pub enum IndexError {
         /// How many of the store's blocks were left out; the others were applied.
         unplaced: usize,
     },
-    /// A [`RunIndex`] was asked to track more workers than its one mask word holds.
-    #[error("worker {worker} refused: the index tracks at most {limit} workers")]
-    TooManyWorkers {
-        /// The worker.
-        worker: WorkerKey,
-        /// The most workers the index tracks.
-        limit: usize,
-    },
 }
 
 /// Counters of what the index has been asked to do. They only grow.
@@ -360,9 +360,9 @@ impl PrefixIndex {
 
     /// Starts tracking `worker`'s cache, empty. Adding a worker that is already tracked does nothing.
     pub fn add_worker(&mut self, worker: WorkerKey) {
-        // Without a limit a slot is always found.
-        if let Ok(Some(slot)) = self.slots.add(worker, self.per_worker, None) {
-            self.ensure_mask_words(slot);
+        if let Some(slot) = self.slots.add(worker, self.per_worker) {
+            let sets = self.nodes.iter_mut().map(|n| &mut n.mask0);
+            self.rows.ensure_slot(slot, sets);
         }
     }
 
@@ -373,54 +373,11 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// The workers tracked, in slot order.
-    pub fn workers(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.slots.iter().map(|(_, s)| s.key)
-    }
-
-    /// Whether `worker` holds the block the engine calls `external`.
-    pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slots.holds(worker, external)
-    }
-
-    /// The external hashes of every block `worker` holds, in no particular order.
-    pub fn held_blocks(&self, worker: WorkerKey) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        self.slots
-            .get(worker)
-            .into_iter()
-            .flat_map(|s| s.blocks.iter().map(|(e, _)| ExternalBlockHash(e)))
-    }
-
-    /// How many blocks `worker` holds.
-    pub fn block_count(&self, worker: WorkerKey) -> usize {
-        self.slots.block_count(worker)
-    }
-
-    /// How many of `worker`'s blocks no other worker holds: the cached prefix the fleet loses
-    /// with it. Walks the worker's blocks (for scale-down choices, not the routing path).
-    pub fn sole_blocks(&self, worker: WorkerKey) -> usize {
-        let Some(s) = self.slots.get(worker) else {
-            return 0;
-        };
-        s.blocks
-            .iter()
-            .filter(|&(_, node)| self.holder_count(node) == 1)
-            .count()
-    }
+    shared_index_api!();
 
     /// How many workers hold `node`.
     fn holder_count(&self, node: NodeId) -> usize {
-        let set = self.nodes[node as usize].mask0;
-        if self.rows.wide() {
-            self.rows.count(set)
-        } else {
-            set.count_ones() as usize
-        }
-    }
-
-    /// The counters of what the index was asked to do.
-    pub fn stats(&self) -> IndexStats {
-        self.stats
+        self.rows.set_len(self.nodes[node as usize].mask0)
     }
 
     /// Entries, nodes and heap bytes.
@@ -510,27 +467,15 @@ impl PrefixIndex {
 
     /// Evicts `slot`'s oldest blocks until it holds at most `cap`, and compacts its order.
     fn enforce_cap(&mut self, slot: usize, cap: usize) {
-        let mut evicted = 0u64;
-        while self.slots.taken(slot).blocks.len() > cap {
-            let Some(oldest) = self.slots.taken_mut(slot).order.pop_front() else {
-                break;
-            };
-            if let Some(node) = self.slots.taken_mut(slot).blocks.remove(oldest) {
-                self.clear_bit(node, slot);
-                self.collect(node);
-                evicted += 1;
-            }
+        let mut dropped = std::mem::take(&mut self.scratch);
+        dropped.clear();
+        self.stats.blocks_evicted += self.slots.evict_over_cap(slot, cap, &mut dropped);
+        if self.rows.wide() {
+            self.release::<true>(&dropped, slot);
+        } else {
+            self.release::<false>(&dropped, slot);
         }
-        self.stats.blocks_evicted += evicted;
-        let s = self.slots.taken_mut(slot);
-        if s.order.len() > 2 * s.blocks.len() + 64 {
-            // Keep the first entry of each block still held (a block removed and stored again
-            // is listed twice; its first place in line is kept).
-            let mut seen: hashbrown::HashSet<u64, BuildKeyHasher> =
-                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher);
-            let blocks = &s.blocks;
-            s.order.retain(|&e| blocks.get(e).is_some() && seen.insert(e));
-        }
+        self.scratch = dropped;
     }
 
     /// Marks `worker` (in `slot`) as holding `blocks`, whose tree nodes are `path`. `WIDE` and
@@ -594,17 +539,6 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// Applies one event of `worker`: the one place an engine's event changes the index.
-    pub fn apply_event(&mut self, worker: WorkerKey, event: IndexEvent<'_>) -> Result<(), IndexError> {
-        match event {
-            IndexEvent::Stored { parent, blocks } => self.apply_stored(worker, parent, blocks),
-            IndexEvent::Removed { blocks } => self.apply_removed(worker, blocks).map(drop),
-            IndexEvent::Cleared => self.clear_worker(worker),
-            IndexEvent::TierStored { tier, blocks } => self.apply_tier_stored(worker, tier, blocks),
-            IndexEvent::TierRemoved { tier, blocks } => self.apply_tier_removed(worker, tier, blocks),
-        }
-    }
-
     /// `worker` copied `externals`, blocks it holds on the GPU, to `tier`: each is placed at
     /// its GPU node's prefix. Blocks it does not hold on the GPU are left out (the others
     /// applied) and reported with [`IndexError::UnplacedTierBlock`].
@@ -615,111 +549,26 @@ impl PrefixIndex {
         externals: &[ExternalBlockHash],
     ) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
-        let mut unplaced: Option<(ExternalBlockHash, usize)> = None;
-        // The previous block's node and prefix: a run of a chain extends it by one hash.
-        let mut prev: Option<(NodeId, SequenceHash)> = None;
         let mut path = std::mem::take(&mut self.scratch);
-        for &external in externals {
-            let Some(node) = self.slots.taken_mut(slot).blocks.get(external.0) else {
-                let first = unplaced.map_or(external, |(e, _)| e);
-                unplaced = Some((first, unplaced.map_or(0, |(_, n)| n) + 1));
-                prev = None;
-                continue;
-            };
-            let n = self.nodes[node as usize];
-            let seq = match prev {
-                Some((p, seq)) if p == n.parent => next_sequence_hash(Some(seq), LocalBlockHash(n.local)),
-                _ => self.prefix_of(node, &mut path),
-            };
-            prev = Some((node, seq));
-            if self.tiers.get_mut(tier).store(worker, external, seq) {
-                self.stats.tier_blocks_stored += 1;
-            }
-        }
+        let Self {
+            nodes,
+            slots,
+            stats,
+            tiers,
+            ..
+        } = self;
+        let result = tiers.store_placed(
+            stats,
+            &slots.taken(slot).blocks,
+            worker,
+            tier,
+            externals,
+            |n| Some(nodes[n as usize].parent).filter(|&p| p != ROOT && p != NONE),
+            |n| nodes[n as usize].local,
+            &mut path,
+        );
         self.scratch = path;
-        match unplaced {
-            None => Ok(()),
-            Some((external, n)) => {
-                self.stats.tier_unplaced += n as u64;
-                Err(IndexError::UnplacedTierBlock {
-                    worker,
-                    tier,
-                    external,
-                    unplaced: n,
-                })
-            }
-        }
-    }
-
-    /// `worker` dropped `externals` from `tier`; blocks it did not hold there are ignored.
-    pub fn apply_tier_removed(
-        &mut self,
-        worker: WorkerKey,
-        tier: Tier,
-        externals: &[ExternalBlockHash],
-    ) -> Result<(), IndexError> {
-        self.slot_index(worker)?;
-        let set = self.tiers.get_mut(tier);
-        let dropped = externals.iter().filter(|&&e| set.remove(worker, e)).count();
-        self.stats.tier_blocks_removed += dropped as u64;
-        Ok(())
-    }
-
-    /// The router's sequence hash of the prefix `node` stands for (a walk to the root).
-    fn prefix_of(&self, node: NodeId, path: &mut Vec<NodeId>) -> SequenceHash {
-        path.clear();
-        let mut at = node;
-        while at != ROOT && at != NONE {
-            path.push(at);
-            at = self.nodes[at as usize].parent;
-        }
-        let mut seq = None;
-        for &n in path.iter().rev() {
-            seq = Some(next_sequence_hash(
-                seq,
-                LocalBlockHash(self.nodes[n as usize].local),
-            ));
-        }
-        seq.unwrap_or(SequenceHash(0))
-    }
-
-    /// Whether any worker holds a block on a slower tier (when none does, a lookup need not
-    /// ask [`PrefixIndex::tier_runs_into`]).
-    pub fn has_tier_blocks(&self) -> bool {
-        !self.tiers.is_empty()
-    }
-
-    /// Blocks `worker` holds on `tier`.
-    pub fn tier_block_count(&self, worker: WorkerKey, tier: Tier) -> usize {
-        self.tiers.get(tier).count(worker)
-    }
-
-    /// Whether `worker` holds the block the engine calls `external` on `tier`.
-    pub fn tier_holds(&self, worker: WorkerKey, tier: Tier, external: ExternalBlockHash) -> bool {
-        self.tiers.get(tier).holds(worker, external)
-    }
-
-    /// For each worker that holds blocks on `tier`, in key order: how many blocks of `chain`
-    /// past its GPU depth (`gpu(worker)`) it holds there in a row, onto `out` where above 0.
-    /// This is the tier's hit an engine would load back instead of computing.
-    pub fn tier_runs_into(
-        &self,
-        tier: Tier,
-        chain: &[SequenceHash],
-        gpu: impl Fn(WorkerKey) -> u32,
-        out: &mut Vec<(WorkerKey, u32)>,
-    ) {
-        out.clear();
-        let set = self.tiers.get(tier);
-        if set.is_empty() {
-            return;
-        }
-        for worker in set.workers() {
-            let run = set.run(worker, chain, gpu(worker));
-            if run > 0 {
-                out.push((worker, run));
-            }
-        }
+        result
     }
 
     /// Applies removed blocks: `worker` no longer holds the blocks the engine calls `externals`.
@@ -795,20 +644,7 @@ impl PrefixIndex {
     /// every worker's map against the nodes' worker masks, and that no node is kept that nobody
     /// holds and that has no children. Returns the first violation found.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.tiers.check()?;
-        for tier in Tier::ALL {
-            if let Some(w) = self
-                .tiers
-                .get(tier)
-                .workers()
-                .into_iter()
-                .find(|&w| !self.slots.contains(w))
-            {
-                return Err(format!(
-                    "{tier:?} holds blocks of worker {w}, which is not tracked"
-                ));
-            }
-        }
+        self.check_tiers()?;
         let live = |id: NodeId| id == ROOT || self.nodes[id as usize].parent != NONE;
         let mut children = vec![0u32; self.nodes.len()];
         let mut held_bits = 0usize;
@@ -1012,33 +848,10 @@ impl PrefixIndex {
 
     // ---- worker masks ----
 
-    /// Makes room for worker `slot` in the nodes' worker sets: past 64 slots the index turns
-    /// wide (see `wide`), and a wide index's rows widen as slots are added.
-    fn ensure_mask_words(&mut self, slot: usize) {
-        let needed = slot / 64 + 1;
-        if needed <= self.rows.mask_words().max(1) {
-            return;
-        }
-        let was_wide = self.rows.wide();
-        self.rows.widen(needed.max(self.rows.mask_words() * 2));
-        if !was_wide {
-            for node in &mut self.nodes {
-                node.mask0 = self.rows.code_of_mask(node.mask0);
-            }
-        }
-    }
-
     /// Mask word `word` of `node`'s worker set.
     #[inline]
     fn mask_word(&self, node: NodeId, word: usize) -> u64 {
-        let set = self.nodes[node as usize].mask0;
-        if self.rows.wide() {
-            self.rows.word(set, word)
-        } else if word == 0 {
-            set
-        } else {
-            0
-        }
+        self.rows.set_word(self.nodes[node as usize].mask0, word)
     }
 
     /// Whether the worker in `slot` holds `node`.
@@ -1081,15 +894,6 @@ impl PrefixIndex {
 
     fn is_unheld(&self, node: NodeId) -> bool {
         self.nodes[node as usize].mask0 == 0
-    }
-
-    /// `worker`'s slot, counting an unknown worker.
-    fn slot_index(&mut self, worker: WorkerKey) -> Result<usize, IndexError> {
-        let slot = self.slots.index_of(worker);
-        if slot.is_err() {
-            self.stats.unknown_worker += 1;
-        }
-        slot
     }
 }
 

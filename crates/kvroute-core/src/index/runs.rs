@@ -1,9 +1,9 @@
-//! [`RunIndex`]: the prefix index laid out as runs, for fleets of at most 64 worker slots.
+//! [`RunIndex`]: the prefix index laid out as runs.
 //!
 //! The semantics are [`PrefixIndex`](super::PrefixIndex)'s (holding, depth, holes and heals,
 //! the same errors for the same bad stores); the layout differs. A run is a stretch of a chain
 //! whose blocks have one holder set and no branch before its last block: one record (first
-//! block, length, holder mask, parent block, children) for the whole stretch. A run's blocks
+//! block, length, holder set, parent block, children) for the whole stretch. A run's blocks
 //! have consecutive block ids, and the blocks' local hashes are one packed array indexed by
 //! block id, so a lookup along a run is a loop comparing 8-byte hashes, with one child lookup
 //! a run rather than a node read a block.
@@ -15,26 +15,33 @@
 //!   it, appends to the run.
 //! * Runs are not merged back when holder sets become equal again.
 //!
-//! Block ids come from the same coalescing free runs as the node arena's (`free_runs`).
+//! * A run's holder set is the node layout's: a bit mask while the fleet has at most 64 worker
+//!   slots, a set code past that (`wide`); a lookup reads one mask word once every worker still
+//!   matching is in it.
+//!
+//! Block ids come from the same coalescing free runs as the node arena's (`free_runs`). The
+//! worker table, the counters, the cap and the slower tiers are the node layout's (`api`,
+//! `slots`, `tier`).
+
+use std::num::NonZeroUsize;
 
 use hashbrown::HashTable;
 
 use super::free_runs::{FreeRuns, Source};
-use super::slots::Slots;
+use super::slots::{Slots, WorkerSlot};
+use super::tier::Tiers;
+use super::wide::Rows;
 use super::{
-    ExtMap, IndexError, IndexFootprint, NONE, OverlapScores, REMOVE_AHEAD, STORE_AHEAD, StoredBlock,
-    hold_block,
+    ExtMap, IndexConfig, IndexError, IndexEvent, IndexFootprint, IndexStats, NONE, OverlapScores,
+    REMOVE_AHEAD, STORE_AHEAD, StoredBlock, Tier, hold_block,
 };
-use crate::ids::{ExternalBlockHash, LocalBlockHash, WorkerKey};
+use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::mix;
 
 /// A block id: its place in the packed arrays.
 type BlockId = u32;
 /// A run id.
 type RunId = u32;
-
-/// Worker slots a [`RunIndex`] holds (one mask word).
-pub const RUN_INDEX_MAX_WORKERS: usize = 64;
 
 /// A stretch of a chain with one holder set.
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +50,8 @@ struct Run {
     start: BlockId,
     /// Blocks in the run; 0 for a free run.
     len: u32,
-    /// The workers that hold every block of the run.
+    /// The workers that hold every block of the run: a holder set of `rows` (a bit mask while
+    /// narrow, a code once wide).
     mask: u64,
     /// The block the run continues (the last block of another run), or `NONE` under the root.
     parent: BlockId,
@@ -136,23 +144,41 @@ pub struct RunIndex {
     /// New-block id stretches of a store.
     segments: Vec<(BlockId, u32)>,
     per_worker: usize,
+    stats: IndexStats,
+    /// [`IndexConfig::max_blocks_per_worker`].
+    cap: Option<NonZeroUsize>,
+    /// The slower tiers' blocks (see `tier`).
+    tiers: Tiers,
+    /// The holder sets of a fleet of more than 64 slots (see `wide`); empty before.
+    rows: Rows,
 }
 
 impl RunIndex {
-    /// An empty index whose workers' maps are sized for `blocks_per_worker` (a hint).
-    pub fn new(blocks_per_worker: usize) -> Self {
+    /// An empty index with no workers.
+    pub fn new(config: IndexConfig) -> Self {
         Self {
-            per_worker: blocks_per_worker,
+            locals: Vec::with_capacity(config.expected_blocks),
+            run_of: Vec::with_capacity(config.expected_blocks),
+            per_worker: config.expected_blocks_per_worker,
+            cap: config.max_blocks_per_worker,
             ..Self::default()
         }
     }
 
-    /// Starts tracking `worker`, empty; a worker already tracked is left alone. Refused past
-    /// [`RUN_INDEX_MAX_WORKERS`] workers.
-    pub fn add_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
-        self.slots
-            .add(worker, self.per_worker, Some(RUN_INDEX_MAX_WORKERS))
-            .map(drop)
+    shared_index_api!();
+
+    /// How many workers hold block `b`.
+    fn holder_count(&self, b: BlockId) -> usize {
+        self.rows
+            .set_len(self.runs[self.run_of[b as usize] as usize].mask)
+    }
+
+    /// Starts tracking `worker`, empty; a worker already tracked is left alone.
+    pub fn add_worker(&mut self, worker: WorkerKey) {
+        if let Some(slot) = self.slots.add(worker, self.per_worker) {
+            let sets = self.runs.iter_mut().map(|r| &mut r.mask);
+            self.rows.ensure_slot(slot, sets);
+        }
     }
 
     /// Stops tracking `worker` and forgets every block it held.
@@ -160,16 +186,6 @@ impl RunIndex {
         self.clear_worker(worker)?;
         self.slots.remove(worker);
         Ok(())
-    }
-
-    /// How many blocks `worker` holds.
-    pub fn block_count(&self, worker: WorkerKey) -> usize {
-        self.slots.block_count(worker)
-    }
-
-    /// Whether `worker` holds the block the engine calls `external`.
-    pub fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
-        self.slots.holds(worker, external)
     }
 
     /// Entries, live blocks and heap bytes (`nodes` counts live blocks).
@@ -181,6 +197,7 @@ impl RunIndex {
             + self.free_run_ids.capacity() * size_of::<RunId>()
             + self.free.allocation_size()
             + self.children.allocation_size()
+            + self.rows.allocation_size()
             + self.slots.allocation_size();
         IndexFootprint {
             entries: entries as u64,
@@ -197,7 +214,35 @@ impl RunIndex {
         blocks: &[StoredBlock],
     ) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
-        let bit = 1u64 << slot;
+        let result = self.store(worker, slot, parent, blocks);
+        match &result {
+            Err(IndexError::UnknownParent { .. }) => self.stats.unknown_parent += 1,
+            Err(IndexError::ConflictingBlock { .. }) => self.stats.conflicting_block += 1,
+            Err(IndexError::DuplicatePrefix { .. }) => self.stats.duplicate_prefix += 1,
+            _ => {}
+        }
+        // A store refused before its first block changed nothing (as the node layout's).
+        if let Some(cap) = self.cap
+            && !matches!(result, Err(IndexError::UnknownParent { .. }))
+        {
+            let mut dropped = std::mem::take(&mut self.scratch);
+            dropped.clear();
+            self.stats.blocks_evicted += self.slots.evict_over_cap(slot, cap.get(), &mut dropped);
+            self.release(&mut dropped, slot);
+            self.scratch = dropped;
+        }
+        result
+    }
+
+    /// [`RunIndex::apply_stored`] for the worker in `slot`, before the cap and the counters of
+    /// refusals.
+    fn store(
+        &mut self,
+        worker: WorkerKey,
+        slot: usize,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
         let map = self.map(slot);
         for block in blocks.iter().take(STORE_AHEAD) {
             map.prefetch(block.external.0);
@@ -223,8 +268,10 @@ impl RunIndex {
                 &blocks[i + 1..],
                 |b| b.local.0,
             );
-            let held = run.mask & bit != 0;
-            let map = &mut self.slots.taken_mut(slot).blocks;
+            let held = self.rows.set_has(run.mask, slot);
+            let WorkerSlot {
+                blocks: map, order, ..
+            } = self.slots.taken_mut(slot);
             let mut applied = n;
             let mut error = None;
             for (k, block) in blocks[i..i + n].iter().enumerate() {
@@ -238,8 +285,14 @@ impl RunIndex {
                     break;
                 }
             }
+            // The run's holder set and the worker's map agree, so the blocks applied are all
+            // new to the worker or all held already.
             if !held && applied > 0 {
-                self.change_range(r, off, applied as u32, |m| m | bit);
+                self.stats.blocks_stored += applied as u64;
+                if self.cap.is_some() {
+                    order.extend(blocks[i..i + applied].iter().map(|b| b.external.0));
+                }
+                self.change_range(r, off, applied as u32, |rows, m| rows.set_add(m, slot));
             }
             if let Some(error) = error {
                 return Err(error);
@@ -271,7 +324,6 @@ impl RunIndex {
         rest: &[StoredBlock],
         before: usize,
     ) -> Result<(), IndexError> {
-        let bit = 1u64 << slot;
         // Ids first (an append to `at`'s run where it is this worker's alone, childless and
         // the next id is free), then the map, then the runs for the blocks the map took.
         // Each id gets its block's local hash here; an id the map then refuses is freed again,
@@ -306,7 +358,10 @@ impl RunIndex {
             segments.push((start, n as u32));
             done += n;
         }
-        let map = &mut self.slots.taken_mut(slot).blocks;
+        let capped = self.cap.is_some();
+        let WorkerSlot {
+            blocks: map, order, ..
+        } = self.slots.taken_mut(slot);
         map.reserve(rest.len());
         let mut applied = 0;
         let mut error = None;
@@ -327,6 +382,10 @@ impl RunIndex {
                 applied += 1;
             }
         }
+        self.stats.blocks_stored += applied as u64;
+        if capped {
+            order.extend(rest[..applied].iter().map(|b| b.external.0));
+        }
         let mut left = applied;
         for &(start, n) in &segments {
             let used = (n as usize).min(left);
@@ -338,7 +397,7 @@ impl RunIndex {
             }
             let extend = (at != NONE).then(|| self.run_of[at as usize]).filter(|&r| {
                 let run = &self.runs[r as usize];
-                run.mask == bit && run.children == 0 && run.end() == start
+                self.rows.set_is_only(run.mask, slot) && run.children == 0 && run.end() == start
             });
             let r = match extend {
                 Some(r) => {
@@ -346,10 +405,12 @@ impl RunIndex {
                     r
                 }
                 None => {
+                    let mut mask = 0;
+                    self.rows.set_add(&mut mask, slot);
                     let r = self.new_run(Run {
                         start,
                         len: used as u32,
-                        mask: bit,
+                        mask,
                         parent: at,
                         hint: NONE,
                         children: 0,
@@ -391,19 +452,65 @@ impl RunIndex {
         let count = dropped.len();
         self.release(&mut dropped, slot);
         self.scratch = dropped;
+        self.stats.removed_not_held += (externals.len() - count) as u64;
+        self.stats.blocks_removed += count as u64;
         Ok(count)
     }
 
     /// `worker` now holds nothing.
     pub fn clear_worker(&mut self, worker: WorkerKey) -> Result<(), IndexError> {
         let slot = self.slot_index(worker)?;
+        self.tiers.clear(worker);
         let mut dropped = std::mem::take(&mut self.scratch);
         dropped.clear();
-        let map = &mut self.slots.taken_mut(slot).blocks;
-        dropped.extend(map.drain_nodes());
+        let s = self.slots.taken_mut(slot);
+        s.order.clear();
+        dropped.extend(s.blocks.drain_nodes());
         self.release(&mut dropped, slot);
         self.scratch = dropped;
+        self.stats.clears += 1;
         Ok(())
+    }
+
+    /// `worker` copied `externals`, blocks it holds on the GPU, to `tier`: each is placed at
+    /// its GPU block's prefix. Blocks it does not hold on the GPU are left out (the others
+    /// applied) and reported with [`IndexError::UnplacedTierBlock`].
+    pub fn apply_tier_stored(
+        &mut self,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+    ) -> Result<(), IndexError> {
+        let slot = self.slot_index(worker)?;
+        let mut path = std::mem::take(&mut self.scratch);
+        let Self {
+            locals,
+            run_of,
+            runs,
+            slots,
+            stats,
+            tiers,
+            ..
+        } = self;
+        let result = tiers.store_placed(
+            stats,
+            &slots.taken(slot).blocks,
+            worker,
+            tier,
+            externals,
+            |b| {
+                let run = &runs[run_of[b as usize] as usize];
+                if b > run.start {
+                    Some(b - 1)
+                } else {
+                    Some(run.parent).filter(|&p| p != NONE)
+                }
+            },
+            |b| locals[b as usize],
+            &mut path,
+        );
+        self.scratch = path;
+        result
     }
 
     /// Clears `slot`'s bit on `dropped` (block ids it held), a stretch of a run at a time: ids
@@ -412,7 +519,6 @@ impl RunIndex {
     /// holding a block still to be dropped keeps the bit, so it is not freed before its turn);
     /// an engine's removals list a chain's blocks in order, so stretches are long.
     fn release(&mut self, dropped: &mut [BlockId], slot: usize) {
-        let bit = 1u64 << slot;
         let mut k = 0;
         while k < dropped.len() {
             let b = dropped[k];
@@ -432,15 +538,15 @@ impl RunIndex {
                 }
             }
             let first = b.min(dropped[k + n - 1]);
-            let r = self.change_range(r, first - run.start, n as u32, |m| m & !bit);
+            let r = self.change_range(r, first - run.start, n as u32, |rows, m| rows.set_remove(m, slot));
             self.collect(r);
             k += n;
         }
     }
 
-    /// Gives blocks `off..off + n` of run `r` the holder mask `f(mask)`, splitting the run
+    /// Changes the holder set of blocks `off..off + n` of run `r` with `f`, splitting the run
     /// around them; returns their run.
-    fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(u64) -> u64) -> RunId {
+    fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(&mut Rows, &mut u64)) -> RunId {
         let mut r = r;
         if off > 0 {
             r = self.split(r, off);
@@ -448,8 +554,7 @@ impl RunIndex {
         if self.runs[r as usize].len > n {
             self.split(r, n);
         }
-        let run = &mut self.runs[r as usize];
-        run.mask = f(run.mask);
+        f(&mut self.rows, &mut self.runs[r as usize].mask);
         r
     }
 
@@ -457,10 +562,11 @@ impl RunIndex {
     /// from `at` on, which takes over `r`'s children.
     fn split(&mut self, r: RunId, at: u32) -> RunId {
         let run = self.runs[r as usize];
+        let mask = self.rows.set_copy(run.mask);
         let tail = self.new_run(Run {
             start: run.start + at,
             len: run.len - at,
-            mask: run.mask,
+            mask,
             parent: run.start + at - 1,
             hint: run.hint,
             children: run.children,
@@ -592,11 +698,91 @@ impl RunIndex {
         let Some(first) = query.first() else {
             return;
         };
-        let Some(mut r) = self.child(NONE, first.0) else {
+        let Some(r) = self.child(NONE, first.0) else {
             return;
         };
-        let mut active = self.runs[r as usize].mask;
+        let set = self.runs[r as usize].mask;
+        if self.rows.wide() {
+            self.walk_wide(r, query, early_exit, out);
+        } else {
+            self.walk_word(r, 1, query, 0, set, early_exit, out, |run| run.mask);
+        }
+    }
+
+    /// The walk of a wide index from run `r`, whose first block matched the query's first:
+    /// over every mask word until the workers still matching are all in one.
+    fn walk_wide(&self, mut r: RunId, query: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
+        let rows = &self.rows;
+        let words = rows.mask_words();
+        // Fleets of up to 1,024 worker slots keep the walk's worker set on the stack.
+        let mut stack = [0u64; 16];
+        let mut heap = Vec::new();
+        let active: &mut [u64] = if words <= stack.len() {
+            &mut stack[..words]
+        } else {
+            heap.resize(words, 0);
+            &mut heap
+        };
+        for (w, word) in active.iter_mut().enumerate() {
+            *word = rows.word(self.runs[r as usize].mask, w);
+        }
         let mut depth = 1usize;
+        loop {
+            let mut live = active.iter().enumerate().filter(|&(_, &w)| w != 0);
+            let Some((first, &word)) = live.next() else {
+                return;
+            };
+            if live.next().is_none() {
+                // One word of workers left (a long prompt past its shared prefix, the common
+                // case): the walk reads only that word from here on.
+                let mask = |run: &Run| rows.word(run.mask, first);
+                self.walk_word(r, depth, query, first, word, early_exit, out, mask);
+                return;
+            }
+            // Two words or more: at least two workers, so no early exit yet.
+            let run = self.runs[r as usize];
+            let tail = &self.locals[run.start as usize + 1..run.end() as usize];
+            let m = matching(tail, &query[depth..], |q| q.0);
+            depth += m;
+            if m < tail.len() || depth == query.len() {
+                break;
+            }
+            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
+                break;
+            };
+            let set = self.runs[c as usize].mask;
+            for (w, word) in active.iter_mut().enumerate() {
+                if *word == 0 {
+                    continue;
+                }
+                let kept = *word & rows.word(set, w);
+                self.emit(w, *word & !kept, depth as u32, out);
+                *word = kept;
+            }
+            depth += 1;
+            r = c;
+        }
+        for (w, &word) in active.iter().enumerate() {
+            self.emit(w, word, depth as u32, out);
+        }
+    }
+
+    /// The walk once every worker still matching is in mask word `word`: `active` are those
+    /// workers, matched `depth` blocks deep, the last of them the first block of run `r`;
+    /// `mask` reads a run's word `word`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments, reason = "the walk's state, handed over mid-walk")]
+    fn walk_word(
+        &self,
+        mut r: RunId,
+        mut depth: usize,
+        query: &[LocalBlockHash],
+        word: usize,
+        mut active: u64,
+        early_exit: bool,
+        out: &mut OverlapScores,
+        mask: impl Fn(&Run) -> u64,
+    ) {
         loop {
             if active == 0 {
                 return;
@@ -614,19 +800,20 @@ impl RunIndex {
             let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
                 break;
             };
-            let kept = active & self.runs[c as usize].mask;
-            self.emit(active & !kept, depth as u32, out);
+            let kept = active & mask(&self.runs[c as usize]);
+            self.emit(word, active & !kept, depth as u32, out);
             active = kept;
             depth += 1;
             r = c;
         }
-        self.emit(active, depth as u32, out);
+        self.emit(word, active, depth as u32, out);
     }
 
-    /// Records `depth` for every worker whose bit is set in `bits`.
-    fn emit(&self, mut bits: u64, depth: u32, out: &mut OverlapScores) {
+    /// Records `depth` for every worker whose bit is set in `bits`, mask word `word`.
+    #[inline]
+    fn emit(&self, word: usize, mut bits: u64, depth: u32, out: &mut OverlapScores) {
         while bits != 0 {
-            let slot = bits.trailing_zeros() as usize;
+            let slot = word * 64 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
             if let Some(s) = self.slots.at(slot) {
                 out.push(s.key, depth);
@@ -638,6 +825,7 @@ impl RunIndex {
     /// last blocks and are found, counts match, no run is kept that nobody holds and that has no
     /// children, and every worker's map agrees with the runs' masks.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.check_tiers()?;
         let mut children = vec![0u32; self.runs.len()];
         let mut held_bits = 0usize;
         let mut live_blocks = 0usize;
@@ -672,7 +860,10 @@ impl RunIndex {
                     "run {r} is held by nobody and has no children, but was kept"
                 ));
             }
-            held_bits += run.len as usize * run.mask.count_ones() as usize;
+            if self.rows.wide() {
+                self.rows.check(run.mask).map_err(|e| format!("run {r}: {e}"))?;
+            }
+            held_bits += run.len as usize * self.rows.set_len(run.mask);
         }
         for (r, run) in self.runs.iter().enumerate() {
             if run.len > 0 && run.children != children[r] {
@@ -693,7 +884,7 @@ impl RunIndex {
         for (slot, s) in self.slots.iter() {
             for (ext, id) in s.blocks.iter() {
                 let r = self.run_of[id as usize];
-                if r == NONE || self.runs[r as usize].mask & (1 << slot) == 0 {
+                if r == NONE || !self.rows.set_has(self.runs[r as usize].mask, slot) {
                     return Err(format!(
                         "worker {} maps {ext:#x} to block {id}, which it does not hold",
                         s.key
@@ -706,10 +897,6 @@ impl RunIndex {
             return Err(format!("{entries} map entries but {held_bits} worker bits set"));
         }
         Ok(())
-    }
-
-    fn slot_index(&self, worker: WorkerKey) -> Result<usize, IndexError> {
-        self.slots.index_of(worker)
     }
 
     fn map(&self, slot: usize) -> &ExtMap {

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
-use super::{ExtMap, IndexError};
+use super::{ExtMap, IndexError, NodeId};
 use crate::ids::{ExternalBlockHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 
@@ -28,28 +28,16 @@ pub(super) struct Slots {
 
 impl Slots {
     /// Gives `worker` a slot (the lowest free one) whose map is sized for `per_worker` blocks,
-    /// and returns it; `Ok(None)` if `worker` is already tracked. Refused when every one of
-    /// `limit` slots is taken.
-    pub(super) fn add(
-        &mut self,
-        worker: WorkerKey,
-        per_worker: usize,
-        limit: Option<usize>,
-    ) -> Result<Option<usize>, IndexError> {
+    /// and returns it; `None` if `worker` is already tracked.
+    pub(super) fn add(&mut self, worker: WorkerKey, per_worker: usize) -> Option<usize> {
         if self.slot_of.contains_key(&worker) {
-            return Ok(None);
+            return None;
         }
         let slot = match self.slots.iter().position(Option::is_none) {
             Some(free) => free,
-            None if limit.is_none_or(|limit| self.slots.len() < limit) => {
+            None => {
                 self.slots.push(None);
                 self.slots.len() - 1
-            }
-            None => {
-                return Err(IndexError::TooManyWorkers {
-                    worker,
-                    limit: limit.unwrap_or(usize::MAX),
-                });
             }
         };
         let mut blocks = ExtMap::default();
@@ -60,7 +48,7 @@ impl Slots {
             order: VecDeque::new(),
         });
         self.slot_of.insert(worker, slot as u32);
-        Ok(Some(slot))
+        Some(slot)
     }
 
     /// Frees `worker`'s slot, if it has one.
@@ -131,6 +119,32 @@ impl Slots {
     pub(super) fn holds(&self, worker: WorkerKey, external: ExternalBlockHash) -> bool {
         self.get(worker)
             .is_some_and(|s| s.blocks.get(external.0).is_some())
+    }
+
+    /// Takes the oldest blocks of the worker in `slot` (in the order they were first stored) out
+    /// of its map until it holds at most `cap`, onto `dropped` (the layout's block ids, for the
+    /// layout to release), and compacts its order; returns how many. Shared by both layouts.
+    pub(super) fn evict_over_cap(&mut self, slot: usize, cap: usize, dropped: &mut Vec<NodeId>) -> u64 {
+        let s = self.taken_mut(slot);
+        let mut evicted = 0u64;
+        while s.blocks.len() > cap {
+            let Some(oldest) = s.order.pop_front() else {
+                break;
+            };
+            if let Some(block) = s.blocks.remove(oldest) {
+                dropped.push(block);
+                evicted += 1;
+            }
+        }
+        if s.order.len() > 2 * s.blocks.len() + 64 {
+            // Keep the first entry of each block still held (a block removed and stored again
+            // is listed twice; its first place in line is kept).
+            let mut seen: hashbrown::HashSet<u64, BuildKeyHasher> =
+                hashbrown::HashSet::with_capacity_and_hasher(s.blocks.len(), BuildKeyHasher);
+            let blocks = &s.blocks;
+            s.order.retain(|&e| blocks.get(e).is_some() && seen.insert(e));
+        }
+        evicted
     }
 
     /// Map entries over every worker.

@@ -12,8 +12,9 @@
 
 use hashbrown::HashMap;
 
-use super::Tier;
-use crate::ids::{ExternalBlockHash, SequenceHash, WorkerKey};
+use super::{ExtMap, IndexError, IndexStats, NodeId, Tier};
+use crate::hash::next_sequence_hash;
+use crate::ids::{ExternalBlockHash, LocalBlockHash, SequenceHash, WorkerKey};
 use crate::key_hasher::BuildKeyHasher;
 
 /// One tier's blocks; see the module docs.
@@ -172,5 +173,87 @@ impl Tiers {
 
     pub fn check(&self) -> Result<(), String> {
         Tier::ALL.iter().try_for_each(|&t| self.get(t).check(t))
+    }
+
+    /// `worker` copied `externals`, blocks it holds on the GPU (in `map`, to the layout's block
+    /// ids), to `tier`: each is placed at its GPU block's prefix, which `parent` (the block
+    /// before, `None` under the root) and `local` (a block's local hash) of either layout give.
+    /// Blocks it does not hold on the GPU are left out (the others applied) and reported with
+    /// [`IndexError::UnplacedTierBlock`]. `path` is scratch.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the layout's tree, lent as two functions"
+    )]
+    pub fn store_placed(
+        &mut self,
+        stats: &mut IndexStats,
+        map: &ExtMap,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+        parent: impl Fn(NodeId) -> Option<NodeId>,
+        local: impl Fn(NodeId) -> u64,
+        path: &mut Vec<NodeId>,
+    ) -> Result<(), IndexError> {
+        let mut unplaced: Option<(ExternalBlockHash, usize)> = None;
+        // The previous block and its prefix: a stretch of a chain extends it by one hash.
+        let mut prev: Option<(NodeId, SequenceHash)> = None;
+        for &external in externals {
+            let Some(block) = map.get(external.0) else {
+                let first = unplaced.map_or(external, |(e, _)| e);
+                unplaced = Some((first, unplaced.map_or(0, |(_, n)| n) + 1));
+                prev = None;
+                continue;
+            };
+            let seq = match prev {
+                Some((p, seq)) if Some(p) == parent(block) => {
+                    next_sequence_hash(Some(seq), LocalBlockHash(local(block)))
+                }
+                _ => {
+                    // The router's sequence hash of the block's prefix: a walk to the root.
+                    path.clear();
+                    let mut at = Some(block);
+                    while let Some(b) = at {
+                        path.push(b);
+                        at = parent(b);
+                    }
+                    path.iter()
+                        .rev()
+                        .fold(None, |seq, &b| {
+                            Some(next_sequence_hash(seq, LocalBlockHash(local(b))))
+                        })
+                        .unwrap_or(SequenceHash(0))
+                }
+            };
+            prev = Some((block, seq));
+            if self.get_mut(tier).store(worker, external, seq) {
+                stats.tier_blocks_stored += 1;
+            }
+        }
+        match unplaced {
+            None => Ok(()),
+            Some((external, n)) => {
+                stats.tier_unplaced += n as u64;
+                Err(IndexError::UnplacedTierBlock {
+                    worker,
+                    tier,
+                    external,
+                    unplaced: n,
+                })
+            }
+        }
+    }
+
+    /// `worker` dropped `externals` from `tier`; blocks it did not hold there are ignored.
+    pub fn remove(
+        &mut self,
+        stats: &mut IndexStats,
+        worker: WorkerKey,
+        tier: Tier,
+        externals: &[ExternalBlockHash],
+    ) {
+        let set = self.get_mut(tier);
+        let dropped = externals.iter().filter(|&&e| set.remove(worker, e)).count();
+        stats.tier_blocks_removed += dropped as u64;
     }
 }

@@ -3,18 +3,7 @@
 use super::{LocalBlockHash, Node, NodeId, OverlapScores, PrefixIndex, ROOT};
 
 impl PrefixIndex {
-    /// Each worker's matched depth for the query `locals`: how many blocks from block 0 of the
-    /// query's prefix it holds. Workers with depth 0 are left out.
-    ///
-    /// With `early_exit`, the walk stops once a single worker remains; that worker's depth is
-    /// then a lower bound (it matches at least that deep).
-    pub fn find_matches(&self, locals: &[LocalBlockHash], early_exit: bool) -> OverlapScores {
-        let mut out = OverlapScores::default();
-        self.find_matches_into(locals, early_exit, &mut out);
-        out
-    }
-
-    /// [`PrefixIndex::find_matches`], writing into `out` (cleared first) to reuse its allocation.
+    /// `find_matches`, writing into `out` (cleared first) to reuse its allocation.
     pub fn find_matches_into(&self, locals: &[LocalBlockHash], early_exit: bool, out: &mut OverlapScores) {
         out.clear();
         let Some((first, rest)) = locals.split_first() else {

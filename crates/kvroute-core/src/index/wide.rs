@@ -169,20 +169,25 @@ impl Rows {
     /// [`Rows::insert`] for an inline set that has no room for `slot`.
     #[inline(never)]
     fn insert_into_new_row(&mut self, code: &mut u64, slot: usize) {
-        let row = match self.free.pop() {
-            Some(row) => row,
-            None => {
-                let row = (self.words.len() / self.stride()) as u32;
-                self.words.resize(self.words.len() + self.stride(), 0);
-                row
-            }
-        };
+        let row = self.take_row();
         let base = row as usize * self.stride();
         for s in inline_slots(*code).chain([slot]) {
             self.words[base] += 1;
             self.words[base + 1 + s / 64] |= 1 << (s % 64);
         }
         *code = ROW | u64::from(row);
+    }
+
+    /// A row in no use, all zero.
+    fn take_row(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(row) => row,
+            None => {
+                let row = (self.words.len() / self.stride()) as u32;
+                self.words.resize(self.words.len() + self.stride(), 0);
+                row
+            }
+        }
     }
 
     /// Takes `slot` out of the set `code`, if it holds it.
@@ -284,6 +289,96 @@ impl Rows {
             ));
         }
         Ok(())
+    }
+
+    // ---- a holder set of either kind: a bit mask while narrow, a code once wide ----
+
+    /// Makes room for worker `slot` in the holder sets `sets` (every node's or run's): past 64
+    /// slots the index turns wide and each set becomes its code; a wide index's rows widen as
+    /// slots are added.
+    pub(super) fn ensure_slot<'a>(&mut self, slot: usize, sets: impl Iterator<Item = &'a mut u64>) {
+        let needed = slot / 64 + 1;
+        if needed <= self.mask_words.max(1) {
+            return;
+        }
+        let was_wide = self.wide();
+        self.widen(needed.max(self.mask_words * 2));
+        if !was_wide {
+            for set in sets {
+                *set = self.code_of_mask(*set);
+            }
+        }
+    }
+
+    /// Mask word `w` of the holder set `set`.
+    #[inline]
+    pub(super) fn set_word(&self, set: u64, w: usize) -> u64 {
+        if self.wide() {
+            self.word(set, w)
+        } else if w == 0 {
+            set
+        } else {
+            0
+        }
+    }
+
+    /// Whether the holder set `set` holds `slot`.
+    #[inline]
+    pub(super) fn set_has(&self, set: u64, slot: usize) -> bool {
+        self.set_word(set, slot / 64) & (1 << (slot % 64)) != 0
+    }
+
+    /// Adds `slot` to the holder set `set`, which does not hold it.
+    #[inline]
+    pub(super) fn set_add(&mut self, set: &mut u64, slot: usize) {
+        if self.wide() {
+            self.insert(set, slot);
+        } else {
+            *set |= 1 << slot;
+        }
+    }
+
+    /// Takes `slot` out of the holder set `set`, if it holds it.
+    #[inline]
+    pub(super) fn set_remove(&mut self, set: &mut u64, slot: usize) {
+        if self.wide() {
+            self.remove(set, slot);
+        } else {
+            *set &= !(1 << (slot % 64));
+        }
+    }
+
+    /// How many slots the holder set `set` holds.
+    #[inline]
+    pub(super) fn set_len(&self, set: u64) -> usize {
+        if self.wide() {
+            self.count(set)
+        } else {
+            set.count_ones() as usize
+        }
+    }
+
+    /// Whether `slot` alone holds the holder set `set`.
+    #[inline]
+    pub(super) fn set_is_only(&self, set: u64, slot: usize) -> bool {
+        if self.wide() {
+            self.count(set) == 1 && self.contains(set, slot)
+        } else {
+            set == 1 << slot
+        }
+    }
+
+    /// A second holder set equal to `set`, for a second owner (a run split in two): a row is
+    /// copied, since a row has one owner.
+    pub(super) fn set_copy(&mut self, set: u64) -> u64 {
+        if !self.wide() || set & ROW == 0 {
+            return set;
+        }
+        let row = self.take_row();
+        let from = self.row_base(set);
+        let stride = self.stride();
+        self.words.copy_within(from..from + stride, row as usize * stride);
+        ROW | u64::from(row)
     }
 
     /// Rows in use.

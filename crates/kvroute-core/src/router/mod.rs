@@ -34,7 +34,7 @@
 //! # Routing a request
 //!
 //! 1. Hash the prompt (once) into local and sequence hashes at the router's block size.
-//! 2. Overlap per worker: the KV-event [`PrefixIndex`], and/or the router's record of its own
+//! 2. Overlap per worker: the KV-event [`RunIndex`], and/or the router's record of its own
 //!    recent decisions ([`CacheMode`]); the larger of the two.
 //! 3. Candidates: workers that decode (aggregated and decode workers), not draining, not busy
 //!    ([`BusyThresholds`]). None eligible: rejected, or queued with [`WhenEmpty::Queue`]. All
@@ -122,7 +122,7 @@ use sync::{Mark, Tombstones};
 
 use crate::hash::{HashSalt, PromptHasher, sequence_hashes_shared};
 use crate::ids::{LocalBlockHash, RequestId, SequenceHash, WorkerKey};
-use crate::index::{IndexConfig, IndexError, OverlapScores, PrefixIndex, Tier};
+use crate::index::{IndexConfig, IndexError, OverlapScores, RunIndex, Tier};
 use crate::time::Timestamp;
 
 /// An input the router refuses. Nothing changed.
@@ -205,7 +205,7 @@ pub struct Router {
     rng: Rng,
     policy: Box<dyn Policy>,
     prefill_policy: Box<dyn Policy>,
-    index: PrefixIndex,
+    index: RunIndex,
     recent: Option<RecentChains>,
     fleet: Fleet,
     adapters: Adapters,
@@ -248,7 +248,7 @@ impl Router {
             rng: Rng::new(config.seed),
             policy,
             prefill_policy,
-            index: PrefixIndex::new(IndexConfig {
+            index: RunIndex::new(IndexConfig {
                 max_blocks_per_worker: config.max_blocks_per_worker,
                 ..IndexConfig::default()
             }),
@@ -762,7 +762,7 @@ impl Router {
     }
 
     /// The KV index (read-only).
-    pub fn index(&self) -> &PrefixIndex {
+    pub fn index(&self) -> &RunIndex {
         &self.index
     }
 

@@ -24,31 +24,19 @@ pub const RUNS_IMPL_NAME: &str = "kvroute-run-index";
 /// Which index layout the benchmark drives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Layout {
-    /// [`PrefixIndex`]: a node a block (the router's index).
+    /// [`PrefixIndex`]: a node a block.
     #[default]
     Nodes,
-    /// [`RunIndex`]: a record a run of blocks with one holder set, local hashes packed.
+    /// [`RunIndex`] (the router's index): a record a run of blocks with one holder set.
     Runs,
 }
 
-/// A layout the benchmark can build empty, sized for `blocks_per_worker` blocks a worker.
-trait Empty: IndexLayout + Sized {
-    fn empty(blocks_per_worker: usize) -> Self;
-}
-
-impl Empty for PrefixIndex {
-    fn empty(blocks_per_worker: usize) -> Self {
-        PrefixIndex::new(IndexConfig {
-            expected_blocks_per_worker: blocks_per_worker,
-            ..IndexConfig::default()
-        })
-    }
-}
-
-impl Empty for RunIndex {
-    fn empty(blocks_per_worker: usize) -> Self {
-        RunIndex::new(blocks_per_worker)
-    }
+/// A layout built empty, sized for `blocks_per_worker` blocks a worker.
+fn empty<I: IndexLayout>(blocks_per_worker: usize) -> I {
+    I::with_config(IndexConfig {
+        expected_blocks_per_worker: blocks_per_worker,
+        ..IndexConfig::default()
+    })
 }
 
 // The timed operations, out of line so that a profiler counts either layout's by the same four
@@ -192,14 +180,10 @@ struct Run {
     entries: u64,
 }
 
-fn run_once<I: Empty>(
-    stream: &OpStream,
-    prepared: &[Prepared],
-    blocks_per_worker: usize,
-) -> anyhow::Result<Run> {
-    let mut index = I::empty(blocks_per_worker);
+fn run_once<I: IndexLayout>(stream: &OpStream, prepared: &[Prepared], blocks_per_worker: usize) -> Run {
+    let mut index: I = empty(blocks_per_worker);
     for w in 0..stream.header.workers {
-        index.add_worker(worker(w))?;
+        index.add_worker(worker(w));
     }
     let mut run = Run::default();
     let mut scores = OverlapScores::default();
@@ -254,7 +238,7 @@ fn run_once<I: Empty>(
     let footprint = index.footprint();
     run.bytes_per_entry = footprint.bytes_per_entry();
     run.entries = footprint.entries;
-    Ok(run)
+    run
 }
 
 /// Applies `stream` `reps` times (each on a fresh index) and reports the median run.
@@ -272,7 +256,7 @@ pub fn run(
     };
     let mut runs: Vec<Run> = (0..reps.max(1))
         .map(|_| once(stream, &prepared, blocks_per_worker))
-        .collect::<anyhow::Result<_>>()?;
+        .collect();
     runs.sort_by_key(|r| r.total_ns);
     let mid = runs.len() / 2;
     let mut r = runs.swap_remove(mid);
