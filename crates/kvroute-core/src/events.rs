@@ -93,7 +93,7 @@ impl BlocksStored {
 
 impl KvEvent {
     /// This event as the prefix index takes it: apply it with
-    /// [`PrefixIndex::apply_event`](crate::index::PrefixIndex::apply_event), the one
+    /// [`RunIndex::apply_event`](crate::index::RunIndex::apply_event), the one
     /// place an event changes an index.
     pub fn as_index_event(&self) -> IndexEvent<'_> {
         match self {

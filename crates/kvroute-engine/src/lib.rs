@@ -71,7 +71,7 @@
 //! * [`metrics`]: forward-pass composition and per-step load.
 //!
 //! **Architecture invariant:** after every step, applying the step's events to a router's
-//! `PrefixIndex` leaves it holding exactly [`Engine::cached_blocks`] on the GPU and
+//! `RunIndex` leaves it holding exactly [`Engine::cached_blocks`] on the GPU and
 //! [`Engine::cpu_blocks`] on the CPU tier. Tests check this after
 //! every step of random workloads.
 #![forbid(unsafe_code)]

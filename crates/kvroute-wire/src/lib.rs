@@ -10,7 +10,7 @@
 //! ```
 //! use std::num::NonZeroU32;
 //! use kvroute_core::ids::{DpRank, WorkerId, WorkerKey};
-//! use kvroute_core::index::{IndexConfig, PrefixIndex};
+//! use kvroute_core::index::{IndexConfig, RunIndex};
 //! use kvroute_wire::{ApplyConfig, BlockStored, EventBatch, EventEncoding, RawBatch, SeqStatus, SeqTracker, WireEvent};
 //!
 //! // What an engine publishes (here made by hand, as a mock worker would).
@@ -34,7 +34,7 @@
 //! let frames = published.encode_live(EventEncoding::Map).unwrap();
 //!
 //! // The subscriber: frames in, sequence check, decode, index.
-//! let mut index = PrefixIndex::new(IndexConfig::default());
+//! let mut index = RunIndex::new(IndexConfig::default());
 //! let mut tracker = SeqTracker::new();
 //! let config = ApplyConfig { block_size: NonZeroU32::new(4).unwrap(), namespace: None, group_idx: 0 };
 //! let raw = RawBatch::from_live(&frames).unwrap();
@@ -57,7 +57,7 @@
 //! * [`replay`]: the replay protocol's frames, both reply layouts.
 //! * [`SeqTracker`]: what to do with each sequence number.
 //! * [`ApplyConfig`], [`WireEvent::apply_to`]: events into a
-//!   [`PrefixIndex`](kvroute_core::index::PrefixIndex), and what was skipped ([`SkipReason`]).
+//!   [`RunIndex`](kvroute_core::index::RunIndex), and what was skipped ([`SkipReason`]).
 //!
 //! # Decisions
 //!

@@ -1,4 +1,4 @@
-//! Wire events into a [`PrefixIndex`]: the router hashes the tokens itself and finds the blocks
+//! Wire events into a [`RunIndex`]: the router hashes the tokens itself and finds the blocks
 //! with a prompt hashed the same way; other tiers, groups and block sizes are skipped and said
 //! so; a simulated engine's events reach the index alike directly and through the wire.
 
@@ -12,7 +12,7 @@ use expect_test::expect;
 use kvroute_core::events::{KvEvent, TierBlocks};
 use kvroute_core::hash::{BlockHasher, HashSalt};
 use kvroute_core::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
+use kvroute_core::index::{IndexConfig, RunIndex, Tier};
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
     CpuOffload, Engine, EngineConfig, EnginePrompt, EngineRequest, KvTransfer, TimingConfig,
@@ -29,8 +29,8 @@ fn config(block_size: u32) -> ApplyConfig<'static> {
     }
 }
 
-fn index() -> PrefixIndex {
-    let mut index = PrefixIndex::new(IndexConfig::default());
+fn index() -> RunIndex {
+    let mut index = RunIndex::new(IndexConfig::default());
     index.add_worker(W);
     index
 }
@@ -40,7 +40,7 @@ fn locals(tokens: &[u32], lora_name: Option<&str>, namespace: Option<&str>) -> V
 }
 
 /// Applies each event of `batch`, printing its report and `query`'s depth after it.
-fn script(batch: &EventBatch, config: &ApplyConfig<'_>, query: &[LocalBlockHash]) -> (PrefixIndex, String) {
+fn script(batch: &EventBatch, config: &ApplyConfig<'_>, query: &[LocalBlockHash]) -> (RunIndex, String) {
     let mut index = index();
     let mut out = String::new();
     for event in &batch.events {

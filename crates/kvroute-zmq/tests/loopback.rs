@@ -126,13 +126,13 @@ async fn received_batches_build_the_index() {
     .await
     .expect("start");
     let (handle, mut rx) = subscribe(&publisher, 1024, |_| {}).await;
-    let mut index = PrefixIndex::new(IndexConfig::default());
+    let mut index = RunIndex::new(IndexConfig::default());
     let config = ApplyConfig {
         block_size: NonZeroU32::new(4).expect("non-zero"),
         namespace: None,
         group_idx: 0,
     };
-    let apply = |event: SubscriberEvent, index: &mut PrefixIndex| match event {
+    let apply = |event: SubscriberEvent, index: &mut RunIndex| match event {
         SubscriberEvent::Batch { worker, batch } => {
             let key = batch.worker_key(worker);
             index.add_worker(key);

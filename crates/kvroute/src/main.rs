@@ -120,7 +120,8 @@ struct IndexArgs {
     /// per-worker cache, in its blocks); 0: the maps grow from empty, as the peers' do.
     #[arg(long, default_value_t = 0)]
     blocks_per_worker: usize,
-    /// The index layout: `nodes` (`PrefixIndex`, a node a block) or `runs` (`RunIndex`, the router's).
+    /// The index layout: `runs` (`RunIndex`, the router's) or `nodes` (`PrefixIndex`, a node a
+    /// block).
     #[arg(long, value_enum, default_value_t)]
     layout: bench::index::Layout,
 }

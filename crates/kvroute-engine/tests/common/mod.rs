@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use kvroute_core::ids::{DpRank, ExternalBlockHash, RequestId, WorkerId, WorkerKey};
-use kvroute_core::index::{IndexConfig, PrefixIndex, Tier};
+use kvroute_core::index::{IndexConfig, RunIndex, Tier};
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{
     DecodeStretch, Engine, EngineConfig, EnginePrompt, EngineRequest, RequestError, StepOutput, TimingConfig,
@@ -50,7 +50,7 @@ pub fn request(id: u64, tokens: impl IntoIterator<Item = u32>, output_len: u32) 
 }
 
 /// The router's view of the engine's cache, as a set.
-pub fn held(index: &PrefixIndex, worker: WorkerKey) -> BTreeSet<ExternalBlockHash> {
+pub fn held(index: &RunIndex, worker: WorkerKey) -> BTreeSet<ExternalBlockHash> {
     index.held_blocks(worker).collect()
 }
 
@@ -58,7 +58,7 @@ pub fn held(index: &PrefixIndex, worker: WorkerKey) -> BTreeSet<ExternalBlockHas
 /// invariants and the router's agreement checked after every step.
 pub struct Harness {
     pub engine: Engine,
-    pub index: PrefixIndex,
+    pub index: RunIndex,
     pub worker: WorkerKey,
     /// The time of the last step or arrival.
     pub now: Timestamp,
@@ -73,7 +73,7 @@ pub struct Harness {
 impl Harness {
     pub fn new(config: EngineConfig) -> Self {
         let worker = WorkerKey::new(WorkerId(1), DpRank(0));
-        let mut index = PrefixIndex::new(IndexConfig::default());
+        let mut index = RunIndex::new(IndexConfig::default());
         index.add_worker(worker);
         Self {
             engine: Engine::new(config).expect("valid config"),

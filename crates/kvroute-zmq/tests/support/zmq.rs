@@ -15,7 +15,7 @@ pub use std::time::Duration;
 
 pub use bytes::Bytes;
 pub use kvroute_core::ids::{DpRank, ExternalBlockHash, WorkerId, WorkerKey};
-pub use kvroute_core::index::{IndexConfig, PrefixIndex};
+pub use kvroute_core::index::{IndexConfig, RunIndex};
 pub use kvroute_wire::replay::ReplayLayout;
 pub use kvroute_wire::{ApplyConfig, BlockRemoved, BlockStored, EventBatch, EventEncoding, WireEvent};
 pub use kvroute_zmq::{

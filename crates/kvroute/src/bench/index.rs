@@ -1,5 +1,5 @@
-//! `kvroute bench index`: an op-stream applied to [`PrefixIndex`] (or, with `--layout runs`,
-//! [`RunIndex`]) in order on one thread.
+//! `kvroute bench index`: an op-stream applied to the router's index, [`RunIndex`] (or, with
+//! `--layout nodes`, [`PrefixIndex`]), in order on one thread.
 //!
 //! The output line carries the fields of `shared/bench/peerbench`'s `peer-index-bench`, so the
 //! two can be read side by side, plus the index's memory per entry and the peak RSS.
@@ -25,9 +25,9 @@ pub const RUNS_IMPL_NAME: &str = "kvroute-run-index";
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Layout {
     /// [`PrefixIndex`]: a node a block.
-    #[default]
     Nodes,
     /// [`RunIndex`] (the router's index): a record a run of blocks with one holder set.
+    #[default]
     Runs,
 }
 
