@@ -779,14 +779,7 @@ impl RunIndex {
                 return;
             }
             // Two words or more: at least two workers, so no early exit yet.
-            let run = self.runs[r as usize];
-            let tail = &self.locals[run.start as usize + 1..run.end() as usize];
-            let m = matching(tail, &query[depth..], |q| q.0);
-            depth += m;
-            if m < tail.len() || depth == query.len() {
-                break;
-            }
-            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
+            let Some(c) = self.next_run(r, &mut depth, query) else {
                 break;
             };
             let set = self.runs[c as usize].mask;
@@ -804,6 +797,22 @@ impl RunIndex {
         for (w, &word) in active.iter().enumerate() {
             self.emit(w, word, depth as u32, out);
         }
+    }
+
+    /// A lookup's step from run `r`, whose first block is the query's block `depth - 1`:
+    /// through the rest of the run, then to the child run holding the next block, its id.
+    /// `None` where the walk ends (a block differs, or the query is done); `depth` counts the
+    /// blocks matched.
+    #[inline(always)]
+    fn next_run(&self, r: RunId, depth: &mut usize, query: &[LocalBlockHash]) -> Option<RunId> {
+        let run = self.runs[r as usize];
+        let tail = &self.locals[run.start as usize + 1..run.end() as usize];
+        let m = matching(tail, &query[*depth..], |q| q.0);
+        *depth += m;
+        if m < tail.len() || *depth == query.len() {
+            return None;
+        }
+        self.child_of(Some(&run), run.last(), query[*depth].0)
     }
 
     /// The walk once every worker still matching is in mask word `word`: `active` are those
@@ -829,14 +838,7 @@ impl RunIndex {
             if early_exit && active & (active - 1) == 0 {
                 break;
             }
-            let run = self.runs[r as usize];
-            let tail = &self.locals[run.start as usize + 1..run.end() as usize];
-            let m = matching(tail, &query[depth..], |q| q.0);
-            depth += m;
-            if m < tail.len() || depth == query.len() {
-                break;
-            }
-            let Some(c) = self.child_of(Some(&run), run.last(), query[depth].0) else {
+            let Some(c) = self.next_run(r, &mut depth, query) else {
                 break;
             };
             let kept = active & mask(&self.runs[c as usize]);
