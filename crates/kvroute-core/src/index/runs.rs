@@ -59,13 +59,7 @@ struct Run {
     hint: RunId,
     /// Child runs of the last block.
     children: u32,
-    /// The first block's local hash, its low 32 bits: the children table hashes by it, and a
-    /// lookup compares it before reading `locals` (a cache miss spared where they differ).
-    key: u32,
 }
-
-// Two runs a cache line: the key lives in what was padding.
-const _: () = assert!(size_of::<Run>() == 32);
 
 impl Run {
     const FREE: Run = Run {
@@ -75,7 +69,6 @@ impl Run {
         parent: NONE,
         hint: NONE,
         children: 0,
-        key: 0,
     };
 
     fn end(&self) -> BlockId {
@@ -127,14 +120,8 @@ fn reserve_doubling<T>(v: &mut Vec<T>, additional: usize) {
 }
 
 #[inline]
-fn child_hash(parent: BlockId, key: u32) -> u64 {
-    mix(u64::from(key), u64::from(parent))
-}
-
-/// A run's [`Run::key`] for a first block of local hash `local`.
-#[inline]
-fn key_of(local: u64) -> u32 {
-    local as u32
+fn child_hash(parent: BlockId, local: u64) -> u64 {
+    mix(local, u64::from(parent))
 }
 
 /// How far ahead [`RunIndex::release`] fetches the runs of the blocks it drops.
@@ -430,7 +417,6 @@ impl RunIndex {
                         parent: at,
                         hint: NONE,
                         children: 0,
-                        key: key_of(rest[applied - left].local.0),
                     });
                     self.adopt(at, r);
                     r
@@ -575,15 +561,6 @@ impl RunIndex {
         }
     }
 
-    /// Returns `ids`, blocks no run holds any more, to the free list: last block first, so the
-    /// ids coalesce into one free run in order.
-    fn free_ids(&mut self, ids: std::ops::Range<BlockId>) {
-        for id in ids.rev() {
-            self.run_of[id as usize] = NONE;
-            self.free.free(id);
-        }
-    }
-
     /// Changes the holder set of blocks `off..off + n` of run `r` with `f`, splitting the run
     /// around them; returns their run.
     fn change_range(&mut self, r: RunId, off: u32, n: u32, f: impl Fn(&mut Rows, &mut u64)) -> RunId {
@@ -610,7 +587,6 @@ impl RunIndex {
             parent: run.start + at - 1,
             hint: run.hint,
             children: run.children,
-            key: key_of(self.locals[(run.start + at) as usize]),
         });
         self.run_of[(run.start + at) as usize..run.end() as usize].fill(tail);
         let head = &mut self.runs[r as usize];
@@ -643,11 +619,11 @@ impl RunIndex {
                 return;
             }
         }
-        let key = self.runs[r as usize].key;
-        let runs = &self.runs;
-        self.children.insert_unique(child_hash(parent, key), r, |&c| {
+        let local = self.locals[self.runs[r as usize].start as usize];
+        let (runs, locals) = (&self.runs, &self.locals);
+        self.children.insert_unique(child_hash(parent, local), r, |&c| {
             let c = &runs[c as usize];
-            child_hash(c.parent, c.key)
+            child_hash(c.parent, locals[c.start as usize])
         });
     }
 
@@ -658,6 +634,7 @@ impl RunIndex {
             if run.mask != 0 || run.children != 0 {
                 return;
             }
+            let local = self.locals[run.start as usize];
             let in_table = if run.parent == NONE {
                 true
             } else {
@@ -673,11 +650,15 @@ impl RunIndex {
             if in_table
                 && let Ok(entry) = self
                     .children
-                    .find_entry(child_hash(run.parent, run.key), |&c| c == r)
+                    .find_entry(child_hash(run.parent, local), |&c| c == r)
             {
                 entry.remove();
             }
-            self.free_ids(run.start..run.end());
+            // Last block first, so the ids coalesce into one free run in order.
+            for id in (run.start..run.end()).rev() {
+                self.run_of[id as usize] = NONE;
+                self.free.free(id);
+            }
             self.runs[r as usize] = Run::FREE;
             self.free_run_ids.push(r);
             if run.parent == NONE {
@@ -712,11 +693,8 @@ impl RunIndex {
     #[inline]
     fn child_of(&self, run: Option<&Run>, parent: BlockId, local: u64) -> Option<RunId> {
         if let Some(p) = run {
-            if p.hint != NONE {
-                let h = &self.runs[p.hint as usize];
-                if h.key == key_of(local) && self.locals[h.start as usize] == local {
-                    return Some(p.hint);
-                }
+            if p.hint != NONE && self.locals[self.runs[p.hint as usize].start as usize] == local {
+                return Some(p.hint);
             }
             if p.children <= u32::from(p.hint != NONE) {
                 return None;
@@ -724,9 +702,9 @@ impl RunIndex {
         }
         let (runs, locals) = (&self.runs, &self.locals);
         self.children
-            .find(child_hash(parent, key_of(local)), |&c| {
+            .find(child_hash(parent, local), |&c| {
                 let c = &runs[c as usize];
-                c.parent == parent && c.key == key_of(local) && locals[c.start as usize] == local
+                c.parent == parent && locals[c.start as usize] == local
             })
             .copied()
     }
@@ -892,9 +870,6 @@ impl RunIndex {
                     ));
                 }
                 children[p as usize] += 1;
-            }
-            if run.key != key_of(self.locals[run.start as usize]) {
-                return Err(format!("run {r} keeps a key not its first block's"));
             }
             if self.child(run.parent, self.locals[run.start as usize]) != Some(r as RunId) {
                 return Err(format!("run {r} is not found as a child of block {}", run.parent));
