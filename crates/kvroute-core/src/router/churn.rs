@@ -45,6 +45,28 @@ impl Churn {
     pub(crate) fn pressure(&self, now: Timestamp, capacity_blocks: u64) -> f64 {
         (self.decayed(now) / capacity_blocks.max(1) as f64).min(1.0)
     }
+
+    /// The decay's rate, per nanosecond.
+    const RATE: f64 = std::f64::consts::LN_2 / Self::HALF_LIFE_NS as f64;
+
+    /// The pressure as a number that decay leaves alone: `ln(blocks / capacity_blocks)` moved
+    /// to time 0 (`-inf` before any removal). Every worker decays at the same rate, so the
+    /// lowest key of a set of workers names their lowest pressure at any later time
+    /// ([`Churn::pressure_floor`]), and a worker's key only grows ([`Churn::record`] adds blocks
+    /// and moves forward).
+    pub(crate) fn key(&self, capacity_blocks: u64) -> f64 {
+        (self.blocks / capacity_blocks.max(1) as f64).ln() + self.at.as_nanos() as f64 * Self::RATE
+    }
+
+    /// The pressure at `now` of a worker whose key is `key`, if nothing was recorded after
+    /// `latest`; a lower bound on the pressure of every worker whose key is at least `key` (up
+    /// to rounding, some 1e-12 of it).
+    pub(crate) fn pressure_floor(key: f64, latest: Timestamp, now: Timestamp) -> f64 {
+        // Up to `latest` a worker's pressure may not have decayed yet (an earlier `now` reads
+        // its last value): decay from there at the earliest.
+        let t = now.max(latest).as_nanos() as f64;
+        (key - t * Self::RATE).exp().min(1.0)
+    }
 }
 
 #[cfg(test)]
@@ -87,6 +109,36 @@ mod tests {
             }
             let p = c.pressure(at(now), capacity);
             prop_assert!(c.pressure(at(now + later), capacity) <= p);
+        }
+
+        /// The key names the pressure at every later time, and only grows: the lowest key of
+        /// several workers bounds each one's pressure from below.
+        #[test]
+        fn the_key_bounds_the_pressure_from_below_at_any_time(
+            events in prop::collection::vec((0u64..100_000_000_000, 0usize..10_000), 1..20),
+            capacity in 1u64..100_000,
+            queries in prop::collection::vec(0u64..400_000_000_000, 1..8),
+        ) {
+            let mut c = Churn::default();
+            let mut now = 0;
+            let mut key = c.key(capacity);
+            for (dt, blocks) in events {
+                now += dt;
+                c.record(at(now), blocks);
+                let next = c.key(capacity);
+                prop_assert!(next >= key - 1e-9, "key went from {key} to {next}");
+                key = next;
+            }
+            let latest = at(now);
+            for q in queries {
+                let t = at(q);
+                let p = c.pressure(t, capacity);
+                let floor = Churn::pressure_floor(key, latest, t);
+                prop_assert!(floor <= p * (1.0 + 1e-12), "floor {floor} above pressure {p} at {q}");
+                if q >= now {
+                    prop_assert!((floor - p).abs() <= p * 1e-9, "floor {floor} against {p} at {q}");
+                }
+            }
         }
     }
 }

@@ -172,15 +172,26 @@ impl CostParams {
     }
 }
 
+/// The prompt's blocks a worker caches, as the cost counts them: those on its GPU, and the
+/// part of the slower tier's blocks taken off the prefill term as if cached (`moved`, the
+/// second).
+pub(super) fn cached_blocks(params: &CostParams, overlap_blocks: u32, tier_blocks: u32) -> (f64, f64) {
+    let moved = (1.0 - params.tier_block_cost) * f64::from(tier_blocks);
+    (f64::from(overlap_blocks) + moved, moved)
+}
+
+/// The prompt's blocks a worker caching `cached` of them lacks: what eviction pressure, the
+/// fleet's load and the requests booked there make dearer on a worker that prefills, and what
+/// reaches a decode worker by transfer.
+pub(super) fn uncached_blocks(request: &RequestView<'_>, cached: f64) -> f64 {
+    (request.prompt_tokens as f64 / f64::from(request.block_size) - cached).max(0.0)
+}
+
 /// The cost of sending `request` to `candidate` under `params`; lower is better.
 pub fn cost(params: &CostParams, request: &RequestView<'_>, candidate: &Candidate) -> f64 {
     let role = candidate.spec.role;
-    // The part of the slower tier's blocks taken off the prefill term as if cached.
-    let moved = (1.0 - params.tier_block_cost) * f64::from(candidate.tier_blocks);
-    let cached = f64::from(candidate.overlap_blocks) + moved;
-    // The prompt's blocks the worker lacks: what eviction pressure and the fleet's load make
-    // dearer on a worker that prefills, and what reaches a decode worker by transfer.
-    let uncached = (request.prompt_tokens as f64 / f64::from(request.block_size) - cached).max(0.0);
+    let (cached, moved) = cached_blocks(params, candidate.overlap_blocks, candidate.tier_blocks);
+    let uncached = uncached_blocks(request, cached);
     let prefill = if role.tracks_prefill() {
         let tokens = candidate.load.prefill_tokens + request.prompt_tokens;
         let blocks = tokens as f64 / f64::from(request.block_size);

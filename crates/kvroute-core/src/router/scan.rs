@@ -26,9 +26,13 @@
 //! read of its active set) is spared when its lowest possible cost ([`bound`], the cost at the
 //! deepest depth) is above the lowest cost so far: it cannot be tied at the minimum. The loaded
 //! workers the prompt overlaps are visited first; the others, whose bound is at least their
-//! [`floor`] (the part no request changes) plus the request's, in the fleet's order of
-//! ascending floor per role (`Fleet::ordered`), until a floor plus the request's is above the
-//! lowest cost so far: every later worker's bound is too. The ties found are then put in the
+//! [`floor`] (the part no request changes) plus the request's plus the cross terms at their
+//! lowest over the loaded workers ([`cross_floor`]: the fewest requests booked on one and the
+//! least eviction pressure, which the fleet keeps, `Fleet::lows`), in the fleet's order of
+//! ascending floor per role (`Fleet::ordered`), until that sum is above the lowest cost so far:
+//! every later worker's bound is too. On a fleet whose workers all evict, the cross terms are
+//! what sets apart a worker that lacks the prompt from one that holds its prefix; without them
+//! the scan would visit every loaded worker. The ties found are then put in the
 //! loaded set's order, the order of a scan of every loaded worker, so the pick and the draw
 //! are the ones that scan makes (checked against it in the tests).
 //!
@@ -37,8 +41,8 @@
 
 use std::sync::Arc;
 
-use super::cost::{CostParams, cost};
-use super::fleet::{FleetWorker, Membership};
+use super::cost::{CostParams, cached_blocks, cost, uncached_blocks};
+use super::fleet::{FleetWorker, Lows, Membership};
 use super::load::{ActiveDepth, WorkerLoad, project};
 use super::policy::{Candidate, Policy};
 use super::request::RequestView;
@@ -359,6 +363,25 @@ fn request_floor(
         .then(|| deepest_cost(spec, &WorkerLoad::default(), overlap, 0.0, params, view))
 }
 
+/// The part of a loaded worker's bound that its floor and the request's part at `overlap`
+/// leave out, at its lowest over the loaded workers (`lows`): the eviction pressure's and the
+/// stall term's (the cross terms of [`floor`]: the prompt's uncached blocks times the worker's
+/// pressure or booked requests), on a worker of `role` that prefills; 0 on others.
+fn cross_floor(
+    role: WorkerRole,
+    overlap: Overlap,
+    lows: Lows,
+    params: &CostParams,
+    view: &RequestView<'_>,
+) -> f64 {
+    if !role.tracks_prefill() {
+        return 0.0;
+    }
+    let (cached, _) = cached_blocks(params, overlap.gpu, overlap.tier);
+    let per_block = params.evict_weight * lows.pressure + params.stall_weight * f64::from(lows.requests);
+    params.prefill_load_scale * per_block * uncached_blocks(view, cached)
+}
+
 /// How far below a worker's floor plus a request's its bound may come out in floating point (a
 /// relative margin, far above the few roundings' error): the scan stops only past it.
 const FLOOR_SLACK: f64 = 1e-9;
@@ -494,6 +517,7 @@ impl Router {
         params: &CostParams,
         view: &RequestView<'_>,
     ) -> Result<Candidate, Blocked> {
+        let lows = self.fleet.lows(view.now);
         let Scratch {
             overlaps,
             tier_overlaps,
@@ -564,9 +588,12 @@ impl Router {
             }
             eligible += 1;
             let floor = floors.and_then(|f| f[slot]).map(f64::from_bits);
+            let overlap = overlap.within(blocks);
             let lb = floor
-                .zip(s.request_part(w, overlap.within(blocks), params, view))
-                .map_or(f64::NEG_INFINITY, |(f, r)| f + r);
+                .zip(s.request_part(w, overlap, params, view))
+                .map_or(f64::NEG_INFINITY, |(f, r)| {
+                    f + r + cross_floor(w.spec.role, overlap, lows, params, view)
+                });
             lower.push((lb, slot));
         }
         let first = (0..lower.len()).min_by(|&i, &j| lower[i].0.total_cmp(&lower[j].0));
@@ -597,8 +624,10 @@ impl Router {
                     workers[next].prefetch();
                 }
                 let w = &workers[slot];
-                let request =
-                    *request.get_or_insert_with(|| request_floor(&w.spec, Overlap::default(), params, view));
+                let request = *request.get_or_insert_with(|| {
+                    let cross = cross_floor(role, Overlap::default(), lows, params, view);
+                    request_floor(&w.spec, Overlap::default(), params, view).map(|r| r + cross)
+                });
                 if !unbounded
                     && let (Some(low), Some(request)) = (lowest.0, request)
                     && (floor + request) * (1.0 - FLOOR_SLACK) > low
@@ -683,9 +712,10 @@ mod tests {
 
     use proptest::prelude::*;
 
-    use super::{FLOOR_SLACK, Overlap, Stage, deepest_cost, floor, request_floor};
+    use super::{FLOOR_SLACK, Overlap, Stage, cross_floor, deepest_cost, floor, request_floor};
     use crate::hash::{BlockHasher, HashSalt};
     use crate::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
+    use crate::router::fleet::Lows;
     use crate::router::load::WorkerLoad;
     use crate::router::policy::CostPolicyConfig;
     use crate::router::request::RequestView;
@@ -1054,6 +1084,7 @@ mod tests {
             (prompt_tokens, gpu, tier) in (0..500_000u64, 0.0..1.2f64, 0.0..1.2f64),
             overlapped in any::<bool>(),
             fleet_load in prop_oneof![Just(0.0), 0.0..=1.0f64],
+            lows in (0..64u32, prop_oneof![Just(1.0), 0.0..=1.0f64]),
         ) {
             let spec = WorkerSpec::new(WorkerKey::new(WorkerId(0), DpRank(0)), role, capacity);
             let blocks = prompt_tokens / u64::from(block_size);
@@ -1079,6 +1110,13 @@ mod tests {
             let sum = floor + request;
             prop_assert!(floor >= 0.0 && request >= 0.0, "{floor} {request}");
             prop_assert!(bound >= sum * (1.0 - FLOOR_SLACK), "bound {bound} below {floor} + {request}");
+            // With the cross terms at lows no higher than the worker's own.
+            let lows = Lows { requests: lows.0.min(load.requests), pressure: pressure * lows.1 };
+            let cross = cross_floor(role, overlap.within(blocks as u32), lows, &params, &view);
+            prop_assert!(
+                bound >= (sum + cross) * (1.0 - FLOOR_SLACK),
+                "bound {bound} below {floor} + {request} + {cross}"
+            );
             // The eviction pressure and the stall term (booked requests times the prompt's
             // uncached blocks) are the cross terms; without them the bound is the sum.
             if pressure == 0.0 && (params.stall_weight == 0.0 || load.requests == 0) {
