@@ -31,6 +31,7 @@ use super::chain_trie::Touched;
 use super::churn::Churn;
 use super::cost::CostParams;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
+use super::lows::{LoadedLows, Lows};
 use super::scan;
 use super::sync::{Booking, RouterId};
 use super::worker::{WorkerRole, WorkerSpec};
@@ -175,55 +176,8 @@ pub(crate) struct Fleet {
     computing: BTreeSet<(u64, u32)>,
     /// Per slot, the bits of the load it is filed under in `computing`, if it is there.
     computing_keys: Vec<Option<u64>>,
-    /// What every loaded worker has at least (see [`LoadedLows`]).
+    /// What every loaded worker has at least (see the `lows` module).
     lows: LoadedLows,
-}
-
-/// Lower bounds over the loaded workers of what their cost adds to their floor for a prompt
-/// they lack (`scan::cross_floor`): the fewest requests booked on one, and the least eviction
-/// pressure (by churn key, see [`Churn::key`]).
-#[derive(Clone, Debug)]
-struct LoadedLows {
-    /// Per count of booked requests, how many loaded workers have that many (index 0 unused:
-    /// a loaded worker has one at least).
-    by_requests: Vec<u32>,
-    /// Per slot, the count it is filed under in `by_requests` (0: not filed).
-    requests_of: Vec<u32>,
-    /// At most the churn key of every loaded worker: the lowest when last recomputed, lowered
-    /// as workers join. Keys only grow, so it stays a bound; it is recomputed every
-    /// [`LoadedLows::REFRESH_NS`] of the router's time, so that it stays close.
-    churn_key: f64,
-    /// When `churn_key` was last recomputed.
-    refreshed: Option<Timestamp>,
-    /// The latest time a churn was recorded at, anywhere.
-    latest: Timestamp,
-}
-
-impl Default for LoadedLows {
-    fn default() -> Self {
-        LoadedLows {
-            by_requests: Vec::new(),
-            requests_of: Vec::new(),
-            churn_key: f64::INFINITY,
-            refreshed: None,
-            latest: Timestamp::ZERO,
-        }
-    }
-}
-
-impl LoadedLows {
-    /// A thirty-second of the churn's half-life: a key that old is at most 2 % below the
-    /// lowest one.
-    const REFRESH_NS: u64 = Churn::HALF_LIFE_NS / 32;
-}
-
-/// What every loaded worker has at least, at a decision's time: see [`Fleet::lows`].
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct Lows {
-    /// Requests booked.
-    pub(crate) requests: u32,
-    /// Eviction pressure (up to rounding, some 1e-12 of it).
-    pub(crate) pressure: f64,
 }
 
 /// The loaded workers of each role ordered by their floor (see the module docs); kept only
@@ -287,39 +241,16 @@ impl Fleet {
             return false;
         };
         self.workers[slot].churn.record(now, blocks);
-        self.lows.latest = self.lows.latest.max(now);
+        self.lows.recorded(now);
         true
     }
 
     /// What every loaded worker has at least at `now`: requests booked and eviction pressure
     /// (the argmin scan's bound on the workers it has not visited).
     pub(crate) fn lows(&mut self, now: Timestamp) -> Lows {
-        let lows = &mut self.lows;
-        if lows
-            .refreshed
-            .is_none_or(|t| now.as_nanos() >= t.as_nanos() + LoadedLows::REFRESH_NS)
-        {
-            lows.churn_key = self
-                .loaded
-                .iter()
-                .map(|&slot| self.workers[slot as usize].churn_key())
-                .fold(f64::INFINITY, f64::min);
-            lows.refreshed = Some(now);
-        }
-        let requests = lows
-            .by_requests
-            .iter()
-            .skip(1)
-            .position(|&n| n > 0)
-            .map_or(0, |i| i as u32 + 1);
-        Lows {
-            requests,
-            pressure: if self.loaded.is_empty() {
-                0.0
-            } else {
-                Churn::pressure_floor(lows.churn_key, lows.latest, now)
-            },
-        }
+        let workers = &self.workers;
+        let keys = self.loaded.iter().map(|&slot| workers[slot as usize].churn_key());
+        self.lows.at(now, keys)
     }
 
     pub(crate) fn get(&self, key: WorkerKey) -> Option<&FleetWorker> {
@@ -404,26 +335,8 @@ impl Fleet {
             self.computing_keys[slot] = key;
         }
         let w = &self.workers[slot];
-        let requests = if matches!(w.member, Membership::Loaded(_)) {
-            w.load.requests()
-        } else {
-            0
-        };
-        let lows = &mut self.lows;
-        let old = lows.requests_of[slot];
-        if requests != old {
-            if old > 0 {
-                lows.by_requests[old as usize] -= 1;
-            }
-            if requests > 0 {
-                let n = requests as usize;
-                if lows.by_requests.len() <= n {
-                    lows.by_requests.resize(n + 1, 0);
-                }
-                lows.by_requests[n] += 1;
-            }
-            lows.requests_of[slot] = requests;
-        }
+        let loaded = matches!(w.member, Membership::Loaded(_));
+        self.lows.refile(slot, if loaded { w.load.requests() } else { 0 });
         let order = &mut self.order;
         if order.params.is_none() {
             return;
@@ -587,10 +500,7 @@ impl Fleet {
         self.computing.clear();
         self.computing_keys.clear();
         self.computing_keys.resize(self.workers.len(), None);
-        self.lows.by_requests.clear();
-        self.lows.requests_of.clear();
-        self.lows.requests_of.resize(self.workers.len(), 0);
-        self.lows.churn_key = f64::INFINITY;
+        self.lows.reset(self.workers.len());
         for slot in 0..self.workers.len() {
             self.workers[slot].member = Membership::DrainingIdle;
             self.join(slot);
@@ -645,7 +555,7 @@ impl Fleet {
             _ => Membership::Loaded(pos),
         };
         if matches!(w.member, Membership::Loaded(_)) {
-            self.lows.churn_key = self.lows.churn_key.min(w.churn_key());
+            self.lows.joined(w.churn_key());
         }
     }
 
@@ -681,38 +591,12 @@ impl Fleet {
         if sizes != members {
             return Err(format!("the sets hold {sizes} slots for {members} members"));
         }
-        self.check_lows()?;
-        self.check_order()
-    }
-
-    /// Checks the lows against the loaded workers: the count of each's requests, each's churn
-    /// key at least the lowest kept (keys are recomputed after each removal, so up to rounding).
-    fn check_lows(&self) -> Result<(), String> {
-        let mut by_requests = vec![0u32; self.lows.by_requests.len()];
-        for &slot in &self.loaded {
+        let loaded = self.loaded.iter().map(|&slot| {
             let w = &self.workers[slot as usize];
-            let n = w.load.requests() as usize;
-            match by_requests.get_mut(n) {
-                Some(count) if n > 0 && self.lows.requests_of[slot as usize] == n as u32 => *count += 1,
-                _ => {
-                    return Err(format!(
-                        "worker {} is filed under the wrong request count",
-                        w.spec.key
-                    ));
-                }
-            }
-            let key = w.churn_key();
-            if key < self.lows.churn_key - 1e-9 {
-                return Err(format!(
-                    "worker {}'s churn key {key} is below the loaded workers' lowest {}",
-                    w.spec.key, self.lows.churn_key
-                ));
-            }
-        }
-        if by_requests != self.lows.by_requests {
-            return Err("the loaded workers' request counts are stale".to_owned());
-        }
-        Ok(())
+            (slot as usize, w.load.requests(), w.churn_key())
+        });
+        self.lows.check(loaded)?;
+        self.check_order()
     }
 
     /// Checks the orders of the loaded workers against a recomputation of every floor and load.

@@ -70,6 +70,7 @@ mod disagg;
 mod fair;
 mod fleet;
 mod load;
+mod lows;
 mod metrics;
 mod output;
 pub mod policy;

@@ -28,7 +28,7 @@
 //! workers the prompt overlaps are visited first; the others, whose bound is at least their
 //! [`floor`] (the part no request changes) plus the request's plus the cross terms at their
 //! lowest over the loaded workers ([`cross_floor`]: the fewest requests booked on one and the
-//! least eviction pressure, which the fleet keeps, `Fleet::lows`), in the fleet's order of
+//! least eviction pressure, which the fleet keeps: the `lows` module), in the fleet's order of
 //! ascending floor per role (`Fleet::ordered`), until that sum is above the lowest cost so far:
 //! every later worker's bound is too. On a fleet whose workers all evict, the cross terms are
 //! what sets apart a worker that lacks the prompt from one that holds its prefix; without them
@@ -42,8 +42,9 @@
 use std::sync::Arc;
 
 use super::cost::{CostParams, cached_blocks, cost, uncached_blocks};
-use super::fleet::{FleetWorker, Lows, Membership};
+use super::fleet::{FleetWorker, Membership};
 use super::load::{ActiveDepth, WorkerLoad, project};
+use super::lows::Lows;
 use super::policy::{Candidate, Policy};
 use super::request::RequestView;
 use super::worker::{WorkerRole, WorkerSpec};
@@ -715,8 +716,8 @@ mod tests {
     use super::{FLOOR_SLACK, Overlap, Stage, cross_floor, deepest_cost, floor, request_floor};
     use crate::hash::{BlockHasher, HashSalt};
     use crate::ids::{DpRank, RequestId, SequenceHash, WorkerId, WorkerKey};
-    use crate::router::fleet::Lows;
     use crate::router::load::WorkerLoad;
+    use crate::router::lows::Lows;
     use crate::router::policy::CostPolicyConfig;
     use crate::router::request::RequestView;
     use crate::router::{
