@@ -91,10 +91,12 @@ fn bytes(input: &Input) -> Vec<u8> {
             out.extend(ready());
             for f in frames {
                 out.push(f.flags);
-                // A lie may claim more than the body, never less: the rest of a longer body
-                // would be read as the next frame's header, whose 8-byte length is then
-                // anything (the abort the module docs describe), not a bounded forgery.
+                // A lie may claim more than the body, never less, and ends the stream: the
+                // rest of a longer body, or the frames after a short one, would be read as
+                // the next frame's header, whose 8-byte length is then anything (the abort
+                // the module docs describe), not a bounded forgery.
                 let claimed = f.claimed.unwrap_or(0).max(f.body.len() as u64);
+                let lies = claimed > f.body.len() as u64;
                 if f.flags & 0x02 != 0 {
                     out.extend_from_slice(&claimed.min(65_536).to_be_bytes());
                 } else {
@@ -107,6 +109,9 @@ fn bytes(input: &Input) -> Vec<u8> {
                     }
                 }
                 out.extend_from_slice(&f.body);
+                if lies {
+                    break;
+                }
             }
             if let Some(cut) = cut {
                 out.truncate(cut.index(out.len() + 1));
@@ -114,6 +119,58 @@ fn bytes(input: &Input) -> Vec<u8> {
             out
         }
     }
+}
+
+/// Each frame length the `zeromq` crate would read from `stream`, as its decoder walks it:
+/// a greeting it accepts (signature bytes and a known mechanism), then flags and a 1- or
+/// 8-byte length per frame.
+fn claimed_lengths(stream: &[u8]) -> Vec<u64> {
+    let mut lengths = Vec::new();
+    let Some(greeting) = stream.get(..64) else {
+        return lengths;
+    };
+    let mechanism = greeting[12..32].split(|&b| b == 0).next().unwrap_or_default();
+    if greeting[0] != 0xff || greeting[9] != 0x7f || ![&b"NULL"[..], b"PLAIN", b"CURVE"].contains(&mechanism)
+    {
+        return lengths;
+    }
+    let mut at = 64;
+    while let Some(&flags) = stream.get(at) {
+        let (len, header) = if flags & 0x02 != 0 {
+            match stream.get(at + 1..at + 9) {
+                Some(b) => (u64::from_be_bytes(b.try_into().expect("8 bytes")), 9),
+                None => break,
+            }
+        } else {
+            match stream.get(at + 1) {
+                Some(&b) => (u64::from(b), 2),
+                None => break,
+            }
+        };
+        lengths.push(len);
+        at = at.saturating_add(header).saturating_add(len as usize);
+    }
+    lengths
+}
+
+#[test]
+fn forged_streams_claim_at_most_64_kib_per_frame() {
+    let mut runner = TestRunner::new(Config {
+        cases: 20_000,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&input(), |input| {
+            let stream = bytes(&input);
+            let lengths = claimed_lengths(&stream);
+            prop_assert!(
+                lengths.iter().all(|&len| len <= 65_536),
+                "{lengths:?} in {input:?}"
+            );
+            Ok(())
+        })
+        .expect("every input");
 }
 
 #[test]
