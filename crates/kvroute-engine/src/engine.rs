@@ -78,6 +78,9 @@ pub struct DecodeStretch {
     done: usize,
     /// Per running request: its passes applied to its state.
     synced: Vec<u32>,
+    /// Scratch: the running requests (by index) whose first completed block may come before
+    /// the horizon, to check for a shared chain.
+    fills: Vec<u32>,
 }
 
 impl DecodeStretch {
@@ -99,6 +102,7 @@ impl DecodeStretch {
         self.grows.clear();
         self.done = 0;
         self.synced.clear();
+        self.fills.clear();
     }
 }
 
@@ -320,26 +324,38 @@ impl Engine {
         }
         let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
         let mut horizon = u32::MAX;
-        for id in &s.running {
+        for (i, id) in s.running.iter().enumerate() {
             let seq = &s.seqs[id];
             let Some(m) = seq.decode_marks(bs, caching) else {
                 return 0;
             };
             horizon = horizon.min(m.finish);
-            if m.fill < horizon {
-                // The block it completes is cached as planned (its KV use unchanged) unless
-                // another request holds a block of the same hash, whose chain of hashes is
-                // then this request's: the block before it would be held by both.
-                let b = seq.num_cached_blocks as usize;
-                if b == 0 || s.pool.refs(seq.blocks[b - 1]) != 1 {
-                    horizon = m.fill;
-                }
-            }
             if horizon == 0 {
                 return 0;
             }
+            if m.fill < horizon {
+                stretch.fills.push(i as u32);
+            }
             stretch.context += u64::from(seq.num_computed);
             stretch.marks.push((m.alloc, m.fill));
+        }
+        // The block a request completes is cached as planned (its KV use unchanged) unless
+        // another request holds a block of the same hash, whose chain of hashes is then this
+        // request's: the block before it would be held by both. Checked only where it would
+        // end the stretch sooner (a read of the block, a cache miss on a large fleet).
+        for &i in &stretch.fills {
+            let fill = stretch.marks[i as usize].1;
+            if fill >= horizon {
+                continue;
+            }
+            let seq = &s.seqs[&s.running[i as usize]];
+            let b = seq.num_cached_blocks as usize;
+            if b == 0 || s.pool.refs(seq.blocks[b - 1]) != 1 {
+                horizon = fill;
+                if horizon == 0 {
+                    return 0;
+                }
+            }
         }
         // Every pass `a + 1 + j·bs` allocates a block for a request with mark `a`.
         let passes_from =
