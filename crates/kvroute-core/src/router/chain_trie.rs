@@ -106,8 +106,6 @@ impl<M> Node<M> {
 /// One step of a walk: a node on the path and how far along it the chain matched.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Step<'t, M> {
-    /// The node.
-    pub(crate) id: NodeId,
     /// The node's value.
     pub(crate) meta: &'t M,
     /// Where the match inside the node ends (at most the node's end).
@@ -388,14 +386,46 @@ impl<M: Clone + Default> ChainTrie<M> {
 
     /// The ids of the nodes covering `chain[..len]`, in order, into `path` (cleared first); stops
     /// where the set stops covering the chain.
-    pub(crate) fn path(&self, chain: &[SequenceHash], len: u32, path: &mut Vec<NodeId>) {
+    ///
+    /// `hint` is a likely path, such as the one [`ChainTrie::insert`] reported for the chain:
+    /// a hinted node that starts where the path is and ends on the chain is taken as it stands,
+    /// without a lookup of its first hash (two cache misses on a large set). A node split since
+    /// keeps its id and start and loses its tail to a new node, which is looked up. Any hint
+    /// gives the same path; a stale one only costs lookups.
+    pub(crate) fn path(&self, chain: &[SequenceHash], len: u32, hint: &[NodeId], path: &mut Vec<NodeId>) {
         path.clear();
         let chain = &chain[..(len as usize).min(chain.len())];
-        path.extend(
-            self.walk(chain)
-                .filter(|s| s.matched_end == self.node(s.id).end)
-                .map(|s| s.id),
-        );
+        let len = chain.len() as u32;
+        let mut hint = hint.iter().copied().peekable();
+        let mut pos = 0;
+        while pos < len {
+            while hint
+                .next_if(|&id| self.get(id).is_none_or(|n| n.start < pos))
+                .is_some()
+            {}
+            let hinted = hint.peek().and_then(|&id| {
+                let n = self.get(id)?;
+                (n.start == pos && n.end <= len && n.last == chain[n.end as usize - 1]).then_some((id, n))
+            });
+            let (id, end) = match hinted {
+                Some((id, n)) => {
+                    hint.next();
+                    (id, n.end)
+                }
+                None => {
+                    let Some(id) = self.node_at(chain, pos) else {
+                        break;
+                    };
+                    let n = self.node(id);
+                    if n.matched_end(chain, [0, 0]) < n.end {
+                        break;
+                    }
+                    (id, n.end)
+                }
+            };
+            path.push(id);
+            pos = end;
+        }
     }
 
     /// Drops node `id` (the caller has dropped its descendants).
@@ -435,7 +465,6 @@ impl<'t, M: Clone + Default> Iterator for Walk<'t, '_, M> {
         let left_at = &self.trie.left_at;
         let matched_end = node.matched_end(self.chain, [self.hint, left_at.get()]);
         let step = Step {
-            id,
             meta: &node.meta,
             matched_end,
         };
@@ -518,7 +547,7 @@ mod tests {
         assert_eq!(depth(&t, &chain(&[1, 2, 3, 4, 7])), 4);
         assert_eq!(depth(&t, &chain(&[8])), 0);
         let mut p = Vec::new();
-        t.path(&a, 4, &mut p);
+        t.path(&a, 4, &[], &mut p);
         assert_eq!(p.len(), 2, "only nodes wholly inside the first four blocks");
         t.remove(path[2]);
         assert_eq!(t.blocks(), 6);
@@ -561,12 +590,16 @@ mod tests {
         ) {
             let mut t: ChainTrie<u32> = ChainTrie::default();
             let mut touched = Touched::default();
-            let mut held: Vec<(Arc<[SequenceHash]>, u32)> = Vec::new();
+            let mut held: Vec<(Arc<[SequenceHash]>, u32, Vec<NodeId>)> = Vec::new();
             let mut path = Vec::new();
             for (b, cut, free) in ops {
                 if free && !held.is_empty() {
-                    let (c, len) = held.remove(cut as usize % held.len());
-                    t.path(&c, len, &mut path);
+                    let (c, len, hint) = held.remove(cut as usize % held.len());
+                    t.path(&c, len, &hint, &mut path);
+                    let mut unhinted = Vec::new();
+                    t.path(&c, len, &[], &mut unhinted);
+                    prop_assert_eq!(&path, &unhinted, "a hint changes no path");
+                    prop_assert_eq!(path.last().map(|&id| t.node(id).end), Some(len));
                     for &id in &path {
                         let refs = t.meta_mut(id);
                         *refs -= 1;
@@ -581,14 +614,16 @@ mod tests {
                     for &id in &touched.path {
                         *t.meta_mut(id) += 1;
                     }
-                    held.push((c, len));
+                    // The insert's path, or a stale one (another chain's), as the hint.
+                    let hint = if free { path.clone() } else { touched.path.clone() };
+                    held.push((c, len, hint));
                 }
                 t.check_filter_and_lasts();
                 for (q, hint) in &queries {
                     let q = chain(q);
                     let expect = held
                         .iter()
-                        .map(|(c, len)| {
+                        .map(|(c, len, _)| {
                             c[..*len as usize].iter().zip(q.iter()).take_while(|(a, b)| a == b).count() as u32
                         })
                         .max()

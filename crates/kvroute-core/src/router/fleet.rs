@@ -27,7 +27,7 @@ use hashbrown::HashMap;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use super::chain_trie::Touched;
+use super::chain_trie::{NodeId, Touched};
 use super::churn::Churn;
 use super::cost::CostParams;
 use super::load::{ActiveDepth, LoadState, Share, WorkerLoad, staged_len};
@@ -141,6 +141,9 @@ struct Active {
     admitted: Timestamp,
     prefill_pending: bool,
     output_blocks: u32,
+    /// Its chain's nodes in its decode worker's active set when booked: the hint that spares
+    /// their lookups when its prefill ends and when it is freed.
+    path: Box<[NodeId]>,
 }
 
 /// Why the fleet refused a change.
@@ -652,13 +655,15 @@ impl Fleet {
                 return Err(FleetError::UnknownWorker(worker));
             }
         }
-        let active = Active {
+        let mut active = Active {
             booking,
             admitted: now,
             prefill_pending: true,
             output_blocks: 0,
+            path: Box::default(),
         };
         self.apply(&active, LoadState::book);
+        active.path = self.scratch.path.as_slice().into();
         self.by_age.insert((now, key));
         self.requests.insert(key, active);
         self.debug_check();
@@ -762,7 +767,8 @@ impl Fleet {
         self.settle(slot);
         if let Some((share, slot)) = self.prefill_share(active) {
             self.workers[slot].load.accrue(self.clock);
-            op(&mut self.workers[slot].load, share, &mut self.scratch);
+            // No chain, so nothing in the scratch space: the decode share's stays there.
+            op(&mut self.workers[slot].load, share, &mut Touched::default());
             self.settle(slot);
         }
     }
@@ -776,6 +782,7 @@ impl Fleet {
         let local_prefill = role.tracks_prefill() && b.prefill_worker.is_none() && active.prefill_pending;
         let share = Share {
             chain,
+            path: &active.path,
             staged_len: staged_len(
                 role,
                 active.prefill_pending,
@@ -800,6 +807,7 @@ impl Fleet {
         Some((
             Share {
                 chain: None,
+                path: &[],
                 staged_len: 0,
                 prefill_tokens: tokens,
                 output_blocks: 0,

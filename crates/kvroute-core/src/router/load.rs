@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::chain_trie::{ChainTrie, Touched};
+use super::chain_trie::{ChainTrie, NodeId, Touched};
 use super::worker::WorkerRole;
 use crate::ids::SequenceHash;
 use crate::time::Timestamp;
@@ -213,6 +213,9 @@ pub(crate) struct Share<'a> {
     pub(crate) chain: Option<&'a Arc<[SequenceHash]>>,
     /// Blocks of the chain in the staged set.
     pub(crate) staged_len: u32,
+    /// The chain's nodes in the active set when it was booked (a hint; see
+    /// [`ChainTrie::path`]); empty at booking.
+    pub(crate) path: &'a [NodeId],
     /// Prefill tokens booked here, while the prefill is pending.
     pub(crate) prefill_tokens: Option<u64>,
     /// Output blocks booked here.
@@ -309,7 +312,8 @@ impl LoadState {
         depth
     }
 
-    /// Applies `share`. `scratch` is scratch space.
+    /// Applies `share`, and leaves the chain's nodes in `scratch.path` (the hint of the share's
+    /// later changes; empty without a chain).
     pub(crate) fn book(&mut self, share: Share<'_>, scratch: &mut Touched) {
         self.requests += 1;
         if let Some(tokens) = share.prefill_tokens {
@@ -318,6 +322,7 @@ impl LoadState {
         }
         self.output_blocks += u64::from(share.output_blocks);
         let Some(chain) = share.chain.filter(|c| !c.is_empty()) else {
+            scratch.path.clear();
             return;
         };
         self.active
@@ -347,7 +352,7 @@ impl LoadState {
             return;
         };
         let path = &mut scratch.path;
-        self.active.path(chain, chain.len() as u32, path);
+        self.active.path(chain, chain.len() as u32, share.path, path);
         for &id in path.iter() {
             if self.active.node(id).start < share.staged_len {
                 continue;
@@ -379,7 +384,7 @@ impl LoadState {
         };
         let len = chain.len() as u32;
         let path = &mut scratch.path;
-        self.active.path(chain, len, path);
+        self.active.path(chain, len, share.path, path);
         debug_assert_eq!(
             path.last().map(|&id| self.active.node(id).end),
             Some(len),
