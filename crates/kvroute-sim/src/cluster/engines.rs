@@ -158,7 +158,7 @@ impl Run<'_> {
                     let i = import.id.0 as usize;
                     self.import_started(w, import)?;
                     // The prefill's first token was the request's last event before the wait.
-                    let since = self.reqs[i].last_token;
+                    let since = self.reqs.tokens(i).last_token;
                     self.totals.kv_import_wait_nanos += self.now.saturating_since(since).as_nanos() as u64;
                 }
                 ImportStart::Refused(id, _) => self.reject_in_engine(id.0 as usize)?,
@@ -244,7 +244,7 @@ impl Run<'_> {
         // gaps in a row go to the sketch at once (its state is the same).
         let mut gaps: Option<(Duration, u64)> = None;
         for e in &out.emitted {
-            let s = &mut self.reqs[e.request.0 as usize];
+            let s = self.reqs.tokens_mut(e.request.0 as usize);
             if s.emitted_first {
                 let gap = now.saturating_since(s.last_token);
                 match &mut gaps {
@@ -264,7 +264,7 @@ impl Run<'_> {
         }
         for &id in &out.first_token {
             let i = id.0 as usize;
-            self.reqs[i].emitted_first = true;
+            self.reqs.tokens_mut(i).emitted_first = true;
             self.unqueue(i)?;
             match self.config.noise.http {
                 Some(http) => {
@@ -328,7 +328,7 @@ impl Run<'_> {
                 .first_token
                 .filter(|_| warm)
                 .map(|first| now.saturating_since(first).as_secs_f64() * 1e3);
-            p.traffic.completed(s.output_tokens, decode_ms);
+            p.traffic.completed(self.reqs.tokens(i).output_tokens, decode_ms);
         }
         self.uncount(i);
         let r = self.reqs[i].replica as usize;

@@ -149,7 +149,7 @@ impl Run<'_> {
         }
         let mut with_first_token = 0;
         for id in worker.host.engine().running_requests() {
-            let s = &mut reqs[id.0 as usize];
+            let s = reqs.tokens_mut(id.0 as usize);
             if s.emitted_first {
                 totals.itl.add(ends[0].saturating_since(s.last_token));
                 with_first_token += 1;

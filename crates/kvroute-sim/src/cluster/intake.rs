@@ -16,7 +16,7 @@ use crate::config::ArrivalMode;
 use crate::error::SimError;
 use crate::workload::{Arrival, SimRequest};
 
-use super::{ReqState, Run};
+use super::{ReqState, Run, Tokens};
 
 /// A request taken from the source, and its state.
 struct Slot<'w> {
@@ -27,10 +27,13 @@ struct Slot<'w> {
 /// The requests taken and not yet released, by id: `base..base + slots.len()`.
 pub(crate) struct Requests<'w> {
     slots: VecDeque<Slot<'w>>,
+    /// Each slot's [`Tokens`], in a dense array of their own.
+    tokens: VecDeque<Tokens>,
     base: usize,
     /// What a look at a request outside the window finds (none should happen: the run's check
     /// fails if one did).
     stray: ReqState,
+    stray_tokens: Tokens,
     stray_id: Cell<Option<usize>>,
 }
 
@@ -38,8 +41,10 @@ impl<'w> Requests<'w> {
     pub(super) fn new() -> Self {
         Self {
             slots: VecDeque::new(),
+            tokens: VecDeque::new(),
             base: 0,
             stray: ReqState::default(),
+            stray_tokens: Tokens::default(),
             stray_id: Cell::new(None),
         }
     }
@@ -51,6 +56,29 @@ impl<'w> Requests<'w> {
 
     fn slot(&self, i: usize) -> Option<&Slot<'w>> {
         i.checked_sub(self.base).and_then(|k| self.slots.get(k))
+    }
+
+    /// Request `i`'s tokens (a stray's if it is not held).
+    pub(super) fn tokens(&self, i: usize) -> &Tokens {
+        match i.checked_sub(self.base).and_then(|k| self.tokens.get(k)) {
+            Some(t) => t,
+            None => {
+                self.note_stray(i);
+                &self.stray_tokens
+            }
+        }
+    }
+
+    /// Request `i`'s tokens, to change (a stray's if it is not held).
+    pub(super) fn tokens_mut(&mut self, i: usize) -> &mut Tokens {
+        match i.checked_sub(self.base).filter(|&k| k < self.tokens.len()) {
+            Some(k) => &mut self.tokens[k],
+            None => {
+                self.note_stray(i);
+                self.stray_tokens = Tokens::default();
+                &mut self.stray_tokens
+            }
+        }
     }
 
     /// Request `i`, taken and not released (an error otherwise).
@@ -107,10 +135,10 @@ impl IndexMut<usize> for Requests<'_> {
 impl ReqState {
     /// Whether nothing of the run will touch it again: it finished, or it was turned away with
     /// no message of it still on its way.
-    fn settled(&self) -> bool {
+    fn settled(&self, tokens: &Tokens) -> bool {
         !self.in_transit
             && (self.finished.is_some()
-                || (self.rejected && !(self.emitted_first && self.first_token.is_none())))
+                || (self.rejected && !(tokens.emitted_first && self.first_token.is_none())))
     }
 
     /// Whether it completed or was turned away.
@@ -192,6 +220,7 @@ impl<'w> Run<'w> {
             state: ReqState::default(),
             request,
         });
+        self.reqs.tokens.push_back(Tokens::default());
         Ok(Some(i))
     }
 
@@ -199,11 +228,14 @@ impl<'w> Run<'w> {
     /// the end of the run).
     pub(super) fn release_settled(&mut self, all: bool) {
         while let Some(front) = self.reqs.slots.front()
-            && (all || front.state.settled())
+            && let Some(tokens) = self.reqs.tokens.front()
+            && (all || front.state.settled(tokens))
         {
             let i = self.reqs.base;
-            if let Some(slot) = self.reqs.slots.pop_front() {
-                self.tally.add(i, &slot.state, &slot.request);
+            if let Some(slot) = self.reqs.slots.pop_front()
+                && let Some(tokens) = self.reqs.tokens.pop_front()
+            {
+                self.tally.add(i, &slot.state, &tokens, &slot.request);
             }
             self.followers.remove(&(i as u32));
             self.reqs.base += 1;

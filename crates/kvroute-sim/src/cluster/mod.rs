@@ -87,7 +87,7 @@ mod scaling;
 mod worker;
 
 use intake::Requests;
-pub(crate) use record::{ReqState, Totals};
+pub(crate) use record::{ReqState, Tokens, Totals};
 pub(crate) use replicas::ReplicaLife;
 use replicas::{InTransit, replica_batchers, replica_config, replica_protocols};
 pub(crate) use worker::{Life, SimWorker};

@@ -14,15 +14,11 @@ pub(crate) struct ReqState {
     pub(crate) overlap_blocks: u32,
     /// When the client received its first token.
     pub(crate) first_token: Option<Timestamp>,
-    /// Whether an engine emitted its first token (with HTTP latency, before the client has it).
-    pub(crate) emitted_first: bool,
     /// With HTTP latency: a message (the request, or its finish) is on its way.
     pub(crate) in_transit: bool,
     /// With HTTP latency: when its last message arrives (its messages arrive in order).
     pub(crate) http_last: Timestamp,
-    pub(crate) last_token: Timestamp,
     pub(crate) finished: Option<Timestamp>,
-    pub(crate) output_tokens: u32,
     pub(crate) rejected: bool,
     /// The prefill worker of a disaggregated request.
     pub(crate) prefill_worker: Option<u32>,
@@ -38,6 +34,19 @@ pub(crate) struct ReqState {
     pub(crate) admitted: Option<Timestamp>,
     /// Prompt tokens its engine found cached at that first scheduling.
     pub(crate) cached_tokens: Option<u32>,
+}
+
+/// What every pass that decodes a request reads and writes of it, kept apart from its
+/// [`ReqState`] in a dense array: a busy engine's pass touches each of its running requests,
+/// whose states lie scattered over the requests in flight, so these 16 bytes are all it reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Tokens {
+    /// When an engine emitted its last token.
+    pub(crate) last_token: Timestamp,
+    /// Tokens emitted.
+    pub(crate) output_tokens: u32,
+    /// Whether an engine emitted its first token (with HTTP latency, before the client has it).
+    pub(crate) emitted_first: bool,
 }
 
 impl ReqState {
