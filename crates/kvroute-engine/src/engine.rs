@@ -324,8 +324,8 @@ impl Engine {
         }
         let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
         let mut horizon = u32::MAX;
-        for (i, id) in s.running.iter().enumerate() {
-            let seq = &s.seqs[id];
+        for (i, &slot) in s.running.slots().iter().enumerate() {
+            let seq = s.seqs.at(slot);
             let Some(m) = seq.decode_marks(bs, caching) else {
                 return 0;
             };
@@ -348,7 +348,7 @@ impl Engine {
             if fill >= horizon {
                 continue;
             }
-            let seq = &s.seqs[&s.running[i as usize]];
+            let seq = s.seqs.at(s.running.slots()[i as usize]);
             let b = seq.num_cached_blocks as usize;
             if b == 0 || s.pool.refs(seq.blocks[b - 1]) != 1 {
                 horizon = fill;
@@ -455,13 +455,13 @@ impl Engine {
         while let Some(&(q, i)) = stretch.grows.get(stretch.done)
             && q <= p
         {
-            let id = s.running[i as usize];
-            let seq = s.seqs.get_mut(&id).expect("running requests are live");
+            let slot = s.running.slots()[i as usize];
+            let seq = s.seqs.at_mut(slot);
             // The request's passes before `q`; pass `q` itself is scheduled here and
             // committed with the passes after it.
             advance(seq, q - 1 - stretch.synced[i as usize]);
             stretch.synced[i as usize] = q - 1;
-            s.grow_decode(id);
+            s.grow_decode(slot);
             stretch.done += 1;
         }
         s.pool.take_events()
@@ -481,8 +481,8 @@ impl Engine {
         let events = self.run_decode_stretch(stretch, k);
         if k > 0 {
             let s = &mut self.scheduler;
-            for (id, &synced) in s.running.iter().zip(&stretch.synced) {
-                advance(s.seqs.get_mut(id).expect("running requests are live"), k - synced);
+            for (&slot, &synced) in s.running.slots().iter().zip(&stretch.synced) {
+                advance(s.seqs.at_mut(slot), k - synced);
             }
             self.clock = self.clock.max(last_start);
             self.busy_until = end;
@@ -499,7 +499,7 @@ impl Engine {
 
     /// The running requests, in scheduling order.
     pub fn running_requests(&self) -> &[RequestId] {
-        &self.scheduler.running
+        self.scheduler.running.ids()
     }
 
     /// Assembles a step's output, filling in the load after the step.
@@ -636,7 +636,12 @@ impl Engine {
                 ));
             }
         }
-        for id in s.running.iter().chain(&s.imported) {
+        for (id, &slot) in s.running.ids().iter().zip(s.running.slots()) {
+            if s.seqs.slot(id) != Some(slot) {
+                return Err(format!("running {id:?} is not live at its slot"));
+            }
+        }
+        for id in s.running.ids().iter().chain(&s.imported) {
             let seq = s
                 .seqs
                 .get(id)

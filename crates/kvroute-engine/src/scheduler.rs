@@ -30,7 +30,7 @@ use kvroute_core::events::{BlocksStored, KvEvent};
 
 use crate::cpu_tier::CpuTier;
 use crate::kv_pool::{BlockId, BlockPool};
-use crate::live::Live;
+use crate::live::{Live, Running, Slot};
 use crate::metrics::ForwardPass;
 use crate::request::{Finished, KvReportMode, TokenEmission};
 use crate::sequence::Sequence;
@@ -50,6 +50,8 @@ struct Limits {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Chunk {
     pub id: RequestId,
+    /// Its slot among the live requests.
+    pub slot: Slot,
     /// Tokens computed in the pass.
     pub new_tokens: u32,
     /// Tokens already in the cache before the pass.
@@ -103,7 +105,7 @@ pub(crate) struct Scheduler {
     pub seqs: Live,
     pub waiting: VecDeque<RequestId>,
     /// Oldest first; preemption takes from the back.
-    pub running: Vec<RequestId>,
+    pub running: Running,
     /// Imported requests whose KV is in transfer (vLLM's `WAITING_FOR_REMOTE_KVS`): they hold
     /// blocks for their whole prompt and compute nothing.
     pub importing: BTreeSet<RequestId>,
@@ -131,7 +133,7 @@ impl Scheduler {
             pool: BlockPool::new(config.num_blocks),
             seqs: Live::default(),
             waiting: VecDeque::new(),
-            running: Vec::new(),
+            running: Running::default(),
             importing: BTreeSet::new(),
             imported: VecDeque::new(),
             hits: Vec::new(),
@@ -170,7 +172,8 @@ impl Scheduler {
         while self.running.len() < self.limits.max_num_seqs
             && let Some(id) = self.imported.pop_front()
         {
-            self.running.push(id);
+            let slot = self.seqs.slot(&id).expect("imported requests are live");
+            self.running.push(id, slot);
         }
         self.schedule_running(&mut budget, &mut schedule);
         if schedule.preempted.is_empty() {
@@ -182,16 +185,17 @@ impl Scheduler {
     fn schedule_running(&mut self, budget: &mut u32, schedule: &mut Schedule) {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
-            let id = self.running[i];
-            let seq = &self.seqs[&id];
+            let (id, slot) = (self.running.ids()[i], self.running.slots()[i]);
+            let seq = self.seqs.at(slot);
             let new_tokens = seq.remaining().min(*budget);
             let context = seq.num_computed;
             let decode = seq.outputs > 0 && seq.remaining() == 1;
-            if !self.grow(id, new_tokens, schedule) {
+            if !self.grow(slot, new_tokens, schedule) {
                 break;
             }
             schedule.chunks.push(Chunk {
                 id,
+                slot,
                 new_tokens,
                 context,
                 decode,
@@ -201,42 +205,43 @@ impl Scheduler {
         }
     }
 
-    /// Allocates the blocks running request `id` needs for `new_tokens` more tokens, preempting
-    /// from the back of the running list until they fit. Returns false if `id` itself was
-    /// preempted.
-    fn grow(&mut self, id: RequestId, new_tokens: u32, schedule: &mut Schedule) -> bool {
+    /// Allocates the blocks the running request at `slot` needs for `new_tokens` more tokens,
+    /// preempting from the back of the running list until they fit. Returns false if it was
+    /// preempted itself.
+    fn grow(&mut self, slot: Slot, new_tokens: u32, schedule: &mut Schedule) -> bool {
         loop {
-            let seq = self.seqs.get_mut(&id).expect("running requests are live");
+            let seq = self.seqs.at_mut(slot);
             let needed = (seq.num_computed + new_tokens).div_ceil(self.limits.block_size);
             let fresh = needed.saturating_sub(seq.blocks.len() as u32);
             if self.pool.allocate(fresh, &mut seq.blocks) {
                 let tokens = seq.num_computed + new_tokens;
                 // Most passes of a decoding request fill no block: nothing to offer then.
                 if tokens / self.limits.block_size > seq.num_cached_blocks {
-                    self.offer_full_blocks(id, tokens);
+                    self.offer_full_blocks(slot, tokens);
                 }
                 return true;
             }
-            let victim = self.running.pop().expect("`id` is running");
-            self.preempt(victim, schedule);
-            if victim == id {
+            let (victim, at) = self.running.pop().expect("the request is running");
+            self.preempt(victim, at, schedule);
+            if at == slot {
                 return false;
             }
         }
     }
 
-    /// Schedules running request `id`'s decode of one token inside a stretch of passes whose
-    /// blocks are known to fit ([`crate::Engine::plan_decode_stretch`]): its new block and
-    /// the block it completes, with their events, as [`Scheduler::schedule`] would.
-    pub fn grow_decode(&mut self, id: RequestId) {
+    /// Schedules the decode of one token of the running request at `slot` inside a stretch of
+    /// passes whose blocks are known to fit ([`crate::Engine::plan_decode_stretch`]): its new
+    /// block and the block it completes, with their events, as [`Scheduler::schedule`] would.
+    pub fn grow_decode(&mut self, slot: Slot) {
         let mut unused = Schedule::default();
-        let grown = self.grow(id, 1, &mut unused);
+        let grown = self.grow(slot, 1, &mut unused);
         debug_assert!(grown && unused.preempted.is_empty(), "a planned block fits");
     }
 
-    /// Frees `id`'s blocks, resets its progress and puts it at the front of the waiting queue.
-    fn preempt(&mut self, id: RequestId, schedule: &mut Schedule) {
-        let seq = self.seqs.get_mut(&id).expect("preempted requests are live");
+    /// Frees the blocks of `id` (at `slot`), resets its progress and puts it at the front of
+    /// the waiting queue.
+    fn preempt(&mut self, id: RequestId, slot: Slot, schedule: &mut Schedule) {
+        let seq = self.seqs.at_mut(slot);
         self.pool.release(&seq.blocks);
         seq.blocks.clear();
         seq.num_computed = 0;
@@ -250,33 +255,34 @@ impl Scheduler {
             if *budget == 0 || self.running.len() >= self.limits.max_num_seqs {
                 break;
             }
-            let Some((chunk, loaded)) = self.admit(id, *budget) else {
+            let slot = self.seqs.slot(&id).expect("waiting requests are live");
+            let Some((chunk, loaded)) = self.admit(id, slot, *budget) else {
                 break;
             };
             self.waiting.pop_front();
-            self.running.push(id);
+            self.running.push(id, slot);
             schedule.admitted += 1;
             schedule.loaded_blocks += loaded;
             schedule.hit_tokens += u64::from(chunk.context - loaded * self.limits.block_size);
-            schedule.query_tokens += u64::from(self.seqs[&id].len());
+            schedule.query_tokens += u64::from(self.seqs.at(slot).len());
             schedule.chunks.push(chunk);
             *budget -= chunk.new_tokens;
         }
     }
 
-    /// Takes waiting request `id`'s cached prefix and allocates its first chunk within `budget`,
-    /// or changes nothing and returns `None` if it does not fit.
-    fn admit(&mut self, id: RequestId, budget: u32) -> Option<(Chunk, u32)> {
+    /// Takes the cached prefix of waiting request `id` (at `slot`) and allocates its first chunk
+    /// within `budget`, or changes nothing and returns `None` if it does not fit.
+    fn admit(&mut self, id: RequestId, slot: Slot, budget: u32) -> Option<(Chunk, u32)> {
         let bs = self.limits.block_size;
         let mut hits = std::mem::take(&mut self.hits);
         hits.clear();
-        let planned = self.plan(&self.seqs[&id], budget, &mut hits);
-        self.reannounce_hits(id, &hits);
+        let planned = self.plan(self.seqs.at(slot), budget, &mut hits);
+        self.reannounce_hits(slot, &hits);
         let Some((new_tokens, fresh, loaded)) = planned else {
             self.hits = hits;
             return None;
         };
-        let seq = self.seqs.get_mut(&id).expect("waiting requests are live");
+        let seq = self.seqs.at_mut(slot);
         // Blocks loaded from the CPU tier count as computed; they are cached on the GPU below
         // with the first chunk's blocks.
         let context = (hits.len() as u32 + loaded) * bs;
@@ -294,10 +300,11 @@ impl Scheduler {
         seq.num_cached_blocks = hits.len() as u32;
         let decode = seq.outputs > 0 && uncached == 1;
         self.hits = hits;
-        self.offer_full_blocks(id, context + new_tokens);
+        self.offer_full_blocks(slot, context + new_tokens);
         Some((
             Chunk {
                 id,
+                slot,
                 new_tokens,
                 context,
                 decode,
@@ -306,10 +313,10 @@ impl Scheduler {
         ))
     }
 
-    /// With [`KvReportMode::Full`], announces request `id`'s prefix-cache hit `hits` again
-    /// ([`reannouncement`]).
-    fn reannounce_hits(&mut self, id: RequestId, hits: &[BlockId]) {
-        if let Some(stored) = reannouncement(&self.seqs[&id], hits.len(), self.limits.block_size) {
+    /// With [`KvReportMode::Full`], announces the prefix-cache hit `hits` of the request at
+    /// `slot` again ([`reannouncement`]).
+    fn reannounce_hits(&mut self, slot: Slot, hits: &[BlockId]) {
+        if let Some(stored) = reannouncement(self.seqs.at(slot), hits.len(), self.limits.block_size) {
             self.pool.push_event(KvEvent::Stored(stored));
         }
     }
@@ -386,20 +393,21 @@ impl Scheduler {
         if !self.importing.remove(&id) {
             return false;
         }
-        let seq = self.seqs.get_mut(&id).expect("importing requests are live");
+        let slot = self.seqs.slot(&id).expect("importing requests are live");
+        let seq = self.seqs.at_mut(slot);
         let prompt = seq.len();
         seq.num_computed = prompt;
-        self.offer_full_blocks(id, prompt);
-        let seq = self.seqs.get_mut(&id).expect("importing requests are live");
-        seq.push_output();
+        self.offer_full_blocks(slot, prompt);
+        self.seqs.at_mut(slot).push_output();
         self.imported.push_back(id);
         true
     }
 
-    /// Offers `id`'s blocks that are full once `tokens` tokens have KV to the prefix cache, and
-    /// records a [`BlocksStored`] event for every run of blocks newly cached. A block that is
-    /// already cached is swapped for the cached copy (see [`BlockPool::cache`]).
-    fn offer_full_blocks(&mut self, id: RequestId, tokens: u32) {
+    /// Offers the blocks of the request at `slot` that are full once `tokens` tokens have KV to
+    /// the prefix cache, and records a [`BlocksStored`] event for every run of blocks newly
+    /// cached. A block that is already cached is swapped for the cached copy (see
+    /// [`BlockPool::cache`]).
+    fn offer_full_blocks(&mut self, slot: Slot, tokens: u32) {
         if !self.limits.prefix_caching {
             return;
         }
@@ -411,7 +419,7 @@ impl Scheduler {
             offloads,
             ..
         } = self;
-        let seq = seqs.get_mut(&id).expect("scheduled requests are live");
+        let seq = seqs.at_mut(slot);
         let full = (tokens / limits.block_size) as usize;
         let start = (seq.num_cached_blocks as usize).min(full);
         pool.warm(&seq.externals[start..full]);
@@ -453,7 +461,7 @@ impl Scheduler {
     pub fn commit(&mut self, schedule: &Schedule) -> PassResults {
         let mut progress = PassResults::default();
         for chunk in &schedule.chunks {
-            let seq = self.seqs.get_mut(&chunk.id).expect("scheduled requests are live");
+            let seq = self.seqs.at_mut(chunk.slot);
             seq.num_computed += chunk.new_tokens;
             if seq.remaining() > 0 {
                 continue; // a prefill chunk short of the end
@@ -490,7 +498,7 @@ impl Scheduler {
             }
         }
         let seqs = &self.seqs;
-        self.running.retain(|id| seqs.contains_key(id));
+        self.running.retain(|_, slot| seqs.holds(slot));
     }
 
     /// Drops live request `id` wherever it is (waiting, running, importing or imported) and
@@ -502,7 +510,7 @@ impl Scheduler {
         };
         self.pool.release(&seq.blocks);
         self.waiting.retain(|&r| r != id);
-        self.running.retain(|&r| r != id);
+        self.running.retain(|r, _| r != id);
         self.importing.remove(&id);
         self.imported.retain(|&r| r != id);
         true
