@@ -54,8 +54,9 @@ pub(crate) struct DecodeMarks {
 /// A live request: its tokens, their block hashes, the blocks it holds and its progress.
 ///
 /// A pass reads its running requests' progress and blocks: those fields come first and fill
-/// the first cache line (the table of live requests finds a request by its `id` there, see
-/// [`crate::live`]); the tokens, hashes and names, read when a block fills, follow.
+/// the first cache line (a walk of the running requests reads that line by slot, and a lookup
+/// by id checks the `id` there, see [`crate::live`]); the tokens, hashes and names, read when a
+/// block fills, follow.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(crate) struct Sequence {
