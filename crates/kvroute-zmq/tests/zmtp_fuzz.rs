@@ -153,14 +153,18 @@ fn claimed_lengths(stream: &[u8]) -> Vec<u64> {
     lengths
 }
 
-#[test]
-fn forged_streams_claim_at_most_64_kib_per_frame() {
-    let mut runner = TestRunner::new(Config {
-        cases: 20_000,
+/// A runner of `cases` inputs that persists no failure file.
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new(Config {
+        cases,
         failure_persistence: None,
         ..Config::default()
-    });
-    runner
+    })
+}
+
+#[test]
+fn forged_streams_claim_at_most_64_kib_per_frame() {
+    runner(20_000)
         .run(&input(), |input| {
             let stream = bytes(&input);
             let lengths = claimed_lengths(&stream);
@@ -189,12 +193,7 @@ fn garbage_from_peers_never_stops_a_bound_subscriber() {
         (spawn_subscriber(config, tx).await.expect("bind"), rx)
     });
     let addr = handle.endpoint().trim_start_matches("tcp://").to_owned();
-    let mut runner = TestRunner::new(Config {
-        cases: 48,
-        failure_persistence: None,
-        ..Config::default()
-    });
-    runner
+    runner(48)
         .run(&input(), |input| {
             let mut peer = TcpStream::connect(&addr).map_err(|e| TestCaseError::fail(e.to_string()))?;
             // The subscriber may hang up mid-write: that is an answer too.
