@@ -138,7 +138,7 @@ impl Tally {
     }
 
     /// Request `i`, at its end (or the run's).
-    pub(crate) fn add(&mut self, i: usize, s: &ReqState, t: &Tokens, r: &SimRequest) {
+    pub(crate) fn add(&mut self, i: usize, s: &ReqState, tokens: &Tokens, r: &SimRequest) {
         let Some(arrived_at) = s.arrived else { return };
         if s.outcome() == Outcome::Unfinished {
             self.unfinished += 1;
@@ -148,8 +148,8 @@ impl Tally {
                 arrived: arrived_at,
                 outcome: s.outcome(),
                 first_token: s.first_token,
-                last_token: s.finished.unwrap_or(t.last_token),
-                output_tokens: t.output_tokens,
+                last_token: s.finished.unwrap_or(tokens.last_token),
+                output_tokens: tokens.output_tokens,
             });
         }
         if let Some(finished) = s.finished {
@@ -177,7 +177,7 @@ impl Tally {
                 last_token_ns: finished.as_nanos(),
                 finished_ns: finished.as_nanos(),
                 input_tokens: u64::from(r.prompt_tokens),
-                output_tokens: u64::from(t.output_tokens),
+                output_tokens: u64::from(tokens.output_tokens),
             });
         }
         if self.keep_requests {
@@ -188,7 +188,7 @@ impl Tally {
                 routed_ms: s.routed.map(|t| ms_between(0, t.as_nanos())),
                 worker: s.worker.map(u64::from),
                 input_tokens: r.prompt_tokens,
-                output_tokens: t.output_tokens,
+                output_tokens: tokens.output_tokens,
                 prompt_blocks,
                 predicted_overlap_blocks: s.overlap_blocks,
                 ttft_ms: s.first_token.map(|t| ms_between(arrived, t.as_nanos())),

@@ -54,14 +54,19 @@ impl<'w> Requests<'w> {
         self.base + self.slots.len()
     }
 
+    /// Where request `i` is in the window, if it is held.
+    fn offset(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.base).filter(|&k| k < self.slots.len())
+    }
+
     fn slot(&self, i: usize) -> Option<&Slot<'w>> {
-        i.checked_sub(self.base).and_then(|k| self.slots.get(k))
+        self.offset(i).map(|k| &self.slots[k])
     }
 
     /// Request `i`'s tokens (a stray's if it is not held).
     pub(super) fn tokens(&self, i: usize) -> &Tokens {
-        match i.checked_sub(self.base).and_then(|k| self.tokens.get(k)) {
-            Some(t) => t,
+        match self.offset(i) {
+            Some(k) => &self.tokens[k],
             None => {
                 self.note_stray(i);
                 &self.stray_tokens
@@ -71,7 +76,7 @@ impl<'w> Requests<'w> {
 
     /// Request `i`'s tokens, to change (a stray's if it is not held).
     pub(super) fn tokens_mut(&mut self, i: usize) -> &mut Tokens {
-        match i.checked_sub(self.base).filter(|&k| k < self.tokens.len()) {
+        match self.offset(i) {
             Some(k) => &mut self.tokens[k],
             None => {
                 self.note_stray(i);
@@ -121,7 +126,7 @@ impl Index<usize> for Requests<'_> {
 
 impl IndexMut<usize> for Requests<'_> {
     fn index_mut(&mut self, i: usize) -> &mut ReqState {
-        match i.checked_sub(self.base).filter(|&k| k < self.slots.len()) {
+        match self.offset(i) {
             Some(k) => &mut self.slots[k].state,
             None => {
                 self.note_stray(i);
