@@ -81,6 +81,8 @@ pub struct DecodeStretch {
     /// Scratch: the running requests (by index) whose first completed block may come before
     /// the horizon, to check for a shared chain.
     fills: Vec<u32>,
+    /// Requests whose last token the last pass produces.
+    finishing: u32,
 }
 
 impl DecodeStretch {
@@ -94,6 +96,12 @@ impl DecodeStretch {
         self.passes
     }
 
+    /// Requests the last planned pass finishes (their last token): they run until it ends, as
+    /// a step's finished requests leave when it starts (see [`Engine::finish_decode_stretch`]).
+    pub fn finishing(&self) -> u32 {
+        self.finishing
+    }
+
     fn clear(&mut self) {
         self.passes = 0;
         self.context = 0;
@@ -103,7 +111,18 @@ impl DecodeStretch {
         self.done = 0;
         self.synced.clear();
         self.fills.clear();
+        self.finishing = 0;
     }
+}
+
+/// What the end of a [`DecodeStretch`] leaves to deliver ([`Engine::finish_decode_stretch`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StretchEnd {
+    /// KV events of the grows not yet run ([`Engine::run_decode_stretch`]), in order.
+    pub events: Vec<KvEvent>,
+    /// Requests whose last token the last pass produced, in scheduling order, as
+    /// [`StepOutput::finished`] reports them: they left the engine and their blocks are freed.
+    pub finished: Vec<Finished>,
 }
 
 /// Applies `k` committed decode passes to `seq`: its computed tokens and its outputs.
@@ -309,11 +328,12 @@ impl Engine {
     }
 
     /// How many of the next passes are certain to decode one token of every running request
-    /// and do nothing else the engine's state does not plan for: none finishes a request,
-    /// nothing waits to be admitted, and the blocks they allocate are free (so none preempts).
-    /// These passes may allocate blocks and complete (cache) blocks, with KV events; `stretch`
-    /// plans them, and the passes before [`DecodeStretch::next_grow`] change nothing but the
-    /// running requests' progress. A driver may skip them
+    /// and do nothing else the engine's state does not plan for: nothing waits to be admitted,
+    /// the blocks they allocate are free (so none preempts), and only the last may produce a
+    /// request's last token (the request then leaves at its end, as a step's would). These
+    /// passes may allocate blocks and complete (cache) blocks, with KV events; `stretch` plans
+    /// them, and the passes before [`DecodeStretch::next_grow`] change nothing but the running
+    /// requests' progress. A driver may skip them
     /// ([`Engine::decode_stretch_ends`], [`Engine::run_decode_stretch`],
     /// [`Engine::finish_decode_stretch`]) as long as nothing else touches the engine meanwhile.
     pub fn plan_decode_stretch(&self, stretch: &mut DecodeStretch) -> u32 {
@@ -324,15 +344,20 @@ impl Engine {
         }
         let (bs, caching) = (self.config.block_size, self.config.enable_prefix_caching);
         let mut horizon = u32::MAX;
+        // The fewest passes to a request's last token, and the requests that many passes away.
+        let (mut least, mut finishing) = (u32::MAX, 0);
         for (i, &slot) in s.running.slots().iter().enumerate() {
             let seq = s.seqs.at(slot);
             let Some(m) = seq.decode_marks(bs, caching) else {
                 return 0;
             };
-            horizon = horizon.min(m.finish);
-            if horizon == 0 {
-                return 0;
+            // The pass of its last token decodes as the others do; the stretch ends with it.
+            let last = m.finish + 1;
+            if last < least {
+                (least, finishing) = (last, 0);
             }
+            finishing += u32::from(last == least);
+            horizon = horizon.min(last);
             if m.fill < horizon {
                 stretch.fills.push(i as u32);
             }
@@ -381,6 +406,7 @@ impl Engine {
         stretch.synced.resize(s.running.len(), 0);
         stretch.at = self.passes;
         stretch.passes = horizon;
+        stretch.finishing = if horizon == least { finishing } else { 0 };
         horizon
     }
 
@@ -469,27 +495,37 @@ impl Engine {
 
     /// Ends `stretch` after its first `k` passes, the last of them started at `last_start` and
     /// ending at `end`: the engine is then as `k` calls of [`Engine::step`] leave it. Returns
-    /// the KV events of the grows not yet run ([`Engine::run_decode_stretch`]), in order.
+    /// what those calls would have reported and the stretch's own passes have not: the KV events
+    /// of the grows not yet run and the requests the last pass finished (only when it is the
+    /// stretch's last).
     pub fn finish_decode_stretch(
         &mut self,
         stretch: &mut DecodeStretch,
         k: u32,
         last_start: Timestamp,
         end: Timestamp,
-    ) -> Vec<KvEvent> {
+    ) -> StretchEnd {
         debug_assert!(k <= stretch.passes, "only planned passes are run");
         let events = self.run_decode_stretch(stretch, k);
+        let mut finished = Vec::new();
         if k > 0 {
             let s = &mut self.scheduler;
             for (&slot, &synced) in s.running.slots().iter().zip(&stretch.synced) {
-                advance(s.seqs.at_mut(slot), k - synced);
+                let seq = s.seqs.at_mut(slot);
+                advance(seq, k - synced);
+                if seq.is_done() {
+                    finished.push(seq.finished());
+                }
+            }
+            if !finished.is_empty() {
+                s.retire(&finished);
             }
             self.clock = self.clock.max(last_start);
             self.busy_until = end;
             self.passes += u64::from(k);
         }
         stretch.clear();
-        events
+        StretchEnd { events, finished }
     }
 
     /// KV blocks in use and in all.

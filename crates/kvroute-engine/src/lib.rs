@@ -94,7 +94,7 @@ pub mod transfer;
 
 pub use config::{ConfigError, EngineConfig};
 pub use cpu_tier::CpuOffload;
-pub use engine::{DecodeStretch, Engine, Import, ResetError, StepOutput};
+pub use engine::{DecodeStretch, Engine, Import, ResetError, StepOutput, StretchEnd};
 pub use host::{EngineHost, ImportAdmission, ImportStart, StartedImport};
 pub use metrics::{ForwardPass, StepMetrics};
 pub use noise::{Dispersion, StepJitter};

@@ -477,11 +477,7 @@ impl Scheduler {
                 }
             }
             if seq.is_done() {
-                progress.finished.push(Finished {
-                    request: chunk.id,
-                    output_tokens: seq.outputs,
-                    reason: seq.finish_reason(),
-                });
+                progress.finished.push(seq.finished());
             }
         }
         if !progress.finished.is_empty() {
@@ -491,7 +487,7 @@ impl Scheduler {
     }
 
     /// Removes `finished` requests from the running list and frees their blocks.
-    fn retire(&mut self, finished: &[Finished]) {
+    pub fn retire(&mut self, finished: &[Finished]) {
         for f in finished {
             if let Some(seq) = self.seqs.remove(&f.request) {
                 self.pool.release(&seq.blocks);

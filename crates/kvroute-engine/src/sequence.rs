@@ -24,7 +24,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use crate::config::EngineConfig;
 use crate::kv_pool::BlockId;
 use crate::request::{
-    EnginePrompt, EngineRequest, FinishReason, KvReportMode, RequestError, synthetic_output_token,
+    EnginePrompt, EngineRequest, FinishReason, Finished, KvReportMode, RequestError, synthetic_output_token,
 };
 
 /// The parent value of the first block of every chain ("kvroute" in ASCII, then `!`).
@@ -242,6 +242,15 @@ impl Sequence {
             FinishReason::Length
         } else {
             FinishReason::Stop
+        }
+    }
+
+    /// Its end as a pass reports it, once it [`Sequence::is_done`].
+    pub fn finished(&self) -> Finished {
+        Finished {
+            request: self.id,
+            output_tokens: self.outputs,
+            reason: self.finish_reason(),
         }
     }
 

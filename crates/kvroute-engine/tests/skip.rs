@@ -8,7 +8,7 @@ mod common;
 use common::{request, with};
 use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{DecodeStretch, Engine};
+use kvroute_engine::{DecodeStretch, Engine, StretchEnd};
 
 /// Runs two engines under `config` on the same requests (`requests` of them, some sharing a
 /// prompt prefix, the later ones added partway), one stepping every pass, the other running
@@ -17,8 +17,9 @@ use kvroute_engine::{DecodeStretch, Engine};
 /// events, in order, and decodes every running request and nothing else. With `abort`, the
 /// first stretch of two or more passes with two or more running is cut halfway (as a driver
 /// cuts one when a request arrives) and the middle running request aborted in both. Returns
-/// the passes run in stretches and those of them that had KV events.
-fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abort: bool) -> (u64, u64) {
+/// the passes run in stretches, those of them that had KV events, and those that finished
+/// requests (only a stretch's last pass may).
+fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abort: bool) -> (u64, u64, u64) {
     let mut stepped = Engine::new(config.clone()).expect("valid config");
     let mut skipping = Engine::new(config).expect("valid config");
     let prompt = |i: u32| {
@@ -38,7 +39,7 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
         add(&mut skipping, Timestamp::ZERO, i);
     }
     let (mut later, mut real) = (requests / 2, 0);
-    let (mut stretched, mut with_events) = (0, 0);
+    let (mut stretched, mut with_events, mut finishing) = (0, 0, 0);
     let (mut stretch, mut ends) = (DecodeStretch::default(), Vec::new());
     let (mut now, mut aborted) = (Timestamp::ZERO, false);
     loop {
@@ -67,16 +68,20 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
         skipping.decode_stretch_ends(at, &stretch, &mut ends);
         assert_eq!(ends.len(), k as usize);
         let running = skipping.running_requests().to_vec();
+        let planned_finishing = stretch.finishing() as usize;
         let cut = abort && !aborted && k >= 2 && running.len() >= 2;
         let k = if cut { k / 2 } else { k };
         for p in 1..=k {
-            let events = if p == k {
+            let StretchEnd { events, finished } = if p == k {
                 let last_start = if k >= 2 { ends[k as usize - 2] } else { at };
                 skipping.finish_decode_stretch(&mut stretch, k, last_start, ends[k as usize - 1])
             } else if stretch.next_grow() == Some(p) {
-                skipping.run_decode_stretch(&mut stretch, p)
+                StretchEnd {
+                    events: skipping.run_decode_stretch(&mut stretch, p),
+                    finished: Vec::new(),
+                }
             } else {
-                Vec::new()
+                StretchEnd::default()
             };
             let next = stepped.next_wakeup().expect("the stepped engine has work");
             let out = stepped.step(next).expect("the stepped engine keeps up");
@@ -91,8 +96,19 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
             );
             let emitted: Vec<RequestId> = out.emitted.iter().map(|e| e.request).collect();
             assert_eq!(emitted, running, "a skipped pass decodes every running request");
-            assert!(out.finished.is_empty() && out.first_token.is_empty() && out.preempted.is_empty());
+            assert_eq!(
+                finished, out.finished,
+                "a stretch's last pass finishes the stepped one's requests"
+            );
+            let planned = if p == k && !cut { planned_finishing } else { 0 };
+            assert_eq!(
+                finished.len(),
+                planned,
+                "the plan named the requests the stretch finishes"
+            );
+            assert!(out.first_token.is_empty() && out.preempted.is_empty());
             with_events += u64::from(!events.is_empty());
+            finishing += u64::from(!finished.is_empty());
         }
         skipping.check_invariants().expect("engine invariants");
         assert_eq!(skipping.kv_blocks(), stepped.kv_blocks());
@@ -112,17 +128,17 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
         skipping.cached_blocks().collect::<Vec<_>>(),
         stepped.cached_blocks().collect::<Vec<_>>()
     );
-    (stretched, with_events)
+    (stretched, with_events, finishing)
 }
 
 #[test]
 fn stretches_across_block_boundaries_match_stepping() {
     // Blocks of 8 tokens; the default pool of 64 blocks fills, so blocks are evicted (`removed`
     // events inside stretches) and the free blocks bound some stretches.
-    let (stretched, with_events) = stretch_against_step(with(|c| c.block_size = 8), 12, false);
+    let (stretched, with_events, finishing) = stretch_against_step(with(|c| c.block_size = 8), 12, false);
     assert!(
-        stretched > 0 && with_events > 0,
-        "stretches crossed blocks: {stretched}, {with_events}"
+        stretched > 0 && with_events > 0 && finishing > 0,
+        "stretches crossed blocks and finished requests: {stretched}, {with_events}, {finishing}"
     );
 }
 
@@ -154,13 +170,13 @@ fn stretches_match_stepping_under_every_timing_path() {
         }),
     ];
     for config in configs {
-        let (stretched, _) = stretch_against_step(config, 10, false);
+        let (stretched, _, _) = stretch_against_step(config, 10, false);
         assert!(stretched > 0, "some passes were run in stretches");
     }
 }
 
 #[test]
 fn a_stretch_cut_short_then_an_abort_leave_the_others_exact() {
-    let (stretched, _) = stretch_against_step(with(|c| c.block_size = 16), 8, true);
+    let (stretched, _, _) = stretch_against_step(with(|c| c.block_size = 16), 8, true);
     assert!(stretched > 0, "some passes were run in stretches");
 }

@@ -98,10 +98,11 @@ impl Harness {
         assert!(at >= self.now, "time went back from {:?} to {at:?}", self.now);
         let running = self.engine.running_requests().to_vec();
         // The pure passes a stretch plans: those before its first grow (a block allocated or
-        // completed), none when none is planned.
+        // completed) and before a last pass that finishes requests, none when none is planned.
         let mut stretch = DecodeStretch::default();
         let planned = self.engine.plan_decode_stretch(&mut stretch);
-        let horizon = stretch.next_grow().map_or(planned, |g| g - 1);
+        let pure = planned - u32::from(stretch.finishing() > 0);
+        let horizon = stretch.next_grow().map_or(pure, |g| (g - 1).min(pure));
         // After a promised pure pass the promise shrinks by one, unless the engine was touched
         // since (the same requests run and nothing waits).
         if let Some((before, promised)) = self.promised.take()

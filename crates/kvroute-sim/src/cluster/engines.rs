@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvroute_core::ids::RequestId;
 use kvroute_core::router::{Decision, Output, RouterError, WorkerRole};
 use kvroute_core::time::Timestamp;
-use kvroute_engine::{ImportAdmission, ImportStart, StartedImport, StepOutput};
+use kvroute_engine::{Finished, ImportAdmission, ImportStart, StartedImport, StepOutput};
 use kvroute_planner::PassSample;
 
 use crate::error::SimError;
@@ -274,7 +274,12 @@ impl Run<'_> {
                 None => self.first_token_seen(i)?,
             }
         }
-        for f in &out.finished {
+        self.deliver_finished(&out.finished)
+    }
+
+    /// Requests that finished in a pass, at its end, in scheduling order.
+    pub(super) fn deliver_finished(&mut self, finished: &[Finished]) -> Result<(), SimError> {
+        for f in finished {
             let i = f.request.0 as usize;
             if self.reqs[i].in_prefill {
                 self.begin_import(i)?;

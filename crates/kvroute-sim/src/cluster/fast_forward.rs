@@ -1,8 +1,8 @@
 //! Fast-forward (see the module docs of [`super`]): skipping an engine's decode-only passes
 //! and applying them when their event comes or something touches the engine.
-use kvroute_core::events::KvEvent;
 use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
+use kvroute_engine::StretchEnd;
 
 use crate::error::SimError;
 
@@ -60,8 +60,9 @@ impl Run<'_> {
         let passes = worker.stretch_ends.len();
         let Some(p) = worker.stretch.next_grow().filter(|&p| (p as usize) < passes) else {
             worker.stretch_start = None;
-            let events = self.apply_stretch(w, start, passes);
-            self.publish(w, events)?;
+            let end = self.apply_stretch(w, start, passes);
+            self.publish(w, end.events)?;
+            self.deliver_finished(&end.finished)?;
             return Ok(false);
         };
         let events = worker
@@ -81,23 +82,20 @@ impl Run<'_> {
         let Some(start) = self.workers[w].stretch_start.take() else {
             return Ok(());
         };
-        let current = self.current;
+        let (done, last) = self.passes_ended(w, start);
         let ends = &self.workers[w].stretch_ends;
-        let (mut done, mut last) = (0, start);
-        while done < ends.len() && (ends[done], last, 1, w as u64) < current {
-            last = ends[done];
-            done += 1;
-        }
         if done == ends.len() {
             return Err(SimError::Invariant(format!(
                 "worker {w}: a skipped pass ended before the event touching it"
             )));
         }
         let next_end = ends[done];
-        // The grows of the passes applied were run at their own events, before this one.
-        if !self.apply_stretch(w, start, done).is_empty() {
+        // The grows of the passes applied were run at their own events, before this one, and
+        // only a stretch's last pass finishes requests.
+        let end = self.apply_stretch(w, start, done);
+        if !end.events.is_empty() || !end.finished.is_empty() {
             return Err(SimError::Invariant(format!(
-                "worker {w}: a skipped pass's KV events were not published when it ended"
+                "worker {w}: a skipped pass's KV events or finished requests were not delivered when it ended"
             )));
         }
         let worker = &mut self.workers[w];
@@ -112,11 +110,36 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// The passes of engine `w`'s stretch (from `start`) whose step events come before the
+    /// event being handled, and when the last of them ended (`start` if none).
+    fn passes_ended(&self, w: usize, start: Timestamp) -> (usize, Timestamp) {
+        let ends = &self.workers[w].stretch_ends;
+        let (mut done, mut last) = (0, start);
+        while done < ends.len() && (ends[done], last, 1, w as u64) < self.current {
+            last = ends[done];
+            done += 1;
+        }
+        (done, last)
+    }
+
+    /// Requests engine `w` runs as a step-by-step run would show them now: inside a stretch's
+    /// last pass, without those it finishes (a step retires them when the pass starts).
+    pub(super) fn running_now(&self, w: usize) -> usize {
+        let worker = &self.workers[w];
+        let running = worker.host.engine().num_running();
+        match worker.stretch_start {
+            Some(start) if self.passes_ended(w, start).0 + 1 >= worker.stretch_ends.len() => {
+                running - worker.stretch.finishing() as usize
+            }
+            _ => running,
+        }
+    }
+
     /// Applies the first `passes` skipped passes of engine `w`'s stretch from `start`: the
     /// engine's progress, and what delivering each would have done (one token per running
-    /// request and pass; no first token or completion). Returns the KV events of its grows
-    /// not yet run, to publish now.
-    pub(super) fn apply_stretch(&mut self, w: usize, start: Timestamp, passes: usize) -> Vec<KvEvent> {
+    /// request and pass; no first token). Returns the KV events of its grows not yet run, to
+    /// publish now, and the requests the last pass finished, to deliver after them.
+    pub(super) fn apply_stretch(&mut self, w: usize, start: Timestamp, passes: usize) -> StretchEnd {
         let Self {
             workers,
             reqs,
@@ -133,7 +156,7 @@ impl Run<'_> {
         let ends = &worker.stretch_ends[..passes];
         let end = ends[passes - 1];
         let last_start = if passes >= 2 { ends[passes - 2] } else { start };
-        let events = worker.host.engine_mut().finish_decode_stretch(
+        let stretch_end = worker.host.engine_mut().finish_decode_stretch(
             &mut worker.stretch,
             passes as u32,
             last_start,
@@ -148,7 +171,8 @@ impl Run<'_> {
             totals.prefill_busy_nanos += busy;
         }
         let mut with_first_token = 0;
-        for id in worker.host.engine().running_requests() {
+        let finished = stretch_end.finished.iter().map(|f| &f.request);
+        for id in worker.host.engine().running_requests().iter().chain(finished) {
             let s = reqs.tokens_mut(id.0 as usize);
             if s.emitted_first {
                 totals.itl.add(ends[0].saturating_since(s.last_token));
@@ -160,6 +184,6 @@ impl Run<'_> {
         // The gaps between the passes, for every request with its first token.
         let gaps = ends.windows(2).map(|p| p[1].0.saturating_sub(p[0].0));
         totals.itl.add_nanos_each(gaps, with_first_token);
-        events
+        stretch_end
     }
 }

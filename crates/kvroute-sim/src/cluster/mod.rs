@@ -29,16 +29,18 @@
 //!
 //! Fast-forward ([`SimConfig::fast_forward`]): when an engine's next passes only decode
 //! ([`Engine::plan_decode_stretch`](kvroute_engine::Engine::plan_decode_stretch): every running
-//! request decodes one token, none finishes, nothing is admitted and the blocks they allocate
-//! are free), the run computes their end times and pushes one `Step` event, keyed as the pass it
-//! stands for would have been, for the first of them that allocates or completes a block (its
-//! KV events are published when it ends, and the event of the next such pass is pushed) or
-//! else for the last. The skipped passes are applied when that last event comes, or earlier
-//! when something touches the engine (a request or import sent to it, a transfer landing):
-//! then exactly the passes whose keys come before the current event's are applied, the pass in
-//! flight is started as it was, and the stretch's event is dropped. A step's key does not
-//! depend on the sequence number, so the order of events, and every result, is the same with
-//! fast-forward on or off.
+//! request decodes one token, only the last may finish some, nothing is admitted and the blocks
+//! they allocate are free), the run computes their end times and pushes one `Step` event, keyed
+//! as the pass it stands for would have been, for the first of them that allocates or completes
+//! a block (its KV events are published when it ends, and the event of the next such pass is
+//! pushed) or else for the last, whose finished requests are delivered when it ends. The skipped
+//! passes are applied when that last event comes, or earlier when something touches the engine
+//! (a request or import sent to it, a transfer landing): then exactly the passes whose keys
+//! come before the current event's are applied, the pass in flight is started as it was, and
+//! the stretch's event is dropped. A step's key does not depend on the sequence number, so the
+//! order of events, and every result, is the same with fast-forward on or off; a time-series
+//! sample inside a last pass counts its engine's running requests without those it finishes,
+//! as a step, which retires them when it starts, shows them.
 //!
 //! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
 //! the prefill engine with an output of one token (a prefill-only vLLM instance: the first
@@ -541,13 +543,17 @@ impl<'w> Run<'w> {
 
     /// Records one sample of the time series and schedules the next while work remains.
     fn sample(&mut self) {
+        if self.series.is_none() {
+            return;
+        }
+        let running: Vec<usize> = (0..self.workers.len()).map(|w| self.running_now(w)).collect();
         let Some(series) = &mut self.series else {
             return;
         };
         series.time_s.push(self.now.as_secs_f64());
         let mut waiting = 0;
         for (i, w) in self.workers.iter().enumerate() {
-            let (running, queued) = (w.host.engine().num_running(), w.host.engine().num_waiting());
+            let (running, queued) = (running[i], w.host.engine().num_waiting());
             waiting += queued as u32;
             series.worker_requests[i].push((running + queued) as u32);
             series.worker_kv_use[i].push(w.kv_use);
