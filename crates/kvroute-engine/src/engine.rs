@@ -102,6 +102,21 @@ impl DecodeStretch {
         self.finishing
     }
 
+    /// Plans only the first `k` passes (at least one, at most those planned; the grows of the
+    /// others are dropped, and so are the requests the last planned pass would finish). The
+    /// engine may then take requests ([`Engine::add_request`], not imports) before
+    /// [`Engine::finish_decode_stretch`] ends the stretch after pass `k`: they wait for the
+    /// pass after it, as behind a step.
+    pub fn truncate(&mut self, k: u32) {
+        debug_assert!(k >= 1 && k <= self.passes, "a stretch keeps some of its passes");
+        if k < self.passes {
+            self.passes = k;
+            self.finishing = 0;
+            self.grows.truncate(self.grows.partition_point(|&(p, _)| p <= k));
+            self.allocs.truncate(self.allocs.partition_point(|&p| p <= k));
+        }
+    }
+
     fn clear(&mut self) {
         self.passes = 0;
         self.context = 0;
@@ -335,7 +350,8 @@ impl Engine {
     /// them, and the passes before [`DecodeStretch::next_grow`] change nothing but the running
     /// requests' progress. A driver may skip them
     /// ([`Engine::decode_stretch_ends`], [`Engine::run_decode_stretch`],
-    /// [`Engine::finish_decode_stretch`]) as long as nothing else touches the engine meanwhile.
+    /// [`Engine::finish_decode_stretch`]) as long as nothing else touches the engine meanwhile
+    /// (but requests added to a stretch cut at the pass in flight, [`DecodeStretch::truncate`]).
     pub fn plan_decode_stretch(&self, stretch: &mut DecodeStretch) -> u32 {
         stretch.clear();
         let s = &self.scheduler;

@@ -1,7 +1,8 @@
 //! Stretches of decode passes: an engine that runs every stretch it plans (its grows at their
 //! passes, the rest skipped) ends every pass exactly as one that steps through them all, with
 //! the same KV events and its invariants holding after every stretch and pass, a stretch cut
-//! short and a request aborted after it included.
+//! short and a request aborted after it included, and a stretch cut at its pass in flight to
+//! take a request.
 
 mod common;
 
@@ -10,16 +11,30 @@ use kvroute_core::ids::RequestId;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::{DecodeStretch, Engine, StretchEnd};
 
+/// How a test touches the engines after cutting a stretch short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Touch {
+    None,
+    /// The middle running request is aborted after the stretch.
+    Abort,
+    /// A request comes while the stretch's last pass runs, the stretch truncated to it.
+    Arrival,
+}
+
 /// Runs two engines under `config` on the same requests (`requests` of them, some sharing a
 /// prompt prefix, the later ones added partway), one stepping every pass, the other running
 /// every stretch [`Engine::plan_decode_stretch`] plans: its grows at their passes and the rest
 /// skipped. Every pass of a stretch ends when the stepped one does, with the stepped pass's KV
-/// events, in order, and decodes every running request and nothing else. With `abort`, the
-/// first stretch of two or more passes with two or more running is cut halfway (as a driver
-/// cuts one when a request arrives) and the middle running request aborted in both. Returns
+/// events, in order, and decodes every running request and nothing else. With a [`Touch`], the
+/// first stretch of two or more passes with two or more running (and, to take a request, one
+/// left to come) is cut halfway and the engines touched there. Returns
 /// the passes run in stretches, those of them that had KV events, and those that finished
 /// requests (only a stretch's last pass may).
-fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abort: bool) -> (u64, u64, u64) {
+fn stretch_against_step(
+    config: kvroute_engine::EngineConfig,
+    requests: u32,
+    touch: Touch,
+) -> (u64, u64, u64) {
     let mut stepped = Engine::new(config.clone()).expect("valid config");
     let mut skipping = Engine::new(config).expect("valid config");
     let prompt = |i: u32| {
@@ -41,7 +56,7 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
     let (mut later, mut real) = (requests / 2, 0);
     let (mut stretched, mut with_events, mut finishing) = (0, 0, 0);
     let (mut stretch, mut ends) = (DecodeStretch::default(), Vec::new());
-    let (mut now, mut aborted) = (Timestamp::ZERO, false);
+    let (mut now, mut touched) = (Timestamp::ZERO, false);
     loop {
         // Every few real passes a request arrives, and whenever the engines are idle.
         let idle = skipping.next_wakeup().is_none();
@@ -69,11 +84,23 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
         assert_eq!(ends.len(), k as usize);
         let running = skipping.running_requests().to_vec();
         let planned_finishing = stretch.finishing() as usize;
-        let cut = abort && !aborted && k >= 2 && running.len() >= 2;
+        let cut = touch != Touch::None
+            && !touched
+            && k >= 2
+            && running.len() >= 2
+            && (touch != Touch::Arrival || later < requests);
         let k = if cut { k / 2 } else { k };
+        if cut && touch == Touch::Arrival {
+            stretch.truncate(k);
+        }
         for p in 1..=k {
+            let arrival = p == k && cut && touch == Touch::Arrival;
             let StretchEnd { events, finished } = if p == k {
                 let last_start = if k >= 2 { ends[k as usize - 2] } else { at };
+                if arrival {
+                    // The request comes while pass `k` runs (after it started, before it ends).
+                    add(&mut skipping, last_start, later);
+                }
                 skipping.finish_decode_stretch(&mut stretch, k, last_start, ends[k as usize - 1])
             } else if stretch.next_grow() == Some(p) {
                 StretchEnd {
@@ -85,6 +112,10 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
             };
             let next = stepped.next_wakeup().expect("the stepped engine has work");
             let out = stepped.step(next).expect("the stepped engine keeps up");
+            if arrival {
+                add(&mut stepped, next, later);
+                later += 1;
+            }
             assert_eq!(
                 out.end,
                 ends[p as usize - 1],
@@ -115,13 +146,15 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
         now = ends[k as usize - 1];
         stretched += u64::from(k);
         if cut {
-            let id = running[running.len() / 2];
-            assert!(skipping.abort_request(id) && stepped.abort_request(id));
-            skipping.check_invariants().expect("engine invariants");
-            aborted = true;
+            if touch == Touch::Abort {
+                let id = running[running.len() / 2];
+                assert!(skipping.abort_request(id) && stepped.abort_request(id));
+                skipping.check_invariants().expect("engine invariants");
+            }
+            touched = true;
         }
     }
-    assert_eq!(aborted, abort, "the abort happened");
+    assert_eq!(touched, touch != Touch::None, "the engines were touched");
     assert_eq!(stepped.next_wakeup(), None, "both engines finish together");
     assert_eq!(later, requests, "every request came");
     assert_eq!(
@@ -135,7 +168,8 @@ fn stretch_against_step(config: kvroute_engine::EngineConfig, requests: u32, abo
 fn stretches_across_block_boundaries_match_stepping() {
     // Blocks of 8 tokens; the default pool of 64 blocks fills, so blocks are evicted (`removed`
     // events inside stretches) and the free blocks bound some stretches.
-    let (stretched, with_events, finishing) = stretch_against_step(with(|c| c.block_size = 8), 12, false);
+    let (stretched, with_events, finishing) =
+        stretch_against_step(with(|c| c.block_size = 8), 12, Touch::None);
     assert!(
         stretched > 0 && with_events > 0 && finishing > 0,
         "stretches crossed blocks and finished requests: {stretched}, {with_events}, {finishing}"
@@ -170,13 +204,21 @@ fn stretches_match_stepping_under_every_timing_path() {
         }),
     ];
     for config in configs {
-        let (stretched, _, _) = stretch_against_step(config, 10, false);
+        let (stretched, _, _) = stretch_against_step(config, 10, Touch::None);
         assert!(stretched > 0, "some passes were run in stretches");
     }
 }
 
 #[test]
 fn a_stretch_cut_short_then_an_abort_leave_the_others_exact() {
-    let (stretched, _, _) = stretch_against_step(with(|c| c.block_size = 16), 8, true);
+    let (stretched, _, _) = stretch_against_step(with(|c| c.block_size = 16), 8, Touch::Abort);
     assert!(stretched > 0, "some passes were run in stretches");
+}
+
+#[test]
+fn a_stretch_truncated_to_its_pass_in_flight_takes_a_request_exactly() {
+    for block_size in [8, 16] {
+        let (stretched, _, _) = stretch_against_step(with(|c| c.block_size = block_size), 10, Touch::Arrival);
+        assert!(stretched > 0, "some passes were run in stretches");
+    }
 }

@@ -69,7 +69,7 @@ impl Run<'_> {
             }
             None => self.reqs[i].worker.expect("a routed request has a worker") as usize,
         };
-        self.materialize(w)?;
+        self.cut_stretch(w)?;
         self.reqs[i].queued_on = Some(w as u32);
         self.workers[w].queued_prefill_tokens += u64::from(self.reqs.request(i)?.prompt_tokens);
         let worker = &mut self.workers[w];

@@ -75,6 +75,29 @@ impl Run<'_> {
         Ok(true)
     }
 
+    /// A request is sent to engine `w` while the current event is handled: a stretch of it
+    /// ends with the pass in flight (the request waits for the next pass, as behind a step), and
+    /// its event is that pass's, unless a grow before it comes first.
+    pub(super) fn cut_stretch(&mut self, w: usize) -> Result<(), SimError> {
+        let Some(start) = self.workers[w].stretch_start else {
+            return Ok(());
+        };
+        let (done, _) = self.passes_ended(w, start);
+        let worker = &mut self.workers[w];
+        if done == worker.stretch_ends.len() {
+            return Err(SimError::Invariant(format!(
+                "worker {w}: a skipped pass ended before the request sent to it"
+            )));
+        }
+        if done + 1 < worker.stretch_ends.len() {
+            worker.stretch.truncate(done as u32 + 1);
+            worker.stretch_ends.truncate(done + 1);
+            worker.generation += 1;
+            self.push_stretch_event(w, start);
+        }
+        Ok(())
+    }
+
     /// Engine `w` is touched while the current event is handled: applies the skipped passes
     /// that end before it (their events' keys are smaller), starts the pass in flight as it was
     /// started, and replaces the stretch's event with that pass's.
