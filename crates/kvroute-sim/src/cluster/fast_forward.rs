@@ -4,6 +4,7 @@ use kvroute_core::router::WorkerRole;
 use kvroute_core::time::Timestamp;
 use kvroute_engine::StretchEnd;
 
+use crate::config::Topology;
 use crate::error::SimError;
 
 use super::{Event, Run, kv_use};
@@ -77,11 +78,17 @@ impl Run<'_> {
 
     /// A request is sent to engine `w` while the current event is handled: a stretch of it
     /// ends with the pass in flight (the request waits for the next pass, as behind a step), and
-    /// its event is that pass's, unless a grow before it comes first.
+    /// its event is that pass's, unless a grow before it comes first. In a disaggregated fleet
+    /// an import may touch the engine later in that pass, and [`Self::materialize`] then starts
+    /// the pass in flight as a step, which must not take the request: there the stretch is
+    /// materialized now, as for any touch.
     pub(super) fn cut_stretch(&mut self, w: usize) -> Result<(), SimError> {
         let Some(start) = self.workers[w].stretch_start else {
             return Ok(());
         };
+        if matches!(self.config.topology, Topology::Disaggregated { .. }) {
+            return self.materialize(w);
+        }
         let (done, _) = self.passes_ended(w, start);
         let worker = &mut self.workers[w];
         if done == worker.stretch_ends.len() {

@@ -37,8 +37,8 @@
 //! passes are applied when that last event comes, or earlier when something touches the engine
 //! (an import sent to it, a transfer landing): then exactly the passes whose keys come before
 //! the current event's are applied, the pass in flight is started as it was, and the stretch's
-//! event is dropped. A request sent to it only cuts the stretch after the pass in flight (the
-//! request waits for the next pass either way). A step's key does not depend on the sequence number, so the
+//! event is dropped. In an aggregated fleet a request sent to it only cuts the stretch after the
+//! pass in flight (the request waits for the next pass either way). A step's key does not depend on the sequence number, so the
 //! order of events, and every result, is the same with fast-forward on or off; a time-series
 //! sample inside a last pass counts its engine's running requests without those it finishes,
 //! as a step, which retires them when it starts, shows them.
