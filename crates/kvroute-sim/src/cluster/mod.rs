@@ -38,10 +38,11 @@
 //! (an import sent to it, a transfer landing): then exactly the passes whose keys come before
 //! the current event's are applied, the pass in flight is started as it was, and the stretch's
 //! event is dropped. In an aggregated fleet a request sent to it only cuts the stretch after the
-//! pass in flight (the request waits for the next pass either way). A step's key does not depend on the sequence number, so the
-//! order of events, and every result, is the same with fast-forward on or off; a time-series
-//! sample inside a last pass counts its engine's running requests without those it finishes,
-//! as a step, which retires them when it starts, shows them.
+//! pass in flight (the request waits for the next pass either way). A step's key does not
+//! depend on the sequence number, so the order of events, and every result, is the same with
+//! fast-forward on or off. A step retires the requests it finishes when its pass starts, so a
+//! time-series sample inside a stretch's last pass counts its engine's running requests without
+//! those that pass finishes.
 //!
 //! A disaggregated request (the router's decision names a prefill worker) runs its prompt on
 //! the prefill engine with an output of one token (a prefill-only vLLM instance: the first
@@ -544,17 +545,14 @@ impl<'w> Run<'w> {
 
     /// Records one sample of the time series and schedules the next while work remains.
     fn sample(&mut self) {
-        if self.series.is_none() {
-            return;
-        }
-        let running: Vec<usize> = (0..self.workers.len()).map(|w| self.running_now(w)).collect();
-        let Some(series) = &mut self.series else {
+        // Out while the fleet is read (`running_now` borrows the run), back before the next one.
+        let Some(mut series) = self.series.take() else {
             return;
         };
         series.time_s.push(self.now.as_secs_f64());
         let mut waiting = 0;
         for (i, w) in self.workers.iter().enumerate() {
-            let (running, queued) = (running[i], w.host.engine().num_waiting());
+            let (running, queued) = (self.running_now(i), w.host.engine().num_waiting());
             waiting += queued as u32;
             series.worker_requests[i].push((running + queued) as u32);
             series.worker_kv_use[i].push(w.kv_use);
@@ -567,6 +565,7 @@ impl<'w> Run<'w> {
         } else {
             hits as f64 / queries as f64
         });
+        self.series = Some(series);
         if self.more_work()
             && let Some(interval) = self.config.sample_interval
         {
