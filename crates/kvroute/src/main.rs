@@ -11,9 +11,10 @@ use kvroute::serve::{LogFormat, init_logging_as};
 
 /// mimalloc, not glibc's malloc: the proxy allocates and frees small buffers on every request
 /// and chunk (glibc's malloc and free were a fifth of a unary request's instructions; 10% fewer
-/// instructions a request with mimalloc). Built without its transparent-huge-page advice
-/// (`no_thp`), which raised the replay's peak memory by a quarter and its system time. See
-/// BENCHMARKS.md, "The global allocator".
+/// instructions a request with mimalloc). With its transparent-huge-page advice: a replay on a
+/// large fleet reads its engines' and index's state scattered over gigabytes, and 2 MiB pages
+/// spare most of its address-translation misses (a tenth of a loaded replay's user time, half
+/// its system time) for a fifth more peak memory. See BENCHMARKS.md, "The global allocator".
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
