@@ -245,6 +245,7 @@ impl Fleet {
         };
         self.workers[slot].churn.record(now, blocks);
         self.lows.recorded(now);
+        self.lows.rekey(slot, self.workers[slot].churn_key());
         true
     }
 
@@ -254,6 +255,18 @@ impl Fleet {
         let workers = &self.workers;
         let keys = self.loaded.iter().map(|&slot| workers[slot as usize].churn_key());
         self.lows.at(now, keys)
+    }
+
+    /// The requests booked on the worker at `slot` (0 if it is not loaded), read without its
+    /// load (see the `lows` module).
+    pub(crate) fn booked_of(&self, slot: usize) -> u32 {
+        self.lows.requests_of(slot)
+    }
+
+    /// At most the eviction pressure of the worker at `slot` at `now`, read without it (see the
+    /// `lows` module).
+    pub(crate) fn pressure_floor_of(&self, slot: usize, now: Timestamp) -> f64 {
+        self.lows.pressure_of(slot, now)
     }
 
     pub(crate) fn get(&self, key: WorkerKey) -> Option<&FleetWorker> {
@@ -505,6 +518,7 @@ impl Fleet {
         self.computing_keys.resize(self.workers.len(), None);
         self.lows.reset(self.workers.len());
         for slot in 0..self.workers.len() {
+            self.lows.rekey(slot, self.workers[slot].churn_key());
             self.workers[slot].member = Membership::DrainingIdle;
             self.join(slot);
             self.reorder(slot);

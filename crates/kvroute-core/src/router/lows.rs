@@ -12,6 +12,11 @@
 //!   at one rate and a key only grows, so the lowest key names the lowest pressure at any later
 //!   time. The lowest key is lowered as a worker joins the loaded set and recomputed every
 //!   [`LoadedLows::REFRESH_NS`] of the router's time, so it stays close.
+//!
+//! The same two figures are kept per slot ([`LoadedLows::requests_of`],
+//! [`LoadedLows::pressure_of`]), in arrays a scan reads without the workers' loads: the scan
+//! bounds each loaded worker the prompt overlaps by its own requests and pressure, far closer
+//! to its cost than the fleet's lows, before it reads the worker's load.
 
 use super::churn::Churn;
 use crate::time::Timestamp;
@@ -33,6 +38,8 @@ pub(crate) struct LoadedLows {
     by_requests: Vec<u32>,
     /// Per slot, the count it is filed under in `by_requests` (0: not filed).
     requests_of: Vec<u32>,
+    /// Per slot, its worker's churn key, loaded or not ([`LoadedLows::rekey`]).
+    keys_of: Vec<f64>,
     /// At most the churn key of every loaded worker.
     churn_key: f64,
     /// When `churn_key` was last recomputed.
@@ -46,6 +53,7 @@ impl Default for LoadedLows {
         LoadedLows {
             by_requests: Vec::new(),
             requests_of: Vec::new(),
+            keys_of: Vec::new(),
             churn_key: f64::INFINITY,
             refreshed: None,
             latest: Timestamp::ZERO,
@@ -62,6 +70,7 @@ impl LoadedLows {
     pub(crate) fn reset(&mut self, slots: usize) {
         *self = LoadedLows {
             requests_of: vec![0; slots],
+            keys_of: vec![f64::NEG_INFINITY; slots],
             latest: self.latest,
             ..LoadedLows::default()
         };
@@ -83,6 +92,22 @@ impl LoadedLows {
             }
             self.by_requests[n] += 1;
         }
+    }
+
+    /// The worker at `slot` has churn key `key` (it evicted, or its slot was filled).
+    pub(crate) fn rekey(&mut self, slot: usize, key: f64) {
+        self.keys_of[slot] = key;
+    }
+
+    /// The requests booked on the worker at `slot` (0 if it is not loaded).
+    pub(crate) fn requests_of(&self, slot: usize) -> u32 {
+        self.requests_of[slot]
+    }
+
+    /// At most the eviction pressure of the worker at `slot` at `now` (up to rounding, some
+    /// 1e-12 of it).
+    pub(crate) fn pressure_of(&self, slot: usize, now: Timestamp) -> f64 {
+        Churn::pressure_floor(self.keys_of[slot], self.latest, now)
     }
 
     /// A worker whose churn key is `key` joined the loaded set.
@@ -117,10 +142,17 @@ impl LoadedLows {
     }
 
     /// Checks the lows against the loaded workers, each as `(slot, requests, churn key)`: the
-    /// count per request count, and every key at least the lowest kept (up to rounding).
+    /// count per request count, each slot's key, and every key at least the lowest kept (up to
+    /// rounding).
     pub(crate) fn check(&self, loaded: impl Iterator<Item = (usize, u32, f64)>) -> Result<(), String> {
         let mut by_requests = vec![0u32; self.by_requests.len()];
         for (slot, requests, key) in loaded {
+            if self.keys_of[slot].to_bits() != key.to_bits() {
+                return Err(format!(
+                    "slot {slot} is keyed {}, its churn key is {key}",
+                    self.keys_of[slot]
+                ));
+            }
             if requests == 0 || self.requests_of[slot] != requests {
                 return Err(format!(
                     "slot {slot} is filed under {} requests, has {requests}",

@@ -25,7 +25,11 @@
 //! The loaded workers are visited without costing them all. A loaded worker's depth walk (a
 //! read of its active set) is spared when its lowest possible cost ([`bound`], the cost at the
 //! deepest depth) is above the lowest cost so far: it cannot be tied at the minimum. The loaded
-//! workers the prompt overlaps are visited first; the others, whose bound is at least their
+//! workers the prompt overlaps are visited first, each spared unread while its floor plus the
+//! request's part plus the cross terms at its own requests booked and eviction pressure (which
+//! the fleet keeps per slot, apart from the workers) is above the lowest cost so far; on a
+//! loaded fleet a prompt's prefix is on dozens of workers, and this reads the load of about
+//! one a decision. The others, whose bound is at least their
 //! [`floor`] (the part no request changes) plus the request's plus the cross terms at their
 //! lowest over the loaded workers ([`cross_floor`]: the fewest requests booked on one and the
 //! least eviction pressure, which the fleet keeps: the `lows` module), in the fleet's order of
@@ -365,9 +369,10 @@ fn request_floor(
 }
 
 /// The part of a loaded worker's bound that its floor and the request's part at `overlap`
-/// leave out, at its lowest over the loaded workers (`lows`): the eviction pressure's and the
-/// stall term's (the cross terms of [`floor`]: the prompt's uncached blocks times the worker's
-/// pressure or booked requests), on a worker of `role` that prefills; 0 on others.
+/// leave out, at most: the eviction pressure's and the stall term's (the cross terms of
+/// [`floor`]: the prompt's uncached blocks times the worker's pressure or booked requests) at
+/// `lows`, which the worker has at least (the fleet's lows, or its own), on a worker of `role`
+/// that prefills; 0 on others.
 fn cross_floor(
     role: WorkerRole,
     overlap: Overlap,
@@ -571,10 +576,13 @@ impl Router {
             }
         };
         // The loaded workers the prompt overlaps: each one's floor plus the request's part at
-        // its overlap (see [`floor`]; the parts are few, one per distinct role and overlap), then
-        // the lowest of them visited first, and every other whose is not above the lowest cost
-        // by then.
+        // its overlap (see [`floor`]; the parts are few, one per distinct role and overlap) plus
+        // the stall term at its own requests booked, then the lowest of them visited first, and
+        // every other whose is not above the lowest cost by then, nor with the eviction term at
+        // its own pressure added (both kept per slot by the fleet: read without the worker's
+        // load, the pressure only where the rest does not spare the worker).
         let floors = self.fleet.floors(stage.roles(), params);
+        let fleet = &self.fleet;
         let mut lower = std::mem::take(&mut s.lower);
         lower.clear();
         s.parts.clear();
@@ -590,22 +598,41 @@ impl Router {
             eligible += 1;
             let floor = floors.and_then(|f| f[slot]).map(f64::from_bits);
             let overlap = overlap.within(blocks);
-            let lb = floor
-                .zip(s.request_part(w, overlap, params, view))
-                .map_or(f64::NEG_INFINITY, |(f, r)| {
-                    f + r + cross_floor(w.spec.role, overlap, lows, params, view)
-                });
+            let lb =
+                floor
+                    .zip(s.request_part(w, overlap, params, view))
+                    .map_or(f64::NEG_INFINITY, |(f, r)| {
+                        let booked = Lows {
+                            requests: fleet.booked_of(slot),
+                            pressure: 0.0,
+                        };
+                        f + r + cross_floor(w.spec.role, overlap, booked, params, view)
+                    });
             lower.push((lb, slot));
         }
         let first = (0..lower.len()).min_by(|&i, &j| lower[i].0.total_cmp(&lower[j].0));
         if let Some(i) = first {
             lower.swap(0, i);
         }
+        let spared = |lb: f64, lowest: &Lowest| {
+            !unbounded && lowest.0.is_some_and(|low| lb * (1.0 - FLOOR_SLACK) > low)
+        };
         for &(lb, slot) in &lower {
-            if !unbounded && lowest.0.is_some_and(|low| lb * (1.0 - FLOOR_SLACK) > low) {
+            let (w, overlap) = (&workers[slot], overlap_of(slot));
+            if spared(lb, &lowest) {
                 continue;
             }
-            visit(&workers[slot], overlap_of(slot), &mut lowest, s);
+            let pressed = Lows {
+                requests: 0,
+                pressure: fleet.pressure_floor_of(slot, view.now),
+            };
+            if spared(
+                lb + cross_floor(w.spec.role, overlap.within(blocks), pressed, params, view),
+                &lowest,
+            ) {
+                continue;
+            }
+            visit(w, overlap, &mut lowest, s);
         }
         s.lower = lower;
         // The others, of each role the stage admits, by ascending floor (see [`floor`]): once a
@@ -1117,6 +1144,15 @@ mod tests {
             prop_assert!(
                 bound >= (sum + cross) * (1.0 - FLOOR_SLACK),
                 "bound {bound} below {floor} + {request} + {cross}"
+            );
+            // And summed in two steps, the stall term then the eviction term, as the scan does
+            // for a worker the prompt overlaps.
+            let overlap = overlap.within(blocks as u32);
+            let stall = cross_floor(role, overlap, Lows { pressure: 0.0, ..lows }, &params, &view);
+            let evict = cross_floor(role, overlap, Lows { requests: 0, ..lows }, &params, &view);
+            prop_assert!(
+                bound >= (sum + stall + evict) * (1.0 - FLOOR_SLACK),
+                "bound {bound} below {floor} + {request} + {stall} + {evict}"
             );
             // The eviction pressure and the stall term (booked requests times the prompt's
             // uncached blocks) are the cross terms; without them the bound is the sum.
