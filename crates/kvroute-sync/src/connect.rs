@@ -274,8 +274,7 @@ mod tests {
 
     #[test]
     fn a_credentials_file_is_checked_without_naming_its_content() {
-        let dir = std::env::temp_dir().join(format!("kvroute-creds-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = kvroute_testkit::Scratch::new("creds");
         // As `nsc` writes one: a user JWT (opaque here) and an NKey user seed.
         let seed = nkeys::KeyPair::new_user().seed().unwrap();
         let good = dir.join("good.creds");
@@ -297,6 +296,5 @@ mod tests {
         );
         let err = check_credentials_file(&dir.join("missing.creds")).unwrap_err();
         assert!(err.contains("No such file"), "{err}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

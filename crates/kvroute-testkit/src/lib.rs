@@ -7,11 +7,12 @@
 //!   (`nats-server`, Python with pyzmq, `dnsmasq`) skips, saying so, where it is absent; in CI (`CI` set to
 //!   `true` or `1`) it fails instead, naming the install step, so a missing install can never
 //!   pass as a green run.
+//! - [`Scratch`]: a directory of a test's own under the system temp dir, removed on drop.
 //! - [`Pki`]: a CA and the certificates it signed, made at test time, for TLS tests.
 
 use std::fmt::Display;
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -128,12 +129,90 @@ fn require_in(run: Run, dependency: External, found: bool) -> bool {
     false
 }
 
+/// A directory of its own for one test's files under the system temp dir, removed with
+/// everything in it on drop. Its name is `kvroute-{name}-{pid}-{n}`, `n` counting the scratch
+/// directories this process made, so no two tests (nor two runs) share one.
+///
+/// A test keeps it alive as long as anything uses its files: a helper that makes one returns
+/// it, not only its path. A test whose files tell why it failed (a worker's log) may keep them
+/// then ([`Scratch::keep_on_failure`]).
+#[derive(Debug)]
+pub struct Scratch {
+    dir: PathBuf,
+    keep_on_failure: bool,
+}
+
+impl Scratch {
+    /// Makes the directory, empty.
+    ///
+    /// # Panics
+    /// If the directory cannot be made (a test's setup).
+    pub fn new(name: &str) -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvroute-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        // A directory of this name is a dead process's, whose pid this one now has.
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            panic!("cannot make the scratch directory {}: {e}", dir.display());
+        }
+        Self {
+            dir,
+            keep_on_failure: false,
+        }
+    }
+
+    /// The same directory, left in place when it is dropped while the test panics (its path
+    /// printed, so that its files can be read); removed as usual when the test passes.
+    #[must_use]
+    pub fn keep_on_failure(mut self) -> Self {
+        self.keep_on_failure = true;
+        self
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The path of `name` in the directory.
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Writes `contents` to the file `name` in the directory; its path.
+    ///
+    /// # Panics
+    /// If the file cannot be written.
+    pub fn write(&self, name: impl AsRef<Path>, contents: impl AsRef<[u8]>) -> PathBuf {
+        let path = self.join(name);
+        if let Err(e) = std::fs::write(&path, contents) {
+            panic!("cannot write {}: {e}", path.display());
+        }
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.keep_on_failure && std::thread::panicking() {
+            eprintln!("kept for the failed test: {}", self.dir.display());
+            return;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// A CA, and a server and a client certificate it signed (for `localhost` and 127.0.0.1), as PEM
-/// files in a directory of their own, removed on drop: `ca.pem`, `server.pem`, `server-key.pem`,
-/// `client.pem`, `client-key.pem`. A test may write its own files beside them ([`Pki::write`]).
+/// files in a [`Scratch`] directory of their own, removed on drop: `ca.pem`, `server.pem`,
+/// `server-key.pem`, `client.pem`, `client-key.pem`. A test may write its own files beside them
+/// ([`Pki::write`]).
 #[derive(Debug)]
 pub struct Pki {
-    dir: PathBuf,
+    dir: Scratch,
 }
 
 impl Pki {
@@ -144,18 +223,12 @@ impl Pki {
     #[allow(clippy::unwrap_used)]
     pub fn new() -> Self {
         use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvroute-pki-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = Scratch::new("pki");
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca.distinguished_name.push(DnType::CommonName, "kvroute test CA");
         let ca_key = KeyPair::generate().unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.self_signed(&ca_key).unwrap().pem()).unwrap();
+        dir.write("ca.pem", ca.self_signed(&ca_key).unwrap().pem());
         let issuer = Issuer::new(ca, ca_key);
         for (name, cn) in [("server", "127.0.0.1"), ("client", "kvroute replica")] {
             let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
@@ -165,8 +238,8 @@ impl Pki {
             params.distinguished_name.push(DnType::CommonName, cn);
             let key = KeyPair::generate().unwrap();
             let cert = params.signed_by(&key, &issuer).unwrap();
-            std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-            std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).unwrap();
+            dir.write(format!("{name}.pem"), cert.pem());
+            dir.write(format!("{name}-key.pem"), key.serialize_pem());
         }
         Self { dir }
     }
@@ -180,23 +253,14 @@ impl Pki {
     ///
     /// # Panics
     /// If the file cannot be written.
-    #[allow(clippy::unwrap_used)]
     pub fn write(&self, name: &str, contents: &str) -> PathBuf {
-        let path = self.path(name);
-        std::fs::write(&path, contents).unwrap();
-        path
+        self.dir.write(name, contents)
     }
 }
 
 impl Default for Pki {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -240,6 +304,66 @@ mod tests {
     #[should_panic(expected = "the CI script must run `apt-get install nats-server`")]
     fn a_missing_dependency_fails_in_ci_naming_the_install_step() {
         let _ = require_in(Run::Ci, External::NatsServer, false);
+    }
+
+    #[test]
+    fn a_scratch_directory_is_its_own_and_goes_with_everything_in_it() {
+        let (a, b) = (Scratch::new("testkit"), Scratch::new("testkit"));
+        assert_ne!(a.path(), b.path());
+        let name = a.path().file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(
+            name.starts_with(&format!("kvroute-testkit-{}-", std::process::id())),
+            "{name}"
+        );
+        let file = a.write("f.txt", "text");
+        assert_eq!(file, a.join("f.txt"));
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "text");
+        std::fs::create_dir_all(a.join("sub/deeper")).unwrap();
+        a.write("sub/deeper/g", [1u8, 2]);
+        let dir = a.path().to_owned();
+        drop(a);
+        assert!(!dir.exists(), "{} is left", dir.display());
+        assert!(b.path().is_dir(), "another's stays");
+    }
+
+    #[test]
+    fn a_scratch_directory_kept_on_failure_goes_when_the_test_passes() {
+        let kept = Scratch::new("testkit-kept").keep_on_failure();
+        kept.write("log", "line");
+        let dir = kept.path().to_owned();
+        drop(kept);
+        assert!(!dir.exists(), "{} is left", dir.display());
+    }
+
+    #[test]
+    fn a_scratch_directory_kept_on_failure_stays_when_the_test_panics() {
+        let kept = Scratch::new("testkit-failed").keep_on_failure();
+        let dir = kept.path().to_owned();
+        let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _kept = kept;
+            panic!("the test fails (as this test means it to)");
+        }));
+        assert!(failed.is_err());
+        assert!(dir.is_dir(), "{} was removed", dir.display());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_pki_goes_with_its_directory() {
+        let pki = Pki::new();
+        let dir = pki.path("ca.pem").parent().unwrap().to_owned();
+        for file in [
+            "ca.pem",
+            "server.pem",
+            "server-key.pem",
+            "client.pem",
+            "client-key.pem",
+        ] {
+            assert!(pki.path(file).is_file(), "{file}");
+        }
+        pki.write("extra.conf", "x");
+        drop(pki);
+        assert!(!dir.exists(), "{} is left", dir.display());
     }
 
     #[test]

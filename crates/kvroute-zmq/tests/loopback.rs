@@ -240,8 +240,7 @@ async fn a_slow_consumer_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipc_endpoints_work_with_the_default_modes() {
-    let dir = std::env::temp_dir().join(format!("kvroute-zmq-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let dir = kvroute_testkit::Scratch::new("zmq");
     let path = |name: &str| format!("ipc://{}", dir.join(name).display());
     let publisher = EventPublisher::start(PublisherConfig {
         replay_endpoint: Some(path("replay.sock")),
@@ -259,5 +258,4 @@ async fn ipc_endpoints_work_with_the_default_modes() {
     );
     drop(handle);
     publisher.shutdown().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -802,15 +802,12 @@ mod tests {
     /// once, among the tables'; a bad flag is refused before any file is read.
     #[test]
     fn planner_flags_name_their_models_with_several() {
-        let dir = std::env::temp_dir().join(format!("kvroute-serve-plans-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("plan.toml");
-        std::fs::write(
-            &file,
+        let dir = kvroute_testkit::Scratch::new("serve-plans");
+        let file = dir.write(
+            "plan.toml",
             "[planner]\nmode = \"agg\"\nmax_gpu_budget = 2\n[planner.sla]\nttft_ms = 500\nitl_ms = 20\n\
              [actuator]\nkind = \"dry-run\"\n",
-        )
-        .unwrap();
+        );
         let path = file.display().to_string();
         let one = ServeConfig::default();
         let several = ServeConfig::from_toml_str(
@@ -841,6 +838,5 @@ mod tests {
             let e = models(config, &flags).unwrap_err();
             assert!(e.contains(says), "{flags:?}: {e}");
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -18,13 +18,11 @@ use cluster::*;
 use kvroute_planner::Pool;
 use kvroute_proxy::autoscale::actuator::{self, Actuator, ActuatorConfig, ProcessConfig, WorkerTemplate};
 use kvroute_proxy::autoscale::process::{ProcessActuator, Started};
-use kvroute_testkit::{eventually, eventually_or};
+use kvroute_testkit::{Scratch, eventually, eventually_or};
 
-/// A fresh folder for worker logs.
-fn log_dir(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-actuators-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A fresh folder for worker logs, removed when it is dropped unless the test fails.
+fn log_dir(test: &str) -> Scratch {
+    Scratch::new(&format!("actuators-{test}")).keep_on_failure()
 }
 
 /// `kvroute mock` at 20x as the agg pool's worker command, with its worker line.
@@ -81,7 +79,10 @@ async fn until_group_gone(pgid: u32) {
 async fn a_started_worker_joins_when_it_serves_the_model_warms_and_leaves_on_sigterm() {
     let c = empty_proxy().await;
     let dir = log_dir("lifecycle");
-    let config = ActuatorConfig::Process(Box::new(process_config(mock_template(&[]), Some(dir.clone()))));
+    let config = ActuatorConfig::Process(Box::new(process_config(
+        mock_template(&[]),
+        Some(dir.path().to_owned()),
+    )));
     // The constructor the planner's loop uses, and the same actuator typed, to see its processes.
     let _built: Arc<dyn Actuator> = actuator::build(&config, Arc::clone(&c.proxy.fleet)).unwrap();
     let ActuatorConfig::Process(p) = config else {
@@ -135,7 +136,6 @@ async fn a_started_worker_joins_when_it_serves_the_model_warms_and_leaves_on_sig
     assert!(log.contains("mock worker: http://127.0.0.1:"), "{log}");
     assert!(log.contains("SIGTERM; exiting"), "{log}");
     assert!(driver.worker_statuses().is_empty());
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,8 +143,7 @@ async fn a_worker_that_ignores_sigterm_is_killed_when_its_grace_runs_out() {
     let c = empty_proxy().await;
     // It never serves the model (it is no server), so it stays pending until released. It says
     // when it ignores SIGTERM (a file), so the release cannot come before the trap.
-    let dir = log_dir("stubborn");
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("actuators-stubborn");
     let trapped = dir.join("trapped");
     let stubborn = WorkerTemplate {
         command: [
@@ -414,7 +413,7 @@ async fn dropping_the_actuator_sigterms_its_workers() {
     let c = empty_proxy().await;
     let dir = log_dir("shutdown");
     let a = ProcessActuator::new(
-        process_config(mock_template(&[]), Some(dir.clone())),
+        process_config(mock_template(&[]), Some(dir.path().to_owned())),
         Arc::clone(&c.proxy.fleet),
     );
     a.provision(Pool::Agg);
@@ -427,5 +426,4 @@ async fn dropping_the_actuator_sigterms_its_workers() {
     until_group_gone(pid).await;
     let log = std::fs::read_to_string(dir.join("worker-0.log")).unwrap();
     assert!(log.contains("SIGTERM; exiting"), "{log}");
-    let _ = std::fs::remove_dir_all(dir);
 }

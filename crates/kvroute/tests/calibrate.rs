@@ -77,8 +77,7 @@ fn validate_simulates_what_it_can_and_names_why_it_cannot_the_rest() {
 
 #[test]
 fn bad_input_is_refused_naming_the_file_line_and_field() {
-    let dir = std::env::temp_dir().join(format!("kvroute-validate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = kvroute_testkit::Scratch::new("validate");
     for f in ["models.csv", "workload_profiles.csv"] {
         std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
     }
@@ -135,7 +134,6 @@ fn bad_input_is_refused_naming_the_file_line_and_field() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("model file"));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The shipped calibration set, where `../shared` exists: every run is simulated (stages cut
@@ -162,8 +160,7 @@ fn validate_runs_on_the_shared_calibration_set() {
 
 #[test]
 fn calibrate_writes_a_model_file_that_validate_reads() {
-    let dir = std::env::temp_dir().join(format!("kvroute-calibrate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = kvroute_testkit::Scratch::new("calibrate");
     for (from, to) in [
         ("runs.csv", "calibration_runs.csv"),
         ("models.csv", "models.csv"),
@@ -174,7 +171,7 @@ fn calibrate_writes_a_model_file_that_validate_reads() {
     let model = dir.join("model.toml");
     let out = kvroute()
         .arg("calibrate")
-        .arg(&dir)
+        .arg(dir.path())
         .arg("--out")
         .arg(&model)
         .output()
@@ -188,5 +185,4 @@ fn calibrate_writes_a_model_file_that_validate_reads() {
         &["--model-file", model_arg, "--max-stage-secs", "60"],
     );
     assert_eq!(summary["runs_simulated"], 3);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

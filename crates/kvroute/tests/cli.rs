@@ -2,8 +2,9 @@
 //! exits non-zero at once with one line that names the flag (or the file's key or line), and a
 //! report JSON says which version, configuration, seed and trace made it.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
+
+use kvroute_testkit::Scratch;
 
 /// Runs `kvroute` with `args`.
 fn kvroute(args: &[&str]) -> Output {
@@ -13,12 +14,9 @@ fn kvroute(args: &[&str]) -> Output {
         .expect("running kvroute")
 }
 
-/// A fresh scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+/// A fresh scratch directory for one test, removed when it is dropped.
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("cli-{name}"))
 }
 
 /// `kvroute args` fails with exactly one line on stderr that contains every one of `needles`.

@@ -1,24 +1,18 @@
 //! The config pipeline: a TOML file first, the flags over it, key by key.
 
-use std::path::PathBuf;
-
 use clap::Parser;
 use kvroute::config::layered;
 use kvroute::replay::{ReplayArgs, ReplayConfig};
 use kvroute::serve::ServeArgs;
 use kvroute_core::router::{RouterConfig, RouterSpec};
+use kvroute_testkit::Scratch;
 use proptest::prelude::*;
-
-fn file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("kvroute-config-{}-{name}.toml", std::process::id()));
-    std::fs::write(&path, text).expect("a config file");
-    path
-}
 
 #[test]
 fn file_only() {
-    let path = file(
-        "file-only",
+    let dir = Scratch::new("config");
+    let path = dir.write(
+        "file-only.toml",
         "workers = 4\nblock-size = 32\npolicy = [\"kv\", \"round-robin\"]\n",
     );
     let c = layered(Some(&path), &ReplayConfig::default()).unwrap();
@@ -40,7 +34,8 @@ fn flags_only() {
 
 #[test]
 fn both_and_the_flag_wins() {
-    let path = file("both", "workers = 4\nseed = 3\nrate = 2.5\n");
+    let dir = Scratch::new("config");
+    let path = dir.write("both.toml", "workers = 4\nseed = 3\nrate = 2.5\n");
     let flags = ReplayConfig {
         workers: Some(8),
         kv_lag_ms: Some(1.0),
@@ -55,7 +50,8 @@ fn both_and_the_flag_wins() {
 
 #[test]
 fn an_unknown_key_is_named() {
-    let path = file("unknown", "workers = 4\nblok-size = 32\n");
+    let dir = Scratch::new("config");
+    let path = dir.write("unknown.toml", "workers = 4\nblok-size = 32\n");
     let err = format!(
         "{:#}",
         layered(Some(&path), &ReplayConfig::default()).unwrap_err()
@@ -63,7 +59,7 @@ fn an_unknown_key_is_named() {
     assert!(err.contains("blok-size"), "{err}");
     assert!(err.contains("line 2"), "{err}");
     // snake_case is not a second spelling.
-    let path = file("snake", "block_size = 32\n");
+    let path = dir.write("snake.toml", "block_size = 32\n");
     let err = format!(
         "{:#}",
         layered(Some(&path), &ReplayConfig::default()).unwrap_err()
@@ -73,7 +69,8 @@ fn an_unknown_key_is_named() {
 
 #[test]
 fn a_wrong_type_is_named() {
-    let path = file("type", "seed = 1\nworkers = \"many\"\n");
+    let dir = Scratch::new("config");
+    let path = dir.write("type.toml", "seed = 1\nworkers = \"many\"\n");
     let err = format!(
         "{:#}",
         layered(Some(&path), &ReplayConfig::default()).unwrap_err()
@@ -85,8 +82,9 @@ fn a_wrong_type_is_named() {
 
 #[test]
 fn serve_workers_come_from_tables_or_flags_with_the_same_keys() {
-    let path = file(
-        "serve",
+    let dir = Scratch::new("config");
+    let path = dir.write(
+        "serve.toml",
         "queue-capacity = 64\nblock-size = 32\napproximate-tokenizer = true\n\
          [[worker]]\nurl = \"http://127.0.0.1:1\"\ndp = 2\nevents = \"tcp://127.0.0.1:5557\"\n\
          [[worker]]\nurl = \"http://127.0.0.1:2\"\nmax-requests = 8\n",
@@ -120,8 +118,9 @@ fn serve_discovery_keys_and_flags_agree() {
         all.extend_from_slice(argv);
         serve_config(&all)
     };
-    let path = file(
-        "discovery",
+    let dir = Scratch::new("config");
+    let path = dir.write(
+        "discovery.toml",
         "discover-dns = \"srv:_http._tcp.vllm\"\ndiscover-dns-server = \"127.0.0.1:5353\"\n\
          discover-file = \"/etc/kvroute/workers\"\ndiscover-interval-ms = 250\n\
          discover-worker-template = \"http://{host}:{port},events=tcp://{host}:5557\"\n\
@@ -163,8 +162,9 @@ fn serve_tenants_come_from_tables_and_their_headers_from_keys_or_flags() {
         all.extend_from_slice(argv);
         serve_config(&all)
     };
-    let path = file(
-        "tenants",
+    let dir = Scratch::new("config");
+    let path = dir.write(
+        "tenants.toml",
         "tenant-header = \"x-tenant\"\npriority-header = \"x-priority\"\nforward-priority = true\n\
          [[tenant]]\nname = \"chat\"\napi-keys = [\"sk-chat\"]\nweight = 3\n\
          [[tenant]]\nname = \"batch\"\nheader-values = [\"batch\"]\nrequests-per-interval = 10\n",
@@ -189,7 +189,7 @@ fn serve_tenants_come_from_tables_and_their_headers_from_keys_or_flags() {
     .unwrap();
     assert_eq!(flagged.tenants.tenant_header.as_deref(), Some("x-team"));
     assert!(!flagged.tenants.forward_priority);
-    let bad = file("tenants-bad", "[[tenant]]\nname = \"a\"\nweight = 0\n");
+    let bad = dir.write("tenants-bad.toml", "[[tenant]]\nname = \"a\"\nweight = 0\n");
     let err = format!("{:#}", serve(&["--config", bad.to_str().unwrap()]).unwrap_err());
     assert!(err.contains("weight"), "{err}");
 }
@@ -402,10 +402,14 @@ proptest! {
 #[test]
 fn a_router_spec_in_either_commands_file_makes_the_same_router() {
     let keys = "cache = \"approximate:ttl=120\"\ndecider = \"256\"\nblock-size = 64\n";
-    let serve = file("spec-serve", &format!("policy = \"kv:staged:scale=2\"\n{keys}"));
-    let replay = file(
-        "spec-replay",
-        &format!("policy = [\"kv:staged:scale=2\"]\n{keys}"),
+    let dir = Scratch::new("config");
+    let serve = dir.write(
+        "spec-serve.toml",
+        format!("policy = \"kv:staged:scale=2\"\n{keys}"),
+    );
+    let replay = dir.write(
+        "spec-replay.toml",
+        format!("policy = [\"kv:staged:scale=2\"]\n{keys}"),
     );
     let serve = serve_router(&["--config", serve.to_str().unwrap()]).unwrap();
     let replay = replay_router(&["--config", replay.to_str().unwrap()]).unwrap();
@@ -464,7 +468,8 @@ fn the_planner_files_engine_takes_a_model_and_its_gpus() {
 #[test]
 fn a_timing_file_beats_the_models_roofline() {
     use kvroute::hardware::{EngineChoice, Timing};
-    let path = file("timing", "kind = \"polynomial\"\n");
+    let dir = Scratch::new("config");
+    let path = dir.write("timing.toml", "kind = \"polynomial\"\n");
     let choice = EngineChoice {
         model: Some("llama-3.1-8b".to_owned()),
         ..EngineChoice::default()

@@ -123,13 +123,12 @@ proptest! {
 
     #[test]
     fn the_serve_pipeline_refuses_without_panicking(lines in prop::collection::vec(line(), 0..8)) {
-        let path = std::env::temp_dir().join(format!("kvroute-config-fuzz-{}.toml", std::process::id()));
-        std::fs::write(&path, lines.join("\n")).unwrap();
+        let dir = kvroute_testkit::Scratch::new("config-fuzz");
+        let path = dir.write("serve.toml", lines.join("\n"));
         let args = ServeArgs { config: Some(path.clone()), log_format: Default::default(), options: ServeOptions::default(), planner: Vec::new() };
         if let Err(e) = args.to_config() {
             let message = format!("{e:#}");
             prop_assert!(!message.is_empty());
         }
-        std::fs::remove_file(&path).unwrap();
     }
 }

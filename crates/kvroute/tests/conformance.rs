@@ -165,8 +165,7 @@ fn split_streams_conform_and_keep_the_guarantees() {
     if holes.is_file() {
         sources.push(("holes".to_owned(), OpStream::read(&holes).unwrap()));
     }
-    let dir = std::env::temp_dir().join(format!("kvroute-split-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = kvroute_testkit::Scratch::new("split");
     for (name, stream) in &sources {
         for factor in [1u32, 3, 8] {
             let split = stream.split(factor).unwrap();
@@ -204,7 +203,6 @@ fn split_streams_conform_and_keep_the_guarantees() {
             assert_eq!(back.header.workers, split.header.workers);
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -25,7 +25,7 @@ use kvroute_mock::{self as mock, MockConfig, MockWorker};
 use kvroute_proxy::config::DiscoveryConfig;
 use kvroute_proxy::worker::StateName;
 use kvroute_proxy::{Driver, ProxyHandle, ServeConfig, WorkerConfig};
-use kvroute_testkit::{External, PATIENCE, eventually_or, require};
+use kvroute_testkit::{External, PATIENCE, Scratch, eventually_or, require};
 use serde_json::{Value, json};
 
 /// How often the proxy asks its source again.
@@ -39,7 +39,7 @@ const STREAM_TOKENS: u32 = 1_000;
 struct Dnsmasq {
     binary: PathBuf,
     port: u16,
-    dir: PathBuf,
+    dir: Scratch,
     child: Option<Child>,
 }
 
@@ -61,8 +61,7 @@ impl Dnsmasq {
         if !require(External::Dnsmasq, found.is_some()) {
             return None;
         }
-        let dir = std::env::temp_dir().join(format!("kvroute-dnsmasq-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = Scratch::new(&format!("dnsmasq-{name}"));
         let mut server = Self {
             binary: found.unwrap(),
             port: 0,
@@ -180,8 +179,8 @@ fn probe_query() -> Vec<u8> {
 
 impl Drop for Dnsmasq {
     fn drop(&mut self) {
+        // Stopped first: its directory goes after, with the fields.
         self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -456,8 +455,7 @@ fn replace(path: &Path, text: &str) {
 async fn workers_follow_a_file_replaced_by_rename_and_a_bad_or_missing_file_removes_nothing() {
     let mocks = mocks(2).await;
     let [a, b] = [&mocks[0], &mocks[1]];
-    let dir = std::env::temp_dir().join(format!("kvroute-discovery-file-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("discovery-file");
     let path = dir.join("workers");
     replace(&path, &format!("# the vLLM pods\n\n{}\n", a.url()));
     let proxy = proxy(
@@ -500,7 +498,6 @@ async fn workers_follow_a_file_replaced_by_rename_and_a_bad_or_missing_file_remo
     }
     complete(&client, &proxy).await;
     proxy.driver.check_invariants().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A records: one worker per address, all at `discover-port`. The mocks listen on 127.0.0.2 and

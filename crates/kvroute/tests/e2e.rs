@@ -474,7 +474,8 @@ async fn a_policy_spec_with_the_approximate_view_serves_as_replay_simulates_it()
 
     // The replay of the same flags: the same router (but for the live index's memory bound),
     // simulated, and its report's serve flags make that router again.
-    let report = std::env::temp_dir().join(format!("kvroute-e2e-spec-{}.json", std::process::id()));
+    let dir = kvroute_testkit::Scratch::new("e2e-spec");
+    let report = dir.join("report.json");
     let mut argv = vec!["replay", "--workers", "2", "--limit", "40"];
     argv.extend(router);
     let report_flag = report.to_str().unwrap().to_owned();
@@ -494,7 +495,6 @@ async fn a_policy_spec_with_the_approximate_view_serves_as_replay_simulates_it()
         .unwrap()
         .unwrap();
     let json: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&report);
     assert_eq!(json["num_requests"].as_u64(), Some(40), "{json}");
     let flags = json["provenance"]["serve_flags"]["kv:staged:scale=2"]
         .as_str()

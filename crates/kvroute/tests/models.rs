@@ -485,8 +485,7 @@ async fn a_worker_added_to_one_replica_joins_its_model_on_every_replica() {
 async fn workers_found_in_a_file_join_their_models_and_leave_them() {
     let alpha = mocks_of("alpha", 16, "sql").await;
     let beta = mocks_of("beta", 32, "chat").await;
-    let dir = std::env::temp_dir().join(format!("kvroute-models-discovery-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = kvroute_testkit::Scratch::new("models-discovery");
     let file = dir.join("workers");
     // alpha's worker pinned, beta's found by its `/v1/models`.
     let both = format!(
@@ -544,7 +543,6 @@ async fn workers_found_in_a_file_join_their_models_and_leave_them() {
         "beta's worker stayed"
     );
     assert!(has(&proxy, "alpha", &a));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A planner file with the `dry-run` actuator, for the `block_size`-token blocks of a model.

@@ -6,6 +6,7 @@ use kvroute::plan::PlanFile;
 use kvroute_planner::Action;
 use kvroute_sim::synthetic::{self, Lengths, SyntheticConfig};
 use kvroute_sim::{PlannerSetup, SimConfig, Simulation};
+use kvroute_testkit::Scratch;
 
 /// A planner file whose `[engine]` names every key the simulator's engine sets, so the live
 /// path (`PlanFile::live_planner`, what `serve --planner` runs) and the simulator profile the
@@ -136,9 +137,15 @@ num_blocks = 2048
 timeout_s = 60
 "#;
 
+/// A folder for the workers' logs of `test`, removed when it is dropped unless the test fails. A
+/// test makes it before its fleet, so that it goes after the fleet and its workers.
+fn worker_logs(test: &str) -> Scratch {
+    Scratch::new(&format!("planner-live-{test}")).keep_on_failure()
+}
+
 /// A proxy with no worker (requests wait for one) and a `process` actuator starting
-/// `kvroute mock` processes for it.
-async fn empty_fleet(test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
+/// `kvroute mock` processes for it, their logs in `logs`.
+async fn empty_fleet(logs: &Scratch) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
     use kvroute_proxy::autoscale::actuator::ProcessConfig;
     let c = cluster::fronting(Vec::new(), Vec::new(), |c| {
         c.routing.block_size = 16;
@@ -146,7 +153,6 @@ async fn empty_fleet(test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessAct
         c.routing.when_empty = "queue".to_owned();
     })
     .await;
-    let log_dir = std::env::temp_dir().join(format!("kvroute-planner-live-{}-{test}", std::process::id()));
     let config = ProcessConfig {
         agg: Some(cluster::mock_template(&[
             "--num-blocks",
@@ -158,7 +164,7 @@ async fn empty_fleet(test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessAct
         decode: None,
         ready_timeout_s: 60,
         stop_grace_s: 5,
-        log_dir: Some(log_dir),
+        log_dir: Some(logs.path().to_owned()),
         host: "127.0.0.1".to_owned(),
     };
     let actuator = std::sync::Arc::new(ProcessActuator::new(
@@ -184,8 +190,8 @@ fn start_planner(c: &mut cluster::Cluster, plan: &PlanFile, actuator: &std::sync
 }
 
 /// [`empty_fleet`] with the planner of `plan` running on it.
-async fn planned(plan: &PlanFile, test: &str) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
-    let (mut c, actuator) = empty_fleet(test).await;
+async fn planned(plan: &PlanFile, logs: &Scratch) -> (cluster::Cluster, std::sync::Arc<ProcessActuator>) {
+    let (mut c, actuator) = empty_fleet(logs).await;
     start_planner(&mut c, plan, &actuator);
     (c, actuator)
 }
@@ -238,7 +244,8 @@ fn ready(c: &cluster::Cluster) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_ramp_grows_the_fleet_and_shrinks_it_back_without_failing_a_request() {
     let plan = PlanFile::parse(LIVE_PLAN).expect("a valid planner file");
-    let (c, _actuator) = planned(&plan, "ramp").await;
+    let logs = worker_logs("ramp");
+    let (c, _actuator) = planned(&plan, &logs).await;
     // Scale from zero: the first request waits in the queue while the planner starts a worker.
     assert_eq!(
         send(&c, 0, 64, 4).await,
@@ -297,7 +304,8 @@ async fn a_killed_worker_is_replaced_and_only_its_own_requests_fail() {
             .replace("max_replicas = 3", "max_replicas = 2"),
     )
     .expect("a valid planner file");
-    let (c, actuator) = planned(&plan, "kill").await;
+    let logs = worker_logs("kill");
+    let (c, actuator) = planned(&plan, &logs).await;
     let driver = &c.proxy.driver;
     assert!(
         driver
@@ -375,7 +383,8 @@ async fn a_pool_at_zero_serves_its_first_request_once_a_worker_is_ready_and_goes
     let plan =
         PlanFile::parse(&LIVE_PLAN.replace("min_replicas = 1", "min_replicas = 0\nidle_to_zero_s = 1"))
             .expect("a valid planner file");
-    let (c, _actuator) = planned(&plan, "zero").await;
+    let logs = worker_logs("zero");
+    let (c, _actuator) = planned(&plan, &logs).await;
     for round in 0..2u32 {
         assert_eq!(ready(&c), 0, "round {round}: no worker");
         // The request waits in the queue while the planner starts a worker, then is served.
@@ -405,7 +414,8 @@ async fn a_pool_at_zero_serves_its_first_request_once_a_worker_is_ready_and_goes
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn scale_down_keeps_the_worker_that_holds_the_hot_prefix() {
     use kvroute_proxy::autoscale::Actuator;
-    let (mut c, actuator) = empty_fleet("warm").await;
+    let logs = worker_logs("warm");
+    let (mut c, actuator) = empty_fleet(&logs).await;
     let driver = std::sync::Arc::clone(&c.proxy.driver);
     // Two workers before the planner runs.
     actuator.provision(kvroute_planner::Pool::Agg);

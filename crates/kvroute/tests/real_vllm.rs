@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 
 /// How long an engine may take to start on a loaded 2-core machine.
 const ENGINE_START: Duration = Duration::from_secs(600);
-use kvroute_testkit::PATIENCE;
+use kvroute_testkit::{PATIENCE, Scratch};
 const BLOCK: u32 = 32;
 
 fn free_port() -> u16 {
@@ -36,6 +36,12 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// A directory for a run's sockets and logs, removed when it is dropped unless the test fails
+/// (the engines' and kvroute's logs then say why).
+fn run_dir(name: &str) -> Scratch {
+    Scratch::new(name).keep_on_failure()
 }
 
 /// A real vLLM engine in its own process group (its engine core is a child process).
@@ -313,12 +319,11 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
         );
         return;
     };
-    let run = std::env::temp_dir().join(format!("kvroute-real-vllm-{}", std::process::id()));
-    std::fs::create_dir_all(&run).unwrap();
+    let run = run_dir("real-vllm");
     let http = Http(client(Duration::from_secs(5)));
-    let mut engines = [Engine::new("a", &run), Engine::new("b", &run)];
+    let mut engines = [Engine::new("a", run.path()), Engine::new("b", run.path())];
     for e in &mut engines {
-        e.spawn(&dir, &run);
+        e.spawn(&dir, run.path());
     }
     for e in &engines {
         let url = format!("{}/health", e.url());
@@ -425,7 +430,7 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
     // its view (or every prediction above would now be wrong) and learn the new one.
     let a_url = engines[0].url();
     engines[0].kill();
-    engines[0].spawn(&dir, &run);
+    engines[0].spawn(&dir, run.path());
     http.wait_until("engine a to restart", ENGINE_START, async |h| {
         h.call("GET", &format!("{a_url}/health"), None)
             .await
@@ -459,7 +464,6 @@ async fn kvroute_predicts_what_real_vllm_caches_across_restarts_and_flaps() {
         );
     }
     affinity(&http, &base, "/v1/completions", &completion("after flap")).await;
-    let _ = std::fs::remove_dir_all(&run);
 }
 
 /// Adapter `sql` (engine a's from its start) is listed by kvroute with its parent, and its
@@ -601,8 +605,7 @@ async fn the_planner_starts_a_real_vllm_for_a_request_waiting_at_zero_and_stops_
         );
         return;
     };
-    let run = std::env::temp_dir().join(format!("kvroute-real-vllm-zero-{}", std::process::id()));
-    std::fs::create_dir_all(&run).unwrap();
+    let run = run_dir("real-vllm-zero");
 
     // A proxy with no worker whose requests wait in the queue for one.
     let mut config = kvroute_proxy::ServeConfig::default();
@@ -617,7 +620,7 @@ async fn the_planner_starts_a_real_vllm_for_a_request_waiting_at_zero_and_stops_
     let mut proxy = kvroute_proxy::start(config, None).await.unwrap();
 
     // The planner and its actuator, as the planner's file describes them.
-    let plan = kvroute::plan::PlanFile::parse(&plan_from_zero(&dir, &run)).unwrap();
+    let plan = kvroute::plan::PlanFile::parse(&plan_from_zero(&dir, run.path())).unwrap();
     let Some(ActuatorConfig::Process(process)) = plan.actuator.clone() else {
         panic!("a process actuator")
     };
@@ -703,5 +706,4 @@ async fn the_planner_starts_a_real_vllm_for_a_request_waiting_at_zero_and_stops_
             .is_none(),
         "the engine's port still answers"
     );
-    let _ = std::fs::remove_dir_all(&run);
 }

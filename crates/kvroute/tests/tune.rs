@@ -68,7 +68,8 @@ fn tune_is_deterministic_picks_its_lowest_score_and_scores_what_replay_reports()
     );
 
     // The pick, replayed: the same figures as in tune's table.
-    let json = std::env::temp_dir().join(format!("kvroute-tune-{}.json", std::process::id()));
+    let dir = kvroute_testkit::Scratch::new("tune");
+    let json = dir.join("report.json");
     let replay = kvroute(&[
         "replay",
         TRACE,
@@ -86,7 +87,6 @@ fn tune_is_deterministic_picks_its_lowest_score_and_scores_what_replay_reports()
     );
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).expect("the report")).expect("JSON");
-    let _ = std::fs::remove_file(&json);
     let run = report.as_object().and_then(|o| o.get(best)).unwrap_or(&report);
     for (key, tuned) in ["p90_ttft_ms", "median_e2e_latency_ms"].iter().zip(&rows[0].1) {
         let replayed = run[key].as_f64().expect("a number");

@@ -1,35 +1,19 @@
+use kvroute_testkit::Scratch;
+
 use super::*;
 
-/// A directory of files for one test, removed on drop.
-struct Files(PathBuf);
-
-impl Files {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("kvroute-config-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn write(&self, name: &str, text: &str) -> String {
-        let path = self.0.join(name);
-        std::fs::write(&path, text).unwrap();
-        path.display().to_string()
-    }
-}
-
-impl Drop for Files {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// Writes `text` to the file `name` in `files`; its path, to put in a config's text.
+fn write(files: &Scratch, name: &str, text: &str) -> String {
+    files.write(name, text).display().to_string()
 }
 
 #[test]
 fn nats_credentials_and_tls_keys_are_checked_once_with_errors_naming_the_keys() {
-    let files = Files::new("nats");
-    let token = files.write("token", "tok-1\n");
-    let password = files.write("password", "pw-1\n");
-    let empty = files.write("empty", "\n");
-    let ca = files.write("ca.pem", "");
+    let files = Scratch::new("config-nats");
+    let token = write(&files, "token", "tok-1\n");
+    let password = write(&files, "password", "pw-1\n");
+    let empty = write(&files, "empty", "\n");
+    let ca = write(&files, "ca.pem", "");
     let base = "nats = \"tls://127.0.0.1:4222\"\n";
     // (extra TOML, the error's start, or "" when accepted)
     let cases: Vec<(String, &str)> = vec![
@@ -129,9 +113,9 @@ fn nats_credentials_and_tls_keys_are_checked_once_with_errors_naming_the_keys() 
 
 #[test]
 fn the_transport_gets_typed_credentials_and_tls_and_debug_output_hides_secrets() {
-    let files = Files::new("typed");
-    let password = files.write("password", "pw-2\r\n");
-    let ca = files.write("ca.pem", "");
+    let files = Scratch::new("config-typed");
+    let password = write(&files, "password", "pw-2\r\n");
+    let ca = write(&files, "ca.pem", "");
     let c = ServeConfig::from_toml_str(&format!(
         "nats = \"nats://127.0.0.1:4222\"\nnats-user = \"r\"\nnats-password-file = \"{password}\"\n\
          nats-tls-ca = \"{ca}\"\npeer-worker-api-key = \"sk-2\"\n"
