@@ -181,6 +181,25 @@ pub(crate) struct Fleet {
     computing_keys: Vec<Option<u64>>,
     /// What every loaded worker has at least (see the `lows` module).
     lows: LoadedLows,
+    /// Per slot, its worker's role and whether it is draining, apart from the workers: the
+    /// argmin scan sorts out the workers a prompt overlaps without reading them.
+    intake: Vec<Intake>,
+}
+
+/// A worker's role and whether it is draining (see [`Fleet::intake_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Intake {
+    pub(crate) role: WorkerRole,
+    pub(crate) draining: bool,
+}
+
+impl Intake {
+    fn of(w: &FleetWorker) -> Self {
+        Intake {
+            role: w.spec.role,
+            draining: w.draining,
+        }
+    }
 }
 
 /// The loaded workers of each role ordered by their floor (see the module docs); kept only
@@ -255,6 +274,11 @@ impl Fleet {
         let workers = &self.workers;
         let keys = self.loaded.iter().map(|&slot| workers[slot as usize].churn_key());
         self.lows.at(now, keys)
+    }
+
+    /// The role of the worker at `slot` and whether it is draining, read without it.
+    pub(crate) fn intake_of(&self, slot: usize) -> Intake {
+        self.intake[slot]
     }
 
     /// The requests booked on the worker at `slot` (0 if it is not loaded), read without its
@@ -472,6 +496,7 @@ impl Fleet {
         let Some(slot) = self.slot(key) else { return false };
         let w = &mut self.workers[slot];
         (w.draining, w.suspended) = (draining, suspended);
+        self.intake[slot] = Intake::of(w);
         self.settle(slot);
         self.debug_check();
         true
@@ -517,6 +542,7 @@ impl Fleet {
         self.computing_keys.clear();
         self.computing_keys.resize(self.workers.len(), None);
         self.lows.reset(self.workers.len());
+        self.intake = self.workers.iter().map(Intake::of).collect();
         for slot in 0..self.workers.len() {
             self.lows.rekey(slot, self.workers[slot].churn_key());
             self.workers[slot].member = Membership::DrainingIdle;
@@ -600,6 +626,14 @@ impl Fleet {
                 ));
             }
             members += 1;
+        }
+        if !self
+            .workers
+            .iter()
+            .map(Intake::of)
+            .eq(self.intake.iter().copied())
+        {
+            return Err("the workers' roles and intake kept per slot are stale".to_owned());
         }
         if self.prefill_workers != self.workers.iter().any(|w| w.spec.role == WorkerRole::Prefill) {
             return Err("the prefill-worker flag is stale".to_owned());

@@ -168,20 +168,20 @@ impl ArgminScratch {
         cost
     }
 
-    /// The request's part of the bound of a worker of `w`'s role at `overlap` (clamped), from
-    /// the memo or [`request_floor`].
+    /// The request's part of the bound of a worker of `role` at `overlap` (clamped), from the
+    /// memo or [`request_floor`] of its spec (read only then).
     fn request_part(
         &mut self,
-        w: &FleetWorker,
+        role: WorkerRole,
+        spec: impl FnOnce() -> WorkerSpec,
         overlap: Overlap,
         params: &CostParams,
         view: &RequestView<'_>,
     ) -> Option<f64> {
-        let role = w.spec.role;
         if let Some(&(_, _, part)) = self.parts.iter().find(|p| p.0 == role && p.1 == overlap) {
             return part;
         }
-        let part = request_floor(&w.spec, overlap, params, view);
+        let part = request_floor(&spec(), overlap, params, view);
         if self.parts.len() < IDLE_MEMO {
             self.parts.push((role, overlap, part));
         }
@@ -587,27 +587,23 @@ impl Router {
         lower.clear();
         s.parts.clear();
         for &slot in overlapping.iter() {
-            let (w, overlap) = (&workers[slot], overlap_of(slot));
-            if !matches!(w.membership(), Membership::Loaded(_))
-                || overlap.is_none()
-                || w.draining
-                || !stage.admits(w.spec.role)
-            {
+            // A loaded worker has requests booked; none else has.
+            let (booked, intake) = (fleet.booked_of(slot), fleet.intake_of(slot));
+            let overlap = overlap_of(slot);
+            if booked == 0 || overlap.is_none() || intake.draining || !stage.admits(intake.role) {
                 continue;
             }
             eligible += 1;
             let floor = floors.and_then(|f| f[slot]).map(f64::from_bits);
             let overlap = overlap.within(blocks);
-            let lb =
-                floor
-                    .zip(s.request_part(w, overlap, params, view))
-                    .map_or(f64::NEG_INFINITY, |(f, r)| {
-                        let booked = Lows {
-                            requests: fleet.booked_of(slot),
-                            pressure: 0.0,
-                        };
-                        f + r + cross_floor(w.spec.role, overlap, booked, params, view)
-                    });
+            let part = s.request_part(intake.role, || workers[slot].spec, overlap, params, view);
+            let lb = floor.zip(part).map_or(f64::NEG_INFINITY, |(f, r)| {
+                let booked = Lows {
+                    requests: booked,
+                    pressure: 0.0,
+                };
+                f + r + cross_floor(intake.role, overlap, booked, params, view)
+            });
             lower.push((lb, slot));
         }
         let first = (0..lower.len()).min_by(|&i, &j| lower[i].0.total_cmp(&lower[j].0));
@@ -618,7 +614,7 @@ impl Router {
             !unbounded && lowest.0.is_some_and(|low| lb * (1.0 - FLOOR_SLACK) > low)
         };
         for &(lb, slot) in &lower {
-            let (w, overlap) = (&workers[slot], overlap_of(slot));
+            let overlap = overlap_of(slot);
             if spared(lb, &lowest) {
                 continue;
             }
@@ -626,13 +622,14 @@ impl Router {
                 requests: 0,
                 pressure: fleet.pressure_floor_of(slot, view.now),
             };
+            let role = fleet.intake_of(slot).role;
             if spared(
-                lb + cross_floor(w.spec.role, overlap.within(blocks), pressed, params, view),
+                lb + cross_floor(role, overlap.within(blocks), pressed, params, view),
                 &lowest,
             ) {
                 continue;
             }
-            visit(w, overlap, &mut lowest, s);
+            visit(&workers[slot], overlap, &mut lowest, s);
         }
         s.lower = lower;
         // The others, of each role the stage admits, by ascending floor (see [`floor`]): once a
